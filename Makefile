@@ -1,0 +1,32 @@
+# Quick start: `make run` (train the main job) and `make test` (the whole suite).
+# TORCH_SPEC is overridable: GPU users pass their own build, e.g. make run TORCH_SPEC='torch==2.13.0'
+# with their CUDA index configured in pip.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NPROC ?= 2
+
+.PHONY: run test install install-test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]" "$(TORCH_SPEC)"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/paratrain train configs/main.toml --nproc-per-node $(NPROC)
+	$(VENV)/bin/paratrain generate runs/main --prompt "def " --max-new-tokens 300
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/dp_overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,281 @@
+"""Typed run configuration: nested dataclasses, TOML files and ``--set`` overrides.
+
+Precedence, stated once: defaults < config file < ``--set section.key=value`` (left to right).
+Every field carries its documentation in ``metadata["doc"]``; ``paratrain config --help-keys``
+prints them. Any bad input raises :class:`ConfigError`, which the CLI turns into one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """Bad user input: the message is one line naming the key and the fix."""
+
+
+def opt(default: Any, doc: str) -> Any:
+    """A config field with a default and its documentation."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = opt("runs/default", "Directory for config.toml, metrics.jsonl, summary.json, plots and weights.")
+    seed: int = opt(0, "Seed of the model init and of the sampler; the run is a pure function of it.")
+    steps: int = opt(100, "Number of optimiser steps.")
+    progress: bool = opt(True, "Show a progress bar on rank 0.")
+    log_all_ranks: bool = opt(False, "Print log lines from every rank, not only rank 0.")
+    save_model: bool = opt(True, "Write the final full weights to out_dir/model.safetensors.")
+
+
+@dataclass
+class ModelConfig:
+    name: str = opt("gpt", "Built-in model: 'gpt'. Ignored when factory is set.")
+    factory: str = opt("", "User model as 'package.module:function'; called with [model.args] as keyword arguments.")
+    args: dict = opt({}, "Keyword arguments for the model builder (e.g. n_layer, d_model for gpt).")
+
+
+@dataclass
+class DataConfig:
+    name: str = opt("stdlib_bytes", "Built-in dataset: 'stdlib_bytes' (byte-level LM on Python's standard library).")
+    factory: str = opt("", "User dataset as 'package.module:function' returning a map-style Dataset of (input, target).")
+    args: dict = opt({}, "Keyword arguments for the dataset builder (e.g. block_size, max_bytes).")
+    shuffle: bool = opt(True, "Shuffle the samples each epoch with a permutation drawn from (seed, epoch).")
+
+
+@dataclass
+class LossConfig:
+    name: str = opt("cross_entropy", "'cross_entropy', 'mse', or 'package.module:function' returning (sum_of_item_losses, item_count).")
+    ignore_index: int = opt(-100, "Targets equal to this are not counted (cross_entropy and user losses).")
+
+
+@dataclass
+class BatchConfig:
+    global_batch_size: int = opt(32, "Samples per optimiser step over all data-parallel ranks; the math depends on it, not on the layout.")
+    micro_batch_size: int = opt(0, "Samples per forward/backward on one rank; 0 means the whole per-rank batch (no accumulation).")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = opt("adamw", "Optimiser: 'adamw' or 'sgd' (momentum).")
+    lr: float = opt(3e-4, "Peak learning rate.")
+    weight_decay: float = opt(0.1, "Decoupled weight decay, applied to matrices (dim >= 2) only.")
+    beta1: float = opt(0.9, "AdamW beta1 (SGD momentum).")
+    beta2: float = opt(0.95, "AdamW beta2.")
+    eps: float = opt(1e-8, "AdamW epsilon.")
+    schedule: Literal["cosine", "linear", "constant"] = opt("cosine", "Decay after warmup: 'cosine', 'linear' or 'constant'.")
+    warmup_steps: int = opt(10, "Linear warmup steps from 0 to lr.")
+    min_lr_ratio: float = opt(0.1, "Final learning rate as a fraction of lr (cosine and linear).")
+    grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 disables clipping (the norm is still logged).")
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = opt(-1, "Replicated data-parallel degree (DDP); -1 fills what the other degrees leave of the world size.")
+    dp_shard: int = opt(1, "Sharded data-parallel degree (FSDP2).")
+    tp: int = opt(1, "Tensor-parallel degree.")
+    pp: int = opt(1, "Pipeline-parallel degree.")
+    ddp_bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB.")
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "gloo", "nccl"] = opt("auto", "Process-group backend; 'auto' is nccl (with gloo for CPU tensors) on CUDA, gloo on CPU.")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "Device; 'auto' is cuda when available.")
+    timeout_s: float = opt(600.0, "Collective timeout in seconds.")
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = opt(False, "Also write TensorBoard event files into out_dir/tensorboard (needs the 'tensorboard' extra).")
+    plot: bool = opt(True, "Write out_dir/metrics.png (loss and throughput) at the end.")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _suggest(name: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(choices))}"
+
+
+def _check_type(key: str, value: Any, tp: Any) -> Any:
+    """Return value converted to tp, or raise ConfigError naming key."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key} = {value!r} is not allowed; use one of {', '.join(map(repr, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                return _check_type(key, value, arm)
+            except ConfigError:
+                pass
+        names = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(tp))
+        raise ConfigError(f"{key} = {value!r} has the wrong type; expected {names}")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{key} = {value!r} has the wrong type; expected an integer")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(
+            f"{key} = {value!r} has the wrong type ({type(value).__name__}); expected {tp.__name__}"
+        )
+    return value
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
+    sections = {f.name: f for f in dataclasses.fields(cfg)}
+    if section not in sections:
+        raise ConfigError(f"unknown config section '{section}' in {where}; {_suggest(section, sections)}")
+    sub = getattr(cfg, section)
+    hints = typing.get_type_hints(type(sub))
+    if key not in hints:
+        raise ConfigError(f"unknown config key '{section}.{key}' in {where}; {_suggest(key, hints)}")
+    setattr(sub, key, _check_type(f"{section}.{key}", value, hints[key]))
+
+
+def _parse_literal(text: str) -> Any:
+    """A --set value is a TOML literal; a bare word that is not one is taken as a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Build a Config from defaults, an optional TOML file and ``section.key=value`` overrides."""
+    cfg = Config()
+    if path is not None:
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file '{path}' not found; pass the path of a TOML file such as configs/debug.toml")
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file '{path}' is not valid TOML ({e}); fix the syntax at that line")
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"'{section}' in {path} must be a [section] table; valid sections: "
+                                  + ", ".join(f.name for f in dataclasses.fields(cfg)))
+            for key, value in table.items():
+                _apply(cfg, section, key, value, path)
+    for item in overrides:
+        dotted, sep, text = item.partition("=")
+        if not sep or "." not in dotted:
+            raise ConfigError(f"--set '{item}' is malformed; write --set section.key=value")
+        section, _, key = dotted.strip().partition(".")
+        value = _parse_literal(text.strip())
+        if "." in key:  # a key inside a table field, e.g. model.args.n_layer=2
+            key, _, sub_key = key.partition(".")
+            current = getattr(getattr(cfg, section, None), key, None)
+            if isinstance(current, dict):
+                value = {**current, sub_key: value}
+            elif hasattr(getattr(cfg, section, None), key):
+                raise ConfigError(f"--set '{item}': {section}.{key} is not a table; write --set {section}.{key}=value")
+        _apply(cfg, section, key, value, "--set")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks of single values; checks that need the world size live with the batch arithmetic."""
+
+    def positive(key: str, value: float, allow_zero: bool = False) -> None:
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{key} = {value} must be {bound}")
+
+    positive("run.steps", cfg.run.steps)
+    positive("batch.global_batch_size", cfg.batch.global_batch_size)
+    positive("batch.micro_batch_size", cfg.batch.micro_batch_size, allow_zero=True)
+    positive("optim.lr", cfg.optim.lr)
+    positive("optim.grad_clip", cfg.optim.grad_clip, allow_zero=True)
+    positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)
+    positive("dist.timeout_s", cfg.dist.timeout_s)
+    positive("parallel.ddp_bucket_mb", cfg.parallel.ddp_bucket_mb)
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio = {cfg.optim.min_lr_ratio} must be within [0, 1]")
+    for name in ("dp_shard", "tp", "pp"):
+        positive(f"parallel.{name}", getattr(cfg.parallel, name))
+    if cfg.parallel.dp_replicate == 0 or cfg.parallel.dp_replicate < -1:
+        raise ConfigError(f"parallel.dp_replicate = {cfg.parallel.dp_replicate} must be >= 1, or -1 to fill the world size")
+    for key, ref in (("model.factory", cfg.model.factory), ("data.factory", cfg.data.factory)):
+        if ref:
+            resolve_callable(ref, key)
+    if ":" in cfg.loss.name:
+        resolve_callable(cfg.loss.name, "loss.name")
+    elif cfg.loss.name not in ("cross_entropy", "mse"):
+        raise ConfigError(f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse' or 'package.module:function'")
+
+
+def resolve_callable(ref: str, key: str) -> typing.Callable:
+    """Import 'package.module:function', raising ConfigError with the fix when it fails."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key} = {ref!r} is malformed; write 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{key} = {ref!r}: cannot import module '{module_name}' ({e}); check the name and PYTHONPATH")
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{key} = {ref!r}: module '{module_name}' has no attribute '{attr}'; check the name")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{key} = {ref!r} is not callable; point it at a function")
+    return obj
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def describe_keys(cfg: Config | None = None) -> str:
+    """Every key with its type, default and documentation, for `paratrain config`."""
+    cfg = cfg or Config()
+    lines = []
+    for sec in dataclasses.fields(cfg):
+        lines.append(f"[{sec.name}]")
+        sub = getattr(cfg, sec.name)
+        hints = typing.get_type_hints(type(sub))
+        for f in dataclasses.fields(sub):
+            tp = hints[f.name]
+            tname = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+            lines.append(f"  {f.name} ({tname}) = {getattr(sub, f.name)!r}\n      {f.metadata.get('doc', '')}")
+    return "\n".join(lines)

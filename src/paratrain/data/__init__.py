@@ -1,0 +1,28 @@
+"""Built-in datasets and the dataset builder (built-in name or user factory)."""
+
+from __future__ import annotations
+
+from torch.utils.data import Dataset
+
+from paratrain.config import ConfigError, DataConfig, resolve_callable
+from paratrain.data.stdlib_bytes import StdlibBytes, build_stdlib_bytes
+from paratrain.models import _check_kwargs
+
+BUILTIN_DATASETS = {"stdlib_bytes": build_stdlib_bytes}
+
+
+def build_dataset(cfg: DataConfig) -> Dataset:
+    if cfg.factory:
+        fn, key = resolve_callable(cfg.factory, "data.factory"), "data.factory"
+    elif cfg.name in BUILTIN_DATASETS:
+        fn, key = BUILTIN_DATASETS[cfg.name], "data.name"
+    else:
+        raise ConfigError(f"data.name = {cfg.name!r} is unknown; use one of {sorted(BUILTIN_DATASETS)} or data.factory")
+    _check_kwargs(fn, cfg.args, key, "data.args")
+    ds = fn(**cfg.args)
+    if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
+        raise ConfigError(f"{key} returned {type(ds).__name__}, not a map-style Dataset; return one with __len__ and __getitem__")
+    return ds
+
+
+__all__ = ["StdlibBytes", "build_dataset", "BUILTIN_DATASETS"]

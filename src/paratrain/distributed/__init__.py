@@ -1,0 +1,1 @@
+"""torch.distributed plumbing: process groups, the device mesh and one module per parallelism."""

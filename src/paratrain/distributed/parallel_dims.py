@@ -1,0 +1,92 @@
+"""ParallelDims: the parallel degrees, their validation, and the named DeviceMesh (built lazily).
+
+Mesh dimensions are ordered outermost to innermost ``pp, dp_replicate, dp_shard, tp`` so that
+tensor parallelism, the most communication-hungry, gets neighbouring ranks (same node), as in
+torchtitan. Only degrees above 1 become mesh dimensions; the data-parallel ranks of all kinds
+are flattened into one ``dp`` sub-mesh, the one that loads distinct data and reduces the loss.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from paratrain.config import ConfigError, ParallelConfig
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
+        others = cfg.dp_shard * cfg.tp * cfg.pp
+        dp_replicate = cfg.dp_replicate
+        if dp_replicate == -1:
+            if world_size % others:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by dp_shard {cfg.dp_shard} x tp {cfg.tp} x pp {cfg.pp}"
+                    f" = {others}; change the degrees or the number of processes"
+                )
+            dp_replicate = world_size // others
+        dims = cls(dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, world_size)
+        dims.validate()
+        return dims
+
+    def validate(self) -> None:
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        if product != self.world_size:
+            raise ConfigError(
+                f"parallel degrees dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}"
+                f" x pp {self.pp} = {product} != world size {self.world_size}; make the product equal the"
+                f" number of processes (parallel.dp_replicate = -1 fills it)"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_ORDER}
+
+    def describe(self) -> str:
+        return " x ".join(f"{k} {v}" for k, v in self.degrees().items()) + f" = world {self.world_size}"
+
+    @functools.cached_property
+    def mesh(self) -> DeviceMesh | None:
+        """The world mesh with only the degrees > 1 as named dimensions (None when world is 1)."""
+        names = tuple(n for n in MESH_ORDER if getattr(self, n) > 1)
+        if not names:
+            return None
+        device_type = "cuda" if dist.get_backend() != "gloo" else "cpu"
+        mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=names)
+        dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
+        if len(dp_names) == 2:
+            mesh[dp_names]._flatten("dp")
+        return mesh
+
+    def submesh(self, role: str) -> DeviceMesh | None:
+        """The sub-mesh of one role ('dp', 'dp_replicate', 'dp_shard', 'tp', 'pp'); None if degree 1."""
+        size = self.dp if role == "dp" else getattr(self, role)
+        if size == 1 or self.mesh is None:
+            return None
+        if role == "dp" and (self.dp_replicate == 1 or self.dp_shard == 1):
+            role = "dp_replicate" if self.dp_replicate > 1 else "dp_shard"
+        return self.mesh[role]
+
+    def group(self, role: str) -> dist.ProcessGroup | None:
+        sub = self.submesh(role)
+        return None if sub is None else sub.get_group()
+
+    def local_rank_in(self, role: str) -> int:
+        sub = self.submesh(role)
+        return 0 if sub is None else sub.get_local_rank()

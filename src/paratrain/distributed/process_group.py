@@ -1,0 +1,101 @@
+"""Start and stop the process group: ranks from torchrun, Slurm, or a single process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from paratrain.config import ConfigError, DistConfig
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_group: bool  # we created the process group, so we destroy it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _slurm_to_torch_env() -> None:
+    """Under `srun` (SLURM_* set, no torchrun variables) take the ranks from Slurm."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    if "MASTER_ADDR" not in os.environ:
+        # The first host of the step's node list; `scontrol show hostnames` would expand ranges,
+        # but a plain host or the first of a comma list covers the common cases without it.
+        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_NODELIST") or "127.0.0.1"
+        first = nodes.split(",")[0]
+        if "[" in first:
+            prefix, _, rest = first.partition("[")
+            first = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+        os.environ["MASTER_ADDR"] = first
+    os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
+
+
+def resolve_device(cfg: DistConfig, local_rank: int) -> torch.device:
+    want = cfg.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("dist.device = 'cuda' but no CUDA device is visible; use dist.device = 'cpu'")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_backend(cfg: DistConfig, device: torch.device) -> str:
+    if cfg.backend == "nccl" and device.type != "cuda":
+        raise ConfigError("dist.backend = 'nccl' needs CUDA devices; use dist.backend = 'gloo' on CPU")
+    if cfg.backend == "gloo" or device.type == "cpu":
+        return "gloo"
+    # nccl for the device tensors and gloo for CPU-side collectives (object lists, checkpoints).
+    return "cpu:gloo,cuda:nccl"
+
+
+def init_distributed(cfg: DistConfig) -> DistContext:
+    """Join (or create) the default process group for this process."""
+    _slurm_to_torch_env()
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        return DistContext(rank, world, local_rank, resolve_device(cfg, local_rank), owns_group=False)
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = resolve_device(cfg, local_rank)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    backend = resolve_backend(cfg, device)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+    else:
+        if world != 1:
+            raise ConfigError("WORLD_SIZE > 1 without MASTER_ADDR; start the job with `paratrain train` or torchrun")
+        # A lone process (plain `python script.py`): a private in-memory store is all it needs.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistContext(rank, world, local_rank, device, owns_group=True)
+
+
+def close_distributed(ctx: DistContext) -> None:
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,108 @@
+"""Run outputs on rank 0: metrics.jsonl, the progress bar, TensorBoard, summary.json and plots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+
+log = logging.getLogger("paratrain")
+
+
+def setup_logging(*, rank: int, all_ranks: bool) -> None:
+    """One logger; rank 0 prints unless every rank was asked for."""
+    handler = logging.StreamHandler(sys.stderr)
+    prefix = f"[rank {rank}] " if all_ranks else ""
+    handler.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(logging.INFO if (rank == 0 or all_ranks) else logging.WARNING)
+
+
+class MetricsWriter:
+    """Writes one JSON object per optimiser step; a no-op on ranks other than 0."""
+
+    def __init__(self, out_dir: str, *, enabled: bool, total_steps: int, progress: bool,
+                 tensorboard: bool, start_step: int = 0):
+        self.enabled = enabled
+        self.rows: list[dict] = []
+        self._file = self._bar = self._tb = None
+        if not enabled:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        self._file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if start_step else "w")
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                             dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # the extra is optional
+                from paratrain.config import ConfigError
+
+                raise ConfigError(f"metrics.tensorboard = true needs the tensorboard package ({e}); "
+                                  "pip install 'paratrain[tensorboard]' or set metrics.tensorboard = false")
+            self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+
+    def log_step(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.rows.append(row)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+            self._bar.update(1)
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(f"train/{k}", v, row["step"])
+
+    def close(self) -> None:
+        for h in (self._bar, self._file, self._tb):
+            if h is not None:
+                h.close()
+        self._bar = self._file = self._tb = None
+
+
+def summarize(rows: list[dict]) -> dict:
+    if not rows:
+        return {"steps": 0}
+    losses = [r["loss"] for r in rows]
+    # The first steps include warm-up effects (allocator, caches): leave them out of speed.
+    steady = rows[min(2, len(rows) - 1):]
+    return {
+        "steps": rows[-1]["step"],
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "min_loss": min(losses),
+        "losses": losses,
+        "tokens": sum(r["tokens"] for r in rows),
+        "train_time_s": sum(r["step_time_s"] for r in rows),
+        "median_step_time_s": statistics.median(r["step_time_s"] for r in steady),
+        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+    }
+
+
+def plot_metrics(rows: list[dict], path: str) -> None:
+    """Loss and throughput against step, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax1.plot(steps, [r["loss"] for r in rows], lw=1.2)
+    ax1.set(xlabel="step", ylabel="loss", title="training loss")
+    ax1.grid(alpha=0.3)
+    ax2.plot(steps, [r["tokens_per_s"] for r in rows], lw=1.2, color="tab:green")
+    ax2.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,100 @@
+"""The explicit training step: micro-batch loop, exact loss normalisation, sync, clip, step.
+
+The differentiated loss is ``sum of item losses / global item count``, the count gathered over
+all micro-batches and data-parallel ranks *before* the first backward. Averaging micro-batch
+means instead weights a micro-batch with few items as much as one with many: that was the
+gradient-accumulation bug several frameworks shipped in 2024 (see transformers#34191).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.config import ConfigError
+from paratrain.distributed.data_parallel import maybe_no_sync
+from paratrain.loss import Loss
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over the global batch's items
+    items: int  # global count of target items
+    grad_norm: float
+    tokens: int  # input tokens of the global batch (samples, for non-token inputs)
+
+
+def to_device(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def count_tokens(inputs) -> int:
+    """Token ids count one each; any other input counts one per sample."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.numel() if not inputs.is_floating_point() else inputs.shape[0]
+    return len(inputs)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[tuple],
+    *,
+    loss_fn: Loss,
+    dp: int,
+    dp_group: dist.ProcessGroup | None,
+    grad_clip: float,
+    device: torch.device,
+) -> StepResult:
+    """One optimiser step over this rank's micro-batches ``[(input, target), ...]`` (on CPU)."""
+    # 1. Global item count, from the targets alone, before any backward. Counted on the CPU so
+    #    this small all-reduce never waits for the device.
+    local_items = torch.stack([loss_fn.count(t) for _, t in batches]).sum()
+    counts = torch.stack([local_items, torch.tensor(float(sum(count_tokens(x) for x, _ in batches)),
+                                                    dtype=torch.float64)])
+    if dp_group is not None:
+        dist.all_reduce(counts, group=dp_group)
+    items, tokens = int(counts[0].item()), int(counts[1].item())
+    if items == 0:
+        raise ConfigError("a global batch has no target items (every target is loss.ignore_index); check the data")
+    # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
+    # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
+    # of two in practice, which makes the round trip exact in floating point.
+    scale = dp / items
+
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    returned = torch.zeros((), device=device, dtype=torch.float64)
+    last = len(batches) - 1
+    for k, (inputs, target) in enumerate(batches):
+        inputs, target = to_device(inputs, device), to_device(target, device)
+        # Gradients are reduced once, in the backward of the last micro-batch.
+        with maybe_no_sync(model, sync=k == last):
+            s, c = loss_fn(model(inputs), target)
+            (s * scale).backward()
+        loss_sum += s.detach().double()
+        returned += torch.as_tensor(c, device=device, dtype=torch.float64)
+
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        [p for p in model.parameters() if p.grad is not None], grad_clip if grad_clip > 0 else math.inf
+    )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    if int(returned.item()) != int(local_items.item()):
+        raise ConfigError(
+            f"the loss returned item count {int(returned.item())} but counting the targets gave"
+            f" {int(local_items.item())}; give the loss function a count(target) attribute that matches"
+        )
+    if dp_group is not None:
+        dist.all_reduce(loss_sum, group=dp_group)
+    return StepResult(loss_sum.item() / items, items, float(grad_norm), tokens)

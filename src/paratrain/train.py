@@ -1,0 +1,32 @@
+"""Worker entry point: ``torchrun ... -m paratrain.train CONFIG [--set section.key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from paratrain.config import ConfigError, load_config
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config key (value is a TOML literal); repeatable; wins over the file")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m paratrain.train", description=__doc__)
+    parser.add_argument("config", help="TOML config file")
+    add_set_argument(parser)
+    args = parser.parse_args(argv)
+    try:
+        from paratrain.trainer import train
+
+        train(load_config(args.config, args.overrides))
+    except ConfigError as e:
+        print(f"paratrain: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""train(): build -> parallelize -> loop -> close. The loop is explicit and short."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from paratrain.batching import BatchPlan, GlobalBatchSampler, micro_batches, plan_batch, rank_slice
+from paratrain.config import Config, to_toml
+from paratrain.data import build_dataset
+from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.parallelize import check_supported, parallelize
+from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
+from paratrain.loss import build_loss
+from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize
+from paratrain.models import build_model
+from paratrain.optim import build_optimizer, build_scheduler
+from paratrain.step import train_step
+
+log = logging.getLogger("paratrain")
+
+
+def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]:
+    """Every check that needs only the config and the world size: run before any process starts."""
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    check_supported(dims)
+    plan = plan_batch(global_batch_size=cfg.batch.global_batch_size,
+                      micro_batch_size=cfg.batch.micro_batch_size, dp=dims.dp)
+    return dims, plan
+
+
+@dataclass
+class TrainState:
+    """What the loop carries from step to step (and what a checkpoint must restore)."""
+
+    step: int = 0  # optimiser steps done
+    consumed_samples: int = 0  # position in the sampler's stream
+
+
+def load_batches(dataset: Dataset, indices: list[int], micro_batch_size: int) -> list:
+    return [default_collate([dataset[i] for i in mb]) for mb in micro_batches(indices, micro_batch_size)]
+
+
+def train(cfg: Config, *, model: nn.Module | None = None, dataset: Dataset | None = None,
+          loss: Callable | None = None) -> dict:
+    """Train per ``cfg`` in this process (one rank of the job); returns the run summary.
+
+    ``model``/``dataset``/``loss`` replace the config's builders for users who make their own
+    objects in Python; start the script with torchrun for several processes.
+    """
+    ctx = init_distributed(cfg.dist)
+    try:
+        return _train(cfg, ctx, model, dataset, loss)
+    finally:
+        close_distributed(ctx)
+
+
+def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
+    setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
+    dims, plan = check_layout(cfg, ctx.world_size)
+    torch.manual_seed(cfg.run.seed)  # the init is a function of the seed, the same on every rank
+    model = model if model is not None else build_model(cfg.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    dataset = dataset if dataset is not None else build_dataset(cfg.data)
+    loss_fn = build_loss(cfg.loss, loss)
+    data_info = getattr(dataset, "description", {"samples": len(dataset)})
+
+    log.info("paratrain: world %d on %s | %s", ctx.world_size, ctx.device, dims.describe())
+    log.info("batch: %s (per rank %d)", plan.describe(), plan.per_rank_batch_size)
+    log.info("model: %.2fM parameters | data: %s", n_params / 1e6, json.dumps(data_info))
+
+    model = parallelize(model, dims, cfg=cfg.parallel, device=ctx.device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.run.steps)
+    sampler = GlobalBatchSampler(len(dataset), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+    dp_rank, dp_group = dims.local_rank_in("dp"), dims.group("dp")
+    state = TrainState()
+
+    out_dir = cfg.run.out_dir
+    if ctx.is_main:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
+    writer = MetricsWriter(out_dir, enabled=ctx.is_main, total_steps=cfg.run.steps,
+                           progress=cfg.run.progress, tensorboard=cfg.metrics.tensorboard)
+    history: list[dict] = []
+    try:
+        model.train()
+        while state.step < cfg.run.steps:
+            t0 = time.perf_counter()
+            indices = sampler.global_indices(state.consumed_samples, plan.global_batch_size)
+            mine = rank_slice(indices, dp_rank=dp_rank, dp=dims.dp)
+            batches = load_batches(dataset, mine, plan.micro_batch_size)
+            lr = scheduler.get_last_lr()[0]
+            result = train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
+                                grad_clip=cfg.optim.grad_clip, device=ctx.device)
+            scheduler.step()
+            state.step += 1
+            state.consumed_samples += plan.global_batch_size
+            dt = time.perf_counter() - t0
+            row = {
+                "step": state.step,
+                "loss": result.loss,
+                "lr": lr,
+                "grad_norm": result.grad_norm,
+                "global_batch_size": plan.global_batch_size,
+                "micro_batch_size": plan.micro_batch_size,
+                "accum_steps": plan.accum_steps,
+                "items": result.items,
+                "tokens": result.tokens,
+                "consumed_samples": state.consumed_samples,
+                "epoch": sampler.epoch_of(state.consumed_samples - 1),
+                "step_time_s": dt,
+                "tokens_per_s": result.tokens / dt,
+                "samples_per_s": plan.global_batch_size / dt,
+            }
+            history.append(row)
+            writer.log_step(row)
+    finally:
+        writer.close()
+
+    summary = summarize(history)
+    summary.update(
+        world_size=ctx.world_size,
+        layout=dims.degrees(),
+        batch={"global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
+               "accum_steps": plan.accum_steps, "dp": plan.dp},
+        model_parameters=n_params,
+        data=data_info,
+        torch_version=torch.__version__,
+    )
+    if cfg.run.save_model:
+        save_full_weights(model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
+    if ctx.is_main:
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        if cfg.metrics.plot and history:
+            plot_metrics(history, os.path.join(out_dir, "metrics.png"))
+        log.info("done: %d steps, loss %.4f -> %.4f, %.0f tokens/s (median); outputs in %s",
+                 summary["steps"], summary["first_loss"], summary["final_loss"],
+                 summary["median_tokens_per_s"], out_dir)
+    return summary
+
+
+def save_full_weights(model: nn.Module, path: str, *, is_main: bool) -> None:
+    """Gather the full (unsharded, unwrapped) weights and write them from rank 0."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # Every rank takes part: with sharded layouts this is a collective.
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_main:
+        save_file({k: v.contiguous() for k, v in sd.items()}, path)

@@ -1,0 +1,59 @@
+"""Small user-side model, dataset and loss, importable by `factory` paths in tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class ToyLM(Dataset):
+    """Random token sequences whose samples carry different numbers of ignored targets."""
+
+    def __init__(self, n: int = 64, seq_len: int = 16, vocab: int = 32, seed: int = 1234):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, vocab, (n, seq_len), generator=g)
+        self.y = torch.randint(0, vocab, (n, seq_len), generator=g)
+        ignored = torch.randint(0, seq_len - 1, (n,), generator=g)  # 0 .. seq_len-2 ignored per sample
+        for i, k in enumerate(ignored.tolist()):
+            self.y[i, :k] = -100
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def toy_lm(n: int = 64, seq_len: int = 16, vocab: int = 32, seed: int = 1234) -> ToyLM:
+    return ToyLM(n, seq_len, vocab, seed)
+
+
+class Regression(Dataset):
+    def __init__(self, n: int = 64, dim: int = 8):
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = self.x @ torch.randn(dim, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def regression(n: int = 64, dim: int = 8) -> Regression:
+    return Regression(n, dim)
+
+
+def mlp(dim: int = 8, hidden: int = 16) -> nn.Module:
+    return nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+
+def mean_of_means(output, target):
+    """The 2024 accumulation bug as a loss: each micro-batch's mean counts as one item."""
+    logits = output.reshape(-1, output.shape[-1])
+    return torch.nn.functional.cross_entropy(logits, target.reshape(-1), ignore_index=-100), 1
+
+
+mean_of_means.count = lambda target: 1
