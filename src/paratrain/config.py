@@ -87,7 +87,6 @@ class ParallelConfig:
     dp_shard: int = opt(1, "Sharded data-parallel degree (FSDP2).")
     tp: int = opt(1, "Tensor-parallel degree.")
     pp: int = opt(1, "Pipeline-parallel degree.")
-    ddp_bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB.")
 
 
 @dataclass
@@ -104,6 +103,32 @@ class MetricsConfig:
 
 
 @dataclass
+class CommConfig:
+    compression: Literal["none", "bf16", "fp16", "powersgd"] = opt("none", "Data-parallel gradient reduce: 'none' (fp32), 'bf16'/'fp16' (halved bytes), 'powersgd' (low-rank, DDP only).")
+    powersgd_rank: int = opt(4, "PowerSGD matrix approximation rank (higher: more bytes, closer to exact).")
+    powersgd_start_step: int = opt(10, "Optimiser steps of plain all-reduce before PowerSGD starts (its warm start).")
+    bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB.")
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Literal["fp32", "bf16", "fp16"] = opt("fp32", "Compute dtype: autocast (or FSDP2's param dtype) with fp32 master weights; fp16 adds a gradient scaler.")
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = opt("fp32", "Gradient reduce dtype under FSDP2 (comm.compression = 'bf16'/'fp16' sets it too).")
+    fp16_init_scale: float = opt(65536.0, "fp16 only: the GradScaler's initial loss scale (halved at each overflow, doubled after 2000 clean steps).")
+
+
+@dataclass
+class TrainConfig:
+    compile: bool = opt(False, "torch.compile each block (model.layers, else the whole model); falls back with a warning where the platform can't.")
+
+
+@dataclass
+class HardwareConfig:
+    peak_flops: float = opt(0.0, "Peak FLOP/s of one device at the training dtype, for MFU; 0 takes compute_bench's figure if given.")
+    compute_bench: str = opt("", "JSON written by `paratrain bench compute --json FILE`; its matmul FLOP/s is the MFU peak when peak_flops is 0.")
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -114,6 +139,10 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -151,12 +180,18 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
     return value
 
 
+# Keys that moved: one place for each setting, and a pointer from the old name.
+MOVED_KEYS = {"parallel.ddp_bucket_mb": "comm.bucket_mb"}
+
+
 def _apply(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if section not in sections:
         raise ConfigError(f"unknown config section '{section}' in {where}; {_suggest(section, sections)}")
     sub = getattr(cfg, section)
     hints = typing.get_type_hints(type(sub))
+    if f"{section}.{key}" in MOVED_KEYS:
+        raise ConfigError(f"'{section}.{key}' in {where} has moved; write {MOVED_KEYS[f'{section}.{key}']} instead")
     if key not in hints:
         raise ConfigError(f"unknown config key '{section}.{key}' in {where}; {_suggest(key, hints)}")
     setattr(sub, key, _check_type(f"{section}.{key}", value, hints[key]))
@@ -221,7 +256,11 @@ def validate(cfg: Config) -> None:
     positive("optim.grad_clip", cfg.optim.grad_clip, allow_zero=True)
     positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)
     positive("dist.timeout_s", cfg.dist.timeout_s)
-    positive("parallel.ddp_bucket_mb", cfg.parallel.ddp_bucket_mb)
+    positive("comm.bucket_mb", cfg.comm.bucket_mb)
+    positive("comm.powersgd_rank", cfg.comm.powersgd_rank)
+    positive("comm.powersgd_start_step", cfg.comm.powersgd_start_step, allow_zero=True)
+    positive("precision.fp16_init_scale", cfg.precision.fp16_init_scale)
+    positive("hardware.peak_flops", cfg.hardware.peak_flops, allow_zero=True)
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio = {cfg.optim.min_lr_ratio} must be within [0, 1]")
     for name in ("dp_shard", "tp", "pp"):

@@ -18,6 +18,7 @@ from torch import nn
 from paratrain.config import ConfigError
 from paratrain.distributed.data_parallel import maybe_no_sync
 from paratrain.loss import Loss
+from paratrain.precision import Precision
 
 
 @dataclass
@@ -55,6 +56,7 @@ def train_step(
     dp_group: dist.ProcessGroup | None,
     grad_clip: float,
     device: torch.device,
+    precision: Precision | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches ``[(input, target), ...]`` (on CPU)."""
     # 1. Global item count, from the targets alone, before any backward. Counted on the CPU so
@@ -71,6 +73,7 @@ def train_step(
     # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
     # of two in practice, which makes the round trip exact in floating point.
     scale = dp / items
+    precision = precision or Precision(device=device)  # --- mixed precision (paratrain.precision)
 
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     returned = torch.zeros((), device=device, dtype=torch.float64)
@@ -79,15 +82,17 @@ def train_step(
         inputs, target = to_device(inputs, device), to_device(target, device)
         # Gradients are reduced once, in the backward of the last micro-batch.
         with maybe_no_sync(model, sync=k == last):
-            s, c = loss_fn(model(inputs), target)
-            (s * scale).backward()
+            with precision.autocast():  # forward under autocast; backward follows its dtypes
+                s, c = loss_fn(model(inputs), target)
+            precision.scale(s * scale).backward()  # fp16: times the GradScaler's loss scale
         loss_sum += s.detach().double()
         returned += torch.as_tensor(c, device=device, dtype=torch.float64)
 
+    precision.unscale_(optimizer)  # fp16: back to true gradients before clipping
     grad_norm = torch.nn.utils.clip_grad_norm_(
         [p for p in model.parameters() if p.grad is not None], grad_clip if grad_clip > 0 else math.inf
     )
-    optimizer.step()
+    precision.step(optimizer)  # fp16: skipped when the gradients overflowed
     optimizer.zero_grad(set_to_none=True)
 
     if int(returned.item()) != int(local_items.item()):

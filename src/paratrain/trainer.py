@@ -16,13 +16,16 @@ from torch.utils.data import Dataset, default_collate
 from paratrain.batching import BatchPlan, GlobalBatchSampler, micro_batches, plan_batch, rank_slice
 from paratrain.config import Config, to_toml
 from paratrain.data import build_dataset
+from paratrain.distributed.comm import apply_grad_compression, check_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_supported, parallelize
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.loss import build_loss
 from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize
+from paratrain.mfu import build_flops_per_token, mfu, resolve_peak_flops, seq_len_of
 from paratrain.models import build_model
 from paratrain.optim import build_optimizer, build_scheduler
+from paratrain.precision import build_precision, check_precision
 from paratrain.step import train_step
 
 log = logging.getLogger("paratrain")
@@ -32,6 +35,8 @@ def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]
     """Every check that needs only the config and the world size: run before any process starts."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_supported(dims)
+    check_compression(cfg.comm, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard)
+    check_precision(cfg.precision, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp)
     plan = plan_batch(global_batch_size=cfg.batch.global_batch_size,
                       micro_batch_size=cfg.batch.micro_batch_size, dp=dims.dp)
     return dims, plan
@@ -77,7 +82,16 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     log.info("batch: %s (per rank %d)", plan.describe(), plan.per_rank_batch_size)
     log.info("model: %.2fM parameters | data: %s", n_params / 1e6, json.dumps(data_info))
 
-    model = parallelize(model, dims, cfg=cfg.parallel, device=ctx.device)
+    # --- communication and hardware: precision, compile, gradient compression, MFU ---------
+    precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.dp_shard > 1)
+    flops_per_token = build_flops_per_token(model)  # from the whole model, before any split
+    peak_flops, peak_source = resolve_peak_flops(cfg.hardware, device=ctx.device, dtype=cfg.precision.dtype)
+    log.info("precision: %s | MFU peak: %s", cfg.precision.dtype,
+             f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})")
+    model = parallelize(model, dims, cfg=cfg.parallel, device=ctx.device, comm=cfg.comm,
+                        precision=cfg.precision, compile_enabled=cfg.train.compile)
+    compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
+    # ----------------------------------------------------------------------------------------
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.run.steps)
     sampler = GlobalBatchSampler(len(dataset), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
@@ -101,7 +115,7 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
             batches = load_batches(dataset, mine, plan.micro_batch_size)
             lr = scheduler.get_last_lr()[0]
             result = train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
-                                grad_clip=cfg.optim.grad_clip, device=ctx.device)
+                                grad_clip=cfg.optim.grad_clip, device=ctx.device, precision=precision)
             scheduler.step()
             state.step += 1
             state.consumed_samples += plan.global_batch_size
@@ -122,6 +136,16 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
                 "tokens_per_s": result.tokens / dt,
                 "samples_per_s": plan.global_batch_size / dt,
             }
+            # --- communication and hardware: bytes sent, MFU, fp16 loss scale ----------------
+            step_flops = flops_per_token(seq_len_of(batches[0][0])) * result.tokens
+            row["model_flops_per_s"] = step_flops / dt
+            if peak_flops:
+                row["mfu"] = mfu(flops=step_flops, seconds=dt, peak_flops_per_device=peak_flops, devices=ctx.world_size)
+            comm_bytes = compression.take_bytes()
+            if comm_bytes is not None:
+                row["comm_bytes"] = comm_bytes
+            row.update(precision.metrics())
+            # ------------------------------------------------------------------------------------
             history.append(row)
             writer.log_step(row)
     finally:

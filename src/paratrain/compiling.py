@@ -1,0 +1,60 @@
+"""``train.compile``: torch.compile each block of the model, or fall back with a warning.
+
+Compiling block by block (not the whole model) is what torchtitan does: every block has the
+same code, so dynamo traces one graph and reuses it for each layer, compile time stays flat
+with depth, and the blocks remain separate modules for FSDP2 and activation checkpointing to
+wrap. ``nn.Module.compile()`` compiles in place, so parameter names (state dicts, checkpoints)
+do not gain the ``_orig_mod.`` prefix that ``torch.compile(module)`` adds.
+
+Compilation is lazy: a platform that cannot compile (no C++ compiler for inductor's CPU
+kernels, an unsupported Python, no Triton for the GPU) would fail at the first forward, in the
+middle of the first step. A tiny probe compiled up front turns that into a warning and an
+eager run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("paratrain")
+
+
+def _inductor_probe(device: torch.device) -> None:
+    """Compile and run a tiny function on ``device``; raises whatever the platform raises."""
+    fn = torch.compile(lambda a: torch.nn.functional.gelu(a * 2.0 + 1.0), dynamic=False)
+    out = fn(torch.ones(8, device=device))
+    expected = torch.nn.functional.gelu(torch.full((8,), 3.0, device=device))
+    if not torch.allclose(out, expected):
+        raise RuntimeError("the compiled probe computed a wrong result")
+
+
+def compile_available(device: torch.device) -> tuple[bool, str]:
+    """(True, "") when torch.compile works here, else (False, why)."""
+    if not torch._dynamo.is_dynamo_supported():
+        return False, "torch.compile is not supported on this Python/platform"
+    try:
+        _inductor_probe(device)
+    except Exception as e:  # noqa: BLE001 - any failure means: run eagerly
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return False, f"{type(e).__name__}: {first[:300]}"
+    return True, ""
+
+
+def apply_compile(model: nn.Module, *, device: torch.device) -> bool:
+    """Compile each block of ``model`` in place (``model.layers`` values, else the whole model).
+
+    Returns True when compiled; False (after a warning) when the platform cannot compile.
+    """
+    ok, why = compile_available(device)
+    if not ok:
+        log.warning("train.compile = true but torch.compile does not work here (%s); running eagerly", why)
+        return False
+    layers = getattr(model, "layers", None)
+    blocks = list(layers.values()) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else []
+    for block in blocks or [model]:
+        block.compile()
+    log.info("compiled %s with torch.compile", f"{len(blocks)} blocks" if blocks else "the whole model")
+    return True

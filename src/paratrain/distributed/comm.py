@@ -1,0 +1,140 @@
+"""Gradient compression for the data-parallel reduce, and the count of the bytes it sends.
+
+DDP takes a *communication hook* that replaces its bucket all-reduce (torch's
+``ddp_comm_hooks``): ``"none"`` is torch's plain ``allreduce_hook``, ``"bf16"``/``"fp16"`` cast
+each bucket to half width before the all-reduce and back after it (half the bytes), and
+``"powersgd"`` is torch's PowerSGD hook (Vogels et al., NeurIPS 2019, arXiv:1905.13727): each
+gradient matrix M (n x m) is sent as two rank-r factors P (n x r) and Q (m x r), and the part
+the approximation misses is kept on each rank and added to the next step's gradient (error
+feedback), so nothing is lost over time. All of them divide by the data-parallel size before
+summing, like DDP's own reduce: the loss scaling in ``step.py`` (by ``dp / items``) stays exact.
+
+Counting bytes "in the hook": the hooks talk to a :class:`CountingGroup`, a thin stand-in for
+the process group that forwards each collective to the real group and adds up the bytes of the
+tensors it carried. That counts what the hook actually sent (for PowerSGD: the uncompressed
+vectors, then P, then Q), not what we think it should send. The figure is the payload handed
+to the collectives; a ring all-reduce moves about 2(n-1)/n times that over each rank's link.
+
+Under FSDP2 the reduce is a reduce-scatter inside ``fully_shard``, with no hook: the only knob
+torch gives is ``MixedPrecisionPolicy(reduce_dtype=...)`` (see :mod:`paratrain.precision`), so
+"bf16"/"fp16" map to that and PowerSGD is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.config import CommConfig, ConfigError
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_compression(cfg: CommConfig, *, dp_replicate: int, dp_shard: int) -> None:
+    """Refuse, before any process starts, a compression the layout cannot apply."""
+    if cfg.compression == "powersgd":
+        if dp_shard > 1:
+            raise ConfigError(
+                f"comm.compression = 'powersgd' cannot work with parallel.dp_shard = {dp_shard}: FSDP2's"
+                " reduce-scatter takes no communication hook; use comm.compression = 'bf16' or set parallel.dp_shard = 1")
+        if cfg.powersgd_start_step < 2:
+            # DDP rebuilds its buckets after the first iteration, and PowerSGD's error feedback is
+            # keyed by bucket: torch refuses a start before the second step.
+            raise ConfigError(f"comm.powersgd_start_step = {cfg.powersgd_start_step} must be >= 2 (PowerSGD with"
+                              " error feedback can only start once DDP's buckets are final)")
+
+
+class CountingGroup:
+    """A process group stand-in for DDP comm hooks: forwards collectives and counts their bytes.
+
+    ``dist.all_reduce(t, group=g)`` calls ``g.allreduce([t], opts)``; the hooks also ask
+    ``g.size()``. Everything else is forwarded to the real group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        self._group = group
+        self._lock = threading.Lock()  # gloo may run future callbacks on another thread
+        self.bytes = 0
+
+    def allreduce(self, tensors, opts=None):
+        with self._lock:
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return self._group.allreduce(tensors, opts) if opts is not None else self._group.allreduce(tensors)
+
+    def take(self) -> int:
+        """Bytes counted since the last call."""
+        with self._lock:
+            n, self.bytes = self.bytes, 0
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+
+def _bf16_compress_hook_gloo(process_group, bucket):
+    """torch's bf16 compress hook, for CPU tensors on gloo.
+
+    DDP refuses ``bf16_compress_hook`` by its name unless CUDA with NCCL >= 2.10 is present
+    (old NCCL had no bf16 sum); gloo sums bf16 on CPU, so the same body (torch's
+    ``_compress_hook``, which ``bf16_compress_hook`` calls) runs here under another name.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+@dataclass
+class GradCompression:
+    """What the trainer keeps: the counter to read each step and the hook's state."""
+
+    name: str
+    counter: CountingGroup | None = None
+    state: object = None
+    extra: dict = field(default_factory=dict)
+
+    def take_bytes(self) -> int | None:
+        """Gradient bytes handed to collectives since the last call (None when not counted)."""
+        return None if self.counter is None else self.counter.take()
+
+
+def apply_grad_compression(model: nn.Module, *, cfg: CommConfig, seed: int = 0) -> GradCompression:
+    """Register the comm hook of ``cfg.compression`` on a DDP model; no-op for other models.
+
+    Always registers a hook under DDP, "none" included, so the bytes are counted the same way
+    for every setting.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not isinstance(model, DDP):
+        return GradCompression(cfg.compression)
+    counter = CountingGroup(model.process_group)
+    if cfg.compression == "none":
+        model.register_comm_hook(counter, default_hooks.allreduce_hook)
+        return GradCompression("none", counter, counter)
+    if cfg.compression in HALF_DTYPES:
+        hook = default_hooks.fp16_compress_hook
+        if cfg.compression == "bf16":
+            on_cuda = next(model.parameters()).is_cuda
+            hook = default_hooks.bf16_compress_hook if on_cuda else _bf16_compress_hook_gloo
+        model.register_comm_hook(counter, hook)
+        return GradCompression(cfg.compression, counter, counter)
+    if cfg.compression == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=counter,
+            matrix_approximation_rank=cfg.powersgd_rank,
+            start_powerSGD_iter=cfg.powersgd_start_step,
+            use_error_feedback=True,
+            warm_start=True,
+            # The random init of Q must be the same on every rank: a fixed seed, from the run's.
+            random_seed=seed,
+            # torch logs its own compression stats every N iterations; we log bytes per step.
+            compression_stats_logging_frequency=10**9,
+        )
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return GradCompression("powersgd", counter, state)
+    raise ConfigError(f"comm.compression = {cfg.compression!r} is unknown; use 'none', 'bf16', 'fp16' or 'powersgd'")

@@ -1,0 +1,75 @@
+"""Model FLOPs utilisation (MFU): the model's FLOPs per second over the devices' peak.
+
+MFU counts the FLOPs the model needs, not those the hardware did: activation recomputation
+and padding are not credited (Chowdhery et al., "PaLM", 2022, appendix B). For a forward and
+backward, a weight matrix costs 6 FLOPs per parameter per token (2 forward, 4 backward), and
+causal self-attention adds ``12 * n_layer * d_model * seq_len`` per token (the QK^T and AV
+products, counted over the whole T x T square as PaLM does, not halved for the mask). The
+parameters counted are those that multiply: embeddings are lookups and left out; the output
+projection is a matmul and kept (this GPT does not tie it to the input embedding).
+
+For a user model paratrain knows nothing of, it uses ``6 * parameters`` per token (sample,
+for non-token inputs): a lower bound that ignores attention-like products.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import torch
+from torch import nn
+
+from paratrain.config import ConfigError, HardwareConfig
+
+
+def gpt_flops_per_token(*, matmul_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
+    """PaLM appendix B: 6N + 12 L d T FLOPs per token for a forward and backward."""
+    return 6.0 * matmul_params + 12.0 * n_layer * d_model * seq_len
+
+
+def build_flops_per_token(model: nn.Module) -> Callable[[int], float]:
+    """``f(seq_len) -> training FLOPs per token`` for ``model`` (call before any parallel wrapping)."""
+    cfg = getattr(model, "cfg", None)
+    if all(hasattr(cfg, k) for k in ("n_layer", "d_model")) and hasattr(model, "layers"):
+        lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        matmul = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+        return lambda seq_len: gpt_flops_per_token(matmul_params=matmul, n_layer=cfg.n_layer,
+                                                   d_model=cfg.d_model, seq_len=seq_len)
+    n = sum(p.numel() for p in model.parameters())
+    return lambda seq_len: 6.0 * n
+
+
+def seq_len_of(inputs) -> int:
+    """The sequence length of a micro-batch of token ids (B, T); 1 for anything else."""
+    if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() and inputs.dim() >= 2:
+        return int(inputs.shape[-1])
+    return 1
+
+
+def resolve_peak_flops(cfg: HardwareConfig, *, device: torch.device, dtype: str) -> tuple[float | None, str]:
+    """The per-device peak FLOP/s for MFU and where it came from; (None, why) when unknown."""
+    if cfg.peak_flops > 0:
+        return cfg.peak_flops, "hardware.peak_flops"
+    if not cfg.compute_bench:
+        return None, "set hardware.peak_flops, or hardware.compute_bench to a `paratrain bench compute --json` file"
+    path = cfg.compute_bench
+    if not os.path.isfile(path):
+        raise ConfigError(f"hardware.compute_bench = {path!r} not found; run `paratrain bench compute --json {path}` first")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        rows = data["matmul"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"hardware.compute_bench = {path!r} is not a `paratrain bench compute --json` file ({e}); rerun it")
+    for row in rows:
+        if row.get("dtype") == dtype and row.get("device_type") == device.type:
+            return float(row["flops_per_s"]), f"bench compute ({path})"
+    have = ", ".join(f"{r.get('device_type')}/{r.get('dtype')}" for r in rows)
+    raise ConfigError(f"hardware.compute_bench = {path!r} has no matmul figure for {device.type}/{dtype} (it has {have});"
+                      f" run `paratrain bench compute --dtype {dtype} --json {path}` on this device")
+
+
+def mfu(*, flops: float, seconds: float, peak_flops_per_device: float, devices: int) -> float:
+    return flops / (seconds * peak_flops_per_device * devices)
