@@ -55,6 +55,31 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_comm(args: argparse.Namespace) -> int:
+    from paratrain.bench.comm import validate_bench_args, worker_args
+    from paratrain.launch import launch
+
+    spec = launch_spec(args)
+    validate_bench_args(args)  # refuse bad options before any process starts
+    return launch(spec, "paratrain.bench.comm", worker_args(args))
+
+
+def cmd_bench_compute(args: argparse.Namespace) -> int:
+    from paratrain.bench.compute import compute_main
+
+    return compute_main(args)
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from paratrain.env import env_main, env_worker_args
+    from paratrain.launch import launch
+
+    spec = launch_spec(args)
+    if spec.world_size == 1:
+        return env_main(args)
+    return launch(spec, "paratrain.env", env_worker_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description="Train any PyTorch model on many processes, GPUs and machines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", action="store_true", help="list every key with its type, default and meaning")
     add_set_argument(p)
     p.set_defaults(func=cmd_config)
+
+    # --- communication and hardware: bench comm, bench compute, env ---------------------------
+    from paratrain.bench.comm import add_bench_arguments
+    from paratrain.bench.compute import add_compute_arguments
+    from paratrain.env import add_env_arguments
+
+    p = sub.add_parser("bench", help="benchmark collectives (comm) or one device (compute)")
+    bench = p.add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("comm", help="collective bandwidth on the job's processes (checked results, slow links)")
+    add_launch_arguments(p)
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench_comm)
+    p = bench.add_parser("compute", help="matmul FLOP/s and memory-copy bandwidth of one device")
+    add_compute_arguments(p)
+    p.set_defaults(func=cmd_bench_compute)
+
+    p = sub.add_parser("env", help="versions, devices, network, variables and the problems found, with advice")
+    add_launch_arguments(p)
+    add_env_arguments(p)
+    p.set_defaults(func=cmd_env)
     return parser
 
 
