@@ -29,11 +29,16 @@ class MetricsWriter:
         self.enabled = enabled
         self.rows: list[dict] = []
         self._file = self._bar = self._tb = None
+        self._line_every = 0
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
         self._file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if start_step else "w")
-        if progress:
+        self.total_steps = total_steps
+        # A bar on a terminal; in a log file (CI, batch jobs) about twenty plain lines instead of
+        # thousands of carriage-return updates.
+        self._line_every = max(1, total_steps // 20) if progress and not sys.stderr.isatty() else 0
+        if progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
@@ -57,6 +62,9 @@ class MetricsWriter:
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
             self._bar.update(1)
+        elif self._line_every and (row["step"] % self._line_every == 0 or row["step"] == self.total_steps):
+            log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tokens/s", row["step"], self.total_steps,
+                     row["loss"], row["lr"], row["grad_norm"], row["tokens_per_s"])
         if self._tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):

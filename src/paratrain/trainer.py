@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, default_collate
 
 from paratrain.batching import BatchPlan, GlobalBatchSampler, micro_batches, plan_batch, rank_slice
 from paratrain.config import Config, to_toml
-from paratrain.data import build_dataset
+from paratrain.data import build_dataset, dataset_builder
 from paratrain.distributed.comm import apply_grad_compression, check_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_supported, parallelize
@@ -23,7 +23,7 @@ from paratrain.distributed.process_group import DistContext, close_distributed, 
 from paratrain.loss import build_loss
 from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize
 from paratrain.mfu import build_flops_per_token, mfu, resolve_peak_flops, seq_len_of
-from paratrain.models import build_model
+from paratrain.models import build_model, model_builder
 from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.precision import build_precision, check_precision
 from paratrain.step import train_step
@@ -33,6 +33,8 @@ log = logging.getLogger("paratrain")
 
 def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]:
     """Every check that needs only the config and the world size: run before any process starts."""
+    model_builder(cfg.model)
+    dataset_builder(cfg.data)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_supported(dims)
     check_compression(cfg.comm, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard)

@@ -11,7 +11,8 @@ from paratrain.models import _check_kwargs
 BUILTIN_DATASETS = {"stdlib_bytes": build_stdlib_bytes}
 
 
-def build_dataset(cfg: DataConfig) -> Dataset:
+def dataset_builder(cfg: DataConfig):
+    """The builder and its config key, with [data.args] checked against its signature."""
     if cfg.factory:
         fn, key = resolve_callable(cfg.factory, "data.factory"), "data.factory"
     elif cfg.name in BUILTIN_DATASETS:
@@ -19,6 +20,11 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     else:
         raise ConfigError(f"data.name = {cfg.name!r} is unknown; use one of {sorted(BUILTIN_DATASETS)} or data.factory")
     _check_kwargs(fn, cfg.args, key, "data.args")
+    return fn, key
+
+
+def build_dataset(cfg: DataConfig) -> Dataset:
+    fn, key = dataset_builder(cfg)
     ds = fn(**cfg.args)
     if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
         raise ConfigError(f"{key} returned {type(ds).__name__}, not a map-style Dataset; return one with __len__ and __getitem__")

@@ -12,8 +12,8 @@ from paratrain.models.gpt import GPT, GPTConfig, build_gpt
 BUILTIN_MODELS = {"gpt": build_gpt}
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """Build the model on CPU; the caller seeds the RNG first so the init is a function of the seed."""
+def model_builder(cfg: ModelConfig):
+    """The builder and its config key, with [model.args] checked against its signature."""
     if cfg.factory:
         fn, key = resolve_callable(cfg.factory, "model.factory"), "model.factory"
     elif cfg.name in BUILTIN_MODELS:
@@ -21,6 +21,12 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     else:
         raise ConfigError(f"model.name = {cfg.name!r} is unknown; use one of {sorted(BUILTIN_MODELS)} or model.factory")
     _check_kwargs(fn, cfg.args, key, "model.args")
+    return fn, key
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Build the model on CPU; the caller seeds the RNG first so the init is a function of the seed."""
+    fn, key = model_builder(cfg)
     model = fn(**cfg.args)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{key} returned {type(model).__name__}, not a torch.nn.Module; return the model")

@@ -1,0 +1,64 @@
+"""paratrain's data-parallel step against a plain hand-written torch DDP loop, world size 2.
+
+Both train the same model, data and global batch through torchrun, alternating, several runs;
+prints the median step time of each (the first steps of every run left out as warm-up) and, as
+its last line, `ratio paratrain/baseline: X`.
+
+    python benchmarks/dp_overhead.py [--runs 5] [--steps 40] [--config configs/main.toml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WARMUP = 5
+
+
+def run(cmd: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"benchmark run failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--config", default="configs/main.toml")
+    p.add_argument("--nproc", type=int, default=2)
+    args = p.parse_args()
+    overrides = [f"run.steps={args.steps}"]
+    ours, base = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            out = os.path.join(tmp, f"pt{i}")
+            run([sys.executable, "-m", "paratrain", "train", args.config, "--nproc-per-node", str(args.nproc),
+                 *[a for o in overrides + [f"run.out_dir='{out}'", "run.progress=false", "metrics.plot=false",
+                                           "run.save_model=false"] for a in ("--set", o)]])
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                times = [json.loads(line)["step_time_s"] for line in f][WARMUP:]
+            ours.append(statistics.median(times))
+            bout = os.path.join(tmp, f"base{i}.json")
+            run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+                 os.path.join(HERE, "baseline_ddp.py"), args.config, bout, *overrides])
+            with open(bout) as f:
+                base.append(statistics.median(json.load(f)["step_time_s"][WARMUP:]))
+            print(f"run {i + 1}/{args.runs}: paratrain {ours[-1] * 1e3:.1f} ms/step, baseline {base[-1] * 1e3:.1f} ms/step",
+                  flush=True)
+    m_ours, m_base = statistics.median(ours), statistics.median(base)
+    print(f"median step time: paratrain {m_ours * 1e3:.1f} ms, plain DDP {m_base * 1e3:.1f} ms"
+          f" (world {args.nproc}, {args.config}, {args.runs} runs x {args.steps} steps)")
+    print(f"ratio paratrain/baseline: {m_ours / m_base:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The Python API, Slurm rank mapping and backend choice."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from paratrain.config import ConfigError, DistConfig
+from paratrain.distributed.process_group import _slurm_to_torch_env, resolve_backend
+from tests.dist_utils import run_ranks
+
+
+def api_rank(out_dir: str) -> list[float]:
+    import paratrain
+    from tests.toy import mlp, regression
+
+    cfg = paratrain.load_config(None, [f"run.out_dir='{out_dir}'", "run.steps=5", "run.progress=false",
+                                       "batch.global_batch_size=16", "batch.micro_batch_size=4", "loss.name='mse'"])
+    torch.manual_seed(0)
+    model = mlp()
+    sse = lambda out, y: (((out - y) ** 2).sum(), y.numel())  # noqa: E731 - a user loss as a plain callable
+    return paratrain.train(cfg, model=model, dataset=regression(), loss=sse)["losses"]
+
+
+def test_train_api_with_user_objects_matches_across_world_sizes(tmp_path):
+    one = run_ranks(api_rank, 1, str(tmp_path / "a"))[0]
+    two = run_ranks(api_rank, 2, str(tmp_path / "b"))
+    assert two[0] == two[1] and len(one) == 5
+    torch.testing.assert_close(torch.tensor(two[0]), torch.tensor(one), rtol=1e-5, atol=0)
+
+
+def test_slurm_env_mapping(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[012-015],gpu020")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    _slurm_to_torch_env()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "8", "1")
+    assert os.environ["MASTER_ADDR"] == "gpu012" and os.environ["MASTER_PORT"] == str(29500 + 4242 % 1000)
+
+
+def test_torchrun_variables_win_over_slurm(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    _slurm_to_torch_env()
+    assert os.environ["RANK"] == "0"
+
+
+def test_backend_choice():
+    cpu = torch.device("cpu")
+    assert resolve_backend(DistConfig(), cpu) == "gloo"
+    assert resolve_backend(DistConfig(), torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert resolve_backend(DistConfig(backend="gloo"), torch.device("cuda", 0)) == "gloo"
+    with pytest.raises(ConfigError, match="nccl' needs CUDA"):
+        resolve_backend(DistConfig(backend="nccl"), cpu)
