@@ -45,6 +45,9 @@ def test_p2p_disabled_gloo_on_gpus_and_other_problems():
     assert "no NVLink" in _problems(_info(gpu_topology="GPU0 X PHB"))
     assert "loopback address" in _problems(_info(host_resolves_to="127.0.1.1"), nnodes=2)
     assert "InfiniBand" in _problems(_info(variables={"NCCL_IB_DISABLE": "1"}), nnodes=2)
+    assert "every collective" in _problems(_info(variables={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}))
+    assert "oversubscribe" in _problems(_info(cuda_available=False, gpus=[], cpu_count=4,
+                                              variables={"OMP_NUM_THREADS": "4"}), nproc_per_node=2)
 
 
 def test_mismatched_versions_across_ranks():

@@ -81,6 +81,8 @@ def test_precision_errors_are_clear():
     check_device_supports(PrecisionConfig(dtype="fp16"), torch.device("cpu"))  # torch 2.13 has CPU fp16 autocast
     with pytest.raises(ConfigError, match="precision.dtype"):
         paratrain.load_config(None, ["precision.dtype='fp8'"])
+    with pytest.raises(ConfigError, match="contradicts comm.compression"):
+        check_precision(PrecisionConfig(reduce_dtype="fp16"), compression="bf16")
 
 
 def test_cli_refuses_bad_precision_with_exit_2():

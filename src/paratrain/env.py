@@ -203,6 +203,12 @@ def find_problems(info: dict, *, backend: str = "auto", nnodes: int = 1, nproc_p
     if var.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "") == "0":
         add("TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a failed or stuck collective is never detected",
             "unset it so a hung rank ends the job after dist.timeout_s instead of hanging forever")
+    if var.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        add("TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective with an extra one",
+            "keep it for debugging a hang or a shape mismatch; unset it for speed")
+    if var.get("CUDA_LAUNCH_BLOCKING", "0") not in ("0", ""):
+        add("CUDA_LAUNCH_BLOCKING is set: every kernel launch waits for the GPU",
+            "a debugging switch that serialises the GPU; unset it for training")
     if nproc_per_node > 1 and not cuda and "OMP_NUM_THREADS" in var:
         threads = int(var["OMP_NUM_THREADS"]) if var["OMP_NUM_THREADS"].isdigit() else 0
         cpus = info.get("cpu_count") or 0

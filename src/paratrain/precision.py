@@ -26,8 +26,12 @@ from paratrain.config import ConfigError, PrecisionConfig
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_precision(cfg: PrecisionConfig, *, dp_shard: int = 1, tp: int = 1, pp: int = 1) -> None:
+def check_precision(cfg: PrecisionConfig, *, dp_shard: int = 1, tp: int = 1, pp: int = 1,
+                    compression: str = "none") -> None:
     """Refuse, before any process starts, a precision the layout cannot run."""
+    if compression in ("bf16", "fp16") and cfg.reduce_dtype not in ("fp32", compression):
+        raise ConfigError(f"precision.reduce_dtype = {cfg.reduce_dtype!r} contradicts comm.compression = {compression!r};"
+                          " set one of them only")
     if cfg.dtype == "fp16" and (dp_shard > 1 or tp > 1 or pp > 1):
         # GradScaler's unscale and inf check assume plain local gradients; sharded (DTensor)
         # gradients and pipeline stages would need a scaler that reduces the inf flag across

@@ -38,7 +38,7 @@ def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_supported(dims)
     check_compression(cfg.comm, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard)
-    check_precision(cfg.precision, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp)
+    check_precision(cfg.precision, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, compression=cfg.comm.compression)
     plan = plan_batch(global_batch_size=cfg.batch.global_batch_size,
                       micro_batch_size=cfg.batch.micro_batch_size, dp=dims.dp)
     return dims, plan
