@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paratrain.compiling import apply_compile
 from paratrain.config import CommConfig, ConfigError, ParallelConfig, PrecisionConfig
 from paratrain.distributed.data_parallel import apply_ddp
-from paratrain.compiling import apply_compile
 from paratrain.distributed.parallel_dims import ParallelDims
 
 
