@@ -104,6 +104,16 @@ class MetricsConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    interval: int = opt(0, "Save a checkpoint every this many optimiser steps; 0 turns periodic saves off.")
+    at_end: bool = opt(False, "Also save a checkpoint after the last step.")
+    dir: str = opt("", "Folder of the checkpoints (one step-N folder each); empty means <run.out_dir>/checkpoints.")
+    keep: int = opt(2, "Keep only the newest this many complete checkpoints; 0 keeps them all.")
+    async_save: bool = opt(False, "Write checkpoints in the background (dcp.async_save); training waits only while the state is copied.")
+    resume: str = opt("", "'' starts at step 0; 'latest' continues from the newest complete checkpoint in dir (step 0 if none); or a checkpoint path.")
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -114,6 +124,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -222,6 +233,8 @@ def validate(cfg: Config) -> None:
     positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)
     positive("dist.timeout_s", cfg.dist.timeout_s)
     positive("parallel.ddp_bucket_mb", cfg.parallel.ddp_bucket_mb)
+    positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    positive("checkpoint.keep", cfg.checkpoint.keep, allow_zero=True)
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio = {cfg.optim.min_lr_ratio} must be within [0, 1]")
     for name in ("dp_shard", "tp", "pp"):
