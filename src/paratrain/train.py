@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                         help="continue from the newest complete checkpoint of the run, or from PATH")
     args = parser.parse_args(argv)
+    from paratrain.distributed.hang import CollectiveTimeout
+
     try:
         from paratrain.trainer import train
 
@@ -30,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
+    except CollectiveTimeout as e:  # already explained: no traceback
+        print(f"paratrain: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

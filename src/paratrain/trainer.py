@@ -18,6 +18,7 @@ from paratrain.checkpoint import build_checkpointer, resume_spec, truncate_metri
 from paratrain.config import Config, to_toml
 from paratrain.data import build_dataset
 from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.parallelize import check_supported, parallelize
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.loss import build_loss
@@ -57,9 +58,11 @@ def train(cfg: Config, *, model: nn.Module | None = None, dataset: Dataset | Non
     ``model``/``dataset``/``loss`` replace the config's builders for users who make their own
     objects in Python; start the script with torchrun for several processes.
     """
+    enable_flight_recorder()  # before the process group exists: hang reports name collectives
     ctx = init_distributed(cfg.dist)
     try:
-        return _train(cfg, ctx, model, dataset, loss)
+        with watch_collectives(rank=ctx.rank, world_size=ctx.world_size, timeout_s=cfg.dist.timeout_s):
+            return _train(cfg, ctx, model, dataset, loss)
     finally:
         close_distributed(ctx)
 
