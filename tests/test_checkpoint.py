@@ -100,7 +100,7 @@ def test_sigkill_restart_resumes_and_matches(tmp_path, ref):
     args = [a for a in TOY if not a.startswith("model.args")]
     sets = [x for a in [*args, "model.factory='tests.toy:gpt_killed_at'",
                         f"model.args={GPT_ARGS[:-1]}, kill_at_step = 5, kill_rank = 1}}",
-                        f"run.out_dir='{run_dir}'"] for x in ("--set", a)]
+                        f"run.out_dir='{run_dir}'", "checkpoint.keep=1"] for x in ("--set", a)]
     res = paratrain_cli("train", "configs/debug.toml", "--nproc-per-node", "2", "--max-restarts", "1", *sets,
                         timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -108,6 +108,19 @@ def test_sigkill_restart_resumes_and_matches(tmp_path, ref):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in rows] == losses[2]  # bitwise equal to the uninterrupted run
+    assert os.listdir(os.path.join(run_dir, "checkpoints")) == ["step-6"]  # keep = 1
+
+
+def test_resume_flag_takes_the_newest(tmp_path, ref):
+    """`--resume` of a finished run finds step-6 (newest complete) and has nothing left to do."""
+    out, losses = ref
+    run_dir = str(tmp_path / "copy")
+    shutil.copytree(out[1], run_dir)
+    res = paratrain_cli("train", "configs/debug.toml", "--resume", *[x for a in TOY for x in ("--set", a)],
+                        "--set", f"run.out_dir='{run_dir}'")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"resumed from {os.path.join(run_dir, 'checkpoints', 'step-6')} at step 6" in res.stderr
+    assert [r["loss"] for r in read_metrics(run_dir)] == losses[1]
 
 
 def test_incomplete_or_damaged_newest_is_skipped(tmp_path, ref, caplog):
@@ -181,7 +194,7 @@ def test_collective_timeout_names_the_missing_rank():
     """Rank 1 stalls in step 2; rank 0's collective times out after 3 s and names rank 1."""
     stall = [*TOY, "checkpoint.interval=0", "checkpoint.at_end=false", "run.save_model=false",
              "model.factory='tests.toy:gpt_stalled_at'", "dist.timeout_s=3",
-             f"model.args={GPT_ARGS[:-1]}, stall_at_step = 2, stall_rank = 1, stall_s = 60}}"]
+             f"model.args={GPT_ARGS[:-1]}, stall_at_step = 2, stall_rank = 1, stall_s = 8}}"]
     with pytest.raises(AssertionError) as err:
         run_ranks(train_rank, 2, [*stall, "run.out_dir='/tmp/unused'"], timeout=120)
     text = str(err.value)
