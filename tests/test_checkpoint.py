@@ -172,6 +172,39 @@ def test_crafted_metadata_runs_nothing(tmp_path, ref):
     assert not os.path.exists(marker)
 
 
+def test_metadata_pointing_outside_the_folder_is_refused(tmp_path, ref):
+    from paratrain.checkpoint import load_metadata, safe_reader
+    from paratrain.config import ConfigError
+
+    out, _ = ref
+    ckpt = str(tmp_path / "step-3")
+    shutil.copytree(os.path.join(out[1], "checkpoints", "step-3"), ckpt)
+    md = load_metadata(ckpt)
+    next(iter(md.storage_data.values())).relative_path = "../../secret"
+    with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(ConfigError, match="outside the checkpoint folder"):
+        safe_reader(ckpt).read_metadata()
+
+
+def test_rng_states_survive_a_weights_only_round_trip(tmp_path):
+    import io
+    import random
+
+    import numpy as np
+
+    from paratrain.checkpoint import rng_state, set_rng_state
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    buf = io.BytesIO()
+    torch.save(rng_state(torch.device("cpu")), buf)
+    first = (random.random(), np.random.rand(), torch.rand(2))
+    buf.seek(0)
+    set_rng_state(torch.load(buf, weights_only=True), torch.device("cpu"))
+    again = (random.random(), np.random.rand(), torch.rand(2))
+    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
+
+
 def test_export_loads_into_plain_model(tmp_path, ref):
     from paratrain.models import build_gpt
 

@@ -114,6 +114,12 @@ def _reader_class():
 
         def read_metadata(self, *args: Any, **kwargs: Any):
             md = load_metadata(os.fspath(self.path), rank=kwargs.get("rank"))
+            for info in (md.storage_data or {}).values():
+                # Shards are files of this folder, never paths that lead out of it.
+                rel = os.fspath(getattr(info, "relative_path", ""))
+                if not rel or os.path.basename(rel) != rel or rel in (".", ".."):
+                    raise ConfigError(f"checkpoint {self.path}: its metadata points at {rel!r}, outside the"
+                                      " checkpoint folder; refusing it")
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
@@ -309,22 +315,16 @@ class Checkpointer:
         self.blocked_s: list[float] = []  # time each save held up training
         self._pending: concurrent.futures.Future | None = None
         self._finalizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt") if rank == 0 else None
-        self._group = None
-
-    # A gloo group of our own: DCP's planning collectives run in a background thread during an
-    # async save, concurrently with the training collectives on the default group (a process
-    # group must not be used by two threads at once); gloo also serves monitored_barrier.
-    @property
-    def group(self):
-        if self._group is None and self.enabled_any:
+        # A gloo group of our own (made now, by every rank at the same point): DCP's planning
+        # collectives run in a background thread during an async save, concurrently with the
+        # training collectives on the default group, and a process group must not be used by two
+        # threads at once. Gloo also serves monitored_barrier and keeps DCP's object collectives
+        # off NCCL.
+        self.group = None
+        if dist.is_initialized():
             import datetime
 
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
-        return self._group
-
-    @property
-    def enabled_any(self) -> bool:
-        return self.cfg.interval > 0 or self.cfg.at_end
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
     def _barrier(self, what: str) -> None:
         """A monitored barrier names the ranks that do not arrive instead of hanging (gloo)."""
@@ -439,14 +439,20 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- resume
 
-    def resume(self, spec: str) -> int | None:
-        """Restore from the checkpoint ``spec`` names ('latest', a path, '' for none); returns its step."""
-        if not spec:
+    def resume(self, spec: str, fallback: str = "") -> int | None:
+        """Restore from the checkpoint ``spec`` names ('latest', a path, '' for none), else from
+        ``fallback``'s; returns the step resumed at (None: a fresh start)."""
+        if not spec and not fallback:
             return None
         choice: list[Any] = [None]
         if self.rank == 0:  # one rank hashes the files; every rank learns the verdict
             try:
-                choice[0] = {"path": resolve_checkpoint(spec, self.root)}
+                path = resolve_checkpoint(spec, self.root)
+                if path is None and fallback:
+                    path = resolve_checkpoint(fallback, self.root)
+                choice[0] = {"path": path}
+                if path is not None:
+                    self._warn_newer(path)
             except ConfigError as e:
                 choice[0] = {"error": str(e)}
         if self.world_size > 1:
@@ -486,6 +492,16 @@ class Checkpointer:
         set_rng_state(app[src], self.device)
         log.info("resumed from %s at step %d (%d samples consumed)", path, self.state.step,
                  getattr(self.state, "consumed_samples", -1))
+
+    def _warn_newer(self, path: str) -> None:
+        """Complete checkpoints newer than the one resumed belong to another trajectory."""
+        m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+        newer = [p for s, p in list_checkpoints(self.root)
+                 if m and s > int(m.group(1)) and os.path.isfile(os.path.join(p, MANIFEST))]
+        if newer:
+            log.warning("warning: resuming from %s while newer checkpoints exist (%s); they will be overwritten"
+                        " as the run reaches their steps, and 'latest' would pick them after a failure before that",
+                        path, ", ".join(os.path.basename(p) for p in newer))
 
     def _warn_config_changes(self, path: str) -> None:
         """The math of a run is its model, data, loss, optimiser, seed and global batch: say if they changed."""
@@ -529,15 +545,15 @@ def truncate_metrics(out_dir: str, step: int) -> None:
     os.replace(tmp, path)
 
 
-def resume_spec(cfg: CheckpointConfig) -> str:
-    """checkpoint.resume, or 'latest' in workers that torchrun restarted after a failure."""
-    if cfg.resume:
-        return cfg.resume
+def resume_spec(cfg: CheckpointConfig) -> tuple[str, str]:
+    """(spec, fallback) for Checkpointer.resume: checkpoint.resume; but in workers that torchrun
+    restarted after a failure, the newest complete checkpoint of this run first (it is newer
+    than the one the job was started from), checkpoint.resume only if there is none."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         log.info("restart %s of the worker group: resuming from the newest complete checkpoint",
                  os.environ["TORCHELASTIC_RESTART_COUNT"])
-        return "latest"
-    return ""
+        return "latest", cfg.resume
+    return cfg.resume, ""
 
 
 def build_checkpointer(cfg, *, model, optimizer, scheduler, state, layout: dict, rank: int, world_size: int,
