@@ -53,7 +53,8 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 # ----------------------------------------------------------------------------- safe loading
 
 # Every global a DCP ``.metadata`` pickle of torch 2.13 refers to (found by recording the
-# find_class calls of real checkpoints of every layout): DCP's metadata dataclasses, torch.Size,
+# find_class calls while loading real paratrain checkpoints; DTensor shards of FSDP/TP are
+# described by the same chunk classes): DCP's metadata dataclasses, torch.Size,
 # dtypes, layouts (by name, through torch.serialization._get_layout), and pathlib paths (the
 # checkpoint_id in StorageMeta). Constructing any of them runs no user-chosen code.
 _METADATA_CLASSES = {
@@ -431,8 +432,12 @@ class Checkpointer:
             pending.result()
 
     def close(self) -> None:
+        """Wait for a save in flight; called in a finally block, so it reports rather than raises."""
         try:
             self.wait()
+        except Exception as e:  # noqa: BLE001 - do not mask the error that ended training
+            log.warning("warning: the checkpoint in flight failed (%s: %s); it has no manifest and will be skipped",
+                        type(e).__name__, e)
         finally:
             if self._finalizer is not None:
                 self._finalizer.shutdown(wait=True)

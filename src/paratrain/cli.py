@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from paratrain.config import ConfigError, describe_keys, load_config, to_toml
@@ -35,6 +36,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     spec = launch_spec(args)
     if args.resume is not None:  # the flag sets checkpoint.resume (a TOML string literal)
+        if args.resume != "latest" and not os.path.isdir(args.resume):
+            raise ConfigError(f"--resume {args.resume}: no such checkpoint folder; pass a step-N folder"
+                              " (or omit PATH for the run's newest checkpoint)")
         args.overrides = [*args.overrides, "checkpoint.resume=" + json.dumps(args.resume)]
     cfg = load_config(args.config, args.overrides)
     check_layout(cfg, spec.world_size)  # refuse an impossible layout before any process starts

@@ -56,7 +56,7 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
         run(args)
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
-        first_rank = min(f.rank for f in e.failures.values())
+        first_rank = min(e.failures)  # keyed by global rank (ProcessFailure has no .rank)
         print(f"paratrain: error: worker rank {first_rank} failed with exit code {codes[0]}"
               f" (see its log above)", file=sys.stderr)
         return 2 if codes == [2] else 1
