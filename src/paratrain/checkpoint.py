@@ -131,7 +131,6 @@ def _reader_class():
 
 def _planner_class():
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._nested_dict import set_element  # noqa: F401 - exists in 2.13
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         """DefaultLoadPlanner that loads non-tensor values with torch.load(weights_only=True)."""
@@ -583,8 +582,9 @@ def export_safetensors(checkpoint: str, to: str) -> dict:
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = resolve_checkpoint(checkpoint, checkpoint)
-    manifest = verify_checkpoint(path)
+    path = resolve_checkpoint(checkpoint, checkpoint)  # verifies the checksums
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
     md = load_metadata(path)
     weights = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
                for k, m in md.state_dict_metadata.items()
