@@ -370,8 +370,8 @@ class Checkpointer:
     def save(self, step: int) -> float:
         import torch.distributed.checkpoint as dcp
 
-        self.wait()  # one save in flight at a time
         t0 = time.perf_counter()
+        self.wait()  # one save in flight at a time (waiting for it also holds training up)
         path = os.path.join(self.root, f"step-{step}")
         self._barrier(f"the checkpoint of step {step}")
         if self.rank == 0:
