@@ -57,3 +57,45 @@ def mean_of_means(output, target):
 
 
 mean_of_means.count = lambda target: 1
+
+
+def gpt_killed_at(kill_at_step: int = 0, kill_rank: int = 1, **gpt_args) -> nn.Module:
+    """The built-in GPT, plus a test-only failure: on the first attempt of a torchrun job (no
+    restart yet), rank ``kill_rank`` SIGKILLs itself in the forward of step ``kill_at_step``
+    (counting forwards, so use it without gradient accumulation). 0 never kills."""
+    import os
+    import signal
+
+    from paratrain.models import build_gpt
+
+    model = build_gpt(**gpt_args)
+    calls = [0]
+
+    def maybe_die(module, args):
+        calls[0] += 1
+        if (calls[0] == kill_at_step and int(os.environ.get("RANK", "-1")) == kill_rank
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model.register_forward_pre_hook(maybe_die)
+    return model
+
+
+def gpt_stalled_at(stall_at_step: int = 0, stall_rank: int = 1, stall_s: float = 60.0, **gpt_args) -> nn.Module:
+    """The built-in GPT, plus a test-only hang: rank ``stall_rank`` sleeps ``stall_s`` seconds
+    in the forward of step ``stall_at_step`` (counting forwards), so its peers time out."""
+    import os
+    import time
+
+    from paratrain.models import build_gpt
+
+    model = build_gpt(**gpt_args)
+    calls = [0]
+
+    def maybe_stall(module, args):
+        calls[0] += 1
+        if calls[0] == stall_at_step and int(os.environ.get("RANK", "-1")) == stall_rank:
+            time.sleep(stall_s)
+
+    model.register_forward_pre_hook(maybe_stall)
+    return model

@@ -6,6 +6,8 @@ Bad input exits with code 2 and one line naming the problem and the fix, never a
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from paratrain.config import ConfigError, describe_keys, load_config, to_toml
@@ -33,6 +35,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from paratrain.trainer import check_layout
 
     spec = launch_spec(args)
+    if args.resume is not None:  # the flag sets checkpoint.resume (a TOML string literal)
+        if args.resume != "latest" and not os.path.isdir(args.resume):
+            raise ConfigError(f"--resume {args.resume}: no such checkpoint folder; pass a step-N folder"
+                              " (or omit PATH for the run's newest checkpoint)")
+        args.overrides = [*args.overrides, "checkpoint.resume=" + json.dumps(args.resume)]
     cfg = load_config(args.config, args.overrides)
     check_layout(cfg, spec.world_size)  # refuse an impossible layout before any process starts
     module_args = [args.config] + [a for o in args.overrides for a in ("--set", o)]
@@ -44,6 +51,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     print(generate_text(args.out_dir, args.prompt, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from paratrain.checkpoint import export_safetensors
+
+    info = export_safetensors(args.checkpoint, args.to)
+    print(f"exported {info['tensors']} tensors ({info['parameters'] / 1e6:.2f}M parameters) of step"
+          f" {info['step']} from {info['path']} to {args.to}")
     return 0
 
 
@@ -88,7 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="TOML config file")
     add_launch_arguments(p)
     add_set_argument(p)
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="continue from the newest complete checkpoint of the run, or from PATH")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export", help="write a checkpoint's full weights (any layout) to one safetensors file")
+    p.add_argument("checkpoint", help="a step-N checkpoint folder (or a checkpoints folder: its newest)")
+    p.add_argument("--to", required=True, metavar="FILE", help="output .safetensors file")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("generate", help="sample text from a trained byte-level GPT")
     p.add_argument("out_dir", help="run.out_dir of a finished run")

@@ -129,6 +129,16 @@ class HardwareConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    interval: int = opt(0, "Save a checkpoint every this many optimiser steps; 0 turns periodic saves off.")
+    at_end: bool = opt(False, "Also save a checkpoint after the last step.")
+    dir: str = opt("", "Folder of the checkpoints (one step-N folder each); empty means <run.out_dir>/checkpoints.")
+    keep: int = opt(2, "Keep only the newest this many complete checkpoints; 0 keeps them all.")
+    async_save: bool = opt(False, "Write checkpoints in the background (dcp.async_save); training waits only while the state is copied.")
+    resume: str = opt("", "'' starts at step 0; 'latest' continues from the newest complete checkpoint in dir (step 0 if none); or a checkpoint path.")
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -143,6 +153,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -261,6 +272,8 @@ def validate(cfg: Config) -> None:
     positive("comm.powersgd_start_step", cfg.comm.powersgd_start_step, allow_zero=True)
     positive("precision.fp16_init_scale", cfg.precision.fp16_init_scale)
     positive("hardware.peak_flops", cfg.hardware.peak_flops, allow_zero=True)
+    positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    positive("checkpoint.keep", cfg.checkpoint.keep, allow_zero=True)
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio = {cfg.optim.min_lr_ratio} must be within [0, 1]")
     for name in ("dp_shard", "tp", "pp"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from paratrain.config import ConfigError, load_config
@@ -17,14 +18,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m paratrain.train", description=__doc__)
     parser.add_argument("config", help="TOML config file")
     add_set_argument(parser)
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                        help="continue from the newest complete checkpoint of the run, or from PATH")
     args = parser.parse_args(argv)
+    from paratrain.distributed.hang import CollectiveTimeout
+
     try:
         from paratrain.trainer import train
 
+        if args.resume is not None:
+            args.overrides.append("checkpoint.resume=" + json.dumps(args.resume))
         train(load_config(args.config, args.overrides))
     except ConfigError as e:
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
+    except CollectiveTimeout as e:  # already explained: no traceback
+        print(f"paratrain: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -14,10 +14,12 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from paratrain.batching import BatchPlan, GlobalBatchSampler, micro_batches, plan_batch, rank_slice
+from paratrain.checkpoint import build_checkpointer, resume_spec, truncate_metrics
 from paratrain.config import Config, to_toml
 from paratrain.data import build_dataset, dataset_builder
 from paratrain.distributed.comm import apply_grad_compression, check_compression
 from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.parallelize import check_supported, parallelize
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.loss import build_loss
@@ -63,9 +65,11 @@ def train(cfg: Config, *, model: nn.Module | None = None, dataset: Dataset | Non
     ``model``/``dataset``/``loss`` replace the config's builders for users who make their own
     objects in Python; start the script with torchrun for several processes.
     """
+    enable_flight_recorder()  # before the process group exists: hang reports name collectives
     ctx = init_distributed(cfg.dist)
     try:
-        return _train(cfg, ctx, model, dataset, loss)
+        with watch_collectives(rank=ctx.rank, world_size=ctx.world_size, timeout_s=cfg.dist.timeout_s):
+            return _train(cfg, ctx, model, dataset, loss)
     finally:
         close_distributed(ctx)
 
@@ -100,13 +104,22 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     dp_rank, dp_group = dims.local_rank_in("dp"), dims.group("dp")
     state = TrainState()
 
+    # --- checkpoints (paratrain.checkpoint): resume before the loop, save after steps --------
+    ckpt = build_checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
+                              layout=dims.degrees(), rank=ctx.rank, world_size=ctx.world_size, device=ctx.device)
+    resumed_from = ckpt.resume(*resume_spec(cfg.checkpoint))
+    if resumed_from is not None and ctx.is_main:
+        truncate_metrics(cfg.run.out_dir, resumed_from)  # rows after the checkpoint are redone
+    # ------------------------------------------------------------------------------------------
+
     out_dir = cfg.run.out_dir
     if ctx.is_main:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
     writer = MetricsWriter(out_dir, enabled=ctx.is_main, total_steps=cfg.run.steps,
-                           progress=cfg.run.progress, tensorboard=cfg.metrics.tensorboard)
+                           progress=cfg.run.progress, tensorboard=cfg.metrics.tensorboard,
+                           start_step=state.step)
     history: list[dict] = []
     try:
         model.train()
@@ -148,10 +161,15 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
                 row["comm_bytes"] = comm_bytes
             row.update(precision.metrics())
             # ------------------------------------------------------------------------------------
+            blocked = ckpt.after_step(state.step)
+            if blocked is not None:
+                row["checkpoint_blocked_s"] = blocked
             history.append(row)
             writer.log_step(row)
+        ckpt.at_end(state.step)
     finally:
         writer.close()
+        ckpt.close()
 
     summary = summarize(history)
     summary.update(
@@ -162,6 +180,8 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
         model_parameters=n_params,
         data=data_info,
         torch_version=torch.__version__,
+        resumed_from_step=resumed_from,
+        checkpoint_blocked_s=ckpt.blocked_s,
     )
     if cfg.run.save_model:
         save_full_weights(model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
@@ -170,9 +190,10 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
             json.dump(summary, f, indent=2)
         if cfg.metrics.plot and history:
             plot_metrics(history, os.path.join(out_dir, "metrics.png"))
-        log.info("done: %d steps, loss %.4f -> %.4f, %.0f tokens/s (median); outputs in %s",
-                 summary["steps"], summary["first_loss"], summary["final_loss"],
-                 summary["median_tokens_per_s"], out_dir)
+        if history:
+            log.info("done: %d steps, loss %.4f -> %.4f, %.0f tokens/s (median); outputs in %s",
+                     summary["steps"], summary["first_loss"], summary["final_loss"],
+                     summary["median_tokens_per_s"], out_dir)
     return summary
 
 
