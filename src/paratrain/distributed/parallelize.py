@@ -20,6 +20,8 @@ Order (as torchtitan composes them; each step says why it comes where it does):
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -91,6 +93,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, de
     """
     check_supported(dims)
     model.to(device)
+    if dims.tp > 1 and dims.dp > 1:
+        # On 2-D (dp x tp) meshes DTensor logs, per rank, that the global gradient norm and the
+        # full-weights gather take two collectives instead of one: a known, accepted cost here.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
     # 1. (pipeline split: apply_pp goes here, before everything else.)
 
