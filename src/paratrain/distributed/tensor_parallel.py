@@ -25,7 +25,7 @@ import fnmatch
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -130,6 +130,23 @@ def _check_sequence_divisible(tp: int):
     return hook
 
 
+def _keep_gradients_sharded(model: nn.Module) -> None:
+    """Give every DTensor parameter's gradient the parameter's own layout.
+
+    DTensor's sharding rules can return a gradient more replicated than its parameter: the
+    backward of a vocabulary-sharded embedding (RowwiseParallel) yields a Replicate gradient of
+    the full table on every rank. The optimiser still computes the right update (it
+    redistributes), but each rank would hold the full gradient. Redistributing Replicate ->
+    Shard is a local slice (no communication); Partial -> Shard is a reduce-scatter. (FSDP2,
+    when applied on top, replaces these parameters and does the same for its own gradients.)
+    """
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.requires_grad:
+            placements = p.placements
+            p.register_hook(lambda g, pl=placements: g.redistribute(placements=pl)
+                            if isinstance(g, DTensor) and g.placements != pl else g)
+
+
 def loss_parallel_enabled(model: nn.Module, *, tp: int, requested: bool, builtin_cross_entropy: bool,
                           user_plan: bool) -> bool:
     """Whether the loss runs on vocabulary-sharded logits: only paratrain's GPT under its own plan
@@ -162,6 +179,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, plan: dict, plan_factory: st
         raise ConfigError(f"parallel.tp = {mesh.size()} needs a plan for {type(model).__name__}; set a"
                           " [parallel.tp_plan] table or parallel.tp_plan_factory (README, Tensor parallel)")
     parallelize_module(model, mesh, styles)
+    _keep_gradients_sharded(model)
     if sequence_parallel:
         model.register_forward_pre_hook(_check_sequence_divisible(mesh.size()))
 
