@@ -43,6 +43,9 @@ WORLD2 = {
     "tp2_gathered_logits": ("ref", [*GPT, "parallel.tp=2", "parallel.loss_parallel=false", "batch.micro_batch_size=4"]),
     "tp2_sp": ("ref", [*GPT, "parallel.tp=2", "parallel.sequence_parallel=true", "batch.micro_batch_size=2"]),
     "user_tp2_plan_table": ("user_ref", [*USER, *USER_PLAN, "parallel.tp=2", "batch.micro_batch_size=2"]),
+    "user_tp2_plan_factory_ac": ("user_ref", [*USER, "parallel.tp_plan_factory='tests.toy:tiny_lm_tp_plan'",
+                                              "parallel.tp=2", "batch.micro_batch_size=2",
+                                              "parallel.activation_checkpointing='full'"]),
 }
 WORLD4 = {
     "hsdp_2x2": ("ref", [*GPT, "parallel.dp_replicate=2", "parallel.dp_shard=2", "batch.micro_batch_size=1"]),
@@ -63,8 +66,13 @@ def train_layouts(runs: dict, root: str) -> dict:
 
     import paratrain
 
+    from paratrain.distributed.parallel_dims import ParallelDims
+
     dist.init_process_group("gloo")
     out = {}
+    if dist.get_world_size() == 4:  # where each rank of dp_shard 2 x tp 2 sits, by role
+        dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=1, world_size=4)
+        out["roles"] = {role: dims.local_rank_in(role) for role in ("data", "loss", "fsdp", "tp")}
     try:
         for name, overrides in runs.items():
             summary = paratrain.train(paratrain.load_config(None, [*overrides, f"run.out_dir='{root}/{name}'"]))
@@ -79,8 +87,10 @@ def run_world(world: int, runs: dict, root) -> dict:
     for other in per_rank[1:]:  # every rank reports the same (dp-reduced) loss
         for name in runs:
             assert other[name]["losses"] == per_rank[0][name]["losses"], name
-    return {name: (r["losses"], load_file(os.path.join(root, name, "model.safetensors")), r["layout"])
-            for name, r in per_rank[0].items()}
+    out = {name: (per_rank[0][name]["losses"], load_file(os.path.join(root, name, "model.safetensors")),
+                  per_rank[0][name]["layout"]) for name in runs}
+    out["roles"] = [r.get("roles") for r in per_rank]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +133,14 @@ def test_four_ranks_match_reference(references, world4, name):
     assert_matches(world4[name], references[WORLD4[name][0]])
     if name == "hsdp_2x2":
         assert world4[name][2] == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 1}
+
+
+def test_tp_group_shares_data_rank(world4):
+    """Mesh (dp_shard, tp) = (2, 2): ranks 0,1 form a TP group and load dp slice 0; 2,3 slice 1."""
+    roles = world4["roles"]
+    assert [r["data"] for r in roles] == [0, 0, 1, 1]
+    assert [r["loss"] for r in roles] == [0, 0, 1, 1] and [r["fsdp"] for r in roles] == [0, 0, 1, 1]
+    assert [r["tp"] for r in roles] == [0, 1, 0, 1]
 
 
 def test_activation_checkpointing_recomputes_each_block():

@@ -117,3 +117,15 @@ def gpt_skewed_grad(factor: float = 3.0, **gpt_args) -> nn.Module:
 
     model.layers["0"].register_forward_hook(hook)
     return model
+
+
+def tiny_lm_tp_plan(model: nn.Module, tp_mesh) -> dict:
+    """A tensor-parallel plan in Python (parallel.tp_plan_factory) for TinyLM."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"emb": RowwiseParallel(input_layouts=Replicate()), "head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(model.layers)):
+        plan[f"layers.{i}.fc1"] = ColwiseParallel()
+        plan[f"layers.{i}.fc2"] = RowwiseParallel()
+    return plan
