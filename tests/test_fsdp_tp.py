@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import read_metrics, run_ranks
 
 GPT = [
     "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 32}",
@@ -49,6 +49,8 @@ WORLD2 = {
 }
 WORLD4 = {
     "hsdp_2x2": ("ref", [*GPT, "parallel.dp_replicate=2", "parallel.dp_shard=2", "batch.micro_batch_size=1"]),
+    "hsdp_2x2_no_reshard": ("ref", [*GPT, "parallel.dp_replicate=2", "parallel.dp_shard=2", "batch.micro_batch_size=1",
+                                    "parallel.reshard_after_forward=false"]),
     "dp_shard2_tp2": ("ref", [*GPT, "parallel.dp_shard=2", "parallel.tp=2", "batch.micro_batch_size=2"]),
     "dp_shard2_tp2_sp_ac_selective": ("ref", [*GPT, "parallel.dp_shard=2", "parallel.tp=2",
                                               "parallel.sequence_parallel=true", "batch.micro_batch_size=2",
@@ -88,7 +90,8 @@ def run_world(world: int, runs: dict, root) -> dict:
         for name in runs:
             assert other[name]["losses"] == per_rank[0][name]["losses"], name
     out = {name: (per_rank[0][name]["losses"], load_file(os.path.join(root, name, "model.safetensors")),
-                  per_rank[0][name]["layout"]) for name in runs}
+                  per_rank[0][name]["layout"], [row["grad_norm"] for row in read_metrics(os.path.join(root, name))])
+           for name in runs}
     out["roles"] = [r.get("roles") for r in per_rank]
     return out
 
@@ -109,10 +112,12 @@ def world4(tmp_path_factory):
 
 
 def assert_matches(got, ref):
-    losses, params, _ = got
-    ref_losses, ref_params, _ = ref
+    losses, params, _, grad_norms = got
+    ref_losses, ref_params, _, ref_grad_norms = ref
     assert len(losses) == len(ref_losses) == 3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    # The logged norm is the whole model's (global over shards), before clipping (default 1.0).
+    torch.testing.assert_close(torch.tensor(grad_norms), torch.tensor(ref_grad_norms), rtol=1e-4, atol=0)
     assert params.keys() == ref_params.keys()  # the gathered weights keep the model's names
     for k in ref_params:
         torch.testing.assert_close(params[k], ref_params[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
