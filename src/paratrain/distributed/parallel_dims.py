@@ -71,7 +71,8 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=names)
         dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
         if len(dp_names) == 2:
-            mesh[dp_names]._flatten("dp")
+            # Keep the flattened mesh: slicing a flattened dim back out of the root is deprecated.
+            self.__dict__["_dp_mesh"] = mesh[dp_names]._flatten("dp")
         return mesh
 
     # The sub-mesh each role uses (mesh dimension names; a tuple is a multi-dimensional mesh):
@@ -101,6 +102,8 @@ class ParallelDims:
             return None
         if role == "dp" and (self.dp_replicate == 1 or self.dp_shard == 1):
             role = "dp_replicate" if self.dp_replicate > 1 else "dp_shard"
+        elif role == "dp":
+            return self.__dict__["_dp_mesh"]
         return self.mesh[role]
 
     def group(self, role: str) -> dist.ProcessGroup | None:
