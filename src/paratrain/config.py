@@ -93,7 +93,7 @@ class ParallelConfig:
     cpu_offload: bool = opt(False, "FSDP2: keep sharded parameters, gradients and optimiser state in CPU memory (CPUOffloadPolicy); needs parallel.dp_shard > 1.")
     sequence_parallel: bool = opt(False, "Tensor parallel: also shard the norms and the residual stream along the sequence (Megatron-LM sequence parallelism); needs parallel.tp > 1.")
     loss_parallel: bool = opt(True, "Tensor parallel, built-in GPT with the built-in cross_entropy: compute the loss on vocabulary-sharded logits instead of gathering them.")
-    tp_plan: dict = opt({}, "Tensor-parallel plan for a user model: module-name pattern (fnmatch, e.g. 'blocks.*.fc1') -> a style: 'colwise', 'rowwise', 'colwise_gather', 'sequence', 'rowwise_to_sequence' or 'sequence_to_colwise' (README, Tensor parallel).")
+    tp_plan: dict = opt({}, "Tensor-parallel plan for a user model: module-name pattern (fnmatch, e.g. 'blocks.*.fc1') -> a style: 'colwise', 'rowwise', 'colwise_gather', 'sequence', 'rowwise_to_sequence' or 'sequence_to_colwise' (see the README).")
     tp_plan_factory: str = opt("", "Tensor-parallel plan for a user model as 'package.module:function(model, tp_mesh) -> {fqn: ParallelStyle}'.")
     activation_checkpointing: Literal["none", "full", "selective"] = opt("none", "Recompute activations in backward, per block of model.layers: 'full' saves only each block's input; 'selective' keeps matmul and attention outputs and recomputes the rest (op-level SAC).")
 

@@ -89,7 +89,8 @@ def train_step(
     last = len(batches) - 1
     for k, (inputs, target) in enumerate(batches):
         inputs, target = to_device(inputs, device), to_device(target, device)
-        # Gradients are reduced once, in the backward of the last micro-batch.
+        # Gradients are reduced once, in the backward of the last micro-batch (DDP, ZeRO-2-like
+        # FSDP), or every micro-batch into 1/N shards (ZeRO-3-like FSDP: sync_each_micro_batch).
         with maybe_no_sync(model, sync=k == last, sync_each_micro_batch=sync_each_micro_batch), \
                 maybe_loss_parallel(loss_parallel):
             s, c = loss_fn(model(inputs), target)

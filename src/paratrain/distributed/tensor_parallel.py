@@ -177,7 +177,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, plan: dict, plan_factory: st
         styles = gpt_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     else:
         raise ConfigError(f"parallel.tp = {mesh.size()} needs a plan for {type(model).__name__}; set a"
-                          " [parallel.tp_plan] table or parallel.tp_plan_factory (README, Tensor parallel)")
+                          " [parallel.tp_plan] table or parallel.tp_plan_factory (see the README)")
     parallelize_module(model, mesh, styles)
     _keep_gradients_sharded(model)
     if sequence_parallel:
