@@ -81,6 +81,18 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
     return model
 
 
+def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Replicated data parallel over ``mesh`` for a model whose parameters are DTensors (tensor
+    parallel): DDP cannot bucket DTensors, so this uses torch's FSDP2-based ``replicate`` (the
+    same per-block units and hooks as ``apply_fsdp``, all-reduce instead of reduce-scatter)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for _, block in blocks_of(model):
+        replicate(block, mesh=mesh)
+    replicate(model, mesh=mesh)
+    return model
+
+
 def maybe_no_sync(model: nn.Module, *, sync: bool, sync_each_micro_batch: bool = False) -> contextlib.AbstractContextManager:
     """Skip the gradient reduce of this backward unless ``sync`` (a no-op without DP wrappers).
 
@@ -91,9 +103,16 @@ def maybe_no_sync(model: nn.Module, *, sync: bool, sync_each_micro_batch: bool =
         return contextlib.nullcontext()
     if isinstance(model, DDP):
         return model.no_sync()
-    if isinstance(model, FSDPModule) and not sync_each_micro_batch:
+    if isinstance(model, FSDPModule) and (not sync_each_micro_batch or _is_replicated(model)):
         return _fsdp_no_sync(model)
     return contextlib.nullcontext()
+
+
+def _is_replicated(model: nn.Module) -> bool:
+    # FSDP2's replicate holds full gradients anyway: like DDP, it syncs on the last micro-batch.
+    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+
+    return isinstance(model, ReplicateModule)
 
 
 @contextlib.contextmanager

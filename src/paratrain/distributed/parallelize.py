@@ -15,7 +15,8 @@ Order (as torchtitan composes them; each step says why it comes where it does):
 5. FSDP / HSDP (``apply_fsdp``): shards whatever parameters the steps above left, on the
    ``dp_shard`` (or ``dp_replicate x dp_shard``) mesh; with TP its parameters become 2-D DTensors.
 6. DDP (``apply_ddp``): last, as it wraps the finished module and buckets its gradients; used
-   for ``dp_replicate`` alone (with ``dp_shard > 1`` FSDP2's HSDP does the replication).
+   for ``dp_replicate`` alone (with ``dp_shard > 1`` FSDP2's HSDP does the replication, with
+   ``tp > 1`` torch's FSDP2-based ``replicate``, as DDP cannot hold DTensor parameters).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 
 from paratrain.config import ConfigError, ModelConfig, ParallelConfig
 from paratrain.distributed.activation_checkpoint import apply_ac
-from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp
+from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.tensor_parallel import STYLE_NAMES, apply_tp
 
@@ -117,11 +118,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, de
     # 6. Replicated data parallel, last: it wraps whatever the model has become.
     elif dims.dp_replicate > 1:
         if dims.tp > 1:
-            # DDP cannot bucket DTensor parameters; FSDP2 on the dp_replicate mesh reduces the
-            # gradients of the TP shards instead (it shards them across the replicas as well,
-            # which only saves memory: the math is that of replication).
-            apply_fsdp(model, dims.submesh("dp_replicate"), reshard_after_forward=cfg.reshard_after_forward,
-                       cpu_offload=cfg.cpu_offload)
+            # DDP cannot bucket DTensor parameters: FSDP2's replicate all-reduces TP shards.
+            apply_replicate(model, dims.submesh("dp_replicate"))
         else:
             model = apply_ddp(model, dims.submesh("dp_replicate"), device=device, bucket_mb=cfg.ddp_bucket_mb)
     return model
