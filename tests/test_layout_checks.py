@@ -15,7 +15,6 @@ CASES = [
     (2, ["parallel.tp=2", "model.args.n_head=3"], "parallel.tp = 2 does not divide model.args.n_head = 3"),
     (2, ["parallel.tp=2", "model.args.n_head=2", "model.args.d_model=33"],
      "parallel.tp = 2 does not divide model.args.d_model = 33"),
-    (2, ["parallel.tp=2", "model.args.vocab_size=33"], "parallel.tp = 2 does not divide model.args.vocab_size = 33"),
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.args.block_size=17"],
      "parallel.tp = 2 does not divide model.args.block_size = 17"),
     (2, ["parallel.sequence_parallel=true"], "parallel.sequence_parallel = true needs tensor parallelism"),

@@ -6,7 +6,7 @@ Gradient sync policy, per strategy (memory against communication):
   micro-batches run under ``no_sync`` and accumulate locally, so a step costs one gradient
   all-reduce whatever the accumulation (as nanoGPT explains, syncing every micro-batch would
   multiply the communication by ``accum_steps`` for nothing). Free in memory: DDP holds full
-  gradients anyway.
+  gradients anyway. FSDP2's ``replicate`` (``dp_replicate`` with tensor parallel) does the same.
 - FSDP2 with ``reshard_after_forward = false`` (ZeRO-2-like: parameters stay gathered from
   forward to backward) skips the reduce-scatter on early micro-batches too
   (``set_requires_gradient_sync(False)``): the unsharded gradients accumulate locally and are

@@ -74,7 +74,6 @@ def _check_gpt_tp(tp: int, args: dict, *, sequence_parallel: bool) -> None:
     checks = [
         ("n_head", "attention heads are split whole across the tp ranks"),
         ("d_model", "the hidden size is split across the tp ranks"),
-        ("vocab_size", "the embedding and the output layer are split by vocabulary"),
     ]
     if sequence_parallel:
         checks.append(("block_size", "sequence parallelism splits the positions across the tp ranks"))
