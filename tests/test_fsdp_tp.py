@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from tests.dist_utils import read_metrics, run_ranks
 
 GPT = [
-    "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 32}",
+    "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 31}",
     "data.factory='tests.toy:toy_lm'",
-    "data.args={n = 64, seq_len = 16, vocab = 32}",
+    "data.args={n = 64, seq_len = 16, vocab = 31}",
     "batch.global_batch_size=8",
     "run.steps=3",
     "run.progress=false",
@@ -28,6 +28,7 @@ USER = [*GPT, "model.factory='tests.toy:tiny_lm'", "model.args={vocab = 32, d = 
 USER_PLAN = ["parallel.tp_plan={emb = 'rowwise', 'layers.*.fc1' = 'colwise', 'layers.*.fc2' = 'rowwise',"
              " head = 'colwise_gather'}"]
 
+# vocab_size 31 is split unevenly by tp = 2 and by FSDP.
 # name -> (reference name, overrides). Micro-batches of 2 (1 at dp 4) so every layout accumulates.
 WORLD1 = {
     "ref": [*GPT, "batch.micro_batch_size=2"],
