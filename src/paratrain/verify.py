@@ -35,8 +35,6 @@ def reference_overrides() -> list[str]:
 
 
 def rel_diff(a, b) -> float:
-    import torch
-
     a, b = a.double(), b.double()
     den = b.norm().item()
     num = (a - b).norm().item()
@@ -46,7 +44,6 @@ def rel_diff(a, b) -> float:
 def compare_parameters(layout_file: str, reference_file: str, tol: float, out=sys.stdout) -> tuple[bool, str | None]:
     """Compare two model.safetensors; returns (all within tol, first parameter past it)."""
     from safetensors import safe_open
-
     from safetensors.torch import load_file
 
     ref = load_file(reference_file)
