@@ -18,9 +18,10 @@ from paratrain.checkpoint import build_checkpointer, resume_spec, truncate_metri
 from paratrain.config import Config, to_toml
 from paratrain.data import build_dataset, dataset_builder
 from paratrain.distributed.comm import apply_grad_compression, check_compression
-from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
-from paratrain.distributed.parallelize import check_supported, parallelize
+from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.parallelize import check_parallel_layout, check_supported, parallelize
+from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.loss import build_loss
 from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize
@@ -39,8 +40,9 @@ def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]
     dataset_builder(cfg.data)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_supported(dims)
-    check_compression(cfg.comm, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard)
+    check_compression(cfg.comm, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp)
     check_precision(cfg.precision, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, compression=cfg.comm.compression)
+    check_parallel_layout(dims, parallel=cfg.parallel, model=cfg.model)
     plan = plan_batch(global_batch_size=cfg.batch.global_batch_size,
                       micro_batch_size=cfg.batch.micro_batch_size, dp=dims.dp)
     return dims, plan
@@ -94,9 +96,15 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     peak_flops, peak_source = resolve_peak_flops(cfg.hardware, device=ctx.device, dtype=cfg.precision.dtype)
     log.info("precision: %s | MFU peak: %s", cfg.precision.dtype,
              f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})")
-    model = parallelize(model, dims, cfg=cfg.parallel, device=ctx.device, comm=cfg.comm,
-                        precision=cfg.precision, compile_enabled=cfg.train.compile)
+    # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits.
+    loss_parallel = loss_parallel_enabled(
+        model, tp=dims.tp, requested=cfg.parallel.loss_parallel, builtin_cross_entropy=loss is None and
+        cfg.loss.name == "cross_entropy", user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory))
+    model = parallelize(model, dims, cfg=cfg.parallel, device=ctx.device, comm=cfg.comm, precision=cfg.precision,
+                        compile_enabled=cfg.train.compile, loss_parallel=loss_parallel)
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
+    # FSDP2's gradient sync policy (distributed/data_parallel.py): ZeRO-3 reduces every micro-batch.
+    sync_each_micro_batch = cfg.parallel.reshard_after_forward
     # ----------------------------------------------------------------------------------------
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.run.steps)
@@ -130,7 +138,8 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
             batches = load_batches(dataset, mine, plan.micro_batch_size)
             lr = scheduler.get_last_lr()[0]
             result = train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
-                                grad_clip=cfg.optim.grad_clip, device=ctx.device, precision=precision)
+                                grad_clip=cfg.optim.grad_clip, device=ctx.device, precision=precision,
+                                loss_parallel=loss_parallel, sync_each_micro_batch=sync_each_micro_batch)
             scheduler.step()
             state.step += 1
             state.consumed_samples += plan.global_batch_size
