@@ -88,6 +88,12 @@ class ParallelConfig:
     tp: int = opt(1, "Tensor-parallel degree.")
     pp: int = opt(1, "Pipeline-parallel degree.")
     ddp_bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB.")
+    # Pipeline parallel (distributed/pipeline_parallel.py).
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"] = opt(
+        "1f1b", "Pipeline schedule: 'gpipe', '1f1b', 'interleaved1f1b', 'looped_bfs', 'interleaved_zb', 'zbv' or 'dualpipev'.")
+    pp_microbatches: int = opt(0, "Pipeline micro-batches each micro-batch is split into; 0 picks the fewest the schedule needs.")
+    pp_virtual_stages: int = opt(0, "Stages per pipeline rank; 0 means 1 for gpipe/1f1b and 2 for the multi-stage schedules.")
+    pp_split_points: list = opt([], "Block indices where a new pipeline stage starts (pp x virtual - 1 of them); [] balances by parameter count.")
 
 
 @dataclass

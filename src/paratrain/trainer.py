@@ -18,6 +18,7 @@ from paratrain.config import Config, to_toml
 from paratrain.data import build_dataset
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_supported, parallelize
+from paratrain.distributed.pipeline_parallel import PipelineModel, check_pp_layout_of, pipeline_train_step
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.loss import build_loss
 from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize
@@ -34,6 +35,8 @@ def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]
     check_supported(dims)
     plan = plan_batch(global_batch_size=cfg.batch.global_batch_size,
                       micro_batch_size=cfg.batch.micro_batch_size, dp=dims.dp)
+    if dims.pp > 1:
+        check_pp_layout_of(cfg, pp=dims.pp, micro_batch_size=plan.micro_batch_size, accum_steps=plan.accum_steps)
     return dims, plan
 
 
@@ -100,7 +103,9 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
             mine = rank_slice(indices, dp_rank=dp_rank, dp=dims.dp)
             batches = load_batches(dataset, mine, plan.micro_batch_size)
             lr = scheduler.get_last_lr()[0]
-            result = train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
+            # Pipeline parallel: the schedule runs forward and backward itself (same contract).
+            step_fn = pipeline_train_step if isinstance(model, PipelineModel) else train_step
+            result = step_fn(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
                                 grad_clip=cfg.optim.grad_clip, device=ctx.device)
             scheduler.step()
             state.step += 1
@@ -156,6 +161,9 @@ def save_full_weights(model: nn.Module, path: str, *, is_main: bool) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     # Every rank takes part: with sharded layouts this is a collective.
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if isinstance(model, PipelineModel):  # every stage's weights, gathered onto pp rank 0
+        sd = model.full_state_dict()
+    else:
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if is_main:
         save_file({k: v.contiguous() for k, v in sd.items()}, path)
