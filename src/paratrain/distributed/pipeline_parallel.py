@@ -209,22 +209,25 @@ def balanced_split(block_sizes: list[int], stages: int, *, head: int = 0, tail: 
     """Start block of each stage after the first, minimising the largest stage's parameter count.
 
     ``head``/``tail`` are the parameters the first/last stage carry besides blocks (embeddings,
-    output layer). Exact dynamic programme over contiguous partitions: O(stages x blocks^2).
+    output layer). Dynamic programme over contiguous partitions: O(stages x blocks^2).
     """
     n = len(block_sizes)
     prefix = [0]
     for s in block_sizes:
         prefix.append(prefix[-1] + s)
-    inf = float("inf")
-    # best[k][j]: smallest max-load of the first j blocks cut into k stages; cut[k][j]: last start
+    inf = (float("inf"), float("inf"))
+    # best[k][j]: (largest stage, sum of squared stages) of the first j blocks cut into k stages,
+    # compared in that order: the largest stage decides, the squares break ties towards even
+    # stages. cut[k][j]: where the k-th stage starts.
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
+    best[0][0] = (0, 0)
     for k in range(1, stages + 1):
         for j in range(k, n - (stages - k) + 1):
             for i in range(k - 1, j):
                 load = prefix[j] - prefix[i] + (head if k == 1 else 0) + (tail if k == stages else 0)
-                cand = max(best[k - 1][i], load)
+                prev = best[k - 1][i]
+                cand = (max(prev[0], load), prev[1] + load * load)
                 if cand < best[k][j]:
                     best[k][j], cut[k][j] = cand, i
     starts, j = [], n
@@ -340,8 +343,10 @@ class PipelineModel(nn.Module):
 
         sd: dict[str, torch.Tensor] = {}
         for part in self.parts:  # a collective within the part's dp_shard/tp groups, if any
-            sd.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
-        sd = {k: v.detach().cpu() for k, v in sd.items()}
+            # Not cpu_offload=True: that keeps the tensors on global rank 0 only, and here every
+            # pp rank must contribute its stages. Each part is moved to the CPU on its own.
+            part_sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+            sd.update({k: v.detach().cpu() for k, v in part_sd.items()})
         gathered = [None] * self.pp if dist.get_rank(self.pp_group) == 0 else None
         dist.gather_object(sd, gathered, group=self.pp_group, group_dst=0)
         if gathered is None:
