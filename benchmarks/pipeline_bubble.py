@@ -4,8 +4,9 @@
 
 For each pipeline degree p, schedule and number of pipeline micro-batches m, the GPT is split
 by paratrain's ``apply_pp`` into p stages (one process each, gloo on CPU or nccl on CUDA) and
-one schedule run over m micro-batches of ``--batch`` samples is timed (median of ``--steps``
-runs after warm-up, the slowest rank's time, optimiser excluded).
+one schedule run over m micro-batches of ``--batch`` samples is timed (the best of ``--steps``
+runs after warm-up, each the slowest rank's time, optimiser excluded; the best, not the median,
+because on a shared machine interference only ever adds time).
 
 How the measured bubble is derived: the ideal pipeline, with no bubble, keeps every stage busy
 all the time, so it takes ``m x t_stage`` where ``t_stage`` is the forward + backward time of
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -58,7 +58,7 @@ def _stage_time(part, *, first: bool, last: bool, batch: int, seq: int, d_model:
         _sync(device)
         times.append(time.perf_counter() - t0)
     part.zero_grad(set_to_none=True)
-    return statistics.median(times[1:])
+    return min(times[1:])
 
 
 def _rank(rank: int, world: int, port: int, args, q) -> None:
@@ -123,7 +123,7 @@ def _rank_body(rank: int, world: int, port: int, args, q) -> None:
                             d_model=args.d_model, vocab=args.vocab, device=device, reps=args.steps)
                 for part, st in zip(pipe.parts, pipe.stages)), dtype=torch.float64)
             dist.all_reduce(t_stage, op=dist.ReduceOp.MAX)
-            rows.append((schedule, world, m, statistics.median(times), t_stage.item()))
+            rows.append((schedule, world, m, min(times), t_stage.item()))
     if rank == 0:
         q.put(rows)
     dist.destroy_process_group()
@@ -143,7 +143,7 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--blocks-per-stage", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5, help="timed schedule runs (median)")
+    p.add_argument("--steps", type=int, default=5, help="timed schedule runs and stage probes (best of)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
