@@ -57,3 +57,75 @@ def mean_of_means(output, target):
 
 
 mean_of_means.count = lambda target: 1
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """A user's token model with its blocks in `layers`, for tensor-parallel plans in TOML."""
+
+    def __init__(self, vocab: int = 32, d: int = 32, hidden: int = 64, n_layer: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([ResidualMLP(d, hidden) for _ in range(n_layer)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+def tiny_lm(vocab: int = 32, d: int = 32, hidden: int = 64, n_layer: int = 2) -> TinyLM:
+    return TinyLM(vocab, d, hidden, n_layer)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def gpt_skewed_grad(factor: float = 3.0, **gpt_args) -> nn.Module:
+    """A deliberately broken layout, from the user's side: on every rank but 0 the gradient that
+    flows back out of block 0 is multiplied by ``factor`` (the forward is unchanged), as a rank
+    with a bad gradient would do. One process (rank 0) computes the true model."""
+    import torch.distributed as dist
+
+    from paratrain.models import build_gpt
+
+    model = build_gpt(**gpt_args)
+
+    def hook(module, args, output):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return _ScaleGrad.apply(output, factor) if rank != 0 else output
+
+    model.layers["0"].register_forward_hook(hook)
+    return model
+
+
+def tiny_lm_tp_plan(model: nn.Module, tp_mesh) -> dict:
+    """A tensor-parallel plan in Python (parallel.tp_plan_factory) for TinyLM."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"emb": RowwiseParallel(input_layouts=Replicate()), "head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(model.layers)):
+        plan[f"layers.{i}.fc1"] = ColwiseParallel()
+        plan[f"layers.{i}.fc2"] = RowwiseParallel()
+    return plan

@@ -39,6 +39,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return launch(spec, "paratrain.train", module_args)
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from paratrain.verify import verify
+
+    return verify(args.config, args.overrides, spec=launch_spec(args), steps=args.steps, tol=args.tol,
+                  out_dir=args.out_dir)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.generate import generate_text
 
@@ -64,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(p)
     add_set_argument(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("verify", help="run a layout and the single-process reference; compare losses and weights")
+    p.add_argument("config", help="TOML config file")
+    p.add_argument("--steps", type=int, default=5, help="optimiser steps of each run (default 5)")
+    p.add_argument("--tol", type=float, default=1e-4, help="relative tolerance of losses and parameters (default 1e-4)")
+    p.add_argument("--out-dir", default="", help="where both runs write (default: RUN.OUT_DIR/verify)")
+    add_launch_arguments(p)
+    add_set_argument(p)
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("generate", help="sample text from a trained byte-level GPT")
     p.add_argument("out_dir", help="run.out_dir of a finished run")

@@ -88,6 +88,14 @@ class ParallelConfig:
     tp: int = opt(1, "Tensor-parallel degree.")
     pp: int = opt(1, "Pipeline-parallel degree.")
     ddp_bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB.")
+    # --- sharded data parallel, tensor parallel, activation checkpointing (issue 3) ---
+    reshard_after_forward: bool = opt(True, "FSDP2: free the gathered parameters after each block's forward (true: ZeRO-3-like, least memory; false: ZeRO-2-like, keeps them until backward, one all-gather less per block, and skips gradient sync on early micro-batches).")
+    cpu_offload: bool = opt(False, "FSDP2: keep sharded parameters, gradients and optimiser state in CPU memory (CPUOffloadPolicy); needs parallel.dp_shard > 1.")
+    sequence_parallel: bool = opt(False, "Tensor parallel: also shard the norms and the residual stream along the sequence (Megatron-LM sequence parallelism); needs parallel.tp > 1.")
+    loss_parallel: bool = opt(True, "Tensor parallel, built-in GPT with the built-in cross_entropy: compute the loss on vocabulary-sharded logits instead of gathering them.")
+    tp_plan: dict = opt({}, "Tensor-parallel plan for a user model: module-name pattern (fnmatch, e.g. 'blocks.*.fc1') -> a style: 'colwise', 'rowwise', 'colwise_gather', 'sequence', 'rowwise_to_sequence' or 'sequence_to_colwise' (see the README).")
+    tp_plan_factory: str = opt("", "Tensor-parallel plan for a user model as 'package.module:function(model, tp_mesh) -> {fqn: ParallelStyle}'.")
+    activation_checkpointing: Literal["none", "full", "selective"] = opt("none", "Recompute activations in backward, per block of model.layers: 'full' saves only each block's input; 'selective' keeps matmul and attention outputs and recomputes the rest (op-level SAC).")
     # Pipeline parallel (distributed/pipeline_parallel.py).
     pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"] = opt(
         "1f1b", "Pipeline schedule: 'gpipe', '1f1b', 'interleaved1f1b', 'looped_bfs', 'interleaved_zb', 'zbv' or 'dualpipev'.")
@@ -232,6 +240,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.min_lr_ratio = {cfg.optim.min_lr_ratio} must be within [0, 1]")
     for name in ("dp_shard", "tp", "pp"):
         positive(f"parallel.{name}", getattr(cfg.parallel, name))
+    if cfg.parallel.tp_plan_factory:
+        resolve_callable(cfg.parallel.tp_plan_factory, "parallel.tp_plan_factory")
     if cfg.parallel.dp_replicate == 0 or cfg.parallel.dp_replicate < -1:
         raise ConfigError(f"parallel.dp_replicate = {cfg.parallel.dp_replicate} must be >= 1, or -1 to fill the world size")
     for key, ref in (("model.factory", cfg.model.factory), ("data.factory", cfg.data.factory)):

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.config import ConfigError
 from paratrain.distributed.data_parallel import maybe_no_sync
+from paratrain.distributed.grad_norm import clip_grad_norm_
+from paratrain.distributed.tensor_parallel import maybe_loss_parallel
 from paratrain.loss import Loss
 
 
@@ -55,8 +58,17 @@ def train_step(
     dp_group: dist.ProcessGroup | None,
     grad_clip: float,
     device: torch.device,
+    loss_parallel: bool = False,
+    sync_each_micro_batch: bool = False,
 ) -> StepResult:
-    """One optimiser step over this rank's micro-batches ``[(input, target), ...]`` (on CPU)."""
+    """One optimiser step over this rank's micro-batches ``[(input, target), ...]`` (on CPU).
+
+    ``loss_parallel``: the logits are vocabulary-sharded DTensors (tensor parallel), the loss runs
+    under torch's loss_parallel. ``sync_each_micro_batch``: the FSDP2 ZeRO-3 sync policy (see
+    distributed/data_parallel.py); otherwise gradients are reduced on the last micro-batch only.
+    Ranks of one tensor-parallel group get the same batches and compute the same loss; the loss
+    is reduced over ``dp_group`` only.
+    """
     # 1. Global item count, from the targets alone, before any backward. Counted on the CPU so
     #    this small all-reduce never waits for the device.
     local_items = torch.stack([loss_fn.count(t) for _, t in batches]).sum()
@@ -77,16 +89,19 @@ def train_step(
     last = len(batches) - 1
     for k, (inputs, target) in enumerate(batches):
         inputs, target = to_device(inputs, device), to_device(target, device)
-        # Gradients are reduced once, in the backward of the last micro-batch.
-        with maybe_no_sync(model, sync=k == last):
+        # Gradients are reduced once, in the backward of the last micro-batch (DDP, ZeRO-2-like
+        # FSDP), or every micro-batch into 1/N shards (ZeRO-3-like FSDP: sync_each_micro_batch).
+        with maybe_no_sync(model, sync=k == last, sync_each_micro_batch=sync_each_micro_batch), \
+                maybe_loss_parallel(loss_parallel):
             s, c = loss_fn(model(inputs), target)
             (s * scale).backward()
+        if isinstance(s, DTensor):  # loss_parallel: a replicated scalar DTensor
+            s = s.full_tensor()
         loss_sum += s.detach().double()
         returned += torch.as_tensor(c, device=device, dtype=torch.float64)
 
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        [p for p in model.parameters() if p.grad is not None], grad_clip if grad_clip > 0 else math.inf
-    )
+    # The norm of the whole model's gradient on every rank, also when gradients are sharded.
+    grad_norm = clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -17,8 +17,9 @@ from paratrain.batching import BatchPlan, GlobalBatchSampler, micro_batches, pla
 from paratrain.config import Config, to_toml
 from paratrain.data import build_dataset
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.distributed.parallelize import check_supported, parallelize
+from paratrain.distributed.parallelize import check_parallel_layout, check_supported, parallelize
 from paratrain.distributed.pipeline_parallel import PipelineModel, check_pp_layout_of, pipeline_train_step
+from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.loss import build_loss
 from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize
@@ -33,6 +34,7 @@ def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]
     """Every check that needs only the config and the world size: run before any process starts."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_supported(dims)
+    check_parallel_layout(dims, parallel=cfg.parallel, model=cfg.model)
     plan = plan_batch(global_batch_size=cfg.batch.global_batch_size,
                       micro_batch_size=cfg.batch.micro_batch_size, dp=dims.dp)
     if dims.pp > 1:
@@ -81,7 +83,14 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     log.info("batch: %s (per rank %d)", plan.describe(), plan.per_rank_batch_size)
     log.info("model: %.2fM parameters | data: %s", n_params / 1e6, json.dumps(data_info))
 
-    model = parallelize(model, dims, cfg=cfg.parallel, device=ctx.device)
+    # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits.
+    loss_parallel = loss_parallel_enabled(
+        # (not under pipeline parallel: the schedule's loss runs on plain, gathered logits)
+        model, tp=dims.tp, requested=cfg.parallel.loss_parallel and dims.pp == 1, builtin_cross_entropy=loss is None and
+        cfg.loss.name == "cross_entropy", user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory))
+    model = parallelize(model, dims, cfg=cfg.parallel, device=ctx.device, loss_parallel=loss_parallel)
+    # FSDP2's gradient sync policy (distributed/data_parallel.py): ZeRO-3 reduces every micro-batch.
+    sync_each_micro_batch = cfg.parallel.reshard_after_forward
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.run.steps)
     sampler = GlobalBatchSampler(len(dataset), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
@@ -104,10 +113,13 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
             mine = rank_slice(indices, dp_rank=dp_rank, dp=dims.dp)
             batches = load_batches(dataset, mine, plan.micro_batch_size)
             lr = scheduler.get_last_lr()[0]
-            # Pipeline parallel: the schedule runs forward and backward itself (same contract).
-            step_fn = pipeline_train_step if isinstance(model, PipelineModel) else train_step
-            result = step_fn(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
-                                grad_clip=cfg.optim.grad_clip, device=ctx.device)
+            if isinstance(model, PipelineModel):  # pipeline parallel: the schedule runs forward/backward
+                result = pipeline_train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
+                                             grad_clip=cfg.optim.grad_clip, device=ctx.device)
+            else:
+                result = train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
+                                    grad_clip=cfg.optim.grad_clip, device=ctx.device, loss_parallel=loss_parallel,
+                                    sync_each_micro_batch=sync_each_micro_batch)
             scheduler.step()
             state.step += 1
             state.consumed_samples += plan.global_batch_size

@@ -71,16 +71,39 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=names)
         dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
         if len(dp_names) == 2:
-            mesh[dp_names]._flatten("dp")
+            # Keep the flattened mesh: slicing a flattened dim back out of the root is deprecated.
+            self.__dict__["_dp_mesh"] = mesh[dp_names]._flatten("dp")
         return mesh
 
+    # The sub-mesh each role uses (mesh dimension names; a tuple is a multi-dimensional mesh):
+    #   data loading and loss reduction: "dp" (dp_replicate x dp_shard flattened; ranks of one
+    #     TP or PP group share their dp coordinate, so they load the same batch);
+    #   fsdp: "dp_shard", or ("dp_replicate", "dp_shard") for HSDP;
+    #   ddp: "dp_replicate"; tp: "tp"; pp: "pp".
+    ROLES = {"data": "dp", "loss": "dp"}
+
+    def fsdp_dims(self) -> tuple[str, ...]:
+        """Mesh dimensions FSDP2 works on: shard only, or (replicate, shard) for HSDP."""
+        if self.dp_shard == 1:
+            return ()
+        return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)
+
     def submesh(self, role: str) -> DeviceMesh | None:
-        """The sub-mesh of one role ('dp', 'dp_replicate', 'dp_shard', 'tp', 'pp'); None if degree 1."""
+        """The sub-mesh of one role ('data', 'loss', 'dp', 'fsdp', 'dp_replicate', 'dp_shard', 'tp',
+        'pp'); None when that role has a single rank."""
+        role = self.ROLES.get(role, role)
+        if role == "fsdp":
+            names = self.fsdp_dims()
+            if not names or self.mesh is None:
+                return None
+            return self.mesh[names if len(names) > 1 else names[0]]
         size = self.dp if role == "dp" else getattr(self, role)
         if size == 1 or self.mesh is None:
             return None
         if role == "dp" and (self.dp_replicate == 1 or self.dp_shard == 1):
             role = "dp_replicate" if self.dp_replicate > 1 else "dp_shard"
+        elif role == "dp":
+            return self.__dict__["_dp_mesh"]
         return self.mesh[role]
 
     def group(self, role: str) -> dist.ProcessGroup | None:

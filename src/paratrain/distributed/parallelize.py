@@ -1,33 +1,129 @@
-"""The one place that composes the parallelisms, in a fixed order."""
+"""The one place that composes the parallelisms, in a fixed order, and checks a layout first.
+
+Order (as torchtitan composes them; each step says why it comes where it does):
+
+1. pipeline split (``apply_pp``, when ``pp > 1``): first, because every later step works on the
+   stage's own module, as if it were a whole model.
+2. tensor parallel (``apply_tp``): it replaces parameters by DTensors sharded over the ``tp``
+   mesh and installs the layout hooks; every later wrapper must see those final parameters and
+   the module names the plan refers to (wrappers rename modules).
+3. activation checkpointing (``apply_ac``): wraps each block *with* its TP hooks inside, so the
+   recomputation replays the TP collectives too; it must come before FSDP so that FSDP's
+   per-block unit is the checkpointed block (its all-gather runs again in the recomputation).
+4. compile: belongs here (after TP and AC, so it traces the sharded, checkpointed blocks; before
+   FSDP so that FSDP's hooks stay outside the compiled regions). Not part of this module yet.
+5. FSDP / HSDP (``apply_fsdp``): shards whatever parameters the steps above left, on the
+   ``dp_shard`` (or ``dp_replicate x dp_shard``) mesh; with TP its parameters become 2-D DTensors.
+6. DDP (``apply_ddp``): last, as it wraps the finished module and buckets its gradients; used
+   for ``dp_replicate`` alone (with ``dp_shard > 1`` FSDP2's HSDP does the replication, with
+   ``tp > 1`` torch's FSDP2-based ``replicate``, as DDP cannot hold DTensor parameters).
+"""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
-from paratrain.config import ConfigError, ParallelConfig
-from paratrain.distributed.data_parallel import apply_ddp
+from paratrain.config import ConfigError, ModelConfig, ParallelConfig
+from paratrain.distributed.activation_checkpoint import apply_ac
+from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import apply_pp, is_pipeline_stage
+from paratrain.distributed.tensor_parallel import STYLE_NAMES, apply_tp
 
 
 def check_supported(dims: ParallelDims) -> None:
     """Refuse, before any process group exists, a layout this version cannot run."""
-    for name in ("dp_shard", "tp"):
-        if getattr(dims, name) > 1:
-            raise ConfigError(f"parallel.{name} = {getattr(dims, name)} is not available yet; set parallel.{name} = 1")
+    # Every degree is available now; the pipeline's own checks are pipeline_parallel.check_pp_layout.
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, device: torch.device) -> nn.Module:
-    """Move ``model`` to ``device`` and apply the parallelisms its layout asks for."""
+def check_parallel_layout(dims: ParallelDims, *, parallel: ParallelConfig, model: ModelConfig) -> None:
+    """Every check of the parallel layout that needs only the config: run in the launcher, before
+    any process or process group starts. Raises ConfigError naming the key and the fix."""
+    if parallel.sequence_parallel and dims.tp == 1:
+        raise ConfigError("parallel.sequence_parallel = true needs tensor parallelism; set parallel.tp > 1"
+                          " or parallel.sequence_parallel = false")
+    if parallel.cpu_offload and dims.dp_shard == 1:
+        raise ConfigError("parallel.cpu_offload = true offloads FSDP2 shards; set parallel.dp_shard > 1"
+                          " or parallel.cpu_offload = false")
+    if parallel.tp_plan and parallel.tp_plan_factory:
+        raise ConfigError("parallel.tp_plan and parallel.tp_plan_factory are both set; keep one of them")
+    for pattern, style in parallel.tp_plan.items():
+        if style not in STYLE_NAMES:
+            raise ConfigError(f"parallel.tp_plan.{pattern} = {style!r} is not a tensor-parallel style;"
+                              f" use one of {', '.join(STYLE_NAMES)}")
+    if dims.tp == 1:
+        return
+    user_plan = bool(parallel.tp_plan or parallel.tp_plan_factory)
+    if model.factory:
+        if not user_plan:
+            raise ConfigError(f"parallel.tp = {dims.tp} needs a tensor-parallel plan for model.factory ="
+                              f" {model.factory!r}; set a [parallel.tp_plan] table or parallel.tp_plan_factory")
+        return
+    if model.name == "gpt" and not user_plan:
+        _check_gpt_tp(dims.tp, model.args, sequence_parallel=parallel.sequence_parallel)
+
+
+def _check_gpt_tp(tp: int, args: dict, *, sequence_parallel: bool) -> None:
+    from paratrain.models.gpt import GPTConfig
+
+    defaults = GPTConfig()
+    get = lambda k: args.get(k, getattr(defaults, k))  # noqa: E731
+    checks = [
+        ("n_head", "attention heads are split whole across the tp ranks"),
+        ("d_model", "the hidden size is split across the tp ranks"),
+    ]
+    if sequence_parallel:
+        checks.append(("block_size", "sequence parallelism splits the positions across the tp ranks"))
+    for key, why in checks:
+        value = get(key)
+        if isinstance(value, int) and value % tp:
+            raise ConfigError(f"parallel.tp = {tp} does not divide model.args.{key} = {value} ({why}); use a tp"
+                              f" that divides {value} or a {key} that is a multiple of {tp}")
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, device: torch.device,
+                loss_parallel: bool = False) -> nn.Module:
+    """Move ``model`` to ``device`` and apply the parallelisms its layout asks for, in order.
+
+    ``loss_parallel``: keep the GPT's logits vocabulary-sharded for the loss (tensor_parallel.
+    loss_parallel_enabled decides it; the step must then run the loss under loss_parallel).
+    """
     check_supported(dims)
-    # Pipeline parallel splits first: this rank keeps its stage(s), and each stage is then
-    # parallelised like a whole model by the rest of this function (torchtitan's order).
+    model.to(device)
+    if dims.tp > 1 and dims.dp > 1:
+        # On 2-D (dp x tp) meshes DTensor logs, per rank, that the global gradient norm and the
+        # full-weights gather take two collectives instead of one: a known, accepted cost here.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+    # 1. Pipeline split: this rank keeps its stage(s), and each stage then goes through steps
+    #    2-6 like a whole model (this function again), before the PipelineStage wraps it.
     if dims.pp > 1 and not is_pipeline_stage(model):
         return apply_pp(model, dims.submesh("pp"), cfg=cfg, device=device,
-                        parallelize_stage=lambda stage: parallelize(stage, dims, cfg=cfg, device=device))
-    model.to(device)
-    # Replicated data parallel goes last: it wraps whatever the model has become.
-    if dims.dp_replicate > 1:
-        model = apply_ddp(model, dims.submesh("dp_replicate"), device=device, bucket_mb=cfg.ddp_bucket_mb)
+                        parallelize_stage=lambda stage: parallelize(stage, dims, cfg=cfg, device=device,
+                                                                    loss_parallel=loss_parallel))
+
+    # 2. Tensor (and sequence) parallel: final parameters and module names for all that follows.
+    if dims.tp > 1:
+        apply_tp(model, dims.submesh("tp"), plan=cfg.tp_plan, plan_factory=cfg.tp_plan_factory,
+                 sequence_parallel=cfg.sequence_parallel, loss_parallel=loss_parallel)
+
+    # 3. Activation checkpointing, per block, with the TP hooks inside the recomputed region.
+    apply_ac(model, mode=cfg.activation_checkpointing)
+
+    # 4. (torch.compile goes here: after TP and AC, before the data-parallel wrappers.)
+
+    # 5. Sharded data parallel (ZeRO via FSDP2; HSDP when dp_replicate > 1 too).
+    if dims.dp_shard > 1:
+        apply_fsdp(model, dims.submesh("fsdp"), reshard_after_forward=cfg.reshard_after_forward,
+                   cpu_offload=cfg.cpu_offload)
+    # 6. Replicated data parallel, last: it wraps whatever the model has become.
+    elif dims.dp_replicate > 1:
+        if dims.tp > 1:
+            # DDP cannot bucket DTensor parameters: FSDP2's replicate all-reduces TP shards.
+            apply_replicate(model, dims.submesh("dp_replicate"))
+        else:
+            model = apply_ddp(model, dims.submesh("dp_replicate"), device=device, bucket_mb=cfg.ddp_bucket_mb)
     return model

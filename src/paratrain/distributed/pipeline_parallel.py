@@ -399,16 +399,22 @@ def apply_pp(
 
 
 def pp_grad_norm(params: list[nn.Parameter], *, max_norm: float, pp_group) -> torch.Tensor:
-    """Clip by the gradient norm over all stages: each rank's norm is partial, summed over pp."""
-    grads = [p.grad for p in params if p.grad is not None]
-    local = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if hasattr(local, "full_tensor"):  # DTensor (FSDP/TP): the norm over this stage's shards
-        local = local.full_tensor()
-    sq = local.double() ** 2
+    """Clip by the gradient norm of the whole model: each stage's norm (itself whole over its
+    FSDP/TP shards, grad_norm.global_grad_norm) is partial, so the squares are summed over pp."""
+    from paratrain.distributed.grad_norm import global_grad_norm
+
+    local = global_grad_norm(params, norm_type=2.0)
+    sq = local.double().reshape(()) ** 2
     dist.all_reduce(sq, group=pp_group)
-    total = sq.sqrt().to(local.dtype)
+    total = sq.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        # torch.nn.utils.clip_grads_with_norm_'s coefficient, as a Python scalar so that it
+        # multiplies plain tensors and DTensors on any mesh alike.
+        coef = min(1.0, float(max_norm / (total + 1e-6)))
+        if coef < 1.0:
+            with torch.no_grad():
+                for p in params:
+                    p.grad.mul_(coef)
     return total
 
 

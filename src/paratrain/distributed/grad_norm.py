@@ -1,0 +1,52 @@
+"""The global gradient norm and clipping over plain, DTensor (FSDP/TP) and mixed gradients.
+
+``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms, which fails when the gradients live
+on different meshes (FSDP puts plain-parameter gradients on the dp mesh and TP ones on the
+dp x tp mesh) and returns a DTensor when they are sharded. Here each group of gradients on one
+mesh gets its norm from torch (a sharded norm reduced by DTensor), made a full (replicated)
+tensor with ``full_tensor()``, and the groups are combined: the norm is the one of the whole,
+unsharded model on every rank, as the single-process reference computes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def global_grad_norm(params, *, norm_type: float = 2.0) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+    parts = []
+    for mesh, gs in groups.items():
+        n = torch.nn.utils.get_total_norm(gs, norm_type=norm_type)
+        parts.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    device = parts[0].device
+    parts = torch.stack([p.to(device=device, dtype=torch.float32) for p in parts])
+    if math.isinf(norm_type):
+        return parts.max()
+    return parts.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def clip_grad_norm_(params, max_norm: float, *, norm_type: float = 2.0) -> float:
+    """Clip the gradients in place to ``max_norm`` (inf: no clipping); returns the global norm."""
+    params = [p for p in params if p.grad is not None]
+    if not any(isinstance(p.grad, DTensor) for p in params):
+        # Plain tensors: torch's own (fused, foreach) implementation, as the reference uses it.
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
+    total = global_grad_norm(params, norm_type=norm_type)
+    # The same coefficient as torch.nn.utils.clip_grads_with_norm_, applied as a Python scalar so
+    # that it multiplies plain tensors and DTensors on any mesh alike.
+    coef = min(1.0, float(max_norm / (total + 1e-6)))
+    if coef < 1.0:
+        with torch.no_grad():
+            for p in params:
+                p.grad.mul_(coef)
+    return float(total)

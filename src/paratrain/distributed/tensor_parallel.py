@@ -1,0 +1,192 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et
+al. 2022) with DTensor: ``apply_tp(model, mesh, *, plan, sequence_parallel, loss_parallel)``.
+
+The built-in GPT gets the Megatron plan: in each block the first linear layers are split by
+output features ("colwise": q/k/v, i.e. whole heads, and the MLP's fc_in) and the second ones by
+input features ("rowwise": o_proj, fc_out), so a block costs one all-reduce in forward and one in
+backward per sub-layer and nothing in between. The token embedding is split by vocabulary rows,
+the output layer by vocabulary columns; with ``loss_parallel`` the cross-entropy runs on those
+vocabulary shards (torch's ``loss_parallel``) and the (batch, seq, vocab) logits are never
+gathered. Sequence parallelism shards the norms and the residual stream along the sequence
+between the tensor-parallel regions: the all-reduce becomes a reduce-scatter + all-gather pair
+(same traffic) and activations outside the matmuls take 1/tp of the memory.
+
+Users' models: ``[parallel.tp_plan]`` maps module-name patterns (fnmatch) to style names, or
+``parallel.tp_plan_factory = "pkg.module:fn"`` returns ``{fqn: ParallelStyle}`` for
+``parallelize_module``. Every rank of one TP group sees the same data (the data loader indexes by
+the dp rank only, see ParallelDims), so the loss is the same on each of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel as torch_loss_parallel,
+    parallelize_module,
+)
+
+from paratrain.config import ConfigError, resolve_callable
+
+# Style names a [parallel.tp_plan] table may use, and what each one is.
+STYLE_NAMES = {
+    "colwise": "split output features; input replicated, output sharded on the last dim",
+    "rowwise": "split input features; input sharded on the last dim, output replicated (all-reduce)",
+    "colwise_gather": "colwise with the output gathered (replicated), e.g. an output layer",
+    "sequence": "a norm/pointwise module on sequence-sharded activations (dim 1)",
+    "rowwise_to_sequence": "rowwise whose output is reduce-scattered along the sequence (dim 1)",
+    "sequence_to_colwise": "colwise whose input comes sequence-sharded (dim 1) and is all-gathered",
+}
+
+
+def style_from_name(name: str, module: nn.Module, key: str) -> ParallelStyle:
+    # An embedding's "rowwise" split is over vocabulary rows; its input (token ids) is replicated.
+    emb_in = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel(input_layouts=emb_in)
+    if name == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "sequence":
+        return SequenceParallel()
+    if name == "rowwise_to_sequence":
+        return RowwiseParallel(input_layouts=emb_in, output_layouts=Shard(1))
+    if name == "sequence_to_colwise":
+        return ColwiseParallel(input_layouts=Shard(1))
+    raise ConfigError(f"{key} = {name!r} is not a tensor-parallel style; use one of {', '.join(STYLE_NAMES)}")
+
+
+def plan_from_table(model: nn.Module, table: dict) -> dict[str, ParallelStyle]:
+    """Expand ``{pattern: style name}`` (fnmatch on module names) into ``{fqn: ParallelStyle}``."""
+    modules = dict(model.named_modules())
+    plan: dict[str, ParallelStyle] = {}
+    for pattern, name in table.items():
+        key = f"parallel.tp_plan.{pattern}"
+        if not isinstance(name, str):
+            raise ConfigError(f"{key} = {name!r} must be a style name; use one of {', '.join(STYLE_NAMES)}")
+        hits = [fqn for fqn in modules if fqn and fnmatch.fnmatchcase(fqn, pattern)]
+        if not hits:
+            sample = ", ".join(list(m for m in modules if m)[:8])
+            raise ConfigError(f"{key}: the pattern matches no module of the model; module names look like: {sample}")
+        for fqn in hits:
+            plan[fqn] = style_from_name(name, modules[fqn], key)
+    return plan
+
+
+def gpt_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """The Megatron plan for paratrain's GPT (modules that a pipeline stage dropped are skipped)."""
+    seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(model, "tok_emb", None) is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        # Positions (T, d_model): their sequence dim is 0, they are added to the (B, T, d) tokens.
+        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(),
+                                          output_layouts=Shard(0) if sequence_parallel else Replicate())
+    for name in model.layers:
+        p = f"layers.{name}."
+        if sequence_parallel:
+            plan[p + "attn_norm"] = SequenceParallel()
+            plan[p + "mlp_norm"] = SequenceParallel()
+            # The attention and the MLP need the whole sequence: all-gather it on entry.
+            plan[p + "attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        # Whole heads per rank: q/k/v split by output features = by heads (n_head % tp == 0).
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            plan[p + "attn." + proj] = ColwiseParallel()
+        plan[p + "attn.o_proj"] = RowwiseParallel(output_layouts=seq)
+        plan[p + "mlp.fc_in"] = ColwiseParallel()
+        plan[p + "mlp.fc_out"] = RowwiseParallel(output_layouts=seq)
+    if getattr(model, "norm", None) is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=seq,
+            # loss_parallel keeps the logits a DTensor sharded on the vocabulary for the loss.
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+def _check_sequence_divisible(tp: int):
+    def hook(module, args):
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % tp:
+            raise ConfigError(f"parallel.sequence_parallel shards the sequence over parallel.tp = {tp} ranks but a"
+                              f" batch has sequence length {x.shape[1]}; use a sequence length divisible by {tp}"
+                              " or set parallel.sequence_parallel = false")
+
+    return hook
+
+
+def _keep_gradients_sharded(model: nn.Module) -> None:
+    """Give every DTensor parameter's gradient the parameter's own layout.
+
+    DTensor's sharding rules can return a gradient more replicated than its parameter: the
+    backward of a vocabulary-sharded embedding (RowwiseParallel) yields a Replicate gradient of
+    the full table on every rank. The optimiser still computes the right update (it
+    redistributes), but each rank would hold the full gradient. Redistributing Replicate ->
+    Shard is a local slice (no communication); Partial -> Shard is a reduce-scatter. (FSDP2,
+    when applied on top, replaces these parameters and does the same for its own gradients.)
+    """
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.requires_grad:
+            placements = p.placements
+            p.register_hook(lambda g, pl=placements: g.redistribute(placements=pl)
+                            if isinstance(g, DTensor) and g.placements != pl else g)
+
+
+def loss_parallel_enabled(model: nn.Module, *, tp: int, requested: bool, builtin_cross_entropy: bool,
+                          user_plan: bool) -> bool:
+    """Whether the loss runs on vocabulary-sharded logits: only paratrain's GPT under its own plan
+    with the built-in cross-entropy (torch's loss_parallel covers cross_entropy, not any loss)."""
+    from paratrain.models.gpt import GPT
+
+    return (tp > 1 and requested and builtin_cross_entropy and not user_plan and isinstance(model, GPT)
+            and getattr(model, "lm_head", None) is not None)
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, *, plan: dict, plan_factory: str, sequence_parallel: bool,
+             loss_parallel: bool) -> None:
+    """Shard ``model`` in place over the 1-D ``mesh``.
+
+    ``plan``/``plan_factory`` are the user's plan; without them the model must be paratrain's GPT.
+    ``loss_parallel`` (decided by :func:`loss_parallel_enabled`) leaves the GPT's logits as
+    vocabulary-sharded DTensors; the step then runs the loss under :func:`maybe_loss_parallel`.
+    """
+    from paratrain.models.gpt import GPT
+
+    if plan_factory:
+        styles = resolve_callable(plan_factory, "parallel.tp_plan_factory")(model, mesh)
+        if not isinstance(styles, dict):
+            raise ConfigError("parallel.tp_plan_factory must return a dict {module name: ParallelStyle}")
+    elif plan:
+        styles = plan_from_table(model, plan)
+    elif isinstance(model, GPT):
+        styles = gpt_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    else:
+        raise ConfigError(f"parallel.tp = {mesh.size()} needs a plan for {type(model).__name__}; set a"
+                          " [parallel.tp_plan] table or parallel.tp_plan_factory (see the README)")
+    parallelize_module(model, mesh, styles)
+    _keep_gradients_sharded(model)
+    if sequence_parallel:
+        model.register_forward_pre_hook(_check_sequence_divisible(mesh.size()))
+
+
+def maybe_loss_parallel(enabled: bool) -> contextlib.AbstractContextManager:
+    """torch's loss_parallel context (cross-entropy on vocabulary-sharded logits) when enabled.
+
+    It must cover the loss's forward and backward: both run the sharded kernels.
+    """
+    return torch_loss_parallel() if enabled else contextlib.nullcontext()

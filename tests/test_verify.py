@@ -1,0 +1,53 @@
+"""`paratrain verify`: passes on a correct layout, fails naming a parameter on a broken one."""
+
+from __future__ import annotations
+
+import re
+
+from tests.dist_utils import paratrain_cli
+
+CONFIG = """
+[run]
+steps = 3
+[model]
+args = {{ n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 32 }}
+[data]
+factory = "tests.toy:toy_lm"
+args = {{ n = 64, seq_len = 16, vocab = 32 }}
+[batch]
+global_batch_size = 8
+micro_batch_size = 2
+[optim]
+lr = 3e-3
+warmup_steps = 2
+[parallel]
+dp_shard = 2
+{extra}
+"""
+
+
+def verify(tmp_path, extra: str = "", *sets: str):
+    cfg = tmp_path / "layout.toml"
+    cfg.write_text(CONFIG.format(extra=extra))
+    args = ["verify", str(cfg), "--steps", "3", "--nproc-per-node", "2", "--out-dir", str(tmp_path / "v")]
+    for s in sets:
+        args += ["--set", s]
+    return paratrain_cli(*args, timeout=300)
+
+
+def test_verify_passes_on_sharded_data_parallel(tmp_path):
+    r = verify(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = re.findall(r"^\s+(\d)\s+(\S+)\s+(\S+)\s+(\S+)$", r.stdout, re.M)
+    assert [int(s) for s, *_ in rows] == [1, 2, 3]
+    assert all(float(d) <= 1e-4 for *_, d in rows)
+    assert "verify: OK" in r.stdout
+
+
+def test_verify_fails_naming_a_parameter_when_a_rank_scales_its_gradient(tmp_path):
+    # tests/toy.py:gpt_skewed_grad multiplies, on rank 1 only, the gradient leaving block 0.
+    r = verify(tmp_path, "", "model.factory='tests.toy:gpt_skewed_grad'")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "verify: FAILED" in r.stdout
+    m = re.search(r"first parameter past tolerance: (\S+)", r.stdout)
+    assert m and m.group(1).startswith(("layers.0.", "tok_emb", "pos_emb")), r.stdout  # block 0 or below it
