@@ -39,7 +39,7 @@ def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]
                       micro_batch_size=cfg.batch.micro_batch_size, dp=dims.dp)
     if dims.pp > 1:
         check_pp_layout_of(cfg, pp=dims.pp, micro_batch_size=plan.micro_batch_size, accum_steps=plan.accum_steps,
-                           dp_replicate=dims.dp_replicate)
+                           dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard)
     return dims, plan
 
 
