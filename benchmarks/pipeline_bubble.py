@@ -10,8 +10,8 @@ because on a shared machine interference only ever adds time).
 
 How the measured bubble is derived: the ideal pipeline, with no bubble, keeps every stage busy
 all the time, so it takes ``m x t_stage`` where ``t_stage`` is the forward + backward time of
-one micro-batch on one stage, measured separately on every rank with no communication (the
-slowest stage sets the pace, so t_stage is the maximum over ranks). The bubble is the idle share
+one micro-batch on one stage, measured on every rank in turn, alone and with no communication
+(the slowest stage sets the pace, so t_stage is the maximum over ranks). The bubble is the idle share
 of the measured step: ``1 - m x t_stage / T(m)``. Theory (GPipe, arXiv:1811.06965; 1F1B has
 the same bubble and bounds memory instead, arXiv:2104.04473) gives ``(p - 1) / (m + p - 1)``.
 The measured share also holds the point-to-point transfers and the schedule's own overhead, so
@@ -118,12 +118,26 @@ def _rank_body(rank: int, world: int, port: int, args, q) -> None:
                 pipe.loss.sums, pipe.loss.counts = [], []
                 if i >= args.warmup:
                     times.append(dt.item())
-            t_stage = torch.tensor(max(
+            # One rank at a time, so that on a CPU host the probe does not share cores with the
+            # other stages' probes (which would inflate t_stage and hide the bubble).
+            t_stage = torch.zeros((), dtype=torch.float64)
+            for r in range(world):
+                dist.barrier()
+                if r == rank:
+                    t_stage.fill_(max(
+                        _stage_time(part, first=st.is_first, last=st.is_last, batch=args.batch, seq=args.seq,
+                                    d_model=args.d_model, vocab=args.vocab, device=device, reps=args.steps)
+                        for part, st in zip(pipe.parts, pipe.stages)))
+            dist.all_reduce(t_stage, op=dist.ReduceOp.MAX)
+            # The same probe on all ranks at once: if it is much slower than alone, the stages
+            # share cores and cannot overlap, so no pipeline can beat running them in turn.
+            dist.barrier()
+            t_together = torch.tensor(max(
                 _stage_time(part, first=st.is_first, last=st.is_last, batch=args.batch, seq=args.seq,
                             d_model=args.d_model, vocab=args.vocab, device=device, reps=args.steps)
                 for part, st in zip(pipe.parts, pipe.stages)), dtype=torch.float64)
-            dist.all_reduce(t_stage, op=dist.ReduceOp.MAX)
-            rows.append((schedule, world, m, min(times), t_stage.item()))
+            dist.all_reduce(t_together, op=dist.ReduceOp.MAX)
+            rows.append((schedule, world, m, min(times), t_stage.item(), t_together.item() / t_stage.item()))
     if rank == 0:
         q.put(rows)
     dist.destroy_process_group()
@@ -175,9 +189,10 @@ def main() -> int:
         rows += got
         for proc in procs:
             proc.join()
-    print(f"{'schedule':<9} {'pp':>3} {'m':>3} {'step ms':>9} {'ideal ms':>9} {'bubble':>7} {'theory':>7} {'ratio':>6}  follows")
-    ok_all = True
-    for schedule, pp, m, t, t_stage in rows:
+    print(f"{'schedule':<9} {'pp':>3} {'m':>3} {'step ms':>9} {'ideal ms':>9} {'bubble':>7} {'theory':>7} {'ratio':>6}"
+          f"  follows  contention")
+    ok_all, contended = True, False
+    for schedule, pp, m, t, t_stage, contention in rows:
         ideal = m * t_stage
         bubble = max(0.0, 1 - ideal / t)
         theory = (pp - 1) / (m + pp - 1)
@@ -185,8 +200,12 @@ def main() -> int:
         ok = abs(ratio - 1) <= 0.25
         ok_all &= ok
         print(f"{schedule:<9} {pp:>3} {m:>3} {t * 1e3:>9.1f} {ideal * 1e3:>9.1f} {bubble:>7.3f} {theory:>7.3f}"
-              f" {ratio:>6.2f}  {'yes' if ok else 'NO'}")
+              f" {ratio:>6.2f}  {'yes' if ok else 'NO':<7}  {contention:>10.2f}")
+        contended |= contention > 1.3
     print(f"# measured bubble within 25% of (p-1)/(m+p-1) everywhere: {'yes' if ok_all else 'no'}")
+    if contended:
+        print("# contention = stage probe on all ranks at once / alone; above ~1.3 the stages share cores and"
+              " cannot overlap, so the measured bubble says more about the host than the schedule")
     return 0
 
 
