@@ -194,6 +194,7 @@ CLI_ERRORS = [
     (2, ["parallel.pp=2", "parallel.pp_split_points=[4]"], "parallel.pp_split_points = [4] must be strictly increasing"),
     (2, ["parallel.pp=2", "parallel.pp_schedule='chimera'"], "parallel.pp_schedule = 'chimera' is not allowed"),
     (4, ["parallel.pp=2", "parallel.pp_schedule='zbv'"], "data parallel (parallel.dp_replicate = 2) does not reduce"),
+    (2, ["parallel.pp=2", "model.factory='tests.toy:mlp'", "model.args={}"], "needs a model whose blocks are in a 'layers'"),
 ]
 
 
@@ -201,7 +202,7 @@ def _cli_args(tmp_path, sets):
     return ["train", "configs/debug.toml", *(a for s in [*TOY, f"run.out_dir='{tmp_path}'", *sets] for a in ("--set", s))]
 
 
-@pytest.mark.parametrize("nproc,sets,needle", CLI_ERRORS, ids=["blocks", "too-few", "divide", "split", "schedule", "zb-ddp"])
+@pytest.mark.parametrize("nproc,sets,needle", CLI_ERRORS, ids=["blocks", "too-few", "divide", "split", "schedule", "zb-ddp", "no-layers"])
 def test_cli_refuses_impossible_pp_layouts(tmp_path, capsys, monkeypatch, nproc, sets, needle):
     """`paratrain train` in this process (cli.main): the check runs before the launcher starts."""
     import paratrain.launch

@@ -92,18 +92,18 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, de
     loss_parallel_enabled decides it; the step must then run the loss under loss_parallel).
     """
     check_supported(dims)
+    # 1. Pipeline split, still on the CPU (only this rank's stages reach the device): each stage
+    #    then goes through steps 2-6 like a whole model (this function again), before the
+    #    PipelineStage wraps it.
+    if dims.pp > 1 and not is_pipeline_stage(model):
+        return apply_pp(model, dims.submesh("pp"), cfg=cfg, device=device,
+                        parallelize_stage=lambda stage: parallelize(stage, dims, cfg=cfg, device=device,
+                                                                    loss_parallel=loss_parallel))
     model.to(device)
     if dims.tp > 1 and dims.dp > 1:
         # On 2-D (dp x tp) meshes DTensor logs, per rank, that the global gradient norm and the
         # full-weights gather take two collectives instead of one: a known, accepted cost here.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-    # 1. Pipeline split: this rank keeps its stage(s), and each stage then goes through steps
-    #    2-6 like a whole model (this function again), before the PipelineStage wraps it.
-    if dims.pp > 1 and not is_pipeline_stage(model):
-        return apply_pp(model, dims.submesh("pp"), cfg=cfg, device=device,
-                        parallelize_stage=lambda stage: parallelize(stage, dims, cfg=cfg, device=device,
-                                                                    loss_parallel=loss_parallel))
 
     # 2. Tensor (and sequence) parallel: final parameters and module names for all that follows.
     if dims.tp > 1:
