@@ -116,6 +116,8 @@ COMPOSED = {  # world 4: pp = 2 with each other parallelism on every stage
     "ddp-gpipe": ["parallel.dp_replicate=2", "parallel.pp_schedule='gpipe'"],
     "ddp-interleaved1f1b": ["parallel.dp_replicate=2", "parallel.pp_schedule='interleaved1f1b'"],
     "fsdp-1f1b": ["parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.pp_schedule='1f1b'"],
+    "fsdp-zero2-zbv": ["parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.reshard_after_forward=false",
+                       "parallel.pp_schedule='zbv'"],
     "tp-1f1b": ["parallel.tp=2", "parallel.pp_schedule='1f1b'"],
     "tp-sp-ac-zbv": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.activation_checkpointing='full'",
                      "parallel.pp_schedule='zbv'"],
@@ -193,7 +195,9 @@ CLI_ERRORS = [
      "parallel.pp_microbatches = 3 does not divide batch.micro_batch_size = 4"),
     (2, ["parallel.pp=2", "parallel.pp_split_points=[4]"], "parallel.pp_split_points = [4] must be strictly increasing"),
     (2, ["parallel.pp=2", "parallel.pp_schedule='chimera'"], "parallel.pp_schedule = 'chimera' is not allowed"),
-    (4, ["parallel.pp=2", "parallel.pp_schedule='zbv'"], "data parallel (parallel.dp_replicate = 2) does not reduce"),
+    (4, ["parallel.pp=2", "parallel.pp_schedule='zbv'"], "replicated data parallel (parallel.dp_replicate = 2) does not reduce"),
+    (4, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule='dualpipev'", "batch.micro_batch_size=4"],
+     "needs parallel.reshard_after_forward = false"),
     (2, ["parallel.pp=2", "model.factory='tests.toy:mlp'", "model.args={}"], "needs a model whose blocks are in a 'layers'"),
 ]
 
@@ -202,7 +206,7 @@ def _cli_args(tmp_path, sets):
     return ["train", "configs/debug.toml", *(a for s in [*TOY, f"run.out_dir='{tmp_path}'", *sets] for a in ("--set", s))]
 
 
-@pytest.mark.parametrize("nproc,sets,needle", CLI_ERRORS, ids=["blocks", "too-few", "divide", "split", "schedule", "zb-ddp", "no-layers"])
+@pytest.mark.parametrize("nproc,sets,needle", CLI_ERRORS, ids=["blocks", "too-few", "divide", "split", "schedule", "zb-ddp", "zb-fsdp-reshard", "no-layers"])
 def test_cli_refuses_impossible_pp_layouts(tmp_path, capsys, monkeypatch, nproc, sets, needle):
     """`paratrain train` in this process (cli.main): the check runs before the launcher starts."""
     import paratrain.launch

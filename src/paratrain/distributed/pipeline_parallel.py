@@ -129,16 +129,23 @@ def check_pp_layout(cfg: ParallelConfig, *, pp: int, micro_batch_size: int, accu
                else "leave it 0")
         raise ConfigError(f"parallel.pp_virtual_stages = {v} does not suit parallel.pp_schedule = '{cfg.pp_schedule}',"
                           f" which runs {kind} stage(s) per rank; set it to {kind} or {fix}")
-    if cfg.pp_schedule in ZERO_BUBBLE and dp_replicate * dp_shard > 1:
-        # Zero-bubble schedules compute weight gradients in a separate pass after the input
-        # gradients; with DDP or FSDP2 on the stages (torch 2.13) the reduced gradients come out
-        # wrong: 2e-4 to 1e-3 relative loss error after two steps against the reference on
-        # CPU/gloo (DDP and FSDP alike), while tensor parallel composes exactly.
-        key = "dp_replicate" if dp_replicate > 1 else "dp_shard"
+    if cfg.pp_schedule in ZERO_BUBBLE and dp_shard == 1 and dp_replicate > 1:
+        # Zero-bubble schedules compute weight gradients in a separate pass with autograd.grad,
+        # which never runs the accumulation hooks DDP reduces from: the replicas drift apart
+        # (1e-3 relative loss error after two steps against the reference, CPU/gloo, torch 2.13).
         raise ConfigError(
             f"parallel.pp_schedule = '{cfg.pp_schedule}' splits the backward into input and weight passes,"
-            f" whose gradients data parallel (parallel.{key} = {max(dp_replicate, dp_shard)}) does not reduce"
-            " correctly; use 'gpipe', '1f1b' or 'interleaved1f1b' with data parallel"
+            f" whose gradients replicated data parallel (parallel.dp_replicate = {dp_replicate}) does not reduce;"
+            " use 'gpipe', '1f1b' or 'interleaved1f1b', or shard instead (parallel.dp_shard)"
+        )
+    if cfg.pp_schedule in ZERO_BUBBLE and dp_shard > 1 and cfg.reshard_after_forward:
+        # With FSDP2 resharding after forward, the gradients of the deferred weight passes come
+        # out wrong (2e-4 relative loss error after two steps); kept unsharded (ZeRO-2-like) they
+        # match the reference exactly, FSDP and HSDP alike.
+        raise ConfigError(
+            f"parallel.pp_schedule = '{cfg.pp_schedule}' with parallel.dp_shard = {dp_shard} needs"
+            " parallel.reshard_after_forward = false (its deferred weight passes need the unsharded"
+            " parameters); set it, or use 'gpipe', '1f1b' or 'interleaved1f1b'"
         )
     if cfg.pp_microbatches < 0:
         raise ConfigError(f"parallel.pp_microbatches = {cfg.pp_microbatches} must be >= 1 (or 0 for the schedule's default)")
