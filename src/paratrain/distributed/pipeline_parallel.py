@@ -88,7 +88,7 @@ def _schedule_problem(schedule: str, *, n: int, pp: int, stages: int) -> str | N
         return f"1f1b needs at least pp = {pp}"
     if schedule == "dualpipev" and n < stages:
         return f"dualpipev needs at least pp x 2 = {stages}"
-    if schedule in ("interleaved1f1b", "interleaved_zb", "looped_bfs"):
+    if schedule in ("interleaved1f1b", "interleaved_zb"):
         rounds = max(1, n // pp)
         if n % rounds:
             return f"{schedule} needs a count below pp = {pp} or a multiple of pp"
