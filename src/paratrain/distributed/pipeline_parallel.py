@@ -91,7 +91,7 @@ def _schedule_problem(schedule: str, *, n: int, pp: int, stages: int) -> str | N
     if schedule in ("interleaved1f1b", "interleaved_zb"):
         rounds = max(1, n // pp)
         if n % rounds:
-            return f"{schedule} needs a count below pp = {pp} or a multiple of pp"
+            return f"{schedule} needs a multiple of its rounds, max(1, n // pp) = {rounds}"
     return None
 
 
