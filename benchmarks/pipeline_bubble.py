@@ -75,10 +75,9 @@ def _rank_body(rank: int, world: int, port: int, args, q) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from paratrain.config import ParallelConfig
+    from paratrain.config import LossConfig, ParallelConfig
     from paratrain.distributed.pipeline_parallel import apply_pp
     from paratrain.loss import build_loss
-    from paratrain.config import LossConfig
     from paratrain.models.gpt import build_gpt
 
     torch.set_num_threads(1)

@@ -42,7 +42,6 @@ import contextlib
 import copy
 import logging
 import math
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
