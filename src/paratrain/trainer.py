@@ -30,8 +30,11 @@ from paratrain.step import train_step
 log = logging.getLogger("paratrain")
 
 
-def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]:
-    """Every check that needs only the config and the world size: run before any process starts."""
+def check_layout(cfg: Config, world_size: int, *, model: nn.Module | None = None) -> tuple[ParallelDims, BatchPlan]:
+    """Every check that needs only the config and the world size: run before any process starts.
+
+    ``model``: a model object passed to ``train`` instead of the config's builder (pipeline checks count its blocks).
+    """
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_supported(dims)
     check_parallel_layout(dims, parallel=cfg.parallel, model=cfg.model)
@@ -39,7 +42,7 @@ def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]
                       micro_batch_size=cfg.batch.micro_batch_size, dp=dims.dp)
     if dims.pp > 1:
         check_pp_layout_of(cfg, pp=dims.pp, micro_batch_size=plan.micro_batch_size, accum_steps=plan.accum_steps,
-                           dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard)
+                           dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, model=model)
     return dims, plan
 
 
@@ -71,7 +74,7 @@ def train(cfg: Config, *, model: nn.Module | None = None, dataset: Dataset | Non
 
 def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
-    dims, plan = check_layout(cfg, ctx.world_size)
+    dims, plan = check_layout(cfg, ctx.world_size, model=model)
     torch.manual_seed(cfg.run.seed)  # the init is a function of the seed, the same on every rank
     model = model if model is not None else build_model(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())

@@ -187,13 +187,17 @@ def check_pp_layout(cfg: ParallelConfig, *, pp: int, micro_batch_size: int, accu
 
 
 def check_pp_layout_of(cfg, *, pp: int, micro_batch_size: int, accum_steps: int, dp_replicate: int,
-                       dp_shard: int) -> None:
-    """check_pp_layout for a whole Config: counts the model's blocks on the meta device (no memory)."""
+                       dp_shard: int, model: nn.Module | None = None) -> None:
+    """check_pp_layout for a whole Config: counts the blocks of ``model``, or of the config's
+    model built on the meta device (no memory)."""
     from paratrain.models import build_model
 
     try:
-        with torch.device("meta"):
-            n_blocks = len(_blocks(build_model(cfg.model)))
+        if model is not None:
+            n_blocks = len(_blocks(model))
+        else:
+            with torch.device("meta"):
+                n_blocks = len(_blocks(build_model(cfg.model)))
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a factory that cannot run on meta: apply_pp checks at start
