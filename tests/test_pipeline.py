@@ -52,6 +52,12 @@ def layered_lm(**kwargs) -> LayeredLM:
     return LayeredLM(**kwargs)
 
 
+def tied_lm(dim: int = 16) -> LayeredLM:
+    model = LayeredLM(vocab=dim, dim=dim)
+    model.head.weight = model.emb.weight  # tied input and output embeddings
+    return model
+
+
 def train_runs(runs: list[list[str]]) -> list[list[float]]:
     """Several trainings in one process group (one spawn, one import of torch per rank)."""
     import torch.distributed as dist
@@ -199,6 +205,8 @@ CLI_ERRORS = [
     (4, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule='dualpipev'", "batch.micro_batch_size=4"],
      "needs parallel.reshard_after_forward = false"),
     (2, ["parallel.pp=2", "model.factory='tests.toy:mlp'", "model.args={}"], "needs a model whose blocks are in a 'layers'"),
+    (2, ["parallel.pp=2", "model.factory='tests.test_pipeline:tied_lm'", "model.args={}"],
+     "parameter emb.weight is shared with head.weight (tied weights)"),
 ]
 
 
@@ -206,7 +214,7 @@ def _cli_args(tmp_path, sets):
     return ["train", "configs/debug.toml", *(a for s in [*TOY, f"run.out_dir='{tmp_path}'", *sets] for a in ("--set", s))]
 
 
-@pytest.mark.parametrize("nproc,sets,needle", CLI_ERRORS, ids=["blocks", "too-few", "divide", "split", "schedule", "zb-ddp", "zb-fsdp-reshard", "no-layers"])
+@pytest.mark.parametrize("nproc,sets,needle", CLI_ERRORS, ids=["blocks", "too-few", "divide", "split", "schedule", "zb-ddp", "zb-fsdp-reshard", "no-layers", "tied"])
 def test_cli_refuses_impossible_pp_layouts(tmp_path, capsys, monkeypatch, nproc, sets, needle):
     """`paratrain train` in this process (cli.main): the check runs before the launcher starts."""
     import paratrain.launch

@@ -193,11 +193,11 @@ def check_pp_layout_of(cfg, *, pp: int, micro_batch_size: int, accum_steps: int,
     from paratrain.models import build_model
 
     try:
-        if model is not None:
-            n_blocks = len(_blocks(model))
-        else:
+        if model is None:
             with torch.device("meta"):
-                n_blocks = len(_blocks(build_model(cfg.model)))
+                model = build_model(cfg.model)
+        n_blocks = len(_blocks(model))
+        check_untied(model)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a factory that cannot run on meta: apply_pp checks at start
@@ -205,6 +205,25 @@ def check_pp_layout_of(cfg, *, pp: int, micro_batch_size: int, accum_steps: int,
         n_blocks = None
     check_pp_layout(cfg.parallel, pp=pp, micro_batch_size=micro_batch_size, accum_steps=accum_steps,
                     n_blocks=n_blocks, dp_replicate=dp_replicate, dp_shard=dp_shard)
+
+
+def check_untied(model: nn.Module) -> None:
+    """Refuse parameters shared between blocks or head/tail modules (e.g. tied embeddings).
+
+    Every stage holds its own copy of its modules, so a parameter tied across two of them would
+    become two parameters, trained apart, on different stages.
+    """
+    owners: dict[int, str] = {}
+    units = [(f"{BLOCKS_ATTR}.{k}", m) for k, m in _blocks(model)._modules.items()]
+    units += [(k, m) for k, m in model._modules.items() if k != BLOCKS_ATTR and m is not None]
+    for unit, module in units:
+        for name, p in module.named_parameters(remove_duplicate=False):
+            first = owners.setdefault(id(p), f"{unit}.{name}")
+            if not first.startswith(unit + "."):
+                raise ConfigError(
+                    f"parallel.pp > 1 cannot split a model whose parameter {first} is shared with {unit}.{name}"
+                    " (tied weights); untie them or set parallel.pp = 1"
+                )
 
 
 def _blocks(model: nn.Module) -> nn.Module:
@@ -393,6 +412,7 @@ def apply_pp(
     pp, pp_rank, pp_group = pp_mesh.size(), pp_mesh.get_local_rank(), pp_mesh.get_group()
     v = virtual_stages(cfg)
     num_stages = pp * v
+    check_untied(model)
     ranges = stage_ranges(model, num_stages, cfg.pp_split_points)
     owner = generate_stage_to_rank_mapping(pp, num_stages, style=SCHEDULES[cfg.pp_schedule][2])
     stage_ids = sorted(s for s in range(num_stages) if owner[s] == pp_rank)
