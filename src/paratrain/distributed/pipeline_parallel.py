@@ -34,6 +34,12 @@ The loss keeps step.py's exact normalisation: the global item count (all micro-b
 dp ranks) is gathered before the schedule runs, and the schedule's loss function returns
 ``sum of item losses x dp / items`` for its pipeline micro-batch (dp because DDP/FSDP average
 over the dp ranks); the schedule's own 1/n gradient scaling is off (``scale_grads=False``).
+
+Composition: ``parallelize`` calls ``apply_pp`` first and hands each stage back to itself, so
+every stage gets TP -> AC -> FSDP2/DDP like a whole model; the PipelineStage then drives DDP's
+and FSDP's gradient sync (reduce in the last backward only). The zero-bubble schedules are
+refused with DDP and with resharding FSDP2 (see check_pp_layout); tensor parallel composes with
+all schedules. Tied weights across stages are refused (each stage owns its parameters).
 """
 
 from __future__ import annotations
