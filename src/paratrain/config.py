@@ -95,6 +95,12 @@ class ParallelConfig:
     tp_plan: dict = opt({}, "Tensor-parallel plan for a user model: module-name pattern (fnmatch, e.g. 'blocks.*.fc1') -> a style: 'colwise', 'rowwise', 'colwise_gather', 'sequence', 'rowwise_to_sequence' or 'sequence_to_colwise' (see the README).")
     tp_plan_factory: str = opt("", "Tensor-parallel plan for a user model as 'package.module:function(model, tp_mesh) -> {fqn: ParallelStyle}'.")
     activation_checkpointing: Literal["none", "full", "selective"] = opt("none", "Recompute activations in backward, per block of model.layers: 'full' saves only each block's input; 'selective' keeps matmul and attention outputs and recomputes the rest (op-level SAC).")
+    # Pipeline parallel (distributed/pipeline_parallel.py).
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"] = opt(
+        "1f1b", "Pipeline schedule: 'gpipe', '1f1b', 'interleaved1f1b', 'looped_bfs', 'interleaved_zb', 'zbv' or 'dualpipev'.")
+    pp_microbatches: int = opt(0, "Pipeline micro-batches each micro-batch is split into; 0 picks the fewest the schedule needs.")
+    pp_virtual_stages: int = opt(0, "Stages per pipeline rank; 0 means 1 for gpipe/1f1b and 2 for the multi-stage schedules.")
+    pp_split_points: list = opt([], "Block indices where a new pipeline stage starts (pp x virtual - 1 of them); [] balances by parameter count.")
 
 
 @dataclass

@@ -49,6 +49,22 @@ def count_tokens(inputs) -> int:
     return len(inputs)
 
 
+def count_global_items(batches: list[tuple], *, loss_fn: Loss,
+                       dp_group: dist.ProcessGroup | None) -> tuple[int, int, int]:
+    """Target items and input tokens of the whole global batch, and this rank's items, from the
+    targets alone, before any backward. Counted on the CPU so this small all-reduce never waits
+    for the device."""
+    local_items = torch.stack([loss_fn.count(t) for _, t in batches]).sum()
+    counts = torch.stack([local_items, torch.tensor(float(sum(count_tokens(x) for x, _ in batches)),
+                                                    dtype=torch.float64)])
+    if dp_group is not None:
+        dist.all_reduce(counts, group=dp_group)
+    items, tokens = int(counts[0].item()), int(counts[1].item())
+    if items == 0:
+        raise ConfigError("a global batch has no target items (every target is loss.ignore_index); check the data")
+    return items, tokens, int(local_items.item())
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -71,16 +87,7 @@ def train_step(
     Ranks of one tensor-parallel group get the same batches and compute the same loss; the loss
     is reduced over ``dp_group`` only.
     """
-    # 1. Global item count, from the targets alone, before any backward. Counted on the CPU so
-    #    this small all-reduce never waits for the device.
-    local_items = torch.stack([loss_fn.count(t) for _, t in batches]).sum()
-    counts = torch.stack([local_items, torch.tensor(float(sum(count_tokens(x) for x, _ in batches)),
-                                                    dtype=torch.float64)])
-    if dp_group is not None:
-        dist.all_reduce(counts, group=dp_group)
-    items, tokens = int(counts[0].item()), int(counts[1].item())
-    if items == 0:
-        raise ConfigError("a global batch has no target items (every target is loss.ignore_index); check the data")
+    items, tokens, local_items = count_global_items(batches, loss_fn=loss_fn, dp_group=dp_group)
     # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
     # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
     # of two in practice, which makes the round trip exact in floating point.
@@ -110,10 +117,10 @@ def train_step(
     precision.step(optimizer)  # fp16: skipped when the gradients overflowed
     optimizer.zero_grad(set_to_none=True)
 
-    if int(returned.item()) != int(local_items.item()):
+    if int(returned.item()) != local_items:
         raise ConfigError(
             f"the loss returned item count {int(returned.item())} but counting the targets gave"
-            f" {int(local_items.item())}; give the loss function a count(target) attribute that matches"
+            f" {local_items}; give the loss function a count(target) attribute that matches"
         )
     if dp_group is not None:
         dist.all_reduce(loss_sum, group=dp_group)

@@ -21,6 +21,7 @@ from paratrain.distributed.comm import apply_grad_compression, check_compression
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout, check_supported, parallelize
+from paratrain.distributed.pipeline_parallel import PipelineModel, check_pp_layout_of, pipeline_train_step
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.loss import build_loss
@@ -34,8 +35,11 @@ from paratrain.step import train_step
 log = logging.getLogger("paratrain")
 
 
-def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]:
-    """Every check that needs only the config and the world size: run before any process starts."""
+def check_layout(cfg: Config, world_size: int, *, model: nn.Module | None = None) -> tuple[ParallelDims, BatchPlan]:
+    """Every check that needs only the config and the world size: run before any process starts.
+
+    ``model``: a model object passed to ``train`` instead of the config's builder (pipeline checks count its blocks).
+    """
     model_builder(cfg.model)
     dataset_builder(cfg.data)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
@@ -45,6 +49,9 @@ def check_layout(cfg: Config, world_size: int) -> tuple[ParallelDims, BatchPlan]
     check_parallel_layout(dims, parallel=cfg.parallel, model=cfg.model)
     plan = plan_batch(global_batch_size=cfg.batch.global_batch_size,
                       micro_batch_size=cfg.batch.micro_batch_size, dp=dims.dp)
+    if dims.pp > 1:
+        check_pp_layout_of(cfg, pp=dims.pp, micro_batch_size=plan.micro_batch_size, accum_steps=plan.accum_steps,
+                           dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, model=model)
     return dims, plan
 
 
@@ -78,7 +85,7 @@ def train(cfg: Config, *, model: nn.Module | None = None, dataset: Dataset | Non
 
 def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
-    dims, plan = check_layout(cfg, ctx.world_size)
+    dims, plan = check_layout(cfg, ctx.world_size, model=model)
     torch.manual_seed(cfg.run.seed)  # the init is a function of the seed, the same on every rank
     model = model if model is not None else build_model(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
@@ -98,7 +105,8 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
              f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})")
     # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits.
     loss_parallel = loss_parallel_enabled(
-        model, tp=dims.tp, requested=cfg.parallel.loss_parallel, builtin_cross_entropy=loss is None and
+        # (not under pipeline parallel: the schedule's loss runs on plain, gathered logits)
+        model, tp=dims.tp, requested=cfg.parallel.loss_parallel and dims.pp == 1, builtin_cross_entropy=loss is None and
         cfg.loss.name == "cross_entropy", user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory))
     model = parallelize(model, dims, cfg=cfg.parallel, device=ctx.device, comm=cfg.comm, precision=cfg.precision,
                         compile_enabled=cfg.train.compile, loss_parallel=loss_parallel)
@@ -137,9 +145,13 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
             mine = rank_slice(indices, dp_rank=dp_rank, dp=dims.dp)
             batches = load_batches(dataset, mine, plan.micro_batch_size)
             lr = scheduler.get_last_lr()[0]
-            result = train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
-                                grad_clip=cfg.optim.grad_clip, device=ctx.device, precision=precision,
-                                loss_parallel=loss_parallel, sync_each_micro_batch=sync_each_micro_batch)
+            if isinstance(model, PipelineModel):  # pipeline parallel: the schedule runs forward/backward
+                result = pipeline_train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
+                                             grad_clip=cfg.optim.grad_clip, device=ctx.device, precision=precision)
+            else:
+                result = train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
+                                    grad_clip=cfg.optim.grad_clip, device=ctx.device, precision=precision,
+                                    loss_parallel=loss_parallel, sync_each_micro_batch=sync_each_micro_batch)
             scheduler.step()
             state.step += 1
             state.consumed_samples += plan.global_batch_size
@@ -212,6 +224,9 @@ def save_full_weights(model: nn.Module, path: str, *, is_main: bool) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     # Every rank takes part: with sharded layouts this is a collective.
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if isinstance(model, PipelineModel):  # every stage's weights, gathered onto pp rank 0
+        sd = model.full_state_dict()
+    else:
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if is_main:
         save_file({k: v.contiguous() for k, v in sd.items()}, path)

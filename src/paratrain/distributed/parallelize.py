@@ -31,13 +31,13 @@ from paratrain.config import CommConfig, ConfigError, ModelConfig, ParallelConfi
 from paratrain.distributed.activation_checkpoint import apply_ac
 from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.pipeline_parallel import apply_pp, is_pipeline_stage
 from paratrain.distributed.tensor_parallel import STYLE_NAMES, apply_tp
 
 
 def check_supported(dims: ParallelDims) -> None:
     """Refuse, before any process group exists, a layout this version cannot run."""
-    if dims.pp > 1:
-        raise ConfigError(f"parallel.pp = {dims.pp} is not available yet; set parallel.pp = 1")
+    # Every degree is available now; the pipeline's own checks are pipeline_parallel.check_pp_layout.
 
 
 def check_parallel_layout(dims: ParallelDims, *, parallel: ParallelConfig, model: ModelConfig) -> None:
@@ -98,13 +98,19 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, de
     from paratrain.precision import build_mp_policy
 
     check_supported(dims)
+    # 1. Pipeline split, still on the CPU (only this rank's stages reach the device): each stage
+    #    then goes through steps 2-6 like a whole model (this function again), before the
+    #    PipelineStage wraps it.
+    if dims.pp > 1 and not is_pipeline_stage(model):
+        return apply_pp(model, dims.submesh("pp"), cfg=cfg, device=device,
+                        parallelize_stage=lambda stage: parallelize(
+                            stage, dims, cfg=cfg, device=device, comm=comm, precision=precision,
+                            compile_enabled=compile_enabled, loss_parallel=loss_parallel))
     model.to(device)
     if dims.tp > 1 and dims.dp > 1:
         # On 2-D (dp x tp) meshes DTensor logs, per rank, that the global gradient norm and the
         # full-weights gather take two collectives instead of one: a known, accepted cost here.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-    # 1. (pipeline split: apply_pp goes here, before everything else.)
 
     # 2. Tensor (and sequence) parallel: final parameters and module names for all that follows.
     if dims.tp > 1:

@@ -1,0 +1,530 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: stage split, schedules, the step.
+
+A model whose blocks live in a ``layers`` container (ModuleDict "0".."n-1" like the built-in
+GPT, ModuleList or Sequential) is cut into ``pp x pp_virtual_stages`` stages of consecutive
+blocks. Each stage is a copy of the whole model with the blocks it does not own deleted and
+the modules registered before ``layers`` (embeddings) set to None everywhere but on the first
+stage, those after it (final norm, output layer) everywhere but on the last. That is
+torchtitan's manual split: parameter names stay those of the whole model, so checkpoints and
+``model.safetensors`` need no renaming, and no tracing is involved (the forward must skip the
+None modules and iterate over ``layers``, as GPT.forward does).
+
+Schedules (``parallel.pp_schedule``); ``n`` is the number of pipeline micro-batches a step runs:
+
+- ``gpipe``  all forwards, then all backwards (Huang et al. 2019, arXiv:1811.06965). Any n.
+- ``1f1b``   one forward one backward in the steady state, so at most pp micro-batches hold
+  activations (PipeDream-flush, Narayanan et al. 2021, arXiv:2006.09377). n >= pp.
+- ``interleaved1f1b``  V stages per rank in a loop, the bubble shrinks by V (Megatron-LM,
+  arXiv:2104.04473). n a multiple of max(1, n // pp).
+- ``looped_bfs``  V looped stages, breadth first (arXiv:2211.05953).
+- ``interleaved_zb``  ZB-1P: the backward is split into input and weight gradients and the
+  weight gradients fill the bubble (Qi et al. 2024, arXiv:2401.10241). Same n rule.
+- ``zbv``  the zero-bubble V schedule, exactly 2 stages per rank in a V (arXiv:2401.10241 §6).
+- ``dualpipev``  DeepSeek's DualPipe in its V form (arXiv:2412.19437), 2 stages per rank,
+  n >= 2 pp.
+
+Gradient accumulation is folded into the pipeline: each of the ``accum_steps`` micro-batches
+is split into ``pp_microbatches`` pipeline micro-batches and one schedule run per optimiser
+step goes through all ``n = accum_steps x pp_microbatches`` of them. The bubble is then paid
+once per step (fraction (p-1)/(n+p-1) for 1F1B) and data-parallel gradients are reduced once,
+in the last backward, as in the non-pipelined step. 1F1B-family schedules bound the live
+activations by the pipeline depth whatever n is; GPipe keeps all n, so use 1f1b to bound memory.
+
+The loss keeps step.py's exact normalisation: the global item count (all micro-batches, all
+dp ranks) is gathered before the schedule runs, and the schedule's loss function returns
+``sum of item losses x dp / items`` for its pipeline micro-batch (dp because DDP/FSDP average
+over the dp ranks); the schedule's own 1/n gradient scaling is off (``scale_grads=False``).
+
+Composition: ``parallelize`` calls ``apply_pp`` first and hands each stage back to itself, so
+every stage gets TP -> AC -> FSDP2/DDP like a whole model; the PipelineStage then drives DDP's
+and FSDP's gradient sync (reduce in the last backward only). The zero-bubble schedules are
+refused with DDP and with resharding FSDP2 (see check_pp_layout); tensor parallel composes with
+all schedules. Tied weights across stages are refused (each stage owns its parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from paratrain.config import ConfigError, ParallelConfig
+
+log = logging.getLogger("paratrain")
+
+# name -> (torch class name, stages per rank it needs: None = any, style of the stage-to-rank map)
+SCHEDULES: dict[str, tuple[str, int | None, str]] = {
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "interleaved1f1b": ("ScheduleInterleaved1F1B", None, "loop"),
+    "looped_bfs": ("ScheduleLoopedBFS", None, "loop"),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", None, "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
+}
+BLOCKS_ATTR = "layers"
+
+
+# ----------------------------------------------------------------------------- layout checks
+
+
+def virtual_stages(cfg: ParallelConfig) -> int:
+    """Stages per pipeline rank: the configured value, or what the schedule needs."""
+    if cfg.pp_virtual_stages:
+        return cfg.pp_virtual_stages
+    return SCHEDULES[cfg.pp_schedule][1] or 2
+
+
+def _schedule_problem(schedule: str, *, n: int, pp: int, stages: int) -> str | None:
+    """Why ``n`` pipeline micro-batches per step do not suit ``schedule`` (None when they do).
+
+    torch 2.13's own conditions (its schedules raise ValueError otherwise); gpipe, looped_bfs,
+    interleaved_zb and zbv take any n >= 1 (zbv and interleaved_zb checked at n = 1, pp = 2).
+    """
+    if schedule == "1f1b" and n < pp:
+        return f"1f1b needs at least pp = {pp}"
+    if schedule == "dualpipev" and n < stages:
+        return f"dualpipev needs at least pp x 2 = {stages}"
+    if schedule in ("interleaved1f1b", "interleaved_zb"):
+        rounds = max(1, n // pp)
+        if n % rounds:
+            return f"{schedule} needs a multiple of its rounds, max(1, n // pp) = {rounds}"
+    return None
+
+
+def pp_microbatches(cfg: ParallelConfig, *, pp: int, micro_batch_size: int, accum_steps: int) -> int:
+    """Pipeline micro-batches per micro-batch: the configured count or the fewest that work."""
+    stages = pp * virtual_stages(cfg)
+    if cfg.pp_microbatches:
+        return cfg.pp_microbatches
+    for m in range(1, micro_batch_size + 1):
+        # At least pp in flight per step, else some stage idles for the whole step.
+        if micro_batch_size % m == 0 and m * accum_steps >= pp and \
+                _schedule_problem(cfg.pp_schedule, n=m * accum_steps, pp=pp, stages=stages) is None:
+            return m
+    raise ConfigError(
+        f"no parallel.pp_microbatches dividing batch.micro_batch_size = {micro_batch_size} gives"
+        f" {cfg.pp_schedule} enough pipeline micro-batches at pp = {pp}; raise batch.micro_batch_size"
+        f" (e.g. to {micro_batch_size * pp})"
+    )
+
+
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
+
+
+def check_pp_layout(cfg: ParallelConfig, *, pp: int, micro_batch_size: int, accum_steps: int,
+                    n_blocks: int | None, dp_replicate: int = 1, dp_shard: int = 1) -> None:
+    """Refuse an impossible pipeline layout with one line naming the key and the fix.
+
+    Runs before any process group exists (``trainer.check_layout``). ``n_blocks`` is the length
+    of the model's ``layers`` (None when unknown: then apply_pp checks it at start).
+    """
+    v = virtual_stages(cfg)
+    kind = SCHEDULES[cfg.pp_schedule][1]
+    if v < 1:
+        raise ConfigError(f"parallel.pp_virtual_stages = {cfg.pp_virtual_stages} must be >= 1 (or 0 for the schedule's default)")
+    if kind is not None and v != kind:
+        fix = ("use parallel.pp_schedule = 'interleaved1f1b' for several stages per rank" if kind == 1
+               else "leave it 0")
+        raise ConfigError(f"parallel.pp_virtual_stages = {v} does not suit parallel.pp_schedule = '{cfg.pp_schedule}',"
+                          f" which runs {kind} stage(s) per rank; set it to {kind} or {fix}")
+    if cfg.pp_schedule in ZERO_BUBBLE and dp_shard == 1 and dp_replicate > 1:
+        # Zero-bubble schedules compute weight gradients in a separate pass with autograd.grad,
+        # which never runs the accumulation hooks DDP reduces from: the replicas drift apart
+        # (1e-3 relative loss error after two steps against the reference, CPU/gloo, torch 2.13).
+        raise ConfigError(
+            f"parallel.pp_schedule = '{cfg.pp_schedule}' splits the backward into input and weight passes,"
+            f" whose gradients replicated data parallel (parallel.dp_replicate = {dp_replicate}) does not reduce;"
+            " use 'gpipe', '1f1b' or 'interleaved1f1b', or shard instead (parallel.dp_shard)"
+        )
+    if cfg.pp_schedule in ZERO_BUBBLE and dp_shard > 1 and cfg.reshard_after_forward:
+        # With FSDP2 resharding after forward, the gradients of the deferred weight passes come
+        # out wrong (2e-4 relative loss error after two steps); kept unsharded (ZeRO-2-like) they
+        # match the reference exactly, FSDP and HSDP alike.
+        raise ConfigError(
+            f"parallel.pp_schedule = '{cfg.pp_schedule}' with parallel.dp_shard = {dp_shard} needs"
+            " parallel.reshard_after_forward = false (its deferred weight passes need the unsharded"
+            " parameters); set it, or use 'gpipe', '1f1b' or 'interleaved1f1b'"
+        )
+    if cfg.pp_microbatches < 0:
+        raise ConfigError(f"parallel.pp_microbatches = {cfg.pp_microbatches} must be >= 1 (or 0 for the schedule's default)")
+    stages = pp * v
+    if n_blocks is not None and stages > n_blocks:
+        raise ConfigError(
+            f"parallel.pp = {pp} x pp_virtual_stages = {v} gives {stages} pipeline stages but the model has"
+            f" {n_blocks} blocks; lower parallel.pp or parallel.pp_virtual_stages (every stage needs a block)"
+        )
+    m = pp_microbatches(cfg, pp=pp, micro_batch_size=micro_batch_size, accum_steps=accum_steps)
+    if micro_batch_size % m:
+        raise ConfigError(
+            f"parallel.pp_microbatches = {m} does not divide batch.micro_batch_size = {micro_batch_size};"
+            f" set it to a divisor of {micro_batch_size}"
+        )
+    problem = _schedule_problem(cfg.pp_schedule, n=m * accum_steps, pp=pp, stages=stages)
+    if problem:
+        raise ConfigError(
+            f"parallel.pp_microbatches = {m} x accum_steps {accum_steps} = {m * accum_steps} pipeline micro-batches"
+            f" per step: {problem}; raise parallel.pp_microbatches (or set it to 0)"
+        )
+    points = cfg.pp_split_points
+    if points:
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in points):
+            raise ConfigError(f"parallel.pp_split_points = {points!r} must be a list of block indices (integers)")
+        if len(points) != stages - 1:
+            raise ConfigError(
+                f"parallel.pp_split_points = {points} has {len(points)} entries but {stages} stages need"
+                f" {stages - 1}; give one block index per stage boundary, or [] to balance by parameter count"
+            )
+        upper = n_blocks if n_blocks is not None else math.inf
+        if any(b <= a for a, b in zip([0, *points], [*points, upper])):
+            limit = f"1 .. {n_blocks - 1}" if n_blocks is not None else ">= 1"
+            raise ConfigError(
+                f"parallel.pp_split_points = {points} must be strictly increasing block indices within {limit}"
+                f" (every stage needs a block); fix them or use [] to balance by parameter count"
+            )
+
+
+def check_pp_layout_of(cfg, *, pp: int, micro_batch_size: int, accum_steps: int, dp_replicate: int,
+                       dp_shard: int, model: nn.Module | None = None) -> None:
+    """check_pp_layout for a whole Config: counts the blocks of ``model``, or of the config's
+    model built on the meta device (no memory)."""
+    from paratrain.models import build_model
+
+    try:
+        if model is None:
+            with torch.device("meta"):
+                model = build_model(cfg.model)
+        n_blocks = len(_blocks(model))
+        check_untied(model)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a factory that cannot run on meta: apply_pp checks at start
+        log.debug("cannot count the model's blocks on the meta device (%s); checked at start instead", e)
+        n_blocks = None
+    check_pp_layout(cfg.parallel, pp=pp, micro_batch_size=micro_batch_size, accum_steps=accum_steps,
+                    n_blocks=n_blocks, dp_replicate=dp_replicate, dp_shard=dp_shard)
+
+
+def check_untied(model: nn.Module) -> None:
+    """Refuse parameters shared between blocks or head/tail modules (e.g. tied embeddings).
+
+    Every stage holds its own copy of its modules, so a parameter tied across two of them would
+    become two parameters, trained apart, on different stages.
+    """
+    owners: dict[int, str] = {}
+    units = [(f"{BLOCKS_ATTR}.{k}", m) for k, m in _blocks(model)._modules.items()]
+    units += [(k, m) for k, m in model._modules.items() if k != BLOCKS_ATTR and m is not None]
+    for unit, module in units:
+        for name, p in module.named_parameters(remove_duplicate=False):
+            first = owners.setdefault(id(p), f"{unit}.{name}")
+            if not first.startswith(unit + "."):
+                raise ConfigError(
+                    f"parallel.pp > 1 cannot split a model whose parameter {first} is shared with {unit}.{name}"
+                    " (tied weights); untie them or set parallel.pp = 1"
+                )
+
+
+def _blocks(model: nn.Module) -> nn.Module:
+    layers = getattr(model, BLOCKS_ATTR, None)
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        raise ConfigError(
+            f"parallel.pp > 1 needs a model whose blocks are in a '{BLOCKS_ATTR}' ModuleList/ModuleDict/Sequential"
+            f" ({type(model).__name__} has none); restructure the model or set parallel.pp = 1"
+        )
+    return layers
+
+
+# ----------------------------------------------------------------------------- stage split
+
+
+def balanced_split(block_sizes: list[int], stages: int, *, head: int = 0, tail: int = 0) -> list[int]:
+    """Start block of each stage after the first, minimising the largest stage's parameter count.
+
+    ``head``/``tail`` are the parameters the first/last stage carry besides blocks (embeddings,
+    output layer). Dynamic programme over contiguous partitions: O(stages x blocks^2).
+    """
+    n = len(block_sizes)
+    prefix = [0]
+    for s in block_sizes:
+        prefix.append(prefix[-1] + s)
+    inf = (float("inf"), float("inf"))
+    # best[k][j]: (largest stage, sum of squared stages) of the first j blocks cut into k stages,
+    # compared in that order: the largest stage decides, the squares break ties towards even
+    # stages. cut[k][j]: where the k-th stage starts.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0, 0)
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                load = prefix[j] - prefix[i] + (head if k == 1 else 0) + (tail if k == stages else 0)
+                prev = best[k - 1][i]
+                cand = (max(prev[0], load), prev[1] + load * load)
+                if cand < best[k][j]:
+                    best[k][j], cut[k][j] = cand, i
+    starts, j = [], n
+    for k in range(stages, 1, -1):
+        j = cut[k][j]
+        starts.append(j)
+    return starts[::-1]
+
+
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def stage_ranges(model: nn.Module, stages: int, split_points: list[int]) -> list[range]:
+    """The blocks (positions in ``layers``) of every stage."""
+    layers = _blocks(model)
+    n = len(layers)
+    if stages > n:
+        raise ConfigError(f"{stages} pipeline stages but the model has {n} blocks; lower parallel.pp or"
+                          " parallel.pp_virtual_stages")
+    if split_points:
+        starts = list(split_points)
+        if len(starts) != stages - 1 or any(b <= a for a, b in zip([0, *starts], [*starts, n])):
+            raise ConfigError(f"parallel.pp_split_points = {starts} must be {stages - 1} strictly increasing block"
+                              f" indices within 1 .. {n - 1}; fix them or use []")
+    else:
+        names = list(model._modules)
+        pos = names.index(BLOCKS_ATTR)
+        head = sum(_numel(model._modules[k]) for k in names[:pos])
+        tail = sum(_numel(model._modules[k]) for k in names[pos + 1:])
+        starts = balanced_split([_numel(b) for b in layers._modules.values()], stages, head=head, tail=tail)
+    bounds = [0, *starts, n]
+    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+
+
+def split_stage(model: nn.Module, blocks: range, *, first: bool, last: bool) -> nn.Module:
+    """``model`` cut down in place to ``blocks`` (and its head/tail modules when first/last)."""
+    layers = _blocks(model)
+    for i, key in enumerate(list(layers._modules)):
+        if i not in blocks:
+            # Deleting from _modules keeps the remaining blocks' keys, hence their names.
+            del layers._modules[key]
+    names = list(model._modules)
+    pos = names.index(BLOCKS_ATTR)
+    for name in names[:pos] if not first else ():
+        setattr(model, name, None)
+    for name in names[pos + 1:] if not last else ():
+        setattr(model, name, None)
+    return model
+
+
+# ----------------------------------------------------------------------------- apply_pp
+
+
+class _ScaledLoss:
+    """The schedule's loss: ``sum x scale`` per pipeline micro-batch, recording sums and counts."""
+
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn, self.scale = loss_fn, 1.0
+        self.sums: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor] = []
+
+    def __call__(self, output, target):
+        s, c = self.loss_fn(output, target)
+        self.sums.append(s.detach())
+        self.counts.append(torch.as_tensor(c))
+        return s * self.scale
+
+
+class PipelineModel(nn.Module):
+    """This rank's pipeline stages (``parts``) and their schedule; not callable as a module.
+
+    ``parameters()``/``train()`` see all local parts, so the optimiser and the loop treat it
+    like a model; :func:`pipeline_train_step` runs it. The schedule is built at the first step,
+    when the number of micro-batches and the loss are known.
+    """
+
+    def __init__(self, parts: list[nn.Module], stages: list, *, cfg: ParallelConfig, pp_group, device: torch.device):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.stages = stages
+        self.cfg = cfg
+        self.pp_group = pp_group
+        self.pp = dist.get_world_size(pp_group)
+        self.device = device
+        ids = [st.stage_index for st in stages]
+        self.has_first = 0 in ids
+        self.has_last = stages[0].num_stages - 1 in ids
+        self.schedule = None
+        self.loss: _ScaledLoss | None = None
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a PipelineModel runs through its schedule; use pipeline_train_step")
+
+    def build_schedule(self, *, micro_batch_size: int, accum_steps: int, loss_fn: Callable) -> None:
+        import torch.distributed.pipelining as pipelining
+
+        m = pp_microbatches(self.cfg, pp=self.pp, micro_batch_size=micro_batch_size, accum_steps=accum_steps)
+        n = m * accum_steps
+        self.loss = _ScaledLoss(loss_fn)
+        cls = getattr(pipelining.schedules, SCHEDULES[self.cfg.pp_schedule][0])
+        if cls in (pipelining.ScheduleGPipe, pipelining.Schedule1F1B):
+            self.schedule = cls(self.stages[0], n, loss_fn=self.loss, scale_grads=False)
+        else:
+            self.schedule = cls(self.stages, n, loss_fn=self.loss, scale_grads=False)
+        self.n_microbatches = n
+        log.info("pipeline: %s over %d pipeline micro-batches per step (%d per micro-batch)",
+                 self.cfg.pp_schedule, n, m)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights with their original names on pp rank 0 (None elsewhere)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd: dict[str, torch.Tensor] = {}
+        for part in self.parts:  # a collective within the part's dp_shard/tp groups, if any
+            # Not cpu_offload=True: that keeps the tensors on global rank 0 only, and here every
+            # pp rank must contribute its stages. Each part is moved to the CPU on its own.
+            part_sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+            sd.update({k: v.detach().cpu() for k, v in part_sd.items()})
+        gathered = [None] * self.pp if dist.get_rank(self.pp_group) == 0 else None
+        dist.gather_object(sd, gathered, group=self.pp_group, group_dst=0)
+        if gathered is None:
+            return None
+        return {k: v for part_sd in gathered for k, v in part_sd.items()}
+
+
+def is_pipeline_stage(model: nn.Module) -> bool:
+    return getattr(model, "_paratrain_pp_stage", False)
+
+
+def apply_pp(
+    model: nn.Module,
+    pp_mesh: DeviceMesh,
+    *,
+    cfg: ParallelConfig,
+    device: torch.device,
+    parallelize_stage: Callable[[nn.Module], nn.Module] = lambda m: m,
+) -> PipelineModel:
+    """Split ``model`` into stages, keep this rank's, parallelise each and wrap it in a PipelineStage.
+
+    ``parallelize_stage`` applies the other parallelisms (TP -> AC -> FSDP/DDP) to one stage as
+    to a whole model; the PipelineStage wraps the result, so the schedule drives DDP's and
+    FSDP's gradient sync itself (only the last backward of a step reduces).
+    """
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    pp, pp_rank, pp_group = pp_mesh.size(), pp_mesh.get_local_rank(), pp_mesh.get_group()
+    v = virtual_stages(cfg)
+    num_stages = pp * v
+    check_untied(model)
+    ranges = stage_ranges(model, num_stages, cfg.pp_split_points)
+    owner = generate_stage_to_rank_mapping(pp, num_stages, style=SCHEDULES[cfg.pp_schedule][2])
+    stage_ids = sorted(s for s in range(num_stages) if owner[s] == pp_rank)
+    parts, stages = [], []
+    for k, s in enumerate(stage_ids):
+        # The last local stage cuts the model itself; earlier ones cut a copy of it.
+        whole = model if k == len(stage_ids) - 1 else copy.deepcopy(model)
+        part = split_stage(whole, ranges[s], first=s == 0, last=s == num_stages - 1)
+        part._paratrain_pp_stage = True
+        part = parallelize_stage(part)
+        parts.append(part)
+        stages.append(PipelineStage(part, s, num_stages, device, group=pp_group))
+    log.info("pipeline: %d stages (%d per rank), blocks %s; this rank holds stages %s", num_stages, v,
+             [f"{r.start}-{r.stop - 1}" for r in ranges], stage_ids)
+    return PipelineModel(parts, stages, cfg=cfg, pp_group=pp_group, device=device)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def pp_grad_norm(params: list[nn.Parameter], *, max_norm: float, pp_group) -> torch.Tensor:
+    """Clip by the gradient norm of the whole model: each stage's norm (itself whole over its
+    FSDP/TP shards, grad_norm.global_grad_norm) is partial, so the squares are summed over pp."""
+    from paratrain.distributed.grad_norm import global_grad_norm
+
+    local = global_grad_norm(params, norm_type=2.0)
+    sq = local.double().reshape(()) ** 2
+    dist.all_reduce(sq, group=pp_group)
+    total = sq.sqrt()
+    if max_norm > 0:
+        # torch.nn.utils.clip_grads_with_norm_'s coefficient, as a Python scalar so that it
+        # multiplies plain tensors and DTensors on any mesh alike.
+        coef = min(1.0, float(max_norm / (total + 1e-6)))
+        if coef < 1.0:
+            with torch.no_grad():
+                for p in params:
+                    p.grad.mul_(coef)
+    return total
+
+
+def pipeline_train_step(
+    model: PipelineModel,
+    optimizer: torch.optim.Optimizer,
+    batches: list[tuple],
+    *,
+    loss_fn,
+    dp: int,
+    dp_group: dist.ProcessGroup | None,
+    grad_clip: float,
+    device: torch.device,
+    precision=None,
+):
+    """One optimiser step through the pipeline schedule; same contract as ``step.train_step``.
+
+    ``precision`` (paratrain.precision.Precision): its autocast wraps the schedule run (fp16's
+    gradient scaler is refused with pp > 1 by check_precision)."""
+    from paratrain.step import StepResult, count_global_items, to_device
+
+    # 1. The global item count before any backward, as in step.train_step. Every rank of a
+    #    pipeline holds the same data, so each counts for itself; the dp ranks add up.
+    items, tokens, _ = count_global_items(batches, loss_fn=loss_fn, dp_group=dp_group)
+
+    # 2. One schedule run over the rank's whole batch, cut into accum x pp_microbatches pieces
+    #    (the concatenated micro-batches in order, so piece k is a slice of micro-batch k // m).
+    inputs = to_device(torch.cat([x for x, _ in batches]), device)
+    target = to_device(torch.cat([t for _, t in batches]), device)
+    if model.schedule is None:
+        model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=loss_fn)
+    scaled = model.loss
+    scaled.scale, scaled.sums, scaled.counts = dp / items, [], []
+    args = (inputs,) if model.has_first else ()
+    with contextlib.ExitStack() as stack:
+        # The schedule reduces DDP gradients itself, in the last backward, through an explicit
+        # reducer.prepare_for_backward that no_sync does not block. But its shape-inference
+        # forward on the first run calls the DDP module outside no_sync, which arms the reducer
+        # early so every parameter is counted twice (reducer.cpp "rebuilt parameter indices
+        # size" assert at the next forward). Holding no_sync over the run prevents that.
+        for part in model.parts:
+            if isinstance(part, DistributedDataParallel):
+                stack.enter_context(part.no_sync())
+        if precision is not None:
+            stack.enter_context(precision.autocast())
+        model.schedule.step(*args, target=target if model.has_last else None, return_outputs=False)
+
+    # 3. Clip over all stages, step.
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = pp_grad_norm(params, max_norm=grad_clip, pp_group=model.pp_group)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    # 4. The loss lives on the last stage: summed over pp (zero elsewhere) then over dp, every
+    #    rank logs the same figure.
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    if model.has_last:
+        # The first run also calls the loss once for shape inference (on a throw-away forward):
+        # the step's own calls are the last n.
+        n = model.n_microbatches
+        scaled.sums, scaled.counts = scaled.sums[-n:], scaled.counts[-n:]
+        returned = sum(int(c) for c in scaled.counts)
+        if returned != int(local_items.item()):
+            raise ConfigError(
+                f"the loss returned item count {returned} but counting the targets gave {int(local_items.item())};"
+                " give the loss function a count(target) attribute that matches"
+            )
+        loss_sum += torch.stack([s.double() for s in scaled.sums]).sum()
+    dist.all_reduce(loss_sum, group=model.pp_group)
+    if dp_group is not None:
+        dist.all_reduce(loss_sum, group=dp_group)
+    return StepResult(loss_sum.item() / items, items, float(grad_norm), tokens)

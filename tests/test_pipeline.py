@@ -1,0 +1,238 @@
+"""Pipeline parallel against the single-process reference: every schedule, pp x DDP, weights, layout errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from paratrain.config import ConfigError, load_config
+from paratrain.distributed.pipeline_parallel import balanced_split, check_pp_layout, split_stage, stage_ranges
+from paratrain.models.gpt import build_gpt
+from tests.dist_utils import paratrain_cli, run_ranks
+
+TOY = [
+    "model.args={n_layer = 4, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
+    "data.factory='tests.toy:toy_lm'",
+    "data.args={n = 64, seq_len = 16, vocab = 32}",
+    "batch.global_batch_size=8",
+    "run.steps=3",
+    "run.progress=false",
+    "metrics.plot=false",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=2",
+]
+USER = ["model.factory='tests.test_pipeline:layered_lm'", "model.args={}"]
+# Every schedule offered, at pp = 2; the multi-stage ones with 2 stages per rank (4 stages,
+# one block each); accumulation 2 is folded into the pipeline micro-batches.
+SCHEDULES = ["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
+
+
+class LayeredLM(nn.Module):
+    """A user model in the pipeline shape: blocks in a ModuleList, head/tail modules may be None."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, n_layer: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(n_layer))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x):
+        if self.emb is not None:
+            x = self.emb(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x) if self.head is not None else x
+
+
+def layered_lm(**kwargs) -> LayeredLM:
+    return LayeredLM(**kwargs)
+
+
+def tied_lm(dim: int = 16) -> LayeredLM:
+    model = LayeredLM(vocab=dim, dim=dim)
+    model.head.weight = model.emb.weight  # tied input and output embeddings
+    return model
+
+
+def train_runs(runs: list[list[str]]) -> list[list[float]]:
+    """Several trainings in one process group (one spawn, one import of torch per rank)."""
+    import torch.distributed as dist
+
+    import paratrain
+
+    dist.init_process_group("gloo")
+    try:
+        out = []
+        for overrides in runs:
+            summary = paratrain.train(paratrain.load_config(None, [*TOY, *overrides]))
+            out.append(summary["losses"])
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _agree(per_rank: list[list[list[float]]]) -> list[list[float]]:
+    for other in per_rank[1:]:
+        assert other == per_rank[0]  # every rank logs the same (broadcast) loss
+    return per_rank[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    gpt, user = _agree(run_ranks(train_runs, 1, [
+        ["batch.micro_batch_size=8", f"run.out_dir='{out / 'gpt'}'"],
+        ["batch.micro_batch_size=8", "run.save_model=false", f"run.out_dir='{out / 'user'}'", *USER],
+    ]))
+    return {"gpt": gpt, "user": user, "weights": load_file(str(out / "gpt" / "model.safetensors"))}
+
+
+def _close(losses, ref):
+    assert len(losses) == len(ref) == 3
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_pp2_every_schedule_matches_reference(tmp_path, reference):
+    runs = [["parallel.pp=2", f"parallel.pp_schedule='{s}'", "batch.micro_batch_size=4",
+             f"run.save_model={str(s == 'interleaved1f1b').lower()}", f"run.out_dir='{tmp_path / s}'"]
+            for s in SCHEDULES]
+    runs.append(["parallel.pp=2", "parallel.pp_schedule='1f1b'", "batch.micro_batch_size=4", "parallel.pp_microbatches=4",
+                 "run.save_model=false", f"run.out_dir='{tmp_path / 'user'}'", *USER])
+    runs.append(["parallel.pp=2", "parallel.pp_schedule='gpipe'", "batch.micro_batch_size=8", "parallel.pp_split_points=[1]",
+                 "run.save_model=false", f"run.out_dir='{tmp_path / 'split'}'"])
+    results = _agree(run_ranks(train_runs, 2, runs, timeout=280))
+    for schedule, losses in zip(SCHEDULES, results):
+        print(schedule, losses)
+        _close(losses, reference["gpt"])
+    _close(results[len(SCHEDULES)], reference["user"])  # ModuleList blocks, 4 pipeline micro-batches
+    _close(results[len(SCHEDULES) + 1], reference["gpt"])  # stages of 1 and 3 blocks, no accumulation
+    # Full weights from 4 stages over 2 ranks: the whole model, original names, same values.
+    weights = load_file(str(tmp_path / "interleaved1f1b" / "model.safetensors"))
+    assert weights.keys() == reference["weights"].keys()
+    for k, v in reference["weights"].items():
+        torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+COMPOSED = {  # world 4: pp = 2 with each other parallelism on every stage
+    "ddp-gpipe": ["parallel.dp_replicate=2", "parallel.pp_schedule='gpipe'"],
+    "ddp-interleaved1f1b": ["parallel.dp_replicate=2", "parallel.pp_schedule='interleaved1f1b'"],
+    "fsdp-1f1b": ["parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.pp_schedule='1f1b'"],
+    "fsdp-zero2-zbv": ["parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.reshard_after_forward=false",
+                       "parallel.pp_schedule='zbv'"],
+    "tp-1f1b": ["parallel.tp=2", "parallel.pp_schedule='1f1b'"],
+    "tp-sp-ac-zbv": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.activation_checkpointing='full'",
+                     "parallel.pp_schedule='zbv'"],
+}
+SAVED = ("ddp-interleaved1f1b", "fsdp-1f1b", "tp-1f1b")
+
+
+@pytest.mark.timeout(400)
+def test_pp2_composed_with_ddp_fsdp_tp_matches_reference(tmp_path, reference):
+    runs = [["parallel.pp=2", *sets, "batch.micro_batch_size=2", f"run.save_model={str(name in SAVED).lower()}",
+             f"run.out_dir='{tmp_path / name}'"] for name, sets in COMPOSED.items()]
+    results = _agree(run_ranks(train_runs, 4, runs, timeout=380))
+    for name, losses in zip(COMPOSED, results):
+        print(name, losses)
+        _close(losses, reference["gpt"])
+    for name in SAVED:  # full weights gathered over stages and over DDP/FSDP/TP shards
+        weights = load_file(str(tmp_path / name / "model.safetensors"))
+        assert weights.keys() == reference["weights"].keys()
+        # TP changes the reduction order of the matmuls; Adam divides each update by the gradient's
+        # own scale, so an element whose gradient is nearly zero turns rounding noise into a step
+        # of up to lr (3e-3). Hence atol 5e-5 here (test_fsdp_tp.py: rtol 1e-4, atol 1e-5).
+        for k, v in reference["weights"].items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-4, atol=5e-5, msg=lambda m: f"{name} {k}: {m}")
+
+
+# ----------------------------------------------------------------------------- no process group
+
+
+def test_balanced_split_minimises_the_largest_stage():
+    assert balanced_split([1, 1, 1, 1], 2) == [2]
+    assert balanced_split([1, 1, 1, 1], 2, head=2) == [1]  # the embedding weighs on stage 0
+    assert balanced_split([5, 1, 1, 1, 1, 1], 3) == [1, 3]
+    assert balanced_split([1] * 8, 4) == [2, 4, 6]
+
+
+def test_split_stage_keeps_original_names():
+    full = build_gpt(n_layer=4, n_head=2, d_model=16, block_size=8, vocab_size=16)
+    names = {n for n, _ in full.named_parameters()}
+    ranges = stage_ranges(full, 2, [])
+    first = split_stage(build_gpt(n_layer=4, n_head=2, d_model=16, block_size=8, vocab_size=16), ranges[0],
+                        first=True, last=False)
+    last = split_stage(build_gpt(n_layer=4, n_head=2, d_model=16, block_size=8, vocab_size=16), ranges[1],
+                       first=False, last=True)
+    a, b = {n for n, _ in first.named_parameters()}, {n for n, _ in last.named_parameters()}
+    assert a | b == names and not a & b
+    assert first.lm_head is None and last.tok_emb is None and "layers.3.attn.q_proj.weight" in b
+    user = split_stage(LayeredLM(), range(2, 4), first=False, last=True)
+    assert [n for n, _ in user.named_parameters()][0] == "layers.2.0.weight"
+    assert user(torch.randn(3, 16)).shape == (3, 32)  # iterating a pruned ModuleList still works
+
+
+@pytest.mark.parametrize("sets,pp,micro,accum,needle", [
+    (["parallel.pp_schedule='1f1b'", "parallel.pp_microbatches=1"], 2, 4, 1, "parallel.pp_microbatches = 1"),
+    (["parallel.pp_microbatches=3"], 2, 4, 1, "does not divide batch.micro_batch_size"),
+    (["parallel.pp_schedule='gpipe'", "parallel.pp_virtual_stages=2"], 2, 4, 1, "parallel.pp_virtual_stages = 2"),
+    (["parallel.pp_split_points=[2, 2, 3]"], 4, 4, 1, "strictly increasing"),
+    (["parallel.pp_split_points=[1, 2]"], 2, 4, 1, "has 2 entries"),
+    (["parallel.pp_schedule='dualpipev'"], 2, 3, 1, "raise batch.micro_batch_size"),
+])
+def test_impossible_layouts_in_process(sets, pp, micro, accum, needle):
+    cfg = load_config(None, sets).parallel
+    with pytest.raises(ConfigError, match="parallel|batch") as e:
+        check_pp_layout(cfg, pp=pp, micro_batch_size=micro, accum_steps=accum, n_blocks=4)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- the CLI refuses
+
+
+CLI_ERRORS = [
+    (2, ["parallel.pp=2", "model.args.n_layer=1"], "gives 2 pipeline stages but the model has 1 blocks"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule='1f1b'", "parallel.pp_microbatches=1", "batch.micro_batch_size=8"],
+     "parallel.pp_microbatches = 1 x accum_steps 1 = 1 pipeline micro-batches per step: 1f1b needs at least pp = 2"),
+    (2, ["parallel.pp=2", "parallel.pp_microbatches=3", "batch.micro_batch_size=4"],
+     "parallel.pp_microbatches = 3 does not divide batch.micro_batch_size = 4"),
+    (2, ["parallel.pp=2", "parallel.pp_split_points=[4]"], "parallel.pp_split_points = [4] must be strictly increasing"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule='chimera'"], "parallel.pp_schedule = 'chimera' is not allowed"),
+    (4, ["parallel.pp=2", "parallel.pp_schedule='zbv'"], "replicated data parallel (parallel.dp_replicate = 2) does not reduce"),
+    (4, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule='dualpipev'", "batch.micro_batch_size=4"],
+     "needs parallel.reshard_after_forward = false"),
+    (2, ["parallel.pp=2", "model.factory='tests.toy:mlp'", "model.args={}"], "needs a model whose blocks are in a 'layers'"),
+    (2, ["parallel.pp=2", "model.factory='tests.test_pipeline:tied_lm'", "model.args={}"],
+     "parameter emb.weight is shared with head.weight (tied weights)"),
+]
+
+
+def _cli_args(tmp_path, sets):
+    return ["train", "configs/debug.toml", *(a for s in [*TOY, f"run.out_dir='{tmp_path}'", *sets] for a in ("--set", s))]
+
+
+@pytest.mark.parametrize("nproc,sets,needle", CLI_ERRORS, ids=["blocks", "too-few", "divide", "split", "schedule", "zb-ddp", "zb-fsdp-reshard", "no-layers", "tied"])
+def test_cli_refuses_impossible_pp_layouts(tmp_path, capsys, monkeypatch, nproc, sets, needle):
+    """`paratrain train` in this process (cli.main): the check runs before the launcher starts."""
+    import paratrain.launch
+    from paratrain.cli import main
+
+    monkeypatch.setattr(paratrain.launch, "launch", lambda *a, **k: pytest.fail("a worker was launched"))
+    args = _cli_args(tmp_path, sets)
+    args[1:1] = ["--nproc-per-node", str(nproc)]
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines
+
+
+@pytest.mark.timeout(120)
+def test_cli_subprocess_exits_2(tmp_path):
+    nproc, sets, needle = CLI_ERRORS[0]
+    proc = paratrain_cli(*_cli_args(tmp_path, sets)[:2], "--nproc-per-node", str(nproc), *_cli_args(tmp_path, sets)[2:])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "metrics.jsonl")  # refused before any process started
