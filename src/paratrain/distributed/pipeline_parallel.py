@@ -479,7 +479,7 @@ def pipeline_train_step(
 
     # 1. The global item count before any backward, as in step.train_step. Every rank of a
     #    pipeline holds the same data, so each counts for itself; the dp ranks add up.
-    items, tokens, _ = count_global_items(batches, loss_fn=loss_fn, dp_group=dp_group)
+    items, tokens, local_items = count_global_items(batches, loss_fn=loss_fn, dp_group=dp_group)
 
     # 2. One schedule run over the rank's whole batch, cut into accum x pp_microbatches pieces
     #    (the concatenated micro-batches in order, so piece k is a slice of micro-batch k // m).
@@ -518,9 +518,9 @@ def pipeline_train_step(
         n = model.n_microbatches
         scaled.sums, scaled.counts = scaled.sums[-n:], scaled.counts[-n:]
         returned = sum(int(c) for c in scaled.counts)
-        if returned != int(local_items.item()):
+        if returned != local_items:
             raise ConfigError(
-                f"the loss returned item count {returned} but counting the targets gave {int(local_items.item())};"
+                f"the loss returned item count {returned} but counting the targets gave {local_items};"
                 " give the loss function a count(target) attribute that matches"
             )
         loss_sum += torch.stack([s.double() for s in scaled.sums]).sum()
