@@ -233,3 +233,18 @@ def test_collective_timeout_names_the_missing_rank(tmp_path):
     text = str(err.value)
     assert "CollectiveTimeout" in text and "ranks that did not arrive: [1]" in text, text[-3000:]
     assert "rank 1: last entered" in text
+
+
+def test_fp16_loss_scale_survives_resume(tmp_path):
+    """fp16's GradScaler state is checkpointed: a scale halved by overflows before the
+    checkpoint continues from where it was, so the resumed run equals the uninterrupted one."""
+    fp16 = ["precision.dtype='fp16'", "precision.fp16_init_scale=1e12"]  # overflows: scale halves each step
+    out = str(tmp_path / "run")
+    run(out, 1, fp16)
+    full = read_metrics(out)
+    shutil.rmtree(os.path.join(out, "checkpoints", "step-6"))
+    run(out, 1, [*fp16, "checkpoint.resume='latest'"])  # from step 3
+    resumed = read_metrics(out)
+    assert [r["loss_scale"] for r in resumed] == [r["loss_scale"] for r in full]
+    assert resumed[-1]["loss_scale"] < 1e12 / 2**5
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]

@@ -303,11 +303,15 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: CheckpointConfig, *, out_dir: str, config_toml: str, model, optimizer, scheduler,
-                 state, layout: dict, rank: int, world_size: int, device: torch.device, timeout_s: float):
+                 state, layout: dict, rank: int, world_size: int, device: torch.device, timeout_s: float,
+                 stateful: dict | None = None):
         self.cfg = cfg
         self.root = cfg.dir or os.path.join(out_dir, "checkpoints")
         self.config_toml = config_toml
         self.model, self.optimizer, self.scheduler, self.state = model, optimizer, scheduler, state
+        # Other objects with state_dict/load_state_dict whose state is the same on every rank
+        # (e.g. fp16's GradScaler: its overflow check follows the all-reduced gradients).
+        self.stateful = {k: v for k, v in (stateful or {}).items() if v is not None}
         self.layout = layout
         self.rank, self.world_size, self.device = rank, world_size, device
         self.timeout_s = timeout_s
@@ -350,6 +354,7 @@ class Checkpointer:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "train_state": dataclasses.asdict(self.state),
             f"rng_rank{self.rank}": rng_state(self.device),
+            **{f"stateful.{k}": v.state_dict() for k, v in self.stateful.items()},
         }
 
     # ---------------------------------------------------------------- save
@@ -487,12 +492,18 @@ class Checkpointer:
             # rank alike, so this is exact unless user code made per-rank random streams).
             log.info("checkpoint %s has no RNG state for rank %d; using rank 0's", path, self.rank)
         app[src] = app.pop(own)
+        for k in self.stateful:  # absent from the checkpoint (an older run, fp32 before): keep as is
+            if not any(key.startswith(f"stateful.{k}.") for key in keys):
+                app.pop(f"stateful.{k}", None)
         dcp.load(app, storage_reader=safe_reader(path), planner=safe_planner(), process_group=self.group)
         set_state_dict(self.model, self.optimizer, model_state_dict=app["model"], optim_state_dict=app["optim"])
         if self.scheduler is not None and app["scheduler"]:
             self.scheduler.load_state_dict(app["scheduler"])
         for k, v in app["train_state"].items():
             setattr(self.state, k, v)
+        for k, obj in self.stateful.items():
+            if f"stateful.{k}" in app:
+                obj.load_state_dict(app[f"stateful.{k}"])
         set_rng_state(app[src], self.device)
         log.info("resumed from %s at step %d (%d samples consumed)", path, self.state.step,
                  getattr(self.state, "consumed_samples", -1))
@@ -561,11 +572,11 @@ def resume_spec(cfg: CheckpointConfig) -> tuple[str, str]:
 
 
 def build_checkpointer(cfg, *, model, optimizer, scheduler, state, layout: dict, rank: int, world_size: int,
-                       device: torch.device) -> Checkpointer:
+                       device: torch.device, stateful: dict | None = None) -> Checkpointer:
     """The Checkpointer of a run (``cfg`` is the whole resolved Config, saved with each checkpoint)."""
     return Checkpointer(cfg.checkpoint, out_dir=cfg.run.out_dir, config_toml=to_toml(cfg), model=model,
                         optimizer=optimizer, scheduler=scheduler, state=state, layout=layout, rank=rank,
-                        world_size=world_size, device=device, timeout_s=cfg.dist.timeout_s)
+                        world_size=world_size, device=device, timeout_s=cfg.dist.timeout_s, stateful=stateful)
 
 
 # ----------------------------------------------------------------------------- export

@@ -122,7 +122,8 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
 
     # --- checkpoints (paratrain.checkpoint): resume before the loop, save after steps --------
     ckpt = build_checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
-                              layout=dims.degrees(), rank=ctx.rank, world_size=ctx.world_size, device=ctx.device)
+                              layout=dims.degrees(), rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
+                              stateful={"grad_scaler": precision.scaler})
     resumed_from = ckpt.resume(*resume_spec(cfg.checkpoint))
     if resumed_from is not None and ctx.is_main:
         truncate_metrics(cfg.run.out_dir, resumed_from)  # rows after the checkpoint are redone
