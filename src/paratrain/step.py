@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ def train_step(
     dp_group: dist.ProcessGroup | None,
     grad_clip: float,
     device: torch.device,
+    after_backward: Callable[[int], None] | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches ``[(input, target), ...]`` (on CPU)."""
     # 1. Global item count, from the targets alone, before any backward. Counted on the CPU so
@@ -81,6 +83,8 @@ def train_step(
         with maybe_no_sync(model, sync=k == last):
             s, c = loss_fn(model(inputs), target)
             (s * scale).backward()
+        if after_backward is not None:  # e.g. the gradient-noise probe of batch.adaptive (adaptive_batch.py)
+            after_backward(k)
         loss_sum += s.detach().double()
         returned += torch.as_tensor(c, device=device, dtype=torch.float64)
 

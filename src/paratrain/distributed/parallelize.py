@@ -20,7 +20,10 @@ def check_supported(dims: ParallelDims) -> None:
 def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, device: torch.device) -> nn.Module:
     """Move ``model`` to ``device`` and apply the parallelisms its layout asks for."""
     check_supported(dims)
-    model.to(device)
+    # Only move what is elsewhere: Module.to cannot swap the fake tensors of the memory
+    # estimator (paratrain.find_batch) in torch 2.13, and they already sit on the device.
+    if any(t.device != device for t in [*model.parameters(), *model.buffers()]):
+        model.to(device)
     # Replicated data parallel goes last: it wraps whatever the model has become.
     if dims.dp_replicate > 1:
         model = apply_ddp(model, dims.submesh("dp_replicate"), device=device, bucket_mb=cfg.ddp_bucket_mb)
