@@ -35,6 +35,7 @@ class RunConfig:
     out_dir: str = opt("runs/default", "Directory for config.toml, metrics.jsonl, summary.json, plots and weights.")
     seed: int = opt(0, "Seed of the model init and of the sampler; the run is a pure function of it.")
     steps: int = opt(100, "Number of optimiser steps.")
+    max_samples: int = opt(0, "Also stop once this many samples are consumed (a sample budget, e.g. with batch.adaptive); 0 = no limit.")
     progress: bool = opt(True, "Show a progress bar on rank 0.")
     log_all_ranks: bool = opt(False, "Print log lines from every rank, not only rank 0.")
     save_model: bool = opt(True, "Write the final full weights to out_dir/model.safetensors.")
@@ -223,6 +224,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} = {value} must be {bound}")
 
     positive("run.steps", cfg.run.steps)
+    positive("run.max_samples", cfg.run.max_samples, allow_zero=True)
     positive("batch.global_batch_size", cfg.batch.global_batch_size)
     if isinstance(cfg.batch.micro_batch_size, str):
         if cfg.batch.micro_batch_size != "auto":

@@ -179,7 +179,7 @@ def guarded(trial: Callable[[int], Trial], *, device: torch.device | None = None
     return run
 
 
-def agreed(trial: Callable[[int], Trial], group: dist.ProcessGroup | None = None) -> Callable[[int], Trial]:
+def agreed(trial: Callable[[int], Trial], group=None) -> Callable[[int], Trial]:
     """Every rank runs ``trial`` and all take the answer of the worst rank (MIN of 'fits', MAX of peak)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return trial
@@ -218,17 +218,24 @@ class StepRunner:
 
     def __init__(self, cfg: Config, dims: ParallelDims, *, device: torch.device, model: nn.Module | None = None,
                  dataset=None, loss=None, iterations: int = 2):
-        from paratrain.data import build_dataset
         from paratrain.loss import build_loss
 
         self.cfg, self.full_dims, self.device = cfg, dims, device
         self.dims = replica_dims(dims)
         self.user_model = model
-        self.dataset = dataset if dataset is not None else build_dataset(cfg.data)
+        self._dataset = dataset
         self.loss_fn = loss if loss is not None and hasattr(loss, "count") else build_loss(cfg.loss, loss)
         self.iterations = iterations
         self.per_rank = plan_batch(global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0,
                                    dp=dims.dp).per_rank_batch_size
+
+    @property
+    def dataset(self):
+        if self._dataset is None:  # built on first use: an injected measure never needs it
+            from paratrain.data import build_dataset
+
+            self._dataset = build_dataset(self.cfg.data)
+        return self._dataset
 
     def batches(self, m: int) -> list:
         from paratrain.trainer import load_batches
@@ -248,9 +255,12 @@ class StepRunner:
                         model = copy.deepcopy(self.user_model)
                 else:
                     model = copy.deepcopy(self.user_model)
-            else:
-                with fake_mode or contextlib.nullcontext():
+            elif fake_mode is not None:
+                # Fake parameters are created on the device: Module.to cannot move them (torch 2.13).
+                with fake_mode, torch.device(self.device):
                     model = build_model(self.cfg.model)
+            else:
+                model = build_model(self.cfg.model)
             with fake_mode or contextlib.nullcontext():
                 model = parallelize(model, self.dims, cfg=self.cfg.parallel, device=self.device)
                 optimizer = build_optimizer(model, self.cfg.optim)
@@ -384,22 +394,27 @@ def memory_budget(*, memory_gib: float, device: torch.device, local_processes: i
 
 def find_micro_batch(cfg: Config, dims: ParallelDims, *, device: torch.device, method: str,
                      local_processes: int = 1, model=None, dataset=None, loss=None,
-                     trial: Callable[[int], Trial] | None = None, group: dist.ProcessGroup | None = None,
-                     max_trials: int = MAX_TRIALS) -> SearchResult:
+                     measure: Callable[[int], int] | None = None, agree: bool = True,
+                     group: dist.ProcessGroup | None = None, max_trials: int = MAX_TRIALS) -> SearchResult:
     """Search the largest fitting micro-batch; ``method`` is 'estimate' or 'trial'.
 
-    ``trial`` replaces the per-size check (tests inject out-of-memory errors through it). With a
-    process group, every rank must call this and they agree after each trial.
+    ``measure(m) -> peak bytes`` replaces the step (tests inject an allocator limit or an
+    out-of-memory error through it). With a process group, every rank must call this with the
+    same config: they agree after each trial (``group`` None = the default group), unless
+    ``agree`` is False (one rank searching for all).
     """
     budget, source = memory_budget(memory_gib=cfg.batch.memory_gib, device=device, local_processes=local_processes)
     usable = int(budget * (1 - cfg.batch.memory_margin))
     runner = StepRunner(cfg, dims, device=device, model=model, dataset=dataset, loss=loss)
-    if trial is None:
-        measure = estimate_peak if method == "estimate" else measure_peak
+    if measure is None:
+        step = estimate_peak if method == "estimate" else measure_peak
 
-        def trial(m: int) -> Trial:
-            peak = measure(runner, m)
-            return Trial(m, peak <= usable, peak)
+        def measure(m: int) -> int:
+            return step(runner, m)
+
+    def trial(m: int) -> Trial:
+        peak = measure(m)
+        return Trial(m, peak <= usable, peak)
 
     fraction = None
     if method == "trial" and device.type == "cuda" and cfg.batch.memory_gib <= 0:
@@ -408,7 +423,8 @@ def find_micro_batch(cfg: Config, dims: ParallelDims, *, device: torch.device, m
         fraction = usable / budget
         torch.cuda.set_per_process_memory_fraction(fraction, device)
     try:
-        best, trials = search_micro_batch(agreed(guarded(trial, device=device), group),
+        checked = guarded(trial, device=device)
+        best, trials = search_micro_batch(agreed(checked, group) if agree else checked,
                                           per_rank_batch_size=runner.per_rank, max_trials=max_trials)
     finally:
         if fraction is not None:
@@ -446,7 +462,7 @@ def estimate_without_group(cfg: Config, dims: ParallelDims, *, device: torch.dev
     for rank in estimate_ranks(rep):
         with fake_process_group(rep.world_size, rank):
             results.append(find_micro_batch(cfg, dims, device=device, method="estimate", local_processes=local_processes,
-                                            model=model, dataset=dataset, loss=loss))
+                                            model=model, dataset=dataset, loss=loss, agree=False))
     # The rank that fits least decides.
     return min(results, key=lambda r: (r.micro_batch_size or 0, -(r.peak_bytes or 0)))
 
@@ -464,26 +480,23 @@ def resolve_auto_micro_batch(cfg: Config, *, dims: ParallelDims, device: torch.d
     rep = replica_dims(dims)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if device.type == "cuda" and rep.world_size == 1:
+        # A trial step of one replica has no collective inside, so an out-of-memory error on one
+        # rank cannot leave the others waiting; the ranks agree after each trial.
         result = find_micro_batch(cfg, dims, device=device, method="trial", local_processes=local, model=model,
-                                  dataset=dataset, loss=loss, group=None)
+                                  dataset=dataset, loss=loss)
         reply = [result.micro_batch_size, result.table(), result]
     else:
         reply = [None, None, None]
         if rank == 0:
             if rep.world_size == 1:
                 result = find_micro_batch(cfg, dims, device=device, method="estimate", local_processes=local,
-                                          model=model, dataset=dataset, loss=loss)
+                                          model=model, dataset=dataset, loss=loss, agree=False)
             else:
                 result = _estimate_in_subprocess(cfg, dims, model=model, dataset=dataset, loss=loss)
             reply = [result.micro_batch_size, result.table(), result]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(reply, src=0)
     mbs, table, result = reply
-    if dist.is_initialized() and dist.get_world_size() > 1 and device.type == "cuda" and rep.world_size == 1:
-        # Ranks tried independently (no collective inside a trial step); the smallest answer wins.
-        t = torch.tensor([mbs or 0], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        mbs = int(t.item()) or None
     for line in table.splitlines():
         log.info("%s", line)
     if mbs is None:

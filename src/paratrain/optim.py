@@ -87,14 +87,14 @@ class LRScaling:
         self.reference = cfg.reference_batch_size or global_batch_size
         self.base_lr = cfg.lr
         self._log = log
-        self.factor = 1.0
+        self.factor: float | None = None
         self.update(global_batch_size=global_batch_size)
 
     def update(self, *, global_batch_size: int, noise_scale: float | None = None) -> float:
         new = lr_scale(self.rule, global_batch_size=global_batch_size, reference_batch_size=self.reference,
                        noise_scale=noise_scale)
-        # AdaScale's gain moves every step: log only the batch-driven changes of the other rules.
-        if self._log and self.rule not in ("none", "adascale") and new != self.factor:
+        # Logged at start; later only the batch-driven changes (AdaScale's gain moves every step).
+        if self._log and self.rule != "none" and (self.factor is None or (self.rule != "adascale" and new != self.factor)):
             self._log(f"lr scaling {self.rule}: global batch {global_batch_size} vs reference {self.reference}"
                       f" -> x{new:.4g} (peak lr {self.base_lr * new:.4g})")
         self.factor = new

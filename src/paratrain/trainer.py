@@ -94,9 +94,6 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     # --- batch-size adjustment: lr scaling with the global batch, adaptive batch (adaptive_batch.py)
     state = TrainState(global_batch_size=plan.global_batch_size)
     lr_scaling = LRScaling(cfg.optim, global_batch_size=plan.global_batch_size, log=log.info)
-    if cfg.optim.lr_scaling != "none":
-        log.info("lr scaling %s: reference batch %d, global batch %d -> x%.4g", cfg.optim.lr_scaling,
-                 lr_scaling.reference, plan.global_batch_size, lr_scaling.factor)
     dp_rank, dp_group = dims.local_rank_in("dp"), dims.group("dp")
     adapter = build_batch_adapter(cfg.batch, lr_scaling=cfg.optim.lr_scaling, plan=plan, dp_group=dp_group)
     # ---
@@ -119,7 +116,7 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
         adapter.load_state_dict(state.grad_noise)
     try:
         model.train()
-        while state.step < cfg.run.steps:
+        while state.step < cfg.run.steps and not (0 < cfg.run.max_samples <= state.consumed_samples):
             t0 = time.perf_counter()
             step_plan = plan  # the plan this step runs with (the adapter may change `plan` after it)
             indices = sampler.global_indices(state.consumed_samples, plan.global_batch_size)
