@@ -172,8 +172,10 @@ def guarded(trial: Callable[[int], Trial], *, device: torch.device | None = None
             result = trial(m)
         except torch.OutOfMemoryError:  # also torch.cuda.OutOfMemoryError
             oom = True
-        # Outside the except block: the exception (and the frames holding tensors) is gone.
-        free_memory(device)
+        # Outside the except block: the exception (and the frames holding tensors) is gone. A
+        # full gc pass costs most of a second with torch loaded: only where memory is at stake.
+        if oom or (device is not None and device.type == "cuda"):
+            free_memory(device)
         return Trial(m, False, None, "out of memory") if oom else result
 
     return run
