@@ -84,11 +84,15 @@ class GradNoiseScale:
             setattr(self, k, v)
 
 
-def local_grad_sq_norm(model: nn.Module) -> torch.Tensor:
-    """Sum of squares of this rank's gradients (DTensor shards are reduced to their full norm)."""
+def local_grad_sq_norm(model: nn.Module) -> torch.Tensor | None:
+    """Sum of squares of this rank's gradients (DTensor shards are reduced to their full norm).
+
+    None when no parameter holds a gradient yet: FSDP2 without gradient sync keeps the
+    accumulated gradients in its unsharded buffers and sets ``p.grad`` only at the reduce.
+    """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
-        return torch.zeros((), dtype=torch.float64)
+        return None
     norm = torch.nn.utils.get_total_norm(grads, 2.0)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
@@ -117,6 +121,8 @@ class BatchAdapter:
                      max_global, self.max_global, step)
         self._probe_sq = None
         self._probe_items = 0.0
+        self._probe_ran = False
+        self._warned = False
 
     def micro_batch_size(self, plan: BatchPlan) -> int:
         """The micro-batch to run: the plan's, halved when a rank would have a single one."""
@@ -126,29 +132,35 @@ class BatchAdapter:
 
     def probe(self, model: nn.Module, first_batch, loss_fn):
         """The ``after_backward`` callable of train_step: records the local gradient after micro-batch 0."""
-        self._probe_sq = None
+        self._probe_sq, self._probe_ran = None, False
         self._probe_items = float(loss_fn.count(first_batch[1]))
 
         def after_backward(k: int) -> None:
             if k == 0:
-                self._probe_sq = local_grad_sq_norm(model)
+                self._probe_sq, self._probe_ran = local_grad_sq_norm(model), True
 
         return after_backward
 
     def after_step(self, *, result, plan: BatchPlan, step: int) -> BatchPlan:
         """Update the noise scale from this step; return the plan of the next step."""
-        if self._probe_sq is None:
+        if not self._probe_ran:
             raise RuntimeError("the gradient-noise probe did not run; pass BatchAdapter.probe to train_step")
+        # Every rank takes part in the all-reduce below, with a flag saying whether it measured.
+        measured = self._probe_sq is not None and self._probe_items > 0
+        if not measured and not self._warned:
+            log.warning("adaptive batch: no local gradient after the first micro-batch on this layout; the"
+                        " gradient noise scale is not measured and the batch stays")
+            self._warned = True
         # Local gradient after micro-batch 0 = (dp / items) * sum of its item gradients, so its
         # mean item gradient is that times items / (dp * n0).
         n0 = self._probe_items
-        small = self._probe_sq * (result.items / (plan.dp * n0)) ** 2
-        stats = torch.stack([small.double().cpu(), torch.tensor(n0, dtype=torch.float64)])
+        small = self._probe_sq.double().cpu() * (result.items / (plan.dp * n0)) ** 2 if measured else 0.0
+        stats = torch.tensor([float(small), n0, float(not measured)], dtype=torch.float64)
         if self.dp_group is not None:
             dist.all_reduce(stats, group=self.dp_group)
-            stats /= plan.dp
-        small_sq, b_small = stats.tolist()
-        if result.items > b_small and math.isfinite(result.grad_norm):
+            stats[:2] /= plan.dp
+        small_sq, b_small, missing = stats.tolist()
+        if not missing and result.items > b_small and math.isfinite(result.grad_norm):
             self.noise.update(small_sq=small_sq, b_small=b_small, big_sq=result.grad_norm**2, b_big=result.items)
         items_per_sample = result.items / plan.global_batch_size
         value = self.noise.value
