@@ -62,6 +62,47 @@ def test_estimate_matches_real_memtracker(estimates):
     assert estimates[1] < estimates[2] < estimates[4] < estimates[8]
 
 
+def _real_ddp_peaks(sizes):
+    from paratrain.config import DistConfig, load_config
+    from paratrain.distributed.parallelize import parallelize
+    from paratrain.distributed.process_group import close_distributed, init_distributed
+    from paratrain.find_batch import StepRunner, _StepMemTracker, estimate_peak
+    from paratrain.models import build_model
+    from paratrain.optim import build_optimizer
+    from paratrain.step import train_step
+    from paratrain.trainer import check_layout
+
+    ctx = init_distributed(DistConfig())
+    try:
+        cfg = load_config(DEBUG, ["batch.global_batch_size=16"])
+        dims, _ = check_layout(cfg, 2)
+        runner = StepRunner(cfg, dims, device=torch.device("cpu"))
+        out = []
+        for m in sizes:
+            model = parallelize(build_model(cfg.model), dims, cfg=cfg.parallel, device=torch.device("cpu"))
+            opt = build_optimizer(model, cfg.optim)
+            batches = runner.batches(m)  # outside the tracker: the data is not the step's memory
+            tracker = _StepMemTracker()
+            tracker.track_external(model, opt)  # DDP's buckets are tracked as the gradients appear
+            with tracker:
+                for _ in range(2):
+                    train_step(model, opt, batches, loss_fn=runner.loss_fn, dp=2, dp_group=dims.group("dp"),
+                               grad_clip=1.0, device=torch.device("cpu"))
+            # The estimate runs one replica on fake tensors (no process group needed) plus the buckets.
+            out.append((tracker.peak()[0], estimate_peak(runner, m) if ctx.rank == 0 else None))
+            del model, opt
+        return out
+    finally:
+        close_distributed(ctx)
+
+
+def test_estimate_matches_real_ddp_step():
+    """With DDP (2 gloo ranks), with and without accumulation: the replica estimate plus buckets."""
+    results = run_ranks(_real_ddp_peaks, 2, (2, 8))
+    for (real, est), m in zip(results[0], (2, 8)):
+        assert abs(est - real) <= 0.10 * real, (m, est, real)
+
+
 def test_search_is_exact_and_monotone_in_budget(estimates):
     from paratrain.config import load_config
     from paratrain.find_batch import find_micro_batch
@@ -185,16 +226,17 @@ def test_auto_keeps_layout_invariance(tmp_path):
 
     torch.set_num_threads(1)
     cfg = load_config(None, TOY)
-    dims, _ = check_layout(cfg, 1)
-    runner = StepRunner(cfg, dims, device=torch.device("cpu"))
-    p2, p4 = estimate_peak(runner, 2), estimate_peak(runner, 4)
-    usable = (p2 + p4) / 2
-    budget = [f"batch.memory_gib={usable / 0.9 / 2**30!r}"]
+
+    def budget(world):  # half-way between the peaks of micro-batches 2 and 4 on this layout
+        dims, _ = check_layout(cfg, world)
+        runner = StepRunner(cfg, dims, device=torch.device("cpu"))
+        usable = (estimate_peak(runner, 2) + estimate_peak(runner, 4)) / 2
+        return [f"batch.memory_gib={usable / 0.9 / 2**30!r}"]
 
     ref = run_ranks(_train, 1, [*TOY, "batch.micro_batch_size=8", f"run.out_dir='{tmp_path / 'ref'}'"])[0]
     for world in (1, 2):
         out = tmp_path / f"auto{world}"
-        summaries = run_ranks(_train, world, [*TOY, "batch.micro_batch_size='auto'", *budget, f"run.out_dir='{out}'"])
+        summaries = run_ranks(_train, world, [*TOY, "batch.micro_batch_size='auto'", *budget(world), f"run.out_dir='{out}'"])
         assert summaries[0]["batch"]["micro_batch_size"] == 2  # chosen identically on every rank
         assert summaries[0]["batch"]["accum_steps"] == 4 // world
         for s in summaries[1:]:
