@@ -38,7 +38,6 @@ import dataclasses
 import gc
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
