@@ -101,6 +101,19 @@ def cmd_env(args: argparse.Namespace) -> int:
     if spec.world_size == 1:
         return env_main(args)
     return launch(spec, "paratrain.env", env_worker_args(args))
+def cmd_find_batch(args: argparse.Namespace) -> int:
+    from paratrain.find_batch import cli_find_batch
+
+    cfg = load_config(args.config, args.overrides)
+    if args.memory_gib is not None:
+        if args.memory_gib <= 0:
+            raise ConfigError("--memory-gib must be > 0 (GiB per rank)")
+        cfg.batch.memory_gib = args.memory_gib
+    if args.nproc_per_node < 1 or args.nnodes < 1:
+        raise ConfigError("--nproc-per-node and --nnodes must be >= 1")
+    return cli_find_batch(cfg, world_size=args.nproc_per_node * args.nnodes,
+                          local_processes=args.local_processes or args.nproc_per_node,
+                          estimate=args.estimate, as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(p)
     add_set_argument(p)
     p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("find-batch", help="find the largest micro-batch that fits in memory (trials on CUDA, else an estimate)")
+    p.add_argument("config", help="TOML config file")
+    p.add_argument("--memory-gib", type=float, default=None, help="per-rank memory budget in GiB (implies the estimate)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line (the table goes to stderr)")
+    p.add_argument("--estimate", action="store_true", help="estimate on fake tensors even where a GPU could run trials")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="processes per node of the job to plan (default 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job to plan (default 1)")
+    p.add_argument("--local-processes", type=int, default=0, help=argparse.SUPPRESS)  # RAM share on CPU
+    add_set_argument(p)
+    p.set_defaults(func=cmd_find_batch)
 
     p = sub.add_parser("generate", help="sample text from a trained byte-level GPT")
     p.add_argument("out_dir", help="run.out_dir of a finished run")

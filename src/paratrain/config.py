@@ -35,6 +35,7 @@ class RunConfig:
     out_dir: str = opt("runs/default", "Directory for config.toml, metrics.jsonl, summary.json, plots and weights.")
     seed: int = opt(0, "Seed of the model init and of the sampler; the run is a pure function of it.")
     steps: int = opt(100, "Number of optimiser steps.")
+    max_samples: int = opt(0, "Also stop once this many samples are consumed (a sample budget, e.g. with batch.adaptive); 0 = no limit.")
     progress: bool = opt(True, "Show a progress bar on rank 0.")
     log_all_ranks: bool = opt(False, "Print log lines from every rank, not only rank 0.")
     save_model: bool = opt(True, "Write the final full weights to out_dir/model.safetensors.")
@@ -64,7 +65,13 @@ class LossConfig:
 @dataclass
 class BatchConfig:
     global_batch_size: int = opt(32, "Samples per optimiser step over all data-parallel ranks; the math depends on it, not on the layout.")
-    micro_batch_size: int = opt(0, "Samples per forward/backward on one rank; 0 means the whole per-rank batch (no accumulation).")
+    micro_batch_size: int | str = opt(0, "Samples per forward/backward on one rank; 0 means the whole per-rank batch (no accumulation); 'auto' picks the largest that fits in memory (see `paratrain find-batch`).")
+    memory_margin: float = opt(0.1, "Safety margin of micro_batch_size = 'auto' and find-batch: use at most (1 - margin) of the memory budget.")
+    memory_gib: float = opt(0.0, "Per-rank memory budget in GiB for 'auto' and find-batch; 0 = the CUDA device's memory, or on CPU the available RAM / local processes.")
+    adaptive: bool = opt(False, "Grow the global batch during training while the gradient noise scale exceeds it (McCandlish et al. 2018), by raising accumulation.")
+    max_global_batch_size: int = opt(0, "Upper bound of the adaptive global batch; 0 = 8 x global_batch_size.")
+    adapt_every: int = opt(10, "Steps between two decisions of the adaptive batch.")
+    noise_ema: float = opt(0.95, "Decay of the exponential moving averages of the gradient noise-scale estimators.")
 
 
 @dataclass
@@ -79,6 +86,8 @@ class OptimConfig:
     warmup_steps: int = opt(10, "Linear warmup steps from 0 to lr.")
     min_lr_ratio: float = opt(0.1, "Final learning rate as a fraction of lr (cosine and linear).")
     grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 disables clipping (the norm is still logged).")
+    lr_scaling: Literal["none", "linear", "sqrt", "adascale"] = opt("none", "Scale lr with the global batch B relative to reference_batch_size: 'linear' (B/ref), 'sqrt', or 'adascale' (the gain of Johnson et al. 2020 from the gradient noise scale); applied under the warmup, at start and whenever B changes.")
+    reference_batch_size: int = opt(0, "Global batch at which optim.lr was tuned; 0 = batch.global_batch_size.")
 
 
 @dataclass
@@ -275,8 +284,24 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} = {value} must be {bound}")
 
     positive("run.steps", cfg.run.steps)
+    positive("run.max_samples", cfg.run.max_samples, allow_zero=True)
     positive("batch.global_batch_size", cfg.batch.global_batch_size)
-    positive("batch.micro_batch_size", cfg.batch.micro_batch_size, allow_zero=True)
+    if isinstance(cfg.batch.micro_batch_size, str):
+        if cfg.batch.micro_batch_size != "auto":
+            raise ConfigError(f"batch.micro_batch_size = {cfg.batch.micro_batch_size!r} is not allowed;"
+                              " use an integer >= 0 or 'auto'")
+    else:
+        positive("batch.micro_batch_size", cfg.batch.micro_batch_size, allow_zero=True)
+    if not 0 <= cfg.batch.memory_margin < 1:
+        raise ConfigError(f"batch.memory_margin = {cfg.batch.memory_margin} must be within [0, 1)")
+    positive("batch.memory_gib", cfg.batch.memory_gib, allow_zero=True)
+    positive("batch.adapt_every", cfg.batch.adapt_every)
+    if not 0 <= cfg.batch.noise_ema < 1:
+        raise ConfigError(f"batch.noise_ema = {cfg.batch.noise_ema} must be within [0, 1)")
+    if cfg.batch.max_global_batch_size and cfg.batch.max_global_batch_size < cfg.batch.global_batch_size:
+        raise ConfigError(f"batch.max_global_batch_size = {cfg.batch.max_global_batch_size} is below"
+                          f" batch.global_batch_size = {cfg.batch.global_batch_size}; raise it or set 0 (8x)")
+    positive("optim.reference_batch_size", cfg.optim.reference_batch_size, allow_zero=True)
     positive("optim.lr", cfg.optim.lr)
     positive("optim.grad_clip", cfg.optim.grad_clip, allow_zero=True)
     positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)

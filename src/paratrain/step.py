@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,7 @@ def train_step(
     precision: Precision | None = None,
     loss_parallel: bool = False,
     sync_each_micro_batch: bool = False,
+    after_backward: Callable[[int], None] | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches ``[(input, target), ...]`` (on CPU).
 
@@ -108,6 +110,8 @@ def train_step(
             precision.scale(s * scale).backward()  # fp16: times the GradScaler's loss scale
         if isinstance(s, DTensor):  # loss_parallel: a replicated scalar DTensor
             s = s.full_tensor()
+        if after_backward is not None:  # e.g. the gradient-noise probe of batch.adaptive (adaptive_batch.py)
+            after_backward(k)
         loss_sum += s.detach().double()
         returned += torch.as_tensor(c, device=device, dtype=torch.float64)
 

@@ -6,16 +6,17 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from paratrain.adaptive_batch import build_batch_adapter
 from paratrain.batching import BatchPlan, GlobalBatchSampler, micro_batches, plan_batch, rank_slice
 from paratrain.checkpoint import build_checkpointer, resume_spec, truncate_metrics
-from paratrain.config import Config, to_toml
+from paratrain.config import Config, ConfigError, to_toml
 from paratrain.data import build_dataset, dataset_builder
 from paratrain.distributed.comm import apply_grad_compression, check_compression
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
@@ -28,7 +29,7 @@ from paratrain.loss import build_loss
 from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize
 from paratrain.mfu import build_flops_per_token, mfu, resolve_peak_flops, seq_len_of
 from paratrain.models import build_model, model_builder
-from paratrain.optim import build_optimizer, build_scheduler
+from paratrain.optim import LRScaling, build_optimizer, build_scheduler
 from paratrain.precision import build_precision, check_precision
 from paratrain.step import train_step
 
@@ -47,8 +48,13 @@ def check_layout(cfg: Config, world_size: int, *, model: nn.Module | None = None
     check_compression(cfg.comm, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp)
     check_precision(cfg.precision, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, compression=cfg.comm.compression)
     check_parallel_layout(dims, parallel=cfg.parallel, model=cfg.model)
+    mbs = cfg.batch.micro_batch_size
+    # 'auto' is resolved in the job (find_batch.py); until then the plan is the whole per-rank batch.
     plan = plan_batch(global_batch_size=cfg.batch.global_batch_size,
-                      micro_batch_size=cfg.batch.micro_batch_size, dp=dims.dp)
+                      micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp)
+    if cfg.batch.adaptive and dims.pp > 1:
+        raise ConfigError("batch.adaptive = true cannot measure the gradient noise across pipeline stages;"
+                          " set parallel.pp = 1 or batch.adaptive = false")
     if dims.pp > 1:
         check_pp_layout_of(cfg, pp=dims.pp, micro_batch_size=plan.micro_batch_size, accum_steps=plan.accum_steps,
                            dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, model=model)
@@ -61,6 +67,8 @@ class TrainState:
 
     step: int = 0  # optimiser steps done
     consumed_samples: int = 0  # position in the sampler's stream
+    global_batch_size: int = 0  # the current global batch (batch.adaptive grows it); 0 = not started
+    grad_noise: dict = field(default_factory=dict)  # the noise-scale averages of batch.adaptive
 
 
 def load_batches(dataset: Dataset, indices: list[int], micro_batch_size: int) -> list:
@@ -86,11 +94,18 @@ def train(cfg: Config, *, model: nn.Module | None = None, dataset: Dataset | Non
 def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
     dims, plan = check_layout(cfg, ctx.world_size, model=model)
+    dataset = dataset if dataset is not None else build_dataset(cfg.data)
+    loss_fn = build_loss(cfg.loss, loss)
+    # --- batch-size adjustment (find_batch.py): 'auto' resolves before any model exists, to the
+    # same micro-batch on every rank; plan_batch then keeps the global batch.
+    if cfg.batch.micro_batch_size == "auto":
+        from paratrain.find_batch import resolve_auto_micro_batch
+
+        plan = resolve_auto_micro_batch(cfg, dims=dims, device=ctx.device, model=model, dataset=dataset, loss=loss_fn)
+    # ---
     torch.manual_seed(cfg.run.seed)  # the init is a function of the seed, the same on every rank
     model = model if model is not None else build_model(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
-    dataset = dataset if dataset is not None else build_dataset(cfg.data)
-    loss_fn = build_loss(cfg.loss, loss)
     data_info = getattr(dataset, "description", {"samples": len(dataset)})
 
     log.info("paratrain: world %d on %s | %s", ctx.world_size, ctx.device, dims.describe())
@@ -115,10 +130,14 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     sync_each_micro_batch = cfg.parallel.reshard_after_forward
     # ----------------------------------------------------------------------------------------
     optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.run.steps)
-    sampler = GlobalBatchSampler(len(dataset), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+    # --- batch-size adjustment: lr scaling with the global batch, adaptive batch (adaptive_batch.py)
+    state = TrainState(global_batch_size=plan.global_batch_size)
+    lr_scaling = LRScaling(cfg.optim, global_batch_size=plan.global_batch_size, log=log.info)
     dp_rank, dp_group = dims.local_rank_in("dp"), dims.group("dp")
-    state = TrainState()
+    adapter = build_batch_adapter(cfg.batch, lr_scaling=cfg.optim.lr_scaling, plan=plan, dp_group=dp_group)
+    # ---
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.run.steps, scale=lr_scaling)
+    sampler = GlobalBatchSampler(len(dataset), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
 
     # --- checkpoints (paratrain.checkpoint): resume before the loop, save after steps --------
     ckpt = build_checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
@@ -138,13 +157,21 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
                            progress=cfg.run.progress, tensorboard=cfg.metrics.tensorboard,
                            start_step=state.step)
     history: list[dict] = []
+    # A restored TrainState (resume) carries the batch the adaptive mode had reached.
+    if state.global_batch_size != plan.global_batch_size:
+        plan = plan_batch(global_batch_size=state.global_batch_size, micro_batch_size=plan.micro_batch_size, dp=dims.dp)
+        lr_scaling.update(global_batch_size=plan.global_batch_size)
+    if adapter and state.grad_noise:
+        adapter.load_state_dict(state.grad_noise)
     try:
         model.train()
-        while state.step < cfg.run.steps:
+        while state.step < cfg.run.steps and not (0 < cfg.run.max_samples <= state.consumed_samples):
             t0 = time.perf_counter()
+            step_plan = plan  # the plan this step runs with (the adapter may change `plan` after it)
             indices = sampler.global_indices(state.consumed_samples, plan.global_batch_size)
             mine = rank_slice(indices, dp_rank=dp_rank, dp=dims.dp)
-            batches = load_batches(dataset, mine, plan.micro_batch_size)
+            mbs = adapter.micro_batch_size(plan) if adapter else plan.micro_batch_size
+            batches = load_batches(dataset, mine, mbs)
             lr = scheduler.get_last_lr()[0]
             if isinstance(model, PipelineModel):  # pipeline parallel: the schedule runs forward/backward
                 result = pipeline_train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
@@ -152,26 +179,34 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
             else:
                 result = train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
                                     grad_clip=cfg.optim.grad_clip, device=ctx.device, precision=precision,
-                                    loss_parallel=loss_parallel, sync_each_micro_batch=sync_each_micro_batch)
-            scheduler.step()
+                                    loss_parallel=loss_parallel, sync_each_micro_batch=sync_each_micro_batch,
+                                    after_backward=adapter.probe(model, batches[0], loss_fn) if adapter else None)
             state.step += 1
             state.consumed_samples += plan.global_batch_size
+            noise_extra = {}
+            if adapter:  # --- adaptive batch: next step's plan and lr scale, before the scheduler reads it
+                plan = adapter.after_step(result=result, plan=plan, step=state.step)
+                state.global_batch_size, state.grad_noise = plan.global_batch_size, adapter.state_dict()
+                lr_scaling.update(global_batch_size=plan.global_batch_size, noise_scale=adapter.noise_samples)
+                noise_extra = {"grad_noise_scale": adapter.noise_samples, "lr_scale": lr_scaling.factor}
+            scheduler.step()
             dt = time.perf_counter() - t0
             row = {
                 "step": state.step,
                 "loss": result.loss,
                 "lr": lr,
                 "grad_norm": result.grad_norm,
-                "global_batch_size": plan.global_batch_size,
-                "micro_batch_size": plan.micro_batch_size,
-                "accum_steps": plan.accum_steps,
+                "global_batch_size": step_plan.global_batch_size,
+                "micro_batch_size": mbs,
+                "accum_steps": len(batches),
                 "items": result.items,
                 "tokens": result.tokens,
                 "consumed_samples": state.consumed_samples,
                 "epoch": sampler.epoch_of(state.consumed_samples - 1),
                 "step_time_s": dt,
                 "tokens_per_s": result.tokens / dt,
-                "samples_per_s": plan.global_batch_size / dt,
+                "samples_per_s": step_plan.global_batch_size / dt,
+                **noise_extra,
             }
             # --- communication and hardware: bytes sent, MFU, fp16 loss scale ----------------
             step_flops = flops_per_token(seq_len_of(batches[0][0])) * result.tokens

@@ -106,7 +106,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, de
                         parallelize_stage=lambda stage: parallelize(
                             stage, dims, cfg=cfg, device=device, comm=comm, precision=precision,
                             compile_enabled=compile_enabled, loss_parallel=loss_parallel))
-    model.to(device)
+    # Only move what is elsewhere: Module.to cannot swap the fake tensors of the memory
+    # estimator (paratrain.find_batch) in torch 2.13, and they already sit on the device.
+    if any(t.device != device for t in [*model.parameters(), *model.buffers()]):
+        model.to(device)
     if dims.tp > 1 and dims.dp > 1:
         # On 2-D (dp x tp) meshes DTensor logs, per rank, that the global gradient norm and the
         # full-weights gather take two collectives instead of one: a known, accepted cost here.
