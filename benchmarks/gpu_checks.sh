@@ -22,8 +22,8 @@ $PY -m paratrain train configs/debug.toml --set "run.out_dir='$OUT/debug'" --set
     --set "precision.dtype='bf16'" --set run.steps=20 --set run.progress=false 2>&1 | grep -v "^W[0-9]" | tail -8
 
 step "gpu.py: bench compute + GPT MFU"
-timeout 330 $PY benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.txt" | grep -v "^W[0-9]" | tail -25
+timeout 270 $PY benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.txt" | grep -v "^W[0-9]" | tail -25
 
 step "gpu_find_batch.py: real OOM search vs fake-tensor estimate"
-timeout 240 $PY benchmarks/gpu_find_batch.py 2>&1 | tee "$OUT/gpu_find_batch.txt" | tail -40
+timeout 200 $PY benchmarks/gpu_find_batch.py 2>&1 | tee "$OUT/gpu_find_batch.txt" | tail -40
 step "done"

@@ -86,7 +86,7 @@ def _check_gpt_tp(tp: int, args: dict, *, sequence_parallel: bool) -> None:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, device: torch.device,
-                comm: CommConfig, precision: PrecisionConfig, compile_enabled: bool = False,
+                comm: CommConfig | None = None, precision: PrecisionConfig | None = None, compile_enabled: bool = False,
                 loss_parallel: bool = False) -> nn.Module:
     """Move ``model`` to ``device`` and apply the parallelisms its layout asks for, in order.
 
@@ -98,6 +98,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, de
     from paratrain.precision import build_mp_policy
 
     check_supported(dims)
+    comm, precision = comm or CommConfig(), precision or PrecisionConfig()
     # 1. Pipeline split, still on the CPU (only this rank's stages reach the device): each stage
     #    then goes through steps 2-6 like a whole model (this function again), before the
     #    PipelineStage wraps it.
