@@ -59,3 +59,13 @@ def test_backend_choice():
     assert resolve_backend(DistConfig(backend="gloo"), torch.device("cuda", 0)) == "gloo"
     with pytest.raises(ConfigError, match="nccl' needs CUDA"):
         resolve_backend(DistConfig(backend="nccl"), cpu)
+
+
+def test_train_stays_the_function_after_the_cli_is_imported():
+    """`-m paratrain.train` is a module of the same name as the API function: nothing in the
+    package may import it, or `paratrain.train` would become the module."""
+    import paratrain
+    import paratrain.cli  # noqa: F401
+    import paratrain.trainer
+
+    assert paratrain.train is paratrain.trainer.train

@@ -11,7 +11,11 @@ import os
 import sys
 
 from paratrain.config import ConfigError, describe_keys, load_config, to_toml
-from paratrain.train import add_set_argument
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config key (value is a TOML literal); repeatable; wins over the file")
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,8 @@
-"""Worker entry point: ``torchrun ... -m paratrain.train CONFIG [--set section.key=value ...]``."""
+"""Worker entry point: ``torchrun ... -m paratrain.train CONFIG [--set section.key=value ...]``.
+
+Run it with ``-m``, never import it: importing a submodule named ``train`` would replace the
+package's ``paratrain.train`` (the Python API function) by this module.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,8 @@ import argparse
 import json
 import sys
 
+from paratrain.cli import add_set_argument
 from paratrain.config import ConfigError, load_config
-
-
-def add_set_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config key (value is a TOML literal); repeatable; wins over the file")
 
 
 def main(argv: list[str] | None = None) -> int:
