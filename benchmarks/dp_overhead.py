@@ -24,7 +24,10 @@ WARMUP = 5
 
 def run(cmd: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    try:
+        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"benchmark run timed out after 600 s: {' '.join(cmd)}")
     if res.returncode:
         sys.exit(f"benchmark run failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
 
@@ -40,18 +43,24 @@ def main() -> None:
     ours, base = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
-            out = os.path.join(tmp, f"pt{i}")
-            run([sys.executable, "-m", "paratrain", "train", args.config, "--nproc-per-node", str(args.nproc),
-                 *[a for o in overrides + [f"run.out_dir='{out}'", "run.progress=false", "metrics.plot=false",
-                                           "run.save_model=false"] for a in ("--set", o)]])
-            with open(os.path.join(out, "metrics.jsonl")) as f:
-                times = [json.loads(line)["step_time_s"] for line in f][WARMUP:]
-            ours.append(statistics.median(times))
-            bout = os.path.join(tmp, f"base{i}.json")
-            run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-                 os.path.join(HERE, "baseline_ddp.py"), args.config, bout, *overrides])
-            with open(bout) as f:
-                base.append(statistics.median(json.load(f)["step_time_s"][WARMUP:]))
+            out, bout = os.path.join(tmp, f"pt{i}"), os.path.join(tmp, f"base{i}.json")
+
+            def run_ours():
+                run([sys.executable, "-m", "paratrain", "train", args.config, "--nproc-per-node", str(args.nproc),
+                     *[a for o in overrides + [f"run.out_dir='{out}'", "run.progress=false", "metrics.plot=false",
+                                               "run.save_model=false"] for a in ("--set", o)]])
+                with open(os.path.join(out, "metrics.jsonl")) as f:
+                    ours.append(statistics.median([json.loads(line)["step_time_s"] for line in f][WARMUP:]))
+
+            def run_base():
+                run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                     str(args.nproc), os.path.join(HERE, "baseline_ddp.py"), args.config, bout, *overrides])
+                with open(bout) as f:
+                    base.append(statistics.median(json.load(f)["step_time_s"][WARMUP:]))
+
+            # Alternate which goes first, so neither always inherits the other's wind-down.
+            for fn in ((run_ours, run_base) if i % 2 == 0 else (run_base, run_ours)):
+                fn()
             print(f"run {i + 1}/{args.runs}: paratrain {ours[-1] * 1e3:.1f} ms/step, baseline {base[-1] * 1e3:.1f} ms/step",
                   flush=True)
     m_ours, m_base = statistics.median(ours), statistics.median(base)

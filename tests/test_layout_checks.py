@@ -7,7 +7,8 @@ import pytest
 from paratrain.cli import main
 from tests.dist_utils import paratrain_cli
 
-BASE = ["--set", "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 32}"]
+BASE = ["--set", "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 32}",
+        "--set", "data.args.block_size=16"]
 
 CASES = [
     (4, ["parallel.tp=3"], "world size 4 is not divisible by dp_shard 1 x tp 3"),
@@ -25,6 +26,14 @@ CASES = [
     (2, ["parallel.tp_plan={head = 'colwise'}", "parallel.tp_plan_factory='tests.toy:tiny_lm'"],
      "parallel.tp_plan and parallel.tp_plan_factory are both set"),
     (2, ["parallel.activation_checkpointing='some'"], "parallel.activation_checkpointing = 'some' is not allowed"),
+    # Feature combinations that cannot be exact are refused too (trainer.check_feature_combinations).
+    (2, ["batch.adaptive=true", "parallel.dp_shard=2"], "batch.adaptive = true needs each rank's own gradient"),
+    (2, ["optim.lr_scaling='adascale'", "precision.dtype='fp16'"], "would read loss-scaled gradients"),
+    (2, ["optim.lr_scaling='adascale'", "parallel.pp=2"], "cannot measure the gradient noise across pipeline stages"),
+    (2, ["batch.micro_batch_size='auto'", "parallel.pp=2"], "cannot estimate a pipeline step yet"),
+    (2, ["checkpoint.interval=2", "parallel.pp=2"], "checkpoints are not supported with parallel.pp > 1 yet"),
+    (2, ["comm.compression='bf16'", "parallel.pp=2"], "is not applied to pipeline stages"),
+    (1, ["data.args.block_size=32"], "data.args.block_size = 32 is longer than the model's context"),
 ]
 
 

@@ -90,13 +90,13 @@ def local_grad_sq_norm(model: nn.Module) -> torch.Tensor | None:
     None when no parameter holds a gradient yet: FSDP2 without gradient sync keeps the
     accumulated gradients in its unsharded buffers and sets ``p.grad`` only at the reduce.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
+    from paratrain.distributed.grad_norm import global_grad_norm
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
         return None
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm.detach().double() ** 2
+    # Mixed plain and DTensor gradients (tensor parallel), even on several meshes.
+    return global_grad_norm(params).detach().double() ** 2
 
 
 class BatchAdapter:

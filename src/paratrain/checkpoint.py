@@ -484,7 +484,8 @@ class Checkpointer:
         self._warn_config_changes(path)
         app = self._app_state()
         # Train-state fields the checkpoint does not have keep their defaults.
-        app["train_state"] = {k: v for k, v in app["train_state"].items() if f"train_state.{k}" in keys}
+        app["train_state"] = {k: v for k, v in app["train_state"].items()
+                              if f"train_state.{k}" in keys or any(key.startswith(f"train_state.{k}.") for key in keys)}
         own = f"rng_rank{self.rank}"
         src = own if any(k.startswith(own + ".") for k in keys) else "rng_rank0"
         if src != own:

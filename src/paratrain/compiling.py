@@ -52,8 +52,9 @@ def apply_compile(model: nn.Module, *, device: torch.device) -> bool:
     if not ok:
         log.warning("train.compile = true but torch.compile does not work here (%s); running eagerly", why)
         return False
-    layers = getattr(model, "layers", None)
-    blocks = list(layers.values()) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else []
+    from paratrain.distributed.data_parallel import blocks_of
+
+    blocks = [block for _, block in blocks_of(model)]
     for block in blocks or [model]:
         block.compile()
     log.info("compiled %s with torch.compile", f"{len(blocks)} blocks" if blocks else "the whole model")

@@ -1,7 +1,7 @@
 """Typed run configuration: nested dataclasses, TOML files and ``--set`` overrides.
 
 Precedence, stated once: defaults < config file < ``--set section.key=value`` (left to right).
-Every field carries its documentation in ``metadata["doc"]``; ``paratrain config --help-keys``
+Every field carries its documentation in ``metadata["doc"]``; ``paratrain config --keys``
 prints them. Any bad input raises :class:`ConfigError`, which the CLI turns into one line on
 stderr and exit code 2.
 """

@@ -21,7 +21,7 @@ from paratrain.data import build_dataset, dataset_builder
 from paratrain.distributed.comm import apply_grad_compression, check_compression
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.distributed.parallelize import check_parallel_layout, check_supported, parallelize
+from paratrain.distributed.parallelize import check_parallel_layout, parallelize
 from paratrain.distributed.pipeline_parallel import PipelineModel, check_pp_layout_of, pipeline_train_step
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
@@ -44,21 +44,52 @@ def check_layout(cfg: Config, world_size: int, *, model: nn.Module | None = None
     model_builder(cfg.model)
     dataset_builder(cfg.data)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    check_supported(dims)
-    check_compression(cfg.comm, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp)
+    check_compression(cfg.comm, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp)
     check_precision(cfg.precision, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, compression=cfg.comm.compression)
     check_parallel_layout(dims, parallel=cfg.parallel, model=cfg.model)
     mbs = cfg.batch.micro_batch_size
     # 'auto' is resolved in the job (find_batch.py); until then the plan is the whole per-rank batch.
     plan = plan_batch(global_batch_size=cfg.batch.global_batch_size,
                       micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp)
-    if cfg.batch.adaptive and dims.pp > 1:
-        raise ConfigError("batch.adaptive = true cannot measure the gradient noise across pipeline stages;"
-                          " set parallel.pp = 1 or batch.adaptive = false")
+    check_feature_combinations(cfg, dims)
     if dims.pp > 1:
         check_pp_layout_of(cfg, pp=dims.pp, micro_batch_size=plan.micro_batch_size, accum_steps=plan.accum_steps,
                            dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, model=model)
     return dims, plan
+
+
+def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
+    """Combinations of features this version cannot run exactly: refused, never run wrongly."""
+    noise = "batch.adaptive = true" if cfg.batch.adaptive else (
+        "optim.lr_scaling = 'adascale'" if cfg.optim.lr_scaling == "adascale" else "")
+    if noise:
+        # The gradient-noise probe reads each rank's gradient after its first micro-batch.
+        if dims.pp > 1:
+            raise ConfigError(f"{noise} cannot measure the gradient noise across pipeline stages;"
+                              " set parallel.pp = 1 or turn it off")
+        if dims.dp_shard > 1:
+            raise ConfigError(f"{noise} needs each rank's own gradient, which FSDP2 (parallel.dp_shard ="
+                              f" {dims.dp_shard}) reduce-scatters or keeps unsharded; use parallel.dp_replicate")
+        if cfg.precision.dtype == "fp16":
+            raise ConfigError(f"{noise} with precision.dtype = 'fp16' would read loss-scaled gradients;"
+                              " use precision.dtype = 'bf16'")
+    if dims.pp > 1:
+        if cfg.batch.micro_batch_size == "auto":
+            raise ConfigError("batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
+                              " set batch.micro_batch_size to a number with parallel.pp > 1")
+        if cfg.checkpoint.interval or cfg.checkpoint.at_end or cfg.checkpoint.resume:
+            # Stage state dicts are keyed by the local stage index, not by the model's names, so a
+            # checkpoint could not be resharded to another layout or exported: refuse for now.
+            raise ConfigError("checkpoints are not supported with parallel.pp > 1 yet; set checkpoint.interval = 0,"
+                              " checkpoint.at_end = false and checkpoint.resume = ''")
+    block = cfg.data.args.get("block_size")
+    if not cfg.model.factory and cfg.model.name == "gpt" and isinstance(block, int):
+        from paratrain.models.gpt import GPTConfig
+
+        context = cfg.model.args.get("block_size", GPTConfig.block_size)
+        if block > context:
+            raise ConfigError(f"data.args.block_size = {block} is longer than the model's context"
+                              f" model.args.block_size = {context}; make them equal")
 
 
 @dataclass
@@ -158,7 +189,9 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
                            start_step=state.step)
     history: list[dict] = []
     # A restored TrainState (resume) carries the batch the adaptive mode had reached.
-    if state.global_batch_size != plan.global_batch_size:
+    if not cfg.batch.adaptive:  # the configured global batch holds, whatever a checkpoint had
+        state.global_batch_size = plan.global_batch_size
+    elif state.global_batch_size != plan.global_batch_size:
         plan = plan_batch(global_batch_size=state.global_batch_size, micro_batch_size=plan.micro_batch_size, dp=dims.dp)
         lr_scaling.update(global_batch_size=plan.global_batch_size)
     if adapter and state.grad_noise:

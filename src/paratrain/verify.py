@@ -84,7 +84,9 @@ def verify(config: str, overrides: list[str], *, spec, steps: int, tol: float, o
     ref_cfg = load_config(config, [*overrides, *reference_overrides()])
     check_layout(ref_cfg, 1)
     root = out_dir or os.path.join(cfg.run.out_dir, "verify")
-    common = [f"run.steps={steps}", "run.save_model=true", "run.progress=false", "metrics.plot=false"]
+    # Both runs start fresh and leave no checkpoints (they would share checkpoint.dir).
+    common = [f"run.steps={steps}", "run.save_model=true", "run.progress=false", "metrics.plot=false",
+              "checkpoint.interval=0", "checkpoint.at_end=false", "checkpoint.resume=''"]
     runs = {
         "layout": (spec, [*overrides, *common, f"run.out_dir={_toml_str(os.path.join(root, 'layout'))}"]),
         "reference": (LaunchSpec(), [*overrides, *reference_overrides(), *common,

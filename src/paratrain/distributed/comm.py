@@ -34,8 +34,11 @@ from paratrain.config import CommConfig, ConfigError
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_compression(cfg: CommConfig, *, dp_replicate: int, dp_shard: int, tp: int = 1) -> None:
+def check_compression(cfg: CommConfig, *, dp_replicate: int, dp_shard: int, tp: int = 1, pp: int = 1) -> None:
     """Refuse, before any process starts, a compression the layout cannot apply."""
+    if cfg.compression != "none" and pp > 1 and dp_shard == 1:
+        raise ConfigError(f"comm.compression = {cfg.compression!r} is not applied to pipeline stages;"
+                          " set comm.compression = 'none' with parallel.pp > 1 (or shard with parallel.dp_shard)")
     if cfg.compression != "none" and tp > 1 and dp_shard == 1 and dp_replicate > 1:
         # dp_replicate x tp runs torch's FSDP2-based replicate (DDP cannot hold DTensors), which
         # takes no DDP communication hook.

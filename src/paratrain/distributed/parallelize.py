@@ -35,11 +35,6 @@ from paratrain.distributed.pipeline_parallel import apply_pp, is_pipeline_stage
 from paratrain.distributed.tensor_parallel import STYLE_NAMES, apply_tp
 
 
-def check_supported(dims: ParallelDims) -> None:
-    """Refuse, before any process group exists, a layout this version cannot run."""
-    # Every degree is available now; the pipeline's own checks are pipeline_parallel.check_pp_layout.
-
-
 def check_parallel_layout(dims: ParallelDims, *, parallel: ParallelConfig, model: ModelConfig) -> None:
     """Every check of the parallel layout that needs only the config: run in the launcher, before
     any process or process group starts. Raises ConfigError naming the key and the fix."""
@@ -97,7 +92,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, de
     """
     from paratrain.precision import build_mp_policy
 
-    check_supported(dims)
     comm, precision = comm or CommConfig(), precision or PrecisionConfig()
     # 1. Pipeline split, still on the CPU (only this rank's stages reach the device): each stage
     #    then goes through steps 2-6 like a whole model (this function again), before the
