@@ -33,7 +33,10 @@ def test_train_api_with_user_objects_matches_across_world_sizes(tmp_path):
 
 def test_slurm_env_mapping(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
+        # setenv first, so that monkeypatch also removes what _slurm_to_torch_env sets: a RANK
+        # left behind would make every later in-process run wait for 7 other ranks.
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
@@ -46,6 +49,9 @@ def test_slurm_env_mapping(monkeypatch):
 
 def test_torchrun_variables_win_over_slurm(monkeypatch):
     monkeypatch.setenv("RANK", "0")
+    for k in ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     _slurm_to_torch_env()

@@ -248,3 +248,17 @@ def test_fp16_loss_scale_survives_resume(tmp_path):
     assert [r["loss_scale"] for r in resumed] == [r["loss_scale"] for r in full]
     assert resumed[-1]["loss_scale"] < 1e12 / 2**5
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+
+
+@pytest.mark.parametrize("src,dst,world", [(["parallel.dp_shard=2"], ["parallel.tp=2"], 2), (["parallel.tp=2"], [], 1)],
+                         ids=["fsdp2-to-tp2", "tp2-to-one-process"])
+def test_resume_across_parallel_layouts(tmp_path, ref, src, dst, world):
+    """Saved under one parallel layout, resumed under another: DCP reshards model and optimiser,
+    and the run continues the uninterrupted single-process trajectory (1e-4: TP and FSDP
+    reduce in another order than one process does)."""
+    out = str(tmp_path / "run")
+    run(out, 2, src)
+    shutil.rmtree(os.path.join(out, "checkpoints", "step-6"))
+    losses = run(out, world, [*dst, "checkpoint.resume='latest'"])  # from step 3
+    assert len(losses) == 6
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[1][1]), rtol=1e-4, atol=0)
