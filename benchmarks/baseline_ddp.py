@@ -58,6 +58,8 @@ def main(config: str, out: str, *overrides: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"step_time_s": times}, f)
+    # Leave together: with gloo, a rank destroying its group after its peer has exited can hang.
+    dist.barrier()
     dist.destroy_process_group()
 
 
