@@ -54,6 +54,13 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240, **kwargs) -> lis
     return [results[r] for r in range(world_size)]
 
 
+def train_rank(overrides: list[str]) -> dict:
+    """One rank of ``paratrain.train`` on the config made of ``overrides`` (for run_ranks)."""
+    import paratrain
+
+    return paratrain.train(paratrain.load_config(None, overrides))
+
+
 def paratrain_cli(*args: str, timeout: float = 240, env: dict | None = None, cwd: str | None = None):
     """Run the `paratrain` CLI in a subprocess; returns CompletedProcess (text)."""
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]),

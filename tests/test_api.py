@@ -75,3 +75,14 @@ def test_train_stays_the_function_after_the_cli_is_imported():
     import paratrain.trainer
 
     assert paratrain.train is paratrain.trainer.train
+
+
+def test_a_loss_whose_count_disagrees_with_the_targets_fails_on_every_rank(tmp_path):
+    """The loss's own item count is checked against the pre-backward count on the dp-reduced
+    sums, so every rank raises the same clear error instead of one rank leaving the others."""
+    from tests.dist_utils import train_rank
+
+    bad = ["model.factory='tests.toy:mlp'", "data.factory='tests.toy:regression'", "loss.name='tests.toy:sse_miscounted'",
+           "run.steps=1", "run.progress=false", "batch.global_batch_size=8", f"run.out_dir='{tmp_path}'"]
+    with pytest.raises(AssertionError, match="the loss returned item count 16 but counting the targets gave 8"):
+        run_ranks(train_rank, 2, bad, timeout=120)

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from tests.dist_utils import paratrain_cli, read_metrics, run_ranks
+from tests.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
 
 DEBUG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "debug.toml")
 
@@ -212,12 +212,6 @@ def test_auto_config_values():
 # ----------------------------------------------------------------------------- 'auto' keeps invariance
 
 
-def _train(overrides):
-    import paratrain
-
-    return paratrain.train(paratrain.load_config(None, overrides))
-
-
 def test_auto_keeps_layout_invariance(tmp_path):
     """'auto' at world 1 and 2, with a budget that admits micro-batch 2 but not 4, equals the reference."""
     from paratrain.config import load_config
@@ -233,10 +227,10 @@ def test_auto_keeps_layout_invariance(tmp_path):
         usable = (estimate_peak(runner, 2) + estimate_peak(runner, 4)) / 2
         return [f"batch.memory_gib={usable / 0.9 / 2**30!r}"]
 
-    ref = run_ranks(_train, 1, [*TOY, "batch.micro_batch_size=8", f"run.out_dir='{tmp_path / 'ref'}'"])[0]
+    ref = run_ranks(train_rank, 1, [*TOY, "batch.micro_batch_size=8", f"run.out_dir='{tmp_path / 'ref'}'"])[0]
     for world in (1, 2):
         out = tmp_path / f"auto{world}"
-        summaries = run_ranks(_train, world, [*TOY, "batch.micro_batch_size='auto'", *budget(world), f"run.out_dir='{out}'"])
+        summaries = run_ranks(train_rank, world, [*TOY, "batch.micro_batch_size='auto'", *budget(world), f"run.out_dir='{out}'"])
         assert summaries[0]["batch"]["micro_batch_size"] == 2  # chosen identically on every rank
         assert summaries[0]["batch"]["accum_steps"] == 4 // world
         for s in summaries[1:]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import paratrain_cli, read_metrics, run_ranks
+from tests.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
 
 GPT_ARGS = "{n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}"
 TOY = [
@@ -31,12 +31,6 @@ TOY = [
     "checkpoint.at_end=true",
     "checkpoint.keep=0",
 ]
-
-
-def train_rank(overrides: list[str]) -> dict:
-    import paratrain
-
-    return paratrain.train(paratrain.load_config(None, overrides))
 
 
 def run(out: str, world: int, extra: list[str] = ()) -> list[float]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import run_ranks, train_rank
 
 TOY = [
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
@@ -21,12 +21,6 @@ TOY = [
     "optim.lr=3e-3",
     "optim.warmup_steps=2",
 ]
-
-
-def train_rank(overrides: list[str]) -> dict:
-    import paratrain
-
-    return paratrain.train(paratrain.load_config(None, overrides))
 
 
 def run_layout(tmp_path, name: str, world: int, micro: int, extra: list[str] = ()) -> tuple[list[float], dict]:

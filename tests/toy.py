@@ -171,3 +171,11 @@ def tiny_lm_tp_plan(model: nn.Module, tp_mesh) -> dict:
         plan[f"layers.{i}.fc1"] = ColwiseParallel()
         plan[f"layers.{i}.fc2"] = RowwiseParallel()
     return plan
+
+
+def sse_miscounted(output, target):
+    """A user loss whose returned count (2 per sample) disagrees with its count(target) (1)."""
+    return ((output - target) ** 2).sum(), 2 * target.shape[0]
+
+
+sse_miscounted.count = lambda target: target.shape[0]

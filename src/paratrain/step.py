@@ -89,7 +89,7 @@ def train_step(
     Ranks of one tensor-parallel group get the same batches and compute the same loss; the loss
     is reduced over ``dp_group`` only.
     """
-    items, tokens, local_items = count_global_items(batches, loss_fn=loss_fn, dp_group=dp_group)
+    items, tokens, _ = count_global_items(batches, loss_fn=loss_fn, dp_group=dp_group)
     # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
     # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
     # of two in practice, which makes the round trip exact in floating point.
@@ -121,11 +121,15 @@ def train_step(
     precision.step(optimizer)  # fp16: skipped when the gradients overflowed
     optimizer.zero_grad(set_to_none=True)
 
-    if int(returned.item()) != local_items:
-        raise ConfigError(
-            f"the loss returned item count {int(returned.item())} but counting the targets gave"
-            f" {local_items}; give the loss function a count(target) attribute that matches"
-        )
+    # One reduce and one host read for the logged loss and the check of the loss's own counts;
+    # checked on the global sums, every rank raises together instead of one leaving the others.
+    totals = torch.stack([loss_sum, returned])
     if dp_group is not None:
-        dist.all_reduce(loss_sum, group=dp_group)
-    return StepResult(loss_sum.item() / items, items, float(grad_norm), tokens)
+        dist.all_reduce(totals, group=dp_group)
+    loss_total, returned_total = totals.tolist()
+    if int(returned_total) != items:
+        raise ConfigError(
+            f"the loss returned item count {int(returned_total)} but counting the targets gave"
+            f" {items}; give the loss function a count(target) attribute that matches"
+        )
+    return StepResult(loss_total / items, items, float(grad_norm), tokens)
