@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: run test install install-test bench clean
+.PHONY: run test lint install install-test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,12 @@ run: install
 	$(VENV)/bin/paratrain train configs/main.toml --nproc-per-node $(NPROC)
 	$(VENV)/bin/paratrain generate runs/main --prompt "def " --max-new-tokens 300
 
-test: install
+test: install lint
 	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 bench: install
 	$(PY) benchmarks/dp_overhead.py

@@ -30,10 +30,20 @@ from paratrain.config import load_config  # noqa: E402
 
 def run(name: str, out_root: str, samples: int, overrides: list[str]) -> dict:
     out_dir = os.path.join(out_root, name)
-    cfg = load_config(os.path.join(ROOT, "configs", "main.toml"), [
-        f"run.out_dir='{out_dir}'", "run.steps=1000000", f"run.max_samples={samples}", "run.progress=false",
-        "run.save_model=false", "metrics.plot=false", "optim.schedule='constant'", "optim.warmup_steps=5",
-        *overrides])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "main.toml"),
+        [
+            f"run.out_dir='{out_dir}'",
+            "run.steps=1000000",
+            f"run.max_samples={samples}",
+            "run.progress=false",
+            "run.save_model=false",
+            "metrics.plot=false",
+            "optim.schedule='constant'",
+            "optim.warmup_steps=5",
+            *overrides,
+        ],
+    )
     t0 = time.perf_counter()
     paratrain.train(cfg)
     wall = time.perf_counter() - t0
@@ -41,8 +51,15 @@ def run(name: str, out_root: str, samples: int, overrides: list[str]) -> dict:
         rows = [json.loads(line) for line in f]
     tail = [r for r in rows if r["consumed_samples"] > 0.9 * samples]
     final = sum(r["loss"] * r["global_batch_size"] for r in tail) / sum(r["global_batch_size"] for r in tail)
-    return {"name": name, "rows": rows, "final_loss": final, "steps": len(rows),
-            "samples": rows[-1]["consumed_samples"], "final_batch": rows[-1]["global_batch_size"], "wall_s": wall}
+    return {
+        "name": name,
+        "rows": rows,
+        "final_loss": final,
+        "steps": len(rows),
+        "samples": rows[-1]["consumed_samples"],
+        "final_batch": rows[-1]["global_batch_size"],
+        "wall_s": wall,
+    }
 
 
 def main() -> int:
@@ -60,23 +77,49 @@ def main() -> int:
     common = [f"optim.lr_scaling='{args.lr_scaling}'", "optim.reference_batch_size=32"]
     micro = lambda b: f"batch.micro_batch_size={min(args.micro, b)}"  # noqa: E731
     runs = [
-        run(f"fixed_{args.small}", args.out, args.samples, [*common, f"batch.global_batch_size={args.small}", micro(args.small)]),
-        run(f"fixed_{args.large}", args.out, args.samples, [*common, f"batch.global_batch_size={args.large}", micro(args.large)]),
-        run(f"adaptive_{args.small}-{args.large}", args.out, args.samples,
-            [*common, f"batch.global_batch_size={args.small}", micro(args.small), "batch.adaptive=true",
-             f"batch.max_global_batch_size={args.large}", f"batch.adapt_every={args.adapt_every}"]),
+        run(
+            f"fixed_{args.small}",
+            args.out,
+            args.samples,
+            [*common, f"batch.global_batch_size={args.small}", micro(args.small)],
+        ),
+        run(
+            f"fixed_{args.large}",
+            args.out,
+            args.samples,
+            [*common, f"batch.global_batch_size={args.large}", micro(args.large)],
+        ),
+        run(
+            f"adaptive_{args.small}-{args.large}",
+            args.out,
+            args.samples,
+            [
+                *common,
+                f"batch.global_batch_size={args.small}",
+                micro(args.small),
+                "batch.adaptive=true",
+                f"batch.max_global_batch_size={args.large}",
+                f"batch.adapt_every={args.adapt_every}",
+            ],
+        ),
     ]
 
-    print(f"\nsample budget {args.samples}, lr 2e-3 at batch 32 scaled by '{args.lr_scaling}', micro-batch {args.micro}")
+    print(
+        f"\nsample budget {args.samples}, lr 2e-3 at batch 32 scaled by '{args.lr_scaling}', micro-batch {args.micro}"
+    )
     print(f"{'run':<16} {'final loss':>10} {'opt steps':>9} {'samples':>8} {'final batch':>11} {'wall s':>8}")
     for r in runs:
-        print(f"{r['name']:<16} {r['final_loss']:>10.4f} {r['steps']:>9d} {r['samples']:>8d} {r['final_batch']:>11d}"
-              f" {r['wall_s']:>8.1f}")
+        print(
+            f"{r['name']:<16} {r['final_loss']:>10.4f} {r['steps']:>9d} {r['samples']:>8d} {r['final_batch']:>11d}"
+            f" {r['wall_s']:>8.1f}"
+        )
     adaptive = runs[2]["rows"]
     noise = [(r["consumed_samples"], r["grad_noise_scale"]) for r in adaptive if r.get("grad_noise_scale") is not None]
     if noise:
-        print(f"adaptive: gradient noise scale {noise[0][1]:.0f} -> {noise[-1][1]:.0f} samples;"
-              f" batch {adaptive[0]['global_batch_size']} -> {adaptive[-1]['global_batch_size']}")
+        print(
+            f"adaptive: gradient noise scale {noise[0][1]:.0f} -> {noise[-1][1]:.0f} samples;"
+            f" batch {adaptive[0]['global_batch_size']} -> {adaptive[-1]['global_batch_size']}"
+        )
 
     import matplotlib
 
@@ -94,7 +137,9 @@ def main() -> int:
         ax1.plot(xs, ys, lw=1.3, label=f"{r['name']} ({r['steps']} steps)")
         ax2.plot(xs, [row["global_batch_size"] for row in r["rows"]], lw=1.3, label=r["name"])
     if noise:
-        ax2.plot([n[0] for n in noise], [n[1] for n in noise], lw=0.8, ls=":", color="gray", label="noise scale (adaptive)")
+        ax2.plot(
+            [n[0] for n in noise], [n[1] for n in noise], lw=0.8, ls=":", color="gray", label="noise scale (adaptive)"
+        )
     ax1.set(xlabel="samples", ylabel="training loss (smoothed)", title="loss vs samples, same budget")
     ax2.set(xlabel="samples", ylabel="samples", yscale="log", title="global batch")
     for ax in (ax1, ax2):

@@ -8,7 +8,6 @@ accumulation steps, no_sync on all but the last micro-batch.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
@@ -29,8 +28,12 @@ def main(config: str, out: str, *overrides: str) -> None:
     torch.manual_seed(cfg.run.seed)
     model = DDP(build_model(cfg.model), bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=True)
     data = build_dataset(cfg.data)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                            weight_decay=cfg.optim.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        weight_decay=cfg.optim.weight_decay,
+    )
     per_rank = cfg.batch.global_batch_size // world
     mbs = cfg.batch.micro_batch_size or per_rank
     accum = per_rank // mbs

@@ -36,8 +36,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 
 def _rank(rank: int, world: int, port: int, args, out_dir: str, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     import dataclasses
 
@@ -73,12 +74,34 @@ def _rank(rank: int, world: int, port: int, args, out_dir: str, q) -> None:
 
     def checkpointer(async_save: bool) -> Checkpointer:
         ccfg = CheckpointConfig(dir=out_dir, keep=0, async_save=async_save, interval=1)
-        return Checkpointer(ccfg, out_dir=out_dir, config_toml=to_toml(cfg), model=model, optimizer=optimizer,
-                            scheduler=scheduler, state=state, layout={"dp_replicate": world}, rank=rank,
-                            world_size=world, device=torch.device("cpu"), timeout_s=600)
+        return Checkpointer(
+            ccfg,
+            out_dir=out_dir,
+            config_toml=to_toml(cfg),
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state=state,
+            layout={"dp_replicate": world},
+            rank=rank,
+            world_size=world,
+            device=torch.device("cpu"),
+            timeout_s=600,
+        )
 
-    res: dict[str, list[float]] = {k: [] for k in ("step", "sync_save", "async_blocked", "async_total",
-                                                   "step_during_async", "load", "torch_save", "torch_load")}
+    res: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "step",
+            "sync_save",
+            "async_blocked",
+            "async_total",
+            "step_during_async",
+            "load",
+            "torch_save",
+            "torch_load",
+        )
+    }
     sync, asyn = checkpointer(False), checkpointer(True)
     for i in range(args.repeats):
         res["step"].append(step())
@@ -103,8 +126,15 @@ def _rank(rank: int, world: int, port: int, args, out_dir: str, q) -> None:
             msd, osd = get_state_dict(model, optimizer)
             path = os.path.join(out_dir, f"torch-{i}.pt")
             t0 = time.perf_counter()
-            torch.save({"model": msd, "optim": osd, "scheduler": scheduler.state_dict(),
-                        "train_state": dataclasses.asdict(state)}, path)
+            torch.save(
+                {
+                    "model": msd,
+                    "optim": osd,
+                    "scheduler": scheduler.state_dict(),
+                    "train_state": dataclasses.asdict(state),
+                },
+                path,
+            )
             res["torch_save"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             torch.load(path, weights_only=True)
@@ -115,8 +145,14 @@ def _rank(rank: int, world: int, port: int, args, out_dir: str, q) -> None:
     if rank == 0:
         ckpt = os.path.join(out_dir, f"step-{10}")
         size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
-        q.put({"res": res, "params": n_params, "bytes": size,
-               "torch_bytes": os.path.getsize(os.path.join(out_dir, "torch-0.pt"))})
+        q.put(
+            {
+                "res": res,
+                "params": n_params,
+                "bytes": size,
+                "torch_bytes": os.path.getsize(os.path.join(out_dir, "torch-0.pt")),
+            }
+        )
     dist.destroy_process_group()
 
 
@@ -141,8 +177,10 @@ def main() -> None:
             proc.join()
     res = {k: statistics.median(v) for k, v in got["res"].items()}
     base = res["torch_save"]
-    print(f"GPT of {args.config}: {got['params'] / 1e6:.2f}M parameters; checkpoint {got['bytes'] / 2**20:.1f} MiB"
-          f" (torch.save file {got['torch_bytes'] / 2**20:.1f} MiB); world {args.world}; median of {args.repeats}")
+    print(
+        f"GPT of {args.config}: {got['params'] / 1e6:.2f}M parameters; checkpoint {got['bytes'] / 2**20:.1f} MiB"
+        f" (torch.save file {got['torch_bytes'] / 2**20:.1f} MiB); world {args.world}; median of {args.repeats}"
+    )
     rows = [
         ("torch.save, 1 process (baseline)", base),
         (f"sync save, world {args.world} (training blocked)", res["sync_save"]),

@@ -33,8 +33,23 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
     with tempfile.TemporaryDirectory() as tmp:
         js = args.json or os.path.join(tmp, "comm.json")
-        cmd = [sys.executable, "-m", "paratrain", "bench", "comm", "--nproc-per-node", "2", "--backend", args.backend,
-               "--max-bytes", str(args.max_bytes), "--iters", str(args.iters), "--json", js]
+        cmd = [
+            sys.executable,
+            "-m",
+            "paratrain",
+            "bench",
+            "comm",
+            "--nproc-per-node",
+            "2",
+            "--backend",
+            args.backend,
+            "--max-bytes",
+            str(args.max_bytes),
+            "--iters",
+            str(args.iters),
+            "--json",
+            js,
+        ]
         if args.plot:
             cmd += ["--plot", args.plot]
         res = subprocess.run(cmd, cwd=REPO, env=env, text=True, stdout=sys.stdout, stderr=subprocess.PIPE)
@@ -51,8 +66,10 @@ def main() -> None:
     torch.set_num_threads(1)  # one rank's copy: each gloo rank runs on one thread here
     mem = bench_memcpy(torch.device("cpu"), nbytes=args.max_bytes, runs=7, inner=3)
     ceiling = mem["memcpy_gbps"]
-    print(f"\nmemcpy {args.max_bytes // 2**20} MiB, 1 thread: {ceiling:.2f} GB/s copied "
-          f"(min {mem['memcpy_gbps_min']:.2f}, max {mem['memcpy_gbps_max']:.2f})")
+    print(
+        f"\nmemcpy {args.max_bytes // 2**20} MiB, 1 thread: {ceiling:.2f} GB/s copied "
+        f"(min {mem['memcpy_gbps_min']:.2f}, max {mem['memcpy_gbps_max']:.2f})"
+    )
     print(f"\n{'op':>14} {'bytes':>10} {'busbw GB/s':>11} {'memcpy GB/s':>12} {'busbw/memcpy':>13}")
     ratios = {}
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv"):
@@ -62,8 +79,17 @@ def main() -> None:
         top = max(rows, key=lambda r: r["bytes"])
         ratios[op] = top["busbw_gbps"] / ceiling
         print(f"{op:>14} {top['bytes']:>10} {top['busbw_gbps']:>11.3f} {ceiling:>12.2f} {ratios[op]:>13.3f}")
-    print(json.dumps({"memcpy_gbps": ceiling, "busbw_over_memcpy": ratios, "world_size": report["world_size"],
-                      "backend": report["backend"], "max_bytes": args.max_bytes}))
+    print(
+        json.dumps(
+            {
+                "memcpy_gbps": ceiling,
+                "busbw_over_memcpy": ratios,
+                "world_size": report["world_size"],
+                "backend": report["backend"],
+                "max_bytes": args.max_bytes,
+            }
+        )
+    )
     print(f"ratio all_reduce busbw / memcpy: {ratios.get('all_reduce', float('nan')):.3f}")
 
 

@@ -46,26 +46,61 @@ def main() -> None:
             out, bout = os.path.join(tmp, f"pt{i}"), os.path.join(tmp, f"base{i}.json")
 
             def run_ours():
-                run([sys.executable, "-m", "paratrain", "train", args.config, "--nproc-per-node", str(args.nproc),
-                     *[a for o in overrides + [f"run.out_dir='{out}'", "run.progress=false", "metrics.plot=false",
-                                               "run.save_model=false"] for a in ("--set", o)]])
+                run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "paratrain",
+                        "train",
+                        args.config,
+                        "--nproc-per-node",
+                        str(args.nproc),
+                        *[
+                            a
+                            for o in overrides
+                            + [
+                                f"run.out_dir='{out}'",
+                                "run.progress=false",
+                                "metrics.plot=false",
+                                "run.save_model=false",
+                            ]
+                            for a in ("--set", o)
+                        ],
+                    ]
+                )
                 with open(os.path.join(out, "metrics.jsonl")) as f:
                     ours.append(statistics.median([json.loads(line)["step_time_s"] for line in f][WARMUP:]))
 
             def run_base():
-                run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                     str(args.nproc), os.path.join(HERE, "baseline_ddp.py"), args.config, bout, *overrides])
+                run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        "--nproc-per-node",
+                        str(args.nproc),
+                        os.path.join(HERE, "baseline_ddp.py"),
+                        args.config,
+                        bout,
+                        *overrides,
+                    ]
+                )
                 with open(bout) as f:
                     base.append(statistics.median(json.load(f)["step_time_s"][WARMUP:]))
 
             # Alternate which goes first, so neither always inherits the other's wind-down.
-            for fn in ((run_ours, run_base) if i % 2 == 0 else (run_base, run_ours)):
+            for fn in (run_ours, run_base) if i % 2 == 0 else (run_base, run_ours):
                 fn()
-            print(f"run {i + 1}/{args.runs}: paratrain {ours[-1] * 1e3:.1f} ms/step, baseline {base[-1] * 1e3:.1f} ms/step",
-                  flush=True)
+            print(
+                f"run {i + 1}/{args.runs}: paratrain {ours[-1] * 1e3:.1f} ms/step, baseline {base[-1] * 1e3:.1f} ms/step",
+                flush=True,
+            )
     m_ours, m_base = statistics.median(ours), statistics.median(base)
-    print(f"median step time: paratrain {m_ours * 1e3:.1f} ms, plain DDP {m_base * 1e3:.1f} ms"
-          f" (world {args.nproc}, {args.config}, {args.runs} runs x {args.steps} steps)")
+    print(
+        f"median step time: paratrain {m_ours * 1e3:.1f} ms, plain DDP {m_base * 1e3:.1f} ms"
+        f" (world {args.nproc}, {args.config}, {args.runs} runs x {args.steps} steps)"
+    )
     print(f"ratio paratrain/baseline: {m_ours / m_base:.3f}")
 
 

@@ -58,8 +58,11 @@ def main() -> int:
     p.add_argument("--accum", type=int, default=4, help="micro-batches per step (default 4: 65,536 tokens)")
     p.add_argument("--vocab", type=int, default=50304, help="vocabulary size (default 50304)")
     p.add_argument("--no-compile", action="store_true", help="run eagerly (for comparison)")
-    p.add_argument("--smoke-cpu", action="store_true",
-                   help="check this script's plumbing on CPU with a tiny GPT (no figures worth reading)")
+    p.add_argument(
+        "--smoke-cpu",
+        action="store_true",
+        help="check this script's plumbing on CPU with a tiny GPT (no figures worth reading)",
+    )
     args = p.parse_args()
 
     import torch
@@ -79,46 +82,85 @@ def main() -> int:
     device = torch.device("cpu") if smoke else torch.device("cuda", 0)
     name = "CPU (smoke test)" if smoke else torch.cuda.get_device_name(device)
     print(f"== 1. bench compute on {name}", flush=True)
-    compute = run_compute_bench(device=device, dtypes=["bf16"], n=256 if smoke else 8192,
-                                copy_bytes=(16 if smoke else 1024) * 2**20, runs=3 if smoke else 7, inner=2 if smoke else 20)
+    compute = run_compute_bench(
+        device=device,
+        dtypes=["bf16"],
+        n=256 if smoke else 8192,
+        copy_bytes=(16 if smoke else 1024) * 2**20,
+        runs=3 if smoke else 7,
+        inner=2 if smoke else 20,
+    )
     peak = compute["matmul"][0]["flops_per_s"]
 
     block, gbs = (64 if smoke else 1024), args.micro_batch * args.accum
     shape = "n_layer = 2, n_head = 2, d_model = 64" if smoke else "n_layer = 12, n_head = 12, d_model = 768"
-    print(f"\n== 2. GPT 124M-shape (12 x 768, T {block}, vocab {args.vocab}), bf16, "
-          f"compile {not args.no_compile}, SDPA flash, {args.steps} steps of {gbs} x {block} tokens", flush=True)
+    print(
+        f"\n== 2. GPT 124M-shape (12 x 768, T {block}, vocab {args.vocab}), bf16, "
+        f"compile {not args.no_compile}, SDPA flash, {args.steps} steps of {gbs} x {block} tokens",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as out:
         overrides = [
-            f"run.out_dir='{out}'", f"run.steps={args.steps}", "run.seed=0", "run.progress=false",
-            "run.save_model=false", "metrics.plot=false",
+            f"run.out_dir='{out}'",
+            f"run.steps={args.steps}",
+            "run.seed=0",
+            "run.progress=false",
+            "run.save_model=false",
+            "metrics.plot=false",
             f"model.args={{{shape}, block_size = {block}, vocab_size = {args.vocab}, bias = false}}",
-            f"batch.global_batch_size={gbs}", f"batch.micro_batch_size={args.micro_batch}",
-            "optim.lr=6e-4", "optim.warmup_steps=10", "optim.weight_decay=0.1",
-            "precision.dtype='bf16'", f"train.compile={'false' if args.no_compile else 'true'}",
-            f"hardware.peak_flops={peak}", f"dist.device='{device.type}'",
+            f"batch.global_batch_size={gbs}",
+            f"batch.micro_batch_size={args.micro_batch}",
+            "optim.lr=6e-4",
+            "optim.warmup_steps=10",
+            "optim.weight_decay=0.1",
+            "precision.dtype='bf16'",
+            f"train.compile={'false' if args.no_compile else 'true'}",
+            f"hardware.peak_flops={peak}",
+            f"dist.device='{device.type}'",
         ]
         cfg = paratrain.load_config(None, overrides)
         data = RandomTokens(gbs * args.steps, block, args.vocab)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel(SDPBackend.MATH if smoke else SDPBackend.FLASH_ATTENTION):  # fail loudly rather than fall back to the math kernel
+        with sdpa_kernel(
+            SDPBackend.MATH if smoke else SDPBackend.FLASH_ATTENTION
+        ):  # fail loudly rather than fall back to the math kernel
             summary = paratrain.train(cfg, dataset=data)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
-    steady = rows[WARMUP_STEPS:] if len(rows) > WARMUP_STEPS + 2 else rows[len(rows) // 2:]
+    steady = rows[WARMUP_STEPS:] if len(rows) > WARMUP_STEPS + 2 else rows[len(rows) // 2 :]
     tok_s = statistics.median(r["tokens_per_s"] for r in steady)
     mfu = statistics.median(r["mfu"] for r in steady)
     tflops = statistics.median(r["model_flops_per_s"] for r in steady) / 1e12
-    print(f"\nmatmul bf16 peak (measured): {peak / 1e12:.1f} TFLOP/s | memcpy {compute['memcpy']['memcpy_gbps']:.0f} GB/s")
-    print(f"GPT: {tok_s:,.0f} tokens/s, {tflops:.1f} model TFLOP/s, MFU {100 * mfu:.1f}% of the measured peak"
-          f" (median of steps {len(rows) - len(steady) + 1}..{len(rows)}); loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
-    print(json.dumps({
-        "gpu": name, "torch": torch.__version__, "matmul_bf16_tflops": peak / 1e12,
-        "memcpy_gbps": compute["memcpy"]["memcpy_gbps"], "model_parameters": summary["model_parameters"],
-        "vocab": args.vocab, "block_size": block, "tokens_per_step": gbs * block, "steps": args.steps,
-        "compile": not args.no_compile, "tokens_per_s": tok_s, "model_tflops": tflops, "mfu": mfu,
-        "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"], "wall_s": time.perf_counter() - t_start,
-    }))
+    print(
+        f"\nmatmul bf16 peak (measured): {peak / 1e12:.1f} TFLOP/s | memcpy {compute['memcpy']['memcpy_gbps']:.0f} GB/s"
+    )
+    print(
+        f"GPT: {tok_s:,.0f} tokens/s, {tflops:.1f} model TFLOP/s, MFU {100 * mfu:.1f}% of the measured peak"
+        f" (median of steps {len(rows) - len(steady) + 1}..{len(rows)}); loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}"
+    )
+    print(
+        json.dumps(
+            {
+                "gpu": name,
+                "torch": torch.__version__,
+                "matmul_bf16_tflops": peak / 1e12,
+                "memcpy_gbps": compute["memcpy"]["memcpy_gbps"],
+                "model_parameters": summary["model_parameters"],
+                "vocab": args.vocab,
+                "block_size": block,
+                "tokens_per_step": gbs * block,
+                "steps": args.steps,
+                "compile": not args.no_compile,
+                "tokens_per_s": tok_s,
+                "model_tflops": tflops,
+                "mfu": mfu,
+                "first_loss": rows[0]["loss"],
+                "final_loss": rows[-1]["loss"],
+                "wall_s": time.perf_counter() - t_start,
+            }
+        )
+    )
     return 0
 
 

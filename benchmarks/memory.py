@@ -140,10 +140,21 @@ def main() -> int:
             ratio = worst / (ddp_total / n)
             ok = (not sharded) or abs(ratio - 1) <= 0.10
             failed |= not ok
-            rows.append((n, name, r0["params"], r0["grads"], r0["optim"], worst, formula, paper,
-                         f"{ratio:.3f}" if sharded else "-", "ok" if ok else "FAIL"))
-    print(f"GPT {gpt_args}, Ψ = {psi:,} parameters, fp32 AdamW; bytes per rank (MiB), rank 0 split,"
-          " worst rank total")
+            rows.append(
+                (
+                    n,
+                    name,
+                    r0["params"],
+                    r0["grads"],
+                    r0["optim"],
+                    worst,
+                    formula,
+                    paper,
+                    f"{ratio:.3f}" if sharded else "-",
+                    "ok" if ok else "FAIL",
+                )
+            )
+    print(f"GPT {gpt_args}, Ψ = {psi:,} parameters, fp32 AdamW; bytes per rank (MiB), rank 0 split, worst rank total")
     head = ("N", "layout", "params", "grads", "optim", "total", "formula", "paper", "total/(DDP/N)", "10%")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))

@@ -36,8 +36,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _stage_time(part, *, first: bool, last: bool, batch: int, seq: int, d_model: int, vocab: int,
-                device: torch.device, reps: int) -> float:
+def _stage_time(
+    part, *, first: bool, last: bool, batch: int, seq: int, d_model: int, vocab: int, device: torch.device, reps: int
+) -> float:
     """Forward + backward of one micro-batch on this stage alone (no communication)."""
     import torch.nn.functional as F
 
@@ -51,8 +52,9 @@ def _stage_time(part, *, first: bool, last: bool, batch: int, seq: int, d_model:
         t0 = time.perf_counter()
         out = part(x)
         if last:
-            F.cross_entropy(out.reshape(-1, out.shape[-1]), torch.randint(0, vocab, (batch * seq,), device=device),
-                            reduction="sum").backward()
+            F.cross_entropy(
+                out.reshape(-1, out.shape[-1]), torch.randint(0, vocab, (batch * seq,), device=device), reduction="sum"
+            ).backward()
         else:
             out.backward(torch.randn_like(out))
         _sync(device)
@@ -96,8 +98,13 @@ def _rank_body(rank: int, world: int, port: int, args, q) -> None:
                 continue  # 1F1B needs at least p micro-batches in flight (torch refuses fewer)
             cfg = ParallelConfig(pp=world, pp_schedule=schedule, pp_microbatches=m)
             torch.manual_seed(0)
-            model = build_gpt(n_layer=world * args.blocks_per_stage, n_head=args.heads, d_model=args.d_model,
-                              block_size=args.seq, vocab_size=args.vocab)
+            model = build_gpt(
+                n_layer=world * args.blocks_per_stage,
+                n_head=args.heads,
+                d_model=args.d_model,
+                block_size=args.seq,
+                vocab_size=args.vocab,
+            )
             pipe = apply_pp(model, mesh["pp"], cfg=cfg, device=device)
             pipe.build_schedule(micro_batch_size=m * args.batch, accum_steps=1, loss_fn=loss)
             pipe.loss.scale = 1.0
@@ -108,8 +115,9 @@ def _rank_body(rank: int, world: int, port: int, args, q) -> None:
                 dist.barrier()
                 _sync(device)
                 t0 = time.perf_counter()
-                pipe.schedule.step(*((x,) if pipe.has_first else ()), target=y if pipe.has_last else None,
-                                   return_outputs=False)
+                pipe.schedule.step(
+                    *((x,) if pipe.has_first else ()), target=y if pipe.has_last else None, return_outputs=False
+                )
                 _sync(device)
                 dt = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
@@ -123,18 +131,43 @@ def _rank_body(rank: int, world: int, port: int, args, q) -> None:
             for r in range(world):
                 dist.barrier()
                 if r == rank:
-                    t_stage.fill_(max(
-                        _stage_time(part, first=st.is_first, last=st.is_last, batch=args.batch, seq=args.seq,
-                                    d_model=args.d_model, vocab=args.vocab, device=device, reps=args.steps)
-                        for part, st in zip(pipe.parts, pipe.stages)))
+                    t_stage.fill_(
+                        max(
+                            _stage_time(
+                                part,
+                                first=st.is_first,
+                                last=st.is_last,
+                                batch=args.batch,
+                                seq=args.seq,
+                                d_model=args.d_model,
+                                vocab=args.vocab,
+                                device=device,
+                                reps=args.steps,
+                            )
+                            for part, st in zip(pipe.parts, pipe.stages)
+                        )
+                    )
             dist.all_reduce(t_stage, op=dist.ReduceOp.MAX)
             # The same probe on all ranks at once: if it is much slower than alone, the stages
             # share cores and cannot overlap, so no pipeline can beat running them in turn.
             dist.barrier()
-            t_together = torch.tensor(max(
-                _stage_time(part, first=st.is_first, last=st.is_last, batch=args.batch, seq=args.seq,
-                            d_model=args.d_model, vocab=args.vocab, device=device, reps=args.steps)
-                for part, st in zip(pipe.parts, pipe.stages)), dtype=torch.float64)
+            t_together = torch.tensor(
+                max(
+                    _stage_time(
+                        part,
+                        first=st.is_first,
+                        last=st.is_last,
+                        batch=args.batch,
+                        seq=args.seq,
+                        d_model=args.d_model,
+                        vocab=args.vocab,
+                        device=device,
+                        reps=args.steps,
+                    )
+                    for part, st in zip(pipe.parts, pipe.stages)
+                ),
+                dtype=torch.float64,
+            )
             dist.all_reduce(t_together, op=dist.ReduceOp.MAX)
             rows.append((schedule, world, m, min(times), t_stage.item(), t_together.item() / t_stage.item()))
     if rank == 0:
@@ -148,7 +181,9 @@ def main() -> int:
     from paratrain.distributed.process_group import free_port
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pp", type=int, nargs="+", default=None, help="pipeline degrees (default 2, and 4 with >= 4 cores)")
+    p.add_argument(
+        "--pp", type=int, nargs="+", default=None, help="pipeline degrees (default 2, and 4 with >= 4 cores)"
+    )
     p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--batch", type=int, default=4, help="samples per pipeline micro-batch")
     p.add_argument("--seq", type=int, default=64)
@@ -163,10 +198,15 @@ def main() -> int:
     cores = os.cpu_count() or 1
     pps = args.pp or ([2, 4] if cores >= 4 else [2])
     if args.device == "cuda" and max(pps) > torch.cuda.device_count():
-        print(f"pipeline_bubble: --pp {max(pps)} needs {max(pps)} GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
+        print(
+            f"pipeline_bubble: --pp {max(pps)} needs {max(pps)} GPUs, {torch.cuda.device_count()} visible",
+            file=sys.stderr,
+        )
         return 2
-    print(f"# pipeline bubble: GPT d_model {args.d_model}, {args.blocks_per_stage} blocks/stage, micro-batch "
-          f"{args.batch} x {args.seq} tokens, {args.device}, {cores} cores, torch {torch.__version__}")
+    print(
+        f"# pipeline bubble: GPT d_model {args.d_model}, {args.blocks_per_stage} blocks/stage, micro-batch "
+        f"{args.batch} x {args.seq} tokens, {args.device}, {cores} cores, torch {torch.__version__}"
+    )
     if args.device == "cpu" and max(pps) > cores:
         print(f"# warning: {max(pps)} processes on {cores} cores: stages share cores, figures are not a pipeline's")
     rows = []
@@ -199,8 +239,10 @@ def main() -> int:
         if len(pts) >= 2:
             (m1, t1), (m2, t2) = pts[-2], pts[-1]
             slope[schedule, pp] = (t2 - t1) / (m2 - m1)
-    print(f"{'schedule':<9} {'pp':>3} {'m':>3} {'step ms':>9} {'ideal ms':>9} {'bubble':>7} {'theory':>7} {'ratio':>6}"
-          f"  follows  {'bubble_fit':>10}  contention")
+    print(
+        f"{'schedule':<9} {'pp':>3} {'m':>3} {'step ms':>9} {'ideal ms':>9} {'bubble':>7} {'theory':>7} {'ratio':>6}"
+        f"  follows  {'bubble_fit':>10}  contention"
+    )
     ok_all, contended = True, False
     for schedule, pp, m, t, t_stage, contention in rows:
         ideal = m * t_stage
@@ -210,13 +252,17 @@ def main() -> int:
         ok = abs(ratio - 1) <= 0.25
         fit = f"{1 - m * slope[schedule, pp] / t:.3f}" if (schedule, pp) in slope else "-"
         ok_all &= ok
-        print(f"{schedule:<9} {pp:>3} {m:>3} {t * 1e3:>9.1f} {ideal * 1e3:>9.1f} {bubble:>7.3f} {theory:>7.3f}"
-              f" {ratio:>6.2f}  {'yes' if ok else 'NO':<7}  {fit:>10}  {contention:>10.2f}")
+        print(
+            f"{schedule:<9} {pp:>3} {m:>3} {t * 1e3:>9.1f} {ideal * 1e3:>9.1f} {bubble:>7.3f} {theory:>7.3f}"
+            f" {ratio:>6.2f}  {'yes' if ok else 'NO':<7}  {fit:>10}  {contention:>10.2f}"
+        )
         contended |= contention > 1.3
     print(f"# measured bubble within 25% of (p-1)/(m+p-1) everywhere: {'yes' if ok_all else 'no'}")
     if contended:
-        print("# contention = stage probe on all ranks at once / alone; above ~1.3 the stages share cores and"
-              " cannot overlap, so the measured bubble says more about the host than the schedule")
+        print(
+            "# contention = stage probe on all ranks at once / alone; above ~1.3 the stages share cores and"
+            " cannot overlap, so the measured bubble says more about the host than the schedule"
+        )
     return 0
 
 

@@ -16,8 +16,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _worker(fn, rank, world_size, port, q, args, kwargs):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -63,10 +69,20 @@ def train_rank(overrides: list[str]) -> dict:
 
 def paratrain_cli(*args: str, timeout: float = 240, env: dict | None = None, cwd: str | None = None):
     """Run the `paratrain` CLI in a subprocess; returns CompletedProcess (text)."""
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]),
-                "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "paratrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd or REPO)
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]),
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "paratrain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd or REPO,
+    )
 
 
 def read_metrics(out_dir: str) -> list[dict]:

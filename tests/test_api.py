@@ -16,8 +16,17 @@ def api_rank(out_dir: str) -> list[float]:
     import paratrain
     from tests.toy import mlp, regression
 
-    cfg = paratrain.load_config(None, [f"run.out_dir='{out_dir}'", "run.steps=5", "run.progress=false",
-                                       "batch.global_batch_size=16", "batch.micro_batch_size=4", "loss.name='mse'"])
+    cfg = paratrain.load_config(
+        None,
+        [
+            f"run.out_dir='{out_dir}'",
+            "run.steps=5",
+            "run.progress=false",
+            "batch.global_batch_size=16",
+            "batch.micro_batch_size=4",
+            "loss.name='mse'",
+        ],
+    )
     torch.manual_seed(0)
     model = mlp()
     sse = lambda out, y: (((out - y) ** 2).sum(), y.numel())  # noqa: E731 - a user loss as a plain callable
@@ -82,7 +91,14 @@ def test_a_loss_whose_count_disagrees_with_the_targets_fails_on_every_rank(tmp_p
     sums, so every rank raises the same clear error instead of one rank leaving the others."""
     from tests.dist_utils import train_rank
 
-    bad = ["model.factory='tests.toy:mlp'", "data.factory='tests.toy:regression'", "loss.name='tests.toy:sse_miscounted'",
-           "run.steps=1", "run.progress=false", "batch.global_batch_size=8", f"run.out_dir='{tmp_path}'"]
+    bad = [
+        "model.factory='tests.toy:mlp'",
+        "data.factory='tests.toy:regression'",
+        "loss.name='tests.toy:sse_miscounted'",
+        "run.steps=1",
+        "run.progress=false",
+        "batch.global_batch_size=8",
+        f"run.out_dir='{tmp_path}'",
+    ]
     with pytest.raises(AssertionError, match="the loss returned item count 16 but counting the targets gave 8"):
         run_ranks(train_rank, 2, bad, timeout=120)

@@ -86,8 +86,16 @@ def _real_ddp_peaks(sizes):
             tracker.track_external(model, opt)  # DDP's buckets are tracked as the gradients appear
             with tracker:
                 for _ in range(2):
-                    train_step(model, opt, batches, loss_fn=runner.loss_fn, dp=2, dp_group=dims.group("dp"),
-                               grad_clip=1.0, device=torch.device("cpu"))
+                    train_step(
+                        model,
+                        opt,
+                        batches,
+                        loss_fn=runner.loss_fn,
+                        dp=2,
+                        dp_group=dims.group("dp"),
+                        grad_clip=1.0,
+                        device=torch.device("cpu"),
+                    )
             # The estimate runs one replica on fake tensors (no process group needed) plus the buckets.
             out.append((tracker.peak()[0], estimate_peak(runner, m) if ctx.rank == 0 else None))
             del model, opt
@@ -112,8 +120,10 @@ def test_search_is_exact_and_monotone_in_budget(estimates):
     lo, hi = estimates[1] * 0.8, estimates[8] * 1.2
     for i in range(12):
         usable = lo + (hi - lo) * i / 11
-        cfg = load_config(DEBUG, ["batch.global_batch_size=8", "batch.memory_margin=0.5",
-                                  f"batch.memory_gib={usable / 0.5 / 2**30!r}"])
+        cfg = load_config(
+            DEBUG,
+            ["batch.global_batch_size=8", "batch.memory_margin=0.5", f"batch.memory_gib={usable / 0.5 / 2**30!r}"],
+        )
         dims, _ = check_layout(cfg, 1)
         r = find_micro_batch(cfg, dims, device=torch.device("cpu"), method="estimate", measure=estimates.__getitem__)
         fitting = [m for m, p in estimates.items() if p <= r.usable_bytes]
@@ -230,7 +240,9 @@ def test_auto_keeps_layout_invariance(tmp_path):
     ref = run_ranks(train_rank, 1, [*TOY, "batch.micro_batch_size=8", f"run.out_dir='{tmp_path / 'ref'}'"])[0]
     for world in (1, 2):
         out = tmp_path / f"auto{world}"
-        summaries = run_ranks(train_rank, world, [*TOY, "batch.micro_batch_size='auto'", *budget(world), f"run.out_dir='{out}'"])
+        summaries = run_ranks(
+            train_rank, world, [*TOY, "batch.micro_batch_size='auto'", *budget(world), f"run.out_dir='{out}'"]
+        )
         assert summaries[0]["batch"]["micro_batch_size"] == 2  # chosen identically on every rank
         assert summaries[0]["batch"]["accum_steps"] == 4 // world
         for s in summaries[1:]:
@@ -255,7 +267,8 @@ def test_lr_scaling_rules():
     # sigma^2 (variance of a 32-sample gradient) = B_noise |G|^2 / 32; with |G|^2 = 1, B_noise = 64:
     sigma2, s = 64 / 32, 4
     assert lr_scale("adascale", global_batch_size=128, reference_batch_size=32, noise_scale=64) == pytest.approx(
-        (sigma2 + 1) / (sigma2 / s + 1))
+        (sigma2 + 1) / (sigma2 / s + 1)
+    )
 
 
 def test_lr_scaling_with_warmup_and_batch_change():
@@ -324,11 +337,21 @@ def test_probe_gives_the_first_micro_batch_gradient():
     (s / c).backward()
     want = sum(float((p.grad.double() ** 2).sum()) for p in ref.parameters())
 
-    adapter = BatchAdapter(BatchConfig(global_batch_size=8, micro_batch_size=4, adaptive=True), plan=plan,
-                           dp_group=None, grow=True)
+    adapter = BatchAdapter(
+        BatchConfig(global_batch_size=8, micro_batch_size=4, adaptive=True), plan=plan, dp_group=None, grow=True
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    result = train_step(model, opt, batches, loss_fn=loss_fn, dp=1, dp_group=None, grad_clip=0.0,
-                        device=torch.device("cpu"), after_backward=adapter.probe(model, batches[0], loss_fn))
+    result = train_step(
+        model,
+        opt,
+        batches,
+        loss_fn=loss_fn,
+        dp=1,
+        dp_group=None,
+        grad_clip=0.0,
+        device=torch.device("cpu"),
+        after_backward=adapter.probe(model, batches[0], loss_fn),
+    )
     small = float(adapter._probe_sq) * (result.items / (1 * adapter._probe_items)) ** 2
     assert small == pytest.approx(want, rel=1e-6)
 
@@ -354,10 +377,21 @@ def _adaptive_run(out_dir, world):
     from tests.toy import toy_lm
 
     torch.set_num_threads(1)
-    cfg = paratrain.load_config(None, [*TOY, "run.steps=14", f"batch.global_batch_size={4 if world == 1 else 8}",
-                                       "batch.micro_batch_size=2",
-                                       "batch.adaptive=true", "batch.max_global_batch_size=15", "batch.adapt_every=2",
-                                       "batch.noise_ema=0.5", "optim.lr_scaling='sqrt'", f"run.out_dir='{out_dir}'"])
+    cfg = paratrain.load_config(
+        None,
+        [
+            *TOY,
+            "run.steps=14",
+            f"batch.global_batch_size={4 if world == 1 else 8}",
+            "batch.micro_batch_size=2",
+            "batch.adaptive=true",
+            "batch.max_global_batch_size=15",
+            "batch.adapt_every=2",
+            "batch.noise_ema=0.5",
+            "optim.lr_scaling='sqrt'",
+            f"run.out_dir='{out_dir}'",
+        ],
+    )
     ds = Recording(toy_lm(n=64, seq_len=16, vocab=32))
     summary = paratrain.train(cfg, dataset=ds)
     rows = read_metrics(out_dir)
@@ -387,7 +421,9 @@ def test_adaptive_growth_bounded_and_sampler_exact(tmp_path, world):
     ocfg = OptimConfig(lr=3e-3, warmup_steps=2)
     for i in range(len(rows) - 1):
         assert rows[i]["lr_scale"] == pytest.approx(math.sqrt(rows[i + 1]["global_batch_size"] / start))
-        assert rows[i + 1]["lr"] == pytest.approx(3e-3 * lr_factor(i + 1, cfg=ocfg, total_steps=14) * rows[i]["lr_scale"])
+        assert rows[i + 1]["lr"] == pytest.approx(
+            3e-3 * lr_factor(i + 1, cfg=ocfg, total_steps=14) * rows[i]["lr_scale"]
+        )
     # Every sample loaded exactly where the positional stream says: none skipped, none repeated.
     assert rows[-1]["consumed_samples"] == sum(sizes)
     if world == 1:
@@ -396,5 +432,5 @@ def test_adaptive_growth_bounded_and_sampler_exact(tmp_path, world):
     n = 64  # and the stream repeats no sample within an epoch, across the batch changes
     assert rows[-1]["consumed_samples"] > n  # the run crosses an epoch boundary
     for e in range(math.ceil(len(expected) / n)):
-        epoch = expected[e * n:(e + 1) * n]
+        epoch = expected[e * n : (e + 1) * n]
         assert len(set(epoch)) == len(epoch)

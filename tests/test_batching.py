@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from paratrain.batching import GlobalBatchSampler, micro_batches, plan_batch, rank_slice
-from paratrain.config import ConfigError, ParallelConfig
+from paratrain.config import ConfigError, OptimConfig, ParallelConfig
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.optim import lr_factor
-from paratrain.config import OptimConfig
 
 
 @pytest.mark.parametrize("g,m,dp,accum", [(32, 8, 2, 2), (32, 0, 2, 1), (8, 1, 4, 2), (12, 3, 1, 4)])

@@ -47,8 +47,11 @@ def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
     from paratrain.checkpoint import load_metadata, safe_planner, safe_reader
 
     md = load_metadata(path)
-    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-          if isinstance(m, TensorStorageMetadata) and k.startswith(("model.", "optim."))}
+    sd = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata) and k.startswith(("model.", "optim."))
+    }
     dcp.load(sd, storage_reader=safe_reader(path), planner=safe_planner(flatten_state_dict=False), no_dist=True)
     return sd
 
@@ -68,7 +71,9 @@ def test_same_layout_resume_is_bitwise(tmp_path, ref):
     src = os.path.join(out[world], "checkpoints", "step-3")
     resumed = run(str(tmp_path / "r"), world, [f"checkpoint.resume='{src}'"])
     assert resumed == losses[world][3:]  # bitwise: same layout, same reduction order
-    mine, theirs = (checkpoint_tensors(os.path.join(d, "checkpoints", "step-6")) for d in (str(tmp_path / "r"), out[world]))
+    mine, theirs = (
+        checkpoint_tensors(os.path.join(d, "checkpoints", "step-6")) for d in (str(tmp_path / "r"), out[world])
+    )
     assert mine.keys() == theirs.keys() and any(k.startswith("optim.state.") for k in mine)
     for k in mine:
         assert torch.equal(mine[k], theirs[k]), k
@@ -92,11 +97,20 @@ def test_sigkill_restart_resumes_and_matches(tmp_path, ref):
     out, losses = ref
     run_dir = str(tmp_path / "killed")
     args = [a for a in TOY if not a.startswith("model.args")]
-    sets = [x for a in [*args, "model.factory='tests.toy:gpt_killed_at'",
-                        f"model.args={GPT_ARGS[:-1]}, kill_at_step = 5, kill_rank = 1}}",
-                        f"run.out_dir='{run_dir}'", "checkpoint.keep=1"] for x in ("--set", a)]
-    res = paratrain_cli("train", "configs/debug.toml", "--nproc-per-node", "2", "--max-restarts", "1", *sets,
-                        timeout=300)
+    sets = [
+        x
+        for a in [
+            *args,
+            "model.factory='tests.toy:gpt_killed_at'",
+            f"model.args={GPT_ARGS[:-1]}, kill_at_step = 5, kill_rank = 1}}",
+            f"run.out_dir='{run_dir}'",
+            "checkpoint.keep=1",
+        ]
+        for x in ("--set", a)
+    ]
+    res = paratrain_cli(
+        "train", "configs/debug.toml", "--nproc-per-node", "2", "--max-restarts", "1", *sets, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stderr
     rows = read_metrics(run_dir)
@@ -110,8 +124,14 @@ def test_resume_flag_takes_the_newest(tmp_path, ref):
     out, losses = ref
     run_dir = str(tmp_path / "copy")
     shutil.copytree(out[1], run_dir)
-    res = paratrain_cli("train", "configs/debug.toml", "--resume", *[x for a in TOY for x in ("--set", a)],
-                        "--set", f"run.out_dir='{run_dir}'")
+    res = paratrain_cli(
+        "train",
+        "configs/debug.toml",
+        "--resume",
+        *[x for a in TOY for x in ("--set", a)],
+        "--set",
+        f"run.out_dir='{run_dir}'",
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"resumed from {os.path.join(run_dir, 'checkpoints', 'step-6')} at step 6" in res.stderr
     assert [r["loss"] for r in read_metrics(run_dir)] == losses[1]
@@ -219,9 +239,15 @@ def test_export_loads_into_plain_model(tmp_path, ref):
 
 def test_collective_timeout_names_the_missing_rank(tmp_path):
     """Rank 1 stalls in step 2; rank 0's collective times out after 5 s and names rank 1."""
-    stall = [*TOY, "checkpoint.interval=0", "checkpoint.at_end=false", "run.save_model=false",
-             "model.factory='tests.toy:gpt_stalled_at'", "dist.timeout_s=5",
-             f"model.args={GPT_ARGS[:-1]}, stall_at_step = 2, stall_rank = 1, stall_s = 10}}"]
+    stall = [
+        *TOY,
+        "checkpoint.interval=0",
+        "checkpoint.at_end=false",
+        "run.save_model=false",
+        "model.factory='tests.toy:gpt_stalled_at'",
+        "dist.timeout_s=5",
+        f"model.args={GPT_ARGS[:-1]}, stall_at_step = 2, stall_rank = 1, stall_s = 10}}",
+    ]
     with pytest.raises(AssertionError) as err:
         run_ranks(train_rank, 2, [*stall, f"run.out_dir='{tmp_path}'"], timeout=120)
     text = str(err.value)
@@ -244,8 +270,11 @@ def test_fp16_loss_scale_survives_resume(tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
 
 
-@pytest.mark.parametrize("src,dst,world", [(["parallel.dp_shard=2"], ["parallel.tp=2"], 2), (["parallel.tp=2"], [], 1)],
-                         ids=["fsdp2-to-tp2", "tp2-to-one-process"])
+@pytest.mark.parametrize(
+    "src,dst,world",
+    [(["parallel.dp_shard=2"], ["parallel.tp=2"], 2), (["parallel.tp=2"], [], 1)],
+    ids=["fsdp2-to-tp2", "tp2-to-one-process"],
+)
 def test_resume_across_parallel_layouts(tmp_path, ref, src, dst, world):
     """Saved under one parallel layout, resumed under another: DCP reshards model and optimiser,
     and the run continues the uninterrupted single-process trajectory (1e-4: TP and FSDP

@@ -14,14 +14,33 @@ from safetensors.torch import load_file
 from paratrain.distributed.process_group import free_port
 from tests.dist_utils import REPO, paratrain_cli, read_metrics
 
-REQUIRED = {"step", "loss", "lr", "grad_norm", "global_batch_size", "micro_batch_size", "accum_steps",
-            "tokens", "step_time_s", "tokens_per_s", "samples_per_s"}
+REQUIRED = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "global_batch_size",
+    "micro_batch_size",
+    "accum_steps",
+    "tokens",
+    "step_time_s",
+    "tokens_per_s",
+    "samples_per_s",
+}
 
 
 def test_train_debug_two_processes_writes_every_output(tmp_path):
     out = tmp_path / "run"
-    res = paratrain_cli("train", "configs/debug.toml", "--nproc-per-node", "2", "--set", f"run.out_dir='{out}'",
-                        "--set", "metrics.tensorboard=true")
+    res = paratrain_cli(
+        "train",
+        "configs/debug.toml",
+        "--nproc-per-node",
+        "2",
+        "--set",
+        f"run.out_dir='{out}'",
+        "--set",
+        "metrics.tensorboard=true",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     for name in ("config.toml", "metrics.jsonl", "summary.json", "metrics.png", "model.safetensors"):
         assert (out / name).stat().st_size > 0, name
@@ -48,11 +67,28 @@ def test_train_debug_two_processes_writes_every_output(tmp_path):
 
 def test_user_factories_and_mse_train(tmp_path):
     out = tmp_path / "user"
-    res = paratrain_cli("train", "configs/debug.toml", "--nproc-per-node", "2",
-                        "--set", f"run.out_dir='{out}'", "--set", "model.factory='tests.toy:mlp'",
-                        "--set", "model.args={dim = 8, hidden = 16}", "--set", "data.factory='tests.toy:regression'",
-                        "--set", "data.args={n = 64}", "--set", "loss.name='mse'", "--set", "run.steps=20",
-                        "--set", "optim.lr=0.01")
+    res = paratrain_cli(
+        "train",
+        "configs/debug.toml",
+        "--nproc-per-node",
+        "2",
+        "--set",
+        f"run.out_dir='{out}'",
+        "--set",
+        "model.factory='tests.toy:mlp'",
+        "--set",
+        "model.args={dim = 8, hidden = 16}",
+        "--set",
+        "data.factory='tests.toy:regression'",
+        "--set",
+        "data.args={n = 64}",
+        "--set",
+        "loss.name='mse'",
+        "--set",
+        "run.steps=20",
+        "--set",
+        "optim.lr=0.01",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = read_metrics(out)
     assert len(rows) == 20 and rows[-1]["loss"] < 0.5 * rows[0]["loss"]
@@ -63,9 +99,28 @@ def test_torchrun_module_entry_point(tmp_path):
     """`torchrun ... -m paratrain.train CONFIG` works like `paratrain train`."""
     out = tmp_path / "torchrun"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")])}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "paratrain.train", "configs/debug.toml", "--set", f"run.out_dir='{out}'",
-                          "--set", "run.steps=3"], capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "paratrain.train",
+            "configs/debug.toml",
+            "--set",
+            f"run.out_dir='{out}'",
+            "--set",
+            "run.steps=3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(read_metrics(out)) == 3
 
@@ -74,17 +129,44 @@ def test_torchrun_module_entry_point(tmp_path):
 def test_two_nodes_on_one_machine_match_one_node(tmp_path):
     common = ["--set", "run.steps=4", "--set", "run.progress=false"]
     one = tmp_path / "one"
-    res = paratrain_cli("train", "configs/debug.toml", "--nproc-per-node", "2", "--set", f"run.out_dir='{one}'", *common)
+    res = paratrain_cli(
+        "train", "configs/debug.toml", "--nproc-per-node", "2", "--set", f"run.out_dir='{one}'", *common
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     two = tmp_path / "two"
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "paratrain", "train", "configs/debug.toml", "--nnodes", "2",
-                               "--nproc-per-node", "1", "--node-rank", str(r), "--rdzv-endpoint", f"127.0.0.1:{port}",
-                               "--set", f"run.out_dir='{two}'", *common], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "paratrain",
+                "train",
+                "configs/debug.toml",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(r),
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--set",
+                f"run.out_dir='{two}'",
+                *common,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     a, b = read_metrics(one), read_metrics(two)
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]),
-                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]), rtol=1e-6, atol=0
+    )

@@ -46,9 +46,9 @@ def _simulate(op: str, n: int, numel: int) -> list[torch.Tensor]:
         return [torch.cat(ins)] * n
     if op == "reduce_scatter":
         total = sum(ins)
-        return [total[r * c:(r + 1) * c] for r in range(n)]
+        return [total[r * c : (r + 1) * c] for r in range(n)]
     if op == "all_to_all":
-        return [torch.cat([ins[s][r * c:(r + 1) * c] for s in range(n)]) for r in range(n)]
+        return [torch.cat([ins[s][r * c : (r + 1) * c] for s in range(n)]) for r in range(n)]
     if op == "send_recv":
         return [ins[(r - 1) % n] for r in range(n)]
     raise AssertionError(op)
@@ -160,7 +160,8 @@ def world2(tmp_path_factory):
     for name in SETTINGS:
         assert ranks[1][name] == ranks[0][name]  # every rank agrees on the (all-reduced) loss
     return {name: (ranks[0][name], read_metrics(str(out / name))) for name in SETTINGS} | {
-        "broken": [r["broken"] for r in ranks]}
+        "broken": [r["broken"] for r in ranks]
+    }
 
 
 def test_a_broken_collective_is_an_error_on_every_rank(world2):
@@ -169,8 +170,22 @@ def test_a_broken_collective_is_an_error_on_every_rank(world2):
 
 def test_bench_comm_end_to_end_writes_json_and_png(tmp_path):
     js, png = tmp_path / "comm.json", tmp_path / "comm.png"
-    r = paratrain_cli("bench", "comm", "--nproc-per-node", "2", "--max-bytes", "65536", "--iters", "3",
-                      "--warmup", "1", "--json", str(js), "--plot", str(png))
+    r = paratrain_cli(
+        "bench",
+        "comm",
+        "--nproc-per-node",
+        "2",
+        "--max-bytes",
+        "65536",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--json",
+        str(js),
+        "--plot",
+        str(png),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "busbw" in r.stdout and "all_reduce" in r.stdout
     report = json.loads(js.read_text())

@@ -27,7 +27,7 @@ def test_defaults_and_docs():
 
 def test_toml_and_set_precedence(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('[run]\nsteps = 7\nseed = 3\n[optim]\nlr = 1\n[model.args]\nn_layer = 3\n')
+    path.write_text("[run]\nsteps = 7\nseed = 3\n[optim]\nlr = 1\n[model.args]\nn_layer = 3\n")
     cfg = load_config(path, ["run.steps=9", "model.args.d_model=16", "run.out_dir=runs/x"])
     assert cfg.run.steps == 9  # --set wins over the file
     assert cfg.run.seed == 3  # the file wins over the default
@@ -82,12 +82,27 @@ def test_bad_file(tmp_path):
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["train", "configs/debug.toml", "--set", "batch.global_batch_size=10", "--set", "batch.micro_batch_size=4",
-          "--nproc-per-node", "2"], "not divisible by micro_batch_size 4 x dp 2 = 8"),
-        (["train", "configs/debug.toml", "--set", "batch.global_batch_size=7", "--nproc-per-node", "2"],
-         "not divisible by dp = 2"),
-        (["train", "configs/debug.toml", "--set", "parallel.dp_replicate=3", "--nproc-per-node", "2"],
-         "dp_replicate 3 x dp_shard 1 x tp 1 x pp 1 = 3 != world size 2"),
+        (
+            [
+                "train",
+                "configs/debug.toml",
+                "--set",
+                "batch.global_batch_size=10",
+                "--set",
+                "batch.micro_batch_size=4",
+                "--nproc-per-node",
+                "2",
+            ],
+            "not divisible by micro_batch_size 4 x dp 2 = 8",
+        ),
+        (
+            ["train", "configs/debug.toml", "--set", "batch.global_batch_size=7", "--nproc-per-node", "2"],
+            "not divisible by dp = 2",
+        ),
+        (
+            ["train", "configs/debug.toml", "--set", "parallel.dp_replicate=3", "--nproc-per-node", "2"],
+            "dp_replicate 3 x dp_shard 1 x tp 1 x pp 1 = 3 != world size 2",
+        ),
         (["train", "missing.toml"], "config file 'missing.toml' not found"),
         (["train", "configs/debug.toml", "--set", "model.args.n_layr=2"], "model.args.n_layr is not accepted"),
         (["train", "configs/debug.toml", "--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint"),

@@ -10,11 +10,21 @@ from tests.dist_utils import paratrain_cli
 
 def _info(**over) -> dict:
     base = {
-        "host": "n1", "host_resolves_to": "10.0.0.1", "python": "3.11.7", "torch": "2.13.0", "cuda_build": "12.8",
-        "cuda_available": True, "nccl": "2.27.3", "cpu_count": 32, "gpus": [{"index": i} for i in range(8)],
-        "gpu_topology": "GPU0 X NV18", "variables": {},
-        "interfaces": [{"name": "lo", "state": "unknown", "kind": "loopback", "addresses": []},
-                       {"name": "eth0", "state": "up", "kind": "ethernet/other", "addresses": ["10.0.0.1/24"]}],
+        "host": "n1",
+        "host_resolves_to": "10.0.0.1",
+        "python": "3.11.7",
+        "torch": "2.13.0",
+        "cuda_build": "12.8",
+        "cuda_available": True,
+        "nccl": "2.27.3",
+        "cpu_count": 32,
+        "gpus": [{"index": i} for i in range(8)],
+        "gpu_topology": "GPU0 X NV18",
+        "variables": {},
+        "interfaces": [
+            {"name": "lo", "state": "unknown", "kind": "loopback", "addresses": []},
+            {"name": "eth0", "state": "up", "kind": "ethernet/other", "addresses": ["10.0.0.1/24"]},
+        ],
     }
     return {**base, **over}
 
@@ -28,7 +38,9 @@ def test_a_clean_gpu_node_has_no_problem():
 
 
 def test_several_interfaces_without_ifname():
-    ifaces = _info()["interfaces"] + [{"name": "ib0", "state": "up", "kind": "infiniband", "addresses": ["192.168.1.2/24"]}]
+    ifaces = _info()["interfaces"] + [
+        {"name": "ib0", "state": "up", "kind": "infiniband", "addresses": ["192.168.1.2/24"]}
+    ]
     text = _problems(_info(interfaces=ifaces))
     assert "NCCL_SOCKET_IFNAME is not set" in text and "GLOO_SOCKET_IFNAME is not set" in text
     ok = _info(interfaces=ifaces, variables={"NCCL_SOCKET_IFNAME": "ib", "GLOO_SOCKET_IFNAME": "ib0"})
@@ -46,8 +58,9 @@ def test_p2p_disabled_gloo_on_gpus_and_other_problems():
     assert "loopback address" in _problems(_info(host_resolves_to="127.0.1.1"), nnodes=2)
     assert "InfiniBand" in _problems(_info(variables={"NCCL_IB_DISABLE": "1"}), nnodes=2)
     assert "every collective" in _problems(_info(variables={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}))
-    assert "oversubscribe" in _problems(_info(cuda_available=False, gpus=[], cpu_count=4,
-                                              variables={"OMP_NUM_THREADS": "4"}), nproc_per_node=2)
+    assert "oversubscribe" in _problems(
+        _info(cuda_available=False, gpus=[], cpu_count=4, variables={"OMP_NUM_THREADS": "4"}), nproc_per_node=2
+    )
 
 
 def test_mismatched_versions_across_ranks():

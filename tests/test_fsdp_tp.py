@@ -25,8 +25,10 @@ GPT = [
 ]
 # A user's model (tests/toy.py) with its tensor-parallel plan given as a TOML table.
 USER = [*GPT, "model.factory='tests.toy:tiny_lm'", "model.args={vocab = 32, d = 32, hidden = 64, n_layer = 2}"]
-USER_PLAN = ["parallel.tp_plan={emb = 'rowwise', 'layers.*.fc1' = 'colwise', 'layers.*.fc2' = 'rowwise',"
-             " head = 'colwise_gather'}"]
+USER_PLAN = [
+    "parallel.tp_plan={emb = 'rowwise', 'layers.*.fc1' = 'colwise', 'layers.*.fc2' = 'rowwise',"
+    " head = 'colwise_gather'}"
+]
 
 # vocab_size 31 is split unevenly by tp = 2 and by FSDP.
 # name -> (reference name, overrides). Micro-batches of 2 (1 at dp 4) so every layout accumulates.
@@ -38,28 +40,63 @@ WORLD1 = {
 }
 WORLD2 = {
     "dp_shard2": ("ref", [*GPT, "parallel.dp_shard=2", "batch.micro_batch_size=2"]),
-    "dp_shard2_no_reshard": ("ref", [*GPT, "parallel.dp_shard=2", "parallel.reshard_after_forward=false",
-                                     "batch.micro_batch_size=2"]),
+    "dp_shard2_no_reshard": (
+        "ref",
+        [*GPT, "parallel.dp_shard=2", "parallel.reshard_after_forward=false", "batch.micro_batch_size=2"],
+    ),
     "tp2": ("ref", [*GPT, "parallel.tp=2", "batch.micro_batch_size=2"]),
     "tp2_gathered_logits": ("ref", [*GPT, "parallel.tp=2", "parallel.loss_parallel=false", "batch.micro_batch_size=4"]),
     "tp2_sp": ("ref", [*GPT, "parallel.tp=2", "parallel.sequence_parallel=true", "batch.micro_batch_size=2"]),
     "user_tp2_plan_table": ("user_ref", [*USER, *USER_PLAN, "parallel.tp=2", "batch.micro_batch_size=2"]),
-    "user_tp2_plan_factory_ac": ("user_ref", [*USER, "parallel.tp_plan_factory='tests.toy:tiny_lm_tp_plan'",
-                                              "parallel.tp=2", "batch.micro_batch_size=2",
-                                              "parallel.activation_checkpointing='full'"]),
+    "user_tp2_plan_factory_ac": (
+        "user_ref",
+        [
+            *USER,
+            "parallel.tp_plan_factory='tests.toy:tiny_lm_tp_plan'",
+            "parallel.tp=2",
+            "batch.micro_batch_size=2",
+            "parallel.activation_checkpointing='full'",
+        ],
+    ),
 }
 WORLD4 = {
     "hsdp_2x2": ("ref", [*GPT, "parallel.dp_replicate=2", "parallel.dp_shard=2", "batch.micro_batch_size=1"]),
-    "hsdp_2x2_no_reshard": ("ref", [*GPT, "parallel.dp_replicate=2", "parallel.dp_shard=2", "batch.micro_batch_size=1",
-                                    "parallel.reshard_after_forward=false"]),
+    "hsdp_2x2_no_reshard": (
+        "ref",
+        [
+            *GPT,
+            "parallel.dp_replicate=2",
+            "parallel.dp_shard=2",
+            "batch.micro_batch_size=1",
+            "parallel.reshard_after_forward=false",
+        ],
+    ),
     "dp_shard2_tp2": ("ref", [*GPT, "parallel.dp_shard=2", "parallel.tp=2", "batch.micro_batch_size=2"]),
-    "dp_shard2_tp2_sp_ac_selective": ("ref", [*GPT, "parallel.dp_shard=2", "parallel.tp=2",
-                                              "parallel.sequence_parallel=true", "batch.micro_batch_size=2",
-                                              "parallel.activation_checkpointing='selective'"]),
-    "dp_replicate2_tp2_ac_full": ("ref", [*GPT, "parallel.dp_replicate=2", "parallel.tp=2", "batch.micro_batch_size=2",
-                                          "parallel.activation_checkpointing='full'"]),
-    "dp_shard4_cpu_offload": ("ref", [*GPT, "parallel.dp_shard=4", "parallel.cpu_offload=true",
-                                      "batch.micro_batch_size=1"]),
+    "dp_shard2_tp2_sp_ac_selective": (
+        "ref",
+        [
+            *GPT,
+            "parallel.dp_shard=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "batch.micro_batch_size=2",
+            "parallel.activation_checkpointing='selective'",
+        ],
+    ),
+    "dp_replicate2_tp2_ac_full": (
+        "ref",
+        [
+            *GPT,
+            "parallel.dp_replicate=2",
+            "parallel.tp=2",
+            "batch.micro_batch_size=2",
+            "parallel.activation_checkpointing='full'",
+        ],
+    ),
+    "dp_shard4_cpu_offload": (
+        "ref",
+        [*GPT, "parallel.dp_shard=4", "parallel.cpu_offload=true", "batch.micro_batch_size=1"],
+    ),
 }
 
 
@@ -68,7 +105,6 @@ def train_layouts(runs: dict, root: str) -> dict:
     import torch.distributed as dist
 
     import paratrain
-
     from paratrain.distributed.parallel_dims import ParallelDims
 
     dist.init_process_group("gloo")
@@ -90,9 +126,15 @@ def run_world(world: int, runs: dict, root) -> dict:
     for other in per_rank[1:]:  # every rank reports the same (dp-reduced) loss
         for name in runs:
             assert other[name]["losses"] == per_rank[0][name]["losses"], name
-    out = {name: (per_rank[0][name]["losses"], load_file(os.path.join(root, name, "model.safetensors")),
-                  per_rank[0][name]["layout"], [row["grad_norm"] for row in read_metrics(os.path.join(root, name))])
-           for name in runs}
+    out = {
+        name: (
+            per_rank[0][name]["losses"],
+            load_file(os.path.join(root, name, "model.safetensors")),
+            per_rank[0][name]["layout"],
+            [row["grad_norm"] for row in read_metrics(os.path.join(root, name))],
+        )
+        for name in runs
+    }
     out["roles"] = [r.get("roles") for r in per_rank]
     return out
 

@@ -7,24 +7,40 @@ import pytest
 from paratrain.cli import main
 from tests.dist_utils import paratrain_cli
 
-BASE = ["--set", "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 32}",
-        "--set", "data.args.block_size=16"]
+BASE = [
+    "--set",
+    "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 32}",
+    "--set",
+    "data.args.block_size=16",
+]
 
 CASES = [
     (4, ["parallel.tp=3"], "world size 4 is not divisible by dp_shard 1 x tp 3"),
     (4, ["parallel.dp_replicate=2", "parallel.dp_shard=4"], "= 8 != world size 4"),
     (2, ["parallel.tp=2", "model.args.n_head=3"], "parallel.tp = 2 does not divide model.args.n_head = 3"),
-    (2, ["parallel.tp=2", "model.args.n_head=2", "model.args.d_model=33"],
-     "parallel.tp = 2 does not divide model.args.d_model = 33"),
-    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.args.block_size=17"],
-     "parallel.tp = 2 does not divide model.args.block_size = 17"),
+    (
+        2,
+        ["parallel.tp=2", "model.args.n_head=2", "model.args.d_model=33"],
+        "parallel.tp = 2 does not divide model.args.d_model = 33",
+    ),
+    (
+        2,
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "model.args.block_size=17"],
+        "parallel.tp = 2 does not divide model.args.block_size = 17",
+    ),
     (2, ["parallel.sequence_parallel=true"], "parallel.sequence_parallel = true needs tensor parallelism"),
     (2, ["parallel.cpu_offload=true"], "parallel.cpu_offload = true offloads FSDP2 shards; set parallel.dp_shard > 1"),
-    (2, ["parallel.tp=2", "model.factory='tests.toy:tiny_lm'", "model.args={}"],
-     "parallel.tp = 2 needs a tensor-parallel plan for model.factory"),
+    (
+        2,
+        ["parallel.tp=2", "model.factory='tests.toy:tiny_lm'", "model.args={}"],
+        "parallel.tp = 2 needs a tensor-parallel plan for model.factory",
+    ),
     (2, ["parallel.tp_plan={head = 'diagonal'}"], "parallel.tp_plan.head = 'diagonal' is not a tensor-parallel style"),
-    (2, ["parallel.tp_plan={head = 'colwise'}", "parallel.tp_plan_factory='tests.toy:tiny_lm'"],
-     "parallel.tp_plan and parallel.tp_plan_factory are both set"),
+    (
+        2,
+        ["parallel.tp_plan={head = 'colwise'}", "parallel.tp_plan_factory='tests.toy:tiny_lm'"],
+        "parallel.tp_plan and parallel.tp_plan_factory are both set",
+    ),
     (2, ["parallel.activation_checkpointing='some'"], "parallel.activation_checkpointing = 'some' is not allowed"),
     # Feature combinations that cannot be exact are refused too (trainer.check_feature_combinations).
     (2, ["batch.adaptive=true", "parallel.dp_shard=2"], "batch.adaptive = true needs each rank's own gradient"),
@@ -49,9 +65,20 @@ def test_impossible_layout_exits_2_with_one_line(capsys, nproc, sets, message):
 
 
 def test_verify_refuses_an_impossible_layout_before_starting():
-    r = paratrain_cli("verify", "configs/debug.toml", "--nproc-per-node", "2", "--set", "parallel.tp=2",
-                      "--set", "model.args.n_head=3", timeout=120)
+    r = paratrain_cli(
+        "verify",
+        "configs/debug.toml",
+        "--nproc-per-node",
+        "2",
+        "--set",
+        "parallel.tp=2",
+        "--set",
+        "model.args.n_head=3",
+        timeout=120,
+    )
     assert r.returncode == 2
-    assert r.stderr.strip() == ("paratrain: error: parallel.tp = 2 does not divide model.args.n_head = 3 (attention"
-                                " heads are split whole across the tp ranks); use a tp that divides 3 or a n_head"
-                                " that is a multiple of 2")
+    assert r.stderr.strip() == (
+        "paratrain: error: parallel.tp = 2 does not divide model.args.n_head = 3 (attention"
+        " heads are split whole across the tp ranks); use a tp that divides 3 or a n_head"
+        " that is a multiple of 2"
+    )

@@ -84,10 +84,16 @@ def _agree(per_rank: list[list[list[float]]]) -> list[list[float]]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    gpt, user = _agree(run_ranks(train_runs, 1, [
-        ["batch.micro_batch_size=8", f"run.out_dir='{out / 'gpt'}'"],
-        ["batch.micro_batch_size=8", "run.save_model=false", f"run.out_dir='{out / 'user'}'", *USER],
-    ]))
+    gpt, user = _agree(
+        run_ranks(
+            train_runs,
+            1,
+            [
+                ["batch.micro_batch_size=8", f"run.out_dir='{out / 'gpt'}'"],
+                ["batch.micro_batch_size=8", "run.save_model=false", f"run.out_dir='{out / 'user'}'", *USER],
+            ],
+        )
+    )
     return {"gpt": gpt, "user": user, "weights": load_file(str(out / "gpt" / "model.safetensors"))}
 
 
@@ -98,13 +104,37 @@ def _close(losses, ref):
 
 @pytest.mark.timeout(300)
 def test_pp2_every_schedule_matches_reference(tmp_path, reference):
-    runs = [["parallel.pp=2", f"parallel.pp_schedule='{s}'", "batch.micro_batch_size=4",
-             f"run.save_model={str(s == 'interleaved1f1b').lower()}", f"run.out_dir='{tmp_path / s}'"]
-            for s in SCHEDULES]
-    runs.append(["parallel.pp=2", "parallel.pp_schedule='1f1b'", "batch.micro_batch_size=4", "parallel.pp_microbatches=4",
-                 "run.save_model=false", f"run.out_dir='{tmp_path / 'user'}'", *USER])
-    runs.append(["parallel.pp=2", "parallel.pp_schedule='gpipe'", "batch.micro_batch_size=8", "parallel.pp_split_points=[1]",
-                 "run.save_model=false", f"run.out_dir='{tmp_path / 'split'}'"])
+    runs = [
+        [
+            "parallel.pp=2",
+            f"parallel.pp_schedule='{s}'",
+            "batch.micro_batch_size=4",
+            f"run.save_model={str(s == 'interleaved1f1b').lower()}",
+            f"run.out_dir='{tmp_path / s}'",
+        ]
+        for s in SCHEDULES
+    ]
+    runs.append(
+        [
+            "parallel.pp=2",
+            "parallel.pp_schedule='1f1b'",
+            "batch.micro_batch_size=4",
+            "parallel.pp_microbatches=4",
+            "run.save_model=false",
+            f"run.out_dir='{tmp_path / 'user'}'",
+            *USER,
+        ]
+    )
+    runs.append(
+        [
+            "parallel.pp=2",
+            "parallel.pp_schedule='gpipe'",
+            "batch.micro_batch_size=8",
+            "parallel.pp_split_points=[1]",
+            "run.save_model=false",
+            f"run.out_dir='{tmp_path / 'split'}'",
+        ]
+    )
     results = _agree(run_ranks(train_runs, 2, runs, timeout=280))
     for schedule, losses in zip(SCHEDULES, results):
         print(schedule, losses)
@@ -122,19 +152,35 @@ COMPOSED = {  # world 4: pp = 2 with each other parallelism on every stage
     "ddp-gpipe": ["parallel.dp_replicate=2", "parallel.pp_schedule='gpipe'"],
     "ddp-interleaved1f1b": ["parallel.dp_replicate=2", "parallel.pp_schedule='interleaved1f1b'"],
     "fsdp-1f1b": ["parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.pp_schedule='1f1b'"],
-    "fsdp-zero2-zbv": ["parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.reshard_after_forward=false",
-                       "parallel.pp_schedule='zbv'"],
+    "fsdp-zero2-zbv": [
+        "parallel.dp_replicate=1",
+        "parallel.dp_shard=2",
+        "parallel.reshard_after_forward=false",
+        "parallel.pp_schedule='zbv'",
+    ],
     "tp-1f1b": ["parallel.tp=2", "parallel.pp_schedule='1f1b'"],
-    "tp-sp-ac-zbv": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.activation_checkpointing='full'",
-                     "parallel.pp_schedule='zbv'"],
+    "tp-sp-ac-zbv": [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.activation_checkpointing='full'",
+        "parallel.pp_schedule='zbv'",
+    ],
 }
 SAVED = ("ddp-interleaved1f1b", "fsdp-1f1b", "tp-1f1b")
 
 
 @pytest.mark.timeout(400)
 def test_pp2_composed_with_ddp_fsdp_tp_matches_reference(tmp_path, reference):
-    runs = [["parallel.pp=2", *sets, "batch.micro_batch_size=2", f"run.save_model={str(name in SAVED).lower()}",
-             f"run.out_dir='{tmp_path / name}'"] for name, sets in COMPOSED.items()]
+    runs = [
+        [
+            "parallel.pp=2",
+            *sets,
+            "batch.micro_batch_size=2",
+            f"run.save_model={str(name in SAVED).lower()}",
+            f"run.out_dir='{tmp_path / name}'",
+        ]
+        for name, sets in COMPOSED.items()
+    ]
     results = _agree(run_ranks(train_runs, 4, runs, timeout=380))
     for name, losses in zip(COMPOSED, results):
         print(name, losses)
@@ -163,10 +209,12 @@ def test_split_stage_keeps_original_names():
     full = build_gpt(n_layer=4, n_head=2, d_model=16, block_size=8, vocab_size=16)
     names = {n for n, _ in full.named_parameters()}
     ranges = stage_ranges(full, 2, [])
-    first = split_stage(build_gpt(n_layer=4, n_head=2, d_model=16, block_size=8, vocab_size=16), ranges[0],
-                        first=True, last=False)
-    last = split_stage(build_gpt(n_layer=4, n_head=2, d_model=16, block_size=8, vocab_size=16), ranges[1],
-                       first=False, last=True)
+    first = split_stage(
+        build_gpt(n_layer=4, n_head=2, d_model=16, block_size=8, vocab_size=16), ranges[0], first=True, last=False
+    )
+    last = split_stage(
+        build_gpt(n_layer=4, n_head=2, d_model=16, block_size=8, vocab_size=16), ranges[1], first=False, last=True
+    )
     a, b = {n for n, _ in first.named_parameters()}, {n for n, _ in last.named_parameters()}
     assert a | b == names and not a & b
     assert first.lm_head is None and last.tok_emb is None and "layers.3.attn.q_proj.weight" in b
@@ -175,14 +223,17 @@ def test_split_stage_keeps_original_names():
     assert user(torch.randn(3, 16)).shape == (3, 32)  # iterating a pruned ModuleList still works
 
 
-@pytest.mark.parametrize("sets,pp,micro,accum,needle", [
-    (["parallel.pp_schedule='1f1b'", "parallel.pp_microbatches=1"], 2, 4, 1, "parallel.pp_microbatches = 1"),
-    (["parallel.pp_microbatches=3"], 2, 4, 1, "does not divide batch.micro_batch_size"),
-    (["parallel.pp_schedule='gpipe'", "parallel.pp_virtual_stages=2"], 2, 4, 1, "parallel.pp_virtual_stages = 2"),
-    (["parallel.pp_split_points=[2, 2, 3]"], 4, 4, 1, "strictly increasing"),
-    (["parallel.pp_split_points=[1, 2]"], 2, 4, 1, "has 2 entries"),
-    (["parallel.pp_schedule='dualpipev'"], 2, 3, 1, "raise batch.micro_batch_size"),
-])
+@pytest.mark.parametrize(
+    "sets,pp,micro,accum,needle",
+    [
+        (["parallel.pp_schedule='1f1b'", "parallel.pp_microbatches=1"], 2, 4, 1, "parallel.pp_microbatches = 1"),
+        (["parallel.pp_microbatches=3"], 2, 4, 1, "does not divide batch.micro_batch_size"),
+        (["parallel.pp_schedule='gpipe'", "parallel.pp_virtual_stages=2"], 2, 4, 1, "parallel.pp_virtual_stages = 2"),
+        (["parallel.pp_split_points=[2, 2, 3]"], 4, 4, 1, "strictly increasing"),
+        (["parallel.pp_split_points=[1, 2]"], 2, 4, 1, "has 2 entries"),
+        (["parallel.pp_schedule='dualpipev'"], 2, 3, 1, "raise batch.micro_batch_size"),
+    ],
+)
 def test_impossible_layouts_in_process(sets, pp, micro, accum, needle):
     cfg = load_config(None, sets).parallel
     with pytest.raises(ConfigError, match="parallel|batch") as e:
@@ -195,26 +246,58 @@ def test_impossible_layouts_in_process(sets, pp, micro, accum, needle):
 
 CLI_ERRORS = [
     (2, ["parallel.pp=2", "model.args.n_layer=1"], "gives 2 pipeline stages but the model has 1 blocks"),
-    (2, ["parallel.pp=2", "parallel.pp_schedule='1f1b'", "parallel.pp_microbatches=1", "batch.micro_batch_size=8"],
-     "parallel.pp_microbatches = 1 x accum_steps 1 = 1 pipeline micro-batches per step: 1f1b needs at least pp = 2"),
-    (2, ["parallel.pp=2", "parallel.pp_microbatches=3", "batch.micro_batch_size=4"],
-     "parallel.pp_microbatches = 3 does not divide batch.micro_batch_size = 4"),
-    (2, ["parallel.pp=2", "parallel.pp_split_points=[4]"], "parallel.pp_split_points = [4] must be strictly increasing"),
+    (
+        2,
+        ["parallel.pp=2", "parallel.pp_schedule='1f1b'", "parallel.pp_microbatches=1", "batch.micro_batch_size=8"],
+        "parallel.pp_microbatches = 1 x accum_steps 1 = 1 pipeline micro-batches per step: 1f1b needs at least pp = 2",
+    ),
+    (
+        2,
+        ["parallel.pp=2", "parallel.pp_microbatches=3", "batch.micro_batch_size=4"],
+        "parallel.pp_microbatches = 3 does not divide batch.micro_batch_size = 4",
+    ),
+    (
+        2,
+        ["parallel.pp=2", "parallel.pp_split_points=[4]"],
+        "parallel.pp_split_points = [4] must be strictly increasing",
+    ),
     (2, ["parallel.pp=2", "parallel.pp_schedule='chimera'"], "parallel.pp_schedule = 'chimera' is not allowed"),
-    (4, ["parallel.pp=2", "parallel.pp_schedule='zbv'"], "replicated data parallel (parallel.dp_replicate = 2) does not reduce"),
-    (4, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule='dualpipev'", "batch.micro_batch_size=4"],
-     "needs parallel.reshard_after_forward = false"),
-    (2, ["parallel.pp=2", "model.factory='tests.toy:mlp'", "model.args={}"], "needs a model whose blocks are in a 'layers'"),
-    (2, ["parallel.pp=2", "model.factory='tests.test_pipeline:tied_lm'", "model.args={}"],
-     "parameter emb.weight is shared with head.weight (tied weights)"),
+    (
+        4,
+        ["parallel.pp=2", "parallel.pp_schedule='zbv'"],
+        "replicated data parallel (parallel.dp_replicate = 2) does not reduce",
+    ),
+    (
+        4,
+        ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule='dualpipev'", "batch.micro_batch_size=4"],
+        "needs parallel.reshard_after_forward = false",
+    ),
+    (
+        2,
+        ["parallel.pp=2", "model.factory='tests.toy:mlp'", "model.args={}"],
+        "needs a model whose blocks are in a 'layers'",
+    ),
+    (
+        2,
+        ["parallel.pp=2", "model.factory='tests.test_pipeline:tied_lm'", "model.args={}"],
+        "parameter emb.weight is shared with head.weight (tied weights)",
+    ),
 ]
 
 
 def _cli_args(tmp_path, sets):
-    return ["train", "configs/debug.toml", *(a for s in [*TOY, f"run.out_dir='{tmp_path}'", *sets] for a in ("--set", s))]
+    return [
+        "train",
+        "configs/debug.toml",
+        *(a for s in [*TOY, f"run.out_dir='{tmp_path}'", *sets] for a in ("--set", s)),
+    ]
 
 
-@pytest.mark.parametrize("nproc,sets,needle", CLI_ERRORS, ids=["blocks", "too-few", "divide", "split", "schedule", "zb-ddp", "zb-fsdp-reshard", "no-layers", "tied"])
+@pytest.mark.parametrize(
+    "nproc,sets,needle",
+    CLI_ERRORS,
+    ids=["blocks", "too-few", "divide", "split", "schedule", "zb-ddp", "zb-fsdp-reshard", "no-layers", "tied"],
+)
 def test_cli_refuses_impossible_pp_layouts(tmp_path, capsys, monkeypatch, nproc, sets, needle):
     """`paratrain train` in this process (cli.main): the check runs before the launcher starts."""
     import paratrain.launch

@@ -59,8 +59,9 @@ def test_fp16_uses_a_grad_scaler_and_logs_it(tmp_path, fp32):
 
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path):
     # A loss scale of 1e30 overflows fp16 gradients: each step is skipped and the scale halved.
-    _, rows = _train(tmp_path, "fp16-overflow", ["precision.dtype='fp16'", "precision.fp16_init_scale=1e30",
-                                                 "run.save_model=true"])
+    _, rows = _train(
+        tmp_path, "fp16-overflow", ["precision.dtype='fp16'", "precision.fp16_init_scale=1e30", "run.save_model=true"]
+    )
     assert [r["skipped_steps"] for r in rows] == [1, 2, 3, 4]
     assert [r["loss_scale"] for r in rows] == pytest.approx([1e30 / 2 ** (k + 1) for k in range(4)], rel=1e-6)
     # Every step skipped: the weights are still the initial ones.
@@ -147,8 +148,11 @@ def test_mfu_logged_with_a_stated_peak(tmp_path):
     _, rows = _train(tmp_path, "mfu", ["run.steps=2", "hardware.peak_flops=1e12"])
     for r in rows:
         assert r["mfu"] == pytest.approx(r["model_flops_per_s"] / 1e12)
-        assert r["model_flops_per_s"] == pytest.approx(r["tokens"] * build_flops_per_token(
-            build_gpt(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=32))(16) / r["step_time_s"])
+        assert r["model_flops_per_s"] == pytest.approx(
+            r["tokens"]
+            * build_flops_per_token(build_gpt(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=32))(16)
+            / r["step_time_s"]
+        )
 
 
 def test_bench_compute_feeds_mfu(tmp_path):
@@ -164,6 +168,10 @@ def test_bench_compute_feeds_mfu(tmp_path):
     assert peak == mm["flops_per_s"] and "bench compute" in source
     with pytest.raises(ConfigError, match="no matmul figure for cpu/bf16"):
         resolve_peak_flops(HardwareConfig(compute_bench=str(js)), device=torch.device("cpu"), dtype="bf16")
-    assert resolve_peak_flops(HardwareConfig(peak_flops=5.0, compute_bench=str(js)),
-                              device=torch.device("cpu"), dtype="fp32")[0] == 5.0
+    assert (
+        resolve_peak_flops(
+            HardwareConfig(peak_flops=5.0, compute_bench=str(js)), device=torch.device("cpu"), dtype="fp32"
+        )[0]
+        == 5.0
+    )
     assert resolve_peak_flops(HardwareConfig(), device=torch.device("cpu"), dtype="fp32")[0] is None

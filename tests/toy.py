@@ -73,8 +73,11 @@ def gpt_killed_at(kill_at_step: int = 0, kill_rank: int = 1, **gpt_args) -> nn.M
 
     def maybe_die(module, args):
         calls[0] += 1
-        if (calls[0] == kill_at_step and int(os.environ.get("RANK", "-1")) == kill_rank
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
+        if (
+            calls[0] == kill_at_step
+            and int(os.environ.get("RANK", "-1")) == kill_rank
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
 
     model.register_forward_pre_hook(maybe_die)

@@ -102,23 +102,28 @@ def local_grad_sq_norm(model: nn.Module) -> torch.Tensor | None:
 class BatchAdapter:
     """Measures the noise scale each step and grows the plan's accumulation when it pays."""
 
-    def __init__(self, cfg: BatchConfig, *, plan: BatchPlan, dp_group: dist.ProcessGroup | None,
-                 grow: bool):
+    def __init__(self, cfg: BatchConfig, *, plan: BatchPlan, dp_group: dist.ProcessGroup | None, grow: bool):
         self.cfg = cfg
         self.grow = grow  # False: only measure (for lr_scaling = 'adascale' without batch.adaptive)
         self.dp_group = dp_group
         self.noise = GradNoiseScale(decay=cfg.noise_ema)
         self.noise_samples: float | None = None
         if plan.per_rank_batch_size < 2:
-            raise ConfigError("batch.adaptive (and optim.lr_scaling = 'adascale') needs at least 2 samples per rank"
-                              f" to measure the gradient noise; raise batch.global_batch_size above {plan.global_batch_size}")
+            raise ConfigError(
+                "batch.adaptive (and optim.lr_scaling = 'adascale') needs at least 2 samples per rank"
+                f" to measure the gradient noise; raise batch.global_batch_size above {plan.global_batch_size}"
+            )
         max_global = cfg.max_global_batch_size or 8 * cfg.global_batch_size
         step = plan.micro_batch_size * plan.dp  # the global batch grows in these whole steps
         self.max_accum = max(plan.accum_steps, max_global // step)
         self.max_global = self.max_accum * step
         if grow and self.max_global != max_global:
-            log.info("adaptive batch: max_global_batch_size %d rounded down to %d (a multiple of micro x dp = %d)",
-                     max_global, self.max_global, step)
+            log.info(
+                "adaptive batch: max_global_batch_size %d rounded down to %d (a multiple of micro x dp = %d)",
+                max_global,
+                self.max_global,
+                step,
+            )
         self._probe_sq = None
         self._probe_items = 0.0
         self._probe_ran = False
@@ -148,8 +153,10 @@ class BatchAdapter:
         # Every rank takes part in the all-reduce below, with a flag saying whether it measured.
         measured = self._probe_sq is not None and self._probe_items > 0
         if not measured and not self._warned:
-            log.warning("adaptive batch: no local gradient after the first micro-batch on this layout; the"
-                        " gradient noise scale is not measured and the batch stays")
+            log.warning(
+                "adaptive batch: no local gradient after the first micro-batch on this layout; the"
+                " gradient noise scale is not measured and the batch stays"
+            )
             self._warned = True
         # Local gradient after micro-batch 0 = (dp / items) * sum of its item gradients, so its
         # mean item gradient is that times items / (dp * n0).
@@ -165,14 +172,24 @@ class BatchAdapter:
         items_per_sample = result.items / plan.global_batch_size
         value = self.noise.value
         self.noise_samples = None if value is None else value / items_per_sample
-        if (self.grow and step % self.cfg.adapt_every == 0 and self.noise.updates >= self.cfg.adapt_every
-                and self.noise_samples is not None and self.noise_samples > plan.global_batch_size
-                and plan.accum_steps < self.max_accum):
+        if (
+            self.grow
+            and step % self.cfg.adapt_every == 0
+            and self.noise.updates >= self.cfg.adapt_every
+            and self.noise_samples is not None
+            and self.noise_samples > plan.global_batch_size
+            and plan.accum_steps < self.max_accum
+        ):
             per_step = plan.micro_batch_size * plan.dp
             accum = min(self.max_accum, max(plan.accum_steps + 1, math.ceil(self.noise_samples / per_step)))
             new = plan_batch(global_batch_size=accum * per_step, micro_batch_size=plan.micro_batch_size, dp=plan.dp)
-            log.info("adaptive batch: step %d, noise scale %.1f samples > global batch %d -> %s",
-                     step, self.noise_samples, plan.global_batch_size, new.describe())
+            log.info(
+                "adaptive batch: step %d, noise scale %.1f samples > global batch %d -> %s",
+                step,
+                self.noise_samples,
+                plan.global_batch_size,
+                new.describe(),
+            )
             return new
         return plan
 
@@ -183,8 +200,9 @@ class BatchAdapter:
         self.noise.load_state_dict(state)
 
 
-def build_batch_adapter(cfg: BatchConfig, *, lr_scaling: str, plan: BatchPlan,
-                        dp_group: dist.ProcessGroup | None) -> BatchAdapter | None:
+def build_batch_adapter(
+    cfg: BatchConfig, *, lr_scaling: str, plan: BatchPlan, dp_group: dist.ProcessGroup | None
+) -> BatchAdapter | None:
     """None unless batch.adaptive or the AdaScale lr rule needs the noise scale."""
     if not cfg.adaptive and lr_scaling != "adascale":
         return None

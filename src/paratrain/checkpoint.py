@@ -59,8 +59,14 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 # checkpoint_id in StorageMeta). Constructing any of them runs no user-chosen code.
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -100,7 +106,9 @@ def load_metadata(path: str, *, rank: int | None = None):
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - truncated or garbled: one clear line
-        raise ConfigError(f"checkpoint metadata {file} cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged")
+        raise ConfigError(
+            f"checkpoint metadata {file} cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged"
+        )
     if not isinstance(md, Metadata):
         raise ConfigError(f"checkpoint metadata {file} holds a {type(md).__name__}, not DCP Metadata; refusing it")
     return md
@@ -119,8 +127,10 @@ def _reader_class():
                 # Shards are files of this folder, never paths that lead out of it.
                 rel = os.fspath(getattr(info, "relative_path", ""))
                 if not rel or os.path.basename(rel) != rel or rel in (".", ".."):
-                    raise ConfigError(f"checkpoint {self.path}: its metadata points at {rel!r}, outside the"
-                                      " checkpoint folder; refusing it")
+                    raise ConfigError(
+                        f"checkpoint {self.path}: its metadata points at {rel!r}, outside the"
+                        " checkpoint folder; refusing it"
+                    )
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
@@ -269,7 +279,10 @@ def rng_state(device: torch.device) -> dict:
     np_state = np.random.get_state(legacy=False)
     state = {
         "python": random.getstate(),
-        "numpy": {**np_state, "state": {"key": np_state["state"]["key"].tolist(), "pos": int(np_state["state"]["pos"])}},
+        "numpy": {
+            **np_state,
+            "state": {"key": np_state["state"]["key"].tolist(), "pos": int(np_state["state"]["pos"])},
+        },
         "torch": torch.get_rng_state(),
     }
     if device.type == "cuda":
@@ -302,9 +315,23 @@ class Checkpointer:
     checkpoint keeps its default.
     """
 
-    def __init__(self, cfg: CheckpointConfig, *, out_dir: str, config_toml: str, model, optimizer, scheduler,
-                 state, layout: dict, rank: int, world_size: int, device: torch.device, timeout_s: float,
-                 stateful: dict | None = None):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        out_dir: str,
+        config_toml: str,
+        model,
+        optimizer,
+        scheduler,
+        state,
+        layout: dict,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout_s: float,
+        stateful: dict | None = None,
+    ):
         self.cfg = cfg
         self.root = cfg.dir or os.path.join(out_dir, "checkpoints")
         self.config_toml = config_toml
@@ -337,8 +364,9 @@ class Checkpointer:
         if self.world_size == 1:
             return
         try:
-            dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=self.timeout_s),
-                                   wait_all_ranks=True)
+            dist.monitored_barrier(
+                group=self.group, timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True
+            )
         except RuntimeError as e:
             raise RuntimeError(f"ranks did not arrive at {what} within dist.timeout_s = {self.timeout_s:g}: {e}") from e
 
@@ -389,8 +417,14 @@ class Checkpointer:
             dist.barrier(group=self.group)  # the folder is fresh before anyone writes into it
         writer = dcp.FileSystemWriter(path)
         app = self._app_state()
-        info = {"step": step, "train_state": dataclasses.asdict(self.state), "world_size": self.world_size,
-                "layout": self.layout, "torch_version": torch.__version__, "time": time.time()}
+        info = {
+            "step": step,
+            "train_state": dataclasses.asdict(self.state),
+            "world_size": self.world_size,
+            "layout": self.layout,
+            "torch_version": torch.__version__,
+            "time": time.time(),
+        }
         if self.cfg.async_save:
             # async_save copies the state to CPU memory (the blocking part) and writes it from a
             # background thread; the manifest follows once the coordinator's write is done.
@@ -405,8 +439,13 @@ class Checkpointer:
         blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
         self.last_saved_step = step
-        log.info("checkpoint step %d -> %s (%s, training blocked %.3f s)", step, path,
-                 "async" if self.cfg.async_save else "sync", blocked)
+        log.info(
+            "checkpoint step %d -> %s (%s, training blocked %.3f s)",
+            step,
+            path,
+            "async" if self.cfg.async_save else "sync",
+            blocked,
+        )
         return blocked
 
     def _finalize(self, fut, path: str, info: dict) -> None:
@@ -440,8 +479,11 @@ class Checkpointer:
         try:
             self.wait()
         except Exception as e:  # noqa: BLE001 - do not mask the error that ended training
-            log.warning("warning: the checkpoint in flight failed (%s: %s); it has no manifest and will be skipped",
-                        type(e).__name__, e)
+            log.warning(
+                "warning: the checkpoint in flight failed (%s: %s); it has no manifest and will be skipped",
+                type(e).__name__,
+                e,
+            )
         finally:
             if self._finalizer is not None:
                 self._finalizer.shutdown(wait=True)
@@ -484,8 +526,11 @@ class Checkpointer:
         self._warn_config_changes(path)
         app = self._app_state()
         # Train-state fields the checkpoint does not have keep their defaults.
-        app["train_state"] = {k: v for k, v in app["train_state"].items()
-                              if f"train_state.{k}" in keys or any(key.startswith(f"train_state.{k}.") for key in keys)}
+        app["train_state"] = {
+            k: v
+            for k, v in app["train_state"].items()
+            if f"train_state.{k}" in keys or any(key.startswith(f"train_state.{k}.") for key in keys)
+        }
         own = f"rng_rank{self.rank}"
         src = own if any(k.startswith(own + ".") for k in keys) else "rng_rank0"
         if src != own:
@@ -506,18 +551,28 @@ class Checkpointer:
             if f"stateful.{k}" in app:
                 obj.load_state_dict(app[f"stateful.{k}"])
         set_rng_state(app[src], self.device)
-        log.info("resumed from %s at step %d (%d samples consumed)", path, self.state.step,
-                 getattr(self.state, "consumed_samples", -1))
+        log.info(
+            "resumed from %s at step %d (%d samples consumed)",
+            path,
+            self.state.step,
+            getattr(self.state, "consumed_samples", -1),
+        )
 
     def _warn_newer(self, path: str) -> None:
         """Complete checkpoints newer than the one resumed belong to another trajectory."""
         m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
-        newer = [p for s, p in list_checkpoints(self.root)
-                 if m and s > int(m.group(1)) and os.path.isfile(os.path.join(p, MANIFEST))]
+        newer = [
+            p
+            for s, p in list_checkpoints(self.root)
+            if m and s > int(m.group(1)) and os.path.isfile(os.path.join(p, MANIFEST))
+        ]
         if newer:
-            log.warning("warning: resuming from %s while newer checkpoints exist (%s); they will be overwritten"
-                        " as the run reaches their steps, and 'latest' would pick them after a failure before that",
-                        path, ", ".join(os.path.basename(p) for p in newer))
+            log.warning(
+                "warning: resuming from %s while newer checkpoints exist (%s); they will be overwritten"
+                " as the run reaches their steps, and 'latest' would pick them after a failure before that",
+                path,
+                ", ".join(os.path.basename(p) for p in newer),
+            )
 
     def _warn_config_changes(self, path: str) -> None:
         """The math of a run is its model, data, loss, optimiser, seed and global batch: say if they changed."""
@@ -538,8 +593,11 @@ class Checkpointer:
             if saved.get(section, {}).get(k) != now.get(section, {}).get(k):
                 changed.append(f"{section}.{k}")
         if changed:
-            log.warning("warning: resuming from %s with changed %s; the run will not continue the same trajectory",
-                        path, ", ".join(sorted(changed)))
+            log.warning(
+                "warning: resuming from %s with changed %s; the run will not continue the same trajectory",
+                path,
+                ", ".join(sorted(changed)),
+            )
 
 
 def truncate_metrics(out_dir: str, step: int) -> None:
@@ -566,18 +624,43 @@ def resume_spec(cfg: CheckpointConfig) -> tuple[str, str]:
     restarted after a failure, the newest complete checkpoint of this run first (it is newer
     than the one the job was started from), checkpoint.resume only if there is none."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        log.info("restart %s of the worker group: resuming from the newest complete checkpoint",
-                 os.environ["TORCHELASTIC_RESTART_COUNT"])
+        log.info(
+            "restart %s of the worker group: resuming from the newest complete checkpoint",
+            os.environ["TORCHELASTIC_RESTART_COUNT"],
+        )
         return "latest", cfg.resume
     return cfg.resume, ""
 
 
-def build_checkpointer(cfg, *, model, optimizer, scheduler, state, layout: dict, rank: int, world_size: int,
-                       device: torch.device, stateful: dict | None = None) -> Checkpointer:
+def build_checkpointer(
+    cfg,
+    *,
+    model,
+    optimizer,
+    scheduler,
+    state,
+    layout: dict,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    stateful: dict | None = None,
+) -> Checkpointer:
     """The Checkpointer of a run (``cfg`` is the whole resolved Config, saved with each checkpoint)."""
-    return Checkpointer(cfg.checkpoint, out_dir=cfg.run.out_dir, config_toml=to_toml(cfg), model=model,
-                        optimizer=optimizer, scheduler=scheduler, state=state, layout=layout, rank=rank,
-                        world_size=world_size, device=device, timeout_s=cfg.dist.timeout_s, stateful=stateful)
+    return Checkpointer(
+        cfg.checkpoint,
+        out_dir=cfg.run.out_dir,
+        config_toml=to_toml(cfg),
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        state=state,
+        layout=layout,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        timeout_s=cfg.dist.timeout_s,
+        stateful=stateful,
+    )
 
 
 # ----------------------------------------------------------------------------- export
@@ -598,19 +681,41 @@ def export_safetensors(checkpoint: str, to: str) -> dict:
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     md = load_metadata(path)
-    weights = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-               for k, m in md.state_dict_metadata.items()
-               if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    weights = {
+        k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
     if not weights:
         raise ConfigError(f"checkpoint {path} holds no model tensors; pass a checkpoint written by paratrain train")
     dcp.load({"model": weights}, storage_reader=safe_reader(path), planner=safe_planner(), no_dist=True)
     os.makedirs(os.path.dirname(os.path.abspath(to)), exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, to,
-              metadata={"step": str(manifest["step"]), "source": os.path.abspath(path)})
-    return {"path": path, "step": manifest["step"], "tensors": len(weights),
-            "parameters": sum(v.numel() for v in weights.values())}
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()},
+        to,
+        metadata={"step": str(manifest["step"]), "source": os.path.abspath(path)},
+    )
+    return {
+        "path": path,
+        "step": manifest["step"],
+        "tensors": len(weights),
+        "parameters": sum(v.numel() for v in weights.values()),
+    }
 
 
-__all__ = ["Checkpointer", "CheckpointInvalid", "build_checkpointer", "export_safetensors", "find_latest",
-           "list_checkpoints", "load_metadata", "resolve_checkpoint", "resume_spec", "safe_planner",
-           "safe_reader", "truncate_metrics", "verify_checkpoint", "write_manifest"]
+__all__ = [
+    "Checkpointer",
+    "CheckpointInvalid",
+    "build_checkpointer",
+    "export_safetensors",
+    "find_latest",
+    "list_checkpoints",
+    "load_metadata",
+    "resolve_checkpoint",
+    "resume_spec",
+    "safe_planner",
+    "safe_reader",
+    "truncate_metrics",
+    "verify_checkpoint",
+    "write_manifest",
+]

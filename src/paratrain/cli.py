@@ -14,8 +14,14 @@ from paratrain.config import ConfigError, describe_keys, load_config, to_toml
 
 
 def add_set_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config key (value is a TOML literal); repeatable; wins over the file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config key (value is a TOML literal); repeatable; wins over the file",
+    )
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,8 +47,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     spec = launch_spec(args)
     if args.resume is not None:  # the flag sets checkpoint.resume (a TOML string literal)
         if args.resume != "latest" and not os.path.isdir(args.resume):
-            raise ConfigError(f"--resume {args.resume}: no such checkpoint folder; pass a step-N folder"
-                              " (or omit PATH for the run's newest checkpoint)")
+            raise ConfigError(
+                f"--resume {args.resume}: no such checkpoint folder; pass a step-N folder"
+                " (or omit PATH for the run's newest checkpoint)"
+            )
         args.overrides = [*args.overrides, "checkpoint.resume=" + json.dumps(args.resume)]
     cfg = load_config(args.config, args.overrides)
     check_layout(cfg, spec.world_size)  # refuse an impossible layout before any process starts
@@ -53,15 +61,24 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from paratrain.verify import verify
 
-    return verify(args.config, args.overrides, spec=launch_spec(args), steps=args.steps, tol=args.tol,
-                  out_dir=args.out_dir)
+    return verify(
+        args.config, args.overrides, spec=launch_spec(args), steps=args.steps, tol=args.tol, out_dir=args.out_dir
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.generate import generate_text
 
-    print(generate_text(args.out_dir, args.prompt, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed))
+    print(
+        generate_text(
+            args.out_dir,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+    )
     return 0
 
 
@@ -69,8 +86,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from paratrain.checkpoint import export_safetensors
 
     info = export_safetensors(args.checkpoint, args.to)
-    print(f"exported {info['tensors']} tensors ({info['parameters'] / 1e6:.2f}M parameters) of step"
-          f" {info['step']} from {info['path']} to {args.to}")
+    print(
+        f"exported {info['tensors']} tensors ({info['parameters'] / 1e6:.2f}M parameters) of step"
+        f" {info['step']} from {info['path']} to {args.to}"
+    )
     return 0
 
 
@@ -105,6 +124,8 @@ def cmd_env(args: argparse.Namespace) -> int:
     if spec.world_size == 1:
         return env_main(args)
     return launch(spec, "paratrain.env", env_worker_args(args))
+
+
 def cmd_find_batch(args: argparse.Namespace) -> int:
     from paratrain.find_batch import cli_find_batch
 
@@ -115,21 +136,33 @@ def cmd_find_batch(args: argparse.Namespace) -> int:
         cfg.batch.memory_gib = args.memory_gib
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError("--nproc-per-node and --nnodes must be >= 1")
-    return cli_find_batch(cfg, world_size=args.nproc_per_node * args.nnodes,
-                          local_processes=args.local_processes or args.nproc_per_node,
-                          estimate=args.estimate, as_json=args.json)
+    return cli_find_batch(
+        cfg,
+        world_size=args.nproc_per_node * args.nnodes,
+        local_processes=args.local_processes or args.nproc_per_node,
+        estimate=args.estimate,
+        as_json=args.json,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paratrain", description="Train any PyTorch model on many processes, GPUs and machines.")
+    parser = argparse.ArgumentParser(
+        prog="paratrain", description="Train any PyTorch model on many processes, GPUs and machines."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a config (through torchrun's launcher)")
     p.add_argument("config", help="TOML config file")
     add_launch_arguments(p)
     add_set_argument(p)
-    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                   help="continue from the newest complete checkpoint of the run, or from PATH")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="continue from the newest complete checkpoint of the run, or from PATH",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("export", help="write a checkpoint's full weights (any layout) to one safetensors file")
@@ -144,10 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(p)
     add_set_argument(p)
     p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("find-batch", help="find the largest micro-batch that fits in memory (trials on CUDA, else an estimate)")
+    p = sub.add_parser(
+        "find-batch", help="find the largest micro-batch that fits in memory (trials on CUDA, else an estimate)"
+    )
     p.add_argument("config", help="TOML config file")
-    p.add_argument("--memory-gib", type=float, default=None, help="per-rank memory budget in GiB (implies the estimate)")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line (the table goes to stderr)")
+    p.add_argument(
+        "--memory-gib", type=float, default=None, help="per-rank memory budget in GiB (implies the estimate)"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object as the last line (the table goes to stderr)"
+    )
     p.add_argument("--estimate", action="store_true", help="estimate on fake tensors even where a GPU could run trials")
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes per node of the job to plan (default 1)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes of the job to plan (default 1)")

@@ -35,7 +35,9 @@ class RunConfig:
     out_dir: str = opt("runs/default", "Directory for config.toml, metrics.jsonl, summary.json, plots and weights.")
     seed: int = opt(0, "Seed of the model init and of the sampler; the run is a pure function of it.")
     steps: int = opt(100, "Number of optimiser steps.")
-    max_samples: int = opt(0, "Also stop once this many samples are consumed (a sample budget, e.g. with batch.adaptive); 0 = no limit.")
+    max_samples: int = opt(
+        0, "Also stop once this many samples are consumed (a sample budget, e.g. with batch.adaptive); 0 = no limit."
+    )
     progress: bool = opt(True, "Show a progress bar on rank 0.")
     log_all_ranks: bool = opt(False, "Print log lines from every rank, not only rank 0.")
     save_model: bool = opt(True, "Write the final full weights to out_dir/model.safetensors.")
@@ -51,24 +53,42 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     name: str = opt("stdlib_bytes", "Built-in dataset: 'stdlib_bytes' (byte-level LM on Python's standard library).")
-    factory: str = opt("", "User dataset as 'package.module:function' returning a map-style Dataset of (input, target).")
+    factory: str = opt(
+        "", "User dataset as 'package.module:function' returning a map-style Dataset of (input, target)."
+    )
     args: dict = opt({}, "Keyword arguments for the dataset builder (e.g. block_size, max_bytes).")
     shuffle: bool = opt(True, "Shuffle the samples each epoch with a permutation drawn from (seed, epoch).")
 
 
 @dataclass
 class LossConfig:
-    name: str = opt("cross_entropy", "'cross_entropy', 'mse', or 'package.module:function' returning (sum_of_item_losses, item_count).")
+    name: str = opt(
+        "cross_entropy",
+        "'cross_entropy', 'mse', or 'package.module:function' returning (sum_of_item_losses, item_count).",
+    )
     ignore_index: int = opt(-100, "Targets equal to this are not counted (cross_entropy and user losses).")
 
 
 @dataclass
 class BatchConfig:
-    global_batch_size: int = opt(32, "Samples per optimiser step over all data-parallel ranks; the math depends on it, not on the layout.")
-    micro_batch_size: int | str = opt(0, "Samples per forward/backward on one rank; 0 means the whole per-rank batch (no accumulation); 'auto' picks the largest that fits in memory (see `paratrain find-batch`).")
-    memory_margin: float = opt(0.1, "Safety margin of micro_batch_size = 'auto' and find-batch: use at most (1 - margin) of the memory budget.")
-    memory_gib: float = opt(0.0, "Per-rank memory budget in GiB for 'auto' and find-batch; 0 = the CUDA device's memory, or on CPU the available RAM / local processes.")
-    adaptive: bool = opt(False, "Grow the global batch during training while the gradient noise scale exceeds it (McCandlish et al. 2018), by raising accumulation.")
+    global_batch_size: int = opt(
+        32, "Samples per optimiser step over all data-parallel ranks; the math depends on it, not on the layout."
+    )
+    micro_batch_size: int | str = opt(
+        0,
+        "Samples per forward/backward on one rank; 0 means the whole per-rank batch (no accumulation); 'auto' picks the largest that fits in memory (see `paratrain find-batch`).",
+    )
+    memory_margin: float = opt(
+        0.1, "Safety margin of micro_batch_size = 'auto' and find-batch: use at most (1 - margin) of the memory budget."
+    )
+    memory_gib: float = opt(
+        0.0,
+        "Per-rank memory budget in GiB for 'auto' and find-batch; 0 = the CUDA device's memory, or on CPU the available RAM / local processes.",
+    )
+    adaptive: bool = opt(
+        False,
+        "Grow the global batch during training while the gradient noise scale exceeds it (McCandlish et al. 2018), by raising accumulation.",
+    )
     max_global_batch_size: int = opt(0, "Upper bound of the adaptive global batch; 0 = 8 x global_batch_size.")
     adapt_every: int = opt(10, "Steps between two decisions of the adaptive batch.")
     noise_ema: float = opt(0.95, "Decay of the exponential moving averages of the gradient noise-scale estimators.")
@@ -82,52 +102,98 @@ class OptimConfig:
     beta1: float = opt(0.9, "AdamW beta1 (SGD momentum).")
     beta2: float = opt(0.95, "AdamW beta2.")
     eps: float = opt(1e-8, "AdamW epsilon.")
-    schedule: Literal["cosine", "linear", "constant"] = opt("cosine", "Decay after warmup: 'cosine', 'linear' or 'constant'.")
+    schedule: Literal["cosine", "linear", "constant"] = opt(
+        "cosine", "Decay after warmup: 'cosine', 'linear' or 'constant'."
+    )
     warmup_steps: int = opt(10, "Linear warmup steps from 0 to lr.")
     min_lr_ratio: float = opt(0.1, "Final learning rate as a fraction of lr (cosine and linear).")
-    grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 disables clipping (the norm is still logged).")
-    lr_scaling: Literal["none", "linear", "sqrt", "adascale"] = opt("none", "Scale lr with the global batch B relative to reference_batch_size: 'linear' (B/ref), 'sqrt', or 'adascale' (the gain of Johnson et al. 2020 from the gradient noise scale); applied under the warmup, at start and whenever B changes.")
+    grad_clip: float = opt(
+        1.0, "Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."
+    )
+    lr_scaling: Literal["none", "linear", "sqrt", "adascale"] = opt(
+        "none",
+        "Scale lr with the global batch B relative to reference_batch_size: 'linear' (B/ref), 'sqrt', or 'adascale' (the gain of Johnson et al. 2020 from the gradient noise scale); applied under the warmup, at start and whenever B changes.",
+    )
     reference_batch_size: int = opt(0, "Global batch at which optim.lr was tuned; 0 = batch.global_batch_size.")
 
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = opt(-1, "Replicated data-parallel degree (DDP); -1 fills what the other degrees leave of the world size.")
+    dp_replicate: int = opt(
+        -1, "Replicated data-parallel degree (DDP); -1 fills what the other degrees leave of the world size."
+    )
     dp_shard: int = opt(1, "Sharded data-parallel degree (FSDP2).")
     tp: int = opt(1, "Tensor-parallel degree.")
     pp: int = opt(1, "Pipeline-parallel degree.")
     # --- sharded data parallel, tensor parallel, activation checkpointing (issue 3) ---
-    reshard_after_forward: bool = opt(True, "FSDP2: free the gathered parameters after each block's forward (true: ZeRO-3-like, least memory; false: ZeRO-2-like, keeps them until backward, one all-gather less per block, and skips gradient sync on early micro-batches).")
-    cpu_offload: bool = opt(False, "FSDP2: keep sharded parameters, gradients and optimiser state in CPU memory (CPUOffloadPolicy); needs parallel.dp_shard > 1.")
-    sequence_parallel: bool = opt(False, "Tensor parallel: also shard the norms and the residual stream along the sequence (Megatron-LM sequence parallelism); needs parallel.tp > 1.")
-    loss_parallel: bool = opt(True, "Tensor parallel, built-in GPT with the built-in cross_entropy: compute the loss on vocabulary-sharded logits instead of gathering them.")
-    tp_plan: dict = opt({}, "Tensor-parallel plan for a user model: module-name pattern (fnmatch, e.g. 'blocks.*.fc1') -> a style: 'colwise', 'rowwise', 'colwise_gather', 'sequence', 'rowwise_to_sequence' or 'sequence_to_colwise' (see the README).")
-    tp_plan_factory: str = opt("", "Tensor-parallel plan for a user model as 'package.module:function(model, tp_mesh) -> {fqn: ParallelStyle}'.")
-    activation_checkpointing: Literal["none", "full", "selective"] = opt("none", "Recompute activations in backward, per block of model.layers: 'full' saves only each block's input; 'selective' keeps matmul and attention outputs and recomputes the rest (op-level SAC).")
+    reshard_after_forward: bool = opt(
+        True,
+        "FSDP2: free the gathered parameters after each block's forward (true: ZeRO-3-like, least memory; false: ZeRO-2-like, keeps them until backward, one all-gather less per block, and skips gradient sync on early micro-batches).",
+    )
+    cpu_offload: bool = opt(
+        False,
+        "FSDP2: keep sharded parameters, gradients and optimiser state in CPU memory (CPUOffloadPolicy); needs parallel.dp_shard > 1.",
+    )
+    sequence_parallel: bool = opt(
+        False,
+        "Tensor parallel: also shard the norms and the residual stream along the sequence (Megatron-LM sequence parallelism); needs parallel.tp > 1.",
+    )
+    loss_parallel: bool = opt(
+        True,
+        "Tensor parallel, built-in GPT with the built-in cross_entropy: compute the loss on vocabulary-sharded logits instead of gathering them.",
+    )
+    tp_plan: dict = opt(
+        {},
+        "Tensor-parallel plan for a user model: module-name pattern (fnmatch, e.g. 'blocks.*.fc1') -> a style: 'colwise', 'rowwise', 'colwise_gather', 'sequence', 'rowwise_to_sequence' or 'sequence_to_colwise' (see the README).",
+    )
+    tp_plan_factory: str = opt(
+        "",
+        "Tensor-parallel plan for a user model as 'package.module:function(model, tp_mesh) -> {fqn: ParallelStyle}'.",
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = opt(
+        "none",
+        "Recompute activations in backward, per block of model.layers: 'full' saves only each block's input; 'selective' keeps matmul and attention outputs and recomputes the rest (op-level SAC).",
+    )
     # Pipeline parallel (distributed/pipeline_parallel.py).
     pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"] = opt(
-        "1f1b", "Pipeline schedule: 'gpipe', '1f1b', 'interleaved1f1b', 'looped_bfs', 'interleaved_zb', 'zbv' or 'dualpipev'.")
-    pp_microbatches: int = opt(0, "Pipeline micro-batches each micro-batch is split into; 0 picks the fewest the schedule needs.")
-    pp_virtual_stages: int = opt(0, "Stages per pipeline rank; 0 means 1 for gpipe/1f1b and 2 for the multi-stage schedules.")
-    pp_split_points: list = opt([], "Block indices where a new pipeline stage starts (pp x virtual - 1 of them); [] balances by parameter count.")
+        "1f1b",
+        "Pipeline schedule: 'gpipe', '1f1b', 'interleaved1f1b', 'looped_bfs', 'interleaved_zb', 'zbv' or 'dualpipev'.",
+    )
+    pp_microbatches: int = opt(
+        0, "Pipeline micro-batches each micro-batch is split into; 0 picks the fewest the schedule needs."
+    )
+    pp_virtual_stages: int = opt(
+        0, "Stages per pipeline rank; 0 means 1 for gpipe/1f1b and 2 for the multi-stage schedules."
+    )
+    pp_split_points: list = opt(
+        [],
+        "Block indices where a new pipeline stage starts (pp x virtual - 1 of them); [] balances by parameter count.",
+    )
 
 
 @dataclass
 class DistConfig:
-    backend: Literal["auto", "gloo", "nccl"] = opt("auto", "Process-group backend; 'auto' is nccl (with gloo for CPU tensors) on CUDA, gloo on CPU.")
+    backend: Literal["auto", "gloo", "nccl"] = opt(
+        "auto", "Process-group backend; 'auto' is nccl (with gloo for CPU tensors) on CUDA, gloo on CPU."
+    )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "Device; 'auto' is cuda when available.")
     timeout_s: float = opt(600.0, "Collective timeout in seconds.")
 
 
 @dataclass
 class MetricsConfig:
-    tensorboard: bool = opt(False, "Also write TensorBoard event files into out_dir/tensorboard (needs the 'tensorboard' extra).")
+    tensorboard: bool = opt(
+        False, "Also write TensorBoard event files into out_dir/tensorboard (needs the 'tensorboard' extra)."
+    )
     plot: bool = opt(True, "Write out_dir/metrics.png (loss and throughput) at the end.")
 
 
 @dataclass
 class CommConfig:
-    compression: Literal["none", "bf16", "fp16", "powersgd"] = opt("none", "Data-parallel gradient reduce: 'none' (fp32), 'bf16'/'fp16' (halved bytes), 'powersgd' (low-rank, DDP only).")
+    compression: Literal["none", "bf16", "fp16", "powersgd"] = opt(
+        "none",
+        "Data-parallel gradient reduce: 'none' (fp32), 'bf16'/'fp16' (halved bytes), 'powersgd' (low-rank, DDP only).",
+    )
     powersgd_rank: int = opt(4, "PowerSGD matrix approximation rank (higher: more bytes, closer to exact).")
     powersgd_start_step: int = opt(10, "Optimiser steps of plain all-reduce before PowerSGD starts (its warm start).")
     bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB.")
@@ -135,20 +201,36 @@ class CommConfig:
 
 @dataclass
 class PrecisionConfig:
-    dtype: Literal["fp32", "bf16", "fp16"] = opt("fp32", "Compute dtype: autocast (or FSDP2's param dtype) with fp32 master weights; fp16 adds a gradient scaler.")
-    reduce_dtype: Literal["fp32", "bf16", "fp16"] = opt("fp32", "Gradient reduce dtype under FSDP2 (comm.compression = 'bf16'/'fp16' sets it too).")
-    fp16_init_scale: float = opt(65536.0, "fp16 only: the GradScaler's initial loss scale (halved at each overflow, doubled after 2000 clean steps).")
+    dtype: Literal["fp32", "bf16", "fp16"] = opt(
+        "fp32",
+        "Compute dtype: autocast (or FSDP2's param dtype) with fp32 master weights; fp16 adds a gradient scaler.",
+    )
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = opt(
+        "fp32", "Gradient reduce dtype under FSDP2 (comm.compression = 'bf16'/'fp16' sets it too)."
+    )
+    fp16_init_scale: float = opt(
+        65536.0,
+        "fp16 only: the GradScaler's initial loss scale (halved at each overflow, doubled after 2000 clean steps).",
+    )
 
 
 @dataclass
 class TrainConfig:
-    compile: bool = opt(False, "torch.compile each block (model.layers, else the whole model); falls back with a warning where the platform can't.")
+    compile: bool = opt(
+        False,
+        "torch.compile each block (model.layers, else the whole model); falls back with a warning where the platform can't.",
+    )
 
 
 @dataclass
 class HardwareConfig:
-    peak_flops: float = opt(0.0, "Peak FLOP/s of one device at the training dtype, for MFU; 0 takes compute_bench's figure if given.")
-    compute_bench: str = opt("", "JSON written by `paratrain bench compute --json FILE`; its matmul FLOP/s is the MFU peak when peak_flops is 0.")
+    peak_flops: float = opt(
+        0.0, "Peak FLOP/s of one device at the training dtype, for MFU; 0 takes compute_bench's figure if given."
+    )
+    compute_bench: str = opt(
+        "",
+        "JSON written by `paratrain bench compute --json FILE`; its matmul FLOP/s is the MFU peak when peak_flops is 0.",
+    )
 
 
 @dataclass
@@ -157,8 +239,13 @@ class CheckpointConfig:
     at_end: bool = opt(False, "Also save a checkpoint after the last step.")
     dir: str = opt("", "Folder of the checkpoints (one step-N folder each); empty means <run.out_dir>/checkpoints.")
     keep: int = opt(2, "Keep only the newest this many complete checkpoints; 0 keeps them all.")
-    async_save: bool = opt(False, "Write checkpoints in the background (dcp.async_save); training waits only while the state is copied.")
-    resume: str = opt("", "'' starts at step 0; 'latest' continues from the newest complete checkpoint in dir (step 0 if none); or a checkpoint path.")
+    async_save: bool = opt(
+        False, "Write checkpoints in the background (dcp.async_save); training waits only while the state is copied."
+    )
+    resume: str = opt(
+        "",
+        "'' starts at step 0; 'latest' continues from the newest complete checkpoint in dir (step 0 if none); or a checkpoint path.",
+    )
 
 
 @dataclass
@@ -208,9 +295,7 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
     if tp is int and isinstance(value, bool):
         raise ConfigError(f"{key} = {value!r} has the wrong type; expected an integer")
     if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(
-            f"{key} = {value!r} has the wrong type ({type(value).__name__}); expected {tp.__name__}"
-        )
+        raise ConfigError(f"{key} = {value!r} has the wrong type ({type(value).__name__}); expected {tp.__name__}")
     return value
 
 
@@ -245,7 +330,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     if path is not None:
         path = os.fspath(path)
         if not os.path.isfile(path):
-            raise ConfigError(f"config file '{path}' not found; pass the path of a TOML file such as configs/debug.toml")
+            raise ConfigError(
+                f"config file '{path}' not found; pass the path of a TOML file such as configs/debug.toml"
+            )
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
@@ -253,8 +340,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             raise ConfigError(f"config file '{path}' is not valid TOML ({e}); fix the syntax at that line")
         for section, table in data.items():
             if not isinstance(table, dict):
-                raise ConfigError(f"'{section}' in {path} must be a [section] table; valid sections: "
-                                  + ", ".join(f.name for f in dataclasses.fields(cfg)))
+                raise ConfigError(
+                    f"'{section}' in {path} must be a [section] table; valid sections: "
+                    + ", ".join(f.name for f in dataclasses.fields(cfg))
+                )
             for key, value in table.items():
                 _apply(cfg, section, key, value, path)
     for item in overrides:
@@ -288,8 +377,9 @@ def validate(cfg: Config) -> None:
     positive("batch.global_batch_size", cfg.batch.global_batch_size)
     if isinstance(cfg.batch.micro_batch_size, str):
         if cfg.batch.micro_batch_size != "auto":
-            raise ConfigError(f"batch.micro_batch_size = {cfg.batch.micro_batch_size!r} is not allowed;"
-                              " use an integer >= 0 or 'auto'")
+            raise ConfigError(
+                f"batch.micro_batch_size = {cfg.batch.micro_batch_size!r} is not allowed; use an integer >= 0 or 'auto'"
+            )
     else:
         positive("batch.micro_batch_size", cfg.batch.micro_batch_size, allow_zero=True)
     if not 0 <= cfg.batch.memory_margin < 1:
@@ -299,8 +389,10 @@ def validate(cfg: Config) -> None:
     if not 0 <= cfg.batch.noise_ema < 1:
         raise ConfigError(f"batch.noise_ema = {cfg.batch.noise_ema} must be within [0, 1)")
     if cfg.batch.max_global_batch_size and cfg.batch.max_global_batch_size < cfg.batch.global_batch_size:
-        raise ConfigError(f"batch.max_global_batch_size = {cfg.batch.max_global_batch_size} is below"
-                          f" batch.global_batch_size = {cfg.batch.global_batch_size}; raise it or set 0 (8x)")
+        raise ConfigError(
+            f"batch.max_global_batch_size = {cfg.batch.max_global_batch_size} is below"
+            f" batch.global_batch_size = {cfg.batch.global_batch_size}; raise it or set 0 (8x)"
+        )
     positive("optim.reference_batch_size", cfg.optim.reference_batch_size, allow_zero=True)
     positive("optim.lr", cfg.optim.lr)
     positive("optim.grad_clip", cfg.optim.grad_clip, allow_zero=True)
@@ -320,14 +412,18 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.tp_plan_factory:
         resolve_callable(cfg.parallel.tp_plan_factory, "parallel.tp_plan_factory")
     if cfg.parallel.dp_replicate == 0 or cfg.parallel.dp_replicate < -1:
-        raise ConfigError(f"parallel.dp_replicate = {cfg.parallel.dp_replicate} must be >= 1, or -1 to fill the world size")
+        raise ConfigError(
+            f"parallel.dp_replicate = {cfg.parallel.dp_replicate} must be >= 1, or -1 to fill the world size"
+        )
     for key, ref in (("model.factory", cfg.model.factory), ("data.factory", cfg.data.factory)):
         if ref:
             resolve_callable(ref, key)
     if ":" in cfg.loss.name:
         resolve_callable(cfg.loss.name, "loss.name")
     elif cfg.loss.name not in ("cross_entropy", "mse"):
-        raise ConfigError(f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse' or 'package.module:function'")
+        raise ConfigError(
+            f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse' or 'package.module:function'"
+        )
 
 
 def resolve_callable(ref: str, key: str) -> typing.Callable:

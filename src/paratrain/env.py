@@ -26,8 +26,18 @@ import torch
 import torch.distributed as dist
 
 VAR_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "MASTER_", "TORCHELASTIC_", "CUDA_", "PYTORCH_")
-VAR_NAMES = ("OMP_NUM_THREADS", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-             "NVIDIA_VISIBLE_DEVICES", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID")
+VAR_NAMES = (
+    "OMP_NUM_THREADS",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NVIDIA_VISIBLE_DEVICES",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_ID",
+)
 RENDEZVOUS_DEFAULTS = {
     "MASTER_PORT (init_method env://, plain torchrun)": "29500",
     "torchrun --rdzv-endpoint port (c10d)": "29400",
@@ -72,8 +82,11 @@ def network_interfaces() -> list[dict]:
                 state = f.read().strip()
         except OSError:
             pass
-        kind = "loopback" if name == "lo" or name.startswith("lo") else (
-            "infiniband" if os.path.isdir(f"/sys/class/net/{name}/device/infiniband") else "ethernet/other")
+        kind = (
+            "loopback"
+            if name == "lo" or name.startswith("lo")
+            else ("infiniband" if os.path.isdir(f"/sys/class/net/{name}/device/infiniband") else "ethernet/other")
+        )
         result.append({"name": name, "state": state, "kind": kind, "addresses": addrs.get(name, [])})
     return result
 
@@ -84,8 +97,15 @@ def gpu_info() -> list[dict]:
     gpus = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        gpus.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 2),
-                     "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count})
+        gpus.append(
+            {
+                "index": i,
+                "name": p.name,
+                "memory_gib": round(p.total_memory / 2**30, 2),
+                "capability": f"{p.major}.{p.minor}",
+                "multiprocessors": p.multi_processor_count,
+            }
+        )
     return gpus
 
 
@@ -106,8 +126,7 @@ def collect() -> dict:
         host_ip = socket.gethostbyname(host)
     except OSError:
         host_ip = None
-    variables = {k: v for k, v in sorted(os.environ.items())
-                 if k.startswith(VAR_PREFIXES) or k in VAR_NAMES}
+    variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith(VAR_PREFIXES) or k in VAR_NAMES}
     return {
         "host": host,
         "host_resolves_to": host_ip,
@@ -155,36 +174,57 @@ def find_problems(info: dict, *, backend: str = "auto", nnodes: int = 1, nproc_p
 
     cuda = info.get("cuda_available", False)
     effective = backend if backend != "auto" else ("nccl" if cuda else "gloo")
-    up = [i for i in info.get("interfaces", []) if i["kind"] != "loopback" and i.get("state") in ("up", "unknown", None)
-          and not i["name"].startswith(("docker", "veth", "virbr", "br-"))]
+    up = [
+        i
+        for i in info.get("interfaces", [])
+        if i["kind"] != "loopback"
+        and i.get("state") in ("up", "unknown", None)
+        and not i["name"].startswith(("docker", "veth", "virbr", "br-"))
+    ]
     names = [i["name"] for i in info.get("interfaces", [])]
     if len(up) > 1:
         listed = ", ".join(i["name"] for i in up)
         if effective == "nccl" and "NCCL_SOCKET_IFNAME" not in var:
-            add(f"several network interfaces are up ({listed}) and NCCL_SOCKET_IFNAME is not set",
+            add(
+                f"several network interfaces are up ({listed}) and NCCL_SOCKET_IFNAME is not set",
                 "NCCL may bootstrap over the wrong one (and hang across nodes); export NCCL_SOCKET_IFNAME=<the"
-                " interface of the cluster network>, the same on every node")
+                " interface of the cluster network>, the same on every node",
+            )
         if "GLOO_SOCKET_IFNAME" not in var:
-            add(f"several network interfaces are up ({listed}) and GLOO_SOCKET_IFNAME is not set",
+            add(
+                f"several network interfaces are up ({listed}) and GLOO_SOCKET_IFNAME is not set",
                 "gloo binds to the interface the host name resolves to; export GLOO_SOCKET_IFNAME=<interface>"
-                " when that is not the cluster network")
+                " when that is not the cluster network",
+            )
     for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         if key in var and names and not _iface_matches(var[key], names):
-            add(f"{key}={var[key]} matches no interface of this machine ({', '.join(names)})",
-                f"set {key} to one of the names above (NCCL takes prefixes; '=' for an exact name)")
+            add(
+                f"{key}={var[key]} matches no interface of this machine ({', '.join(names)})",
+                f"set {key} to one of the names above (NCCL takes prefixes; '=' for an exact name)",
+            )
     if var.get("NCCL_P2P_DISABLE", "0") not in ("0", ""):
-        add("NCCL_P2P_DISABLE is set: GPU peer-to-peer (NVLink/PCIe) is off",
+        add(
+            "NCCL_P2P_DISABLE is set: GPU peer-to-peer (NVLink/PCIe) is off",
             "intra-node collectives go through host memory, several times slower; unset it unless a"
-            " driver/IOMMU problem forced it (then fix that: check `nvidia-smi topo -m` and ACS settings)")
+            " driver/IOMMU problem forced it (then fix that: check `nvidia-smi topo -m` and ACS settings)",
+        )
     if var.get("NCCL_SHM_DISABLE", "0") not in ("0", ""):
-        add("NCCL_SHM_DISABLE is set: shared-memory transport is off",
-            "unset it unless needed (e.g. a too-small /dev/shm in a container: enlarge it with --shm-size)")
-    if var.get("NCCL_IB_DISABLE", "0") not in ("0", "") and (nnodes > 1 or any(i["kind"] == "infiniband" for i in info.get("interfaces", []))):
-        add("NCCL_IB_DISABLE is set: InfiniBand/RoCE is off and inter-node traffic uses TCP sockets",
-            "unset it to use the RDMA fabric (run `paratrain bench comm --nnodes ...` to compare)")
+        add(
+            "NCCL_SHM_DISABLE is set: shared-memory transport is off",
+            "unset it unless needed (e.g. a too-small /dev/shm in a container: enlarge it with --shm-size)",
+        )
+    if var.get("NCCL_IB_DISABLE", "0") not in ("0", "") and (
+        nnodes > 1 or any(i["kind"] == "infiniband" for i in info.get("interfaces", []))
+    ):
+        add(
+            "NCCL_IB_DISABLE is set: InfiniBand/RoCE is off and inter-node traffic uses TCP sockets",
+            "unset it to use the RDMA fabric (run `paratrain bench comm --nnodes ...` to compare)",
+        )
     if cuda and effective == "gloo":
-        add("CUDA devices are visible but the backend is gloo",
-            "gloo all-reduces GPU tensors through host memory; use dist.backend = 'nccl' (or 'auto') for GPU training")
+        add(
+            "CUDA devices are visible but the backend is gloo",
+            "gloo all-reduces GPU tensors through host memory; use dist.backend = 'nccl' (or 'auto') for GPU training",
+        )
     if effective == "nccl" and not cuda:
         add("backend nccl but no CUDA device is visible", "use dist.backend = 'gloo' (or 'auto') on CPU")
     if effective == "nccl" and cuda and not info.get("nccl"):
@@ -193,49 +233,66 @@ def find_problems(info: dict, *, backend: str = "auto", nnodes: int = 1, nproc_p
         add("CUDA_VISIBLE_DEVICES is set but empty: no GPU is visible", "unset it or list the GPUs to use")
     n_gpus = len(info.get("gpus", []))
     if cuda and 0 < n_gpus < nproc_per_node:
-        add(f"{nproc_per_node} processes per node but only {n_gpus} GPU(s) visible",
-            "ranks would share GPUs (NCCL refuses two ranks on one GPU); use --nproc-per-node <= the GPU count")
+        add(
+            f"{nproc_per_node} processes per node but only {n_gpus} GPU(s) visible",
+            "ranks would share GPUs (NCCL refuses two ranks on one GPU); use --nproc-per-node <= the GPU count",
+        )
     ip = info.get("host_resolves_to")
     if nnodes > 1 and ip and ip.startswith("127.") and "GLOO_SOCKET_IFNAME" not in var:
-        add(f"the host name {info.get('host')} resolves to {ip}, a loopback address",
+        add(
+            f"the host name {info.get('host')} resolves to {ip}, a loopback address",
             "other nodes cannot reach this node by name; fix /etc/hosts or export GLOO_SOCKET_IFNAME/"
-            "NCCL_SOCKET_IFNAME, and pass a reachable --rdzv-endpoint")
+            "NCCL_SOCKET_IFNAME, and pass a reachable --rdzv-endpoint",
+        )
     if var.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "") == "0":
-        add("TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a failed or stuck collective is never detected",
-            "unset it so a hung rank ends the job after dist.timeout_s instead of hanging forever")
+        add(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a failed or stuck collective is never detected",
+            "unset it so a hung rank ends the job after dist.timeout_s instead of hanging forever",
+        )
     if var.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
-        add("TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective with an extra one",
-            "keep it for debugging a hang or a shape mismatch; unset it for speed")
+        add(
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective with an extra one",
+            "keep it for debugging a hang or a shape mismatch; unset it for speed",
+        )
     if var.get("CUDA_LAUNCH_BLOCKING", "0") not in ("0", ""):
-        add("CUDA_LAUNCH_BLOCKING is set: every kernel launch waits for the GPU",
-            "a debugging switch that serialises the GPU; unset it for training")
+        add(
+            "CUDA_LAUNCH_BLOCKING is set: every kernel launch waits for the GPU",
+            "a debugging switch that serialises the GPU; unset it for training",
+        )
     if nproc_per_node > 1 and not cuda and "OMP_NUM_THREADS" in var:
         threads = int(var["OMP_NUM_THREADS"]) if var["OMP_NUM_THREADS"].isdigit() else 0
         cpus = info.get("cpu_count") or 0
         if threads * nproc_per_node > cpus > 0:
-            add(f"OMP_NUM_THREADS={threads} x {nproc_per_node} processes > {cpus} CPUs",
-                f"the processes oversubscribe the cores; set OMP_NUM_THREADS={max(1, cpus // nproc_per_node)}")
+            add(
+                f"OMP_NUM_THREADS={threads} x {nproc_per_node} processes > {cpus} CPUs",
+                f"the processes oversubscribe the cores; set OMP_NUM_THREADS={max(1, cpus // nproc_per_node)}",
+            )
     topo = info.get("gpu_topology") or ""
     if n_gpus > 1 and topo and not re.search(r"\bNV\d+\b", topo):
-        add("no NVLink between the GPUs in `nvidia-smi topo -m`",
+        add(
+            "no NVLink between the GPUs in `nvidia-smi topo -m`",
             "GPU-to-GPU traffic crosses PCIe (or the CPU): prefer tensor parallelism only within NVLink"
-            " groups and check intra-node bandwidth with `paratrain bench comm`")
+            " groups and check intra-node bandwidth with `paratrain bench comm`",
+        )
     return out
 
 
 def compare_ranks(infos: list[dict]) -> list[dict]:
     """Problems across the ranks of a job: versions that must match everywhere."""
     out = []
-    for key, what in (("torch", "torch"), ("cuda_build", "CUDA (torch build)"), ("nccl", "NCCL"),
-                      ("python", "Python")):
+    for key, what in (("torch", "torch"), ("cuda_build", "CUDA (torch build)"), ("nccl", "NCCL"), ("python", "Python")):
         seen: dict = {}
         for rank, info in enumerate(infos):
             seen.setdefault(str(info.get(key)), []).append(rank)
         if len(seen) > 1:
             detail = "; ".join(f"{v} on ranks {_ranges(r)}" for v, r in seen.items())
-            out.append({"problem": f"mismatched {what} versions across ranks: {detail}",
-                        "advice": "install the same environment (same torch wheel) on every node; mixed versions"
-                                  " can hang or corrupt collectives"})
+            out.append(
+                {
+                    "problem": f"mismatched {what} versions across ranks: {detail}",
+                    "advice": "install the same environment (same torch wheel) on every node; mixed versions"
+                    " can hang or corrupt collectives",
+                }
+            )
     return out
 
 
@@ -247,15 +304,19 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def format_report(info: dict, problems: list[dict], *, ranks: list[dict] | None = None) -> str:
-    lines = [f"paratrain env on {info['host']} ({info['platform']})",
-             f"  python {info['python']} | torch {info['torch']} | CUDA build {info['cuda_build']}"
-             f" (available: {info['cuda_available']}, driver {info['cuda_driver']}) | NCCL {info['nccl']}"
-             f" | gloo {'available (bundled with torch ' + info['torch'] + ')' if info['gloo_available'] else 'missing'}"
-             f" | MPI {'yes' if info['mpi_available'] else 'no'}",
-             f"  CPUs {info['cpu_count']} | torch threads {info['torch_threads']}"]
+    lines = [
+        f"paratrain env on {info['host']} ({info['platform']})",
+        f"  python {info['python']} | torch {info['torch']} | CUDA build {info['cuda_build']}"
+        f" (available: {info['cuda_available']}, driver {info['cuda_driver']}) | NCCL {info['nccl']}"
+        f" | gloo {'available (bundled with torch ' + info['torch'] + ')' if info['gloo_available'] else 'missing'}"
+        f" | MPI {'yes' if info['mpi_available'] else 'no'}",
+        f"  CPUs {info['cpu_count']} | torch threads {info['torch_threads']}",
+    ]
     lines.append("GPUs:" if info["gpus"] else "GPUs: none visible")
     for g in info["gpus"]:
-        lines.append(f"  [{g['index']}] {g['name']} {g['memory_gib']} GiB, compute {g['capability']}, {g['multiprocessors']} SMs")
+        lines.append(
+            f"  [{g['index']}] {g['name']} {g['memory_gib']} GiB, compute {g['capability']}, {g['multiprocessors']} SMs"
+        )
     if info["gpu_topology"]:
         lines.append("GPU topology (nvidia-smi topo -m):")
         lines += ["  " + ln for ln in info["gpu_topology"].splitlines()]
@@ -270,8 +331,10 @@ def format_report(info: dict, problems: list[dict], *, ranks: list[dict] | None 
     if ranks:
         lines.append(f"ranks ({len(ranks)}):")
         for r, ri in enumerate(ranks):
-            lines.append(f"  rank {r}: {ri['host']} torch {ri['torch']} CUDA {ri['cuda_build']} NCCL {ri['nccl']}"
-                         f" GPUs {len(ri['gpus'])}")
+            lines.append(
+                f"  rank {r}: {ri['host']} torch {ri['torch']} CUDA {ri['cuda_build']} NCCL {ri['nccl']}"
+                f" GPUs {len(ri['gpus'])}"
+            )
     lines.append(f"problems found: {len(problems)}")
     for p in problems:
         lines.append(f"  ! {p['problem']}\n      -> {p['advice']}")
@@ -279,10 +342,15 @@ def format_report(info: dict, problems: list[dict], *, ranks: list[dict] | None 
 
 
 def add_env_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                   help="the backend the job will use (checks that depend on it)")
-    p.add_argument("--json", nargs="?", const="-", default="",
-                   help="write the report as JSON to FILE (or to stdout with no FILE)")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="the backend the job will use (checks that depend on it)",
+    )
+    p.add_argument(
+        "--json", nargs="?", const="-", default="", help="write the report as JSON to FILE (or to stdout with no FILE)"
+    )
 
 
 def env_worker_args(args: argparse.Namespace) -> list[str]:
@@ -321,8 +389,12 @@ def emit(report: dict, json_target: str) -> None:
 
 def env_main(args: argparse.Namespace) -> int:
     """One process: this machine's report."""
-    emit(build_report(backend=args.backend, nnodes=getattr(args, "nnodes", 1),
-                      nproc_per_node=getattr(args, "nproc_per_node", 1)), args.json)
+    emit(
+        build_report(
+            backend=args.backend, nnodes=getattr(args, "nnodes", 1), nproc_per_node=getattr(args, "nproc_per_node", 1)
+        ),
+        args.json,
+    )
     return 0
 
 
@@ -342,8 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         ranks: list = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, collect())
         if dist.get_rank() == 0:
-            emit(build_report(backend=args.backend, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-                              ranks=ranks), args.json)
+            emit(
+                build_report(backend=args.backend, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, ranks=ranks),
+                args.json,
+            )
     finally:
         dist.destroy_process_group()
     return 0

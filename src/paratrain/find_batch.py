@@ -42,8 +42,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -86,26 +86,37 @@ class SearchResult:
         return None if self.micro_batch_size is None else self.per_rank_batch_size // self.micro_batch_size
 
     def table(self) -> str:
-        lines = [f"find-batch: {self.method}; budget {self.budget_bytes / GIB:.3f} GiB per rank ({self.budget_source}),"
-                 f" usable {self.usable_bytes / GIB:.3f} GiB after the margin;"
-                 f" candidates: divisors of the per-rank batch {self.per_rank_batch_size}",
-                 f"  {'micro_batch':>11}  {'peak_MiB':>10}  fits"]
+        lines = [
+            f"find-batch: {self.method}; budget {self.budget_bytes / GIB:.3f} GiB per rank ({self.budget_source}),"
+            f" usable {self.usable_bytes / GIB:.3f} GiB after the margin;"
+            f" candidates: divisors of the per-rank batch {self.per_rank_batch_size}",
+            f"  {'micro_batch':>11}  {'peak_MiB':>10}  fits",
+        ]
         for t in self.trials:
             peak = "OOM" if t.peak_bytes is None else f"{t.peak_bytes / 2**20:.1f}"
-            lines.append(f"  {t.micro_batch_size:>11}  {peak:>10}  {'yes' if t.fits else 'no'}{'  ' + t.note if t.note else ''}")
+            lines.append(
+                f"  {t.micro_batch_size:>11}  {peak:>10}  {'yes' if t.fits else 'no'}{'  ' + t.note if t.note else ''}"
+            )
         if self.micro_batch_size is None:
             lines.append("  -> not even micro_batch_size 1 fits")
         else:
-            lines.append(f"  -> micro_batch_size {self.micro_batch_size} x accum_steps {self.accum_steps}"
-                         f" (peak {self.peak_bytes / 2**20:.1f} MiB)")
+            lines.append(
+                f"  -> micro_batch_size {self.micro_batch_size} x accum_steps {self.accum_steps}"
+                f" (peak {self.peak_bytes / 2**20:.1f} MiB)"
+            )
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        return {"micro_batch_size": self.micro_batch_size, "peak_bytes": self.peak_bytes,
-                "accum_steps": self.accum_steps, "budget_bytes": self.budget_bytes,
-                "usable_bytes": self.usable_bytes, "method": self.method,
-                "per_rank_batch_size": self.per_rank_batch_size,
-                "trials": [dataclasses.asdict(t) for t in self.trials]}
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "peak_bytes": self.peak_bytes,
+            "accum_steps": self.accum_steps,
+            "budget_bytes": self.budget_bytes,
+            "usable_bytes": self.usable_bytes,
+            "method": self.method,
+            "per_rank_batch_size": self.per_rank_batch_size,
+            "trials": [dataclasses.asdict(t) for t in self.trials],
+        }
 
 
 def nothing_fits_error(result: SearchResult, dims: ParallelDims) -> ConfigError:
@@ -115,7 +126,8 @@ def nothing_fits_error(result: SearchResult, dims: ParallelDims) -> ConfigError:
         f"batch.micro_batch_size = 'auto': not even a micro-batch of 1 fits ({peak} > usable"
         f" {result.usable_bytes / GIB:.2f} GiB per rank); try a layout that holds less per rank: more"
         f" parallel.dp_shard (FSDP, now {dims.dp_shard}), parallel.tp (now {dims.tp}), activation"
-        f" checkpointing, or a larger batch.memory_gib / more memory")
+        f" checkpointing, or a larger batch.memory_gib / more memory"
+    )
 
 
 # ----------------------------------------------------------------------------- the search
@@ -125,8 +137,9 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search_micro_batch(try_size: Callable[[int], Trial], *, per_rank_batch_size: int,
-                       max_trials: int = MAX_TRIALS) -> tuple[int | None, list[Trial]]:
+def search_micro_batch(
+    try_size: Callable[[int], Trial], *, per_rank_batch_size: int, max_trials: int = MAX_TRIALS
+) -> tuple[int | None, list[Trial]]:
     """Largest divisor of ``per_rank_batch_size`` for which ``try_size`` fits (None if not 1).
 
     Doubling from 1, then bisection among the divisors between the last fit and the first
@@ -217,8 +230,17 @@ def replica_dims(dims: ParallelDims) -> ParallelDims:
 class StepRunner:
     """Builds and runs the real training step at a trial micro-batch size."""
 
-    def __init__(self, cfg: Config, dims: ParallelDims, *, device: torch.device, model: nn.Module | None = None,
-                 dataset=None, loss=None, iterations: int = 2):
+    def __init__(
+        self,
+        cfg: Config,
+        dims: ParallelDims,
+        *,
+        device: torch.device,
+        model: nn.Module | None = None,
+        dataset=None,
+        loss=None,
+        iterations: int = 2,
+    ):
         from paratrain.loss import build_loss
 
         self.cfg, self.full_dims, self.device = cfg, dims, device
@@ -227,8 +249,9 @@ class StepRunner:
         self._dataset = dataset
         self.loss_fn = loss if loss is not None and hasattr(loss, "count") else build_loss(cfg.loss, loss)
         self.iterations = iterations
-        self.per_rank = plan_batch(global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0,
-                                   dp=dims.dp).per_rank_batch_size
+        self.per_rank = plan_batch(
+            global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0, dp=dims.dp
+        ).per_rank_batch_size
 
     @property
     def dataset(self):
@@ -263,8 +286,15 @@ class StepRunner:
             else:
                 model = build_model(self.cfg.model)
             with fake_mode or contextlib.nullcontext():
-                model = parallelize(model, self.dims, cfg=self.cfg.parallel, device=self.device, comm=self.cfg.comm,
-                                    precision=self.cfg.precision, compile_enabled=False)
+                model = parallelize(
+                    model,
+                    self.dims,
+                    cfg=self.cfg.parallel,
+                    device=self.device,
+                    comm=self.cfg.comm,
+                    precision=self.cfg.precision,
+                    compile_enabled=False,
+                )
                 optimizer = build_optimizer(model, self.cfg.optim)
         return model, optimizer
 
@@ -276,8 +306,17 @@ class StepRunner:
         precision = build_precision(self.cfg.precision, device=self.device, fsdp_enabled=self.dims.dp_shard > 1)
         model.train()
         for _ in range(self.iterations):
-            train_step(model, optimizer, batches, loss_fn=self.loss_fn, dp=self.dims.dp, dp_group=self.dims.group("dp"),
-                       grad_clip=self.cfg.optim.grad_clip, device=self.device, precision=precision)
+            train_step(
+                model,
+                optimizer,
+                batches,
+                loss_fn=self.loss_fn,
+                dp=self.dims.dp,
+                dp_group=self.dims.group("dp"),
+                grad_clip=self.cfg.optim.grad_clip,
+                device=self.device,
+                precision=precision,
+            )
 
     def ddp_extra_bytes(self, model: nn.Module, m: int, grads_at_peak: int) -> int:
         """What DDP adds to one replica's peak: its gradient buckets, one gradient's worth, live all run.
@@ -404,10 +443,21 @@ def memory_budget(*, memory_gib: float, device: torch.device, local_processes: i
     return available_ram_bytes() // local, f"available RAM / {local} local process{'es' if local > 1 else ''}"
 
 
-def find_micro_batch(cfg: Config, dims: ParallelDims, *, device: torch.device, method: str,
-                     local_processes: int = 1, model=None, dataset=None, loss=None,
-                     measure: Callable[[int], int] | None = None, agree: bool = True,
-                     group: dist.ProcessGroup | None = None, max_trials: int = MAX_TRIALS) -> SearchResult:
+def find_micro_batch(
+    cfg: Config,
+    dims: ParallelDims,
+    *,
+    device: torch.device,
+    method: str,
+    local_processes: int = 1,
+    model=None,
+    dataset=None,
+    loss=None,
+    measure: Callable[[int], int] | None = None,
+    agree: bool = True,
+    group: dist.ProcessGroup | None = None,
+    max_trials: int = MAX_TRIALS,
+) -> SearchResult:
     """Search the largest fitting micro-batch; ``method`` is 'estimate' or 'trial'.
 
     ``measure(m) -> peak bytes`` replaces the step (tests inject an allocator limit or an
@@ -436,14 +486,14 @@ def find_micro_batch(cfg: Config, dims: ParallelDims, *, device: torch.device, m
         torch.cuda.set_per_process_memory_fraction(fraction, device)
     try:
         checked = guarded(trial, device=device)
-        best, trials = search_micro_batch(agreed(checked, group) if agree else checked,
-                                          per_rank_batch_size=runner.per_rank, max_trials=max_trials)
+        best, trials = search_micro_batch(
+            agreed(checked, group) if agree else checked, per_rank_batch_size=runner.per_rank, max_trials=max_trials
+        )
     finally:
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
     peak = next((t.peak_bytes for t in trials if t.micro_batch_size == best), None) if best else None
-    label = {"estimate": "estimate on fake tensors (MemTracker)",
-             "trial": f"real trial steps on {device.type}"}[method]
+    label = {"estimate": "estimate on fake tensors (MemTracker)", "trial": f"real trial steps on {device.type}"}[method]
     return SearchResult(best, peak, budget, usable, label, source, runner.per_rank, trials)
 
 
@@ -466,21 +516,34 @@ def estimate_ranks(dims: ParallelDims) -> list[int]:
     return [s * per_stage for s in range(dims.pp)]
 
 
-def estimate_without_group(cfg: Config, dims: ParallelDims, *, device: torch.device, local_processes: int,
-                           model=None, dataset=None, loss=None) -> SearchResult:
+def estimate_without_group(
+    cfg: Config, dims: ParallelDims, *, device: torch.device, local_processes: int, model=None, dataset=None, loss=None
+) -> SearchResult:
     """The estimate in a process without a process group: fake groups emulate the layout's ranks."""
     rep = replica_dims(dims)
     results = []
     for rank in estimate_ranks(rep):
         with fake_process_group(rep.world_size, rank):
-            results.append(find_micro_batch(cfg, dims, device=device, method="estimate", local_processes=local_processes,
-                                            model=model, dataset=dataset, loss=loss, agree=False))
+            results.append(
+                find_micro_batch(
+                    cfg,
+                    dims,
+                    device=device,
+                    method="estimate",
+                    local_processes=local_processes,
+                    model=model,
+                    dataset=dataset,
+                    loss=loss,
+                    agree=False,
+                )
+            )
     # The rank that fits least decides.
     return min(results, key=lambda r: (r.micro_batch_size or 0, -(r.peak_bytes or 0)))
 
 
-def resolve_auto_micro_batch(cfg: Config, *, dims: ParallelDims, device: torch.device, model=None, dataset=None,
-                             loss=None) -> BatchPlan:
+def resolve_auto_micro_batch(
+    cfg: Config, *, dims: ParallelDims, device: torch.device, model=None, dataset=None, loss=None
+) -> BatchPlan:
     """``micro_batch_size = 'auto'`` inside a running job: the same answer on every rank.
 
     On CUDA every rank runs trials on one replica and the ranks agree (MIN) after each; without
@@ -494,15 +557,25 @@ def resolve_auto_micro_batch(cfg: Config, *, dims: ParallelDims, device: torch.d
     if device.type == "cuda" and rep.world_size == 1:
         # A trial step of one replica has no collective inside, so an out-of-memory error on one
         # rank cannot leave the others waiting; the ranks agree after each trial.
-        result = find_micro_batch(cfg, dims, device=device, method="trial", local_processes=local, model=model,
-                                  dataset=dataset, loss=loss)
+        result = find_micro_batch(
+            cfg, dims, device=device, method="trial", local_processes=local, model=model, dataset=dataset, loss=loss
+        )
         reply = [result.micro_batch_size, result.table(), result]
     else:
         reply = [None, None, None]
         if rank == 0:
             if rep.world_size == 1:
-                result = find_micro_batch(cfg, dims, device=device, method="estimate", local_processes=local,
-                                          model=model, dataset=dataset, loss=loss, agree=False)
+                result = find_micro_batch(
+                    cfg,
+                    dims,
+                    device=device,
+                    method="estimate",
+                    local_processes=local,
+                    model=model,
+                    dataset=dataset,
+                    loss=loss,
+                    agree=False,
+                )
             else:
                 result = _estimate_in_subprocess(cfg, dims, model=model, dataset=dataset, loss=loss)
             reply = [result.micro_batch_size, result.table(), result]
@@ -518,23 +591,46 @@ def resolve_auto_micro_batch(cfg: Config, *, dims: ParallelDims, device: torch.d
 
 def _estimate_in_subprocess(cfg: Config, dims: ParallelDims, *, model, dataset, loss) -> SearchResult:
     if model is not None or dataset is not None or loss is not None:
-        raise ConfigError("batch.micro_batch_size = 'auto' with dp_shard/tp/pp > 1 and model/dataset/loss objects"
-                          " passed to train() cannot be estimated in a separate process; run `paratrain find-batch`"
-                          " on a config with factories and set batch.micro_batch_size to its answer")
+        raise ConfigError(
+            "batch.micro_batch_size = 'auto' with dp_shard/tp/pp > 1 and model/dataset/loss objects"
+            " passed to train() cannot be estimated in a separate process; run `paratrain find-batch`"
+            " on a config with factories and set batch.micro_batch_size to its answer"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "config.toml")
         with open(path, "w") as f:
             f.write(to_toml(cfg))
-        proc = subprocess.run([sys.executable, "-m", "paratrain", "find-batch", path, "--estimate", "--json",
-                               "--nproc-per-node", str(dims.world_size),
-                               "--local-processes", os.environ.get("LOCAL_WORLD_SIZE", "1")],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "paratrain",
+                "find-batch",
+                path,
+                "--estimate",
+                "--json",
+                "--nproc-per-node",
+                str(dims.world_size),
+                "--local-processes",
+                os.environ.get("LOCAL_WORLD_SIZE", "1"),
+            ],
+            capture_output=True,
+            text=True,
+        )
     if proc.returncode not in (0, 2) or not proc.stdout.strip():
         raise RuntimeError(f"the memory estimate failed:\n{proc.stderr}")
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     trials = [Trial(**t) for t in data["trials"]]
-    return SearchResult(data["micro_batch_size"], data["peak_bytes"], data["budget_bytes"], data["usable_bytes"],
-                        data["method"], "subprocess", data["per_rank_batch_size"], trials)
+    return SearchResult(
+        data["micro_batch_size"],
+        data["peak_bytes"],
+        data["budget_bytes"],
+        data["usable_bytes"],
+        data["method"],
+        "subprocess",
+        data["per_rank_batch_size"],
+        trials,
+    )
 
 
 def cli_find_batch(cfg: Config, *, world_size: int, local_processes: int, estimate: bool, as_json: bool) -> int:
@@ -544,7 +640,9 @@ def cli_find_batch(cfg: Config, *, world_size: int, local_processes: int, estima
 
     dims, _ = check_layout(cfg, world_size)
     device = resolve_device(cfg.dist, 0)
-    use_trial = not estimate and device.type == "cuda" and cfg.batch.memory_gib <= 0 and replica_dims(dims).world_size == 1
+    use_trial = (
+        not estimate and device.type == "cuda" and cfg.batch.memory_gib <= 0 and replica_dims(dims).world_size == 1
+    )
     if use_trial:
         # Replicas of one process hold the same memory on every GPU: one GPU answers for all.
         result = find_micro_batch(cfg, dims, device=device, method="trial", local_processes=local_processes)

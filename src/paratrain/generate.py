@@ -23,12 +23,14 @@ def load_trained_model(out_dir: str) -> torch.nn.Module:
     return model.eval()
 
 
-def generate_text(out_dir: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
-                  top_k: int = 40, seed: int = 0) -> str:
+def generate_text(
+    out_dir: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+) -> str:
     model = load_trained_model(out_dir)
     if not hasattr(model, "generate") or getattr(getattr(model, "cfg", None), "vocab_size", None) != 256:
         raise ConfigError("generate needs the built-in byte-level GPT (model.name = 'gpt', vocab_size 256)")
     idx = torch.tensor([list(prompt.encode("utf-8")) or [10]], dtype=torch.long)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                         generator=torch.Generator().manual_seed(seed))
+    out = model.generate(
+        idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=torch.Generator().manual_seed(seed)
+    )
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")

@@ -31,8 +31,14 @@ class LaunchSpec:
 
 
 def torchrun_args(spec: LaunchSpec, module: str, module_args: list[str]) -> list[str]:
-    args = ["--nproc-per-node", str(spec.nproc_per_node), "--nnodes", str(spec.nnodes),
-            "--max-restarts", str(spec.max_restarts)]
+    args = [
+        "--nproc-per-node",
+        str(spec.nproc_per_node),
+        "--nnodes",
+        str(spec.nnodes),
+        "--max-restarts",
+        str(spec.max_restarts),
+    ]
     if spec.rdzv_endpoint:
         # c10d rendezvous: ranks follow arrival order, --node-rank is only a hint to it.
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", spec.rdzv_endpoint, "--node-rank", str(spec.node_rank)]
@@ -57,7 +63,9 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         first_rank = min(e.failures)  # keyed by global rank
-        print(f"paratrain: error: worker rank {first_rank} failed with exit code {codes[0]}"
-              f" (see its log above)", file=sys.stderr)
+        print(
+            f"paratrain: error: worker rank {first_rank} failed with exit code {codes[0]} (see its log above)",
+            file=sys.stderr,
+        )
         return 2 if codes == [2] else 1
     return 0

@@ -6,7 +6,7 @@ micro-batches and ranks first), so every loss also counts items from the target 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +42,9 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
     if cfg.name == "cross_entropy":
 
         def cross_entropy(logits: torch.Tensor, target: torch.Tensor):
-            s = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                                ignore_index=ignore, reduction="sum")
+            s = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=ignore, reduction="sum"
+            )
             return s, count_not_ignored(target)
 
         return Loss(cross_entropy, count_not_ignored, "cross_entropy")
@@ -60,8 +61,9 @@ def _checked(user: Callable) -> Callable:
     def call(output, target):
         result = user(output, target)
         if not (isinstance(result, tuple) and len(result) == 2):
-            raise ConfigError("a user loss must return (sum_of_item_losses, item_count); it returned "
-                              f"{type(result).__name__}")
+            raise ConfigError(
+                f"a user loss must return (sum_of_item_losses, item_count); it returned {type(result).__name__}"
+            )
         return result
 
     return call

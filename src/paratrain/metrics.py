@@ -24,8 +24,9 @@ def setup_logging(*, rank: int, all_ranks: bool) -> None:
 class MetricsWriter:
     """Writes one JSON object per optimiser step; a no-op on ranks other than 0."""
 
-    def __init__(self, out_dir: str, *, enabled: bool, total_steps: int, progress: bool,
-                 tensorboard: bool, start_step: int = 0):
+    def __init__(
+        self, out_dir: str, *, enabled: bool, total_steps: int, progress: bool, tensorboard: bool, start_step: int = 0
+    ):
         self.enabled = enabled
         self.rows: list[dict] = []
         self._file = self._bar = self._tb = None
@@ -41,16 +42,25 @@ class MetricsWriter:
         if progress and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                             dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                mininterval=1.0,
+                file=sys.stderr,
+            )
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # the extra is optional
                 from paratrain.config import ConfigError
 
-                raise ConfigError(f"metrics.tensorboard = true needs the tensorboard package ({e}); "
-                                  "pip install 'paratrain[tensorboard]' or set metrics.tensorboard = false")
+                raise ConfigError(
+                    f"metrics.tensorboard = true needs the tensorboard package ({e}); "
+                    "pip install 'paratrain[tensorboard]' or set metrics.tensorboard = false"
+                )
             self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
 
     def log_step(self, row: dict) -> None:
@@ -63,8 +73,15 @@ class MetricsWriter:
             self._bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
             self._bar.update(1)
         elif self._line_every and (row["step"] % self._line_every == 0 or row["step"] == self.total_steps):
-            log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tokens/s", row["step"], self.total_steps,
-                     row["loss"], row["lr"], row["grad_norm"], row["tokens_per_s"])
+            log.info(
+                "step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tokens/s",
+                row["step"],
+                self.total_steps,
+                row["loss"],
+                row["lr"],
+                row["grad_norm"],
+                row["tokens_per_s"],
+            )
         if self._tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -82,7 +99,7 @@ def summarize(rows: list[dict]) -> dict:
         return {"steps": 0}
     losses = [r["loss"] for r in rows]
     # The first steps include warm-up effects (allocator, caches): leave them out of speed.
-    steady = rows[min(2, len(rows) - 1):]
+    steady = rows[min(2, len(rows) - 1) :]
     return {
         "steps": rows[-1]["step"],
         "first_loss": losses[0],

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,8 +35,9 @@ def build_flops_per_token(model: nn.Module) -> Callable[[int], float]:
     if all(hasattr(cfg, k) for k in ("n_layer", "d_model")) and hasattr(model, "layers"):
         lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         matmul = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
-        return lambda seq_len: gpt_flops_per_token(matmul_params=matmul, n_layer=cfg.n_layer,
-                                                   d_model=cfg.d_model, seq_len=seq_len)
+        return lambda seq_len: gpt_flops_per_token(
+            matmul_params=matmul, n_layer=cfg.n_layer, d_model=cfg.d_model, seq_len=seq_len
+        )
     n = sum(p.numel() for p in model.parameters())
     return lambda seq_len: 6.0 * n
 
@@ -56,19 +57,25 @@ def resolve_peak_flops(cfg: HardwareConfig, *, device: torch.device, dtype: str)
         return None, "set hardware.peak_flops, or hardware.compute_bench to a `paratrain bench compute --json` file"
     path = cfg.compute_bench
     if not os.path.isfile(path):
-        raise ConfigError(f"hardware.compute_bench = {path!r} not found; run `paratrain bench compute --json {path}` first")
+        raise ConfigError(
+            f"hardware.compute_bench = {path!r} not found; run `paratrain bench compute --json {path}` first"
+        )
     try:
         with open(path) as f:
             data = json.load(f)
         rows = data["matmul"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"hardware.compute_bench = {path!r} is not a `paratrain bench compute --json` file ({e}); rerun it")
+        raise ConfigError(
+            f"hardware.compute_bench = {path!r} is not a `paratrain bench compute --json` file ({e}); rerun it"
+        )
     for row in rows:
         if row.get("dtype") == dtype and row.get("device_type") == device.type:
             return float(row["flops_per_s"]), f"bench compute ({path})"
     have = ", ".join(f"{r.get('device_type')}/{r.get('dtype')}" for r in rows)
-    raise ConfigError(f"hardware.compute_bench = {path!r} has no matmul figure for {device.type}/{dtype} (it has {have});"
-                      f" run `paratrain bench compute --dtype {dtype} --json {path}` on this device")
+    raise ConfigError(
+        f"hardware.compute_bench = {path!r} has no matmul figure for {device.type}/{dtype} (it has {have});"
+        f" run `paratrain bench compute --dtype {dtype} --json {path}` on this device"
+    )
 
 
 def mfu(*, flops: float, seconds: float, peak_flops_per_device: float, devices: int) -> float:

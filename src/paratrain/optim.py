@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -38,8 +38,9 @@ def lr_factor(step: int, *, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, total_steps: int,
-                    scale: Callable[[], float] | None = None):
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, total_steps: int, scale: Callable[[], float] | None = None
+):
     """LambdaLR of lr_factor; ``scale()`` (the batch-size LR scaling) multiplies it when given.
 
     The scale is read each time the scheduler computes the next step's lr, so a change of the
@@ -53,8 +54,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, total
 # ----------------------------------------------------------------------------- batch-size LR scaling
 
 
-def lr_scale(rule: str, *, global_batch_size: int, reference_batch_size: int,
-             noise_scale: float | None = None) -> float:
+def lr_scale(
+    rule: str, *, global_batch_size: int, reference_batch_size: int, noise_scale: float | None = None
+) -> float:
     """Multiplier of the lr for a global batch B tuned at reference batch B0.
 
     - linear: B/B0 (Goyal et al. 2017, "Accurate, Large Minibatch SGD", with warmup);
@@ -91,12 +93,19 @@ class LRScaling:
         self.update(global_batch_size=global_batch_size)
 
     def update(self, *, global_batch_size: int, noise_scale: float | None = None) -> float:
-        new = lr_scale(self.rule, global_batch_size=global_batch_size, reference_batch_size=self.reference,
-                       noise_scale=noise_scale)
+        new = lr_scale(
+            self.rule, global_batch_size=global_batch_size, reference_batch_size=self.reference, noise_scale=noise_scale
+        )
         # Logged at start; later only the batch-driven changes (AdaScale's gain moves every step).
-        if self._log and self.rule != "none" and (self.factor is None or (self.rule != "adascale" and new != self.factor)):
-            self._log(f"lr scaling {self.rule}: global batch {global_batch_size} vs reference {self.reference}"
-                      f" -> x{new:.4g} (peak lr {self.base_lr * new:.4g})")
+        if (
+            self._log
+            and self.rule != "none"
+            and (self.factor is None or (self.rule != "adascale" and new != self.factor))
+        ):
+            self._log(
+                f"lr scaling {self.rule}: global batch {global_batch_size} vs reference {self.reference}"
+                f" -> x{new:.4g} (peak lr {self.base_lr * new:.4g})"
+            )
         self.factor = new
         return new
 

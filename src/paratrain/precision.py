@@ -26,18 +26,23 @@ from paratrain.config import ConfigError, PrecisionConfig
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_precision(cfg: PrecisionConfig, *, dp_shard: int = 1, tp: int = 1, pp: int = 1,
-                    compression: str = "none") -> None:
+def check_precision(
+    cfg: PrecisionConfig, *, dp_shard: int = 1, tp: int = 1, pp: int = 1, compression: str = "none"
+) -> None:
     """Refuse, before any process starts, a precision the layout cannot run."""
     if compression in ("bf16", "fp16") and cfg.reduce_dtype not in ("fp32", compression):
-        raise ConfigError(f"precision.reduce_dtype = {cfg.reduce_dtype!r} contradicts comm.compression = {compression!r};"
-                          " set one of them only")
+        raise ConfigError(
+            f"precision.reduce_dtype = {cfg.reduce_dtype!r} contradicts comm.compression = {compression!r};"
+            " set one of them only"
+        )
     if cfg.dtype == "fp16" and (dp_shard > 1 or tp > 1 or pp > 1):
         # GradScaler's unscale and inf check assume plain local gradients; sharded (DTensor)
         # gradients and pipeline stages would need a scaler that reduces the inf flag across
         # shards/stages, which torch only offers for FSDP1 (ShardedGradScaler).
-        raise ConfigError("precision.dtype = 'fp16' needs a gradient scaler, which paratrain supports only with plain"
-                          " data parallelism; use precision.dtype = 'bf16' with dp_shard/tp/pp > 1")
+        raise ConfigError(
+            "precision.dtype = 'fp16' needs a gradient scaler, which paratrain supports only with plain"
+            " data parallelism; use precision.dtype = 'bf16' with dp_shard/tp/pp > 1"
+        )
 
 
 def check_device_supports(cfg: PrecisionConfig, device: torch.device) -> None:
@@ -46,21 +51,29 @@ def check_device_supports(cfg: PrecisionConfig, device: torch.device) -> None:
         return
     dtype = DTYPES[cfg.dtype]
     if not torch.amp.is_autocast_available(device.type):
-        raise ConfigError(f"precision.dtype = {cfg.dtype!r}: autocast is not available on {device.type}; use precision.dtype = 'fp32'")
+        raise ConfigError(
+            f"precision.dtype = {cfg.dtype!r}: autocast is not available on {device.type}; use precision.dtype = 'fp32'"
+        )
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"precision.dtype = 'bf16' is not supported by {torch.cuda.get_device_name(device)}"
-                          " (needs compute capability >= 8.0); use precision.dtype = 'fp16'")
+        raise ConfigError(
+            f"precision.dtype = 'bf16' is not supported by {torch.cuda.get_device_name(device)}"
+            " (needs compute capability >= 8.0); use precision.dtype = 'fp16'"
+        )
     # Ask autocast itself: a tiny matmul under it must come out in the requested dtype.
     try:
         a = torch.ones(2, 2, device=device)
         with torch.autocast(device.type, dtype=dtype):
             out = a @ a
     except (RuntimeError, AssertionError) as e:
-        raise ConfigError(f"precision.dtype = {cfg.dtype!r} is not supported on {device.type} by torch "
-                          f"{torch.__version__} ({str(e).splitlines()[0]}); use precision.dtype = 'fp32' or 'bf16'")
+        raise ConfigError(
+            f"precision.dtype = {cfg.dtype!r} is not supported on {device.type} by torch "
+            f"{torch.__version__} ({str(e).splitlines()[0]}); use precision.dtype = 'fp32' or 'bf16'"
+        )
     if out.dtype != dtype:
-        raise ConfigError(f"precision.dtype = {cfg.dtype!r}: autocast on {device.type} computed in {out.dtype};"
-                          " use precision.dtype = 'fp32' or 'bf16'")
+        raise ConfigError(
+            f"precision.dtype = {cfg.dtype!r}: autocast on {device.type} computed in {out.dtype};"
+            " use precision.dtype = 'fp32' or 'bf16'"
+        )
 
 
 def maybe_autocast(dtype: str, device: torch.device, *, enabled: bool = True) -> contextlib.AbstractContextManager:
@@ -83,8 +96,9 @@ def build_mp_policy(cfg: PrecisionConfig, *, compression: str = "none"):
         reduce = compression
     if cfg.dtype == "fp32" and reduce == "fp32":
         return None
-    return MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=DTYPES[reduce],
-                                output_dtype=None, cast_forward_inputs=True)
+    return MixedPrecisionPolicy(
+        param_dtype=DTYPES[cfg.dtype], reduce_dtype=DTYPES[reduce], output_dtype=None, cast_forward_inputs=True
+    )
 
 
 @dataclass

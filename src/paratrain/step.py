@@ -9,8 +9,8 @@ gradient-accumulation bug several frameworks shipped in 2024 (see transformers#3
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,14 +50,16 @@ def count_tokens(inputs) -> int:
     return len(inputs)
 
 
-def count_global_items(batches: list[tuple], *, loss_fn: Loss,
-                       dp_group: dist.ProcessGroup | None) -> tuple[int, int, int]:
+def count_global_items(
+    batches: list[tuple], *, loss_fn: Loss, dp_group: dist.ProcessGroup | None
+) -> tuple[int, int, int]:
     """Target items and input tokens of the whole global batch, and this rank's items, from the
     targets alone, before any backward. Counted on the CPU so this small all-reduce never waits
     for the device."""
     local_items = torch.stack([loss_fn.count(t) for _, t in batches]).sum()
-    counts = torch.stack([local_items, torch.tensor(float(sum(count_tokens(x) for x, _ in batches)),
-                                                    dtype=torch.float64)])
+    counts = torch.stack(
+        [local_items, torch.tensor(float(sum(count_tokens(x) for x, _ in batches)), dtype=torch.float64)]
+    )
     if dp_group is not None:
         dist.all_reduce(counts, group=dp_group)
     items, tokens = int(counts[0].item()), int(counts[1].item())
@@ -103,8 +105,10 @@ def train_step(
         inputs, target = to_device(inputs, device), to_device(target, device)
         # Gradients are reduced once, in the backward of the last micro-batch (DDP, ZeRO-2-like
         # FSDP), or every micro-batch into 1/N shards (ZeRO-3-like FSDP: sync_each_micro_batch).
-        with maybe_no_sync(model, sync=k == last, sync_each_micro_batch=sync_each_micro_batch), \
-                maybe_loss_parallel(loss_parallel):
+        with (
+            maybe_no_sync(model, sync=k == last, sync_each_micro_batch=sync_each_micro_batch),
+            maybe_loss_parallel(loss_parallel),
+        ):
             with precision.autocast():  # forward under autocast; backward follows its dtypes
                 s, c = loss_fn(model(inputs), target)
             precision.scale(s * scale).backward()  # fp16: times the GradScaler's loss scale

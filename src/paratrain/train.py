@@ -18,8 +18,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m paratrain.train", description=__doc__)
     parser.add_argument("config", help="TOML config file")
     add_set_argument(parser)
-    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
-                        help="continue from the newest complete checkpoint of the run, or from PATH")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="continue from the newest complete checkpoint of the run, or from PATH",
+    )
     args = parser.parse_args(argv)
     from paratrain.distributed.hang import CollectiveTimeout
 

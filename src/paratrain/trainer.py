@@ -6,8 +6,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -23,8 +23,8 @@ from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout, parallelize
 from paratrain.distributed.pipeline_parallel import PipelineModel, check_pp_layout_of, pipeline_train_step
-from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
+from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.loss import build_loss
 from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize
 from paratrain.mfu import build_flops_per_token, mfu, resolve_peak_flops, seq_len_of
@@ -49,47 +49,68 @@ def check_layout(cfg: Config, world_size: int, *, model: nn.Module | None = None
     check_parallel_layout(dims, parallel=cfg.parallel, model=cfg.model)
     mbs = cfg.batch.micro_batch_size
     # 'auto' is resolved in the job (find_batch.py); until then the plan is the whole per-rank batch.
-    plan = plan_batch(global_batch_size=cfg.batch.global_batch_size,
-                      micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp)
+    plan = plan_batch(
+        global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp
+    )
     check_feature_combinations(cfg, dims)
     if dims.pp > 1:
-        check_pp_layout_of(cfg, pp=dims.pp, micro_batch_size=plan.micro_batch_size, accum_steps=plan.accum_steps,
-                           dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, model=model)
+        check_pp_layout_of(
+            cfg,
+            pp=dims.pp,
+            micro_batch_size=plan.micro_batch_size,
+            accum_steps=plan.accum_steps,
+            dp_replicate=dims.dp_replicate,
+            dp_shard=dims.dp_shard,
+            model=model,
+        )
     return dims, plan
 
 
 def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
     """Combinations of features this version cannot run exactly: refused, never run wrongly."""
-    noise = "batch.adaptive = true" if cfg.batch.adaptive else (
-        "optim.lr_scaling = 'adascale'" if cfg.optim.lr_scaling == "adascale" else "")
+    noise = (
+        "batch.adaptive = true"
+        if cfg.batch.adaptive
+        else ("optim.lr_scaling = 'adascale'" if cfg.optim.lr_scaling == "adascale" else "")
+    )
     if noise:
         # The gradient-noise probe reads each rank's gradient after its first micro-batch.
         if dims.pp > 1:
-            raise ConfigError(f"{noise} cannot measure the gradient noise across pipeline stages;"
-                              " set parallel.pp = 1 or turn it off")
+            raise ConfigError(
+                f"{noise} cannot measure the gradient noise across pipeline stages; set parallel.pp = 1 or turn it off"
+            )
         if dims.dp_shard > 1:
-            raise ConfigError(f"{noise} needs each rank's own gradient, which FSDP2 (parallel.dp_shard ="
-                              f" {dims.dp_shard}) reduce-scatters or keeps unsharded; use parallel.dp_replicate")
+            raise ConfigError(
+                f"{noise} needs each rank's own gradient, which FSDP2 (parallel.dp_shard ="
+                f" {dims.dp_shard}) reduce-scatters or keeps unsharded; use parallel.dp_replicate"
+            )
         if cfg.precision.dtype == "fp16":
-            raise ConfigError(f"{noise} with precision.dtype = 'fp16' would read loss-scaled gradients;"
-                              " use precision.dtype = 'bf16'")
+            raise ConfigError(
+                f"{noise} with precision.dtype = 'fp16' would read loss-scaled gradients; use precision.dtype = 'bf16'"
+            )
     if dims.pp > 1:
         if cfg.batch.micro_batch_size == "auto":
-            raise ConfigError("batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
-                              " set batch.micro_batch_size to a number with parallel.pp > 1")
+            raise ConfigError(
+                "batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
+                " set batch.micro_batch_size to a number with parallel.pp > 1"
+            )
         if cfg.checkpoint.interval or cfg.checkpoint.at_end or cfg.checkpoint.resume:
             # Stage state dicts are keyed by the local stage index, not by the model's names, so a
             # checkpoint could not be resharded to another layout or exported: refuse for now.
-            raise ConfigError("checkpoints are not supported with parallel.pp > 1 yet; set checkpoint.interval = 0,"
-                              " checkpoint.at_end = false and checkpoint.resume = ''")
+            raise ConfigError(
+                "checkpoints are not supported with parallel.pp > 1 yet; set checkpoint.interval = 0,"
+                " checkpoint.at_end = false and checkpoint.resume = ''"
+            )
     block = cfg.data.args.get("block_size")
     if not cfg.model.factory and cfg.model.name == "gpt" and isinstance(block, int):
         from paratrain.models.gpt import GPTConfig
 
         context = cfg.model.args.get("block_size", GPTConfig.block_size)
         if block > context:
-            raise ConfigError(f"data.args.block_size = {block} is longer than the model's context"
-                              f" model.args.block_size = {context}; make them equal")
+            raise ConfigError(
+                f"data.args.block_size = {block} is longer than the model's context"
+                f" model.args.block_size = {context}; make them equal"
+            )
 
 
 @dataclass
@@ -106,8 +127,9 @@ def load_batches(dataset: Dataset, indices: list[int], micro_batch_size: int) ->
     return [default_collate([dataset[i] for i in mb]) for mb in micro_batches(indices, micro_batch_size)]
 
 
-def train(cfg: Config, *, model: nn.Module | None = None, dataset: Dataset | None = None,
-          loss: Callable | None = None) -> dict:
+def train(
+    cfg: Config, *, model: nn.Module | None = None, dataset: Dataset | None = None, loss: Callable | None = None
+) -> dict:
     """Train per ``cfg`` in this process (one rank of the job); returns the run summary.
 
     ``model``/``dataset``/``loss`` replace the config's builders for users who make their own
@@ -147,15 +169,30 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.dp_shard > 1)
     flops_per_token = build_flops_per_token(model)  # from the whole model, before any split
     peak_flops, peak_source = resolve_peak_flops(cfg.hardware, device=ctx.device, dtype=cfg.precision.dtype)
-    log.info("precision: %s | MFU peak: %s", cfg.precision.dtype,
-             f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})")
+    log.info(
+        "precision: %s | MFU peak: %s",
+        cfg.precision.dtype,
+        f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})",
+    )
     # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits.
     loss_parallel = loss_parallel_enabled(
         # (not under pipeline parallel: the schedule's loss runs on plain, gathered logits)
-        model, tp=dims.tp, requested=cfg.parallel.loss_parallel and dims.pp == 1, builtin_cross_entropy=loss is None and
-        cfg.loss.name == "cross_entropy", user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory))
-    model = parallelize(model, dims, cfg=cfg.parallel, device=ctx.device, comm=cfg.comm, precision=cfg.precision,
-                        compile_enabled=cfg.train.compile, loss_parallel=loss_parallel)
+        model,
+        tp=dims.tp,
+        requested=cfg.parallel.loss_parallel and dims.pp == 1,
+        builtin_cross_entropy=loss is None and cfg.loss.name == "cross_entropy",
+        user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory),
+    )
+    model = parallelize(
+        model,
+        dims,
+        cfg=cfg.parallel,
+        device=ctx.device,
+        comm=cfg.comm,
+        precision=cfg.precision,
+        compile_enabled=cfg.train.compile,
+        loss_parallel=loss_parallel,
+    )
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
     # FSDP2's gradient sync policy (distributed/data_parallel.py): ZeRO-3 reduces every micro-batch.
     sync_each_micro_batch = cfg.parallel.reshard_after_forward
@@ -171,9 +208,18 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     sampler = GlobalBatchSampler(len(dataset), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
 
     # --- checkpoints (paratrain.checkpoint): resume before the loop, save after steps --------
-    ckpt = build_checkpointer(cfg, model=model, optimizer=optimizer, scheduler=scheduler, state=state,
-                              layout=dims.degrees(), rank=ctx.rank, world_size=ctx.world_size, device=ctx.device,
-                              stateful={"grad_scaler": precision.scaler})
+    ckpt = build_checkpointer(
+        cfg,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        state=state,
+        layout=dims.degrees(),
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        device=ctx.device,
+        stateful={"grad_scaler": precision.scaler},
+    )
     resumed_from = ckpt.resume(*resume_spec(cfg.checkpoint))
     if resumed_from is not None and ctx.is_main:
         truncate_metrics(cfg.run.out_dir, resumed_from)  # rows after the checkpoint are redone
@@ -184,9 +230,14 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
-    writer = MetricsWriter(out_dir, enabled=ctx.is_main, total_steps=cfg.run.steps,
-                           progress=cfg.run.progress, tensorboard=cfg.metrics.tensorboard,
-                           start_step=state.step)
+    writer = MetricsWriter(
+        out_dir,
+        enabled=ctx.is_main,
+        total_steps=cfg.run.steps,
+        progress=cfg.run.progress,
+        tensorboard=cfg.metrics.tensorboard,
+        start_step=state.step,
+    )
     history: list[dict] = []
     # A restored TrainState (resume) carries the batch the adaptive mode had reached.
     if not cfg.batch.adaptive:  # the configured global batch holds, whatever a checkpoint had
@@ -207,13 +258,32 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
             batches = load_batches(dataset, mine, mbs)
             lr = scheduler.get_last_lr()[0]
             if isinstance(model, PipelineModel):  # pipeline parallel: the schedule runs forward/backward
-                result = pipeline_train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
-                                             grad_clip=cfg.optim.grad_clip, device=ctx.device, precision=precision)
+                result = pipeline_train_step(
+                    model,
+                    optimizer,
+                    batches,
+                    loss_fn=loss_fn,
+                    dp=dims.dp,
+                    dp_group=dp_group,
+                    grad_clip=cfg.optim.grad_clip,
+                    device=ctx.device,
+                    precision=precision,
+                )
             else:
-                result = train_step(model, optimizer, batches, loss_fn=loss_fn, dp=dims.dp, dp_group=dp_group,
-                                    grad_clip=cfg.optim.grad_clip, device=ctx.device, precision=precision,
-                                    loss_parallel=loss_parallel, sync_each_micro_batch=sync_each_micro_batch,
-                                    after_backward=adapter.probe(model, batches[0], loss_fn) if adapter else None)
+                result = train_step(
+                    model,
+                    optimizer,
+                    batches,
+                    loss_fn=loss_fn,
+                    dp=dims.dp,
+                    dp_group=dp_group,
+                    grad_clip=cfg.optim.grad_clip,
+                    device=ctx.device,
+                    precision=precision,
+                    loss_parallel=loss_parallel,
+                    sync_each_micro_batch=sync_each_micro_batch,
+                    after_backward=adapter.probe(model, batches[0], loss_fn) if adapter else None,
+                )
             state.step += 1
             state.consumed_samples += plan.global_batch_size
             noise_extra = {}
@@ -265,8 +335,12 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     summary.update(
         world_size=ctx.world_size,
         layout=dims.degrees(),
-        batch={"global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
-               "accum_steps": plan.accum_steps, "dp": plan.dp},
+        batch={
+            "global_batch_size": plan.global_batch_size,
+            "micro_batch_size": plan.micro_batch_size,
+            "accum_steps": plan.accum_steps,
+            "dp": plan.dp,
+        },
         model_parameters=n_params,
         data=data_info,
         torch_version=torch.__version__,
@@ -281,9 +355,14 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
         if cfg.metrics.plot and history:
             plot_metrics(history, os.path.join(out_dir, "metrics.png"))
         if history:
-            log.info("done: %d steps, loss %.4f -> %.4f, %.0f tokens/s (median); outputs in %s",
-                     summary["steps"], summary["first_loss"], summary["final_loss"],
-                     summary["median_tokens_per_s"], out_dir)
+            log.info(
+                "done: %d steps, loss %.4f -> %.4f, %.0f tokens/s (median); outputs in %s",
+                summary["steps"],
+                summary["first_loss"],
+                summary["final_loss"],
+                summary["median_tokens_per_s"],
+                out_dir,
+            )
     return summary
 
 

@@ -30,8 +30,14 @@ def _read_losses(out_dir: str) -> list[float]:
 
 def reference_overrides() -> list[str]:
     """What turns any layout into the single-process reference run."""
-    return ["parallel.dp_replicate=1", "parallel.dp_shard=1", "parallel.tp=1", "parallel.pp=1",
-            "parallel.sequence_parallel=false", "parallel.cpu_offload=false"]
+    return [
+        "parallel.dp_replicate=1",
+        "parallel.dp_shard=1",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.sequence_parallel=false",
+        "parallel.cpu_offload=false",
+    ]
 
 
 def rel_diff(a, b) -> float:
@@ -69,8 +75,9 @@ def compare_parameters(layout_file: str, reference_file: str, tol: float, out=sy
     return first is None, first
 
 
-def verify(config: str, overrides: list[str], *, spec, steps: int, tol: float, out_dir: str = "",
-           out=sys.stdout) -> int:
+def verify(
+    config: str, overrides: list[str], *, spec, steps: int, tol: float, out_dir: str = "", out=sys.stdout
+) -> int:
     """Run layout and reference, print the comparison; returns the exit code."""
     from paratrain.launch import LaunchSpec, launch
     from paratrain.trainer import check_layout
@@ -85,15 +92,28 @@ def verify(config: str, overrides: list[str], *, spec, steps: int, tol: float, o
     check_layout(ref_cfg, 1)
     root = out_dir or os.path.join(cfg.run.out_dir, "verify")
     # Both runs start fresh and leave no checkpoints (they would share checkpoint.dir).
-    common = [f"run.steps={steps}", "run.save_model=true", "run.progress=false", "metrics.plot=false",
-              "checkpoint.interval=0", "checkpoint.at_end=false", "checkpoint.resume=''"]
+    common = [
+        f"run.steps={steps}",
+        "run.save_model=true",
+        "run.progress=false",
+        "metrics.plot=false",
+        "checkpoint.interval=0",
+        "checkpoint.at_end=false",
+        "checkpoint.resume=''",
+    ]
     runs = {
         "layout": (spec, [*overrides, *common, f"run.out_dir={_toml_str(os.path.join(root, 'layout'))}"]),
-        "reference": (LaunchSpec(), [*overrides, *reference_overrides(), *common,
-                                     f"run.out_dir={_toml_str(os.path.join(root, 'reference'))}"]),
+        "reference": (
+            LaunchSpec(),
+            [*overrides, *reference_overrides(), *common, f"run.out_dir={_toml_str(os.path.join(root, 'reference'))}"],
+        ),
     }
-    print(f"verify: {dims.describe()} against the single-process reference, {steps} steps,"
-          f" tolerance {tol:.0e} (outputs in {root})", file=out, flush=True)
+    print(
+        f"verify: {dims.describe()} against the single-process reference, {steps} steps,"
+        f" tolerance {tol:.0e} (outputs in {root})",
+        file=out,
+        flush=True,
+    )
     for name, (run_spec, sets) in runs.items():
         rc = launch(run_spec, "paratrain.train", [config] + [a for s in sets for a in ("--set", s)])
         if rc != 0:
@@ -111,8 +131,12 @@ def verify(config: str, overrides: list[str], *, spec, steps: int, tol: float, o
         if bad and first_step is None:
             first_step = i
         print(f"{i:>4}  {b:>16.8f}  {a:>16.8f}  {d:>9.2e}{'  <- past tolerance' if bad else ''}", file=out)
-    params_ok, first_param = compare_parameters(os.path.join(root, "layout", "model.safetensors"),
-                                                os.path.join(root, "reference", "model.safetensors"), tol, out)
+    params_ok, first_param = compare_parameters(
+        os.path.join(root, "layout", "model.safetensors"),
+        os.path.join(root, "reference", "model.safetensors"),
+        tol,
+        out,
+    )
     ok = ok and first_step is None and params_ok
     if ok:
         print("verify: OK, the layout matches the single-process reference", file=out)

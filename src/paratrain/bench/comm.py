@@ -98,8 +98,9 @@ def make_input(op: str, rank: int, n: int, numel: int, dtype=torch.float32) -> t
     return pattern(rank, numel, dtype=dtype)
 
 
-def expected_output(op: str, rank: int, n: int, numel: int, *, peer: int | None = None,
-                    root: int = 0, dtype=torch.float32) -> torch.Tensor:
+def expected_output(
+    op: str, rank: int, n: int, numel: int, *, peer: int | None = None, root: int = 0, dtype=torch.float32
+) -> torch.Tensor:
     """What ``rank`` must hold after ``op`` (for send_recv: the message from ``peer``)."""
     tri = n * (n + 1) // 2  # sum over ranks of (r + 1)
     if op == "all_reduce":
@@ -130,8 +131,10 @@ def check_result(op: str, out: torch.Tensor, expected: torch.Tensor, *, rank: in
     if bad.numel() == 0:
         return None
     i = int(bad[0])
-    return (f"{op} {nbytes} B on rank {rank}: wrong values at {bad.numel()} of {out.numel()} elements"
-            f" (first at {i}: got {out[i].item()}, expected {expected[i].item()})")
+    return (
+        f"{op} {nbytes} B on rank {rank}: wrong values at {bad.numel()} of {out.numel()} elements"
+        f" (first at {i}: got {out[i].item()}, expected {expected[i].item()})"
+    )
 
 
 def time_stats(times: list[float]) -> dict:
@@ -155,16 +158,30 @@ def analyse_pairs(pair_times: dict[tuple[int, int], float], node_of: list, facto
     for kind in ("intra-node", "inter-node"):
         same = {p: t for p, t in pair_times.items() if (node_of[p[0]] == node_of[p[1]]) == (kind == "intra-node")}
         for a, b in flag_slow(same, factor):
-            flags.append({"what": "pair", "kind": kind, "ranks": [a, b], "time_s": same[(a, b)],
-                          "median_s": statistics.median(same.values())})
+            flags.append(
+                {
+                    "what": "pair",
+                    "kind": kind,
+                    "ranks": [a, b],
+                    "time_s": same[(a, b)],
+                    "median_s": statistics.median(same.values()),
+                }
+            )
         per_rank: dict[int, list[float]] = {}
         for (a, b), t in same.items():
             per_rank.setdefault(a, []).append(t)
             per_rank.setdefault(b, []).append(t)
         rank_med = {r: statistics.median(ts) for r, ts in per_rank.items()}
         for r in flag_slow(rank_med, factor):
-            flags.append({"what": "rank", "kind": kind, "rank": r, "time_s": rank_med[r],
-                          "median_s": statistics.median(rank_med.values())})
+            flags.append(
+                {
+                    "what": "rank",
+                    "kind": kind,
+                    "rank": r,
+                    "time_s": rank_med[r],
+                    "median_s": statistics.median(rank_med.values()),
+                }
+            )
         if kind == "inter-node":
             per_node: dict[tuple, list[float]] = {}
             for (a, b), t in same.items():
@@ -172,8 +189,15 @@ def analyse_pairs(pair_times: dict[tuple[int, int], float], node_of: list, facto
                 per_node.setdefault(key, []).append(t)
             node_med = {k: statistics.median(ts) for k, ts in per_node.items()}
             for k in flag_slow(node_med, factor):
-                flags.append({"what": "node pair", "kind": kind, "nodes": list(k), "time_s": node_med[k],
-                              "median_s": statistics.median(node_med.values())})
+                flags.append(
+                    {
+                        "what": "node pair",
+                        "kind": kind,
+                        "nodes": list(k),
+                        "time_s": node_med[k],
+                        "median_s": statistics.median(node_med.values()),
+                    }
+                )
     return {"flags": flags}
 
 
@@ -181,17 +205,23 @@ def rank_pairs(n: int) -> list[tuple[int, int]]:
     """All pairs up to 16 ranks; beyond, ring neighbours and the rank half-way round."""
     if n <= 16:
         return [(a, b) for a in range(n) for b in range(a + 1, n)]
-    pairs = {tuple(sorted((r, (r + 1) % n))) for r in range(n)} | {tuple(sorted((r, (r + n // 2) % n))) for r in range(n)}
+    pairs = {tuple(sorted((r, (r + 1) % n))) for r in range(n)} | {
+        tuple(sorted((r, (r + n // 2) % n))) for r in range(n)
+    }
     return sorted(pairs)
 
 
 def format_row(row: dict) -> str:
-    return (f"{row['op']:>14} {human_bytes(row['bytes']):>9} {row['time_s'] * 1e6:>11.1f} {row['time_min_s'] * 1e6:>11.1f}"
-            f" {row['time_max_s'] * 1e6:>11.1f} {row['algbw_gbps']:>9.3f} {row['busbw_gbps']:>9.3f}")
+    return (
+        f"{row['op']:>14} {human_bytes(row['bytes']):>9} {row['time_s'] * 1e6:>11.1f} {row['time_min_s'] * 1e6:>11.1f}"
+        f" {row['time_max_s'] * 1e6:>11.1f} {row['algbw_gbps']:>9.3f} {row['busbw_gbps']:>9.3f}"
+    )
 
 
-TABLE_HEADER = (f"{'op':>14} {'bytes':>9} {'median_us':>11} {'min_us':>11} {'max_us':>11} {'algbw':>9} {'busbw':>9}"
-                "\n" + " " * 63 + "(GB/s)    (GB/s)")
+TABLE_HEADER = (
+    f"{'op':>14} {'bytes':>9} {'median_us':>11} {'min_us':>11} {'max_us':>11} {'algbw':>9} {'busbw':>9}"
+    "\n" + " " * 63 + "(GB/s)    (GB/s)"
+)
 
 
 def human_bytes(n: int) -> str:
@@ -281,8 +311,17 @@ def measure(op: str, nbytes: int, env: Env, *, warmup: int, iters: int, run_op=_
     stats = time_stats(slowest.tolist())
     real_bytes = numel * esize
     algbw, busbw = bandwidths(op, real_bytes, stats["time_s"], env.n)
-    return {"op": op, "bytes": real_bytes, **stats, "algbw_gbps": algbw, "busbw_gbps": busbw,
-            "world_size": env.n, "dtype": str(env.dtype).replace("torch.", ""), "iters": iters, "checked": True}
+    return {
+        "op": op,
+        "bytes": real_bytes,
+        **stats,
+        "algbw_gbps": algbw,
+        "busbw_gbps": busbw,
+        "world_size": env.n,
+        "dtype": str(env.dtype).replace("torch.", ""),
+        "iters": iters,
+        "checked": True,
+    }
 
 
 def measure_pairs(env: Env, nbytes: int, *, iters: int) -> dict[tuple[int, int], float]:
@@ -306,8 +345,9 @@ def measure_pairs(env: Env, nbytes: int, *, iters: int) -> dict[tuple[int, int],
                 env.sync()
                 times.append(time.perf_counter() - t0)
                 if it == 0:
-                    err = check_result("send_recv", recv, pattern(peer, numel, dtype=env.dtype),
-                                       rank=env.rank, nbytes=numel * esize)
+                    err = check_result(
+                        "send_recv", recv, pattern(peer, numel, dtype=env.dtype), rank=env.rank, nbytes=numel * esize
+                    )
                     if err:
                         raise BenchError(err)
             out[k] = statistics.median(times[1:])
@@ -344,18 +384,30 @@ def plot_busbw(rows: list[dict], path: str, *, title: str = "") -> None:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                   help="process-group backend (auto: nccl on CUDA, else gloo)")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="process-group backend (auto: nccl on CUDA, else gloo)",
+    )
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     p.add_argument("--min-bytes", type=int, default=4 * KIB, help="smallest message (default 4 KiB)")
     p.add_argument("--max-bytes", type=int, default=64 * MIB, help="largest message (default 64 MiB)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="element type (default fp32)")
-    p.add_argument("--pair-bytes", type=int, default=0,
-                   help="message size of the pairwise slow-link scan (default: min(max-bytes, 4 MiB)); -1 skips it")
-    p.add_argument("--slow-factor", type=float, default=2.0,
-                   help="flag a pair/rank/node pair slower than this times the median of its kind (default 2)")
+    p.add_argument(
+        "--pair-bytes",
+        type=int,
+        default=0,
+        help="message size of the pairwise slow-link scan (default: min(max-bytes, 4 MiB)); -1 skips it",
+    )
+    p.add_argument(
+        "--slow-factor",
+        type=float,
+        default=2.0,
+        help="flag a pair/rank/node pair slower than this times the median of its kind (default 2)",
+    )
     p.add_argument("--json", default="", help="write the results to this JSON file")
     p.add_argument("--plot", default="", help="write a PNG of bus bandwidth against size")
 
@@ -363,8 +415,19 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 def worker_args(args: argparse.Namespace) -> list[str]:
     """The options of ``add_bench_arguments`` back as a command line, for the launched workers."""
     out = []
-    for opt in ("backend", "ops", "min_bytes", "max_bytes", "iters", "warmup", "dtype", "pair_bytes",
-                "slow_factor", "json", "plot"):
+    for opt in (
+        "backend",
+        "ops",
+        "min_bytes",
+        "max_bytes",
+        "iters",
+        "warmup",
+        "dtype",
+        "pair_bytes",
+        "slow_factor",
+        "json",
+        "plot",
+    ):
         value = getattr(args, opt)
         if opt in ("json", "plot") and value:
             value = os.path.abspath(value)
@@ -402,8 +465,10 @@ def run(args: argparse.Namespace) -> dict:
     main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
     nodes = node_names()
-    say(f"paratrain bench comm: world {n} ({len(set(nodes))} node(s)), backend {backend}, {args.dtype}, "
-        f"{args.warmup} warm-up + {args.iters} timed iterations per size; every result is checked")
+    say(
+        f"paratrain bench comm: world {n} ({len(set(nodes))} node(s)), backend {backend}, {args.dtype}, "
+        f"{args.warmup} warm-up + {args.iters} timed iterations per size; every result is checked"
+    )
     rows = []
     sizes = default_sizes(args.min_bytes, args.max_bytes)
     say(TABLE_HEADER)
@@ -415,22 +480,41 @@ def run(args: argparse.Namespace) -> dict:
             row = measure(op, nbytes, env, warmup=args.warmup, iters=args.iters)
             rows.append(row)
             say(format_row(row))
-    report = {"world_size": n, "nodes": nodes, "backend": str(backend), "dtype": args.dtype,
-              "device": str(device), "torch": torch.__version__, "results": rows,
-              "busbw_factors": {op: bus_factor(op, n) for op in OPS}, "pairs": [], "flags": []}
+    report = {
+        "world_size": n,
+        "nodes": nodes,
+        "backend": str(backend),
+        "dtype": args.dtype,
+        "device": str(device),
+        "torch": torch.__version__,
+        "results": rows,
+        "busbw_factors": {op: bus_factor(op, n) for op in OPS},
+        "pairs": [],
+        "flags": [],
+    }
     pair_bytes = args.pair_bytes or min(args.max_bytes, 4 * MIB)
     if n > 1 and pair_bytes > 0:
         pairs = rank_pairs(n)
         say(f"slow-link scan: {len(pairs)} rank pair(s), {human_bytes(pair_bytes)} both ways, one pair at a time")
         pair_times = measure_pairs(env, pair_bytes, iters=max(3, min(args.iters, 10)))
-        report["pairs"] = [{"ranks": [a, b], "nodes": [nodes[a], nodes[b]], "bytes": pair_bytes, "time_s": t,
-                            "algbw_gbps": 2 * pair_bytes / t / 1e9} for (a, b), t in pair_times.items()]
+        report["pairs"] = [
+            {
+                "ranks": [a, b],
+                "nodes": [nodes[a], nodes[b]],
+                "bytes": pair_bytes,
+                "time_s": t,
+                "algbw_gbps": 2 * pair_bytes / t / 1e9,
+            }
+            for (a, b), t in pair_times.items()
+        ]
         report["flags"] = analyse_pairs(pair_times, nodes, args.slow_factor)["flags"]
         if main:
             for f in report["flags"]:
                 who = f.get("ranks") or f.get("rank") if f["what"] != "node pair" else f["nodes"]
-                say(f"SLOW {f['what']} {who} ({f['kind']}): {f['time_s'] * 1e3:.2f} ms vs median"
-                    f" {f['median_s'] * 1e3:.2f} ms; check its link/NIC/placement")
+                say(
+                    f"SLOW {f['what']} {who} ({f['kind']}): {f['time_s'] * 1e3:.2f} ms vs median"
+                    f" {f['median_s'] * 1e3:.2f} ms; check its link/NIC/placement"
+                )
             if not report["flags"]:
                 say(f"no pair, rank or node pair slower than {args.slow_factor}x the median of its kind")
     if main:

@@ -64,8 +64,16 @@ def bench_matmul(device: torch.device, dtype: str, *, n: int, runs: int, inner: 
     secs = [_timed(fn, device, inner=inner) for _ in range(runs)]
     flops = [matmul_flops(n) / s for s in secs]
     st = _stats(flops)
-    return {"device_type": device.type, "dtype": dtype, "n": n, "flops_per_s": st["median"],
-            "flops_per_s_min": st["min"], "flops_per_s_max": st["max"], "runs": runs, "inner": inner}
+    return {
+        "device_type": device.type,
+        "dtype": dtype,
+        "n": n,
+        "flops_per_s": st["median"],
+        "flops_per_s_min": st["min"],
+        "flops_per_s_max": st["max"],
+        "runs": runs,
+        "inner": inner,
+    }
 
 
 def bench_memcpy(device: torch.device, *, nbytes: int, runs: int, inner: int) -> dict:
@@ -76,9 +84,16 @@ def bench_memcpy(device: torch.device, *, nbytes: int, runs: int, inner: int) ->
     secs = [_timed(fn, device, inner=inner) for _ in range(runs)]
     gbps = [src.numel() * 4 / s / 1e9 for s in secs]
     st = _stats(gbps)
-    return {"device_type": device.type, "bytes": src.numel() * 4, "memcpy_gbps": st["median"],
-            "memcpy_gbps_min": st["min"], "memcpy_gbps_max": st["max"],
-            "memory_traffic_gbps": 2 * st["median"], "runs": runs, "inner": inner}
+    return {
+        "device_type": device.type,
+        "bytes": src.numel() * 4,
+        "memcpy_gbps": st["median"],
+        "memcpy_gbps_min": st["min"],
+        "memcpy_gbps_max": st["max"],
+        "memory_traffic_gbps": 2 * st["median"],
+        "runs": runs,
+        "inner": inner,
+    }
 
 
 def device_name(device: torch.device) -> str:
@@ -87,33 +102,50 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def run_compute_bench(*, device: torch.device, dtypes: list[str], n: int, copy_bytes: int, runs: int,
-                      inner: int, say=print) -> dict:
+def run_compute_bench(
+    *, device: torch.device, dtypes: list[str], n: int, copy_bytes: int, runs: int, inner: int, say=print
+) -> dict:
     """Both benchmarks on ``device``; returns the report (also the JSON file's content)."""
     threads = torch.get_num_threads()
-    say(f"paratrain bench compute: {device} ({device_name(device)}), {threads} CPU thread(s), "
-        f"median of {runs} runs x {inner} ops")
-    report = {"device": str(device), "device_type": device.type, "device_name": device_name(device),
-              "torch": torch.__version__, "cpu_threads": threads, "matmul": [], "memcpy": None}
+    say(
+        f"paratrain bench compute: {device} ({device_name(device)}), {threads} CPU thread(s), "
+        f"median of {runs} runs x {inner} ops"
+    )
+    report = {
+        "device": str(device),
+        "device_type": device.type,
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "cpu_threads": threads,
+        "matmul": [],
+        "memcpy": None,
+    }
     for dtype in dtypes:
         if device.type == "cuda" and dtype == "bf16" and not torch.cuda.is_bf16_supported():
             say(f"matmul {dtype}: not supported on this GPU, skipped")
             continue
         row = bench_matmul(device, dtype, n=n, runs=runs, inner=inner)
         report["matmul"].append(row)
-        say(f"matmul {dtype:>4} n={n}: {row['flops_per_s'] / 1e12:.3f} TFLOP/s "
-            f"(min {row['flops_per_s_min'] / 1e12:.3f}, max {row['flops_per_s_max'] / 1e12:.3f})")
+        say(
+            f"matmul {dtype:>4} n={n}: {row['flops_per_s'] / 1e12:.3f} TFLOP/s "
+            f"(min {row['flops_per_s_min'] / 1e12:.3f}, max {row['flops_per_s_max'] / 1e12:.3f})"
+        )
     report["memcpy"] = bench_memcpy(device, nbytes=copy_bytes, runs=runs, inner=inner)
     m = report["memcpy"]
-    say(f"memcpy {copy_bytes // MIB} MiB: {m['memcpy_gbps']:.2f} GB/s copied "
-        f"(min {m['memcpy_gbps_min']:.2f}, max {m['memcpy_gbps_max']:.2f}; memory traffic {m['memory_traffic_gbps']:.2f} GB/s)")
+    say(
+        f"memcpy {copy_bytes // MIB} MiB: {m['memcpy_gbps']:.2f} GB/s copied "
+        f"(min {m['memcpy_gbps_min']:.2f}, max {m['memcpy_gbps_max']:.2f}; memory traffic {m['memory_traffic_gbps']:.2f} GB/s)"
+    )
     return report
 
 
 def add_compute_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", default="",
-                   help="comma-separated training dtypes among fp32,bf16,fp16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        default="",
+        help="comma-separated training dtypes among fp32,bf16,fp16 (default: bf16 on CUDA, fp32 on CPU)",
+    )
     p.add_argument("--n", type=int, default=0, help="matrix size (default 8192 on CUDA, 1024 on CPU)")
     p.add_argument("--copy-mib", type=int, default=0, help="copy buffer in MiB (default 1024 on CUDA, 256 on CPU)")
     p.add_argument("--runs", type=int, default=7, help="timed runs; the median is reported (default 7)")
@@ -137,9 +169,14 @@ def compute_main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--dtype {args.dtype!r}: unknown {bad}; choose from fp32,bf16,fp16")
     if min(args.runs, args.n, args.copy_mib, args.inner) < 0 or args.runs < 1:
         raise ConfigError("--runs must be >= 1 and --n/--copy-mib/--inner >= 0")
-    report = run_compute_bench(device=device, dtypes=dtypes, n=args.n or (8192 if cuda else 1024),
-                               copy_bytes=(args.copy_mib or (1024 if cuda else 256)) * MIB, runs=args.runs,
-                               inner=args.inner or (20 if cuda else 3))
+    report = run_compute_bench(
+        device=device,
+        dtypes=dtypes,
+        n=args.n or (8192 if cuda else 1024),
+        copy_bytes=(args.copy_mib or (1024 if cuda else 256)) * MIB,
+        runs=args.runs,
+        inner=args.inner or (20 if cuda else 3),
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -27,7 +27,9 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     fn, key = dataset_builder(cfg)
     ds = fn(**cfg.args)
     if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
-        raise ConfigError(f"{key} returned {type(ds).__name__}, not a map-style Dataset; return one with __len__ and __getitem__")
+        raise ConfigError(
+            f"{key} returned {type(ds).__name__}, not a map-style Dataset; return one with __len__ and __getitem__"
+        )
     return ds
 
 

@@ -19,7 +19,9 @@ def stdlib_corpus(max_bytes: int) -> bytes:
     root = sysconfig.get_paths()["stdlib"]
     chunks, total = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idle_test", "__pycache__"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in ("test", "tests", "site-packages", "idle_test", "__pycache__")
+        )
         for name in sorted(filenames):
             if not name.endswith(".py"):
                 continue

@@ -29,7 +29,10 @@ from paratrain.distributed.data_parallel import blocks_of
 def _save_list() -> set:
     ops = torch.ops
     candidates = [
-        ops.aten.mm.default, ops.aten.addmm.default, ops.aten.bmm.default, ops.aten.baddbmm.default,
+        ops.aten.mm.default,
+        ops.aten.addmm.default,
+        ops.aten.bmm.default,
+        ops.aten.baddbmm.default,
         ops.aten._scaled_dot_product_flash_attention.default,
         ops.aten._scaled_dot_product_efficient_attention.default,
         ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -57,8 +60,10 @@ def apply_ac(model: nn.Module, *, mode: str) -> None:
         return
     blocks = blocks_of(model)
     if not blocks:
-        raise ConfigError(f"parallel.activation_checkpointing = {mode!r} works per block and {type(model).__name__}"
-                          " has no blocks in a `layers` ModuleDict/ModuleList; put them there or set it to 'none'")
+        raise ConfigError(
+            f"parallel.activation_checkpointing = {mode!r} works per block and {type(model).__name__}"
+            " has no blocks in a `layers` ModuleDict/ModuleList; put them there or set it to 'none'"
+        )
     kwargs = {}
     if mode == "selective":
         policy = _selective_policy(_save_list())
@@ -67,5 +72,7 @@ def apply_ac(model: nn.Module, *, mode: str) -> None:
     for name, block in blocks:
         # Non-reentrant checkpointing: composes with FSDP2 and DTensor, and supports kwargs.
         # The wrapper's state-dict hooks strip its prefix, so parameter names do not change.
-        layers.register_module(name, checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                        preserve_rng_state=True, **kwargs))
+        layers.register_module(
+            name,
+            checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True, **kwargs),
+        )

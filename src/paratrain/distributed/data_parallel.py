@@ -56,8 +56,14 @@ def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return list(layers.named_children())
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool, cpu_offload: bool,
-               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
     """FSDP2 ``fully_shard`` each block of ``model.layers``, then the root (in place).
 
     ``mesh`` is 1-D (``dp_shard``: ZeRO over all dp ranks) or 2-D (``dp_replicate, dp_shard``:
@@ -93,7 +99,9 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def maybe_no_sync(model: nn.Module, *, sync: bool, sync_each_micro_batch: bool = False) -> contextlib.AbstractContextManager:
+def maybe_no_sync(
+    model: nn.Module, *, sync: bool, sync_each_micro_batch: bool = False
+) -> contextlib.AbstractContextManager:
     """Skip the gradient reduce of this backward unless ``sync`` (a no-op without DP wrappers).
 
     ``sync_each_micro_batch`` is the FSDP2 ZeRO-3 policy of the module docstring: reduce-scatter

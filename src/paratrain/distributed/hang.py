@@ -57,8 +57,12 @@ def last_collectives() -> dict[str, dict]:
         pg = e.get("process_group") or [str(e.get("pg_id", "?"))]
         key = str(pg[0])
         if key not in last or e.get("collective_seq_id", 0) >= last[key]["seq"]:
-            last[key] = {"seq": int(e.get("collective_seq_id", 0)), "op": e.get("profiling_name", "?"),
-                         "group": pg[-1] if len(pg) > 1 else key, "t": int(e.get("time_created_ns", 0))}
+            last[key] = {
+                "seq": int(e.get("collective_seq_id", 0)),
+                "op": e.get("profiling_name", "?"),
+                "group": pg[-1] if len(pg) > 1 else key,
+                "t": int(e.get("time_created_ns", 0)),
+            }
     return last
 
 
@@ -77,7 +81,7 @@ class HangWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="paratrain-heartbeat", daemon=True)
 
-    def start(self) -> "HangWatch":
+    def start(self) -> HangWatch:
         self.beat()
         self._thread.start()
         return self
@@ -133,8 +137,10 @@ class HangWatch:
             if failed is not None and r != self.rank and (entry is None or entry["seq"] < failed["seq"]):
                 missing.append(r)
             last_any = max(hb["last"].values(), key=lambda e: e["t"], default=None)
-            lines.append(f"rank {r}: last entered {_describe(entry or last_any)}"
-                         + (f" (heartbeat {age:.0f} s old: dead or frozen?)" if r in dead else ""))
+            lines.append(
+                f"rank {r}: last entered {_describe(entry or last_any)}"
+                + (f" (heartbeat {age:.0f} s old: dead or frozen?)" if r in dead else "")
+            )
         head = f"rank {self.rank}: collective {_describe(failed)} failed ({str(error).splitlines()[0][:200]})"
         if missing:
             head += f"; ranks that did not arrive: {missing}"
@@ -151,8 +157,9 @@ def _is_collective_failure(e: BaseException) -> bool:
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     text = str(e)
-    return isinstance(e, RuntimeError) and any(s in text for s in ("Timed out", "timed out", "gloo", "NCCL",
-                                                                    "Connection reset", "monitoredBarrier"))
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("Timed out", "timed out", "gloo", "NCCL", "Connection reset", "monitoredBarrier")
+    )
 
 
 @contextlib.contextmanager

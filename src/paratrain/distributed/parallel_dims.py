@@ -28,7 +28,7 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         others = cfg.dp_shard * cfg.tp * cfg.pp
         dp_replicate = cfg.dp_replicate
         if dp_replicate == -1:

@@ -39,24 +39,32 @@ def check_parallel_layout(dims: ParallelDims, *, parallel: ParallelConfig, model
     """Every check of the parallel layout that needs only the config: run in the launcher, before
     any process or process group starts. Raises ConfigError naming the key and the fix."""
     if parallel.sequence_parallel and dims.tp == 1:
-        raise ConfigError("parallel.sequence_parallel = true needs tensor parallelism; set parallel.tp > 1"
-                          " or parallel.sequence_parallel = false")
+        raise ConfigError(
+            "parallel.sequence_parallel = true needs tensor parallelism; set parallel.tp > 1"
+            " or parallel.sequence_parallel = false"
+        )
     if parallel.cpu_offload and dims.dp_shard == 1:
-        raise ConfigError("parallel.cpu_offload = true offloads FSDP2 shards; set parallel.dp_shard > 1"
-                          " or parallel.cpu_offload = false")
+        raise ConfigError(
+            "parallel.cpu_offload = true offloads FSDP2 shards; set parallel.dp_shard > 1"
+            " or parallel.cpu_offload = false"
+        )
     if parallel.tp_plan and parallel.tp_plan_factory:
         raise ConfigError("parallel.tp_plan and parallel.tp_plan_factory are both set; keep one of them")
     for pattern, style in parallel.tp_plan.items():
         if style not in STYLE_NAMES:
-            raise ConfigError(f"parallel.tp_plan.{pattern} = {style!r} is not a tensor-parallel style;"
-                              f" use one of {', '.join(STYLE_NAMES)}")
+            raise ConfigError(
+                f"parallel.tp_plan.{pattern} = {style!r} is not a tensor-parallel style;"
+                f" use one of {', '.join(STYLE_NAMES)}"
+            )
     if dims.tp == 1:
         return
     user_plan = bool(parallel.tp_plan or parallel.tp_plan_factory)
     if model.factory:
         if not user_plan:
-            raise ConfigError(f"parallel.tp = {dims.tp} needs a tensor-parallel plan for model.factory ="
-                              f" {model.factory!r}; set a [parallel.tp_plan] table or parallel.tp_plan_factory")
+            raise ConfigError(
+                f"parallel.tp = {dims.tp} needs a tensor-parallel plan for model.factory ="
+                f" {model.factory!r}; set a [parallel.tp_plan] table or parallel.tp_plan_factory"
+            )
         return
     if model.name == "gpt" and not user_plan:
         _check_gpt_tp(dims.tp, model.args, sequence_parallel=parallel.sequence_parallel)
@@ -76,13 +84,23 @@ def _check_gpt_tp(tp: int, args: dict, *, sequence_parallel: bool) -> None:
     for key, why in checks:
         value = get(key)
         if isinstance(value, int) and value % tp:
-            raise ConfigError(f"parallel.tp = {tp} does not divide model.args.{key} = {value} ({why}); use a tp"
-                              f" that divides {value} or a {key} that is a multiple of {tp}")
+            raise ConfigError(
+                f"parallel.tp = {tp} does not divide model.args.{key} = {value} ({why}); use a tp"
+                f" that divides {value} or a {key} that is a multiple of {tp}"
+            )
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, device: torch.device,
-                comm: CommConfig | None = None, precision: PrecisionConfig | None = None, compile_enabled: bool = False,
-                loss_parallel: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    cfg: ParallelConfig,
+    device: torch.device,
+    comm: CommConfig | None = None,
+    precision: PrecisionConfig | None = None,
+    compile_enabled: bool = False,
+    loss_parallel: bool = False,
+) -> nn.Module:
     """Move ``model`` to ``device`` and apply the parallelisms its layout asks for, in order.
 
     ``loss_parallel``: keep the GPT's logits vocabulary-sharded for the loss (tensor_parallel.
@@ -97,10 +115,22 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, de
     #    then goes through steps 2-6 like a whole model (this function again), before the
     #    PipelineStage wraps it.
     if dims.pp > 1 and not is_pipeline_stage(model):
-        return apply_pp(model, dims.submesh("pp"), cfg=cfg, device=device,
-                        parallelize_stage=lambda stage: parallelize(
-                            stage, dims, cfg=cfg, device=device, comm=comm, precision=precision,
-                            compile_enabled=compile_enabled, loss_parallel=loss_parallel))
+        return apply_pp(
+            model,
+            dims.submesh("pp"),
+            cfg=cfg,
+            device=device,
+            parallelize_stage=lambda stage: parallelize(
+                stage,
+                dims,
+                cfg=cfg,
+                device=device,
+                comm=comm,
+                precision=precision,
+                compile_enabled=compile_enabled,
+                loss_parallel=loss_parallel,
+            ),
+        )
     # Only move what is elsewhere: Module.to cannot swap the fake tensors of the memory
     # estimator (paratrain.find_batch) in torch 2.13, and they already sit on the device.
     if any(t.device != device for t in [*model.parameters(), *model.buffers()]):
@@ -112,8 +142,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, de
 
     # 2. Tensor (and sequence) parallel: final parameters and module names for all that follows.
     if dims.tp > 1:
-        apply_tp(model, dims.submesh("tp"), plan=cfg.tp_plan, plan_factory=cfg.tp_plan_factory,
-                 sequence_parallel=cfg.sequence_parallel, loss_parallel=loss_parallel)
+        apply_tp(
+            model,
+            dims.submesh("tp"),
+            plan=cfg.tp_plan,
+            plan_factory=cfg.tp_plan_factory,
+            sequence_parallel=cfg.sequence_parallel,
+            loss_parallel=loss_parallel,
+        )
 
     # 3. Activation checkpointing, per block, with the TP hooks inside the recomputed region.
     apply_ac(model, mode=cfg.activation_checkpointing)
@@ -124,8 +160,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, cfg: ParallelConfig, de
 
     # 5. Sharded data parallel (ZeRO via FSDP2; HSDP when dp_replicate > 1 too).
     if dims.dp_shard > 1:
-        apply_fsdp(model, dims.submesh("fsdp"), reshard_after_forward=cfg.reshard_after_forward,
-                   cpu_offload=cfg.cpu_offload, mp_policy=build_mp_policy(precision, compression=comm.compression))
+        apply_fsdp(
+            model,
+            dims.submesh("fsdp"),
+            reshard_after_forward=cfg.reshard_after_forward,
+            cpu_offload=cfg.cpu_offload,
+            mp_policy=build_mp_policy(precision, compression=comm.compression),
+        )
     # 6. Replicated data parallel, last: it wraps whatever the model has become.
     elif dims.dp_replicate > 1:
         if dims.tp > 1:

@@ -48,7 +48,7 @@ import contextlib
 import copy
 import logging
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -107,8 +107,11 @@ def pp_microbatches(cfg: ParallelConfig, *, pp: int, micro_batch_size: int, accu
         return cfg.pp_microbatches
     for m in range(1, micro_batch_size + 1):
         # At least pp in flight per step, else some stage idles for the whole step.
-        if micro_batch_size % m == 0 and m * accum_steps >= pp and \
-                _schedule_problem(cfg.pp_schedule, n=m * accum_steps, pp=pp, stages=stages) is None:
+        if (
+            micro_batch_size % m == 0
+            and m * accum_steps >= pp
+            and _schedule_problem(cfg.pp_schedule, n=m * accum_steps, pp=pp, stages=stages) is None
+        ):
             return m
     raise ConfigError(
         f"no parallel.pp_microbatches dividing batch.micro_batch_size = {micro_batch_size} gives"
@@ -120,8 +123,16 @@ def pp_microbatches(cfg: ParallelConfig, *, pp: int, micro_batch_size: int, accu
 ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 
 
-def check_pp_layout(cfg: ParallelConfig, *, pp: int, micro_batch_size: int, accum_steps: int,
-                    n_blocks: int | None, dp_replicate: int = 1, dp_shard: int = 1) -> None:
+def check_pp_layout(
+    cfg: ParallelConfig,
+    *,
+    pp: int,
+    micro_batch_size: int,
+    accum_steps: int,
+    n_blocks: int | None,
+    dp_replicate: int = 1,
+    dp_shard: int = 1,
+) -> None:
     """Refuse an impossible pipeline layout with one line naming the key and the fix.
 
     Runs before any process group exists (``trainer.check_layout``). ``n_blocks`` is the length
@@ -130,12 +141,15 @@ def check_pp_layout(cfg: ParallelConfig, *, pp: int, micro_batch_size: int, accu
     v = virtual_stages(cfg)
     kind = SCHEDULES[cfg.pp_schedule][1]
     if v < 1:
-        raise ConfigError(f"parallel.pp_virtual_stages = {cfg.pp_virtual_stages} must be >= 1 (or 0 for the schedule's default)")
+        raise ConfigError(
+            f"parallel.pp_virtual_stages = {cfg.pp_virtual_stages} must be >= 1 (or 0 for the schedule's default)"
+        )
     if kind is not None and v != kind:
-        fix = ("use parallel.pp_schedule = 'interleaved1f1b' for several stages per rank" if kind == 1
-               else "leave it 0")
-        raise ConfigError(f"parallel.pp_virtual_stages = {v} does not suit parallel.pp_schedule = '{cfg.pp_schedule}',"
-                          f" which runs {kind} stage(s) per rank; set it to {kind} or {fix}")
+        fix = "use parallel.pp_schedule = 'interleaved1f1b' for several stages per rank" if kind == 1 else "leave it 0"
+        raise ConfigError(
+            f"parallel.pp_virtual_stages = {v} does not suit parallel.pp_schedule = '{cfg.pp_schedule}',"
+            f" which runs {kind} stage(s) per rank; set it to {kind} or {fix}"
+        )
     if cfg.pp_schedule in ZERO_BUBBLE and dp_shard == 1 and dp_replicate > 1:
         # Zero-bubble schedules compute weight gradients in a separate pass with autograd.grad,
         # which never runs the accumulation hooks DDP reduces from: the replicas drift apart
@@ -155,7 +169,9 @@ def check_pp_layout(cfg: ParallelConfig, *, pp: int, micro_batch_size: int, accu
             " parameters); set it, or use 'gpipe', '1f1b' or 'interleaved1f1b'"
         )
     if cfg.pp_microbatches < 0:
-        raise ConfigError(f"parallel.pp_microbatches = {cfg.pp_microbatches} must be >= 1 (or 0 for the schedule's default)")
+        raise ConfigError(
+            f"parallel.pp_microbatches = {cfg.pp_microbatches} must be >= 1 (or 0 for the schedule's default)"
+        )
     stages = pp * v
     if n_blocks is not None and stages > n_blocks:
         raise ConfigError(
@@ -192,8 +208,16 @@ def check_pp_layout(cfg: ParallelConfig, *, pp: int, micro_batch_size: int, accu
             )
 
 
-def check_pp_layout_of(cfg, *, pp: int, micro_batch_size: int, accum_steps: int, dp_replicate: int,
-                       dp_shard: int, model: nn.Module | None = None) -> None:
+def check_pp_layout_of(
+    cfg,
+    *,
+    pp: int,
+    micro_batch_size: int,
+    accum_steps: int,
+    dp_replicate: int,
+    dp_shard: int,
+    model: nn.Module | None = None,
+) -> None:
     """check_pp_layout for a whole Config: counts the blocks of ``model``, or of the config's
     model built on the meta device (no memory)."""
     from paratrain.models import build_model
@@ -209,8 +233,15 @@ def check_pp_layout_of(cfg, *, pp: int, micro_batch_size: int, accum_steps: int,
     except Exception as e:  # noqa: BLE001 - a factory that cannot run on meta: apply_pp checks at start
         log.debug("cannot count the model's blocks on the meta device (%s); checked at start instead", e)
         n_blocks = None
-    check_pp_layout(cfg.parallel, pp=pp, micro_batch_size=micro_batch_size, accum_steps=accum_steps,
-                    n_blocks=n_blocks, dp_replicate=dp_replicate, dp_shard=dp_shard)
+    check_pp_layout(
+        cfg.parallel,
+        pp=pp,
+        micro_batch_size=micro_batch_size,
+        accum_steps=accum_steps,
+        n_blocks=n_blocks,
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+    )
 
 
 def check_untied(model: nn.Module) -> None:
@@ -286,18 +317,21 @@ def stage_ranges(model: nn.Module, stages: int, split_points: list[int]) -> list
     layers = _blocks(model)
     n = len(layers)
     if stages > n:
-        raise ConfigError(f"{stages} pipeline stages but the model has {n} blocks; lower parallel.pp or"
-                          " parallel.pp_virtual_stages")
+        raise ConfigError(
+            f"{stages} pipeline stages but the model has {n} blocks; lower parallel.pp or parallel.pp_virtual_stages"
+        )
     if split_points:
         starts = list(split_points)
         if len(starts) != stages - 1 or any(b <= a for a, b in zip([0, *starts], [*starts, n])):
-            raise ConfigError(f"parallel.pp_split_points = {starts} must be {stages - 1} strictly increasing block"
-                              f" indices within 1 .. {n - 1}; fix them or use []")
+            raise ConfigError(
+                f"parallel.pp_split_points = {starts} must be {stages - 1} strictly increasing block"
+                f" indices within 1 .. {n - 1}; fix them or use []"
+            )
     else:
         names = list(model._modules)
         pos = names.index(BLOCKS_ATTR)
         head = sum(_numel(model._modules[k]) for k in names[:pos])
-        tail = sum(_numel(model._modules[k]) for k in names[pos + 1:])
+        tail = sum(_numel(model._modules[k]) for k in names[pos + 1 :])
         starts = balanced_split([_numel(b) for b in layers._modules.values()], stages, head=head, tail=tail)
     bounds = [0, *starts, n]
     return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
@@ -314,7 +348,7 @@ def split_stage(model: nn.Module, blocks: range, *, first: bool, last: bool) -> 
     pos = names.index(BLOCKS_ATTR)
     for name in names[:pos] if not first else ():
         setattr(model, name, None)
-    for name in names[pos + 1:] if not last else ():
+    for name in names[pos + 1 :] if not last else ():
         setattr(model, name, None)
     return model
 
@@ -374,8 +408,9 @@ class PipelineModel(nn.Module):
         else:
             self.schedule = cls(self.stages, n, loss_fn=self.loss, scale_grads=False)
         self.n_microbatches = n
-        log.info("pipeline: %s over %d pipeline micro-batches per step (%d per micro-batch)",
-                 self.cfg.pp_schedule, n, m)
+        log.info(
+            "pipeline: %s over %d pipeline micro-batches per step (%d per micro-batch)", self.cfg.pp_schedule, n, m
+        )
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights with their original names on pp rank 0 (None elsewhere)."""
@@ -431,8 +466,13 @@ def apply_pp(
         part = parallelize_stage(part)
         parts.append(part)
         stages.append(PipelineStage(part, s, num_stages, device, group=pp_group))
-    log.info("pipeline: %d stages (%d per rank), blocks %s; this rank holds stages %s", num_stages, v,
-             [f"{r.start}-{r.stop - 1}" for r in ranges], stage_ids)
+    log.info(
+        "pipeline: %d stages (%d per rank), blocks %s; this rank holds stages %s",
+        num_stages,
+        v,
+        [f"{r.start}-{r.stop - 1}" for r in ranges],
+        stage_ids,
+    )
     return PipelineModel(parts, stages, cfg=cfg, pp_group=pp_group, device=device)
 
 

@@ -80,8 +80,9 @@ def init_distributed(cfg: DistConfig) -> DistContext:
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     backend = resolve_backend(cfg, device)
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=timeout, device_id=device if device.type == "cuda" else None
+        )
     else:
         if world != 1:
             raise ConfigError("WORLD_SIZE > 1 without MASTER_ADDR; start the job with `paratrain train` or torchrun")

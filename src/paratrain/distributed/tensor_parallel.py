@@ -32,8 +32,10 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel as torch_loss_parallel,
     parallelize_module,
+)
+from torch.distributed.tensor.parallel import (
+    loss_parallel as torch_loss_parallel,
 )
 
 from paratrain.config import ConfigError, resolve_callable
@@ -91,8 +93,9 @@ def gpt_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) 
     if getattr(model, "tok_emb", None) is not None:
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         # Positions (T, d_model): their sequence dim is 0, they are added to the (B, T, d) tokens.
-        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(),
-                                          output_layouts=Shard(0) if sequence_parallel else Replicate())
+        plan["pos_emb"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()
+        )
     for name in model.layers:
         p = f"layers.{name}."
         if sequence_parallel:
@@ -123,9 +126,11 @@ def _check_sequence_divisible(tp: int):
     def hook(module, args):
         x = args[0] if args else None
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % tp:
-            raise ConfigError(f"parallel.sequence_parallel shards the sequence over parallel.tp = {tp} ranks but a"
-                              f" batch has sequence length {x.shape[1]}; use a sequence length divisible by {tp}"
-                              " or set parallel.sequence_parallel = false")
+            raise ConfigError(
+                f"parallel.sequence_parallel shards the sequence over parallel.tp = {tp} ranks but a"
+                f" batch has sequence length {x.shape[1]}; use a sequence length divisible by {tp}"
+                " or set parallel.sequence_parallel = false"
+            )
 
     return hook
 
@@ -143,22 +148,33 @@ def _keep_gradients_sharded(model: nn.Module) -> None:
     for p in model.parameters():
         if isinstance(p, DTensor) and p.requires_grad:
             placements = p.placements
-            p.register_hook(lambda g, pl=placements: g.redistribute(placements=pl)
-                            if isinstance(g, DTensor) and g.placements != pl else g)
+            p.register_hook(
+                lambda g, pl=placements: (
+                    g.redistribute(placements=pl) if isinstance(g, DTensor) and g.placements != pl else g
+                )
+            )
 
 
-def loss_parallel_enabled(model: nn.Module, *, tp: int, requested: bool, builtin_cross_entropy: bool,
-                          user_plan: bool) -> bool:
+def loss_parallel_enabled(
+    model: nn.Module, *, tp: int, requested: bool, builtin_cross_entropy: bool, user_plan: bool
+) -> bool:
     """Whether the loss runs on vocabulary-sharded logits: only paratrain's GPT under its own plan
     with the built-in cross-entropy (torch's loss_parallel covers cross_entropy, not any loss)."""
     from paratrain.models.gpt import GPT
 
-    return (tp > 1 and requested and builtin_cross_entropy and not user_plan and isinstance(model, GPT)
-            and getattr(model, "lm_head", None) is not None)
+    return (
+        tp > 1
+        and requested
+        and builtin_cross_entropy
+        and not user_plan
+        and isinstance(model, GPT)
+        and getattr(model, "lm_head", None) is not None
+    )
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, *, plan: dict, plan_factory: str, sequence_parallel: bool,
-             loss_parallel: bool) -> None:
+def apply_tp(
+    model: nn.Module, mesh: DeviceMesh, *, plan: dict, plan_factory: str, sequence_parallel: bool, loss_parallel: bool
+) -> None:
     """Shard ``model`` in place over the 1-D ``mesh``.
 
     ``plan``/``plan_factory`` are the user's plan; without them the model must be paratrain's GPT.
@@ -176,8 +192,10 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, plan: dict, plan_factory: st
     elif isinstance(model, GPT):
         styles = gpt_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     else:
-        raise ConfigError(f"parallel.tp = {mesh.size()} needs a plan for {type(model).__name__}; set a"
-                          " [parallel.tp_plan] table or parallel.tp_plan_factory (see the README)")
+        raise ConfigError(
+            f"parallel.tp = {mesh.size()} needs a plan for {type(model).__name__}; set a"
+            " [parallel.tp_plan] table or parallel.tp_plan_factory (see the README)"
+        )
     parallelize_module(model, mesh, styles)
     _keep_gradients_sharded(model)
     if sequence_parallel:

@@ -87,7 +87,11 @@ class GPT(nn.Module):
         # GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layer).
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("o_proj.weight", "fc_out.weight")) else 0.02
+                std = (
+                    0.02 / math.sqrt(2 * self.cfg.n_layer)
+                    if name.endswith(("o_proj.weight", "fc_out.weight"))
+                    else 0.02
+                )
                 nn.init.normal_(p, mean=0.0, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -108,8 +112,15 @@ class GPT(nn.Module):
         return x
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.cfg.block_size :])[:, -1, :] / max(temperature, 1e-6)
             if top_k:
