@@ -53,7 +53,7 @@ def main() -> int:
 
     from paratrain.config import load_config
     from paratrain.find_batch import GIB, StepRunner, estimate_peak, find_micro_batch
-    from paratrain.trainer import check_layout
+    from paratrain.layout import check_layout
 
     T = 32 if dry else args.block_size
     model = "n_layer = 2, n_head = 2, d_model = 32" if dry else "n_layer = 12, n_head = 12, d_model = 768"

@@ -30,7 +30,7 @@ TOY = [  # the acceptance test's job
 def _runner(overrides=(), world=1):
     from paratrain.config import load_config
     from paratrain.find_batch import StepRunner
-    from paratrain.trainer import check_layout
+    from paratrain.layout import check_layout
 
     cfg = load_config(DEBUG, ["batch.global_batch_size=8", *overrides])
     dims, _ = check_layout(cfg, world)
@@ -66,11 +66,12 @@ def _real_ddp_peaks(sizes):
     from paratrain.config import DistConfig, load_config
     from paratrain.distributed.parallelize import parallelize
     from paratrain.distributed.process_group import close_distributed, init_distributed
-    from paratrain.find_batch import StepRunner, _StepMemTracker, estimate_peak
+    from paratrain.find_batch import StepRunner, estimate_peak
+    from paratrain.find_batch.measure import _StepMemTracker
+    from paratrain.layout import check_layout
     from paratrain.models import build_model
     from paratrain.optim import build_optimizer
-    from paratrain.step import train_step
-    from paratrain.trainer import check_layout
+    from paratrain.step import StepContext, train_step
 
     ctx = init_distributed(DistConfig())
     try:
@@ -90,11 +91,13 @@ def _real_ddp_peaks(sizes):
                         model,
                         opt,
                         batches,
-                        loss_fn=runner.loss_fn,
-                        dp=2,
-                        dp_group=dims.group("dp"),
-                        grad_clip=1.0,
-                        device=torch.device("cpu"),
+                        StepContext(
+                            loss_fn=runner.loss_fn,
+                            dp=2,
+                            dp_group=dims.group("dp"),
+                            grad_clip=1.0,
+                            device=torch.device("cpu"),
+                        ),
                     )
             # The estimate runs one replica on fake tensors (no process group needed) plus the buckets.
             out.append((tracker.peak()[0], estimate_peak(runner, m) if ctx.rank == 0 else None))
@@ -114,7 +117,7 @@ def test_estimate_matches_real_ddp_step():
 def test_search_is_exact_and_monotone_in_budget(estimates):
     from paratrain.config import load_config
     from paratrain.find_batch import find_micro_batch
-    from paratrain.trainer import check_layout
+    from paratrain.layout import check_layout
 
     chosen = []
     lo, hi = estimates[1] * 0.8, estimates[8] * 1.2
@@ -156,7 +159,7 @@ def _oom_on_rank_1(_tmp):
     from paratrain.config import DistConfig, load_config
     from paratrain.distributed.process_group import close_distributed, init_distributed
     from paratrain.find_batch import find_micro_batch
-    from paratrain.trainer import check_layout
+    from paratrain.layout import check_layout
 
     ctx = init_distributed(DistConfig())
     try:
@@ -189,8 +192,8 @@ def test_injected_oom_on_one_rank_both_agree(tmp_path):
 @pytest.mark.slow
 def test_cli_find_batch_json_and_nothing_fits():
     from paratrain.config import load_config
-    from paratrain.find_batch import _estimate_in_subprocess
-    from paratrain.trainer import check_layout
+    from paratrain.find_batch.orchestrate import _estimate_in_subprocess
+    from paratrain.layout import check_layout
 
     # `paratrain find-batch --estimate --json` in a fresh process, as a job's rank 0 runs it for
     # sharded layouts; its last line is the JSON answer.
@@ -210,7 +213,7 @@ def test_cli_find_batch_json_and_nothing_fits():
 
 def test_auto_config_values():
     from paratrain.config import ConfigError, load_config
-    from paratrain.trainer import check_layout
+    from paratrain.layout import check_layout
 
     cfg = load_config(DEBUG, ["batch.micro_batch_size='auto'"])
     _, plan = check_layout(cfg, 2)  # the launcher's pre-flight accepts 'auto'
@@ -226,7 +229,7 @@ def test_auto_keeps_layout_invariance(tmp_path):
     """'auto' at world 1 and 2, with a budget that admits micro-batch 2 but not 4, equals the reference."""
     from paratrain.config import load_config
     from paratrain.find_batch import StepRunner, estimate_peak
-    from paratrain.trainer import check_layout
+    from paratrain.layout import check_layout
 
     torch.set_num_threads(1)
     cfg = load_config(None, TOY)
@@ -321,7 +324,7 @@ def test_probe_gives_the_first_micro_batch_gradient():
     from paratrain.batching import plan_batch
     from paratrain.config import BatchConfig, LossConfig
     from paratrain.loss import build_loss
-    from paratrain.step import train_step
+    from paratrain.step import StepContext, train_step
     from tests.toy import mlp, regression
 
     torch.manual_seed(0)
@@ -345,11 +348,7 @@ def test_probe_gives_the_first_micro_batch_gradient():
         model,
         opt,
         batches,
-        loss_fn=loss_fn,
-        dp=1,
-        dp_group=None,
-        grad_clip=0.0,
-        device=torch.device("cpu"),
+        StepContext(loss_fn=loss_fn, device=torch.device("cpu")),
         after_backward=adapter.probe(model, batches[0], loss_fn),
     )
     small = float(adapter._probe_sq) * (result.items / (1 * adapter._probe_items)) ** 2

@@ -9,7 +9,7 @@ import torch
 
 from paratrain.bench import comm as bc
 from paratrain.config import CommConfig, ConfigError, load_config
-from paratrain.distributed.comm import check_compression
+from paratrain.distributed.grad_compression import check_compression
 from tests.dist_utils import paratrain_cli, read_metrics, run_ranks
 
 # ----------------------------------------------------------------------------- pure arithmetic

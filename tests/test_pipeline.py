@@ -300,10 +300,10 @@ def _cli_args(tmp_path, sets):
 )
 def test_cli_refuses_impossible_pp_layouts(tmp_path, capsys, monkeypatch, nproc, sets, needle):
     """`paratrain train` in this process (cli.main): the check runs before the launcher starts."""
-    import paratrain.launch
+    import paratrain.cli
     from paratrain.cli import main
 
-    monkeypatch.setattr(paratrain.launch, "launch", lambda *a, **k: pytest.fail("a worker was launched"))
+    monkeypatch.setattr(paratrain.cli, "launch", lambda *a, **k: pytest.fail("a worker was launched"))
     args = _cli_args(tmp_path, sets)
     args[1:1] = ["--nproc-per-node", str(nproc)]
     assert main(args) == 2

@@ -45,6 +45,7 @@ from torch import nn
 
 from paratrain.batching import BatchPlan, plan_batch
 from paratrain.config import BatchConfig, ConfigError
+from paratrain.distributed.grad_norm import global_grad_norm
 
 log = logging.getLogger("paratrain")
 
@@ -90,7 +91,6 @@ def local_grad_sq_norm(model: nn.Module) -> torch.Tensor | None:
     None when no parameter holds a gradient yet: FSDP2 without gradient sync keeps the
     accumulated gradients in its unsharded buffers and sets ``p.grad`` only at the reduce.
     """
-    from paratrain.distributed.grad_norm import global_grad_norm
 
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
@@ -127,13 +127,21 @@ class BatchAdapter:
         self._probe_sq = None
         self._probe_items = 0.0
         self._probe_ran = False
+        self.base = plan  # the plan adapted from; a step may run it with a smaller micro-batch (run_plan)
         self._warned = False
 
-    def micro_batch_size(self, plan: BatchPlan) -> int:
-        """The micro-batch to run: the plan's, halved when a rank would have a single one."""
+    def start(self, plan: BatchPlan) -> BatchPlan:
+        """Take ``plan`` as the batch to adapt from; returns the plan the first step runs."""
+        self.base = plan
+        return self.run_plan(plan)
+
+    def run_plan(self, plan: BatchPlan) -> BatchPlan:
+        """The plan a step runs: ``plan``, its micro-batch halved when a rank would have a single
+        one (the probe needs the gradient after a first micro-batch that is not the whole batch)."""
         if plan.accum_steps >= 2:
-            return plan.micro_batch_size
-        return plan.micro_batch_size // 2 if plan.micro_batch_size % 2 == 0 else 1
+            return plan
+        mbs = plan.micro_batch_size // 2 if plan.micro_batch_size % 2 == 0 else 1
+        return BatchPlan(plan.global_batch_size, mbs, plan.per_rank_batch_size // mbs, plan.dp)
 
     def probe(self, model: nn.Module, first_batch, loss_fn):
         """The ``after_backward`` callable of train_step: records the local gradient after micro-batch 0."""
@@ -146,8 +154,12 @@ class BatchAdapter:
 
         return after_backward
 
-    def after_step(self, *, result, plan: BatchPlan, step: int) -> BatchPlan:
-        """Update the noise scale from this step; return the plan of the next step."""
+    def after_step(self, *, result, step: int) -> BatchPlan:
+        """Update the noise scale from this step; return the plan the next step runs."""
+        self.base = self._next_base(result=result, plan=self.base, step=step)
+        return self.run_plan(self.base)
+
+    def _next_base(self, *, result, plan: BatchPlan, step: int) -> BatchPlan:
         if not self._probe_ran:
             raise RuntimeError("the gradient-noise probe did not run; pass BatchAdapter.probe to train_step")
         # Every rank takes part in the all-reduce below, with a flag saying whether it measured.

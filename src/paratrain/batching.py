@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import Dataset, default_collate
 
 from paratrain.config import ConfigError
 
@@ -98,3 +99,8 @@ def rank_slice(indices: list[int], *, dp_rank: int, dp: int) -> list[int]:
 
 def micro_batches(indices: list[int], micro_batch_size: int) -> list[list[int]]:
     return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+
+
+def load_batches(dataset: Dataset, indices: list[int], micro_batch_size: int) -> list:
+    """This rank's micro-batches of the step, collated: ``[(input, target), ...]``."""
+    return [default_collate([dataset[i] for i in mb]) for mb in micro_batches(indices, micro_batch_size)]

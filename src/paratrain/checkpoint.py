@@ -600,25 +600,6 @@ class Checkpointer:
             )
 
 
-def truncate_metrics(out_dir: str, step: int) -> None:
-    """Drop metrics.jsonl rows after ``step`` (written after the checkpoint, before a failure)."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-            except (ValueError, KeyError, TypeError):
-                break  # a torn last line
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
-
-
 def resume_spec(cfg: CheckpointConfig) -> tuple[str, str]:
     """(spec, fallback) for Checkpointer.resume: checkpoint.resume; but in workers that torchrun
     restarted after a failure, the newest complete checkpoint of this run first (it is newer
@@ -715,7 +696,6 @@ __all__ = [
     "resume_spec",
     "safe_planner",
     "safe_reader",
-    "truncate_metrics",
     "verify_checkpoint",
     "write_manifest",
 ]

@@ -1,4 +1,7 @@
-"""The `paratrain` command: a thin layer over the library.
+"""The `paratrain` command: a thin layer over the library, one ``cmd_*`` function per subcommand.
+
+(Importing it costs no more than importing the package: ``paratrain/__init__`` loads the trainer
+and torch anyway, so the subcommands' modules are imported at the top.)
 
 Bad input exits with code 2 and one line naming the problem and the fix, never a traceback.
 """
@@ -10,7 +13,17 @@ import json
 import os
 import sys
 
-from paratrain.config import ConfigError, describe_keys, load_config, to_toml
+from paratrain.bench.comm import add_bench_arguments, validate_bench_args, worker_args
+from paratrain.bench.compute import add_compute_arguments, compute_main
+from paratrain.checkpoint import export_safetensors
+from paratrain.config import Config, ConfigError, describe_keys, load_config, to_toml
+from paratrain.distributed.process_group import resolve_device
+from paratrain.env import add_env_arguments, env_main, env_worker_args
+from paratrain.find_batch import estimate_without_group, find_micro_batch, nothing_fits_error, replica_dims
+from paratrain.generate import generate_text
+from paratrain.launch import LaunchSpec, launch
+from paratrain.layout import check_layout
+from paratrain.verify import verify
 
 
 def add_set_argument(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +46,6 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def launch_spec(args: argparse.Namespace):
-    from paratrain.launch import LaunchSpec
 
     spec = LaunchSpec(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
     spec.validate()
@@ -41,8 +53,6 @@ def launch_spec(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from paratrain.launch import launch
-    from paratrain.trainer import check_layout
 
     spec = launch_spec(args)
     if args.resume is not None:  # the flag sets checkpoint.resume (a TOML string literal)
@@ -55,11 +65,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     check_layout(cfg, spec.world_size)  # refuse an impossible layout before any process starts
     module_args = [args.config] + [a for o in args.overrides for a in ("--set", o)]
-    return launch(spec, "paratrain.train", module_args)
+    return launch(spec, "paratrain.worker", module_args)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from paratrain.verify import verify
 
     return verify(
         args.config, args.overrides, spec=launch_spec(args), steps=args.steps, tol=args.tol, out_dir=args.out_dir
@@ -67,7 +76,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from paratrain.generate import generate_text
 
     print(
         generate_text(
@@ -83,7 +91,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from paratrain.checkpoint import export_safetensors
 
     info = export_safetensors(args.checkpoint, args.to)
     print(
@@ -102,8 +109,6 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_comm(args: argparse.Namespace) -> int:
-    from paratrain.bench.comm import validate_bench_args, worker_args
-    from paratrain.launch import launch
 
     spec = launch_spec(args)
     validate_bench_args(args)  # refuse bad options before any process starts
@@ -111,14 +116,11 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_compute(args: argparse.Namespace) -> int:
-    from paratrain.bench.compute import compute_main
 
     return compute_main(args)
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from paratrain.env import env_main, env_worker_args
-    from paratrain.launch import launch
 
     spec = launch_spec(args)
     if spec.world_size == 1:
@@ -127,7 +129,6 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_find_batch(args: argparse.Namespace) -> int:
-    from paratrain.find_batch import cli_find_batch
 
     cfg = load_config(args.config, args.overrides)
     if args.memory_gib is not None:
@@ -143,6 +144,27 @@ def cmd_find_batch(args: argparse.Namespace) -> int:
         estimate=args.estimate,
         as_json=args.json,
     )
+
+
+def cli_find_batch(cfg: Config, *, world_size: int, local_processes: int, estimate: bool, as_json: bool) -> int:
+    """`paratrain find-batch`: real trials on a local CUDA device, else the fake-tensor estimate."""
+
+    dims, _ = check_layout(cfg, world_size)
+    device = resolve_device(cfg.dist, 0)
+    use_trial = (
+        not estimate and device.type == "cuda" and cfg.batch.memory_gib <= 0 and replica_dims(dims).world_size == 1
+    )
+    if use_trial:
+        # Replicas of one process hold the same memory on every GPU: one GPU answers for all.
+        result = find_micro_batch(cfg, dims, device=device, method="trial", local_processes=local_processes)
+    else:
+        result = estimate_without_group(cfg, dims, device=device, local_processes=local_processes)
+    print(result.table(), file=sys.stderr if as_json else sys.stdout)
+    if as_json:
+        print(json.dumps(result.to_json()))
+    if result.micro_batch_size is None:
+        raise nothing_fits_error(result, dims)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,9 +232,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
 
     # --- communication and hardware: bench comm, bench compute, env ---------------------------
-    from paratrain.bench.comm import add_bench_arguments
-    from paratrain.bench.compute import add_compute_arguments
-    from paratrain.env import add_env_arguments
 
     p = sub.add_parser("bench", help="benchmark collectives (comm) or one device (compute)")
     bench = p.add_subparsers(dest="bench", required=True)

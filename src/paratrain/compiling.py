@@ -19,6 +19,8 @@ import logging
 import torch
 from torch import nn
 
+from paratrain.distributed.data_parallel import blocks_of
+
 log = logging.getLogger("paratrain")
 
 
@@ -43,8 +45,8 @@ def compile_available(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def apply_compile(model: nn.Module, *, device: torch.device) -> bool:
-    """Compile each block of ``model`` in place (``model.layers`` values, else the whole model).
+def apply_compile(model: nn.Module, *, device: torch.device, blocks_attr: str = "layers") -> bool:
+    """Compile each block of ``model`` in place (``model.<blocks_attr>`` values, else the whole model).
 
     Returns True when compiled; False (after a warning) when the platform cannot compile.
     """
@@ -52,9 +54,7 @@ def apply_compile(model: nn.Module, *, device: torch.device) -> bool:
     if not ok:
         log.warning("train.compile = true but torch.compile does not work here (%s); running eagerly", why)
         return False
-    from paratrain.distributed.data_parallel import blocks_of
-
-    blocks = [block for _, block in blocks_of(model)]
+    blocks = [block for _, block in blocks_of(model, blocks_attr)]
     for block in blocks or [model]:
         block.compile()
     log.info("compiled %s with torch.compile", f"{len(blocks)} blocks" if blocks else "the whole model")

@@ -8,6 +8,8 @@ import os
 import statistics
 import sys
 
+from paratrain.config import ConfigError
+
 log = logging.getLogger("paratrain")
 
 
@@ -55,8 +57,6 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # the extra is optional
-                from paratrain.config import ConfigError
-
                 raise ConfigError(
                     f"metrics.tensorboard = true needs the tensorboard package ({e}); "
                     "pip install 'paratrain[tensorboard]' or set metrics.tensorboard = false"
@@ -131,3 +131,22 @@ def plot_metrics(rows: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def truncate_metrics(out_dir: str, step: int) -> None:
+    """Drop metrics.jsonl rows after ``step`` (written after the checkpoint, before a failure)."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):
+                break  # a torn last line
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)

@@ -22,24 +22,17 @@ import torch
 from torch import nn
 
 from paratrain.config import ConfigError, HardwareConfig
+from paratrain.models.gpt import GPT, GPT_SPEC, gpt_flops_per_token
+from paratrain.models.spec import default_spec
 
-
-def gpt_flops_per_token(*, matmul_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
-    """PaLM appendix B: 6N + 12 L d T FLOPs per token for a forward and backward."""
-    return 6.0 * matmul_params + 12.0 * n_layer * d_model * seq_len
+__all__ = ["build_flops_per_token", "gpt_flops_per_token", "mfu", "resolve_peak_flops", "seq_len_of"]
 
 
 def build_flops_per_token(model: nn.Module) -> Callable[[int], float]:
-    """``f(seq_len) -> training FLOPs per token`` for ``model`` (call before any parallel wrapping)."""
-    cfg = getattr(model, "cfg", None)
-    if all(hasattr(cfg, k) for k in ("n_layer", "d_model")) and hasattr(model, "layers"):
-        lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-        matmul = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
-        return lambda seq_len: gpt_flops_per_token(
-            matmul_params=matmul, n_layer=cfg.n_layer, d_model=cfg.d_model, seq_len=seq_len
-        )
-    n = sum(p.numel() for p in model.parameters())
-    return lambda seq_len: 6.0 * n
+    """``f(seq_len) -> training FLOPs per token`` for ``model`` (call before any parallel wrapping):
+    its ModelSpec's rule (models/), 6 x parameters for a model paratrain does not know."""
+    spec = GPT_SPEC if isinstance(model, GPT) else default_spec(type(model).__name__, lambda: model)
+    return spec.flops_per_token(model)
 
 
 def seq_len_of(inputs) -> int:

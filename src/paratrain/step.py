@@ -1,4 +1,11 @@
-"""The explicit training step: micro-batch loop, exact loss normalisation, sync, clip, step.
+"""THE training step (plain and pipeline share its finish) and the eval step.
+
+``train_step(model, optimizer, batches, ctx)``: count the global items, run forward/backward
+(the plain micro-batch loop here, or the pipeline schedule of distributed/pipeline_parallel.py),
+then one finish for both: unscale (fp16), clip by the whole model's gradient norm, optimiser step,
+one reduce of ``[loss_sum, returned_count]`` over the pipeline and data-parallel ranks, and the
+check of the loss's own count on the reduced numbers, so every rank raises the same error
+together instead of one rank leaving the others in a collective.
 
 The differentiated loss is ``sum of item losses / global item count``, the count gathered over
 all micro-batches and data-parallel ranks *before* the first backward. Averaging micro-batch
@@ -20,9 +27,35 @@ from torch.distributed.tensor import DTensor
 from paratrain.config import ConfigError
 from paratrain.distributed.data_parallel import maybe_no_sync
 from paratrain.distributed.grad_norm import clip_grad_norm_
+from paratrain.distributed.pipeline_parallel import PipelineModel, pipeline_forward, pipeline_forward_backward
 from paratrain.distributed.tensor_parallel import maybe_loss_parallel
 from paratrain.loss import Loss
 from paratrain.precision import Precision
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a step needs besides the model, optimiser and batches (the same every step).
+
+    ``loss_parallel``: the logits are vocabulary-sharded DTensors (tensor parallel), the loss runs
+    under torch's loss_parallel. ``sync_each_micro_batch``: the FSDP2 ZeRO-3 sync policy (see
+    distributed/data_parallel.py); otherwise gradients are reduced on the last micro-batch only.
+    Ranks of one tensor-parallel or pipeline group get the same batches; the loss is reduced over
+    ``dp_group`` (and the pipeline group) only.
+    """
+
+    loss_fn: Loss
+    device: torch.device
+    dp: int = 1
+    dp_group: dist.ProcessGroup | None = None
+    grad_clip: float = 0.0
+    precision: Precision | None = None
+    loss_parallel: bool = False
+    sync_each_micro_batch: bool = False
+
+    @property
+    def amp(self) -> Precision:
+        return self.precision or Precision(device=self.device)
 
 
 @dataclass
@@ -50,11 +83,9 @@ def count_tokens(inputs) -> int:
     return len(inputs)
 
 
-def count_global_items(
-    batches: list[tuple], *, loss_fn: Loss, dp_group: dist.ProcessGroup | None
-) -> tuple[int, int, int]:
-    """Target items and input tokens of the whole global batch, and this rank's items, from the
-    targets alone, before any backward. Counted on the CPU so this small all-reduce never waits
+def count_global_items(batches: list[tuple], *, loss_fn: Loss, dp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """Target items and input tokens of the whole global batch, from the targets alone, before
+    any backward. Counted on the CPU so this small all-reduce never waits
     for the device."""
     local_items = torch.stack([loss_fn.count(t) for _, t in batches]).sum()
     counts = torch.stack(
@@ -65,75 +96,125 @@ def count_global_items(
     items, tokens = int(counts[0].item()), int(counts[1].item())
     if items == 0:
         raise ConfigError("a global batch has no target items (every target is loss.ignore_index); check the data")
-    return items, tokens, int(local_items.item())
+    return items, tokens
 
 
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: list[tuple],
+    ctx: StepContext,
     *,
-    loss_fn: Loss,
-    dp: int,
-    dp_group: dist.ProcessGroup | None,
-    grad_clip: float,
-    device: torch.device,
-    precision: Precision | None = None,
-    loss_parallel: bool = False,
-    sync_each_micro_batch: bool = False,
     after_backward: Callable[[int], None] | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches ``[(input, target), ...]`` (on CPU).
 
-    ``loss_parallel``: the logits are vocabulary-sharded DTensors (tensor parallel), the loss runs
-    under torch's loss_parallel. ``sync_each_micro_batch``: the FSDP2 ZeRO-3 sync policy (see
-    distributed/data_parallel.py); otherwise gradients are reduced on the last micro-batch only.
-    Ranks of one tensor-parallel group get the same batches and compute the same loss; the loss
-    is reduced over ``dp_group`` only.
+    ``after_backward(k)`` runs after micro-batch k's backward (the gradient-noise probe of
+    batch.adaptive, adaptive_batch.py; not with a pipeline).
     """
-    items, tokens, _ = count_global_items(batches, loss_fn=loss_fn, dp_group=dp_group)
+    items, tokens = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
     # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
     # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
     # of two in practice, which makes the round trip exact in floating point.
-    scale = dp / items
-    precision = precision or Precision(device=device)  # --- mixed precision (paratrain.precision)
+    scale = ctx.dp / items
+    if isinstance(model, PipelineModel):  # the schedule runs forward and backward
+        loss_sum, returned = pipeline_forward_backward(
+            model, batches, scale=scale, loss_fn=ctx.loss_fn, device=ctx.device, autocast=ctx.amp.autocast()
+        )
+        pp_group = model.pp_group
+    else:
+        loss_sum, returned = forward_backward(model, batches, ctx, scale=scale, after_backward=after_backward)
+        pp_group = None
+    grad_norm = finish_step(model, optimizer, ctx, pp_group=pp_group)
+    loss_total = check_and_reduce(loss_sum, returned, items=items, ctx=ctx, pp_group=pp_group)
+    return StepResult(loss_total / items, items, grad_norm, tokens)
 
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    returned = torch.zeros((), device=device, dtype=torch.float64)
+
+def forward_backward(
+    model: nn.Module, batches: list[tuple], ctx: StepContext, *, scale: float, after_backward=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain micro-batch loop: this rank's ``(loss_sum, returned_count)`` as float64 tensors."""
+    precision = ctx.amp  # --- mixed precision (paratrain.precision)
+    loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
+    returned = torch.zeros((), device=ctx.device, dtype=torch.float64)
     last = len(batches) - 1
     for k, (inputs, target) in enumerate(batches):
-        inputs, target = to_device(inputs, device), to_device(target, device)
+        inputs, target = to_device(inputs, ctx.device), to_device(target, ctx.device)
         # Gradients are reduced once, in the backward of the last micro-batch (DDP, ZeRO-2-like
         # FSDP), or every micro-batch into 1/N shards (ZeRO-3-like FSDP: sync_each_micro_batch).
         with (
-            maybe_no_sync(model, sync=k == last, sync_each_micro_batch=sync_each_micro_batch),
-            maybe_loss_parallel(loss_parallel),
+            maybe_no_sync(model, sync=k == last, sync_each_micro_batch=ctx.sync_each_micro_batch),
+            maybe_loss_parallel(ctx.loss_parallel),
         ):
             with precision.autocast():  # forward under autocast; backward follows its dtypes
-                s, c = loss_fn(model(inputs), target)
+                s, c = ctx.loss_fn(model(inputs), target)
             precision.scale(s * scale).backward()  # fp16: times the GradScaler's loss scale
-        if isinstance(s, DTensor):  # loss_parallel: a replicated scalar DTensor
-            s = s.full_tensor()
-        if after_backward is not None:  # e.g. the gradient-noise probe of batch.adaptive (adaptive_batch.py)
+        if after_backward is not None:
             after_backward(k)
-        loss_sum += s.detach().double()
-        returned += torch.as_tensor(c, device=device, dtype=torch.float64)
+        loss_sum += _plain(s).detach().double()
+        returned += torch.as_tensor(c, device=ctx.device, dtype=torch.float64)
+    return loss_sum, returned
 
+
+def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepContext, *, pp_group) -> float:
+    """Unscale (fp16), clip by the whole model's gradient norm, step, zero the gradients."""
+    precision = ctx.amp
     precision.unscale_(optimizer)  # fp16: back to true gradients before clipping
-    # The norm of the whole model's gradient on every rank, also when gradients are sharded.
-    grad_norm = clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    # The norm of the whole model's gradient on every rank, also when gradients are sharded or
+    # the model is split into pipeline stages.
+    grad_norm = clip_grad_norm_(model.parameters(), ctx.grad_clip if ctx.grad_clip > 0 else math.inf, pp_group=pp_group)
     precision.step(optimizer)  # fp16: skipped when the gradients overflowed
     optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
 
-    # One reduce and one host read for the logged loss and the check of the loss's own counts;
-    # checked on the global sums, every rank raises together instead of one leaving the others.
+
+def check_and_reduce(
+    loss_sum: torch.Tensor, returned: torch.Tensor, *, items: int, ctx: StepContext, pp_group
+) -> float:
+    """Sum ``[loss_sum, returned_count]`` over the pipeline and data-parallel ranks (one tensor,
+    one host read) and check the loss's own count against the pre-backward ``items``.
+
+    Checked on the reduced numbers, every rank raises the same error together. (Under pipeline
+    parallel only the last stage has the loss: the others contribute zeros.)
+    """
     totals = torch.stack([loss_sum, returned])
-    if dp_group is not None:
-        dist.all_reduce(totals, group=dp_group)
+    for group in (pp_group, ctx.dp_group):
+        if group is not None:
+            dist.all_reduce(totals, group=group)
     loss_total, returned_total = totals.tolist()
     if int(returned_total) != items:
         raise ConfigError(
             f"the loss returned item count {int(returned_total)} but counting the targets gave"
             f" {items}; give the loss function a count(target) attribute that matches"
         )
-    return StepResult(loss_total / items, items, float(grad_norm), tokens)
+    return loss_total
+
+
+@torch.no_grad()
+def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple[float, int]:
+    """The loss sum and item count of a global batch, forward only, summed over all ranks.
+
+    Shares the step's counting and checking; the mean is ``loss_sum / items``.
+    """
+    items, _ = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
+    if isinstance(model, PipelineModel):
+        loss_sum, returned = pipeline_forward(
+            model, batches, loss_fn=ctx.loss_fn, device=ctx.device, autocast=ctx.amp.autocast()
+        )
+        pp_group = model.pp_group
+    else:
+        loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
+        returned = torch.zeros((), device=ctx.device, dtype=torch.float64)
+        for inputs, target in batches:
+            inputs, target = to_device(inputs, ctx.device), to_device(target, ctx.device)
+            with maybe_loss_parallel(ctx.loss_parallel), ctx.amp.autocast():
+                s, c = ctx.loss_fn(model(inputs), target)
+            loss_sum += _plain(s).double()
+            returned += torch.as_tensor(c, device=ctx.device, dtype=torch.float64)
+        pp_group = None
+    return check_and_reduce(loss_sum, returned, items=items, ctx=ctx, pp_group=pp_group), items
+
+
+def _plain(s: torch.Tensor) -> torch.Tensor:
+    # loss_parallel: a replicated scalar DTensor
+    return s.full_tensor() if isinstance(s, DTensor) else s

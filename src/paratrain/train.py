@@ -1,48 +1,13 @@
-"""Worker entry point: ``torchrun ... -m paratrain.train CONFIG [--set section.key=value ...]``.
+"""Alias kept for the public contract: ``torchrun ... -m paratrain.train CONFIG`` runs paratrain.worker.
 
-Run it with ``-m``, never import it: importing a submodule named ``train`` would replace the
-package's ``paratrain.train`` (the Python API function) by this module.
+Run it with ``-m`` only, never import it: a submodule named ``train``, once imported, would be
+bound as the package attribute ``paratrain.train`` in place of the API function. ``-m`` runs
+this file as ``__main__`` without binding it (runpy), so the function stays.
 """
 
-from __future__ import annotations
-
-import argparse
-import json
 import sys
 
-from paratrain.cli import add_set_argument
-from paratrain.config import ConfigError, load_config
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paratrain.train", description=__doc__)
-    parser.add_argument("config", help="TOML config file")
-    add_set_argument(parser)
-    parser.add_argument(
-        "--resume",
-        nargs="?",
-        const="latest",
-        default=None,
-        metavar="PATH",
-        help="continue from the newest complete checkpoint of the run, or from PATH",
-    )
-    args = parser.parse_args(argv)
-    from paratrain.distributed.hang import CollectiveTimeout
-
-    try:
-        from paratrain.trainer import train
-
-        if args.resume is not None:
-            args.overrides.append("checkpoint.resume=" + json.dumps(args.resume))
-        train(load_config(args.config, args.overrides))
-    except ConfigError as e:
-        print(f"paratrain: error: {e}", file=sys.stderr)
-        return 2
-    except CollectiveTimeout as e:  # already explained: no traceback
-        print(f"paratrain: error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
+from paratrain.worker import main
 
 if __name__ == "__main__":
     sys.exit(main())

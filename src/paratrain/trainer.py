@@ -1,4 +1,10 @@
-"""train(): build -> parallelize -> loop -> close. The loop is explicit and short."""
+"""train(): build -> loop -> finish. The loop is explicit and fits on one screen.
+
+``build`` makes every object of the run from the config (model and its spec, parallelisms,
+optimiser, sampler, checkpointer, metrics writer) and resumes; ``loop`` runs the optimiser steps;
+``finish`` writes the summary, the plot and the final weights. A ``Run`` is only the bag of what
+``build`` made (no methods): the loop reads like nanoGPT's.
+"""
 
 from __future__ import annotations
 
@@ -10,107 +16,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import Dataset
 
-from paratrain.adaptive_batch import build_batch_adapter
-from paratrain.batching import BatchPlan, GlobalBatchSampler, micro_batches, plan_batch, rank_slice
-from paratrain.checkpoint import build_checkpointer, resume_spec, truncate_metrics
-from paratrain.config import Config, ConfigError, to_toml
-from paratrain.data import build_dataset, dataset_builder
-from paratrain.distributed.comm import apply_grad_compression, check_compression
+from paratrain.adaptive_batch import BatchAdapter, build_batch_adapter
+from paratrain.batching import BatchPlan, GlobalBatchSampler, load_batches, plan_batch, rank_slice
+from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
+from paratrain.config import Config, to_toml
+from paratrain.data import build_dataset
+from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.distributed.parallelize import check_parallel_layout, parallelize
-from paratrain.distributed.pipeline_parallel import PipelineModel, check_pp_layout_of, pipeline_train_step
+from paratrain.distributed.parallelize import parallelize
+from paratrain.distributed.pipeline_parallel import PipelineModel
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
+from paratrain.find_batch import resolve_auto_micro_batch
+from paratrain.layout import check_layout
 from paratrain.loss import build_loss
-from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize
-from paratrain.mfu import build_flops_per_token, mfu, resolve_peak_flops, seq_len_of
-from paratrain.models import build_model, model_builder
+from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
+from paratrain.mfu import mfu, resolve_peak_flops, seq_len_of
+from paratrain.models import build, spec_of
 from paratrain.optim import LRScaling, build_optimizer, build_scheduler
-from paratrain.precision import build_precision, check_precision
-from paratrain.step import train_step
+from paratrain.precision import Precision, build_precision
+from paratrain.step import StepContext, StepResult, train_step
 
 log = logging.getLogger("paratrain")
-
-
-def check_layout(cfg: Config, world_size: int, *, model: nn.Module | None = None) -> tuple[ParallelDims, BatchPlan]:
-    """Every check that needs only the config and the world size: run before any process starts.
-
-    ``model``: a model object passed to ``train`` instead of the config's builder (pipeline checks count its blocks).
-    """
-    model_builder(cfg.model)
-    dataset_builder(cfg.data)
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
-    check_compression(cfg.comm, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp)
-    check_precision(cfg.precision, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, compression=cfg.comm.compression)
-    check_parallel_layout(dims, parallel=cfg.parallel, model=cfg.model)
-    mbs = cfg.batch.micro_batch_size
-    # 'auto' is resolved in the job (find_batch.py); until then the plan is the whole per-rank batch.
-    plan = plan_batch(
-        global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp
-    )
-    check_feature_combinations(cfg, dims)
-    if dims.pp > 1:
-        check_pp_layout_of(
-            cfg,
-            pp=dims.pp,
-            micro_batch_size=plan.micro_batch_size,
-            accum_steps=plan.accum_steps,
-            dp_replicate=dims.dp_replicate,
-            dp_shard=dims.dp_shard,
-            model=model,
-        )
-    return dims, plan
-
-
-def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
-    """Combinations of features this version cannot run exactly: refused, never run wrongly."""
-    noise = (
-        "batch.adaptive = true"
-        if cfg.batch.adaptive
-        else ("optim.lr_scaling = 'adascale'" if cfg.optim.lr_scaling == "adascale" else "")
-    )
-    if noise:
-        # The gradient-noise probe reads each rank's gradient after its first micro-batch.
-        if dims.pp > 1:
-            raise ConfigError(
-                f"{noise} cannot measure the gradient noise across pipeline stages; set parallel.pp = 1 or turn it off"
-            )
-        if dims.dp_shard > 1:
-            raise ConfigError(
-                f"{noise} needs each rank's own gradient, which FSDP2 (parallel.dp_shard ="
-                f" {dims.dp_shard}) reduce-scatters or keeps unsharded; use parallel.dp_replicate"
-            )
-        if cfg.precision.dtype == "fp16":
-            raise ConfigError(
-                f"{noise} with precision.dtype = 'fp16' would read loss-scaled gradients; use precision.dtype = 'bf16'"
-            )
-    if dims.pp > 1:
-        if cfg.batch.micro_batch_size == "auto":
-            raise ConfigError(
-                "batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
-                " set batch.micro_batch_size to a number with parallel.pp > 1"
-            )
-        if cfg.checkpoint.interval or cfg.checkpoint.at_end or cfg.checkpoint.resume:
-            # Stage state dicts are keyed by the local stage index, not by the model's names, so a
-            # checkpoint could not be resharded to another layout or exported: refuse for now.
-            raise ConfigError(
-                "checkpoints are not supported with parallel.pp > 1 yet; set checkpoint.interval = 0,"
-                " checkpoint.at_end = false and checkpoint.resume = ''"
-            )
-    block = cfg.data.args.get("block_size")
-    if not cfg.model.factory and cfg.model.name == "gpt" and isinstance(block, int):
-        from paratrain.models.gpt import GPTConfig
-
-        context = cfg.model.args.get("block_size", GPTConfig.block_size)
-        if block > context:
-            raise ConfigError(
-                f"data.args.block_size = {block} is longer than the model's context"
-                f" model.args.block_size = {context}; make them equal"
-            )
 
 
 @dataclass
@@ -123,8 +56,31 @@ class TrainState:
     grad_noise: dict = field(default_factory=dict)  # the noise-scale averages of batch.adaptive
 
 
-def load_batches(dataset: Dataset, indices: list[int], micro_batch_size: int) -> list:
-    return [default_collate([dataset[i] for i in mb]) for mb in micro_batches(indices, micro_batch_size)]
+@dataclass
+class Run:
+    """Everything ``build`` made for the loop (plain data, no behaviour)."""
+
+    ctx: DistContext
+    dims: ParallelDims
+    plan: BatchPlan  # the batch plan of the next step
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    step_ctx: StepContext
+    dataset: Dataset
+    sampler: GlobalBatchSampler
+    state: TrainState
+    lr_scaling: LRScaling
+    adapter: BatchAdapter | None
+    precision: Precision
+    compression: GradCompression
+    ckpt: Checkpointer
+    writer: MetricsWriter
+    flops_per_token: Callable[[int], float]
+    peak_flops: float | None
+    n_params: int
+    data_info: dict
+    resumed_from: int | None
 
 
 def train(
@@ -139,49 +95,115 @@ def train(
     ctx = init_distributed(cfg.dist)
     try:
         with watch_collectives(rank=ctx.rank, world_size=ctx.world_size, timeout_s=cfg.dist.timeout_s):
-            return _train(cfg, ctx, model, dataset, loss)
+            run = build_run(cfg, ctx, model=model, dataset=dataset, loss=loss)
+            try:
+                history = loop(cfg, run)
+            finally:
+                run.writer.close()
+                run.ckpt.close()
+            return finish(cfg, run, history)
     finally:
         close_distributed(ctx)
 
 
-def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
+def loop(cfg: Config, run: Run) -> list[dict]:
+    """The optimiser steps: sample, step, adapt the batch, schedule the lr, log, checkpoint."""
+    state, plan, history = run.state, run.plan, []
+    dp_rank = run.dims.local_rank_in("dp")
+    run.model.train()
+    while state.step < cfg.run.steps and not (0 < cfg.run.max_samples <= state.consumed_samples):
+        t0 = time.perf_counter()
+        indices = run.sampler.global_indices(state.consumed_samples, plan.global_batch_size)
+        batches = load_batches(run.dataset, rank_slice(indices, dp_rank=dp_rank, dp=plan.dp), plan.micro_batch_size)
+        lr = run.scheduler.get_last_lr()[0]
+        probe = run.adapter.probe(run.model, batches[0], run.step_ctx.loss_fn) if run.adapter else None
+        result = train_step(run.model, run.optimizer, batches, run.step_ctx, after_backward=probe)
+        state.step += 1
+        state.consumed_samples += plan.global_batch_size
+        row = metrics_row(run, result, plan=plan, lr=lr, seq_len=seq_len_of(batches[0][0]), t0=t0)
+        if run.adapter:  # adaptive batch: next step's plan and lr scale, before the scheduler reads it
+            plan = run.adapter.after_step(result=result, step=state.step)
+            state.global_batch_size, state.grad_noise = plan.global_batch_size, run.adapter.state_dict()
+            run.lr_scaling.update(global_batch_size=plan.global_batch_size, noise_scale=run.adapter.noise_samples)
+            row.update(grad_noise_scale=run.adapter.noise_samples, lr_scale=run.lr_scaling.factor)
+        run.scheduler.step()
+        blocked = run.ckpt.after_step(state.step)
+        if blocked is not None:
+            row["checkpoint_blocked_s"] = blocked
+        history.append(row)
+        run.writer.log_step(row)
+    run.ckpt.at_end(state.step)
+    run.plan = plan
+    return history
+
+
+def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq_len: int, t0: float) -> dict:
+    """One metrics.jsonl row for the step just done (rank 0 writes it)."""
+    dt = time.perf_counter() - t0
+    state = run.state
+    row = {
+        "step": state.step,
+        "loss": result.loss,
+        "lr": lr,
+        "grad_norm": result.grad_norm,
+        "global_batch_size": plan.global_batch_size,
+        "micro_batch_size": plan.micro_batch_size,
+        "accum_steps": plan.accum_steps,
+        "items": result.items,
+        "tokens": result.tokens,
+        "consumed_samples": state.consumed_samples,
+        "epoch": run.sampler.epoch_of(state.consumed_samples - 1),
+        "step_time_s": dt,
+        "tokens_per_s": result.tokens / dt,
+        "samples_per_s": plan.global_batch_size / dt,
+    }
+    # Communication and hardware: model FLOPs and MFU, bytes sent, fp16 loss scale.
+    step_flops = run.flops_per_token(seq_len) * result.tokens
+    row["model_flops_per_s"] = step_flops / dt
+    if run.peak_flops:
+        row["mfu"] = mfu(flops=step_flops, seconds=dt, peak_flops_per_device=run.peak_flops, devices=run.ctx.world_size)
+    comm_bytes = run.compression.take_bytes()
+    if comm_bytes is not None:
+        row["comm_bytes"] = comm_bytes
+    row.update(run.precision.metrics())
+    return row
+
+
+def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
+    """Make every object of the run from ``cfg`` (user objects replace the config's builders), resume."""
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
     dims, plan = check_layout(cfg, ctx.world_size, model=model)
     dataset = dataset if dataset is not None else build_dataset(cfg.data)
     loss_fn = build_loss(cfg.loss, loss)
-    # --- batch-size adjustment (find_batch.py): 'auto' resolves before any model exists, to the
-    # same micro-batch on every rank; plan_batch then keeps the global batch.
+    # Batch-size adjustment (find_batch/): 'auto' resolves before any model exists, to the same
+    # micro-batch on every rank; plan_batch then keeps the global batch.
     if cfg.batch.micro_batch_size == "auto":
-        from paratrain.find_batch import resolve_auto_micro_batch
-
         plan = resolve_auto_micro_batch(cfg, dims=dims, device=ctx.device, model=model, dataset=dataset, loss=loss_fn)
-    # ---
     torch.manual_seed(cfg.run.seed)  # the init is a function of the seed, the same on every rank
-    model = model if model is not None else build_model(cfg.model)
+    model, spec = (model, spec_of(cfg.model, model)) if model is not None else build(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
     data_info = getattr(dataset, "description", {"samples": len(dataset)})
-
     log.info("paratrain: world %d on %s | %s", ctx.world_size, ctx.device, dims.describe())
     log.info("batch: %s (per rank %d)", plan.describe(), plan.per_rank_batch_size)
     log.info("model: %.2fM parameters | data: %s", n_params / 1e6, json.dumps(data_info))
 
-    # --- communication and hardware: precision, compile, gradient compression, MFU ---------
+    # Communication and hardware: precision, MFU, the parallelisms, gradient compression.
     precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.dp_shard > 1)
-    flops_per_token = build_flops_per_token(model)  # from the whole model, before any split
+    flops_per_token = spec.flops_per_token(model)  # from the whole model, before any split
     peak_flops, peak_source = resolve_peak_flops(cfg.hardware, device=ctx.device, dtype=cfg.precision.dtype)
     log.info(
         "precision: %s | MFU peak: %s",
         cfg.precision.dtype,
         f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})",
     )
-    # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits.
+    # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits (not under
+    # pipeline parallel: the schedule's loss runs on plain, gathered logits).
     loss_parallel = loss_parallel_enabled(
-        # (not under pipeline parallel: the schedule's loss runs on plain, gathered logits)
-        model,
         tp=dims.tp,
         requested=cfg.parallel.loss_parallel and dims.pp == 1,
         builtin_cross_entropy=loss is None and cfg.loss.name == "cross_entropy",
         user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory),
+        supported=spec.loss_parallel,
     )
     model = parallelize(
         model,
@@ -192,22 +214,30 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
         precision=cfg.precision,
         compile_enabled=cfg.train.compile,
         loss_parallel=loss_parallel,
+        blocks_attr=spec.blocks_attr,
+        model_plan=spec.tp_plan,
     )
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
-    # FSDP2's gradient sync policy (distributed/data_parallel.py): ZeRO-3 reduces every micro-batch.
-    sync_each_micro_batch = cfg.parallel.reshard_after_forward
-    # ----------------------------------------------------------------------------------------
+    step_ctx = StepContext(
+        loss_fn=loss_fn,
+        device=ctx.device,
+        dp=dims.dp,
+        dp_group=dims.group("dp"),
+        grad_clip=cfg.optim.grad_clip,
+        precision=precision,
+        loss_parallel=loss_parallel,
+        # FSDP2's gradient sync policy (distributed/data_parallel.py): ZeRO-3 reduces every micro-batch.
+        sync_each_micro_batch=cfg.parallel.reshard_after_forward,
+    )
+
     optimizer = build_optimizer(model, cfg.optim)
-    # --- batch-size adjustment: lr scaling with the global batch, adaptive batch (adaptive_batch.py)
     state = TrainState(global_batch_size=plan.global_batch_size)
     lr_scaling = LRScaling(cfg.optim, global_batch_size=plan.global_batch_size, log=log.info)
-    dp_rank, dp_group = dims.local_rank_in("dp"), dims.group("dp")
-    adapter = build_batch_adapter(cfg.batch, lr_scaling=cfg.optim.lr_scaling, plan=plan, dp_group=dp_group)
-    # ---
+    adapter = build_batch_adapter(cfg.batch, lr_scaling=cfg.optim.lr_scaling, plan=plan, dp_group=dims.group("dp"))
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.run.steps, scale=lr_scaling)
     sampler = GlobalBatchSampler(len(dataset), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
 
-    # --- checkpoints (paratrain.checkpoint): resume before the loop, save after steps --------
+    # Checkpoints (paratrain.checkpoint): resume before the loop, save after steps.
     ckpt = build_checkpointer(
         cfg,
         model=model,
@@ -223,132 +253,75 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     resumed_from = ckpt.resume(*resume_spec(cfg.checkpoint))
     if resumed_from is not None and ctx.is_main:
         truncate_metrics(cfg.run.out_dir, resumed_from)  # rows after the checkpoint are redone
-    # ------------------------------------------------------------------------------------------
+    # A restored TrainState carries the batch the adaptive mode had reached.
+    if not cfg.batch.adaptive:  # the configured global batch holds, whatever a checkpoint had
+        state.global_batch_size = plan.global_batch_size
+    elif state.global_batch_size != plan.global_batch_size:
+        plan = plan_batch(global_batch_size=state.global_batch_size, micro_batch_size=plan.micro_batch_size, dp=dims.dp)
+        lr_scaling.update(global_batch_size=plan.global_batch_size)
+    if adapter:
+        if state.grad_noise:
+            adapter.load_state_dict(state.grad_noise)
+        plan = adapter.start(plan)
 
-    out_dir = cfg.run.out_dir
     if ctx.is_main:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.toml"), "w") as f:
+        os.makedirs(cfg.run.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.run.out_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
     writer = MetricsWriter(
-        out_dir,
+        cfg.run.out_dir,
         enabled=ctx.is_main,
         total_steps=cfg.run.steps,
         progress=cfg.run.progress,
         tensorboard=cfg.metrics.tensorboard,
         start_step=state.step,
     )
-    history: list[dict] = []
-    # A restored TrainState (resume) carries the batch the adaptive mode had reached.
-    if not cfg.batch.adaptive:  # the configured global batch holds, whatever a checkpoint had
-        state.global_batch_size = plan.global_batch_size
-    elif state.global_batch_size != plan.global_batch_size:
-        plan = plan_batch(global_batch_size=state.global_batch_size, micro_batch_size=plan.micro_batch_size, dp=dims.dp)
-        lr_scaling.update(global_batch_size=plan.global_batch_size)
-    if adapter and state.grad_noise:
-        adapter.load_state_dict(state.grad_noise)
-    try:
-        model.train()
-        while state.step < cfg.run.steps and not (0 < cfg.run.max_samples <= state.consumed_samples):
-            t0 = time.perf_counter()
-            step_plan = plan  # the plan this step runs with (the adapter may change `plan` after it)
-            indices = sampler.global_indices(state.consumed_samples, plan.global_batch_size)
-            mine = rank_slice(indices, dp_rank=dp_rank, dp=dims.dp)
-            mbs = adapter.micro_batch_size(plan) if adapter else plan.micro_batch_size
-            batches = load_batches(dataset, mine, mbs)
-            lr = scheduler.get_last_lr()[0]
-            if isinstance(model, PipelineModel):  # pipeline parallel: the schedule runs forward/backward
-                result = pipeline_train_step(
-                    model,
-                    optimizer,
-                    batches,
-                    loss_fn=loss_fn,
-                    dp=dims.dp,
-                    dp_group=dp_group,
-                    grad_clip=cfg.optim.grad_clip,
-                    device=ctx.device,
-                    precision=precision,
-                )
-            else:
-                result = train_step(
-                    model,
-                    optimizer,
-                    batches,
-                    loss_fn=loss_fn,
-                    dp=dims.dp,
-                    dp_group=dp_group,
-                    grad_clip=cfg.optim.grad_clip,
-                    device=ctx.device,
-                    precision=precision,
-                    loss_parallel=loss_parallel,
-                    sync_each_micro_batch=sync_each_micro_batch,
-                    after_backward=adapter.probe(model, batches[0], loss_fn) if adapter else None,
-                )
-            state.step += 1
-            state.consumed_samples += plan.global_batch_size
-            noise_extra = {}
-            if adapter:  # --- adaptive batch: next step's plan and lr scale, before the scheduler reads it
-                plan = adapter.after_step(result=result, plan=plan, step=state.step)
-                state.global_batch_size, state.grad_noise = plan.global_batch_size, adapter.state_dict()
-                lr_scaling.update(global_batch_size=plan.global_batch_size, noise_scale=adapter.noise_samples)
-                noise_extra = {"grad_noise_scale": adapter.noise_samples, "lr_scale": lr_scaling.factor}
-            scheduler.step()
-            dt = time.perf_counter() - t0
-            row = {
-                "step": state.step,
-                "loss": result.loss,
-                "lr": lr,
-                "grad_norm": result.grad_norm,
-                "global_batch_size": step_plan.global_batch_size,
-                "micro_batch_size": mbs,
-                "accum_steps": len(batches),
-                "items": result.items,
-                "tokens": result.tokens,
-                "consumed_samples": state.consumed_samples,
-                "epoch": sampler.epoch_of(state.consumed_samples - 1),
-                "step_time_s": dt,
-                "tokens_per_s": result.tokens / dt,
-                "samples_per_s": step_plan.global_batch_size / dt,
-                **noise_extra,
-            }
-            # --- communication and hardware: bytes sent, MFU, fp16 loss scale ----------------
-            step_flops = flops_per_token(seq_len_of(batches[0][0])) * result.tokens
-            row["model_flops_per_s"] = step_flops / dt
-            if peak_flops:
-                row["mfu"] = mfu(flops=step_flops, seconds=dt, peak_flops_per_device=peak_flops, devices=ctx.world_size)
-            comm_bytes = compression.take_bytes()
-            if comm_bytes is not None:
-                row["comm_bytes"] = comm_bytes
-            row.update(precision.metrics())
-            # ------------------------------------------------------------------------------------
-            blocked = ckpt.after_step(state.step)
-            if blocked is not None:
-                row["checkpoint_blocked_s"] = blocked
-            history.append(row)
-            writer.log_step(row)
-        ckpt.at_end(state.step)
-    finally:
-        writer.close()
-        ckpt.close()
+    return Run(
+        ctx=ctx,
+        dims=dims,
+        plan=plan,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        step_ctx=step_ctx,
+        dataset=dataset,
+        sampler=sampler,
+        state=state,
+        lr_scaling=lr_scaling,
+        adapter=adapter,
+        precision=precision,
+        compression=compression,
+        ckpt=ckpt,
+        writer=writer,
+        flops_per_token=flops_per_token,
+        peak_flops=peak_flops,
+        n_params=n_params,
+        data_info=data_info,
+        resumed_from=resumed_from,
+    )
 
+
+def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
+    """Summary, plot and final weights; returns the summary."""
+    out_dir, ctx, plan = cfg.run.out_dir, run.ctx, run.plan
     summary = summarize(history)
     summary.update(
         world_size=ctx.world_size,
-        layout=dims.degrees(),
+        layout=run.dims.degrees(),
         batch={
             "global_batch_size": plan.global_batch_size,
             "micro_batch_size": plan.micro_batch_size,
             "accum_steps": plan.accum_steps,
             "dp": plan.dp,
         },
-        model_parameters=n_params,
-        data=data_info,
+        model_parameters=run.n_params,
+        data=run.data_info,
         torch_version=torch.__version__,
-        resumed_from_step=resumed_from,
-        checkpoint_blocked_s=ckpt.blocked_s,
+        resumed_from_step=run.resumed_from,
+        checkpoint_blocked_s=run.ckpt.blocked_s,
     )
     if cfg.run.save_model:
-        save_full_weights(model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
+        save_full_weights(run.model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
     if ctx.is_main:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
@@ -368,9 +341,6 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
 
 def save_full_weights(model: nn.Module, path: str, *, is_main: bool) -> None:
     """Gather the full (unsharded, unwrapped) weights and write them from rank 0."""
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     # Every rank takes part: with sharded layouts this is a collective.
     if isinstance(model, PipelineModel):  # every stage's weights, gathered onto pp rank 0
         sd = model.full_state_dict()

@@ -17,6 +17,8 @@ import os
 import sys
 
 from paratrain.config import ConfigError, load_config
+from paratrain.launch import LaunchSpec, launch
+from paratrain.layout import check_layout
 
 
 def _toml_str(path: str) -> str:
@@ -79,8 +81,6 @@ def verify(
     config: str, overrides: list[str], *, spec, steps: int, tol: float, out_dir: str = "", out=sys.stdout
 ) -> int:
     """Run layout and reference, print the comparison; returns the exit code."""
-    from paratrain.launch import LaunchSpec, launch
-    from paratrain.trainer import check_layout
 
     if steps < 1:
         raise ConfigError("--steps must be >= 1")
@@ -115,7 +115,7 @@ def verify(
         flush=True,
     )
     for name, (run_spec, sets) in runs.items():
-        rc = launch(run_spec, "paratrain.train", [config] + [a for s in sets for a in ("--set", s)])
+        rc = launch(run_spec, "paratrain.worker", [config] + [a for s in sets for a in ("--set", s)])
         if rc != 0:
             print(f"paratrain: error: the {name} run failed with exit code {rc}", file=sys.stderr)
             return rc

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from paratrain.config import ConfigError
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KIB, MIB = 1024, 1024 * 1024
@@ -437,7 +439,6 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 def validate_bench_args(args: argparse.Namespace) -> list[str]:
     """Check the options; returns the ops. Raises ConfigError (exit 2) with the fix."""
-    from paratrain.config import ConfigError
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in OPS]
@@ -530,7 +531,6 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Worker entry: ``torchrun ... -m paratrain.bench.comm [options]``."""
-    from paratrain.config import ConfigError
 
     parser = argparse.ArgumentParser(prog="python -m paratrain.bench.comm", description=__doc__.split("\n")[0])
     add_bench_arguments(parser)

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from paratrain.config import ConfigError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 1024 * 1024
 
@@ -154,7 +156,6 @@ def add_compute_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def compute_main(args: argparse.Namespace) -> int:
-    from paratrain.config import ConfigError
 
     want = args.device
     if want == "auto":

@@ -54,21 +54,21 @@ def _selective_policy(save: set):
     return policy
 
 
-def apply_ac(model: nn.Module, *, mode: str) -> None:
-    """Wrap each block of ``model.layers`` in place for ``mode`` ('none', 'full', 'selective')."""
+def apply_ac(model: nn.Module, *, mode: str, blocks_attr: str = "layers") -> None:
+    """Wrap each block of ``model.<blocks_attr>`` in place for ``mode`` ('none', 'full', 'selective')."""
     if mode == "none":
         return
-    blocks = blocks_of(model)
+    blocks = blocks_of(model, blocks_attr)
     if not blocks:
         raise ConfigError(
             f"parallel.activation_checkpointing = {mode!r} works per block and {type(model).__name__}"
-            " has no blocks in a `layers` ModuleDict/ModuleList; put them there or set it to 'none'"
+            f" has no blocks in a `{blocks_attr}` ModuleDict/ModuleList; put them there or set it to 'none'"
         )
     kwargs = {}
     if mode == "selective":
         policy = _selective_policy(_save_list())
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
-    layers = model.layers
+    layers = getattr(model, blocks_attr)
     for name, block in blocks:
         # Non-reentrant checkpointing: composes with FSDP2 and DTensor, and supports kwargs.
         # The wrapper's state-dict hooks strip its prefix, so parameter names do not change.

@@ -47,10 +47,11 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, device: torch.device, bucke
     )
 
 
-def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's repeated blocks: the children of ``model.layers`` (ModuleDict, ModuleList or
-    Sequential), the unit of FSDP sharding and of activation checkpointing."""
-    layers = getattr(model, "layers", None)
+def blocks_of(model: nn.Module, blocks_attr: str = "layers") -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks: the children of ``model.<blocks_attr>`` (ModuleDict, ModuleList
+    or Sequential; the ModelSpec names the attribute), the unit of FSDP sharding, activation
+    checkpointing and compile. The ONE rule: models/spec.py ModelSpec.blocks is the same."""
+    layers = getattr(model, blocks_attr, None)
     if not isinstance(layers, nn.Module):
         return []
     return list(layers.named_children())
@@ -63,6 +64,7 @@ def apply_fsdp(
     reshard_after_forward: bool,
     cpu_offload: bool,
     mp_policy: MixedPrecisionPolicy | None = None,
+    blocks_attr: str = "layers",
 ) -> nn.Module:
     """FSDP2 ``fully_shard`` each block of ``model.layers``, then the root (in place).
 
@@ -76,7 +78,7 @@ def apply_fsdp(
     # shards already live in host memory and the policy only changes where the optimiser runs.
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
     common = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload)
-    blocks = blocks_of(model)
+    blocks = blocks_of(model, blocks_attr)
     for i, (_, block) in enumerate(blocks):
         # The last block's parameters would be gathered again at once by the backward that
         # follows: keeping them saves one all-gather for a block's worth of memory (torchtitan).
@@ -87,13 +89,13 @@ def apply_fsdp(
     return model
 
 
-def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, blocks_attr: str = "layers") -> nn.Module:
     """Replicated data parallel over ``mesh`` for a model whose parameters are DTensors (tensor
     parallel): DDP cannot bucket DTensors, so this uses torch's FSDP2-based ``replicate`` (the
     same per-block units and hooks as ``apply_fsdp``, all-reduce instead of reduce-scatter)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    for _, block in blocks_of(model):
+    for _, block in blocks_of(model, blocks_attr):
         replicate(block, mesh=mesh)
     replicate(model, mesh=mesh)
     return model

@@ -14,6 +14,7 @@ import math
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -35,13 +36,26 @@ def global_grad_norm(params, *, norm_type: float = 2.0) -> torch.Tensor:
     return parts.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
-def clip_grad_norm_(params, max_norm: float, *, norm_type: float = 2.0) -> float:
-    """Clip the gradients in place to ``max_norm`` (inf: no clipping); returns the global norm."""
+def clip_grad_norm_(params, max_norm: float, *, norm_type: float = 2.0, pp_group=None) -> float:
+    """Clip the gradients in place to ``max_norm`` (inf: no clipping); returns the global norm.
+
+    ``pp_group``: the pipeline group, whose stages each hold a part of the model. Each stage's
+    norm (itself whole over its FSDP/TP shards) is partial, so the p-th powers are summed over
+    the pipeline ranks before clipping (max for the inf norm).
+    """
     params = [p for p in params if p.grad is not None]
-    if not any(isinstance(p.grad, DTensor) for p in params):
+    if pp_group is None and not any(isinstance(p.grad, DTensor) for p in params):
         # Plain tensors: torch's own (fused, foreach) implementation, as the reference uses it.
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
     total = global_grad_norm(params, norm_type=norm_type)
+    if pp_group is not None:
+        total = total.double().reshape(())
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+        else:
+            total = total**norm_type
+            dist.all_reduce(total, group=pp_group)
+            total = total ** (1.0 / norm_type)
     # The same coefficient as torch.nn.utils.clip_grads_with_norm_, applied as a Python scalar so
     # that it multiplies plain tensors and DTensors on any mesh alike.
     coef = min(1.0, float(max_norm / (total + 1e-6)))

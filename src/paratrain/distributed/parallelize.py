@@ -22,20 +22,22 @@ Order (as torchtitan composes them; each step says why it comes where it does):
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from paratrain.compiling import apply_compile
-from paratrain.config import CommConfig, ConfigError, ModelConfig, ParallelConfig, PrecisionConfig
+from paratrain.config import CommConfig, ConfigError, ParallelConfig, PrecisionConfig
 from paratrain.distributed.activation_checkpoint import apply_ac
 from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import apply_pp, is_pipeline_stage
 from paratrain.distributed.tensor_parallel import STYLE_NAMES, apply_tp
+from paratrain.precision import build_mp_policy
 
 
-def check_parallel_layout(dims: ParallelDims, *, parallel: ParallelConfig, model: ModelConfig) -> None:
+def check_parallel_layout(dims: ParallelDims, *, parallel: ParallelConfig) -> None:
     """Every check of the parallel layout that needs only the config: run in the launcher, before
     any process or process group starts. Raises ConfigError naming the key and the fix."""
     if parallel.sequence_parallel and dims.tp == 1:
@@ -56,38 +58,6 @@ def check_parallel_layout(dims: ParallelDims, *, parallel: ParallelConfig, model
                 f"parallel.tp_plan.{pattern} = {style!r} is not a tensor-parallel style;"
                 f" use one of {', '.join(STYLE_NAMES)}"
             )
-    if dims.tp == 1:
-        return
-    user_plan = bool(parallel.tp_plan or parallel.tp_plan_factory)
-    if model.factory:
-        if not user_plan:
-            raise ConfigError(
-                f"parallel.tp = {dims.tp} needs a tensor-parallel plan for model.factory ="
-                f" {model.factory!r}; set a [parallel.tp_plan] table or parallel.tp_plan_factory"
-            )
-        return
-    if model.name == "gpt" and not user_plan:
-        _check_gpt_tp(dims.tp, model.args, sequence_parallel=parallel.sequence_parallel)
-
-
-def _check_gpt_tp(tp: int, args: dict, *, sequence_parallel: bool) -> None:
-    from paratrain.models.gpt import GPTConfig
-
-    defaults = GPTConfig()
-    get = lambda k: args.get(k, getattr(defaults, k))  # noqa: E731
-    checks = [
-        ("n_head", "attention heads are split whole across the tp ranks"),
-        ("d_model", "the hidden size is split across the tp ranks"),
-    ]
-    if sequence_parallel:
-        checks.append(("block_size", "sequence parallelism splits the positions across the tp ranks"))
-    for key, why in checks:
-        value = get(key)
-        if isinstance(value, int) and value % tp:
-            raise ConfigError(
-                f"parallel.tp = {tp} does not divide model.args.{key} = {value} ({why}); use a tp"
-                f" that divides {value} or a {key} that is a multiple of {tp}"
-            )
 
 
 def parallelize(
@@ -100,6 +70,8 @@ def parallelize(
     precision: PrecisionConfig | None = None,
     compile_enabled: bool = False,
     loss_parallel: bool = False,
+    blocks_attr: str = "layers",
+    model_plan: Callable[..., dict] | None = None,
 ) -> nn.Module:
     """Move ``model`` to ``device`` and apply the parallelisms its layout asks for, in order.
 
@@ -107,9 +79,9 @@ def parallelize(
     loss_parallel_enabled decides it; the step must then run the loss under loss_parallel).
     ``precision``/``comm`` give FSDP2 its MixedPrecisionPolicy; without FSDP2, autocast in the
     step does the casting and DDP's communication hooks the compression.
+    ``blocks_attr``/``model_plan`` are the model's ModelSpec pieces (models/spec.py): where its
+    blocks are, its own tensor-parallel plan.
     """
-    from paratrain.precision import build_mp_policy
-
     comm, precision = comm or CommConfig(), precision or PrecisionConfig()
     # 1. Pipeline split, still on the CPU (only this rank's stages reach the device): each stage
     #    then goes through steps 2-6 like a whole model (this function again), before the
@@ -129,7 +101,10 @@ def parallelize(
                 precision=precision,
                 compile_enabled=compile_enabled,
                 loss_parallel=loss_parallel,
+                blocks_attr=blocks_attr,
+                model_plan=model_plan,
             ),
+            blocks_attr=blocks_attr,
         )
     # Only move what is elsewhere: Module.to cannot swap the fake tensors of the memory
     # estimator (paratrain.find_batch) in torch 2.13, and they already sit on the device.
@@ -149,14 +124,15 @@ def parallelize(
             plan_factory=cfg.tp_plan_factory,
             sequence_parallel=cfg.sequence_parallel,
             loss_parallel=loss_parallel,
+            model_plan=model_plan,
         )
 
     # 3. Activation checkpointing, per block, with the TP hooks inside the recomputed region.
-    apply_ac(model, mode=cfg.activation_checkpointing)
+    apply_ac(model, mode=cfg.activation_checkpointing, blocks_attr=blocks_attr)
 
     # 4. torch.compile, per block: after TP and AC, before the data-parallel wrappers.
     if compile_enabled:
-        apply_compile(model, device=device)
+        apply_compile(model, device=device, blocks_attr=blocks_attr)
 
     # 5. Sharded data parallel (ZeRO via FSDP2; HSDP when dp_replicate > 1 too).
     if dims.dp_shard > 1:
@@ -166,12 +142,13 @@ def parallelize(
             reshard_after_forward=cfg.reshard_after_forward,
             cpu_offload=cfg.cpu_offload,
             mp_policy=build_mp_policy(precision, compression=comm.compression),
+            blocks_attr=blocks_attr,
         )
     # 6. Replicated data parallel, last: it wraps whatever the model has become.
     elif dims.dp_replicate > 1:
         if dims.tp > 1:
             # DDP cannot bucket DTensor parameters: FSDP2's replicate all-reduces TP shards.
-            apply_replicate(model, dims.submesh("dp_replicate"))
+            apply_replicate(model, dims.submesh("dp_replicate"), blocks_attr=blocks_attr)
         else:
             model = apply_ddp(model, dims.submesh("dp_replicate"), device=device, bucket_mb=comm.bucket_mb)
     return model

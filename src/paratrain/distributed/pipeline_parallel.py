@@ -70,7 +70,6 @@ SCHEDULES: dict[str, tuple[str, int | None, str]] = {
     "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
     "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
-BLOCKS_ATTR = "layers"
 
 
 # ----------------------------------------------------------------------------- layout checks
@@ -208,51 +207,15 @@ def check_pp_layout(
             )
 
 
-def check_pp_layout_of(
-    cfg,
-    *,
-    pp: int,
-    micro_batch_size: int,
-    accum_steps: int,
-    dp_replicate: int,
-    dp_shard: int,
-    model: nn.Module | None = None,
-) -> None:
-    """check_pp_layout for a whole Config: counts the blocks of ``model``, or of the config's
-    model built on the meta device (no memory)."""
-    from paratrain.models import build_model
-
-    try:
-        if model is None:
-            with torch.device("meta"):
-                model = build_model(cfg.model)
-        n_blocks = len(_blocks(model))
-        check_untied(model)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a factory that cannot run on meta: apply_pp checks at start
-        log.debug("cannot count the model's blocks on the meta device (%s); checked at start instead", e)
-        n_blocks = None
-    check_pp_layout(
-        cfg.parallel,
-        pp=pp,
-        micro_batch_size=micro_batch_size,
-        accum_steps=accum_steps,
-        n_blocks=n_blocks,
-        dp_replicate=dp_replicate,
-        dp_shard=dp_shard,
-    )
-
-
-def check_untied(model: nn.Module) -> None:
+def check_untied(model: nn.Module, *, blocks_attr: str = "layers") -> None:
     """Refuse parameters shared between blocks or head/tail modules (e.g. tied embeddings).
 
     Every stage holds its own copy of its modules, so a parameter tied across two of them would
     become two parameters, trained apart, on different stages.
     """
     owners: dict[int, str] = {}
-    units = [(f"{BLOCKS_ATTR}.{k}", m) for k, m in _blocks(model)._modules.items()]
-    units += [(k, m) for k, m in model._modules.items() if k != BLOCKS_ATTR and m is not None]
+    units = [(f"{blocks_attr}.{k}", m) for k, m in _blocks(model, blocks_attr)._modules.items()]
+    units += [(k, m) for k, m in model._modules.items() if k != blocks_attr and m is not None]
     for unit, module in units:
         for name, p in module.named_parameters(remove_duplicate=False):
             first = owners.setdefault(id(p), f"{unit}.{name}")
@@ -263,11 +226,11 @@ def check_untied(model: nn.Module) -> None:
                 )
 
 
-def _blocks(model: nn.Module) -> nn.Module:
-    layers = getattr(model, BLOCKS_ATTR, None)
+def _blocks(model: nn.Module, blocks_attr: str) -> nn.Module:
+    layers = getattr(model, blocks_attr, None)
     if not isinstance(layers, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         raise ConfigError(
-            f"parallel.pp > 1 needs a model whose blocks are in a '{BLOCKS_ATTR}' ModuleList/ModuleDict/Sequential"
+            f"parallel.pp > 1 needs a model whose blocks are in a '{blocks_attr}' ModuleList/ModuleDict/Sequential"
             f" ({type(model).__name__} has none); restructure the model or set parallel.pp = 1"
         )
     return layers
@@ -312,9 +275,9 @@ def _numel(module: nn.Module | None) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters())
 
 
-def stage_ranges(model: nn.Module, stages: int, split_points: list[int]) -> list[range]:
-    """The blocks (positions in ``layers``) of every stage."""
-    layers = _blocks(model)
+def stage_ranges(model: nn.Module, stages: int, split_points: list[int], *, blocks_attr: str = "layers") -> list[range]:
+    """The blocks (positions in the ``blocks_attr`` container) of every stage."""
+    layers = _blocks(model, blocks_attr)
     n = len(layers)
     if stages > n:
         raise ConfigError(
@@ -329,7 +292,7 @@ def stage_ranges(model: nn.Module, stages: int, split_points: list[int]) -> list
             )
     else:
         names = list(model._modules)
-        pos = names.index(BLOCKS_ATTR)
+        pos = names.index(blocks_attr)
         head = sum(_numel(model._modules[k]) for k in names[:pos])
         tail = sum(_numel(model._modules[k]) for k in names[pos + 1 :])
         starts = balanced_split([_numel(b) for b in layers._modules.values()], stages, head=head, tail=tail)
@@ -337,15 +300,16 @@ def stage_ranges(model: nn.Module, stages: int, split_points: list[int]) -> list
     return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
 
 
-def split_stage(model: nn.Module, blocks: range, *, first: bool, last: bool) -> nn.Module:
-    """``model`` cut down in place to ``blocks`` (and its head/tail modules when first/last)."""
-    layers = _blocks(model)
+def split_stage(model: nn.Module, blocks: range, *, first: bool, last: bool, blocks_attr: str = "layers") -> nn.Module:
+    """``model`` cut down in place to ``blocks`` (and its head/tail modules when first/last):
+    the modules registered before the blocks go with the first stage, those after with the last."""
+    layers = _blocks(model, blocks_attr)
     for i, key in enumerate(list(layers._modules)):
         if i not in blocks:
             # Deleting from _modules keeps the remaining blocks' keys, hence their names.
             del layers._modules[key]
     names = list(model._modules)
-    pos = names.index(BLOCKS_ATTR)
+    pos = names.index(blocks_attr)
     for name in names[:pos] if not first else ():
         setattr(model, name, None)
     for name in names[pos + 1 :] if not last else ():
@@ -375,7 +339,7 @@ class PipelineModel(nn.Module):
     """This rank's pipeline stages (``parts``) and their schedule; not callable as a module.
 
     ``parameters()``/``train()`` see all local parts, so the optimiser and the loop treat it
-    like a model; :func:`pipeline_train_step` runs it. The schedule is built at the first step,
+    like a model; step.train_step runs it (through :func:`pipeline_forward_backward`). The schedule is built at the first step,
     when the number of micro-batches and the loss are known.
     """
 
@@ -394,7 +358,7 @@ class PipelineModel(nn.Module):
         self.loss: _ScaledLoss | None = None
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError("a PipelineModel runs through its schedule; use pipeline_train_step")
+        raise RuntimeError("a PipelineModel runs through its schedule; use paratrain.step.train_step")
 
     def build_schedule(self, *, micro_batch_size: int, accum_steps: int, loss_fn: Callable) -> None:
         import torch.distributed.pipelining as pipelining
@@ -440,6 +404,7 @@ def apply_pp(
     cfg: ParallelConfig,
     device: torch.device,
     parallelize_stage: Callable[[nn.Module], nn.Module] = lambda m: m,
+    blocks_attr: str = "layers",
 ) -> PipelineModel:
     """Split ``model`` into stages, keep this rank's, parallelise each and wrap it in a PipelineStage.
 
@@ -453,15 +418,15 @@ def apply_pp(
     pp, pp_rank, pp_group = pp_mesh.size(), pp_mesh.get_local_rank(), pp_mesh.get_group()
     v = virtual_stages(cfg)
     num_stages = pp * v
-    check_untied(model)
-    ranges = stage_ranges(model, num_stages, cfg.pp_split_points)
+    check_untied(model, blocks_attr=blocks_attr)
+    ranges = stage_ranges(model, num_stages, cfg.pp_split_points, blocks_attr=blocks_attr)
     owner = generate_stage_to_rank_mapping(pp, num_stages, style=SCHEDULES[cfg.pp_schedule][2])
     stage_ids = sorted(s for s in range(num_stages) if owner[s] == pp_rank)
     parts, stages = [], []
     for k, s in enumerate(stage_ids):
         # The last local stage cuts the model itself; earlier ones cut a copy of it.
         whole = model if k == len(stage_ids) - 1 else copy.deepcopy(model)
-        part = split_stage(whole, ranges[s], first=s == 0, last=s == num_stages - 1)
+        part = split_stage(whole, ranges[s], first=s == 0, last=s == num_stages - 1, blocks_attr=blocks_attr)
         part._paratrain_pp_stage = True
         part = parallelize_stage(part)
         parts.append(part)
@@ -479,56 +444,23 @@ def apply_pp(
 # ----------------------------------------------------------------------------- the step
 
 
-def pp_grad_norm(params: list[nn.Parameter], *, max_norm: float, pp_group) -> torch.Tensor:
-    """Clip by the gradient norm of the whole model: each stage's norm (itself whole over its
-    FSDP/TP shards, grad_norm.global_grad_norm) is partial, so the squares are summed over pp."""
-    from paratrain.distributed.grad_norm import global_grad_norm
+def pipeline_forward_backward(
+    model: PipelineModel, batches: list[tuple], *, scale: float, loss_fn: Callable, device: torch.device, autocast
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One schedule run (forward and backward) over this rank's micro-batches ``[(input, target), ...]``.
 
-    local = global_grad_norm(params, norm_type=2.0)
-    sq = local.double().reshape(()) ** 2
-    dist.all_reduce(sq, group=pp_group)
-    total = sq.sqrt()
-    if max_norm > 0:
-        # torch.nn.utils.clip_grads_with_norm_'s coefficient, as a Python scalar so that it
-        # multiplies plain tensors and DTensors on any mesh alike.
-        coef = min(1.0, float(max_norm / (total + 1e-6)))
-        if coef < 1.0:
-            with torch.no_grad():
-                for p in params:
-                    p.grad.mul_(coef)
-    return total
-
-
-def pipeline_train_step(
-    model: PipelineModel,
-    optimizer: torch.optim.Optimizer,
-    batches: list[tuple],
-    *,
-    loss_fn,
-    dp: int,
-    dp_group: dist.ProcessGroup | None,
-    grad_clip: float,
-    device: torch.device,
-    precision=None,
-):
-    """One optimiser step through the pipeline schedule; same contract as ``step.train_step``.
-
-    ``precision`` (paratrain.precision.Precision): its autocast wraps the schedule run (fp16's
-    gradient scaler is refused with pp > 1 by check_precision)."""
-    from paratrain.step import StepResult, count_global_items, to_device
-
-    # 1. The global item count before any backward, as in step.train_step. Every rank of a
-    #    pipeline holds the same data, so each counts for itself; the dp ranks add up.
-    items, tokens, local_items = count_global_items(batches, loss_fn=loss_fn, dp_group=dp_group)
-
-    # 2. One schedule run over the rank's whole batch, cut into accum x pp_microbatches pieces
-    #    (the concatenated micro-batches in order, so piece k is a slice of micro-batch k // m).
-    inputs = to_device(torch.cat([x for x, _ in batches]), device)
-    target = to_device(torch.cat([t for _, t in batches]), device)
+    Returns this rank's ``(loss_sum, returned_count)`` as float64 tensors: the loss's own sums
+    and counts on the last stage, zeros on the others. step.py finishes the step (clip, optimiser,
+    the reduce over pp and dp, the count check) as for a plain model.
+    """
+    # The rank's whole batch, cut into accum x pp_microbatches pieces by the schedule (the
+    # concatenated micro-batches in order, so piece k is a slice of micro-batch k // m).
+    inputs = torch.cat([x for x, _ in batches]).to(device)
+    target = torch.cat([t for _, t in batches]).to(device)
     if model.schedule is None:
         model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=loss_fn)
     scaled = model.loss
-    scaled.scale, scaled.sums, scaled.counts = dp / items, [], []
+    scaled.scale, scaled.sums, scaled.counts = scale, [], []
     args = (inputs,) if model.has_first else ()
     with contextlib.ExitStack() as stack:
         # The schedule reduces DDP gradients itself, in the last backward, through an explicit
@@ -539,32 +471,36 @@ def pipeline_train_step(
         for part in model.parts:
             if isinstance(part, DistributedDataParallel):
                 stack.enter_context(part.no_sync())
-        if precision is not None:
-            stack.enter_context(precision.autocast())
+        stack.enter_context(autocast)
         model.schedule.step(*args, target=target if model.has_last else None, return_outputs=False)
+    return _local_sums(model, device)
 
-    # 3. Clip over all stages, step.
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = pp_grad_norm(params, max_norm=grad_clip, pp_group=model.pp_group)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
-    # 4. The loss lives on the last stage: summed over pp (zero elsewhere) then over dp, every
-    #    rank logs the same figure.
+def pipeline_forward(
+    model: PipelineModel, batches: list[tuple], *, loss_fn: Callable, device: torch.device, autocast
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only through the schedule (``eval()``, torch >= 2.9): ``(loss_sum, count)`` as above."""
+    inputs = torch.cat([x for x, _ in batches]).to(device)
+    target = torch.cat([t for _, t in batches]).to(device)
+    if model.schedule is None:
+        model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=loss_fn)
+    scaled = model.loss
+    scaled.sums, scaled.counts = [], []
+    args = (inputs,) if model.has_first else ()
+    with autocast, torch.no_grad():
+        model.schedule.eval(*args, target=target if model.has_last else None)
+    return _local_sums(model, device)
+
+
+def _local_sums(model: PipelineModel, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    returned = torch.zeros((), device=device, dtype=torch.float64)
     if model.has_last:
         # The first run also calls the loss once for shape inference (on a throw-away forward):
         # the step's own calls are the last n.
         n = model.n_microbatches
+        scaled = model.loss
         scaled.sums, scaled.counts = scaled.sums[-n:], scaled.counts[-n:]
-        returned = sum(int(c) for c in scaled.counts)
-        if returned != local_items:
-            raise ConfigError(
-                f"the loss returned item count {returned} but counting the targets gave {local_items};"
-                " give the loss function a count(target) attribute that matches"
-            )
         loss_sum += torch.stack([s.double() for s in scaled.sums]).sum()
-    dist.all_reduce(loss_sum, group=model.pp_group)
-    if dp_group is not None:
-        dist.all_reduce(loss_sum, group=dp_group)
-    return StepResult(loss_sum.item() / items, items, float(grad_norm), tokens)
+        returned += sum(float(c) for c in scaled.counts)
+    return loss_sum, returned

@@ -1,7 +1,7 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et
 al. 2022) with DTensor: ``apply_tp(model, mesh, *, plan, sequence_parallel, loss_parallel)``.
 
-The built-in GPT gets the Megatron plan: in each block the first linear layers are split by
+A model's own plan comes from its ModelSpec (the built-in GPT's: models/gpt/parallel.py): in each block the first linear layers are split by
 output features ("colwise": q/k/v, i.e. whole heads, and the MLP's fc_in) and the second ones by
 input features ("rowwise": o_proj, fc_out), so a block costs one all-reduce in forward and one in
 backward per sub-layer and nothing in between. The token embedding is split by vocabulary rows,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -29,7 +30,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -86,42 +86,6 @@ def plan_from_table(model: nn.Module, table: dict) -> dict[str, ParallelStyle]:
     return plan
 
 
-def gpt_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
-    """The Megatron plan for paratrain's GPT (modules that a pipeline stage dropped are skipped)."""
-    seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
-    plan: dict[str, ParallelStyle] = {}
-    if getattr(model, "tok_emb", None) is not None:
-        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-        # Positions (T, d_model): their sequence dim is 0, they are added to the (B, T, d) tokens.
-        plan["pos_emb"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()
-        )
-    for name in model.layers:
-        p = f"layers.{name}."
-        if sequence_parallel:
-            plan[p + "attn_norm"] = SequenceParallel()
-            plan[p + "mlp_norm"] = SequenceParallel()
-            # The attention and the MLP need the whole sequence: all-gather it on entry.
-            plan[p + "attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-            plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        # Whole heads per rank: q/k/v split by output features = by heads (n_head % tp == 0).
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            plan[p + "attn." + proj] = ColwiseParallel()
-        plan[p + "attn.o_proj"] = RowwiseParallel(output_layouts=seq)
-        plan[p + "mlp.fc_in"] = ColwiseParallel()
-        plan[p + "mlp.fc_out"] = RowwiseParallel(output_layouts=seq)
-    if getattr(model, "norm", None) is not None and sequence_parallel:
-        plan["norm"] = SequenceParallel()
-    if getattr(model, "lm_head", None) is not None:
-        plan["lm_head"] = ColwiseParallel(
-            input_layouts=seq,
-            # loss_parallel keeps the logits a DTensor sharded on the vocabulary for the loss.
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    return plan
-
-
 def _check_sequence_divisible(tp: int):
     def hook(module, args):
         x = args[0] if args else None
@@ -156,41 +120,39 @@ def _keep_gradients_sharded(model: nn.Module) -> None:
 
 
 def loss_parallel_enabled(
-    model: nn.Module, *, tp: int, requested: bool, builtin_cross_entropy: bool, user_plan: bool
+    *, tp: int, requested: bool, builtin_cross_entropy: bool, user_plan: bool, supported: bool
 ) -> bool:
-    """Whether the loss runs on vocabulary-sharded logits: only paratrain's GPT under its own plan
-    with the built-in cross-entropy (torch's loss_parallel covers cross_entropy, not any loss)."""
-    from paratrain.models.gpt import GPT
-
-    return (
-        tp > 1
-        and requested
-        and builtin_cross_entropy
-        and not user_plan
-        and isinstance(model, GPT)
-        and getattr(model, "lm_head", None) is not None
-    )
+    """Whether the loss runs on vocabulary-sharded logits: only for a model whose own plan shards
+    its output layer (``ModelSpec.loss_parallel``), under that plan, with the built-in
+    cross-entropy (torch's loss_parallel covers cross_entropy, not any loss)."""
+    return tp > 1 and requested and builtin_cross_entropy and not user_plan and supported
 
 
 def apply_tp(
-    model: nn.Module, mesh: DeviceMesh, *, plan: dict, plan_factory: str, sequence_parallel: bool, loss_parallel: bool
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    plan: dict,
+    plan_factory: str,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    model_plan: Callable[..., dict] | None = None,
 ) -> None:
     """Shard ``model`` in place over the 1-D ``mesh``.
 
-    ``plan``/``plan_factory`` are the user's plan; without them the model must be paratrain's GPT.
+    ``plan``/``plan_factory`` are the user's plan; without them the model's own ``model_plan``
+    (``ModelSpec.tp_plan(model, *, sequence_parallel, loss_parallel)``) is used.
     ``loss_parallel`` (decided by :func:`loss_parallel_enabled`) leaves the GPT's logits as
     vocabulary-sharded DTensors; the step then runs the loss under :func:`maybe_loss_parallel`.
     """
-    from paratrain.models.gpt import GPT
-
     if plan_factory:
         styles = resolve_callable(plan_factory, "parallel.tp_plan_factory")(model, mesh)
         if not isinstance(styles, dict):
             raise ConfigError("parallel.tp_plan_factory must return a dict {module name: ParallelStyle}")
     elif plan:
         styles = plan_from_table(model, plan)
-    elif isinstance(model, GPT):
-        styles = gpt_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    elif model_plan is not None:
+        styles = model_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     else:
         raise ConfigError(
             f"parallel.tp = {mesh.size()} needs a plan for {type(model).__name__}; set a"

@@ -1,4 +1,9 @@
-"""Built-in models and the model builder (built-in name or user factory)."""
+"""Built-in models, their specs, and the model builder (built-in name or user factory).
+
+``build(cfg) -> (model, spec)``: a built-in name has its registered ModelSpec; a user factory may
+return a ModelSpec (then its ``build()`` makes the model) or a module (then the conventions of
+models/spec.py apply: ``default_spec``).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,11 @@ import inspect
 from torch import nn
 
 from paratrain.config import ConfigError, ModelConfig, resolve_callable
-from paratrain.models.gpt import GPT, GPTConfig, build_gpt
+from paratrain.models.gpt import GPT, GPT_SPEC, GPTConfig, build_gpt
+from paratrain.models.spec import ModelSpec, default_spec
 
-BUILTIN_MODELS = {"gpt": build_gpt}
+BUILTIN_SPECS: dict[str, ModelSpec] = {"gpt": GPT_SPEC}
+BUILTIN_MODELS = {name: spec.build for name, spec in BUILTIN_SPECS.items()}
 
 
 def model_builder(cfg: ModelConfig):
@@ -24,13 +31,35 @@ def model_builder(cfg: ModelConfig):
     return fn, key
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """Build the model on CPU; the caller seeds the RNG first so the init is a function of the seed."""
+def build(cfg: ModelConfig) -> tuple[nn.Module, ModelSpec]:
+    """Build the model on CPU with its spec; the caller seeds the RNG first so the init is a
+    function of the seed."""
     fn, key = model_builder(cfg)
-    model = fn(**cfg.args)
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"{key} returned {type(model).__name__}, not a torch.nn.Module; return the model")
-    return model
+    made = fn(**cfg.args)
+    if isinstance(made, ModelSpec):  # a factory that describes its model fully
+        spec, made = made, made.build()
+    else:
+        spec = BUILTIN_SPECS[cfg.name] if not cfg.factory else default_spec(cfg.factory, fn)
+    if not isinstance(made, nn.Module):
+        raise ConfigError(f"{key} returned {type(made).__name__}, not a torch.nn.Module or ModelSpec; return the model")
+    return made, spec
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The model of ``cfg`` alone (see :func:`build`)."""
+    return build(cfg)[0]
+
+
+def spec_of(cfg: ModelConfig, model: nn.Module | None = None) -> ModelSpec:
+    """The spec of a model passed to ``paratrain.train(model=...)``, or of the config's built-in
+    model, without building anything (a factory's spec needs :func:`build`)."""
+    if model is None and not cfg.factory and cfg.name in BUILTIN_SPECS:
+        return BUILTIN_SPECS[cfg.name]
+    if isinstance(model, GPT):
+        return GPT_SPEC
+    if model is not None:
+        return default_spec(type(model).__name__, lambda: model)
+    return default_spec(cfg.factory, model_builder(cfg)[0])
 
 
 def _check_kwargs(fn, args: dict, key: str, args_key: str) -> None:
@@ -50,4 +79,4 @@ def _check_kwargs(fn, args: dict, key: str, args_key: str) -> None:
             raise ConfigError(f"{args_key}.{name} is not accepted by {key}; accepted: {', '.join(params)}")
 
 
-__all__ = ["GPT", "GPTConfig", "build_gpt", "build_model", "BUILTIN_MODELS"]
+__all__ = ["GPT", "GPTConfig", "ModelSpec", "build", "build_gpt", "build_model", "spec_of", "BUILTIN_MODELS"]

@@ -133,3 +133,20 @@ class GPT(nn.Module):
 
 def build_gpt(**kwargs) -> GPT:
     return GPT(GPTConfig(**kwargs))
+
+
+def gpt_flops_per_token(*, matmul_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
+    """PaLM appendix B (Chowdhery et al. 2022): 6N + 12 L d T FLOPs per token for a forward and
+    backward; N counts the parameters that multiply (embeddings are lookups and left out; the
+    output projection is a matmul and kept), the attention products over the whole T x T square."""
+    return 6.0 * matmul_params + 12.0 * n_layer * d_model * seq_len
+
+
+def gpt_flops(model: GPT):
+    """``f(seq_len) -> training FLOPs per token`` of a whole (not yet split) GPT."""
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    matmul = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+    cfg = model.cfg
+    return lambda seq_len: gpt_flops_per_token(
+        matmul_params=matmul, n_layer=cfg.n_layer, d_model=cfg.d_model, seq_len=seq_len
+    )

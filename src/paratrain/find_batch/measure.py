@@ -1,0 +1,291 @@
+"""Whether a micro-batch fits: the real step on fake tensors (MemTracker) or on the device (trials).
+
+See find_batch/__init__.py for the whole picture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.batching import load_batches, plan_batch
+from paratrain.config import Config, ConfigError
+from paratrain.data import build_dataset
+from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.parallelize import parallelize
+from paratrain.find_batch.search import GIB, Trial
+from paratrain.loss import build_loss
+from paratrain.models import build, spec_of
+from paratrain.optim import build_optimizer
+from paratrain.precision import build_precision
+from paratrain.step import StepContext, train_step
+
+log = logging.getLogger("paratrain")
+
+
+def guarded(trial: Callable[[int], Trial], *, device: torch.device | None = None) -> Callable[[int], Trial]:
+    """Turn an out-of-memory error of ``trial`` into a failed Trial and free what it held."""
+
+    def run(m: int) -> Trial:
+        oom = False
+        try:
+            result = trial(m)
+        except torch.OutOfMemoryError:  # also torch.cuda.OutOfMemoryError
+            oom = True
+        # Outside the except block: the exception (and the frames holding tensors) is gone. A
+        # full gc pass costs most of a second with torch loaded: only where memory is at stake.
+        if oom or (device is not None and device.type == "cuda"):
+            free_memory(device)
+        return Trial(m, False, None, "out of memory") if oom else result
+
+    return run
+
+
+def agreed(trial: Callable[[int], Trial], group=None) -> Callable[[int], Trial]:
+    """Every rank runs ``trial`` and all take the answer of the worst rank (MIN of 'fits', MAX of peak)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return trial
+
+    def run(m: int) -> Trial:
+        t = trial(m)
+        # One collective for both: MIN over (fits, -peak) gives min fits and max peak. A CPU tensor
+        # works on gloo and on the 'cpu:gloo,cuda:nccl' backend.
+        flags = torch.tensor([int(t.fits), -(t.peak_bytes if t.peak_bytes is not None else 2**62)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        fits, peak = bool(flags[0].item()), -int(flags[1].item())
+        note = t.note if fits == t.fits else (t.note or "another rank did not fit")
+        return Trial(m, fits, None if peak >= 2**62 else peak, note)
+
+    return run
+
+
+def free_memory(device: torch.device | None) -> None:
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def replica_dims(dims: ParallelDims) -> ParallelDims:
+    """The layout of one DDP replica: what one rank holds does not depend on dp_replicate."""
+    return ParallelDims(1, dims.dp_shard, dims.tp, dims.pp, dims.world_size // dims.dp_replicate)
+
+
+class StepRunner:
+    """Builds and runs the real training step at a trial micro-batch size."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        dims: ParallelDims,
+        *,
+        device: torch.device,
+        model: nn.Module | None = None,
+        dataset=None,
+        loss=None,
+        iterations: int = 2,
+    ):
+        self.cfg, self.full_dims, self.device = cfg, dims, device
+        self.dims = replica_dims(dims)
+        self.user_model = model
+        self._dataset = dataset
+        self.loss_fn = loss if loss is not None and hasattr(loss, "count") else build_loss(cfg.loss, loss)
+        self.iterations = iterations
+        self.per_rank = plan_batch(
+            global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0, dp=dims.dp
+        ).per_rank_batch_size
+
+    @property
+    def dataset(self):
+        if self._dataset is None:  # built on first use: an injected measure never needs it
+            self._dataset = build_dataset(self.cfg.data)
+        return self._dataset
+
+    def batches(self, m: int) -> list:
+        n = m * min(2, self.per_rank // m)
+        return load_batches(self.dataset, [i % len(self.dataset) for i in range(n)], m)
+
+    def build(self, fake_mode=None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        with torch.random.fork_rng(devices=[]):  # trials must not move the run's RNG
+            if self.user_model is not None:
+                spec = spec_of(self.cfg.model, self.user_model)
+                if fake_mode is not None:
+                    with fake_mode, FakeCopyMode(fake_mode):
+                        model = copy.deepcopy(self.user_model)
+                else:
+                    model = copy.deepcopy(self.user_model)
+            elif fake_mode is not None:
+                # Fake parameters are created on the device: Module.to cannot move them (torch 2.13).
+                with fake_mode, torch.device(self.device):
+                    model, spec = build(self.cfg.model)
+            else:
+                model, spec = build(self.cfg.model)
+            with fake_mode or contextlib.nullcontext():
+                model = parallelize(
+                    model,
+                    self.dims,
+                    cfg=self.cfg.parallel,
+                    device=self.device,
+                    comm=self.cfg.comm,
+                    precision=self.cfg.precision,
+                    compile_enabled=False,
+                    blocks_attr=spec.blocks_attr,
+                    model_plan=spec.tp_plan,
+                )
+                optimizer = build_optimizer(model, self.cfg.optim)
+        return model, optimizer
+
+    def run(self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: list) -> None:
+        # The step's own mixed precision: autocast changes the activations' dtype, so the memory.
+        precision = build_precision(self.cfg.precision, device=self.device, fsdp_enabled=self.dims.dp_shard > 1)
+        model.train()
+        for _ in range(self.iterations):
+            train_step(
+                model,
+                optimizer,
+                batches,
+                StepContext(
+                    loss_fn=self.loss_fn,
+                    dp=self.dims.dp,
+                    dp_group=self.dims.group("dp"),
+                    grad_clip=self.cfg.optim.grad_clip,
+                    device=self.device,
+                    precision=precision,
+                ),
+            )
+
+    def ddp_extra_bytes(self, model: nn.Module, m: int, grads_at_peak: int) -> int:
+        """What DDP adds to one replica's peak: its gradient buckets, one gradient's worth, live all run.
+
+        With one micro-batch the gradients are views of the buckets, so only the part of them not
+        already allocated at the peak is extra. With accumulation, the micro-batches under
+        ``no_sync`` accumulate into ordinary gradients (``zero_grad(set_to_none=True)`` dropped the
+        views) which coexist with the buckets during the last backward: all of it is extra.
+        (Checked against MemTracker on a real 2-rank gloo DDP step: within 0.1%, test_batch_size.py.)
+        """
+        if self.full_dims.dp_replicate == 1:
+            return 0
+        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return buckets if self.per_rank // m >= 2 else max(0, buckets - grads_at_peak)
+
+
+try:
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError:  # pragma: no cover - torch too old for the estimator
+    MemTracker = None
+
+
+if MemTracker is not None:
+
+    class _StepMemTracker(MemTracker):
+        """MemTracker that allows the root module to run several forwards per step.
+
+        MemTracker refuses a second forward of the root module (it takes it for the next
+        iteration); accumulation and our two iterations do exactly that. The peak is global and
+        kept, only the per-module statistics restart.
+        """
+
+        def _pre_fw_hook(self, module, inputs):
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+        def peak(self) -> tuple[int, int]:
+            """(peak total bytes, gradient bytes at that moment), the largest device."""
+            snap = self.get_tracker_snapshot("peak")
+            if not snap:
+                return 0, 0
+            dev = max(snap, key=lambda d: snap[d]["Total"])
+            return snap[dev]["Total"], snap[dev].get(_MemRefType.GRAD, 0)
+
+    class _FakeScalars(TorchDispatchMode):
+        """``.item()`` on a fake tensor has no value; the step only needs *a* number to go on.
+
+        The counts it reads are made non-zero (1), which is all train_step checks; memory does
+        not depend on these values.
+        """
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return 1.0 if args[0].is_floating_point() else 1
+            return func(*args, **(kwargs or {}))
+
+
+def estimate_peak(runner: StepRunner, m: int) -> int:
+    """Peak bytes of one rank for micro-batch ``m``, on fake tensors (nothing is allocated)."""
+    if MemTracker is None:
+        raise ConfigError("the memory estimate needs torch >= 2.5 (MemTracker); upgrade torch or use a CUDA trial")
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    runner.dims.mesh  # build the device mesh outside fake mode: it reads real rank tensors
+    model, optimizer = runner.build(fake)
+    batches = runner.batches(m)
+    tracker = _StepMemTracker()
+    tracker.track_external(model, optimizer)
+    with fake, tracker, _FakeScalars():
+        runner.run(model, optimizer, batches)
+    peak, grads_at_peak = tracker.peak()
+    return peak + runner.ddp_extra_bytes(model, m, grads_at_peak)
+
+
+def measure_peak(runner: StepRunner, m: int) -> int:
+    """The same step on real tensors: MemTracker on CPU, the CUDA allocator's peak on a GPU."""
+    runner.dims.mesh
+    if runner.device.type == "cuda":
+        free_memory(runner.device)
+        base = torch.cuda.memory_allocated(runner.device)
+        model, optimizer = runner.build()
+        runner.run(model, optimizer, runner.batches(m))
+        torch.cuda.synchronize(runner.device)
+        peak = torch.cuda.max_memory_allocated(runner.device) - base
+        grads = 0
+    else:
+        model, optimizer = runner.build()
+        batches = runner.batches(m)
+        tracker = _StepMemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            runner.run(model, optimizer, batches)
+        peak, grads = tracker.peak()
+    extra = runner.ddp_extra_bytes(model, m, grads)
+    del model, optimizer
+    return peak + extra
+
+
+# ----------------------------------------------------------------------------- budget and entry points
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_budget(*, memory_gib: float, device: torch.device, local_processes: int) -> tuple[int, str]:
+    """Per-rank budget in bytes and where it comes from."""
+    if memory_gib > 0:
+        return int(memory_gib * GIB), "batch.memory_gib"
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"memory of {torch.cuda.get_device_name(device)}"
+    local = max(1, local_processes)
+    return available_ram_bytes() // local, f"available RAM / {local} local process{'es' if local > 1 else ''}"

@@ -1,0 +1,135 @@
+"""The pure search for the largest micro-batch that fits, and its result format (no torch state).
+
+See find_batch/__init__.py for the whole picture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from paratrain.config import ConfigError
+from paratrain.distributed.parallel_dims import ParallelDims
+
+log = logging.getLogger("paratrain")
+
+MAX_TRIALS = 12
+GIB = 1 << 30
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class Trial:
+    micro_batch_size: int
+    fits: bool
+    peak_bytes: int | None  # None when the trial ran out of memory
+    note: str = ""
+
+
+@dataclass
+class SearchResult:
+    micro_batch_size: int | None  # None: not even 1 fits
+    peak_bytes: int | None
+    budget_bytes: int
+    usable_bytes: int
+    method: str
+    budget_source: str
+    per_rank_batch_size: int
+    trials: list[Trial] = field(default_factory=list)
+
+    @property
+    def accum_steps(self) -> int | None:
+        return None if self.micro_batch_size is None else self.per_rank_batch_size // self.micro_batch_size
+
+    def table(self) -> str:
+        lines = [
+            f"find-batch: {self.method}; budget {self.budget_bytes / GIB:.3f} GiB per rank ({self.budget_source}),"
+            f" usable {self.usable_bytes / GIB:.3f} GiB after the margin;"
+            f" candidates: divisors of the per-rank batch {self.per_rank_batch_size}",
+            f"  {'micro_batch':>11}  {'peak_MiB':>10}  fits",
+        ]
+        for t in self.trials:
+            peak = "OOM" if t.peak_bytes is None else f"{t.peak_bytes / 2**20:.1f}"
+            lines.append(
+                f"  {t.micro_batch_size:>11}  {peak:>10}  {'yes' if t.fits else 'no'}{'  ' + t.note if t.note else ''}"
+            )
+        if self.micro_batch_size is None:
+            lines.append("  -> not even micro_batch_size 1 fits")
+        else:
+            lines.append(
+                f"  -> micro_batch_size {self.micro_batch_size} x accum_steps {self.accum_steps}"
+                f" (peak {self.peak_bytes / 2**20:.1f} MiB)"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "peak_bytes": self.peak_bytes,
+            "accum_steps": self.accum_steps,
+            "budget_bytes": self.budget_bytes,
+            "usable_bytes": self.usable_bytes,
+            "method": self.method,
+            "per_rank_batch_size": self.per_rank_batch_size,
+            "trials": [dataclasses.asdict(t) for t in self.trials],
+        }
+
+
+def nothing_fits_error(result: SearchResult, dims: ParallelDims) -> ConfigError:
+    one = next((t for t in result.trials if t.micro_batch_size == 1), None)
+    peak = "out of memory" if one is None or one.peak_bytes is None else f"peak {one.peak_bytes / GIB:.2f} GiB"
+    return ConfigError(
+        f"batch.micro_batch_size = 'auto': not even a micro-batch of 1 fits ({peak} > usable"
+        f" {result.usable_bytes / GIB:.2f} GiB per rank); try a layout that holds less per rank: more"
+        f" parallel.dp_shard (FSDP, now {dims.dp_shard}), parallel.tp (now {dims.tp}), activation"
+        f" checkpointing, or a larger batch.memory_gib / more memory"
+    )
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_micro_batch(
+    try_size: Callable[[int], Trial], *, per_rank_batch_size: int, max_trials: int = MAX_TRIALS
+) -> tuple[int | None, list[Trial]]:
+    """Largest divisor of ``per_rank_batch_size`` for which ``try_size`` fits (None if not 1).
+
+    Doubling from 1, then bisection among the divisors between the last fit and the first
+    failure. ``try_size`` must give the same answer on every rank (see :func:`agreed`).
+    """
+    cands = divisors(per_rank_batch_size)
+    trials: list[Trial] = []
+    lo, hi = -1, len(cands)  # indices: largest known fit, smallest known failure
+
+    def attempt(i: int) -> bool:
+        t = try_size(cands[i])
+        trials.append(t)
+        return t.fits
+
+    # 1. Growing sizes: 1, then the smallest divisor at least twice the last fit.
+    i = 0
+    while len(trials) < max_trials and i < hi:
+        if not attempt(i):
+            hi = i
+            break
+        lo = i
+        i = next((j for j in range(i + 1, len(cands)) if cands[j] >= 2 * cands[lo]), len(cands))
+        if i >= len(cands):
+            break
+    # 2. Bisection among the divisors strictly between the last fit and the first failure (a
+    #    proper divisor is at most half the per-rank batch, so doubling always reaches the last).
+    while lo >= 0 and hi - lo > 1 and hi < len(cands) and len(trials) < max_trials:
+        mid = (lo + hi) // 2
+        if attempt(mid):
+            lo = mid
+        else:
+            hi = mid
+    return (cands[lo] if lo >= 0 else None), trials

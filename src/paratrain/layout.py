@@ -1,0 +1,154 @@
+"""Every preflight check that needs only the config and the world size.
+
+``check_layout`` runs in the launcher (``paratrain train``/``verify``/``find-batch``) before any
+process starts, and again in each worker before anything is built, so an impossible layout is
+one clear line (ConfigError, exit code 2) instead of a failure deep inside a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from paratrain.batching import BatchPlan, plan_batch
+from paratrain.config import Config, ConfigError
+from paratrain.data import dataset_builder
+from paratrain.distributed.grad_compression import check_compression
+from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.parallelize import check_parallel_layout
+from paratrain.distributed.pipeline_parallel import check_pp_layout, check_untied
+from paratrain.models import build, model_builder, spec_of
+from paratrain.models.spec import ModelSpec
+from paratrain.precision import check_precision
+
+log = logging.getLogger("paratrain")
+
+
+def check_layout(cfg: Config, world_size: int, *, model: nn.Module | None = None) -> tuple[ParallelDims, BatchPlan]:
+    """Every check that needs only the config and the world size: run before any process starts.
+
+    ``model``: a model object passed to ``train`` instead of the config's builder (pipeline checks count its blocks).
+    """
+    model_builder(cfg.model)
+    dataset_builder(cfg.data)
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    check_compression(cfg.comm, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp)
+    check_precision(cfg.precision, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, compression=cfg.comm.compression)
+    check_parallel_layout(dims, parallel=cfg.parallel)
+    mbs = cfg.batch.micro_batch_size
+    # 'auto' is resolved in the job (find_batch/); until then the plan is the whole per-rank batch.
+    plan = plan_batch(
+        global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp
+    )
+    check_feature_combinations(cfg, dims)
+    if dims.tp > 1 or dims.pp > 1:
+        meta_model, spec = model_on_meta(cfg, model)
+        check_model_layout(cfg, spec, tp=dims.tp)
+        if dims.pp > 1:
+            check_pp_layout_of(cfg, dims, plan, model=meta_model, spec=spec)
+    elif not cfg.model.factory:
+        check_model_layout(cfg, spec_of(cfg.model, model), tp=1)
+    return dims, plan
+
+
+def model_on_meta(cfg: Config, model: nn.Module | None) -> tuple[nn.Module | None, ModelSpec]:
+    """The model (built on the meta device: no memory) and its spec, for checks that look inside it.
+
+    A factory that cannot run on meta gives (None, its default spec): the job checks at start.
+    """
+    if model is not None:
+        return model, spec_of(cfg.model, model)
+    try:
+        with torch.device("meta"):
+            return build(cfg.model)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a factory that cannot run on meta: checked at start instead
+        log.debug("cannot build the model on the meta device (%s); checked at start instead", e)
+        return None, spec_of(cfg.model)
+
+
+def check_model_layout(cfg: Config, spec: ModelSpec, *, tp: int) -> None:
+    """The model's own checks (its spec's) and what the data asks of it."""
+    user_plan = bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory)
+    if tp > 1 and not user_plan:
+        if spec.tp_plan is None:
+            raise ConfigError(
+                f"parallel.tp = {tp} needs a tensor-parallel plan for model.factory ="
+                f" {cfg.model.factory!r}; set a [parallel.tp_plan] table or parallel.tp_plan_factory"
+            )
+        if spec.check_layout is not None:
+            spec.check_layout(cfg.model.args, tp=tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    block = cfg.data.args.get("block_size")
+    if spec.context_length is not None and isinstance(block, int):
+        context = spec.context_length(cfg.model.args)
+        if context is not None and block > context:
+            raise ConfigError(
+                f"data.args.block_size = {block} is longer than the model's context"
+                f" model.args.block_size = {context}; make them equal"
+            )
+
+
+def check_pp_layout_of(
+    cfg: Config, dims: ParallelDims, plan: BatchPlan, *, model: nn.Module | None, spec: ModelSpec
+) -> None:
+    """check_pp_layout for a whole Config: counts the blocks of ``model`` (None: unknown until start)."""
+    n_blocks = None
+    if model is not None:
+        blocks = spec.blocks(model)
+        if not blocks:
+            raise ConfigError(
+                f"parallel.pp > 1 needs a model whose blocks are in a '{spec.blocks_attr}'"
+                f" ModuleList/ModuleDict/Sequential ({type(model).__name__} has none);"
+                " restructure the model or set parallel.pp = 1"
+            )
+        n_blocks = len(blocks)
+        check_untied(model, blocks_attr=spec.blocks_attr)
+    check_pp_layout(
+        cfg.parallel,
+        pp=dims.pp,
+        micro_batch_size=plan.micro_batch_size,
+        accum_steps=plan.accum_steps,
+        n_blocks=n_blocks,
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+    )
+
+
+def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
+    """Combinations of features this version cannot run exactly: refused, never run wrongly."""
+    noise = (
+        "batch.adaptive = true"
+        if cfg.batch.adaptive
+        else ("optim.lr_scaling = 'adascale'" if cfg.optim.lr_scaling == "adascale" else "")
+    )
+    if noise:
+        # The gradient-noise probe reads each rank's gradient after its first micro-batch.
+        if dims.pp > 1:
+            raise ConfigError(
+                f"{noise} cannot measure the gradient noise across pipeline stages; set parallel.pp = 1 or turn it off"
+            )
+        if dims.dp_shard > 1:
+            raise ConfigError(
+                f"{noise} needs each rank's own gradient, which FSDP2 (parallel.dp_shard ="
+                f" {dims.dp_shard}) reduce-scatters or keeps unsharded; use parallel.dp_replicate"
+            )
+        if cfg.precision.dtype == "fp16":
+            raise ConfigError(
+                f"{noise} with precision.dtype = 'fp16' would read loss-scaled gradients; use precision.dtype = 'bf16'"
+            )
+    if dims.pp > 1:
+        if cfg.batch.micro_batch_size == "auto":
+            raise ConfigError(
+                "batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
+                " set batch.micro_batch_size to a number with parallel.pp > 1"
+            )
+        if cfg.checkpoint.interval or cfg.checkpoint.at_end or cfg.checkpoint.resume:
+            # Stage state dicts are keyed by the local stage index, not by the model's names, so a
+            # checkpoint could not be resharded to another layout or exported: refuse for now.
+            raise ConfigError(
+                "checkpoints are not supported with parallel.pp > 1 yet; set checkpoint.interval = 0,"
+                " checkpoint.at_end = false and checkpoint.resume = ''"
+            )

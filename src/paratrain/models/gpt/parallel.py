@@ -1,0 +1,96 @@
+"""The GPT's parallel side: its Megatron tensor-parallel plan, its layout checks, its ModelSpec.
+
+The plan (Megatron-LM, Shoeybi et al. 2019; sequence parallel, Korthikanti et al. 2022): in each
+block the first linear layers are split by output features ("colwise": q/k/v, i.e. whole heads,
+and the MLP's fc_in) and the second ones by input features ("rowwise": o_proj, fc_out), so a block
+costs one all-reduce in forward and one in backward per sub-layer. The token embedding is split by
+vocabulary rows, the output layer by vocabulary columns; with ``loss_parallel`` the logits stay
+vocabulary-sharded for the cross-entropy.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from paratrain.config import ConfigError
+from paratrain.models.gpt.model import GPTConfig, build_gpt, gpt_flops
+from paratrain.models.spec import ModelSpec
+
+
+def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """The Megatron plan for paratrain's GPT (modules that a pipeline stage dropped are skipped)."""
+    seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(model, "tok_emb", None) is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        # Positions (T, d_model): their sequence dim is 0, they are added to the (B, T, d) tokens.
+        plan["pos_emb"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()
+        )
+    for name in model.layers:
+        p = f"layers.{name}."
+        if sequence_parallel:
+            plan[p + "attn_norm"] = SequenceParallel()
+            plan[p + "mlp_norm"] = SequenceParallel()
+            # The attention and the MLP need the whole sequence: all-gather it on entry.
+            plan[p + "attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        # Whole heads per rank: q/k/v split by output features = by heads (n_head % tp == 0).
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            plan[p + "attn." + proj] = ColwiseParallel()
+        plan[p + "attn.o_proj"] = RowwiseParallel(output_layouts=seq)
+        plan[p + "mlp.fc_in"] = ColwiseParallel()
+        plan[p + "mlp.fc_out"] = RowwiseParallel(output_layouts=seq)
+    if getattr(model, "norm", None) is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=seq,
+            # loss_parallel keeps the logits a DTensor sharded on the vocabulary for the loss.
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+def check_gpt_layout(args: dict, *, tp: int, sequence_parallel: bool) -> None:
+    """Refuse a tensor-parallel degree that does not split the GPT whole (runs before launch)."""
+    defaults = GPTConfig()
+    get = lambda k: args.get(k, getattr(defaults, k))  # noqa: E731
+    checks = [
+        ("n_head", "attention heads are split whole across the tp ranks"),
+        ("d_model", "the hidden size is split across the tp ranks"),
+    ]
+    if sequence_parallel:
+        checks.append(("block_size", "sequence parallelism splits the positions across the tp ranks"))
+    for key, why in checks:
+        value = get(key)
+        if isinstance(value, int) and value % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp} does not divide model.args.{key} = {value} ({why}); use a tp"
+                f" that divides {value} or a {key} that is a multiple of {tp}"
+            )
+
+
+def gpt_context_length(args: dict) -> int:
+    return args.get("block_size", GPTConfig.block_size)
+
+
+GPT_SPEC = ModelSpec(
+    name="gpt",
+    build=build_gpt,
+    blocks_attr="layers",
+    tp_plan=gpt_tp_plan,
+    flops_per_token=gpt_flops,
+    check_layout=check_gpt_layout,
+    loss_parallel=True,
+    context_length=gpt_context_length,
+)

@@ -1,0 +1,61 @@
+"""ModelSpec: what paratrain needs to know about a model family, kept next to the model.
+
+torchtitan's ``ModelSpec`` idea in our words: the parallel code (``distributed/``) knows no model;
+it receives the spec's pieces as arguments. A spec says
+
+- how to build the model (``build(**model.args) -> nn.Module``, on CPU, after seeding);
+- where its repeated blocks are: ``blocks_attr`` names a ModuleDict/ModuleList/Sequential
+  attribute of the model, and that ONE rule is what the pipeline split, FSDP wrapping,
+  activation checkpointing and per-block compile all use. The pipeline's first stage also keeps
+  the modules registered before the blocks (embeddings), its last stage those after (final
+  norm, output layer);
+- its tensor-parallel plan: ``tp_plan(model, *, sequence_parallel, loss_parallel) ->
+  {module name: ParallelStyle}`` (None: the user gives ``[parallel.tp_plan]``);
+- its training FLOPs per token: ``flops_per_token(model) -> f(seq_len)`` (default 6 x params);
+- its own layout checks: ``check_layout(args, *, tp, sequence_parallel)`` raising ConfigError
+  before any process starts (e.g. attention heads divisible by tp);
+- whether the built-in cross-entropy may run on vocabulary-sharded logits (``loss_parallel``);
+- its context length from its args (``context_length``), checked against the data's block size.
+
+A user model gets a spec from its factory (``model.factory`` may return a ModelSpec instead of a
+module) or from the documented conventions: blocks in ``model.layers``, the plan from
+``[parallel.tp_plan]`` or ``parallel.tp_plan_factory``, FLOPs from 6 x parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+BLOCKS_ATTR = "layers"  # the documented convention for user models
+
+
+def params_flops_per_token(model: nn.Module) -> Callable[[int], float]:
+    """6 x parameters per token (sample, for non-token inputs): a lower bound that ignores
+    attention-like products (forward 2, backward 4 FLOPs per parameter)."""
+    n = sum(p.numel() for p in model.parameters())
+    return lambda seq_len: 6.0 * n
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    build: Callable[..., nn.Module]
+    blocks_attr: str = BLOCKS_ATTR
+    tp_plan: Callable[..., dict] | None = None
+    flops_per_token: Callable[[nn.Module], Callable[[int], float]] = params_flops_per_token
+    check_layout: Callable[..., None] | None = None
+    loss_parallel: bool = False
+    context_length: Callable[[dict], int | None] | None = None
+
+    def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The model's repeated blocks ``[(name, module), ...]`` (empty when it has none)."""
+        layers = getattr(model, self.blocks_attr, None)
+        return list(layers.named_children()) if isinstance(layers, nn.Module) else []
+
+
+def default_spec(name: str, build: Callable[..., nn.Module]) -> ModelSpec:
+    """The spec of a plain module from a user factory: the documented conventions."""
+    return ModelSpec(name=name, build=build)

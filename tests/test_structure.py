@@ -1,0 +1,122 @@
+"""The package's shape: no import cycle anywhere in src/paratrain, and imports at the top of files.
+
+The import graph is built with ``ast`` from every module's imports of ``paratrain.*``, top-level
+and function-level alike (a lazy import still closes a cycle when it runs). An edge goes to the
+module imported (``from paratrain.a import b`` to ``paratrain.a.b`` when that is a module, else to
+``paratrain.a``); the implicit import of parent packages is not an edge (``paratrain/__init__``
+imports the trainer, so every module would trivially reach itself through it).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+import paratrain
+
+ROOT = os.path.dirname(paratrain.__file__)
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(path: str, name: str, modules: dict[str, str]) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at top level) for every import of a paratrain module in ``path``."""
+    tree = ast.parse(open(path).read(), path)
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    top = {id(n) for n in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for t in targets:
+            if t.split(".")[0] == "paratrain":
+                while t not in modules:  # `import paratrain.a.b` names a module; a.b may be an attribute
+                    t = t.rpartition(".")[0]
+                found.append((t, node.lineno, id(node) in top))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: {t for t, _, _ in _imports(p, m, modules) if t != m} for m, p in modules.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                return path[path.index(t) :] + [t]
+            if t not in state and (cycle := visit(t)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_the_import_graph_of_the_package_has_no_cycle():
+    graph = _graph()
+    assert len(graph) > 30 and "paratrain.trainer" in graph
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    # The test above must be able to fail: an injected back edge is found.
+    graph = _graph()
+    graph["paratrain.batching"] = graph["paratrain.batching"] | {"paratrain.trainer"}
+    cycle = _find_cycle(graph)
+    assert cycle is not None and cycle[0] == cycle[-1]
+
+
+def test_distributed_imports_no_model():
+    """distributed/ gets the model's pieces (blocks, plan) as arguments (models/spec.py)."""
+    graph = _graph()
+    bad = {(m, t) for m, ts in graph.items() if m.startswith("paratrain.distributed") for t in ts}
+    assert not {(m, t) for m, t in bad if t.startswith("paratrain.models")}
+
+
+def test_the_trainer_imports_find_batch_never_the_reverse():
+    graph = _graph()
+    assert "paratrain.trainer" not in {t for m, ts in graph.items() if m.startswith("paratrain.find_batch") for t in ts}
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_paratrain_imports_sit_at_the_top_unless_a_comment_says_why(module):
+    """A function-level import of a paratrain module needs a comment on its line or the line above."""
+    modules = _modules()
+    path = modules[module]
+    lines = open(path).read().splitlines()
+    lazy = [
+        (t, line)
+        for t, line, at_top in _imports(path, module, modules)
+        if not at_top and "#" not in lines[line - 1] and not lines[line - 2].strip().startswith("#")
+    ]
+    assert not lazy, f"{path}: function-level imports without a comment saying why: {lazy}"
