@@ -42,7 +42,7 @@ def _rank(rank: int, world: int, port: int, args, out_dir: str, q) -> None:
     torch.set_num_threads(1)
     import dataclasses
 
-    from paratrain.checkpoint import Checkpointer
+    from paratrain.checkpoint import Checkpointer, DataclassState, ModelState, OptimizerState
     from paratrain.config import CheckpointConfig, load_config, to_toml
     from paratrain.models import build_model
     from paratrain.optim import build_optimizer, build_scheduler
@@ -78,10 +78,13 @@ def _rank(rank: int, world: int, port: int, args, out_dir: str, q) -> None:
             ccfg,
             out_dir=out_dir,
             config_toml=to_toml(cfg),
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            state=state,
+            stateful={
+                "model": ModelState(model),
+                "optim": OptimizerState(model, optimizer),
+                "scheduler": scheduler,
+                "train_state": DataclassState(state),
+            },
+            train_state=state,
             layout={"dp_replicate": world},
             rank=rank,
             world_size=world,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -319,3 +320,20 @@ def test_cli_subprocess_exits_2(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # refused before any process started
+
+
+@pytest.mark.timeout(180)
+def test_a_miscounting_loss_under_pp_stops_every_rank_and_the_launcher_names_the_count(tmp_path):
+    """The item-count check runs on the numbers reduced over pp and dp, so every rank raises the
+    same one-line error together (no rank left in a collective), and the launcher's last line
+    names the first failure's own error, not a 'connection closed by peer' of a victim."""
+    t0 = time.monotonic()
+    args = _cli_args(tmp_path, ["parallel.pp=2", "loss.name='tests.toy:ce_miscounted'", "run.steps=2"])
+    proc = paratrain_cli(*args[:2], "--nproc-per-node", "2", *args[2:], timeout=150)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("paratrain: error: worker rank"), last
+    assert "the loss returned item count 256 but counting the targets gave 128" in last, last
+    # Every rank raised the same ConfigError (exit code 2): none was left waiting for a timeout.
+    assert proc.stderr.count("paratrain: error: the loss returned item count") == 2, proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 150

@@ -61,11 +61,38 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
     try:
         run(args)
     except ChildFailedError as e:
+        print(f"paratrain: error: {failure_summary(e.failures)}", file=sys.stderr)
         codes = sorted({f.exitcode for f in e.failures.values()})
-        first_rank = min(e.failures)  # keyed by global rank
-        print(
-            f"paratrain: error: worker rank {first_rank} failed with exit code {codes[0]} (see its log above)",
-            file=sys.stderr,
-        )
         return 2 if codes == [2] else 1
     return 0
+
+
+def first_failure(failures: dict) -> tuple[int, object]:
+    """The (global rank, ProcessFailure) that failed first.
+
+    When one worker fails, torchrun's agent ends the others, whose last words are a "connection
+    closed by peer" collective error: the cause is the earliest failure. Workers record the moment
+    they failed (worker.record_failure); a worker without that record (killed by a signal, or
+    ended by the agent) falls back to the elastic timestamp, the agent's own observation.
+    """
+
+    def when(item):
+        rank, f = item
+        data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+        recorded = data.get("paratrain", {}).get("time")
+        return (recorded if recorded is not None else float(f.timestamp), rank)
+
+    return min(failures.items(), key=when)
+
+
+def failure_summary(failures: dict) -> str:
+    """One line naming the first failure: its rank, exit code and own error line."""
+    rank, f = first_failure(failures)
+    data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+    line = data.get("paratrain", {}).get("line") or (f.message if isinstance(f.message, str) else "")
+    if not line or line.startswith("To enable traceback"):
+        line = "see its log above"
+    what = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+    others = len(failures) - 1
+    tail = f" ({others} other worker(s) stopped after it)" if others else ""
+    return f"worker rank {rank} failed first ({what}): {line}{tail}"

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 from paratrain.cli import add_set_argument
 from paratrain.config import ConfigError, load_config
@@ -34,12 +36,42 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides.append("checkpoint.resume=" + json.dumps(args.resume))
         train(load_config(args.config, args.overrides))
     except ConfigError as e:
+        record_failure(str(e))
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
     except CollectiveTimeout as e:  # already explained: no traceback
+        record_failure(str(e))
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:
+        record_failure(f"{type(e).__name__}: {e}")
+        raise
     return 0
+
+
+def record_failure(line: str) -> None:
+    """Leave this worker's error line and the moment it failed where torch elastic's agent reads it.
+
+    torchrun gives each worker an error file (``TORCHELASTIC_ERROR_FILE``) and the agent hands its
+    contents to the launcher in ``ProcessFailure.error_file_data``. The launcher names the earliest
+    failure: when one rank fails, the others die of it a moment later ("connection closed by
+    peer"), so the cause is the first one, not the rank the agent happens to list first. The
+    elastic format's own timestamp has whole seconds; ``paratrain.time`` is precise.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    first_line = (line.strip().splitlines() or [""])[0][:1000]
+    data = {
+        "message": {"message": first_line, "extraInfo": {"py_callstack": "", "timestamp": str(int(now))}},
+        "paratrain": {"time": now, "line": first_line},
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # reporting must never hide the error itself
+        pass
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""``paratrain export``: a checkpoint's model weights (any layout) as one safetensors file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from paratrain.checkpoint.manifest import MANIFEST, resolve_checkpoint
+from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_reader
+from paratrain.config import ConfigError
+
+log = logging.getLogger("paratrain")
+
+
+def export_safetensors(checkpoint: str, to: str) -> dict:
+    """Consolidate a checkpoint's model weights (any layout) into one safetensors file.
+
+    Runs in one process without a process group: the empty full-size tensors are made from the
+    checkpoint's own metadata (global shapes and dtypes), so neither the model's code nor the
+    layout that wrote it is needed; DCP gathers every shard into them.
+    """
+
+    path = resolve_checkpoint(checkpoint, checkpoint)  # verifies the checksums
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    md = load_metadata(path)
+    weights = {
+        k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+    if not weights:
+        raise ConfigError(f"checkpoint {path} holds no model tensors; pass a checkpoint written by paratrain train")
+    dcp.load({"model": weights}, storage_reader=safe_reader(path), planner=safe_planner(), no_dist=True)
+    os.makedirs(os.path.dirname(os.path.abspath(to)), exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()},
+        to,
+        metadata={"step": str(manifest["step"]), "source": os.path.abspath(path)},
+    )
+    return {
+        "path": path,
+        "step": manifest["step"],
+        "tensors": len(weights),
+        "parameters": sum(v.numel() for v in weights.values()),
+    }

@@ -1,0 +1,122 @@
+"""The sha256 manifest: a checkpoint is complete exactly when ``manifest.json`` exists (written
+last, through an atomic rename), and intact exactly when the checksums match. Listing, finding the
+newest intact checkpoint, and resolving ``checkpoint.resume``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+
+from paratrain.config import ConfigError
+
+log = logging.getLogger("paratrain")
+
+MANIFEST = "manifest.json"
+CONFIG_FILE = "config.toml"
+FORMAT = "paratrain-checkpoint/1"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(path: str, info: dict) -> dict:
+    """Hash every file of the checkpoint folder and write manifest.json atomically (tmp + rename)."""
+    files = {}
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name == MANIFEST or name.startswith(MANIFEST) or not os.path.isfile(full):
+            continue
+        files[name] = {"sha256": _sha256(full), "bytes": os.path.getsize(full)}
+    manifest = {"format": FORMAT, **info, "files": files}
+    tmp = os.path.join(path, f".{MANIFEST}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MANIFEST))
+    return manifest
+
+
+class CheckpointInvalid(ConfigError):
+    """A checkpoint folder that is incomplete (no manifest) or damaged (checksums differ)."""
+
+
+def verify_checkpoint(path: str) -> dict:
+    """Return the manifest of a complete, intact checkpoint; raise CheckpointInvalid otherwise."""
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise CheckpointInvalid(f"checkpoint {path} does not exist; pass a step-N folder written by paratrain")
+    if not os.path.isfile(mpath):
+        raise CheckpointInvalid(f"checkpoint {path} is incomplete (no {MANIFEST}: killed while being written?)")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        int(manifest["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointInvalid(f"checkpoint {path} has an unreadable {MANIFEST} ({e})")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointInvalid(f"checkpoint {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if ".metadata" not in files:
+        raise CheckpointInvalid(f"checkpoint {path}: its manifest lists no .metadata")
+    for name, entry in files.items():
+        full = os.path.join(path, name)
+        if os.path.basename(name) != name or not os.path.isfile(full):
+            raise CheckpointInvalid(f"checkpoint {path} is damaged: file {name} is missing")
+        if _sha256(full) != entry.get("sha256"):
+            raise CheckpointInvalid(f"checkpoint {path} is damaged: {name} does not match its sha256 in {MANIFEST}")
+    return manifest
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every step-N folder under root, newest first (complete or not)."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.isdir(os.path.join(root, name)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found, reverse=True)
+
+
+def find_latest(root: str) -> str | None:
+    """The newest intact checkpoint under root; incomplete or damaged newer ones are reported and skipped."""
+    for _, path in list_checkpoints(root):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointInvalid as e:
+            log.warning("warning: %s; skipping it, trying the previous checkpoint", e)
+    return None
+
+
+def resolve_checkpoint(spec: str, root: str) -> str | None:
+    """The checkpoint that ``checkpoint.resume = spec`` names: None for a fresh start."""
+    if not spec:
+        return None
+    if spec == "latest":
+        path = find_latest(root)
+        if path is None:
+            log.info("checkpoint.resume = 'latest': no complete checkpoint in %s, starting at step 0", root)
+        return path
+    if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, MANIFEST)) and list_checkpoints(spec):
+        path = find_latest(spec)  # a checkpoints root: its newest intact checkpoint
+        if path is None:
+            raise ConfigError(f"checkpoint.resume = {spec!r}: no complete checkpoint in it; pass a step-N folder")
+        return path
+    try:
+        verify_checkpoint(spec)
+    except CheckpointInvalid as e:
+        raise ConfigError(f"checkpoint.resume = {spec!r}: {e}")
+    return spec
