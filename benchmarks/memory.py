@@ -47,7 +47,7 @@ def measure(layout: dict, gpt_args: dict, batch: int) -> dict:
     from paratrain.config import OptimConfig, ParallelConfig
     from paratrain.distributed.parallel_dims import ParallelDims
     from paratrain.distributed.parallelize import parallelize
-    from paratrain.models import build_gpt
+    from paratrain.models.gpt import GPT_SPEC, build_gpt
     from paratrain.optim import build_optimizer
 
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def measure(layout: dict, gpt_args: dict, batch: int) -> dict:
     psi = sum(p.numel() for p in model.parameters())
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
-    model = parallelize(model, dims, cfg=cfg, device=torch.device("cpu"))
+    model = parallelize(model, dims, cfg=cfg, device=torch.device("cpu"), model_plan=GPT_SPEC.tp_plan)
     opt = build_optimizer(model, OptimConfig())
     g = torch.Generator().manual_seed(1)  # the same batch on every rank: only memory is measured
     x = torch.randint(0, gpt_args["vocab_size"], (batch, gpt_args["block_size"]), generator=g)

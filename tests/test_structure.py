@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import ast
 import os
+import runpy
+import sys
 
 import pytest
 
 import paratrain
+import paratrain.worker
 
 ROOT = os.path.dirname(paratrain.__file__)
 
@@ -120,3 +123,15 @@ def test_paratrain_imports_sit_at_the_top_unless_a_comment_says_why(module):
         if not at_top and "#" not in lines[line - 1] and not lines[line - 2].strip().startswith("#")
     ]
     assert not lazy, f"{path}: function-level imports without a comment saying why: {lazy}"
+
+
+def test_the_train_alias_runs_the_worker_and_leaves_the_api_function(monkeypatch):
+    """`-m paratrain.train` runs worker.main without binding the module as `paratrain.train`."""
+    calls = []
+    monkeypatch.setattr(paratrain.worker, "main", lambda argv=None: calls.append(argv) or 0)
+    monkeypatch.setattr(sys, "argv", ["paratrain.train", "cfg.toml"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("paratrain.train", run_name="__main__", alter_sys=True)  # what `python -m` does
+    assert exit_info.value.code == 0 and calls == [None]
+    assert callable(paratrain.train) and paratrain.train is paratrain.trainer.train
+    assert "paratrain.train" not in sys.modules

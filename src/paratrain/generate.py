@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from safetensors.torch import load_file
 
 from paratrain.config import ConfigError, load_config
 from paratrain.models import build_model
@@ -17,7 +18,6 @@ def load_trained_model(out_dir: str) -> torch.nn.Module:
             raise ConfigError(f"'{path}' not found; pass the run.out_dir of a finished `paratrain train` run")
     cfg = load_config(cfg_path)
     model = build_model(cfg.model)
-    from safetensors.torch import load_file
 
     model.load_state_dict(load_file(weights))
     return model.eval()

@@ -20,6 +20,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from paratrain.config import ConfigError, PrecisionConfig
 
@@ -89,7 +90,6 @@ def build_mp_policy(cfg: PrecisionConfig, *, compression: str = "none"):
     ``compression`` is ``comm.compression``: "bf16"/"fp16" lower the gradient reduce to that
     dtype, the FSDP2 form of DDP's compression hooks.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     reduce = cfg.reduce_dtype
     if compression in ("bf16", "fp16"):

@@ -16,6 +16,9 @@ import math
 import os
 import sys
 
+from safetensors import safe_open
+from safetensors.torch import load_file
+
 from paratrain.config import ConfigError, load_config
 from paratrain.launch import LaunchSpec, launch
 from paratrain.layout import check_layout
@@ -51,8 +54,6 @@ def rel_diff(a, b) -> float:
 
 def compare_parameters(layout_file: str, reference_file: str, tol: float, out=sys.stdout) -> tuple[bool, str | None]:
     """Compare two model.safetensors; returns (all within tol, first parameter past it)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
 
     ref = load_file(reference_file)
     got = load_file(layout_file)

@@ -30,6 +30,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -93,7 +94,6 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, blocks_attr: str = "l
     """Replicated data parallel over ``mesh`` for a model whose parameters are DTensors (tensor
     parallel): DDP cannot bucket DTensors, so this uses torch's FSDP2-based ``replicate`` (the
     same per-block units and hooks as ``apply_fsdp``, all-reduce instead of reduce-scatter)."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
 
     for _, block in blocks_of(model, blocks_attr):
         replicate(block, mesh=mesh)
@@ -120,7 +120,6 @@ def maybe_no_sync(
 
 def _is_replicated(model: nn.Module) -> bool:
     # FSDP2's replicate holds full gradients anyway: like DDP, it syncs on the last micro-batch.
-    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
 
     return isinstance(model, ReplicateModule)
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.config import CommConfig, ConfigError
 
@@ -97,7 +99,6 @@ def _bf16_compress_hook_gloo(process_group, bucket):
     (old NCCL had no bf16 sum); gloo sums bf16 on CPU, so the same body (torch's
     ``_compress_hook``, which ``bf16_compress_hook`` calls) runs here under another name.
     """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
 
@@ -122,8 +123,6 @@ def apply_grad_compression(model: nn.Module, *, cfg: CommConfig, seed: int = 0) 
     Always registers a hook under DDP, "none" included, so the bytes are counted the same way
     for every setting.
     """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     if not isinstance(model, DDP):
         return GradCompression(cfg.compression)

@@ -52,8 +52,12 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import ConfigError, ParallelConfig
@@ -361,7 +365,6 @@ class PipelineModel(nn.Module):
         raise RuntimeError("a PipelineModel runs through its schedule; use paratrain.step.train_step")
 
     def build_schedule(self, *, micro_batch_size: int, accum_steps: int, loss_fn: Callable) -> None:
-        import torch.distributed.pipelining as pipelining
 
         m = pp_microbatches(self.cfg, pp=self.pp, micro_batch_size=micro_batch_size, accum_steps=accum_steps)
         n = m * accum_steps
@@ -378,7 +381,6 @@ class PipelineModel(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights with their original names on pp rank 0 (None elsewhere)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd: dict[str, torch.Tensor] = {}
         for part in self.parts:  # a collective within the part's dp_shard/tp groups, if any
@@ -412,8 +414,6 @@ def apply_pp(
     to a whole model; the PipelineStage wraps the result, so the schedule drives DDP's and
     FSDP's gradient sync itself (only the last backward of a step reduces).
     """
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
     pp, pp_rank, pp_group = pp_mesh.size(), pp_mesh.get_local_rank(), pp_mesh.get_group()
     v = virtual_stages(cfg)
