@@ -52,6 +52,9 @@ class StepContext:
     precision: Precision | None = None
     loss_parallel: bool = False
     sync_each_micro_batch: bool = False
+    # pp x dp flattened (ParallelDims.group("pp_dp")): the one reduce of [loss sum, item count].
+    # None: the pipeline group (if any) then dp_group, two reduces with the same sums.
+    loss_group: dist.ProcessGroup | None = None
 
     @property
     def amp(self) -> Precision:
@@ -178,7 +181,8 @@ def check_and_reduce(
     parallel only the last stage has the loss: the others contribute zeros.)
     """
     totals = torch.stack([loss_sum, returned])
-    for group in (pp_group, ctx.dp_group):
+    groups = [ctx.loss_group] if ctx.loss_group is not None else [pp_group, ctx.dp_group]
+    for group in groups:
         if group is not None:
             dist.all_reduce(totals, group=group)
     loss_total, returned_total = totals.tolist()

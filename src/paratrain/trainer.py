@@ -35,10 +35,11 @@ from paratrain.distributed.process_group import DistContext, close_distributed, 
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.find_batch import resolve_auto_micro_batch
 from paratrain.layout import check_layout
-from paratrain.loss import build_loss
+from paratrain.loss import Loss, build_loss
 from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
 from paratrain.mfu import mfu, resolve_peak_flops, seq_len_of
 from paratrain.models import build, spec_of
+from paratrain.models.spec import ModelSpec
 from paratrain.optim import LRScaling, build_optimizer, build_scheduler
 from paratrain.precision import Precision, build_precision
 from paratrain.step import StepContext, StepResult, train_step
@@ -196,38 +197,8 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         cfg.precision.dtype,
         f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})",
     )
-    # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits (not under
-    # pipeline parallel: the schedule's loss runs on plain, gathered logits).
-    loss_parallel = loss_parallel_enabled(
-        tp=dims.tp,
-        requested=cfg.parallel.loss_parallel and dims.pp == 1,
-        builtin_cross_entropy=loss is None and cfg.loss.name == "cross_entropy",
-        user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory),
-        supported=spec.loss_parallel,
-    )
-    model = parallelize(
-        model,
-        dims,
-        cfg=cfg.parallel,
-        device=ctx.device,
-        comm=cfg.comm,
-        precision=cfg.precision,
-        compile_enabled=cfg.train.compile,
-        loss_parallel=loss_parallel,
-        blocks_attr=spec.blocks_attr,
-        model_plan=spec.tp_plan,
-    )
-    compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
-    step_ctx = StepContext(
-        loss_fn=loss_fn,
-        device=ctx.device,
-        dp=dims.dp,
-        dp_group=dims.group("dp"),
-        grad_clip=cfg.optim.grad_clip,
-        precision=precision,
-        loss_parallel=loss_parallel,
-        # FSDP2's gradient sync policy (distributed/data_parallel.py): ZeRO-3 reduces every micro-batch.
-        sync_each_micro_batch=cfg.parallel.reshard_after_forward,
+    model, step_ctx, compression = build_parallel(
+        cfg, dims, model, spec=spec, device=ctx.device, loss_fn=loss_fn, precision=precision, user_loss=loss is not None
     )
 
     optimizer = build_optimizer(model, cfg.optim)
@@ -253,16 +224,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
     resumed_from = ckpt.resume(*resume_spec(cfg.checkpoint))
     if resumed_from is not None and ctx.is_main:
         truncate_metrics(cfg.run.out_dir, resumed_from)  # rows after the checkpoint are redone
-    # A restored TrainState carries the batch the adaptive mode had reached.
-    if not cfg.batch.adaptive:  # the configured global batch holds, whatever a checkpoint had
-        state.global_batch_size = plan.global_batch_size
-    elif state.global_batch_size != plan.global_batch_size:
-        plan = plan_batch(global_batch_size=state.global_batch_size, micro_batch_size=plan.micro_batch_size, dp=dims.dp)
-        lr_scaling.update(global_batch_size=plan.global_batch_size)
-    if adapter:
-        if state.grad_noise:
-            adapter.load_state_dict(state.grad_noise)
-        plan = adapter.start(plan)
+    plan = resumed_plan(cfg, plan, state=state, lr_scaling=lr_scaling, adapter=adapter)
 
     if ctx.is_main:
         os.makedirs(cfg.run.out_dir, exist_ok=True)
@@ -299,6 +261,74 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         data_info=data_info,
         resumed_from=resumed_from,
     )
+
+
+def build_parallel(
+    cfg: Config,
+    dims: ParallelDims,
+    model: nn.Module,
+    *,
+    spec: ModelSpec,
+    device: torch.device,
+    loss_fn: Loss,
+    precision: Precision,
+    user_loss: bool,
+) -> tuple[nn.Module, StepContext, GradCompression]:
+    """Apply the parallelisms (distributed/parallelize.py) with the model's spec; the step's context."""
+    # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits (not under
+    # pipeline parallel: the schedule's loss runs on plain, gathered logits).
+    loss_parallel = loss_parallel_enabled(
+        tp=dims.tp,
+        requested=cfg.parallel.loss_parallel and dims.pp == 1,
+        builtin_cross_entropy=not user_loss and cfg.loss.name == "cross_entropy",
+        user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory),
+        supported=spec.loss_parallel,
+    )
+    model = parallelize(
+        model,
+        dims,
+        cfg=cfg.parallel,
+        device=device,
+        comm=cfg.comm,
+        precision=cfg.precision,
+        compile_enabled=cfg.train.compile,
+        loss_parallel=loss_parallel,
+        blocks_attr=spec.blocks_attr,
+        model_plan=spec.tp_plan,
+    )
+    compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
+    step_ctx = StepContext(
+        loss_fn=loss_fn,
+        device=device,
+        dp=dims.dp,
+        dp_group=dims.group("dp"),
+        grad_clip=cfg.optim.grad_clip,
+        precision=precision,
+        loss_parallel=loss_parallel,
+        # FSDP2's gradient sync policy (distributed/data_parallel.py): ZeRO-3 reduces every micro-batch.
+        sync_each_micro_batch=cfg.parallel.reshard_after_forward,
+        loss_group=dims.group("pp_dp"),
+    )
+
+    return model, step_ctx, compression
+
+
+def resumed_plan(
+    cfg: Config, plan: BatchPlan, *, state: TrainState, lr_scaling: LRScaling, adapter: BatchAdapter | None
+) -> BatchPlan:
+    """The plan of the first step after a (possible) resume."""
+    # A restored TrainState carries the batch the adaptive mode had reached.
+    if not cfg.batch.adaptive:  # the configured global batch holds, whatever a checkpoint had
+        state.global_batch_size = plan.global_batch_size
+    elif state.global_batch_size != plan.global_batch_size:
+        plan = plan_batch(global_batch_size=state.global_batch_size, micro_batch_size=plan.micro_batch_size, dp=plan.dp)
+        lr_scaling.update(global_batch_size=plan.global_batch_size)
+    if adapter:
+        if state.grad_noise:
+            adapter.load_state_dict(state.grad_noise)
+        plan = adapter.start(plan)
+
+    return plan
 
 
 def finish(cfg: Config, run: Run, history: list[dict]) -> dict:

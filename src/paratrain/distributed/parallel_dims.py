@@ -73,13 +73,18 @@ class ParallelDims:
         if len(dp_names) == 2:
             # Keep the flattened mesh: slicing a flattened dim back out of the root is deprecated.
             self.__dict__["_dp_mesh"] = mesh[dp_names]._flatten("dp")
+        if self.pp > 1 and dp_names:
+            # The step's one reduce of [loss sum, item count] spans the pipeline and dp ranks.
+            self.__dict__["_pp_dp_mesh"] = mesh[("pp", *dp_names)]._flatten("pp_dp")
         return mesh
 
     # The sub-mesh each role uses (mesh dimension names; a tuple is a multi-dimensional mesh):
     #   data loading and loss reduction: "dp" (dp_replicate x dp_shard flattened; ranks of one
     #     TP or PP group share their dp coordinate, so they load the same batch);
     #   fsdp: "dp_shard", or ("dp_replicate", "dp_shard") for HSDP;
-    #   ddp: "dp_replicate"; tp: "tp"; pp: "pp".
+    #   ddp: "dp_replicate"; tp: "tp"; pp: "pp";
+    #   pp_dp: pp x dp flattened, the step's reduce of the loss sum and item count (only the
+    #     last pipeline stage holds the loss; ranks of one TP group compute the same one).
     ROLES = {"data": "dp", "loss": "dp"}
 
     def fsdp_dims(self) -> tuple[str, ...]:
@@ -97,6 +102,11 @@ class ParallelDims:
             if not names or self.mesh is None:
                 return None
             return self.mesh[names if len(names) > 1 else names[0]]
+        if role == "pp_dp":
+            if self.pp == 1 or self.dp == 1:
+                return self.submesh("pp" if self.dp == 1 else "dp")
+            self.mesh  # built on first use, the flattened pp x dp mesh with it
+            return self.__dict__["_pp_dp_mesh"]
         size = self.dp if role == "dp" else getattr(self, role)
         if size == 1 or self.mesh is None:
             return None
