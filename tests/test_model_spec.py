@@ -1,0 +1,78 @@
+"""ModelSpec: a factory may describe its model (blocks, TP plan, checks); a plain module gets the conventions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from paratrain.config import ConfigError, load_config
+from paratrain.distributed.activation_checkpoint import apply_ac
+from paratrain.layout import check_layout
+from paratrain.models import build
+from paratrain.models.gpt import GPT_SPEC
+from paratrain.models.spec import ModelSpec
+
+
+class Stack(nn.Module):
+    """Blocks in `blocks`, not `layers`: only its spec can say so."""
+
+    def __init__(self, dim: int = 8, n: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Linear(dim, dim)) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def stack_plan(model, *, sequence_parallel, loss_parallel):
+    return {f"blocks.{i}.0": ColwiseParallel() for i in range(len(model.blocks))} | {
+        f"blocks.{i}.1": RowwiseParallel() for i in range(len(model.blocks))
+    }
+
+
+def stack_spec(dim: int = 8, n: int = 3) -> ModelSpec:
+    return ModelSpec(name="stack", build=lambda: Stack(dim, n), blocks_attr="blocks", tp_plan=stack_plan)
+
+
+def plain_stack(dim: int = 8, n: int = 3) -> nn.Module:
+    return Stack(dim, n)
+
+
+def _cfg(factory: str, *sets: str):
+    return load_config(None, [f"model.factory='tests.test_model_spec:{factory}'", "model.args={}", *sets])
+
+
+def test_a_factory_returning_a_spec_gives_the_model_and_its_spec():
+    model, spec = build(_cfg("stack_spec").model)
+    assert isinstance(model, Stack) and spec.blocks_attr == "blocks"
+    assert [name for name, _ in spec.blocks(model)] == ["0", "1", "2"]
+    model, spec = build(_cfg("plain_stack").model)
+    assert spec.blocks_attr == "layers" and spec.tp_plan is None and spec.blocks(model) == []
+    assert spec.flops_per_token(model)(1) == 6 * sum(p.numel() for p in model.parameters())
+
+
+def test_activation_checkpointing_follows_the_specs_blocks():
+    model, spec = build(_cfg("stack_spec").model)
+    x = torch.randn(2, 8)
+    want = model(x)
+    apply_ac(model, mode="full", blocks_attr=spec.blocks_attr)
+    assert all(isinstance(b, CheckpointWrapper) for b in model.blocks)
+    torch.testing.assert_close(model(x), want)
+
+
+def test_the_preflight_takes_the_tp_plan_and_blocks_from_the_spec():
+    check_layout(_cfg("stack_spec", "parallel.tp=2", "data.factory='tests.toy:regression'"), 2)
+    with pytest.raises(ConfigError, match="needs a tensor-parallel plan for model.factory"):
+        check_layout(_cfg("plain_stack", "parallel.tp=2", "data.factory='tests.toy:regression'"), 2)
+    with pytest.raises(ConfigError, match="blocks are in a 'layers'"):
+        check_layout(_cfg("plain_stack", "parallel.pp=2", "data.factory='tests.toy:regression'"), 2)
+
+
+def test_the_gpt_spec_checks_its_own_heads():
+    with pytest.raises(ConfigError, match="does not divide model.args.n_head = 3"):
+        GPT_SPEC.check_layout({"n_head": 3, "d_model": 48}, tp=2, sequence_parallel=False)
