@@ -285,3 +285,12 @@ def test_resume_across_parallel_layouts(tmp_path, ref, src, dst, world):
     losses = run(out, world, [*dst, "checkpoint.resume='latest'"])  # from step 3
     assert len(losses) == 6
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[1][1]), rtol=1e-4, atol=0)
+
+
+def test_config_changes_names_the_keys_that_change_the_math():
+    from paratrain.checkpoint import config_changes
+
+    saved = {"model": {"name": "gpt"}, "optim": {"lr": 1e-3}, "run": {"seed": 0, "out_dir": "a"}, "batch": {}}
+    now = {"model": {"name": "gpt"}, "optim": {"lr": 2e-3}, "run": {"seed": 1, "out_dir": "b"}, "parallel": {"tp": 2}}
+    # The layout (parallel, out_dir) is free to change; lr and seed are not.
+    assert config_changes(saved, now) == ["optim.lr", "run.seed"]
