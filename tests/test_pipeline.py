@@ -334,6 +334,7 @@ def test_a_miscounting_loss_under_pp_stops_every_rank_and_the_launcher_names_the
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("paratrain: error: worker rank"), last
     assert "the loss returned item count 256 but counting the targets gave 128" in last, last
-    # Every rank raised the same ConfigError (exit code 2): none was left waiting for a timeout.
-    assert proc.stderr.count("paratrain: error: the loss returned item count") == 2, proc.stderr[-3000:]
+    # No rank was left in a collective: no "connection closed by peer" victim, no timeout. (Each
+    # rank raises the same error; the agent may end the later one before it prints.)
+    assert "Connection closed by peer" not in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - t0 < 150

@@ -62,8 +62,8 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
         run(args)
     except ChildFailedError as e:
         print(f"paratrain: error: {failure_summary(e.failures)}", file=sys.stderr)
-        codes = sorted({f.exitcode for f in e.failures.values()})
-        return 2 if codes == [2] else 1
+        # The cause decides: a bad config (2) stays 2 even when the agent then ends the others.
+        return 2 if first_failure(e.failures)[1].exitcode == 2 else 1
     return 0
 
 
