@@ -63,7 +63,7 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
     except ChildFailedError as e:
         print(f"paratrain: error: {failure_summary(e.failures)}", file=sys.stderr)
         # The cause decides: a bad config (2) stays 2 even when the agent then ends the others.
-        return 2 if first_failure(e.failures)[1].exitcode == 2 else 1
+        return 2 if _exit_code(first_failure(e.failures)[1]) == 2 else 1
     return 0
 
 
@@ -78,21 +78,32 @@ def first_failure(failures: dict) -> tuple[int, object]:
 
     def when(item):
         rank, f = item
-        data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
-        recorded = data.get("paratrain", {}).get("time")
+        recorded = _record(f).get("time")
         return (recorded if recorded is not None else float(f.timestamp), rank)
 
     return min(failures.items(), key=when)
 
 
+def _record(f) -> dict:
+    """What worker.record_failure left in the worker's error file ({} when nothing)."""
+    data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+    return data.get("paratrain", {}) if isinstance(data.get("paratrain"), dict) else {}
+
+
+def _exit_code(f) -> int:
+    # The code the worker was exiting with when it recorded its failure: the agent may have ended
+    # it by a signal a moment later.
+    return _record(f).get("exit_code", f.exitcode)
+
+
 def failure_summary(failures: dict) -> str:
     """One line naming the first failure: its rank, exit code and own error line."""
     rank, f = first_failure(failures)
-    data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
-    line = data.get("paratrain", {}).get("line") or (f.message if isinstance(f.message, str) else "")
+    line = _record(f).get("line") or (f.message if isinstance(f.message, str) else "")
     if not line or line.startswith("To enable traceback"):
         line = "see its log above"
-    what = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+    code = _exit_code(f)
+    what = f"signal {f.signal_name()}" if code < 0 else f"exit code {code}"
     others = len(failures) - 1
     tail = f" ({others} other worker(s) stopped after it)" if others else ""
     return f"worker rank {rank} failed first ({what}): {line}{tail}"

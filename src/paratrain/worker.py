@@ -36,27 +36,28 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides.append("checkpoint.resume=" + json.dumps(args.resume))
         train(load_config(args.config, args.overrides))
     except ConfigError as e:
-        record_failure(str(e))
+        record_failure(str(e), exit_code=2)
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
     except CollectiveTimeout as e:  # already explained: no traceback
-        record_failure(str(e))
+        record_failure(str(e), exit_code=1)
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 1
     except Exception as e:
-        record_failure(f"{type(e).__name__}: {e}")
+        record_failure(f"{type(e).__name__}: {e}", exit_code=1)
         raise
     return 0
 
 
-def record_failure(line: str) -> None:
+def record_failure(line: str, *, exit_code: int) -> None:
     """Leave this worker's error line and the moment it failed where torch elastic's agent reads it.
 
     torchrun gives each worker an error file (``TORCHELASTIC_ERROR_FILE``) and the agent hands its
     contents to the launcher in ``ProcessFailure.error_file_data``. The launcher names the earliest
     failure: when one rank fails, the others die of it a moment later ("connection closed by
     peer"), so the cause is the first one, not the rank the agent happens to list first. The
-    elastic format's own timestamp has whole seconds; ``paratrain.time`` is precise.
+    elastic format's own timestamp has whole seconds; ``paratrain.time`` is precise. The exit
+    code is recorded too: the agent may end this worker by a signal before it exits on its own.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -65,7 +66,7 @@ def record_failure(line: str) -> None:
     first_line = (line.strip().splitlines() or [""])[0][:1000]
     data = {
         "message": {"message": first_line, "extraInfo": {"py_callstack": "", "timestamp": str(int(now))}},
-        "paratrain": {"time": now, "line": first_line},
+        "paratrain": {"time": now, "line": first_line, "exit_code": exit_code},
     }
     try:
         with open(path, "w") as f:
