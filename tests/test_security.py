@@ -211,3 +211,40 @@ def test_single_node_job_listens_on_loopback_and_ignores_forged_state(tmp_path):
         text = job.communicate(timeout=60)[0]
     assert "refused a rendezvous state" in text, text[-3000:]
     assert not marker.exists()
+
+
+def test_heartbeats_are_signed_and_forged_ones_refused(caplog):
+    from paratrain.distributed.hang import HangWatch
+
+    store = dist.HashStore()
+    watch = HangWatch(store, rank=0, world_size=2, timeout_s=10, secret="s")
+    HangWatch(store, rank=1, world_size=2, timeout_s=10, secret="s").beat()
+    watch.beat()
+    assert set(watch.heartbeats()) == {0, 1} and all(v is not None for v in watch.heartbeats().values())
+    store.set("paratrain/heartbeat/1", '{"time": 0, "pid": 1, "last": {}}')  # unsigned JSON from a peer
+    with caplog.at_level("ERROR", logger="paratrain"):
+        beats = watch.heartbeats()
+    assert beats[1] is None and beats[0] is not None
+    assert "refused the heartbeat of rank 1" in caplog.text
+
+
+def _json_collectives_rank():
+    from paratrain.distributed.json_collectives import all_gather_json, broadcast_json
+
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        got = broadcast_json({"path": "/ckpt/step-3", "n": [1, 2.5, None]} if rank == 1 else None, src=1)
+        gathered = all_gather_json({"rank": rank, "name": "x" * (rank * 7)})
+        return got, gathered
+    finally:
+        dist.destroy_process_group()
+
+
+def test_json_collectives_carry_data_without_pickle():
+    from tests.dist_utils import run_ranks
+
+    results = run_ranks(_json_collectives_rank, 3)
+    for got, gathered in results:
+        assert got == {"path": "/ckpt/step-3", "n": [1, 2.5, None]}
+        assert gathered == [{"rank": r, "name": "x" * (r * 7)} for r in range(3)]

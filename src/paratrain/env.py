@@ -25,6 +25,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from paratrain.distributed.json_collectives import all_gather_json
+
 VAR_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "MASTER_", "TORCHELASTIC_", "CUDA_", "PYTORCH_")
 VAR_NAMES = (
     "OMP_NUM_THREADS",
@@ -411,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     # not stop the tool that diagnoses it.
     dist.init_process_group("gloo")
     try:
-        ranks: list = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, collect())
+        ranks = all_gather_json(collect())  # JSON, not a pickle (docs/security.md)
         if dist.get_rank() == 0:
             emit(
                 build_report(backend=args.backend, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, ranks=ranks),

@@ -51,6 +51,7 @@ from torch import nn
 
 from paratrain.batching import BatchPlan, plan_batch
 from paratrain.config import Config, ConfigError, to_toml
+from paratrain.distributed.json_collectives import broadcast_json
 from paratrain.distributed.parallel_dims import ParallelDims
 
 log = logging.getLogger("paratrain")
@@ -117,6 +118,20 @@ class SearchResult:
             "per_rank_batch_size": self.per_rank_batch_size,
             "trials": [dataclasses.asdict(t) for t in self.trials],
         }
+
+    @classmethod
+    def from_json(cls, data: dict) -> SearchResult:
+        """The inverse of :meth:`to_json` (with ``budget_source`` added)."""
+        return cls(
+            data["micro_batch_size"],
+            data["peak_bytes"],
+            data["budget_bytes"],
+            data["usable_bytes"],
+            data["method"],
+            data["budget_source"],
+            data["per_rank_batch_size"],
+            [Trial(**t) for t in data["trials"]],
+        )
 
 
 def nothing_fits_error(result: SearchResult, dims: ParallelDims) -> ConfigError:
@@ -560,9 +575,9 @@ def resolve_auto_micro_batch(
         result = find_micro_batch(
             cfg, dims, device=device, method="trial", local_processes=local, model=model, dataset=dataset, loss=loss
         )
-        reply = [result.micro_batch_size, result.table(), result]
+        reply = {"table": result.table(), "result": {**result.to_json(), "budget_source": result.budget_source}}
     else:
-        reply = [None, None, None]
+        reply = None
         if rank == 0:
             if rep.world_size == 1:
                 result = find_micro_batch(
@@ -578,10 +593,11 @@ def resolve_auto_micro_batch(
                 )
             else:
                 result = _estimate_in_subprocess(cfg, dims, model=model, dataset=dataset, loss=loss)
-            reply = [result.micro_batch_size, result.table(), result]
+            reply = {"table": result.table(), "result": {**result.to_json(), "budget_source": result.budget_source}}
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(reply, src=0)
-    mbs, table, result = reply
+            reply = broadcast_json(reply, src=0)  # JSON, not a pickle (docs/security.md)
+    table, result = reply["table"], SearchResult.from_json(reply["result"])
+    mbs = result.micro_batch_size
     for line in table.splitlines():
         log.info("%s", line)
     if mbs is None:
@@ -619,18 +635,7 @@ def _estimate_in_subprocess(cfg: Config, dims: ParallelDims, *, model, dataset, 
         )
     if proc.returncode not in (0, 2) or not proc.stdout.strip():
         raise RuntimeError(f"the memory estimate failed:\n{proc.stderr}")
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
-    trials = [Trial(**t) for t in data["trials"]]
-    return SearchResult(
-        data["micro_batch_size"],
-        data["peak_bytes"],
-        data["budget_bytes"],
-        data["usable_bytes"],
-        data["method"],
-        "subprocess",
-        data["per_rank_batch_size"],
-        trials,
-    )
+    return SearchResult.from_json({**json.loads(proc.stdout.strip().splitlines()[-1]), "budget_source": "subprocess"})
 
 
 def cli_find_batch(cfg: Config, *, world_size: int, local_processes: int, estimate: bool, as_json: bool) -> int:

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from paratrain.distributed.json_collectives import all_gather_json
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KIB, MIB = 1024, 1024 * 1024
@@ -355,12 +357,10 @@ def measure_pairs(env: Env, nbytes: int, *, iters: int) -> dict[tuple[int, int],
     return {p: float(t) for p, t in zip(pairs, out.tolist())}
 
 
-def node_names() -> list[str]:
+def node_names(device: torch.device) -> list[str]:
     """Each rank's node: torchrun's GROUP_RANK (the agent's index), else the host name."""
     me = f"node{os.environ['GROUP_RANK']}" if "GROUP_RANK" in os.environ else socket.gethostname()
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, me)
-    return names
+    return all_gather_json(me, device=device)  # JSON, not a pickle (docs/security.md)
 
 
 def plot_busbw(rows: list[dict], path: str, *, title: str = "") -> None:
@@ -464,7 +464,7 @@ def run(args: argparse.Namespace) -> dict:
     env = Env(rank, n, device, DTYPES[args.dtype])
     main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
-    nodes = node_names()
+    nodes = node_names(device)
     say(
         f"paratrain bench comm: world {n} ({len(set(nodes))} node(s)), backend {backend}, {args.dtype}, "
         f"{args.warmup} warm-up + {args.iters} timed iterations per size; every result is checked"
