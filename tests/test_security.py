@@ -248,3 +248,13 @@ def test_json_collectives_carry_data_without_pickle():
     for got, gathered in results:
         assert got == {"path": "/ckpt/step-3", "n": [1, 2.5, None]}
         assert gathered == [{"rank": r, "name": "x" * (r * 7)} for r in range(3)]
+
+
+def test_multi_node_without_a_secret_exits_2_before_starting(monkeypatch):
+    from tests.dist_utils import paratrain_cli
+
+    monkeypatch.delenv("PARATRAIN_JOB_SECRET", raising=False)
+    base = ["train", "configs/debug.toml", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"]
+    for extra, needle in [([], "needs one secret shared by every node"), (["--job-secret-file", "/nonexistent"], "")]:
+        r = paratrain_cli(*base, *extra)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr

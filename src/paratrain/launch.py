@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from paratrain.config import ConfigError
@@ -77,20 +78,32 @@ def torchrun_args(spec: LaunchSpec, module: str, module_args: list[str], *, bind
     return args + ["--module", module, *module_args]
 
 
-def prepare_node(spec: LaunchSpec) -> str:
-    """Set the job secret and the listen address for the agent (in-process) and its workers (env); returns bind."""
+def prepare_node(spec: LaunchSpec) -> tuple[str, Callable[[], None]]:
+    """Give the agent (in-process) and its workers (their environment) the job secret and the listen
+    address; returns the address and a function that restores this process's environment."""
     secret = load_secret(spec.job_secret_file, required=spec.multi_node) or new_secret()
     rendezvous.register()
     rendezvous.set_agent_secret(secret)
-    os.environ[SECRET_ENV] = secret  # workers sign their store values with it; never logged or printed
     bind = spec.bind_addr()
-    os.environ[BIND_ENV] = bind
+    # Workers sign their store values with the secret; paratrain never logs or prints it.
+    env = {SECRET_ENV: secret, BIND_ENV: bind}
     iface = interface_of(bind)
     if iface:
         # gloo's and NCCL's bootstrap listen on the address of this interface, not the host name's.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
-    return bind
+        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", iface)
+        env["NCCL_SOCKET_IFNAME"] = os.environ.get("NCCL_SOCKET_IFNAME", iface)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+
+    def restore() -> None:
+        rendezvous.set_agent_secret(None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    return bind, restore
 
 
 def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
@@ -100,7 +113,7 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
     from torch.distributed.run import get_args_parser, run
 
     spec.validate()
-    bind = prepare_node(spec)
+    bind, restore_env = prepare_node(spec)
     if spec.max_restarts > 0:
         # pytorch#135712: on torch 2.13 restarted workers often hang in init_process_group when
         # they share the agent's rendezvous TCP store; a store of their own avoids it.
@@ -120,4 +133,6 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
             file=sys.stderr,
         )
         return 2 if codes == [2] else 1
+    finally:
+        restore_env()  # a later launch in this process (verify runs two) starts from a clean slate
     return 0

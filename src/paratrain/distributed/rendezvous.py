@@ -50,7 +50,7 @@ _SENTINEL = "paratrain:no-state"  # what the key holds before the first state (a
 _agent_secret: str | None = None
 
 
-def set_agent_secret(secret: str) -> None:
+def set_agent_secret(secret: str | None) -> None:
     """Hand the job secret to the backend in this process (the launcher's agent), not via a file or argv."""
     global _agent_secret
     _agent_secret = secret
