@@ -258,3 +258,20 @@ def test_multi_node_without_a_secret_exits_2_before_starting(monkeypatch):
     for extra, needle in [([], "needs one secret shared by every node"), (["--job-secret-file", "/nonexistent"], "")]:
         r = paratrain_cli(*base, *extra)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+
+
+def test_launch_arguments_use_the_paratrain_backend_and_one_address():
+    from paratrain.config import ConfigError
+    from paratrain.launch import LaunchSpec, torchrun_args
+
+    one = LaunchSpec(nproc_per_node=2)
+    args = torchrun_args(one, "paratrain.train", ["c.toml"], bind=one.bind_addr())
+    assert one.bind_addr() == "127.0.0.1" and "--standalone" not in args
+    assert args[args.index("--rdzv-backend") + 1] == "paratrain"
+    assert args[args.index("--rdzv-endpoint") + 1] == "127.0.0.1:0"
+    assert args[args.index("--local-addr") + 1] == "127.0.0.1"
+    two = LaunchSpec(nnodes=2, rdzv_endpoint="127.0.0.1:29400")
+    assert two.bind_addr() == "127.0.0.1"  # the local address that reaches the endpoint
+    assert LaunchSpec(nnodes=2, rdzv_endpoint="127.0.0.1:29400", bind="10.9.8.7").bind_addr() == "10.9.8.7"
+    with pytest.raises(ConfigError, match="loopback only"):
+        LaunchSpec(bind="10.9.8.7").validate()
