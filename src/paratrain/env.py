@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.distributed.json_collectives import all_gather_json
+from paratrain.distributed.process_group import init_env_process_group
 from paratrain.distributed.store_auth import BIND_ENV, SECRET_ENV, interface_of
 
 VAR_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "MASTER_", "TORCHELASTIC_", "CUDA_", "PYTORCH_")
@@ -447,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         return env_main(args)
     # gloo, whatever the job's backend: only Python objects travel, and a broken NCCL setup must
     # not stop the tool that diagnoses it.
-    dist.init_process_group("gloo")
+    init_env_process_group("gloo")  # the job's store bound to one address (docs/security.md)
     try:
         ranks = all_gather_json(collect())  # JSON, not a pickle (docs/security.md)
         if dist.get_rank() == 0:

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.distributed.json_collectives import all_gather_json
+from paratrain.distributed.process_group import init_env_process_group
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -544,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend)
+            init_env_process_group(backend)  # the job's store bound to one address (docs/security.md)
         else:  # a lone process (python -m paratrain.bench.comm): world size 1
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         try:

@@ -86,7 +86,7 @@ def init_distributed(cfg: DistConfig) -> DistContext:
             rank=rank,
             world_size=world,
             timeout=timeout,
-            store=_bound_job_store(rank, world, timeout),
+            store=bound_job_store(rank, world, timeout),
             device_id=device if device.type == "cuda" else None,
         )
     else:
@@ -97,7 +97,7 @@ def init_distributed(cfg: DistConfig) -> DistContext:
     return DistContext(rank, world, local_rank, device, owns_group=True)
 
 
-def _bound_job_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
+def bound_job_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
     """The job's store as env:// makes it, but rank 0 listens on MASTER_ADDR's address only.
 
     torch's env:// rank 0 hosts a TCPStore on all interfaces. Under our launcher with the agent
@@ -119,6 +119,14 @@ def _bound_job_store(rank: int, world: int, timeout: datetime.timedelta) -> dist
         store = dist.TCPStore(host, port, world, False, timeout)
     # What init_process_group does to the store it makes for env:// (keys apart from other users).
     return dist.PrefixStore("default_pg", store)
+
+
+def init_env_process_group(backend: str, timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
+    """``init_process_group(backend)`` from torchrun's variables, with the job's store bound (see above)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=timeout, store=bound_job_store(rank, world, timeout)
+    )
 
 
 def close_distributed(ctx: DistContext) -> None:
