@@ -275,3 +275,5 @@ def test_launch_arguments_use_the_paratrain_backend_and_one_address():
     assert LaunchSpec(nnodes=2, rdzv_endpoint="127.0.0.1:29400", bind="10.9.8.7").bind_addr() == "10.9.8.7"
     with pytest.raises(ConfigError, match="loopback only"):
         LaunchSpec(bind="10.9.8.7").validate()
+    rendezvous.register()  # what the launcher and the torchrun.handlers entry point both register
+    assert rendezvous.handler_creator() is rendezvous.create_handler

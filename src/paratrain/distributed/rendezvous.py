@@ -259,6 +259,11 @@ def create_handler(params: RendezvousParameters) -> ParatrainRendezvousHandler:
     return handler
 
 
+def handler_creator():
+    """The ``torchrun.handlers`` entry point: torch elastic calls it for the creator to register."""
+    return create_handler
+
+
 def register() -> None:
     """Make ``--rdzv-backend paratrain`` known to torch elastic in this process (idempotent)."""
     try:
