@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.config import ConfigError, DistConfig
-from paratrain.distributed.store_auth import BIND_ENV, bound_tcp_store, resolve
+from paratrain.distributed.store_auth import BIND_ENV, bound_tcp_store, is_loopback
 
 
 @dataclass(frozen=True)
@@ -109,16 +109,34 @@ def bound_job_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.
         return None
     host, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))
     if rank == 0:
+        bind = os.environ.get(BIND_ENV) or _master_bind_addr(
+            host, multi_node=world != int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        )
+        if bind is None:
+            return None
         try:
-            store = bound_tcp_store(
-                host, port, bind_addr=os.environ.get(BIND_ENV) or resolve(host), timeout=timeout, world_size=world
-            )
+            store = bound_tcp_store(host, port, bind_addr=bind, timeout=timeout, world_size=world)
         except OSError:
             return None
     else:
         store = dist.TCPStore(host, port, world, False, timeout)
     # What init_process_group does to the store it makes for env:// (keys apart from other users).
     return dist.PrefixStore("default_pg", store)
+
+
+def _master_bind_addr(host: str, *, multi_node: bool) -> str | None:
+    """The address MASTER_ADDR names on this machine; None if only a loopback one and other nodes must reach it.
+
+    A host name can resolve locally to 127.0.1.1 (Debian's /etc/hosts) while other nodes reach it
+    through DNS: binding to loopback then would lock them out, so torch's default is kept.
+    """
+    try:
+        addrs = [a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    except OSError:
+        return None
+    if not multi_node:
+        return addrs[0]
+    return next((a for a in addrs if not is_loopback(a)), None)
 
 
 def init_env_process_group(backend: str, timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
