@@ -250,14 +250,16 @@ def test_json_collectives_carry_data_without_pickle():
         assert gathered == [{"rank": r, "name": "x" * (r * 7)} for r in range(3)]
 
 
-def test_multi_node_without_a_secret_exits_2_before_starting(monkeypatch):
-    from tests.dist_utils import paratrain_cli
+def test_multi_node_without_a_secret_exits_2_before_starting(monkeypatch, capsys):
+    from paratrain.cli import main
 
     monkeypatch.delenv("PARATRAIN_JOB_SECRET", raising=False)
     base = ["train", "configs/debug.toml", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"]
+    monkeypatch.chdir(REPO)
     for extra, needle in [([], "needs one secret shared by every node"), (["--job-secret-file", "/nonexistent"], "")]:
-        r = paratrain_cli(*base, *extra)
-        assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("paratrain: error:") and needle in err, err
 
 
 def test_launch_arguments_use_the_paratrain_backend_and_one_address():
