@@ -82,9 +82,9 @@ def prepare_node(spec: LaunchSpec) -> tuple[str, Callable[[], None]]:
     """Give the agent (in-process) and its workers (their environment) the job secret and the listen
     address; returns the address and a function that restores this process's environment."""
     secret = load_secret(spec.job_secret_file, required=spec.multi_node) or new_secret()
+    bind = spec.bind_addr()
     rendezvous.register()
     rendezvous.set_agent_secret(secret)
-    bind = spec.bind_addr()
     # Workers sign their store values with the secret; paratrain never logs or prints it.
     env = {SECRET_ENV: secret, BIND_ENV: bind}
     iface = interface_of(bind)
