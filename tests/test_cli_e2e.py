@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from paratrain.distributed.process_group import free_port
@@ -125,8 +128,23 @@ def test_torchrun_module_entry_point(tmp_path):
     assert len(read_metrics(out)) == 3
 
 
+def _wait_for_rendezvous_state(port: int, key: str, host_node: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the first node has written a rendezvous state into the store it hosts on ``port`` (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and host_node.poll() is None:
+        try:
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
+            if store.check([key]) and not store.get(key).startswith(b"paratrain:no-state"):
+                return
+        except (RuntimeError, TimeoutError):
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"no rendezvous state on 127.0.0.1:{port} within {timeout}s")
+
+
 @pytest.mark.timeout(400)
 def test_two_nodes_on_one_machine_match_one_node(tmp_path):
+    """Two nodes with a shared job secret train as one; a third with a wrong secret is refused, the job unaffected."""
     common = ["--set", "run.steps=4", "--set", "run.progress=false"]
     one = tmp_path / "one"
     res = paratrain_cli(
@@ -136,8 +154,11 @@ def test_two_nodes_on_one_machine_match_one_node(tmp_path):
     two = tmp_path / "two"
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("the-job-secret\n")
+
+    def node(rank: int, *secret: str, out_dir=two) -> subprocess.Popen:
+        return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -149,11 +170,12 @@ def test_two_nodes_on_one_machine_match_one_node(tmp_path):
                 "--nproc-per-node",
                 "1",
                 "--node-rank",
-                str(r),
+                str(rank),
                 "--rdzv-endpoint",
                 f"127.0.0.1:{port}",
+                *secret,
                 "--set",
-                f"run.out_dir='{two}'",
+                f"run.out_dir='{out_dir}'",
                 *common,
             ],
             cwd=REPO,
@@ -162,11 +184,24 @@ def test_two_nodes_on_one_machine_match_one_node(tmp_path):
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for r in range(2)
-    ]
+
+    # The secret reaches node 0 in a file and node 1 in the environment (the two ways schedulers deliver it).
+    procs = [node(0, "--job-secret-file", str(secret_file))]
+    _wait_for_rendezvous_state(port, "paratrain.rendezvous.none", procs[0])
+    # A node with a wrong secret arrives while the job gathers: refused with one line, nothing written.
+    env["PARATRAIN_JOB_SECRET"] = "a-wrong-secret"
+    intruder = node(1, out_dir=tmp_path / "three").communicate(timeout=120)[0]
+    env["PARATRAIN_JOB_SECRET"] = "the-job-secret"
+    procs.append(node(1))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    refusals = [line for line in intruder.splitlines() if line.startswith("paratrain: error:")]
+    assert len(refusals) == 1 and "refused to join the rendezvous" in refusals[0], intruder[-3000:]
+    assert not (tmp_path / "three").exists()
     a, b = read_metrics(one), read_metrics(two)
     torch.testing.assert_close(
         torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]), rtol=1e-6, atol=0
+    )
+    torch.testing.assert_close(
+        torch.tensor([r["grad_norm"] for r in b]), torch.tensor([r["grad_norm"] for r in a]), rtol=1e-6, atol=0
     )

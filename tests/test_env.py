@@ -93,3 +93,8 @@ def test_env_under_the_launcher_compares_ranks(tmp_path):
     assert "ranks (2)" in r.stdout
     data = json.loads(js.read_text())
     assert len(data["ranks"]) == 2 and not any("mismatched" in p["problem"] for p in data["problems"])
+    # What each rank listens on (docs/security.md): loopback for one node; the secret's value never shown.
+    assert [r["listen"]["address"] for r in data["ranks"]] == ["127.0.0.1", "127.0.0.1"]
+    assert all(r["listen"]["job_secret"] == "set" for r in data["ranks"])
+    assert not any("SECRET" in k for rank in data["ranks"] for k in rank["variables"])
+    assert "listens on 127.0.0.1" in r.stdout

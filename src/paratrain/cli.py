@@ -43,11 +43,31 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (a hint under c10d rendezvous)")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous, the same on every node")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the workers up to K times on failure")
+    p.add_argument(
+        "--job-secret-file",
+        default="",
+        metavar="FILE",
+        help="file holding the secret every node of the job shares (else $PARATRAIN_JOB_SECRET; one node: generated)",
+    )
+    p.add_argument(
+        "--bind",
+        default="",
+        metavar="ADDR",
+        help="address this node listens on (multi-node; default: the one that reaches --rdzv-endpoint)",
+    )
 
 
 def launch_spec(args: argparse.Namespace):
 
-    spec = LaunchSpec(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    spec = LaunchSpec(
+        args.nproc_per_node,
+        args.nnodes,
+        args.node_rank,
+        args.rdzv_endpoint,
+        args.max_restarts,
+        job_secret_file=args.job_secret_file,
+        bind=args.bind,
+    )
     spec.validate()
     return spec
 

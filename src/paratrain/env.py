@@ -25,6 +25,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from paratrain.distributed.json_collectives import all_gather_json
+from paratrain.distributed.process_group import init_env_process_group
+from paratrain.distributed.store_auth import BIND_ENV, SECRET_ENV, interface_of
+
 VAR_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "MASTER_", "TORCHELASTIC_", "CUDA_", "PYTORCH_")
 VAR_NAMES = (
     "OMP_NUM_THREADS",
@@ -42,8 +46,9 @@ RENDEZVOUS_DEFAULTS = {
     "MASTER_PORT (init_method env://, plain torchrun)": "29500",
     "torchrun --rdzv-endpoint port (c10d)": "29400",
     "torchrun --standalone": "c10d rendezvous on localhost, a free port",
-    "paratrain train (one node)": "--standalone",
-    "paratrain train --nnodes N": "c10d rendezvous at --rdzv-endpoint HOST:PORT, the same on every node",
+    "paratrain train (one node)": "paratrain rendezvous (JSON + HMAC) on 127.0.0.1, a free port, a generated job secret",
+    "paratrain train --nnodes N": "paratrain rendezvous at --rdzv-endpoint HOST:PORT, the same on every node;"
+    " job secret from PARATRAIN_JOB_SECRET or --job-secret-file",
     "rendezvous join timeout": "900 s (torchrun --rdzv-conf join_timeout=...)",
     "collective timeout": "dist.timeout_s in the config (600 s by default)",
 }
@@ -148,6 +153,23 @@ def collect() -> dict:
         "interfaces": network_interfaces(),
         "variables": variables,
         "rendezvous_defaults": RENDEZVOUS_DEFAULTS,
+        "listen": listen_plan(),
+    }
+
+
+def listen_plan() -> dict:
+    """What this rank's stores and gloo/NCCL bootstrap listen on (docs/security.md).
+
+    Inside a job the launcher has set it; outside, it is what a one-node `paratrain train` uses.
+    """
+    address = os.environ.get(BIND_ENV, "127.0.0.1")
+    iface = interface_of(address)
+    return {
+        "address": address,
+        "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME", iface),
+        "nccl_interface": os.environ.get("NCCL_SOCKET_IFNAME", iface),
+        "job_secret": "set" if os.environ.get(SECRET_ENV) else "not set",  # never its value
+        "in_job": BIND_ENV in os.environ,
     }
 
 
@@ -326,6 +348,18 @@ def format_report(info: dict, problems: list[dict], *, ranks: list[dict] | None 
     lines.append(f"  host name {info['host']} resolves to {info['host_resolves_to']}")
     lines.append("variables (NCCL_*, TORCH_*, GLOO_*, MASTER_*, CUDA_*, OMP_NUM_THREADS, ...):")
     lines += [f"  {k}={v}" for k, v in info["variables"].items()] or ["  (none set)"]
+    listen = info.get("listen")
+    if listen:
+        lines.append(
+            (
+                "listening (this job): "
+                if listen["in_job"]
+                else "listening (a one-node job; several nodes: --bind or the"
+            )
+            + ("" if listen["in_job"] else " address that reaches --rdzv-endpoint): ")
+            + f"stores on {listen['address']}, gloo on {listen['gloo_interface']}, NCCL on {listen['nccl_interface']},"
+            f" job secret {listen['job_secret']}"
+        )
     lines.append("rendezvous defaults:")
     lines += [f"  {k}: {v}" for k, v in info["rendezvous_defaults"].items()]
     if ranks:
@@ -334,6 +368,11 @@ def format_report(info: dict, problems: list[dict], *, ranks: list[dict] | None 
             lines.append(
                 f"  rank {r}: {ri['host']} torch {ri['torch']} CUDA {ri['cuda_build']} NCCL {ri['nccl']}"
                 f" GPUs {len(ri['gpus'])}"
+                + (
+                    f" | listens on {ri['listen']['address']} (gloo {ri['listen']['gloo_interface']})"
+                    if "listen" in ri
+                    else ""
+                )
             )
     lines.append(f"problems found: {len(problems)}")
     for p in problems:
@@ -409,10 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         return env_main(args)
     # gloo, whatever the job's backend: only Python objects travel, and a broken NCCL setup must
     # not stop the tool that diagnoses it.
-    dist.init_process_group("gloo")
+    init_env_process_group("gloo")  # the job's store bound to one address (docs/security.md)
     try:
-        ranks: list = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, collect())
+        ranks = all_gather_json(collect())  # JSON, not a pickle (docs/security.md)
         if dist.get_rank() == 0:
             emit(
                 build_report(backend=args.backend, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, ranks=ranks),

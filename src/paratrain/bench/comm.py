@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 from paratrain.config import ConfigError
+from paratrain.distributed.json_collectives import all_gather_json
+from paratrain.distributed.process_group import init_env_process_group
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -357,12 +359,10 @@ def measure_pairs(env: Env, nbytes: int, *, iters: int) -> dict[tuple[int, int],
     return {p: float(t) for p, t in zip(pairs, out.tolist())}
 
 
-def node_names() -> list[str]:
+def node_names(device: torch.device) -> list[str]:
     """Each rank's node: torchrun's GROUP_RANK (the agent's index), else the host name."""
     me = f"node{os.environ['GROUP_RANK']}" if "GROUP_RANK" in os.environ else socket.gethostname()
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, me)
-    return names
+    return all_gather_json(me, device=device)  # JSON, not a pickle (docs/security.md)
 
 
 def plot_busbw(rows: list[dict], path: str, *, title: str = "") -> None:
@@ -465,7 +465,7 @@ def run(args: argparse.Namespace) -> dict:
     env = Env(rank, n, device, DTYPES[args.dtype])
     main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if main else (lambda *a: None)
-    nodes = node_names()
+    nodes = node_names(device)
     say(
         f"paratrain bench comm: world {n} ({len(set(nodes))} node(s)), backend {backend}, {args.dtype}, "
         f"{args.warmup} warm-up + {args.iters} timed iterations per size; every result is checked"
@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend)
+            init_env_process_group(backend)  # the job's store bound to one address (docs/security.md)
         else:  # a lone process (python -m paratrain.bench.comm): world size 1
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         try:

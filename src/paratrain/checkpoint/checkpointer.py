@@ -56,6 +56,7 @@ from paratrain.checkpoint.manifest import (
 )
 from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_reader
 from paratrain.config import CheckpointConfig, ConfigError, to_toml
+from paratrain.distributed.json_collectives import broadcast_json
 
 log = logging.getLogger("paratrain")
 
@@ -333,7 +334,7 @@ class Checkpointer:
             except ConfigError as e:
                 choice[0] = {"error": str(e)}
         if self.world_size > 1:
-            dist.broadcast_object_list(choice, src=0)
+            choice[0] = broadcast_json(choice[0], src=0)  # JSON, not a pickle (docs/security.md)
         if "error" in choice[0]:
             raise ConfigError(choice[0]["error"])
         path = choice[0]["path"]

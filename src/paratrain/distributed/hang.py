@@ -9,7 +9,8 @@ cost of one store write per rank every few seconds:
   (``TORCH_NCCL_TRACE_BUFFER_SIZE`` is the NCCL-only older name). Each entry carries the group,
   the collective's sequence number in that group and its name (e.g. ``gloo:all_reduce``).
 - A heartbeat thread per rank that publishes, in the job's TCPStore, the time and the last
-  collective it entered in each group. It keeps beating while the main thread is stuck in a
+  collective it entered in each group, as JSON signed with the job secret (store_auth; a
+  value that fails the check is refused, never decoded). It keeps beating while the main thread is stuck in a
   collective or in user code (both release the GIL), and stops when the process dies.
 - On a collective failure, :func:`watch_collectives` reads every rank's heartbeat: a rank whose
   last sequence number in the failed group is below the failing rank's never entered that
@@ -31,6 +32,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from paratrain.distributed.store_auth import SECRET_ENV, TamperedValue, signed_get, signed_set
 
 log = logging.getLogger("paratrain")
 
@@ -75,8 +78,11 @@ def _describe(entry: dict | None) -> str:
 class HangWatch:
     """The heartbeat of one rank and the diagnosis of a failed collective."""
 
-    def __init__(self, store: dist.Store, *, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, store: dist.Store, *, rank: int, world_size: int, timeout_s: float, secret: str = ""):
         self.store, self.rank, self.world_size = store, rank, world_size
+        # Without $PARATRAIN_JOB_SECRET (plain torchrun, srun) the MAC only guards against accidents: still
+        # JSON only, so a forged heartbeat can at worst mislead the diagnosis, never run code.
+        self.secret = secret
         self.interval_s = max(0.2, min(10.0, timeout_s / 4))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="paratrain-heartbeat", daemon=True)
@@ -93,7 +99,7 @@ class HangWatch:
 
     def beat(self) -> None:
         payload = {"time": time.time(), "pid": os.getpid(), "last": last_collectives()}
-        self.store.set(_KEY.format(rank=self.rank), json.dumps(payload))
+        signed_set(self.store, self.secret, _KEY.format(rank=self.rank), payload)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -107,7 +113,12 @@ class HangWatch:
         for r in range(self.world_size):
             key = _KEY.format(rank=r)
             try:
-                out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+                out[r] = signed_get(self.store, self.secret, key) if self.store.check([key]) else None
+            except TamperedValue:
+                log.error(
+                    "paratrain: refused the heartbeat of rank %d (store key %s): fails the job-secret check", r, key
+                )
+                out[r] = None
             except Exception:  # noqa: BLE001
                 out[r] = None
         return out
@@ -173,7 +184,9 @@ def watch_collectives(*, rank: int, world_size: int, timeout_s: float):
     except Exception:  # noqa: BLE001 - a group made without a store we can reach
         yield None
         return
-    watch = HangWatch(store, rank=rank, world_size=world_size, timeout_s=timeout_s).start()
+    watch = HangWatch(
+        store, rank=rank, world_size=world_size, timeout_s=timeout_s, secret=os.environ.get(SECRET_ENV, "")
+    ).start()
     try:
         yield watch
     except BaseException as e:

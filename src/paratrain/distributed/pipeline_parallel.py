@@ -61,6 +61,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import ConfigError, ParallelConfig
+from paratrain.distributed.json_collectives import all_gather_json
 
 log = logging.getLogger("paratrain")
 
@@ -388,11 +389,20 @@ class PipelineModel(nn.Module):
             # pp rank must contribute its stages. Each part is moved to the CPU on its own.
             part_sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
             sd.update({k: v.detach().cpu() for k, v in part_sd.items()})
-        gathered = [None] * self.pp if dist.get_rank(self.pp_group) == 0 else None
-        dist.gather_object(sd, gathered, group=self.pp_group, group_dst=0)
-        if gathered is None:
+        # Names, shapes and dtypes as JSON, then the tensors themselves: no pickle crosses the
+        # transport (gather_object would unpickle each stage's dict; docs/security.md).
+        metas = all_gather_json(
+            [[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in sd.items()], group=self.pp_group
+        )
+        if dist.get_rank(self.pp_group) != 0:
+            for v in sd.values():
+                dist.send(v.contiguous(), group=self.pp_group, group_dst=0)
             return None
-        return {k: v for part_sd in gathered for k, v in part_sd.items()}
+        for src, meta in enumerate(metas[1:], start=1):
+            for name, shape, dtype in meta:
+                sd[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                dist.recv(sd[name], group=self.pp_group, group_src=src)
+        return sd
 
 
 def is_pipeline_stage(model: nn.Module) -> bool:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.config import ConfigError, DistConfig
+from paratrain.distributed.store_auth import BIND_ENV, bound_tcp_store, is_loopback
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,12 @@ def init_distributed(cfg: DistConfig) -> DistContext:
     backend = resolve_backend(cfg, device)
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=timeout, device_id=device if device.type == "cuda" else None
+            backend,
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            store=bound_job_store(rank, world, timeout),
+            device_id=device if device.type == "cuda" else None,
         )
     else:
         if world != 1:
@@ -89,6 +95,56 @@ def init_distributed(cfg: DistConfig) -> DistContext:
         # A lone process (plain `python script.py`): a private in-memory store is all it needs.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistContext(rank, world, local_rank, device, owns_group=True)
+
+
+def bound_job_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """The job's store as env:// makes it, but rank 0 listens on MASTER_ADDR's address only.
+
+    torch's env:// rank 0 hosts a TCPStore on all interfaces. Under our launcher with the agent
+    store shared (TORCHELASTIC_USE_AGENT_STORE) the agent hosts it, already bound (see
+    distributed/rendezvous.py); else rank 0 hosts it here on $PARATRAIN_BIND_ADDR (set by the
+    launcher) or on the address MASTER_ADDR names. None: let torch do it (an address not ours).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))
+    if rank == 0:
+        bind = os.environ.get(BIND_ENV) or _master_bind_addr(
+            host, multi_node=world != int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        )
+        if bind is None:
+            return None
+        try:
+            store = bound_tcp_store(host, port, bind_addr=bind, timeout=timeout, world_size=world)
+        except OSError:
+            return None
+    else:
+        store = dist.TCPStore(host, port, world, False, timeout)
+    # What init_process_group does to the store it makes for env:// (keys apart from other users).
+    return dist.PrefixStore("default_pg", store)
+
+
+def _master_bind_addr(host: str, *, multi_node: bool) -> str | None:
+    """The address MASTER_ADDR names on this machine; None if only a loopback one and other nodes must reach it.
+
+    A host name can resolve locally to 127.0.1.1 (Debian's /etc/hosts) while other nodes reach it
+    through DNS: binding to loopback then would lock them out, so torch's default is kept.
+    """
+    try:
+        addrs = [a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    except OSError:
+        return None
+    if not multi_node:
+        return addrs[0]
+    return next((a for a in addrs if not is_loopback(a)), None)
+
+
+def init_env_process_group(backend: str, timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
+    """``init_process_group(backend)`` from torchrun's variables, with the job's store bound (see above)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=timeout, store=bound_job_store(rank, world, timeout)
+    )
 
 
 def close_distributed(ctx: DistContext) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from paratrain.batching import BatchPlan, plan_batch
 from paratrain.config import Config, ConfigError, to_toml
+from paratrain.distributed.json_collectives import broadcast_json
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.find_batch.measure import (
     StepRunner,
@@ -152,9 +153,9 @@ def resolve_auto_micro_batch(
         result = find_micro_batch(
             cfg, dims, device=device, method="trial", local_processes=local, model=model, dataset=dataset, loss=loss
         )
-        reply = [result.micro_batch_size, result.table(), result]
+        reply = {"table": result.table(), "result": {**result.to_json(), "budget_source": result.budget_source}}
     else:
-        reply = [None, None, None]
+        reply = None
         if rank == 0:
             if rep.world_size == 1:
                 result = find_micro_batch(
@@ -170,10 +171,11 @@ def resolve_auto_micro_batch(
                 )
             else:
                 result = _estimate_in_subprocess(cfg, dims, model=model, dataset=dataset, loss=loss)
-            reply = [result.micro_batch_size, result.table(), result]
+            reply = {"table": result.table(), "result": {**result.to_json(), "budget_source": result.budget_source}}
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(reply, src=0)
-    mbs, table, result = reply
+            reply = broadcast_json(reply, src=0)  # JSON, not a pickle (docs/security.md)
+    table, result = reply["table"], SearchResult.from_json(reply["result"])
+    mbs = result.micro_batch_size
     for line in table.splitlines():
         log.info("%s", line)
     if mbs is None:
@@ -211,15 +213,4 @@ def _estimate_in_subprocess(cfg: Config, dims: ParallelDims, *, model, dataset, 
         )
     if proc.returncode not in (0, 2) or not proc.stdout.strip():
         raise RuntimeError(f"the memory estimate failed:\n{proc.stderr}")
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
-    trials = [Trial(**t) for t in data["trials"]]
-    return SearchResult(
-        data["micro_batch_size"],
-        data["peak_bytes"],
-        data["budget_bytes"],
-        data["usable_bytes"],
-        data["method"],
-        "subprocess",
-        data["per_rank_batch_size"],
-        trials,
-    )
+    return SearchResult.from_json({**json.loads(proc.stdout.strip().splitlines()[-1]), "budget_source": "subprocess"})

@@ -78,6 +78,20 @@ class SearchResult:
             "trials": [dataclasses.asdict(t) for t in self.trials],
         }
 
+    @classmethod
+    def from_json(cls, data: dict) -> SearchResult:
+        """The inverse of :meth:`to_json` (with ``budget_source`` added)."""
+        return cls(
+            data["micro_batch_size"],
+            data["peak_bytes"],
+            data["budget_bytes"],
+            data["usable_bytes"],
+            data["method"],
+            data["budget_source"],
+            data["per_rank_batch_size"],
+            [Trial(**t) for t in data["trials"]],
+        )
+
 
 def nothing_fits_error(result: SearchResult, dims: ParallelDims) -> ConfigError:
     one = next((t for t in result.trials if t.micro_batch_size == 1), None)

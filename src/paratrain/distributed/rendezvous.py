@@ -1,0 +1,272 @@
+"""The ``paratrain`` rendezvous backend for torch elastic: JSON state, HMAC-signed, bound stores.
+
+torch elastic's c10d backend keeps the rendezvous state as a base64 *pickle* in the agent's
+TCPStore and every agent unpickles it on each sync (keep-alive every 5 s): whoever reaches the
+store's port, which listens on all interfaces even for ``--standalone``, runs code as the user
+(``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``, ``_BackendRendezvousStateHolder.sync``).
+
+This backend keeps the same protocol (torch's ``DynamicRendezvousHandler`` and its op
+executor, unchanged) and changes what travels: the state's fields as JSON, signed with
+HMAC-SHA256 under the job secret (:mod:`paratrain.distributed.store_auth`). A value that fails
+the check is refused: a node that has never verified a state (wrong secret, or a store written
+by someone else first) stops with one line; a node of a running job logs one line and keeps its
+last verified state, so its next write replaces the forged value. The only pickle left is the
+one torch's state holder applies to bytes this backend itself made from verified JSON
+(``RendezvousBackend`` trades in pickled bytes); the bytes it is handed come from this process
+and still go through an unpickler that admits only the state's classes.
+
+Stores bind to one address (``store_auth.bound_tcp_store``): the rendezvous store to the
+endpoint's address, the store the workers share (``TORCHELASTIC_USE_AGENT_STORE``) to the
+node's ``local_addr``, which the launcher sets to 127.0.0.1 for one node.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+from datetime import datetime, timedelta
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+    Token,
+    _NodeDesc,
+    _RendezvousState,
+)
+from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+from paratrain.distributed.store_auth import SECRET_ENV, TamperedValue, bound_tcp_store, load_secret, sign, verify
+
+log = logging.getLogger("paratrain")
+
+NAME = "paratrain"
+DEFAULT_PORT = 29400
+_SENTINEL = "paratrain:no-state"  # what the key holds before the first state (a store get blocks on a missing key)
+_agent_secret: str | None = None
+
+
+def set_agent_secret(secret: str | None) -> None:
+    """Hand the job secret to the backend in this process (the launcher's agent), not via a file or argv."""
+    global _agent_secret
+    _agent_secret = secret
+
+
+# --- the state as JSON -------------------------------------------------------------------------
+
+
+def _node(n: _NodeDesc) -> list:
+    return [n.addr, n.pid, n.local_id]
+
+
+def _time(t: datetime) -> str:
+    return t.isoformat()
+
+
+def encode_state(state: _RendezvousState) -> dict:
+    """Every field of ``_RendezvousState`` as JSON types (sets sorted, so equal states encode equally)."""
+    return {
+        "round": state.round,
+        "complete": state.complete,
+        "deadline": None if state.deadline is None else _time(state.deadline),
+        "closed": state.closed,
+        "participants": sorted([_node(n), r] for n, r in state.participants.items()),
+        "wait_list": sorted(_node(n) for n in state.wait_list),
+        "redundancy_list": sorted(_node(n) for n in state.redundancy_list),
+        "last_heartbeats": sorted([_node(n), _time(t)] for n, t in state.last_heartbeats.items()),
+    }
+
+
+def _parse_node(v) -> _NodeDesc:
+    addr, pid, local_id = v
+    if not isinstance(addr, str) or type(pid) is not int or type(local_id) is not int:
+        raise ValueError(f"bad node descriptor {v!r}")
+    return _NodeDesc(addr, pid, local_id)
+
+
+def decode_state(obj: dict) -> _RendezvousState:
+    """The inverse of :func:`encode_state`; ValueError on anything else."""
+    if not isinstance(obj, dict) or set(obj) != set(encode_state(_RendezvousState())):
+        raise ValueError("not a rendezvous state")
+    state = _RendezvousState()
+    if type(obj["round"]) is not int or type(obj["complete"]) is not bool or type(obj["closed"]) is not bool:
+        raise ValueError("bad round/complete/closed")
+    state.round, state.complete, state.closed = obj["round"], obj["complete"], obj["closed"]
+    state.deadline = None if obj["deadline"] is None else datetime.fromisoformat(obj["deadline"])
+    state.participants = {_parse_node(n): int(r) for n, r in obj["participants"]}
+    state.wait_list = {_parse_node(n) for n in obj["wait_list"]}
+    state.redundancy_list = {_parse_node(n) for n in obj["redundancy_list"]}
+    state.last_heartbeats = {_parse_node(n): datetime.fromisoformat(t) for n, t in obj["last_heartbeats"]}
+    return state
+
+
+class _StateUnpickler(pickle.Unpickler):
+    """Admits only what ``pickle.dumps(_RendezvousState())`` contains (the same rule as our DCP metadata reader)."""
+
+    _ALLOWED = {
+        ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+        ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+        ("datetime", "datetime"),
+        ("datetime", "timezone"),
+        ("datetime", "timedelta"),
+        ("builtins", "set"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"rendezvous state may not contain {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _loads_local_state(bits: bytes) -> _RendezvousState:
+    state = _StateUnpickler(io.BytesIO(bits)).load()
+    if not isinstance(state, _RendezvousState):
+        raise RendezvousStateError("the rendezvous state to write is not a _RendezvousState")
+    return state
+
+
+# --- the backend -------------------------------------------------------------------------------
+
+
+class ParatrainRendezvousBackend(RendezvousBackend):
+    """Like torch's ``C10dRendezvousBackend`` (compare-and-set on one key), with JSON + HMAC values."""
+
+    def __init__(self, store: dist.Store, run_id: str, *, secret: str, endpoint: str) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._store, self._secret, self._endpoint = store, secret, endpoint
+        self._key = "paratrain.rendezvous." + run_id
+        self._last_good: bytes | None = None  # pickled bytes of the last verified state (made here)
+        self._last_raw: bytes | None = None  # the store value they came from (most reads find it unchanged)
+        self._refused: set[bytes] = set()
+        self._call("compare_set", self._key, "", _SENTINEL)
+
+    @property
+    def name(self) -> str:
+        return NAME
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        return self._decode(self._call("get", self._key))
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        value = sign(self._secret, self._key, encode_state(_loads_local_state(state)))
+        if token is not None and not isinstance(token, bytes):
+            result = self.get_state()
+            return None if result is None else (*result, False)
+        raw = self._call("compare_set", self._key, token.decode() if token else _SENTINEL, value)
+        decoded = self._decode(raw)
+        if decoded is None:
+            return None
+        return decoded[0], decoded[1], raw == value.encode()
+
+    def _call(self, op: str, *args):
+        try:
+            return getattr(self._store, op)(*args)
+        except (ValueError, RuntimeError, TimeoutError) as exc:
+            raise RendezvousConnectionError(f"the rendezvous store at {self._endpoint} failed: {exc}") from exc
+
+    def _decode(self, raw: bytes) -> tuple[bytes, Token] | None:
+        if raw == _SENTINEL.encode():
+            return None
+        if raw == self._last_raw:
+            return self._last_good, raw
+        try:
+            bits = pickle.dumps(decode_state(verify(self._secret, self._key, raw)))
+        except (TamperedValue, ValueError, TypeError, KeyError) as exc:
+            bad = exc
+        else:
+            self._last_good, self._last_raw = bits, raw
+            return bits, raw
+        if self._last_good is None:
+            # Never saw a state signed with our secret: this node is the odd one out (or the store
+            # was written by someone else first). Joining would mean trusting an unverified state.
+            raise RendezvousStateError(
+                f"refused to join the rendezvous at {self._endpoint}: its state (key {self._key})"
+                f" fails the job-secret check ({type(bad).__name__}); give every node the same"
+                f" {SECRET_ENV} or --job-secret-file"
+            )
+        if raw not in self._refused:
+            self._refused.add(raw)
+            log.error(
+                "paratrain: refused a rendezvous state written to %s (key %s) without the job secret; "
+                "keeping the last verified state",
+                self._endpoint,
+                self._key,
+            )
+        # The forged value as token: our next compare-and-set replaces it with a signed state.
+        return self._last_good, raw
+
+
+class ParatrainRendezvousHandler(DynamicRendezvousHandler):
+    """torch's handler, with the store it shares with the workers bound to this node's address."""
+
+    bind_addr: str = "127.0.0.1"
+
+    def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:
+        return bound_tcp_store(master_addr, master_port, bind_addr=self.bind_addr, timeout=timedelta(seconds=300))
+
+
+def _create_store(params: RendezvousParameters, host: str, port: int) -> dist.TCPStore:
+    """Host the rendezvous store on the endpoint's address if it is this machine's, else connect to it."""
+    cfg_is_host = params.get_as_bool("is_host")
+    is_host = cfg_is_host if cfg_is_host is not None else _matches_machine_hostname(host)
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+    if is_host:
+        try:
+            return bound_tcp_store(host, port, bind_addr=_resolve(host), timeout=timeout)
+        except OSError:
+            # Another agent of this rendezvous on this machine hosts it already (two nodes on one
+            # machine, or a restart): be its client, as torch's c10d backend does.
+            if cfg_is_host:
+                raise
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def _resolve(host: str) -> str:
+    from paratrain.distributed.store_auth import resolve
+
+    return "127.0.0.1" if host == "localhost" else resolve(host)
+
+
+def create_handler(params: RendezvousParameters) -> ParatrainRendezvousHandler:
+    """The factory torch elastic calls for ``--rdzv-backend paratrain``."""
+    secret = _agent_secret or load_secret(params.get("secret_file", ""), required=True)
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    store = _create_store(params, host, port)
+    backend = ParatrainRendezvousBackend(store, params.run_id, secret=secret, endpoint=f"{host}:{store.port}")
+    timeout = RendezvousTimeout(
+        *(
+            None if params.get_as_int(k + "_timeout") is None else timedelta(seconds=params.get_as_int(k + "_timeout"))
+            for k in ("join", "last_call", "close", "heartbeat")
+        )
+    )
+    handler = ParatrainRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=params.get_as_int("keep_alive_interval", 5),
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3),
+    )
+    handler.bind_addr = params.get("bind_addr", "") or params.local_addr or "127.0.0.1"
+    return handler
+
+
+def handler_creator():
+    """The ``torchrun.handlers`` entry point: torch elastic calls it for the creator to register."""
+    return create_handler
+
+
+def register() -> None:
+    """Make ``--rdzv-backend paratrain`` known to torch elastic in this process (idempotent)."""
+    try:
+        rendezvous_handler_registry.register(NAME, create_handler)
+    except ValueError:
+        pass  # already registered (same creator)
