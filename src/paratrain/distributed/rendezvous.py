@@ -40,7 +40,15 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
-from paratrain.distributed.store_auth import SECRET_ENV, TamperedValue, bound_tcp_store, load_secret, sign, verify
+from paratrain.distributed.store_auth import (
+    SECRET_ENV,
+    TamperedValue,
+    bound_tcp_store,
+    load_secret,
+    resolve,
+    sign,
+    verify,
+)
 
 log = logging.getLogger("paratrain")
 
@@ -227,8 +235,6 @@ def _create_store(params: RendezvousParameters, host: str, port: int) -> dist.TC
 
 
 def _resolve(host: str) -> str:
-    from paratrain.distributed.store_auth import resolve
-
     return "127.0.0.1" if host == "localhost" else resolve(host)
 
 
