@@ -16,7 +16,7 @@ from torch.utils.data import Dataset, default_collate
 from paratrain.adaptive_batch import build_batch_adapter
 from paratrain.batching import BatchPlan, GlobalBatchSampler, micro_batches, plan_batch, rank_slice
 from paratrain.checkpoint import build_checkpointer, resume_spec, truncate_metrics
-from paratrain.config import Config, ConfigError, to_toml
+from paratrain.config import Config, ConfigError, to_dict, to_toml
 from paratrain.data import build_dataset, dataset_builder
 from paratrain.distributed.comm import apply_grad_compression, check_compression
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
@@ -31,7 +31,10 @@ from paratrain.mfu import build_flops_per_token, mfu, resolve_peak_flops, seq_le
 from paratrain.models import build_model, model_builder
 from paratrain.optim import LRScaling, build_optimizer, build_scheduler
 from paratrain.precision import build_precision, check_precision
+from paratrain.profiling import build_profiler  # observe
+from paratrain.rank_stats import build_rank_stats  # observe
 from paratrain.step import train_step
+from paratrain.trackers import build_trackers  # observe
 
 log = logging.getLogger("paratrain")
 
@@ -235,9 +238,13 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
         enabled=ctx.is_main,
         total_steps=cfg.run.steps,
         progress=cfg.run.progress,
-        tensorboard=cfg.metrics.tensorboard,
+        trackers=build_trackers(cfg.metrics, out_dir=out_dir, config=to_dict(cfg)) if ctx.is_main else (),  # observe
         start_step=state.step,
     )
+    rank_stats = build_rank_stats(  # observe
+        cfg.metrics, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, model=model
+    )
+    profiler = build_profiler(cfg.profile, rank=ctx.rank, out_dir=out_dir, device=ctx.device)  # observe
     history: list[dict] = []
     # A restored TrainState (resume) carries the batch the adaptive mode had reached.
     if not cfg.batch.adaptive:  # the configured global batch holds, whatever a checkpoint had
@@ -251,11 +258,13 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
         model.train()
         while state.step < cfg.run.steps and not (0 < cfg.run.max_samples <= state.consumed_samples):
             t0 = time.perf_counter()
+            profiler.begin(state.step + 1)  # observe
             step_plan = plan  # the plan this step runs with (the adapter may change `plan` after it)
             indices = sampler.global_indices(state.consumed_samples, plan.global_batch_size)
             mine = rank_slice(indices, dp_rank=dp_rank, dp=dims.dp)
             mbs = adapter.micro_batch_size(plan) if adapter else plan.micro_batch_size
             batches = load_batches(dataset, mine, mbs)
+            data_time = time.perf_counter() - t0  # observe
             lr = scheduler.get_last_lr()[0]
             if isinstance(model, PipelineModel):  # pipeline parallel: the schedule runs forward/backward
                 result = pipeline_train_step(
@@ -324,12 +333,20 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
             blocked = ckpt.after_step(state.step)
             if blocked is not None:
                 row["checkpoint_blocked_s"] = blocked
+            row.update(rank_stats.row(step=state.step, step_time_s=dt, data_time_s=data_time))  # observe
+            profiler.end(state.step)  # observe
             history.append(row)
             writer.log_step(row)
         ckpt.at_end(state.step)
+    except BaseException as e:  # observe
+        profiler.on_error(e, state.step + 1)  # observe
+        writer.finish(None)  # observe: trackers mark the run failed
+        raise
     finally:
         writer.close()
         ckpt.close()
+        profiler.close()  # observe
+        rank_stats.close()  # observe
 
     summary = summarize(history)
     summary.update(
@@ -349,6 +366,7 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
     )
     if cfg.run.save_model:
         save_full_weights(model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
+    writer.finish(summary)  # observe
     if ctx.is_main:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
