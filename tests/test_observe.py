@@ -181,6 +181,20 @@ def test_tracker_that_cannot_start_is_one_line_before_launch(tmp_path):
         assert not os.path.exists(out / "metrics.jsonl")  # refused before any process started
 
 
+def test_tracker_not_installed_is_config_error(monkeypatch, tmp_path):
+    import sys
+
+    from paratrain.config import ConfigError, MetricsConfig
+    from paratrain.trackers import check_trackers
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    with pytest.raises(ConfigError, match=r"metrics.wandb = true needs the wandb package .*paratrain\[wandb\]"):
+        check_trackers(MetricsConfig(wandb=True), out_dir=str(tmp_path))
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(ConfigError, match="metrics.mlflow needs the mlflow package"):
+        check_trackers(MetricsConfig(mlflow="file:/tmp/x"), out_dir=str(tmp_path))
+
+
 def test_bad_profile_steps_is_config_error():
     import paratrain
 

@@ -156,7 +156,9 @@ class MlflowTracker(Tracker):
             )
 
     def log(self, row: dict) -> None:
-        self.mlflow.log_metrics(scalars(row), step=row["step"])
+        # synchronous=False: MLflow queues the write on its own thread (a file store writes one
+        # file per metric); end_run waits for the queue.
+        self.mlflow.log_metrics(scalars(row), step=row["step"], synchronous=False)
 
     def finish(self, summary: dict | None) -> None:
         if self.run is None:

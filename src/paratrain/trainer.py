@@ -333,8 +333,8 @@ def _train(cfg: Config, ctx: DistContext, model, dataset, loss) -> dict:
             blocked = ckpt.after_step(state.step)
             if blocked is not None:
                 row["checkpoint_blocked_s"] = blocked
+            profiler.end(state.step)  # observe (reads the CUDA peak before rank_stats resets it)
             row.update(rank_stats.row(step=state.step, step_time_s=dt, data_time_s=data_time))  # observe
-            profiler.end(state.step)  # observe
             history.append(row)
             writer.log_step(row)
         ckpt.at_end(state.step)
