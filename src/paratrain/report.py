@@ -197,6 +197,9 @@ def render_html(runs: list[dict], png: bytes) -> str:
 
 def write_report(run_dirs: list[str], *, out: str, png: str = "") -> dict:
     runs = [load_run(d) for d in run_dirs]
+    for path, flag in ((out, "--out"), (png, "--png")):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ConfigError(f"{flag} {path}: its folder does not exist; create it or write elsewhere")
     names = [r["name"] for r in runs]
     for r in runs:  # two runs named alike (a/run, b/run): tell them apart by their paths
         if names.count(r["name"]) > 1:
