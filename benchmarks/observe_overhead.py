@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--base-src", default="/work/main/src", help="src/ of paratrain without issue 13")
     p.add_argument("--png", default=os.path.join(HERE, "observe_overhead.png"))
+    p.add_argument("--only", default="", help="comma-separated subset of the variants (base is always run)")
     p.add_argument("--micro", action="store_true", help="time the added work in process (see above)")
     p.add_argument("--step-ms", type=float, default=0.0, help="--micro: the main job's step time to compare with")
     args = p.parse_args()
@@ -88,7 +89,7 @@ def main() -> None:
                 {"WANDB_DIR": tmp},
             ),
         }
-        names = list(variants)
+        names = ["base", *[n for n in variants if n != "base" and (not args.only or n in args.only.split(","))]]
         times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no variant always first
