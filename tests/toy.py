@@ -191,3 +191,21 @@ def ce_miscounted(logits, target):
 
 
 ce_miscounted.count = lambda target: torch.tensor(float(target.numel()))
+
+
+def gpt_slow_rank(slow_rank: int = 1, sleep_s: float = 0.05, **gpt_args) -> nn.Module:
+    """The built-in GPT, plus a test-only straggler: rank ``slow_rank`` sleeps ``sleep_s`` seconds
+    in every forward, as a rank on a slower device would."""
+    import os
+    import time
+
+    from paratrain.models import build_gpt
+
+    model = build_gpt(**gpt_args)
+
+    def slow(module, args):
+        if int(os.environ.get("RANK", "0")) == slow_rank:
+            time.sleep(sleep_s)
+
+    model.register_forward_pre_hook(slow)
+    return model

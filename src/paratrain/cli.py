@@ -23,6 +23,8 @@ from paratrain.find_batch import estimate_without_group, find_micro_batch, nothi
 from paratrain.generate import generate_text
 from paratrain.launch import LaunchSpec, launch
 from paratrain.layout import check_layout
+from paratrain.report import write_report
+from paratrain.trackers import check_trackers
 from paratrain.verify import verify
 
 
@@ -84,6 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         args.overrides = [*args.overrides, "checkpoint.resume=" + json.dumps(args.resume)]
     cfg = load_config(args.config, args.overrides)
     check_layout(cfg, spec.world_size)  # refuse an impossible layout before any process starts
+    check_trackers(cfg.metrics, out_dir=cfg.run.out_dir)  # and a tracker that could not start
     module_args = [args.config] + [a for o in args.overrides for a in ("--set", o)]
     return launch(spec, "paratrain.worker", module_args)
 
@@ -149,7 +152,6 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_find_batch(args: argparse.Namespace) -> int:
-
     cfg = load_config(args.config, args.overrides)
     if args.memory_gib is not None:
         if args.memory_gib <= 0:
@@ -184,6 +186,12 @@ def cli_find_batch(cfg: Config, *, world_size: int, local_processes: int, estima
         print(json.dumps(result.to_json()))
     if result.micro_batch_size is None:
         raise nothing_fits_error(result, dims)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    info = write_report(args.run_dirs, out=args.out, png=args.png)
+    print(f"report of {info['runs']} run(s) written to {args.out}" + (f" and {args.png}" if args.png else ""))
     return 0
 
 
@@ -244,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("report", help="one self-contained HTML page comparing runs (plots, layouts, config diff)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run.out_dir of runs (config.toml, metrics.jsonl)")
+    p.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
+    p.add_argument("--png", default="", metavar="FILE", help="also write the plots alone to this PNG")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("config", help="print the resolved config, or every key with --keys")
     p.add_argument("config", nargs="?", default=None, help="TOML config file (defaults if omitted)")

@@ -186,6 +186,46 @@ class MetricsConfig:
         False, "Also write TensorBoard event files into out_dir/tensorboard (needs the 'tensorboard' extra)."
     )
     plot: bool = opt(True, "Write out_dir/metrics.png (loss and throughput) at the end.")
+    # --- experiment trackers and per-rank statistics (issue 13; trackers.py, rank_stats.py) ---
+    wandb: bool = opt(
+        False,
+        "Also log to Weights & Biases from rank 0 (needs the 'wandb' extra): the resolved config, every metrics row, the summary.",
+    )
+    wandb_project: str = opt("paratrain", "W&B project of the run.")
+    wandb_run_name: str = opt("", "W&B run name; empty = the last folder of run.out_dir.")
+    wandb_tags: list = opt([], "W&B tags of the run, e.g. ['baseline', 'tp2'].")
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = opt(
+        "auto",
+        "W&B mode: 'online' only when asked; 'auto' is online when an API key is configured (WANDB_API_KEY), else offline (files under out_dir/wandb, upload later with `wandb sync`); never waits on the network unasked.",
+    )
+    mlflow: str = opt(
+        "",
+        "MLflow tracking URI to also log to from rank 0 (needs the 'mlflow' extra), e.g. 'file:/path/mlruns' (no server) or 'http://host:5000'; empty = off.",
+    )
+    mlflow_experiment: str = opt("paratrain", "MLflow experiment name of the run.")
+    rank_stats_every: int = opt(
+        50,
+        "Every this many steps gather each rank's step time, data time and memory (one small all-gather) and name the slowest rank; 0 = never (rows then carry rank 0's memory only).",
+    )
+    straggler_ratio: float = opt(
+        1.2,
+        "A rank whose step time exceeds the median over ranks times this is a straggler: logged and named in the row.",
+    )
+
+
+@dataclass
+class ProfileConfig:
+    steps: str = opt(
+        "",
+        "Optimiser steps to trace with torch.profiler, e.g. '10-12' or '5' (1-based, inclusive); one Chrome/Perfetto trace per rank under out_dir/profile/; empty = off.",
+    )
+    record_shapes: bool = opt(True, "Record the input shapes of each operator in the trace.")
+    profile_memory: bool = opt(True, "Record tensor allocations and frees in the trace (the memory timeline).")
+    with_stack: bool = opt(False, "Record Python stacks of each operator (bigger traces).")
+    memory_snapshot: bool = opt(
+        False,
+        "CUDA only: record allocator history and write torch.cuda.memory._snapshot() pickles under out_dir/profile/ for the peak step and on an out-of-memory error (open them at pytorch.org/memory_viz).",
+    )
 
 
 @dataclass
@@ -264,6 +304,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -405,6 +446,13 @@ def validate(cfg: Config) -> None:
     positive("hardware.peak_flops", cfg.hardware.peak_flops, allow_zero=True)
     positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     positive("checkpoint.keep", cfg.checkpoint.keep, allow_zero=True)
+    positive("metrics.rank_stats_every", cfg.metrics.rank_stats_every, allow_zero=True)
+    if cfg.metrics.straggler_ratio < 1:
+        raise ConfigError(f"metrics.straggler_ratio = {cfg.metrics.straggler_ratio} must be >= 1 (e.g. 1.2)")
+    if cfg.profile.steps:
+        from paratrain.profiling import parse_steps  # the one parser of the range syntax
+
+        parse_steps(cfg.profile.steps)
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio = {cfg.optim.min_lr_ratio} must be within [0, 1]")
     for name in ("dp_shard", "tp", "pp"):

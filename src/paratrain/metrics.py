@@ -7,8 +7,10 @@ import logging
 import os
 import statistics
 import sys
+import time
+from collections.abc import Sequence
 
-from paratrain.config import ConfigError
+from paratrain.trackers import Tracker
 
 log = logging.getLogger("paratrain")
 
@@ -24,20 +26,29 @@ def setup_logging(*, rank: int, all_ranks: bool) -> None:
 
 
 class MetricsWriter:
-    """Writes one JSON object per optimiser step; a no-op on ranks other than 0."""
+    """Writes one JSON object per optimiser step and hands it to the trackers; a no-op on ranks other than 0."""
 
     def __init__(
-        self, out_dir: str, *, enabled: bool, total_steps: int, progress: bool, tensorboard: bool, start_step: int = 0
+        self,
+        out_dir: str,
+        *,
+        enabled: bool,
+        total_steps: int,
+        progress: bool,
+        trackers: Sequence[Tracker] = (),
+        start_step: int = 0,
     ):
         self.enabled = enabled
         self.rows: list[dict] = []
-        self._file = self._bar = self._tb = None
+        self.trackers = list(trackers)
+        self._file = self._bar = None
         self._line_every = 0
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
         self._file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if start_step else "w")
         self.total_steps = total_steps
+        self._t_start, self._start_step = time.perf_counter(), start_step
         # A bar on a terminal; in a log file (CI, batch jobs) about twenty plain lines instead of
         # thousands of carriage-return updates.
         self._line_every = max(1, total_steps // 20) if progress and not sys.stderr.isatty() else 0
@@ -53,15 +64,6 @@ class MetricsWriter:
                 mininterval=1.0,
                 file=sys.stderr,
             )
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:  # the extra is optional
-                raise ConfigError(
-                    f"metrics.tensorboard = true needs the tensorboard package ({e}); "
-                    "pip install 'paratrain[tensorboard]' or set metrics.tensorboard = false"
-                )
-            self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
 
     def log_step(self, row: dict) -> None:
         if not self.enabled:
@@ -69,29 +71,52 @@ class MetricsWriter:
         self.rows.append(row)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if self._bar is not None:
-            self._bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+        if self._bar is not None:  # tqdm shows the ETA itself
+            self._bar.set_postfix(progress_fields(row), refresh=False)
             self._bar.update(1)
         elif self._line_every and (row["step"] % self._line_every == 0 or row["step"] == self.total_steps):
+            done = row["step"] - self._start_step
+            eta = (time.perf_counter() - self._t_start) / max(done, 1) * (self.total_steps - row["step"])
+            fields = "  ".join(f"{k} {v}" for k, v in progress_fields(row).items())
             log.info(
-                "step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tokens/s",
+                "step %d/%d  %s  lr %.2e  grad_norm %.3f  ETA %s",
                 row["step"],
                 self.total_steps,
-                row["loss"],
+                fields,
                 row["lr"],
                 row["grad_norm"],
-                row["tokens_per_s"],
+                format_eta(eta),
             )
-        if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(f"train/{k}", v, row["step"])
+        for t in self.trackers:
+            t.log(row)
+
+    def finish(self, summary: dict | None) -> None:
+        """Send the summary to the trackers and end their runs; None marks the run failed there."""
+        trackers, self.trackers = self.trackers, []
+        for t in trackers:
+            t.finish(summary)
 
     def close(self) -> None:
-        for h in (self._bar, self._file, self._tb):
+        for h in (self._bar, self._file):
             if h is not None:
                 h.close()
-        self._bar = self._file = self._tb = None
+        self._bar = self._file = None
+
+
+def progress_fields(row: dict) -> dict[str, str]:
+    """Loss, tokens/s, MFU when known and memory: what the bar and the log lines show."""
+    out = {"loss": f"{row['loss']:.4f}", "tok/s": f"{row['tokens_per_s']:.0f}"}
+    if "mfu" in row:
+        out["mfu"] = f"{100 * row['mfu']:.1f}%"
+    if "memory_gib" in row:
+        out["mem"] = f"{row['memory_gib']:.2f}GiB"
+    return out
+
+
+def format_eta(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -110,6 +135,11 @@ def summarize(rows: list[dict]) -> dict:
         "train_time_s": sum(r["step_time_s"] for r in rows),
         "median_step_time_s": statistics.median(r["step_time_s"] for r in steady),
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        **(
+            {"max_memory_gib": max(r["memory_gib"] for r in rows if "memory_gib" in r)}
+            if "memory_gib" in rows[-1]
+            else {}
+        ),
     }
 
 

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 from paratrain.adaptive_batch import BatchAdapter, build_batch_adapter
 from paratrain.batching import BatchPlan, GlobalBatchSampler, load_batches, plan_batch, rank_slice
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
-from paratrain.config import Config, to_toml
+from paratrain.config import Config, to_dict, to_toml
 from paratrain.data import build_dataset
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
@@ -42,7 +42,10 @@ from paratrain.models import build, spec_of
 from paratrain.models.spec import ModelSpec
 from paratrain.optim import LRScaling, build_optimizer, build_scheduler
 from paratrain.precision import Precision, build_precision
+from paratrain.profiling import Profiler, build_profiler
+from paratrain.rank_stats import RankStats, build_rank_stats
 from paratrain.step import StepContext, StepResult, train_step
+from paratrain.trackers import build_trackers
 
 log = logging.getLogger("paratrain")
 
@@ -77,6 +80,8 @@ class Run:
     compression: GradCompression
     ckpt: Checkpointer
     writer: MetricsWriter
+    rank_stats: RankStats  # per-rank memory and times, stragglers (rank_stats.py)
+    profiler: Profiler  # torch.profiler traces of [profile] steps (profiling.py)
     flops_per_token: Callable[[int], float]
     peak_flops: float | None
     n_params: int
@@ -99,9 +104,15 @@ def train(
             run = build_run(cfg, ctx, model=model, dataset=dataset, loss=loss)
             try:
                 history = loop(cfg, run)
+            except BaseException as e:
+                run.profiler.on_error(e, run.state.step + 1)  # CUDA: a memory snapshot of an OOM
+                run.writer.finish(None)  # trackers mark the run failed
+                raise
             finally:
                 run.writer.close()
                 run.ckpt.close()
+                run.profiler.close()
+                run.rank_stats.close()
             return finish(cfg, run, history)
     finally:
         close_distributed(ctx)
@@ -114,8 +125,10 @@ def loop(cfg: Config, run: Run) -> list[dict]:
     run.model.train()
     while state.step < cfg.run.steps and not (0 < cfg.run.max_samples <= state.consumed_samples):
         t0 = time.perf_counter()
+        run.profiler.begin(state.step + 1)
         indices = run.sampler.global_indices(state.consumed_samples, plan.global_batch_size)
         batches = load_batches(run.dataset, rank_slice(indices, dp_rank=dp_rank, dp=plan.dp), plan.micro_batch_size)
+        data_time = time.perf_counter() - t0
         lr = run.scheduler.get_last_lr()[0]
         probe = run.adapter.probe(run.model, batches[0], run.step_ctx.loss_fn) if run.adapter else None
         result = train_step(run.model, run.optimizer, batches, run.step_ctx, after_backward=probe)
@@ -131,6 +144,8 @@ def loop(cfg: Config, run: Run) -> list[dict]:
         blocked = run.ckpt.after_step(state.step)
         if blocked is not None:
             row["checkpoint_blocked_s"] = blocked
+        run.profiler.end(state.step)  # reads the CUDA peak before rank_stats resets it
+        row.update(run.rank_stats.row(step=state.step, step_time_s=row["step_time_s"], data_time_s=data_time))
         history.append(row)
         run.writer.log_step(row)
     run.ckpt.at_end(state.step)
@@ -235,7 +250,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         enabled=ctx.is_main,
         total_steps=cfg.run.steps,
         progress=cfg.run.progress,
-        tensorboard=cfg.metrics.tensorboard,
+        trackers=build_trackers(cfg.metrics, out_dir=cfg.run.out_dir, config=to_dict(cfg)) if ctx.is_main else (),
         start_step=state.step,
     )
     return Run(
@@ -255,6 +270,10 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         compression=compression,
         ckpt=ckpt,
         writer=writer,
+        rank_stats=build_rank_stats(
+            cfg.metrics, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, model=model
+        ),
+        profiler=build_profiler(cfg.profile, rank=ctx.rank, out_dir=cfg.run.out_dir, device=ctx.device),
         flops_per_token=flops_per_token,
         peak_flops=peak_flops,
         n_params=n_params,
@@ -352,6 +371,7 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
     )
     if cfg.run.save_model:
         save_full_weights(run.model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
+    run.writer.finish(summary)  # trackers get the summary and close
     if ctx.is_main:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
