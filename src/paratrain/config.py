@@ -405,6 +405,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     return cfg
 
 
+def parse_steps(text: str) -> tuple[int, int]:
+    """'10-12' -> (10, 12); '5' -> (5, 5). Steps are 1-based like the step column of metrics.jsonl."""
+    first, sep, last = text.strip().partition("-")
+    try:
+        a, b = int(first), int(last) if sep else int(first)
+    except ValueError:
+        a = b = 0
+    if a < 1 or b < a:
+        raise ConfigError(f"profile.steps = {text!r} is malformed; write a step range such as '10-12' or one step '5'")
+    return a, b
+
+
 def validate(cfg: Config) -> None:
     """Checks of single values; checks that need the world size live with the batch arithmetic."""
 
@@ -450,8 +462,6 @@ def validate(cfg: Config) -> None:
     if cfg.metrics.straggler_ratio < 1:
         raise ConfigError(f"metrics.straggler_ratio = {cfg.metrics.straggler_ratio} must be >= 1 (e.g. 1.2)")
     if cfg.profile.steps:
-        from paratrain.profiling import parse_steps  # the one parser of the range syntax
-
         parse_steps(cfg.profile.steps)
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio = {cfg.optim.min_lr_ratio} must be within [0, 1]")

@@ -22,21 +22,9 @@ import pickle
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from paratrain.config import ConfigError, ProfileConfig
+from paratrain.config import ProfileConfig, parse_steps
 
 log = logging.getLogger("paratrain")
-
-
-def parse_steps(text: str) -> tuple[int, int]:
-    """'10-12' -> (10, 12); '5' -> (5, 5). Steps are 1-based like the step column of metrics.jsonl."""
-    first, sep, last = text.strip().partition("-")
-    try:
-        a, b = int(first), int(last) if sep else int(first)
-    except ValueError:
-        a = b = 0
-    if a < 1 or b < a:
-        raise ConfigError(f"profile.steps = {text!r} is malformed; write a step range such as '10-12' or one step '5'")
-    return a, b
 
 
 class Profiler:
