@@ -6,9 +6,10 @@ from torch.utils.data import Dataset
 
 from paratrain.config import ConfigError, DataConfig, resolve_callable
 from paratrain.data.stdlib_bytes import StdlibBytes, build_stdlib_bytes
+from paratrain.data.tokens import build_tokens
 from paratrain.models import _check_kwargs
 
-BUILTIN_DATASETS = {"stdlib_bytes": build_stdlib_bytes}
+BUILTIN_DATASETS = {"stdlib_bytes": build_stdlib_bytes, "tokens": build_tokens}
 
 
 def dataset_builder(cfg: DataConfig):
