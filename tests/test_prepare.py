@@ -80,7 +80,8 @@ def test_bytes_streams_are_the_documents_in_order(tmp_path):
         assert f["bytes"] == os.path.getsize(path) and f["sha256"] == prep.file_sha256(str(path))
 
 
-def test_bpe_rerun_and_workers_give_the_same_bytes(tmp_path):
+def test_bpe_rerun_and_workers_give_the_same_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "CHUNK_BYTES", 5000)  # many chunks in flight across the workers
     src = write_corpus(tmp_path / "src", stdlib_texts(40))
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     kw = dict(tokenizer="bpe:300", val_fraction=0.2, progress=False)
