@@ -166,9 +166,16 @@ class Encoder:
         return self._hf.decode(ids, skip_special_tokens=False)
 
 
-def _load_hf(path: str):
-    from tokenizers import Tokenizer
+def _tokenizers():
+    try:
+        import tokenizers  # optional extra `tokenizers`: only for tokenizer.json and bpe:VOCAB
+    except ImportError:
+        raise ConfigError("this --tokenizer needs Hugging Face tokenizers; pip install 'paratrain[tokenizers]'")
+    return tokenizers
 
+
+def _load_hf(path: str):
+    Tokenizer = _tokenizers().Tokenizer
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # the library raises bare Exception subclasses for any unreadable file
@@ -187,8 +194,14 @@ def _hf_spec(path: str, eos: int | None) -> TokenizerSpec:
 
 def train_bpe(files: list[str], *, vocab_size: int, text_field: str, out_path: str) -> None:
     """A byte-level BPE (GPT-2 style) trained on the input with Hugging Face tokenizers' trainer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+    tk = _tokenizers()
+    Tokenizer, decoders, models, pre_tokenizers, trainers = (
+        tk.Tokenizer,
+        tk.decoders,
+        tk.models,
+        tk.pre_tokenizers,
+        tk.trainers,
+    )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -283,9 +296,11 @@ def encoded_chunks(chunks: Iterator[list[str]], *, spec: TokenizerSpec, workers:
         for chunk in chunks:
             yield encode_chunk(chunk, val_fraction, dtype)
         return
-    # spawn, not fork: the parent may hold tokenizers' thread pool (after BPE training), which
-    # does not survive a fork (huggingface/tokenizers#311).
-    ctx = multiprocessing.get_context("spawn")
+    # fork: workers start at once and share the parent's pages (a spawned worker would import
+    # torch again through the package, about 300 MB each). Safe for tokenizers because
+    # TOKENIZERS_PARALLELISM=false is set before any use: its thread pool, which does not survive
+    # a fork (huggingface/tokenizers#187), never starts.
+    ctx = multiprocessing.get_context("fork")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
         pending: deque = deque()
         for chunk in chunks:
