@@ -13,7 +13,7 @@ from paratrain.batching import GlobalBatchSampler
 from paratrain.config import ConfigError, DataConfig, ModelConfig
 from paratrain.data import build_dataset
 from paratrain.data import prepare as prep
-from paratrain.data.loader import StepSampler, build_loader
+from paratrain.data.loader import StepLoader, StepSampler, build_loader
 from paratrain.data.tokens import (
     TokenMixture,
     build_tokens,
@@ -170,3 +170,16 @@ def test_train_then_generate_decodes_with_the_corpus_tokenizer(tmp_path, corpora
     assert summary["data"]["tokenizer"] == "bpe:300"  # the run records the tokenizer
     text = generate_text(out, "def ", max_new_tokens=8)
     assert text.startswith("def ")
+
+
+def test_step_loader_follows_position_and_batch_size_changes():
+    ds = ToyLM(n=40)
+    sampler = GlobalBatchSampler(len(ds), seed=1)
+    calls = [(0, 8, 2), (8, 8, 2), (16, 8, 4), (24, 12, 3), (36, 12, 3), (48, 12, 3), (12, 8, 2)]  # resize, rewind
+    inline = StepLoader(ds, sampler, dp_rank=1, dp=2, workers=0)
+    pooled = StepLoader(ds, GlobalBatchSampler(len(ds), seed=1), dp_rank=1, dp=2, workers=2)
+    for pos, gbs, mbs in calls:
+        want = inline.batches(pos, gbs, mbs)
+        assert len(want) == gbs // 2 // mbs
+        torch.testing.assert_close(pooled.batches(pos, gbs, mbs), want, rtol=0, atol=0)
+    pooled.close()
