@@ -25,14 +25,14 @@ from paratrain.batching import GlobalBatchSampler, micro_batches, rank_slice
 
 
 class StepSampler(Sampler):
-    """This rank's micro-batch index lists of ``steps`` steps from stream position ``start``."""
+    """This rank's micro-batch index lists of ``steps`` steps (None: endless) from stream position ``start``."""
 
     def __init__(
         self,
         sampler: GlobalBatchSampler,
         *,
         start: int,
-        steps: int,
+        steps: int | None,
         global_batch_size: int,
         micro_batch_size: int,
         dp_rank: int,
@@ -42,16 +42,15 @@ class StepSampler(Sampler):
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp = dp_rank, dp
 
-    def __len__(self) -> int:
-        return self.steps
-
     def step_indices(self, position: int) -> list[list[int]]:
         indices = self.sampler.global_indices(position, self.global_batch_size)
         return micro_batches(rank_slice(indices, dp_rank=self.dp_rank, dp=self.dp), self.micro_batch_size)
 
     def __iter__(self) -> Iterator[list[list[int]]]:
-        for s in range(self.steps):
+        s = 0
+        while self.steps is None or s < self.steps:
             yield self.step_indices(self.start + s * self.global_batch_size)
+            s += 1
 
 
 class CollatedSteps(Dataset):
@@ -91,3 +90,59 @@ def to_device(batch, device: torch.device):
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return type(batch)(to_device(b, device) for b in batch)
+
+
+class StepLoader:
+    """The trainer's view: the collated micro-batches of the step at ``position``.
+
+    Consecutive calls (position advancing by the global batch, same batch sizes) are served by
+    one prefetching DataLoader; any other call (resume, a new batch size from the adaptive
+    mode) starts a new one there. ``workers = 0`` loads inline, exactly as before.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: GlobalBatchSampler,
+        *,
+        dp_rank: int,
+        dp: int,
+        workers: int = 0,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        seed: int = 0,
+    ):
+        self.dataset, self.sampler, self.dp_rank, self.dp = dataset, sampler, dp_rank, dp
+        self.workers, self.prefetch, self.pin_memory, self.seed = workers, prefetch, pin_memory, seed
+        self._it, self._expect = None, None
+
+    def batches(self, position: int, global_batch_size: int, micro_batch_size: int) -> list:
+        steps = StepSampler(
+            self.sampler,
+            start=position,
+            steps=None,  # endless: the few steps prefetched past the end are dropped with the loader
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            dp_rank=self.dp_rank,
+            dp=self.dp,
+        )
+        if self.workers == 0:
+            return CollatedSteps(self.dataset)[steps.step_indices(position)]
+        key = (position, global_batch_size, micro_batch_size)
+        if self._it is None or self._expect != key:
+            self.close()
+            loader = build_loader(
+                self.dataset,
+                steps,
+                workers=self.workers,
+                prefetch=self.prefetch,
+                pin_memory=self.pin_memory,
+                seed=self.seed,
+            )
+            self._it = iter(loader)
+        self._expect = (position + global_batch_size, global_batch_size, micro_batch_size)
+        return next(self._it)
+
+    def close(self) -> None:
+        """End the workers (dropping the iterator shuts them down)."""
+        self._it = None
