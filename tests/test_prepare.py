@@ -179,6 +179,7 @@ def _bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
         (["prepare", src, "--out", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "tok.json")], "is unreadable"),
         (["prepare", src, "--out", str(other), "--tokenizer", "bpe:300"], "holds a different corpus"),
         (["prepare", src, *out, "--tokenizer", "bpe:100"], "VOCAB >= 257"),
+        (["prepare", src, "--out", src, "--tokenizer", "bytes"], "is not empty and holds no prepared corpus"),
     ]
 
 
