@@ -11,7 +11,7 @@ from torch.utils.data import default_collate
 
 from paratrain.batching import GlobalBatchSampler
 from paratrain.config import ConfigError, DataConfig, ModelConfig
-from paratrain.data import build_dataset
+from paratrain.data import build_dataset, build_val_dataset
 from paratrain.data import prepare as prep
 from paratrain.data.loader import StepLoader, StepSampler, build_loader
 from paratrain.data.tokens import (
@@ -52,7 +52,8 @@ def test_windows_are_shifted_slices_of_the_stream(corpora):
         x, y = ds[i]
         torch.testing.assert_close(x, stream[i * 37 : i * 37 + 37])
         torch.testing.assert_close(y, stream[i * 37 + 1 : i * 37 + 38])
-    val = build_tokens(path=a, block_size=8, split="val")
+    val = build_val_dataset(DataConfig(name="tokens", args={"path": a, "block_size": 8}), samples=5)
+    assert len(val) == 5
     torch.testing.assert_close(val[0][0], torch.from_numpy(read_split(a, "val")[:8].astype(np.int64)))
     assert ds.description["tokenizer"] == "bytes" and ds.description["samples"] == len(ds)
 
@@ -77,6 +78,8 @@ def test_corpus_checks(tmp_path, corpora):
         build_tokens(path=str(tmp_path), block_size=8)
     with pytest.raises(ConfigError, match="fewer than block_size"):
         build_tokens(path=corpora[0], block_size=10**9)
+    with pytest.raises(ConfigError, match="no validation set"):
+        build_val_dataset(DataConfig(name="stdlib_bytes"), samples=4)
     with pytest.raises(ConfigError, match="weight"):
         build_tokens(sources=[{"path": corpora[0], "weight": 0}], block_size=8)
 
