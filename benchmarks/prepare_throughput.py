@@ -5,7 +5,8 @@ until it holds ``--size-mb`` MB (default 1024). The tokenizer is a 4096-token by
 trained once on the standard library (``--tokenizer bytes`` skips it). Each configuration runs
 ``--runs`` times as a `paratrain prepare` subprocess, alternating; printed per configuration:
 median MB/s of text, tokens/s, and the peak memory of the process tree (the sum of the PSS of
-prepare and its workers, polled every 0.1 s), then the paired ratio of N workers to 1 per run.
+prepare and its workers, polled every 0.1 s), then the paired ratio of N workers to 1 per run. MB per CPU-second (user + sys of prepare and
+its workers) is the figure that a machine shared with other jobs does not distort.
 
     python benchmarks/prepare_throughput.py [--size-mb 1024] [--workers 1 2] [--runs 1]
 """
@@ -16,6 +17,7 @@ import argparse
 import glob
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -86,7 +88,7 @@ def tree_pss_kb(pid: int) -> int:
 def run_prepare(corpus: str, out: str, tokenizer: str, workers: int) -> dict:
     cmd = [sys.executable, "-m", "paratrain", "prepare", corpus, "--out", out, "--tokenizer", tokenizer]
     cmd += ["--workers", str(workers), "--val-fraction", "0.005"]
-    t0 = time.perf_counter()
+    t0, ru0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = 0
     while proc.poll() is None:
@@ -94,11 +96,14 @@ def run_prepare(corpus: str, out: str, tokenizer: str, workers: int) -> dict:
         time.sleep(0.1)
     wall = time.perf_counter() - t0
     stdout, stderr = proc.communicate()
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)  # prepare and its (joined) workers
+    cpu = ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime
     if proc.returncode:
         sys.exit(f"prepare failed: {stderr[-2000:]}")
     meta = json.load(open(os.path.join(out, "meta.json")))
     tokens = sum(s["tokens"] for s in meta["splits"].values())
-    return {"s": wall, "mb_s": meta["text_bytes"] / 1e6 / wall, "tok_s": tokens / wall, "peak_mib": peak / 1024}
+    mb = meta["text_bytes"] / 1e6
+    return {"s": wall, "mb_s": mb / wall, "tok_s": tokens / wall, "peak_mib": peak / 1024, "mb_cpu_s": mb / cpu}
 
 
 def main() -> None:
@@ -128,7 +133,7 @@ def main() -> None:
                 results[w].append(res)
                 print(
                     f"run {r} workers {w}: {res['s']:.1f} s, {res['mb_s']:.2f} MB/s, {res['tok_s'] / 1e6:.2f} M tokens/s,"
-                    f" peak PSS {res['peak_mib']:.0f} MiB",
+                    f" peak PSS {res['peak_mib']:.0f} MiB, {res['mb_cpu_s']:.2f} MB per CPU-second",
                     flush=True,
                 )
                 shutil.rmtree(os.path.join(tmp, f"out{w}-{r}"))  # keep the disk use at one corpus
