@@ -5,8 +5,9 @@ until it holds ``--size-mb`` MB (default 1024). The tokenizer is a 4096-token by
 trained once on the standard library (``--tokenizer bytes`` skips it). Each configuration runs
 ``--runs`` times as a `paratrain prepare` subprocess, alternating; printed per configuration:
 median MB/s of text, tokens/s, and the peak memory of the process tree (the sum of the PSS of
-prepare and its workers, polled every 0.1 s), then the paired ratio of N workers to 1 per run. MB per CPU-second (user + sys of prepare and
-its workers) is the figure that a machine shared with other jobs does not distort.
+prepare and its workers, polled every 0.1 s), then the paired ratio of N workers to 1 per run.
+MB per CPU-second (user + sys of prepare and its workers) is the figure that a machine shared
+with other jobs does not distort.
 
     python benchmarks/prepare_throughput.py [--size-mb 1024] [--workers 1 2] [--runs 1]
 """
