@@ -113,6 +113,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from paratrain.data.prepare import prepare
+
+    meta = prepare(
+        args.inputs,
+        out_dir=args.out,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        val_fraction=args.val_fraction,
+        workers=args.workers,
+        eos=args.eos,
+        exclude=args.exclude,
+    )
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    print(
+        f"prepared {train['documents'] + val['documents']} documents ({meta['text_bytes'] / 1e6:.1f} MB of text):"
+        f" train {train['tokens']} tokens, val {val['tokens']} tokens, vocab {meta['vocab_size']}"
+        f" ({meta['dtype']}), EOS {meta['eos_id']} -> {args.out}"
+    )
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
 
     info = export_safetensors(args.checkpoint, args.to)
@@ -214,6 +236,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from the newest complete checkpoint of the run, or from PATH",
     )
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("prepare", help="tokenise text files, jsonl or parquet into token shards for data.name='tokens'")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, directories (recursive) or globs")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (shards, tokenizer.json, meta.json)")
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="SPEC",
+        help="'bytes', 'bpe:VOCAB' (trained here), or a tokenizer.json / its dir",
+    )
+    p.add_argument("--text-field", default="text", help="field (jsonl) or column (parquet) of the text (default text)")
+    p.add_argument(
+        "--val-fraction", type=float, default=0.005, help="share of documents in the val split (default 0.005)"
+    )
+    p.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1)")
+    p.add_argument(
+        "--eos", type=int, default=None, metavar="ID", help="EOS id after each document (default: the tokenizer's)"
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="skip files whose path matches (fnmatch; repeatable)",
+    )
+    p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("export", help="write a checkpoint's full weights (any layout) to one safetensors file")
     p.add_argument("checkpoint", help="a step-N checkpoint folder (or a checkpoints folder: its newest)")

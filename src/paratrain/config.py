@@ -52,12 +52,20 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = opt("stdlib_bytes", "Built-in dataset: 'stdlib_bytes' (byte-level LM on Python's standard library).")
+    name: str = opt(
+        "stdlib_bytes",
+        "Built-in dataset: 'stdlib_bytes' (byte-level LM on Python's standard library) or 'tokens' (a corpus made by `paratrain prepare`; args path or sources, block_size).",
+    )
     factory: str = opt(
         "", "User dataset as 'package.module:function' returning a map-style Dataset of (input, target)."
     )
     args: dict = opt({}, "Keyword arguments for the dataset builder (e.g. block_size, max_bytes).")
     shuffle: bool = opt(True, "Shuffle the samples each epoch with a permutation drawn from (seed, epoch).")
+    workers: int = opt(
+        0,
+        "Loader worker processes that prepare the next steps' micro-batches ahead of time (0 = in the training process). The samples are the same for any value.",
+    )
+    prefetch: int = opt(2, "Steps each loader worker prepares ahead (with data.workers > 0).")
 
 
 @dataclass
@@ -450,6 +458,8 @@ def validate(cfg: Config) -> None:
     positive("optim.lr", cfg.optim.lr)
     positive("optim.grad_clip", cfg.optim.grad_clip, allow_zero=True)
     positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)
+    positive("data.workers", cfg.data.workers, allow_zero=True)
+    positive("data.prefetch", cfg.data.prefetch)
     positive("dist.timeout_s", cfg.dist.timeout_s)
     positive("comm.bucket_mb", cfg.comm.bucket_mb)
     positive("comm.powersgd_rank", cfg.comm.powersgd_rank)

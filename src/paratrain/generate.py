@@ -1,4 +1,8 @@
-"""Sample text from a trained byte-level model: ``paratrain generate OUT_DIR --prompt "def "``."""
+"""Sample text from a trained model: ``paratrain generate OUT_DIR --prompt "def "``.
+
+Byte-level runs decode bytes; runs on ``data.name = 'tokens'`` decode with the tokenizer the
+corpus was prepared with (its ``tokenizer.json``, found through the run's config.toml).
+"""
 
 from __future__ import annotations
 
@@ -8,29 +12,47 @@ import torch
 from safetensors.torch import load_file
 
 from paratrain.config import ConfigError, load_config
+from paratrain.data.prepare import load_tokenizer
+from paratrain.data.tokens import resolve_model_vocab, tokens_meta
 from paratrain.models import build_model
 
 
 def load_trained_model(out_dir: str) -> torch.nn.Module:
+    return _load_run(out_dir)[0]
+
+
+def _load_run(out_dir: str):
     cfg_path, weights = os.path.join(out_dir, "config.toml"), os.path.join(out_dir, "model.safetensors")
     for path in (cfg_path, weights):
         if not os.path.isfile(path):
             raise ConfigError(f"'{path}' not found; pass the run.out_dir of a finished `paratrain train` run")
     cfg = load_config(cfg_path)
+    resolve_model_vocab(cfg.model, cfg.data)
     model = build_model(cfg.model)
 
     model.load_state_dict(load_file(weights))
-    return model.eval()
+    return model.eval(), cfg
 
 
 def generate_text(
     out_dir: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0
 ) -> str:
-    model = load_trained_model(out_dir)
-    if not hasattr(model, "generate") or getattr(getattr(model, "cfg", None), "vocab_size", None) != 256:
-        raise ConfigError("generate needs the built-in byte-level GPT (model.name = 'gpt', vocab_size 256)")
-    idx = torch.tensor([list(prompt.encode("utf-8")) or [10]], dtype=torch.long)
+    model, cfg = _load_run(out_dir)
+    meta = tokens_meta(cfg.data)
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    if meta is not None:
+        tok = load_tokenizer(meta["path"])
+        ids = tok.encode(prompt) or [tok.eos_id]
+    else:
+        tok, ids = None, list(prompt.encode("utf-8")) or [10]
+    if not hasattr(model, "generate") or (meta is None and vocab != 256):
+        raise ConfigError(
+            "generate needs the built-in GPT (model.name = 'gpt') on bytes (vocab_size 256) or on data.name = 'tokens'"
+        )
+    idx = torch.tensor([ids], dtype=torch.long)
     out = model.generate(
         idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=torch.Generator().manual_seed(seed)
     )
+    if tok is not None:
+        return tok.decode(out[0].tolist())
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from torch.utils.data import Dataset
+import inspect
+
+from torch.utils.data import Dataset, Subset
 
 from paratrain.config import ConfigError, DataConfig, resolve_callable
 from paratrain.data.stdlib_bytes import StdlibBytes, build_stdlib_bytes
+from paratrain.data.tokens import build_tokens
 from paratrain.models import _check_kwargs
 
-BUILTIN_DATASETS = {"stdlib_bytes": build_stdlib_bytes}
+BUILTIN_DATASETS = {"stdlib_bytes": build_stdlib_bytes, "tokens": build_tokens}
 
 
 def dataset_builder(cfg: DataConfig):
@@ -33,4 +36,17 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     return ds
 
 
-__all__ = ["StdlibBytes", "build_dataset", "BUILTIN_DATASETS"]
+def build_val_dataset(cfg: DataConfig, samples: int = 0) -> Dataset:
+    """The first ``samples`` (0 = all) samples of the builder's ``split="val"`` set: a fixed eval set.
+
+    For [eval]: the same windows at every evaluation and for every layout. Needs a builder with a
+    ``split`` argument (``tokens`` has one; a user factory may add one).
+    """
+    fn, key = dataset_builder(cfg)
+    if "split" not in inspect.signature(fn).parameters:
+        raise ConfigError(f"{key} has no `split` argument, so it has no validation set; add split='train'|'val' to it")
+    ds = fn(**{**cfg.args, "split": "val"})
+    return Subset(ds, range(min(samples, len(ds)) if samples else len(ds)))
+
+
+__all__ = ["StdlibBytes", "build_dataset", "build_val_dataset", "BUILTIN_DATASETS"]

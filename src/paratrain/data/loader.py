@@ -1,0 +1,148 @@
+"""A prefetching loader: worker processes build the next steps' micro-batches ahead of time.
+
+It is ``torch.utils.data.DataLoader`` over a dataset whose items are *steps*: item = this rank's
+list of micro-batch index lists, value = the list of collated micro-batches
+(``default_collate([dataset[i] for i in mb])`` each). The index lists come from a
+``StepSampler``, a pure function of ``consumed_samples`` (batching.GlobalBatchSampler), so the
+loader holds no state but its queue: resume, resize or a change of batch size is a new loader
+started at another position. The DataLoader keeps the order of its sampler whatever
+``num_workers`` is, so the batches are exactly those of the inline loop.
+
+Two details keep exactness: the DataLoader gets its own ``torch.Generator`` (without one it
+draws its workers' base seed from the global RNG when an iterator is created, which would shift
+the model's dropout stream between 0 and N workers); and on CUDA, ``pin_memory`` lets the step
+copy with ``non_blocking=True`` (PyTorch's "pinned memory" tutorial).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from paratrain.batching import GlobalBatchSampler, micro_batches, rank_slice
+
+
+class StepSampler(Sampler):
+    """This rank's micro-batch index lists of ``steps`` steps (None: endless) from stream position ``start``."""
+
+    def __init__(
+        self,
+        sampler: GlobalBatchSampler,
+        *,
+        start: int,
+        steps: int | None,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp: int,
+    ):
+        self.sampler, self.start, self.steps = sampler, start, steps
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp = dp_rank, dp
+
+    def step_indices(self, position: int) -> list[list[int]]:
+        indices = self.sampler.global_indices(position, self.global_batch_size)
+        return micro_batches(rank_slice(indices, dp_rank=self.dp_rank, dp=self.dp), self.micro_batch_size)
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        s = 0
+        while self.steps is None or s < self.steps:
+            yield self.step_indices(self.start + s * self.global_batch_size)
+            s += 1
+
+
+class CollatedSteps(Dataset):
+    """Item = one step's micro-batch index lists -> its collated micro-batches."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, step: list[list[int]]) -> list:
+        return [default_collate([self.dataset[i] for i in mb]) for mb in step]
+
+
+def build_loader(
+    dataset: Dataset, steps, *, workers: int = 0, prefetch: int = 2, pin_memory: bool = False, seed: int = 0
+) -> DataLoader:
+    """Iterate to get, step after step, the list of collated micro-batches of ``steps``.
+
+    ``steps`` is any iterable of per-step micro-batch index lists (a StepSampler for training).
+    """
+    return DataLoader(
+        CollatedSteps(dataset),
+        batch_size=None,  # the sampler's items are whole steps, collated by CollatedSteps
+        sampler=steps,
+        num_workers=workers,
+        prefetch_factor=prefetch if workers else None,
+        persistent_workers=False,  # one loader per start position; workers end with it
+        pin_memory=pin_memory,
+        generator=torch.Generator().manual_seed(seed),  # never the global RNG (module docstring)
+    )
+
+
+def to_device(batch, device: torch.device):
+    """Copy a collated micro-batch to ``device``; non-blocking from pinned memory."""
+    non_blocking = device.type == "cuda"
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return type(batch)(to_device(b, device) for b in batch)
+
+
+class StepLoader:
+    """The trainer's view: the collated micro-batches of the step at ``position``.
+
+    Consecutive calls (position advancing by the global batch, same batch sizes) are served by
+    one prefetching DataLoader; any other call (resume, a new batch size from the adaptive
+    mode) starts a new one there. ``workers = 0`` loads inline, exactly as before.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: GlobalBatchSampler,
+        *,
+        dp_rank: int,
+        dp: int,
+        workers: int = 0,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        seed: int = 0,
+    ):
+        self.dataset, self.sampler, self.dp_rank, self.dp = dataset, sampler, dp_rank, dp
+        self.workers, self.prefetch, self.pin_memory, self.seed = workers, prefetch, pin_memory, seed
+        self._it, self._expect = None, None
+
+    def batches(self, position: int, global_batch_size: int, micro_batch_size: int) -> list:
+        steps = StepSampler(
+            self.sampler,
+            start=position,
+            steps=None,  # endless: the few steps prefetched past the end are dropped with the loader
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            dp_rank=self.dp_rank,
+            dp=self.dp,
+        )
+        if self.workers == 0:
+            return CollatedSteps(self.dataset)[steps.step_indices(position)]
+        key = (position, global_batch_size, micro_batch_size)
+        if self._it is None or self._expect != key:
+            self.close()
+            loader = build_loader(
+                self.dataset,
+                steps,
+                workers=self.workers,
+                prefetch=self.prefetch,
+                pin_memory=self.pin_memory,
+                seed=self.seed,
+            )
+            self._it = iter(loader)
+        self._expect = (position + global_batch_size, global_batch_size, micro_batch_size)
+        return next(self._it)
+
+    def close(self) -> None:
+        """End the workers (dropping the iterator shuts them down)."""
+        self._it = None

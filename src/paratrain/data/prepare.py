@@ -1,0 +1,505 @@
+"""`paratrain prepare`: tokenise a corpus once into packed token shards plus ``meta.json``.
+
+The output is the layout nanoGPT's ``train.bin`` and Megatron's ``.bin`` made common: one flat
+stream of token ids per split, each document followed by the EOS id, in ``uint16`` when the
+vocabulary fits (half the bytes) else ``uint32``. Design decisions:
+
+- Streaming with bounded memory: documents are read lazily and tokenised in chunks of about
+  1 MB; at most ``2 x workers`` chunks are in flight (``Pool.imap`` would read the whole corpus
+  ahead, so results are collected in submission order from a bounded window). One document is
+  held whole, so a single multi-GB text file is the one thing that is not bounded.
+- Deterministic bytes: chunks are written in input order whatever the number of workers; the
+  Hugging Face tokenizers' own thread pool is turned off (TOKENIZERS_PARALLELISM=false) so that
+  ``--workers`` is the only parallelism and measurements are honest.
+- Train/validation split by a hash of the document's text (BLAKE2b), not by position: adding
+  files never moves an old document across the split, and duplicates land in the same split.
+- ``meta.json`` is the completeness marker (like a checkpoint's manifest): it is removed first,
+  written last, atomically (tmp + ``os.replace``), and lists size and SHA-256 of every file.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import gzip
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import shutil
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from paratrain.config import ConfigError
+
+META = "meta.json"
+FORMAT = "paratrain-tokens/1"
+TOKENIZER_FILE = "tokenizer.json"
+SPLITS = ("train", "val")
+# Files taken from a directory (any file named explicitly is taken whatever its name).
+TEXT_SUFFIXES = (
+    ".txt", ".md", ".rst", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".js", ".ts", ".java", ".go", ".rs",
+    ".rb", ".sh", ".tex", ".html", ".css", ".toml", ".yaml", ".yml", ".jsonl", ".jsonl.gz", ".txt.gz", ".parquet",
+)  # fmt: skip
+SKIP_DIRS = ("__pycache__", ".git", ".hg", ".svn", "node_modules")
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>", "[SEP]")
+CHUNK_BYTES = 1 << 20
+SHARD_BYTES = 1 << 30  # one shard file per GiB of tokens: each stays a plain, copyable file
+
+
+# --- input: files, directories, globs -> documents ------------------------------------------------
+
+
+def expand_inputs(inputs: list[str], exclude: list[str] = ()) -> list[str]:
+    """Every input file, in a deterministic order (arguments as given, each expanded sorted)."""
+    files = _expand(inputs)
+    return [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in exclude)]
+
+
+def _expand(inputs: list[str]) -> list[str]:
+    files: list[str] = []
+    for arg in inputs:
+        if any(ch in arg for ch in "*?["):
+            matches = sorted(glob.glob(arg, recursive=True))
+            if not matches:
+                raise ConfigError(f"input {arg!r} matches no file; check the pattern")
+            files.extend(m for m in matches if os.path.isfile(m))
+        elif os.path.isdir(arg):
+            for dirpath, dirnames, filenames in os.walk(arg):
+                dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+                files.extend(os.path.join(dirpath, n) for n in sorted(filenames) if n.endswith(TEXT_SUFFIXES))
+        elif os.path.isfile(arg):
+            files.append(arg)
+        else:
+            raise ConfigError(f"input {arg!r}: no such file or directory; check the path")
+    return files
+
+
+def _open_text(path: str) -> io.TextIOBase:
+    # errors="replace": one bad byte must not stop a 100 GB job; the result stays deterministic.
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="")
+    return open(path, encoding="utf-8", errors="replace", newline="")
+
+
+def iter_documents(files: list[str], text_field: str = "text") -> Iterator[str]:
+    """Documents as strings, streamed: one per plain file, one per jsonl line or parquet row."""
+    for path in files:
+        name = path[:-3] if path.endswith(".gz") else path
+        if name.endswith(".jsonl"):
+            yield from _iter_jsonl(path, text_field)
+        elif name.endswith(".parquet"):
+            yield from _iter_parquet(path, text_field)
+        else:
+            with _open_text(path) as f:
+                yield f.read()
+
+
+def _iter_jsonl(path: str, text_field: str) -> Iterator[str]:
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line")
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ConfigError(
+                    f"{path}:{lineno}: no string field {text_field!r}; pass --text-field with the field holding the text"
+                )
+            yield text
+
+
+def _iter_parquet(path: str, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq  # optional extra `parquet`: imported only for .parquet inputs
+    except ImportError:
+        raise ConfigError(f"{path}: reading .parquet needs pyarrow; pip install 'paratrain[parquet]'")
+    pf = pq.ParquetFile(path)
+    if text_field not in pf.schema_arrow.names:
+        raise ConfigError(f"{path}: no column {text_field!r}; pass --text-field with the column holding the text")
+    for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            yield text or ""
+
+
+# --- tokenizers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What a worker needs to rebuild the tokenizer: 'bytes', or a tokenizer.json file."""
+
+    kind: str  # "bytes" | "huggingface"
+    path: str
+    eos_id: int
+    vocab_size: int
+
+
+class Encoder:
+    """encode/decode for the shards' ids; ``load_tokenizer(corpus_dir)`` returns one."""
+
+    def __init__(self, spec: TokenizerSpec):
+        self.spec = spec
+        self.eos_id = spec.eos_id
+        self.vocab_size = spec.vocab_size
+        self._hf = _load_hf(spec.path) if spec.kind == "huggingface" else None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]] | list[np.ndarray]:
+        if self._hf is None:
+            return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+        return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.encode_batch([text])[0]]
+
+    def decode(self, ids: list[int]) -> str:
+        if self._hf is None:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return self._hf.decode(ids, skip_special_tokens=False)
+
+
+def _tokenizers():
+    try:
+        import tokenizers  # optional extra `tokenizers`: only for tokenizer.json and bpe:VOCAB
+    except ImportError:
+        raise ConfigError("this --tokenizer needs Hugging Face tokenizers; pip install 'paratrain[tokenizers]'")
+    return tokenizers
+
+
+def _load_hf(path: str):
+    Tokenizer = _tokenizers().Tokenizer
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the library raises bare Exception subclasses for any unreadable file
+        raise ConfigError(f"tokenizer {path!r} is unreadable ({str(e).splitlines()[0][:120]}); give a tokenizer.json")
+
+
+def _hf_spec(path: str, eos: int | None) -> TokenizerSpec:
+    tok = _load_hf(path)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if eos is None:
+        eos = next((tok.token_to_id(t) for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+        if eos is None:
+            raise ConfigError(f"tokenizer {path!r} has none of the EOS tokens {list(EOS_CANDIDATES)}; pass --eos ID")
+    return TokenizerSpec("huggingface", path, eos, max(vocab, eos + 1))
+
+
+def train_bpe(files: list[str], *, vocab_size: int, text_field: str, out_path: str) -> None:
+    """A byte-level BPE (GPT-2 style) trained on the input with Hugging Face tokenizers' trainer."""
+    tk = _tokenizers()
+    Tokenizer, decoders, models, pre_tokenizers, trainers = (
+        tk.Tokenizer,
+        tk.decoders,
+        tk.models,
+        tk.pre_tokenizers,
+        tk.trainers,
+    )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],  # id 0: the EOS of every document
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(iter_documents(files, text_field), trainer=trainer)
+    tok.save(out_path)
+
+
+def resolve_tokenizer(spec: str, *, eos: int | None, files: list[str], text_field: str, out_dir: str) -> TokenizerSpec:
+    """Resolve --tokenizer; the tokenizer.json always ends up in the corpus dir (self-contained)."""
+    dest = os.path.join(out_dir, TOKENIZER_FILE)
+    if spec == "bytes":
+        eos = 0 if eos is None else eos  # NUL: a byte that text does not contain
+        return TokenizerSpec("bytes", "", eos, max(256, eos + 1))
+    if spec.startswith("bpe:"):
+        try:
+            vocab = int(spec[4:])
+        except ValueError:
+            vocab = 0
+        if vocab < 257:
+            raise ConfigError(f"--tokenizer {spec!r}: write bpe:VOCAB with VOCAB >= 257 (256 bytes + EOS)")
+        train_bpe(files, vocab_size=vocab, text_field=text_field, out_path=dest + ".tmp")
+        os.replace(dest + ".tmp", dest)
+        return _hf_spec(dest, eos)
+    path = os.path.join(spec, TOKENIZER_FILE) if os.path.isdir(spec) else spec
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"--tokenizer {spec!r}: no such tokenizer.json; give 'bytes', 'bpe:VOCAB', a tokenizer.json or its directory"
+        )
+    checked = _hf_spec(path, eos)
+    if os.path.abspath(path) != os.path.abspath(dest):
+        shutil.copyfile(path, dest)
+    return TokenizerSpec(checked.kind, dest, checked.eos_id, checked.vocab_size)
+
+
+# --- tokenising workers -----------------------------------------------------------------------------
+
+_ENCODER: Encoder | None = None
+
+
+def _init_worker(spec: TokenizerSpec) -> None:
+    global _ENCODER
+    _ENCODER = Encoder(spec)
+
+
+def split_of(text: str, val_fraction: float) -> str:
+    """'val' for a fixed fraction of documents, chosen by a hash of the text alone."""
+    h = int.from_bytes(hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=8).digest(), "little")
+    return "val" if h < val_fraction * 2.0**64 else "train"
+
+
+def encode_chunk(texts: list[str], val_fraction: float, dtype: str) -> dict:
+    """Token arrays of one chunk per split (documents in order, each followed by EOS)."""
+    enc = _ENCODER
+    out = {s: [] for s in SPLITS}
+    docs = dict.fromkeys(SPLITS, 0)
+    eos = np.array([enc.eos_id], dtype=dtype)
+    for text, ids in zip(texts, enc.encode_batch(texts)):
+        split = split_of(text, val_fraction)
+        out[split] += [np.asarray(ids, dtype=dtype), eos]
+        docs[split] += 1
+    return {
+        "tokens": {s: np.concatenate(v) if v else np.empty(0, dtype) for s, v in out.items()},
+        "docs": docs,
+        "text_bytes": sum(len(t.encode("utf-8", errors="replace")) for t in texts),
+    }
+
+
+def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
+    chunk, size = [], 0
+    for text in docs:
+        if not text:
+            continue  # an empty document would be a lone EOS
+        chunk.append(text)
+        size += len(text)
+        if size >= CHUNK_BYTES or len(chunk) >= 4096:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def encoded_chunks(chunks: Iterator[list[str]], *, spec: TokenizerSpec, workers: int, val_fraction: float, dtype: str):
+    """encode_chunk over the chunks, in order, with at most 2 x workers chunks in flight."""
+    if workers <= 1:
+        _init_worker(spec)
+        for chunk in chunks:
+            yield encode_chunk(chunk, val_fraction, dtype)
+        return
+    # fork: workers start at once and share the parent's pages (a spawned worker would import
+    # torch again through the package, about 300 MB each). Safe for tokenizers because
+    # TOKENIZERS_PARALLELISM=false is set before any use: its thread pool, which does not survive
+    # a fork (huggingface/tokenizers#187), never starts.
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(encode_chunk, (chunk, val_fraction, dtype)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+class ShardWriter:
+    """Appends tokens to ``{split}-00000.bin``, ... , hashing as it writes (no second read)."""
+
+    def __init__(self, out_dir: str, split: str, dtype: str):
+        self.out_dir, self.split, self.itemsize = out_dir, split, np.dtype(dtype).itemsize
+        self.files: list[dict] = []
+        self._f = None
+
+    def _open(self) -> None:
+        name = f"{self.split}-{len(self.files):05d}.bin"
+        self._f = open(os.path.join(self.out_dir, name), "wb")
+        self._sha = hashlib.sha256()
+        self.files.append({"name": name, "tokens": 0, "bytes": 0, "sha256": ""})
+
+    def write(self, tokens: np.ndarray) -> None:
+        max_tokens = SHARD_BYTES // self.itemsize
+        while len(tokens):
+            if self._f is None or self.files[-1]["tokens"] >= max_tokens:
+                self._close_current()
+                self._open()
+            room = max_tokens - self.files[-1]["tokens"]
+            part, tokens = tokens[:room], tokens[room:]
+            data = part.tobytes()
+            self._f.write(data)
+            self._sha.update(data)
+            self.files[-1]["tokens"] += len(part)
+            self.files[-1]["bytes"] += len(data)
+
+    def _close_current(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            self.files[-1]["sha256"] = self._sha.hexdigest()
+            self._f = None
+
+    def close(self) -> list[dict]:
+        self._close_current()
+        return self.files
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _check_out_dir(out_dir: str, fingerprint: dict) -> None:
+    """Refuse a directory that holds another corpus or other files; then clear our old files."""
+    meta_path = os.path.join(out_dir, META)
+    if os.path.isfile(meta_path):
+        try:
+            with open(meta_path) as f:
+                old = json.load(f).get("fingerprint")
+        except (OSError, ValueError, AttributeError):
+            old = None
+        if old != fingerprint:
+            raise ConfigError(
+                f"--out {out_dir} holds a different corpus (meta.json of another input or tokenizer);"
+                " choose another --out or delete that directory"
+            )
+    elif os.path.isdir(out_dir):
+        foreign = [n for n in os.listdir(out_dir) if not _ours(n)]
+        if foreign:
+            raise ConfigError(
+                f"--out {out_dir} is not empty and holds no prepared corpus ({foreign[0]!r}, ...);"
+                " choose an empty or new directory"
+            )
+    os.makedirs(out_dir, exist_ok=True)
+    # A half-written corpus must never be taken for complete: the marker goes first.
+    for name in os.listdir(out_dir):
+        if _ours(name) and name != TOKENIZER_FILE:
+            os.remove(os.path.join(out_dir, name))
+
+
+def _ours(name: str) -> bool:
+    return name in (META, META + ".tmp", TOKENIZER_FILE, TOKENIZER_FILE + ".tmp") or (
+        name.endswith(".bin") and name.split("-")[0] in SPLITS
+    )
+
+
+def _total_bytes(files: list[str]) -> int:
+    return sum(os.path.getsize(p) for p in files)
+
+
+def prepare(
+    inputs: list[str],
+    *,
+    out_dir: str,
+    tokenizer: str,
+    text_field: str = "text",
+    val_fraction: float = 0.005,
+    workers: int = 1,
+    eos: int | None = None,
+    exclude: list[str] = (),
+    progress: bool = True,
+) -> dict:
+    """Tokenise ``inputs`` into ``out_dir``; returns the meta.json dict."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # --workers is the only parallelism (see module doc)
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"--val-fraction {val_fraction} must be within [0, 1)")
+    if workers < 1:
+        raise ConfigError(f"--workers {workers} must be >= 1")
+    if eos is not None and eos < 0:
+        raise ConfigError(f"--eos {eos} must be >= 0")
+    if not inputs:
+        raise ConfigError("prepare needs at least one INPUT (file, directory or glob)")
+    files = expand_inputs(inputs, list(exclude))
+    if not files:
+        raise ConfigError(f"inputs {inputs} hold no text files; give files, directories of text or globs")
+    fingerprint = {
+        "inputs": [os.path.abspath(p) for p in inputs],
+        "tokenizer": tokenizer if tokenizer == "bytes" or tokenizer.startswith("bpe:") else os.path.abspath(tokenizer),
+        "text_field": text_field,
+        "val_fraction": val_fraction,
+        "eos": eos,
+        "exclude": list(exclude),
+    }
+    _check_out_dir(out_dir, fingerprint)
+    spec = resolve_tokenizer(tokenizer, eos=eos, files=files, text_field=text_field, out_dir=out_dir)
+    dtype = "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
+    writers = {s: ShardWriter(out_dir, s, dtype) for s in SPLITS}
+    docs, text_bytes = dict.fromkeys(SPLITS, 0), 0
+    bar = tqdm(
+        total=_total_bytes(files),
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        disable=not progress,
+        mininterval=1.0,
+        delay=1.0,
+    )  # progress: the rate in MB/s and the ETA from the input files' total size (approximate for jsonl/gz)
+    chunks = _chunks(iter_documents(files, text_field))
+    for result in encoded_chunks(chunks, spec=spec, workers=workers, val_fraction=val_fraction, dtype=dtype):
+        for s in SPLITS:
+            writers[s].write(result["tokens"][s])
+            docs[s] += result["docs"][s]
+        text_bytes += result["text_bytes"]
+        bar.update(result["text_bytes"])
+        bar.set_postfix(docs=sum(docs.values()), refresh=False)
+    bar.close()
+    if not sum(docs.values()):
+        raise ConfigError(f"inputs {inputs} hold no text (empty corpus); check the files and --text-field")
+    splits = {}
+    for s in SPLITS:
+        shard_files = writers[s].close()
+        splits[s] = {"documents": docs[s], "tokens": sum(f["tokens"] for f in shard_files), "files": shard_files}
+    meta = {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "tokenizer": {
+            "spec": tokenizer,
+            "kind": spec.kind,
+            "file": TOKENIZER_FILE if spec.kind == "huggingface" else None,
+            "sha256": file_sha256(spec.path) if spec.kind == "huggingface" else None,
+        },
+        "vocab_size": spec.vocab_size,
+        "eos_id": spec.eos_id,
+        "dtype": dtype,
+        "text_bytes": text_bytes,
+        "input_files": len(files),
+        "splits": splits,
+    }
+    write_json_atomic(os.path.join(out_dir, META), meta)  # last: the corpus is complete from here on
+    return meta
+
+
+def load_tokenizer(corpus_dir: str) -> Encoder:
+    """The tokenizer a corpus was prepared with (encode/decode, vocab_size, eos_id)."""
+    meta_path = os.path.join(corpus_dir, META)
+    if not os.path.isfile(meta_path):
+        raise ConfigError(f"{corpus_dir}: no meta.json; prepare the corpus with `paratrain prepare INPUT --out DIR`")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    tok = meta["tokenizer"]
+    path = os.path.join(corpus_dir, tok["file"]) if tok["kind"] == "huggingface" else ""
+    return Encoder(TokenizerSpec(tok["kind"], path, meta["eos_id"], meta["vocab_size"]))
