@@ -333,6 +333,13 @@ def test_named_files_and_modules_exist():
     assert not missing, "named in the docs but not in the repository:\n" + "\n".join(missing)
 
 
+def find_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # the parent is a module, not a package
+        return False
+
+
 def resolves(name: str) -> bool:
     """`paratrain.a.b` is an attribute chain from the package or an importable module (not imported: no side effects)."""
     parts = name.split(".")
@@ -340,7 +347,7 @@ def resolves(name: str) -> bool:
     for i, part in enumerate(parts[1:], start=2):
         if hasattr(obj, part):
             obj = getattr(obj, part)
-        elif importlib.util.find_spec(".".join(parts[:i])) is not None:
+        elif find_module(".".join(parts[:i])):
             obj = importlib.import_module(".".join(parts[:i])) if i < len(parts) else None
         else:
             return False
