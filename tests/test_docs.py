@@ -323,14 +323,25 @@ def test_named_files_and_modules_exist():
         for path in re.findall(r"(?<![\w./:-])((?:tests|benchmarks|configs|docs|src)/[\w/.-]*\w)", text):
             if not (os.path.exists(os.path.join(REPO, path)) or path in PENDING_PAGES):
                 missing.append(f"{page}: {path}")
-        for link in re.findall(r"\]\(([\w./-]+\.(?:md|png|py|toml))(?:#[\w-]*)?\)", text):  # relative links
-            target = os.path.normpath(os.path.join(base, link))
-            if not (os.path.exists(target) or os.path.relpath(target, REPO) in PENDING_PAGES):
+        for link, anchor in re.findall(r"\]\(([\w./-]*)(?:#([\w-]*))?\)", text):  # relative links, #anchors
+            target = os.path.normpath(os.path.join(base, link)) if link else os.path.join(REPO, page)
+            if os.path.relpath(target, REPO) in PENDING_PAGES:
+                continue
+            if not os.path.exists(target):
                 missing.append(f"{page}: link {link}")
+            elif anchor and target.endswith(".md") and anchor not in heading_anchors(target):
+                missing.append(f"{page}: link {link}#{anchor} (no such heading)")
         for name in re.findall(r"`(paratrain(?:\.\w+)+)", text):
             if not resolves(name):
                 missing.append(f"{page}: {name}")
     assert not missing, "named in the docs but not in the repository:\n" + "\n".join(missing)
+
+
+def heading_anchors(path: str) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    with open(path) as f:
+        heads = [line.lstrip("#").strip() for line in f if line.startswith("#")]
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
 
 
 def find_module(name: str) -> bool:
