@@ -45,6 +45,10 @@ import time
 
 import pytest
 
+from paratrain import cli
+from paratrain.config import ConfigError, load_config
+from paratrain.layout import check_layout
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
@@ -407,10 +411,6 @@ def test_documented_commands_run(tmp_path):
 
 def preflight(argv: list[str]) -> int:
     """Everything `paratrain train/verify/find-batch/bench/env` checks before a process starts."""
-    from paratrain import cli  # noqa: I001 (the runner imports paratrain only in its own process)
-    from paratrain.config import load_config
-    from paratrain.layout import check_layout
-
     args = cli.build_parser().parse_args(argv)
     config = getattr(args, "config", None)
     if config:
@@ -440,9 +440,6 @@ def torchrun_as_train(argv: list[str]) -> list[str]:
 
 
 def run_one(c: dict) -> tuple[int, str]:
-    from paratrain import cli  # noqa: I001 (the runner imports paratrain only in its own process)
-    from paratrain.config import ConfigError
-
     argv = [os.path.expandvars(w) for w in c["argv"]]
     if argv[0] == "torchrun" and c["mode"] == "run":
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv[1:]], capture_output=True, text=True)
@@ -462,8 +459,6 @@ def run_one(c: dict) -> tuple[int, str]:
 
 
 def run_plan(plan_file: str, root: str) -> int:
-    import torch  # noqa: F401 (imported before timing starts: every command shares it)
-
     with open(plan_file) as f:
         plan = json.load(f)
     done: dict[str, str] = {}  # shrunk argv already run in full -> where
