@@ -81,7 +81,7 @@ def test_corpus_checks(tmp_path, corpora):
     with pytest.raises(ConfigError, match="fewer than block_size"):
         build_tokens(path=corpora[0], block_size=10**9)
     with pytest.raises(ConfigError, match="no validation set"):
-        build_val_dataset(DataConfig(name="stdlib_bytes"), samples=4)
+        build_val_dataset(DataConfig(factory="tests.toy:toy_lm"), samples=4)
     with pytest.raises(ConfigError, match="weight"):
         build_tokens(sources=[{"path": corpora[0], "weight": 0}], block_size=8)
 
