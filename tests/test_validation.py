@@ -67,8 +67,20 @@ def val_losses(summary: dict, out_dir: str) -> list[float]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("val_ref"))
-    run_ranks(train_rank, 1, [*BASE, f"run.out_dir='{out}'"])
+    run_ranks(train_rank, 1, [*BASE, f"run.out_dir='{out}'", "metrics.tensorboard=true"])
     return out
+
+
+def test_val_loss_reaches_summary_and_tensorboard(reference):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # an optional extra
+
+    rows = read_metrics(reference)
+    val = {r["step"]: r["val_loss"] for r in rows}
+    summary = json.load(open(os.path.join(reference, "summary.json")))
+    assert summary["final_val_loss"] == val[2] and summary["best_val_loss"] == min(val.values())
+    acc = EventAccumulator(os.path.join(reference, "tensorboard"))
+    acc.Reload()
+    assert {e.step: e.value for e in acc.Scalars("train/val_loss")} == pytest.approx(val, rel=1e-6)
 
 
 @pytest.mark.slow
