@@ -139,7 +139,7 @@ def loop(cfg: Config, run: Run) -> list[dict]:
         state.consumed_samples += plan.global_batch_size
         row = metrics_row(run, result, plan=plan, lr=lr, seq_len=seq_len_of(batches[0][0]), t0=t0)
         if run.evaluator and eval_due(state.step, interval=cfg.eval.interval, last=finished(cfg, state)):
-            row.update(val_loss=run.evaluator(run.model, run.step_ctx), val_time_s=run.evaluator.last_time_s)
+            row.update(validate(run))
         if run.adapter:  # adaptive batch: next step's plan and lr scale, before the scheduler reads it
             plan = run.adapter.after_step(result=result, step=state.step)
             state.global_batch_size, state.grad_noise = plan.global_batch_size, run.adapter.state_dict()
@@ -156,6 +156,13 @@ def loop(cfg: Config, run: Run) -> list[dict]:
     run.ckpt.at_end(state.step)
     run.plan = plan
     return history
+
+
+def validate(run: Run) -> dict:
+    """The validation loss now (evaluate.py); its forwards are not the step's time (rank_stats)."""
+    with run.rank_stats.excluded():
+        val_loss = run.evaluator(run.model, run.step_ctx)
+    return {"val_loss": val_loss, "val_time_s": run.evaluator.last_time_s}
 
 
 def finished(cfg: Config, state: TrainState) -> bool:
