@@ -1,8 +1,10 @@
 """paratrain's data-parallel step against a plain hand-written torch DDP loop, world size 2.
 
 Both train the same model, data and global batch through torchrun, alternating, several runs;
-prints the median step time of each (the first steps of every run left out as warm-up) and, as
-its last line, `ratio paratrain/baseline: X`.
+prints each run's median step time and the paired ratio paratrain/baseline of that run (the
+first steps of every run left out as warm-up), then the median ratio with a 95% confidence
+interval of the geometric mean ratio (benchmarks/paired.py) and, as its last line,
+`ratio paratrain/baseline: X [L, U]`. "At or below the baseline" means the interval reaches 1.
 
     python benchmarks/dp_overhead.py [--runs 5] [--steps 40] [--config configs/main.toml]
 """
@@ -16,6 +18,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from paired import paired_ratios, ratio_ci, summary_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -93,7 +97,8 @@ def main() -> None:
             for fn in (run_ours, run_base) if i % 2 == 0 else (run_base, run_ours):
                 fn()
             print(
-                f"run {i + 1}/{args.runs}: paratrain {ours[-1] * 1e3:.1f} ms/step, baseline {base[-1] * 1e3:.1f} ms/step",
+                f"run {i + 1}/{args.runs}: paratrain {ours[-1] * 1e3:.1f} ms/step, baseline {base[-1] * 1e3:.1f}"
+                f" ms/step, ratio {ours[-1] / base[-1]:.3f}",
                 flush=True,
             )
     m_ours, m_base = statistics.median(ours), statistics.median(base)
@@ -101,7 +106,10 @@ def main() -> None:
         f"median step time: paratrain {m_ours * 1e3:.1f} ms, plain DDP {m_base * 1e3:.1f} ms"
         f" (world {args.nproc}, {args.config}, {args.runs} runs x {args.steps} steps)"
     )
-    print(f"ratio paratrain/baseline: {m_ours / m_base:.3f}")
+    ratios = paired_ratios(ours, base)
+    print(summary_line("paired ratio paratrain/baseline", ratios))
+    _, lo, hi = ratio_ci(ratios)
+    print(f"ratio paratrain/baseline: {statistics.median(ratios):.3f} [{lo:.3f}, {hi:.3f}]")
 
 
 if __name__ == "__main__":
