@@ -198,3 +198,13 @@ def test_bench_compute_feeds_mfu(tmp_path):
         == 5.0
     )
     assert resolve_peak_flops(HardwareConfig(), device=torch.device("cpu"), dtype="fp32")[0] is None
+
+
+def test_datasheet_peak_by_device_name():
+    from paratrain.mfu import datasheet_peak_flops
+
+    assert datasheet_peak_flops("NVIDIA H100 80GB HBM3") == 989e12  # SXM
+    assert datasheet_peak_flops("NVIDIA H100 PCIe") == 756e12  # the more specific name wins
+    assert datasheet_peak_flops("NVIDIA H200") == 989e12 and datasheet_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert datasheet_peak_flops("NVIDIA L40S") == 362e12 and datasheet_peak_flops("NVIDIA L4") == 121e12
+    assert datasheet_peak_flops("Some CPU") is None and datasheet_peak_flops("NVIDIA H100", "fp32") is None
