@@ -67,7 +67,7 @@ def eval_loss(params: dict) -> float:
         return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100).item()
 
 
-def test_mean_of_micro_batch_means_breaks_invariance(tmp_path, reference):
+def test_mean_of_micro_batch_means_breaks_invariance(tmp_path):
     """The same data through the 2024 bug (averaging micro-batch means) depends on the layout.
 
     The logged loss of step 1 differs by definition (it is a different average), so the proof is
@@ -82,7 +82,7 @@ def test_mean_of_micro_batch_means_breaks_invariance(tmp_path, reference):
     worst = max(((four_params[k] - one_params[k]).norm() / one_params[k].norm()).item() for k in one_params)
     assert worst > 1e-3, worst
     # ... and so does the true loss of those weights on a fixed evaluation batch, while the
-    # correct loss gives the same evaluation loss whatever the accumulation (checked above).
+    # correct loss gives the same weights whatever the accumulation (test_layout_invariance).
     e1, e4 = eval_loss(one_params), eval_loss(four_params)
     assert abs(e1 - e4) / e1 > 1e-4, (e1, e4)
 
