@@ -18,7 +18,12 @@ Each round runs every variant once, the order rotating between rounds; each vari
 step time (first steps left out) is paired with ``plain`` of the same round, and the script
 prints every paired ratio and the median ratio with a 95% CI (benchmarks/paired.py).
 
+``--interleaved``: the Python hook alone, measured more tightly: one job holds two DDP copies
+of the model, one with the hook and one without, and alternates their steps, so each pair of
+steps shares the machine's state of that moment.
+
     python benchmarks/hot_path.py [--rounds 5] [--steps 40]
+    python benchmarks/hot_path.py --interleaved [--steps 200]
 """
 
 from __future__ import annotations
@@ -101,13 +106,54 @@ def worker(rank: int, variant: str, port: int, steps: int, q) -> None:
         q.put((statistics.median(times[WARMUP:]), beat_s))
 
 
-def run_job(variant: str, steps: int) -> tuple[float, tuple | None]:
+def interleaved_worker(rank: int, variant: str, port: int, steps: int, q) -> None:
+    """Two DDP copies, with and without the Python all-reduce hook, stepping alternately."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from paratrain.config import load_config
+    from paratrain.distributed.grad_compression import CountingGroup
+    from paratrain.models import build_model
+
+    torch.set_num_threads(1)
+    cfg = load_config(os.path.join(REPO, "configs", "debug.toml"), [])
+    dist.init_process_group("gloo")
+    models = {}
+    for name in ("plain", "python_hook"):
+        torch.manual_seed(0)
+        models[name] = DDP(build_model(cfg.model), bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=True)
+    models["python_hook"].register_comm_hook(
+        CountingGroup(models["python_hook"].process_group), default_hooks.allreduce_hook
+    )
+    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-3) for n, m in models.items()}
+    x = torch.randint(0, 256, (cfg.batch.micro_batch_size, cfg.model.args["block_size"]))
+    times = {n: [] for n in models}
+    for i in range(steps):
+        order = ("plain", "python_hook") if i % 2 == 0 else ("python_hook", "plain")
+        for n in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            F.cross_entropy(models[n](x).flatten(0, 1), x.flatten()).backward()
+            opts[n].step()
+            opts[n].zero_grad(set_to_none=True)
+            times[n].append(time.perf_counter() - t0)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        q.put((times["python_hook"][WARMUP:], times["plain"][WARMUP:]))
+
+
+def run_job(variant: str, steps: int, target=worker):
     from paratrain.distributed.process_group import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, variant, port, steps, q)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, variant, port, steps, q)) for r in range(2)]
     for p in procs:
         p.start()
     result = q.get(timeout=600)
@@ -120,7 +166,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--interleaved", action="store_true", help="the Python hook only, steps alternating in one job")
     args = p.parse_args()
+    if args.interleaved:
+        hook, plain = run_job("interleaved", args.steps, target=interleaved_worker)
+        ratios = [a / b for a, b in zip(hook, plain)]
+        print(
+            f"step (forward, backward, all-reduce, AdamW), median: plain DDP {statistics.median(plain) * 1e3:.2f} ms,"
+            f" with the Python hook {statistics.median(hook) * 1e3:.2f} ms"
+        )
+        print(summary_line(f"python_hook/plain, {len(ratios)} interleaved step pairs", ratios))
+        return
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     beats = []
     for r in range(args.rounds):
