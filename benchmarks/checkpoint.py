@@ -9,10 +9,11 @@ then times, each the median of ``--repeats``:
 - sync save: ``Checkpointer.save`` (DCP shards + .metadata + config + sha256 manifest); training
   is blocked for all of it;
 - async save: the part that blocks training (copying the state to CPU memory) and the time until
-  the checkpoint is complete (manifest written) in the background;
+  the checkpoint is complete (manifest written) in the background, timed with no training step
+  in between (a step there would add its own time to "until complete");
 - load: ``Checkpointer.load`` (checksums, safe metadata, DCP read, set_state_dict);
-- a training step with no save, and the step right after an async save started (it competes
-  with the background writer for the CPU);
+- a training step with no save, and the step right after another async save started (it
+  competes with the background writer for the CPU);
 - the baseline: ``torch.save`` of the same full state dict (model + optimiser) from one process,
   and ``torch.load(weights_only=True)`` of it.
 
@@ -113,12 +114,18 @@ def _rank(rank: int, world: int, port: int, args, out_dir: str, q) -> None:
         sync.save(10 + i)
         res["sync_save"].append(time.perf_counter() - t0)
         dist.barrier()
+        # Until complete: the async save alone (no training step in the interval, which would
+        # add the step's own time to the figure).
         t0 = time.perf_counter()
         res["async_blocked"].append(asyn.save(100 + i))
-        res["step_during_async"].append(step())
         asyn.wait()
         dist.barrier()
         res["async_total"].append(time.perf_counter() - t0)
+        # A training step while another async save runs in the background (it competes for CPU).
+        asyn.save(200 + i)
+        res["step_during_async"].append(step())
+        asyn.wait()
+        dist.barrier()
         t0 = time.perf_counter()
         sync.load(os.path.join(out_dir, f"step-{10 + i}"))
         res["load"].append(time.perf_counter() - t0)

@@ -1,8 +1,12 @@
 """paratrain's data-parallel step against a plain hand-written torch DDP loop, world size 2.
 
 Both train the same model, data and global batch through torchrun, alternating, several runs;
-prints the median step time of each (the first steps of every run left out as warm-up) and, as
-its last line, `ratio paratrain/baseline: X`.
+a step is the whole loop iteration (paratrain: the difference of consecutive metrics rows'
+``time``, logging and rank stats included; the baseline times its whole loop body). It
+prints each run's median step time and the paired ratio paratrain/baseline of that run (the
+first steps of every run left out as warm-up), then the median ratio with a 95% confidence
+interval of the geometric mean ratio (benchmarks/paired.py) and, as its last line,
+`ratio paratrain/baseline: X [L, U]`. "At or below the baseline" means the interval reaches 1.
 
     python benchmarks/dp_overhead.py [--runs 5] [--steps 40] [--config configs/main.toml]
 """
@@ -16,6 +20,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from paired import paired_ratios, ratio_ci, summary_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -69,7 +75,10 @@ def main() -> None:
                     ]
                 )
                 with open(os.path.join(out, "metrics.jsonl")) as f:
-                    ours.append(statistics.median([json.loads(line)["step_time_s"] for line in f][WARMUP:]))
+                    stamps = [json.loads(line)["time"] for line in f]
+                # The whole loop iteration (rows' wall-clock differences), not the row's
+                # step_time_s, which ends before logging, rank stats and checkpoint checks.
+                ours.append(statistics.median([b - a for a, b in zip(stamps, stamps[1:])][WARMUP:]))
 
             def run_base():
                 run(
@@ -93,7 +102,8 @@ def main() -> None:
             for fn in (run_ours, run_base) if i % 2 == 0 else (run_base, run_ours):
                 fn()
             print(
-                f"run {i + 1}/{args.runs}: paratrain {ours[-1] * 1e3:.1f} ms/step, baseline {base[-1] * 1e3:.1f} ms/step",
+                f"run {i + 1}/{args.runs}: paratrain {ours[-1] * 1e3:.1f} ms/step, baseline {base[-1] * 1e3:.1f}"
+                f" ms/step, ratio {ours[-1] / base[-1]:.3f}",
                 flush=True,
             )
     m_ours, m_base = statistics.median(ours), statistics.median(base)
@@ -101,7 +111,10 @@ def main() -> None:
         f"median step time: paratrain {m_ours * 1e3:.1f} ms, plain DDP {m_base * 1e3:.1f} ms"
         f" (world {args.nproc}, {args.config}, {args.runs} runs x {args.steps} steps)"
     )
-    print(f"ratio paratrain/baseline: {m_ours / m_base:.3f}")
+    ratios = paired_ratios(ours, base)
+    print(summary_line("paired ratio paratrain/baseline", ratios))
+    _, lo, hi = ratio_ci(ratios)
+    print(f"ratio paratrain/baseline: {statistics.median(ratios):.3f} [{lo:.3f}, {hi:.3f}]")
 
 
 if __name__ == "__main__":

@@ -152,6 +152,29 @@ def test_search_trials_are_few_and_only_divisors():
         assert len(trials) <= 12 and all(per_rank % m == 0 for m in seen) and len(set(seen)) == len(seen)
 
 
+@pytest.mark.parametrize("per_rank", [4096, 720720, 2**20, 997, 1])
+def test_search_reaches_every_divisor_within_the_budget(per_rank):
+    """Whatever the memory limit, the answer is the largest fitting divisor, within 12 trials:
+    4096 is the case the doubling search lost (12 trials reached 2048); 720720 has 240 divisors."""
+    from paratrain.find_batch import Trial, search_micro_batch
+    from paratrain.find_batch.search import divisors, trials_needed
+
+    divs = divisors(per_rank)
+    assert trials_needed(len(divs)) <= 12
+    for limit in [0, *divs]:  # nothing fits, then each divisor as the largest that fits
+        best, trials = search_micro_batch(lambda m: Trial(m, m <= limit, m), per_rank_batch_size=per_rank)
+        assert best == (limit or None), (per_rank, limit)
+        assert len(trials) <= trials_needed(len(divs)) <= 12
+
+
+def test_cli_find_batch_reaches_the_whole_per_rank_batch():
+    """The issue's case: the estimate says 4096 fits, and 4096 is the answer (doubling from 1
+    ran out of its 12 trials at 2048)."""
+    r = paratrain_cli("find-batch", DEBUG, "--memory-gib", "4", "--set", "batch.global_batch_size=4096")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "-> micro_batch_size 4096 x accum_steps 1" in r.stdout, r.stdout
+
+
 def _oom_on_rank_1(_tmp):
     """Rank 1 runs out of memory from micro-batch 4 on; rank 0 would fit 8."""
     import torch.distributed as dist
@@ -185,8 +208,9 @@ def _oom_on_rank_1(_tmp):
 def test_injected_oom_on_one_rank_both_agree(tmp_path):
     results = run_ranks(_oom_on_rank_1, 2, str(tmp_path), timeout=120)
     # Rank 0 would fit 8 but follows rank 1's failure at 4: the same search path and answer.
-    assert results[0][:2] == results[1][:2] == (2, [(1, True), (2, True), (4, False)])
-    assert (results[0][2], results[1][2]) == (0, 1)  # exactly one injected out-of-memory error
+    # The whole per-rank batch first, then bisection over the divisors [1, 2, 4, 8].
+    assert results[0][:2] == results[1][:2] == (2, [(8, False), (2, True), (4, False)])
+    assert (results[0][2], results[1][2]) == (0, 2)  # the injected out-of-memory errors, all released
 
 
 @pytest.mark.slow
@@ -201,7 +225,7 @@ def test_cli_find_batch_json_and_nothing_fits():
     dims, _ = check_layout(cfg, 2)
     r = _estimate_in_subprocess(cfg, dims, model=None, dataset=None, loss=None)
     assert r.micro_batch_size == 8 and r.peak_bytes > 0 and r.accum_steps == 1 and r.per_rank_batch_size == 8
-    assert [t.micro_batch_size for t in r.trials] == [1, 2, 4, 8]
+    assert [t.micro_batch_size for t in r.trials] == [8]  # the whole per-rank batch fits at once
     bad = paratrain_cli("find-batch", DEBUG, "--memory-gib", "0.0001")
     assert bad.returncode == 2
     assert "peak_MiB" in bad.stdout  # the table of sizes tried

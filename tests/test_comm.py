@@ -209,12 +209,17 @@ def test_bench_comm_bad_option_exits_2():
 # ----------------------------------------------------------------------------- gradient compression
 
 
-def _max_rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+def deviation_over_change(losses: list[float], ref: list[float]) -> float:
+    """The largest per-step loss difference as a fraction of the reference's loss change over the
+    run (5.56 -> 5.30 here): a bound relative to the loss itself (5% of 5.5 = 0.28) would exceed
+    the whole change and pass any compression."""
+    change = abs(ref[0] - ref[-1])
+    assert change > 0.2, ref  # the loss moved: there is something to compare against
+    return max(abs(a - b) for a, b in zip(losses, ref)) / change
 
 
 def test_none_keeps_the_exact_math(tmp_path, world2):
-    """The counting hook for 'none' is DDP's own average: the same losses as one process."""
+    """'none' is DDP's own bucket all-reduce (no hook): the same losses as one process, bytes counted."""
     import paratrain
 
     ref = paratrain.train(paratrain.load_config("configs/debug.toml", [*DEBUG, f"run.out_dir='{tmp_path}'"]))["losses"]
@@ -226,19 +231,19 @@ def test_none_keeps_the_exact_math(tmp_path, world2):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
-def test_half_precision_compression_stays_within_1pct_and_halves_bytes(world2, kind):
+def test_half_precision_compression_stays_close_and_halves_bytes(world2, kind):
     ref, ref_rows = world2["none"]
     losses, rows = world2[kind]
     assert len(losses) == len(ref) == 6
-    assert _max_rel(losses, ref) < 0.01
+    assert deviation_over_change(losses, ref) < 0.01  # measured 3e-5 (bf16), 1e-5 (fp16)
     assert losses != ref  # it did compress
     assert all(r["comm_bytes"] * 2 == rr["comm_bytes"] for r, rr in zip(rows, ref_rows))
 
 
-def test_powersgd_stays_within_5pct_and_sends_ten_times_fewer_bytes(world2):
+def test_powersgd_stays_close_and_sends_ten_times_fewer_bytes(world2):
     ref, ref_rows = world2["none"]
     losses, rows = world2["powersgd"]
-    assert _max_rel(losses, ref) < 0.05
+    assert deviation_over_change(losses, ref) < 0.1  # measured 0.033 (rank 1, from step 2)
     assert losses[3:] != ref[3:]
     full = ref_rows[0]["comm_bytes"]
     assert [r["comm_bytes"] for r in rows[:2]] == [full, full]  # plain all-reduce before the start step

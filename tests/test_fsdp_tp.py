@@ -30,6 +30,12 @@ USER_PLAN = [
     " head = 'colwise_gather'}"
 ]
 
+# Plain SGD (no momentum, decay or clipping): a gradient off by a constant factor, which AdamW and
+# clipping hide, changes the weights and the logged grad_norm. tests/toy.py:gpt_scaled_grad is
+# such a layout (x2 on every rank of a multi-process job): the comparison must fail on it.
+SGD = ["optim.name='sgd'", "optim.beta1=0", "optim.weight_decay=0", "optim.grad_clip=0", "optim.lr=0.3"]
+DOUBLED = ["model.factory='tests.toy:gpt_scaled_grad'"]
+
 # vocab_size 31 is split unevenly by tp = 2 and by FSDP.
 # name -> (reference name, overrides). Micro-batches of 2 (1 at dp 4) so every layout accumulates.
 WORLD1 = {
@@ -37,6 +43,7 @@ WORLD1 = {
     "ac_full": [*GPT, "batch.micro_batch_size=2", "parallel.activation_checkpointing='full'"],
     "ac_selective": [*GPT, "batch.micro_batch_size=2", "parallel.activation_checkpointing='selective'"],
     "user_ref": [*USER, "batch.micro_batch_size=2"],
+    "sgd_ref": [*GPT, *SGD, "batch.micro_batch_size=2"],
 }
 WORLD2 = {
     "dp_shard2": ("ref", [*GPT, "parallel.dp_shard=2", "batch.micro_batch_size=2"]),
@@ -45,6 +52,9 @@ WORLD2 = {
         [*GPT, "parallel.dp_shard=2", "parallel.reshard_after_forward=false", "batch.micro_batch_size=2"],
     ),
     "tp2": ("ref", [*GPT, "parallel.tp=2", "batch.micro_batch_size=2"]),
+    "sgd_dp_shard2": ("sgd_ref", [*GPT, *SGD, "parallel.dp_shard=2", "batch.micro_batch_size=2"]),
+    "sgd_tp2": ("sgd_ref", [*GPT, *SGD, "parallel.tp=2", "batch.micro_batch_size=2"]),
+    "sgd_dp_shard2_doubled": ("sgd_ref", [*GPT, *SGD, *DOUBLED, "parallel.dp_shard=2", "batch.micro_batch_size=2"]),
     "tp2_gathered_logits": ("ref", [*GPT, "parallel.tp=2", "parallel.loss_parallel=false", "batch.micro_batch_size=4"]),
     "tp2_sp": ("ref", [*GPT, "parallel.tp=2", "parallel.sequence_parallel=true", "batch.micro_batch_size=2"]),
     "user_tp2_plan_table": ("user_ref", [*USER, *USER_PLAN, "parallel.tp=2", "batch.micro_batch_size=2"]),
@@ -72,6 +82,7 @@ WORLD4 = {
         ],
     ),
     "dp_shard2_tp2": ("ref", [*GPT, "parallel.dp_shard=2", "parallel.tp=2", "batch.micro_batch_size=2"]),
+    "sgd_dp_shard2_tp2": ("sgd_ref", [*GPT, *SGD, "parallel.dp_shard=2", "parallel.tp=2", "batch.micro_batch_size=2"]),
     "dp_shard2_tp2_sp_ac_selective": (
         "ref",
         [
@@ -158,9 +169,11 @@ def assert_matches(got, ref):
     losses, params, _, grad_norms = got
     ref_losses, ref_params, _, ref_grad_norms = ref
     assert len(losses) == len(ref_losses) == 3
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
     # The logged norm is the whole model's (global over shards), before clipping (default 1.0).
-    torch.testing.assert_close(torch.tensor(grad_norms), torch.tensor(ref_grad_norms), rtol=1e-4, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(grad_norms), torch.tensor(ref_grad_norms), rtol=1e-4, atol=0, msg=lambda m: f"grad_norm: {m}"
+    )
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
     assert params.keys() == ref_params.keys()  # the gathered weights keep the model's names
     for k in ref_params:
         torch.testing.assert_close(params[k], ref_params[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
@@ -171,9 +184,22 @@ def test_activation_checkpointing_changes_no_loss(references, mode):
     assert_matches(references[mode], references["ref"])
 
 
-@pytest.mark.parametrize("name", list(WORLD2))
+FAULTS = {"sgd_dp_shard2_doubled"}  # layouts that must fail the comparison
+
+
+@pytest.mark.parametrize("name", [n for n in WORLD2 if n not in FAULTS])
 def test_two_ranks_match_reference(references, world2, name):
     assert_matches(world2[name], references[WORLD2[name][0]])
+
+
+def test_a_doubled_gradient_fails_the_comparison(references, world2):
+    """The comparison can fail: FSDP2 with the gradient x2 (the test-only gpt_scaled_grad) is
+    caught by the grad_norm of step 1, before any loss could differ."""
+    got, ref = world2["sgd_dp_shard2_doubled"], references["sgd_ref"]
+    with pytest.raises(AssertionError, match="grad_norm"):
+        assert_matches(got, ref)
+    assert got[3][0] == pytest.approx(2 * ref[3][0], rel=1e-5)
+    assert got[0][0] == pytest.approx(ref[0][0], rel=1e-6)  # step 1's loss: before any update
 
 
 @pytest.mark.parametrize("name", list(WORLD4))

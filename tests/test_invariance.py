@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import run_ranks, train_rank
+from tests.dist_utils import read_metrics, run_ranks, train_rank
 
 TOY = [
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
@@ -54,13 +54,115 @@ def test_four_ranks_match_reference(tmp_path, reference):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-5, atol=0)
 
 
+def eval_loss(params: dict) -> float:
+    """The true loss (mean over every target token) of trained weights on one fixed batch."""
+    from paratrain.models import build_gpt
+    from tests.toy import toy_lm
+
+    model = build_gpt(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=32)
+    model.load_state_dict(params)
+    data = toy_lm(n=64, seq_len=16, vocab=32)
+    x, y = data.x[:32], data.y[:32]
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100).item()
+
+
 def test_mean_of_micro_batch_means_breaks_invariance(tmp_path):
-    """The same data through the 2024 bug (averaging micro-batch means) depends on the layout."""
+    """The same data through the 2024 bug (averaging micro-batch means) depends on the layout.
+
+    The logged loss of step 1 differs by definition (it is a different average), so the proof is
+    what training produced: the weights, and the true loss of those weights on one fixed batch.
+    """
     bug = ["loss.name='tests.toy:mean_of_means'"]
-    one, _ = run_layout(tmp_path, "acc1", 1, 8, bug)
-    four, _ = run_layout(tmp_path, "acc4", 1, 2, bug)
-    # The first step's loss is taken before any update: there it must already differ, since
-    # micro-batches carry different numbers of ignored targets.
-    assert abs(one[0] - four[0]) / abs(one[0]) > 1e-4  # ten times the tolerance below
+    one, one_params = run_layout(tmp_path, "acc1", 1, 8, bug)
+    four, four_params = run_layout(tmp_path, "acc4", 1, 2, bug)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=0)
+    # The trained weights differ, far beyond the tolerance the correct layouts meet above ...
+    worst = max(((four_params[k] - one_params[k]).norm() / one_params[k].norm()).item() for k in one_params)
+    assert worst > 1e-3, worst
+    # ... and so does the true loss of those weights on a fixed evaluation batch, while the
+    # correct loss gives the same weights whatever the accumulation (test_layout_invariance).
+    e1, e4 = eval_loss(one_params), eval_loss(four_params)
+    assert abs(e1 - e4) / e1 > 1e-4, (e1, e4)
+
+
+# ----------------------------------------------------------------------------- gradient scale
+
+# AdamW divides each update by the gradient's own running scale and clipping rescales it, so a
+# layout whose gradient is off by a constant factor (a dropped dp factor, a schedule's 1/n left
+# on) trains the same losses under them. Plain SGD (no momentum, decay or clipping) moves the
+# weights by lr x gradient, and the logged grad_norm shows the factor from step 1.
+SGD = ["optim.name='sgd'", "optim.beta1=0", "optim.weight_decay=0", "optim.grad_clip=0", "optim.lr=0.3", "run.steps=4"]
+FAULT = ["model.factory='tests.toy:gpt_scaled_grad'"]  # x2 on every rank of a multi-process job
+
+
+def train_many(runs: list[list[str]]) -> list[list[float]]:
+    """On each rank: one process group, several trainings; per run its losses."""
+    import torch.distributed as dist
+
+    import paratrain
+
+    dist.init_process_group("gloo")
+    try:
+        return [paratrain.train(paratrain.load_config(None, [*TOY, *overrides]))["losses"] for overrides in runs]
+    finally:
+        dist.destroy_process_group()
+
+
+def assert_same_run(got: dict, ref: dict, *, rtol: float = 1e-5) -> None:
+    """Layout run ``got`` computes what reference ``ref`` does: grad norms, losses, weights."""
+    assert len(got["losses"]) == len(ref["losses"])
+    torch.testing.assert_close(
+        torch.tensor(got["grad_norms"]),
+        torch.tensor(ref["grad_norms"]),
+        rtol=rtol,
+        atol=0,
+        msg=lambda m: f"grad_norm: {m}",
+    )
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=0)
+    for k in ref["params"]:
+        torch.testing.assert_close(got["params"][k], ref["params"][k], rtol=rtol, atol=1e-7, msg=lambda m: f"{k}: {m}")
+
+
+def sgd_runs(tmp_path, world: int, runs: dict[str, list[str]]) -> dict[str, dict]:
+    sets = [[*SGD, *extra, f"run.out_dir='{tmp_path / name}'"] for name, extra in runs.items()]
+    per_rank = run_ranks(train_many, world, sets)
+    out = {}
+    for i, name in enumerate(runs):
+        assert all(r[i] == per_rank[0][i] for r in per_rank)  # every rank logs the same loss
+        out[name] = {
+            "losses": per_rank[0][i],
+            "grad_norms": [row["grad_norm"] for row in read_metrics(str(tmp_path / name))],
+            "params": load_file(str(tmp_path / name / "model.safetensors")),
+        }
+    return out
+
+
+def test_sgd_gradient_matches_and_a_constant_factor_is_caught(tmp_path):
+    """DDP x accumulation under plain SGD: the same grad norms and weights as one process; a
+    layout whose gradient is doubled (tests/toy.py:gpt_scaled_grad) fails the same comparison,
+    while under AdamW its losses would pass."""
+    adamw = ["optim.name='adamw'", "optim.lr=3e-3"]
+    refs = sgd_runs(
+        tmp_path / "w1", 1, {"ref": ["batch.micro_batch_size=8"], "adamw": ["batch.micro_batch_size=8", *adamw]}
+    )
+    ref = refs["ref"]
+    runs = sgd_runs(
+        tmp_path / "w2",
+        2,
+        {
+            "acc2": ["batch.micro_batch_size=2"],
+            "acc2_doubled": ["batch.micro_batch_size=2", *FAULT],
+            "adamw_doubled": ["batch.micro_batch_size=2", *FAULT, *adamw],
+        },
+    )
+    assert abs(ref["losses"][-1] - ref["losses"][0]) > 1e-3  # the weights really move at this lr
+    assert_same_run(runs["acc2"], ref)
+    with pytest.raises(AssertionError, match="grad_norm"):
+        assert_same_run(runs["acc2_doubled"], ref)
+    assert runs["acc2_doubled"]["grad_norms"][0] == pytest.approx(2 * ref["grad_norms"][0], rel=1e-5)
+    # The blind spot this closes: AdamW trains the doubled gradient to (nearly) the same losses.
+    torch.testing.assert_close(
+        torch.tensor(runs["adamw_doubled"]["losses"]), torch.tensor(refs["adamw"]["losses"]), rtol=1e-4, atol=0
+    )

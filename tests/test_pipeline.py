@@ -13,7 +13,7 @@ from torch import nn
 from paratrain.config import ConfigError, load_config
 from paratrain.distributed.pipeline_parallel import balanced_split, check_pp_layout, split_stage, stage_ranges
 from paratrain.models.gpt import build_gpt
-from tests.dist_utils import paratrain_cli, run_ranks
+from tests.dist_utils import paratrain_cli, read_metrics, run_ranks
 
 TOY = [
     "model.args={n_layer = 4, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
@@ -59,20 +59,33 @@ def tied_lm(dim: int = 16) -> LayeredLM:
     return model
 
 
-def train_runs(runs: list[list[str]]) -> list[list[float]]:
-    """Several trainings in one process group (one spawn, one import of torch per rank)."""
+def train_runs(runs: list[list[str]], schedule_scales_grads: tuple[int, ...] = ()) -> list[list[float]]:
+    """Several trainings in one process group (one spawn, one import of torch per rank).
+
+    ``schedule_scales_grads``: indices of runs with a test-only fault, the schedule's own 1/n
+    gradient scaling left on (torch's default ``scale_grads=True``) on top of paratrain's 1/items.
+    """
     import torch.distributed as dist
 
     import paratrain
+    from paratrain.distributed.pipeline_parallel import PipelineModel
+
+    build_schedule = PipelineModel.build_schedule
+
+    def with_scale_grads(self, **kwargs):
+        build_schedule(self, **kwargs)
+        self.schedule.scale_grads = True
 
     dist.init_process_group("gloo")
     try:
         out = []
-        for overrides in runs:
+        for i, overrides in enumerate(runs):
+            PipelineModel.build_schedule = with_scale_grads if i in schedule_scales_grads else build_schedule
             summary = paratrain.train(paratrain.load_config(None, [*TOY, *overrides]))
             out.append(summary["losses"])
         return out
     finally:
+        PipelineModel.build_schedule = build_schedule
         dist.destroy_process_group()
 
 
@@ -147,6 +160,35 @@ def test_pp2_every_schedule_matches_reference(tmp_path, reference):
     assert weights.keys() == reference["weights"].keys()
     for k, v in reference["weights"].items():
         torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+# Plain SGD: AdamW cancels a constant factor on the gradient, SGD and the logged grad_norm do not.
+SGD = ["optim.name='sgd'", "optim.beta1=0", "optim.weight_decay=0", "optim.grad_clip=0", "optim.lr=0.3"]
+
+
+def _grad_norms(out_dir) -> list[float]:
+    return [row["grad_norm"] for row in read_metrics(str(out_dir))]
+
+
+@pytest.mark.timeout(300)
+def test_pp2_sgd_gradient_matches_and_the_schedules_own_scaling_is_caught(tmp_path):
+    """Under SGD the pipeline's grad norms and losses equal one process's; a schedule that also
+    divides by its number of micro-batches (torch's default) must fail the same comparison."""
+    (ref,) = run_ranks(train_runs, 1, [[*SGD, "batch.micro_batch_size=8", f"run.out_dir='{tmp_path / 'ref'}'"]])[0]
+    pp = ["parallel.pp=2", "parallel.pp_schedule='1f1b'", "batch.micro_batch_size=4", "run.save_model=false"]
+    runs = [[*SGD, *pp, f"run.out_dir='{tmp_path / name}'"] for name in ("pp2", "pp2_scaled")]
+    good, scaled = _agree(run_ranks(train_runs, 2, runs, schedule_scales_grads=(1,), timeout=280))
+    ref_norms = torch.tensor(_grad_norms(tmp_path / "ref"))
+
+    def compare(losses, norms):
+        torch.testing.assert_close(torch.tensor(norms), ref_norms, rtol=1e-5, atol=0, msg=lambda m: f"grad_norm: {m}")
+        _close(losses, ref)
+
+    compare(good, _grad_norms(tmp_path / "pp2"))
+    with pytest.raises(AssertionError, match="grad_norm"):
+        compare(scaled, _grad_norms(tmp_path / "pp2_scaled"))
+    # 2 pipeline micro-batches per step (accumulation 2 folded in): the fault halves the gradient.
+    assert _grad_norms(tmp_path / "pp2_scaled")[0] == pytest.approx(ref_norms[0].item() / 2, rel=1e-5)
 
 
 COMPOSED = {  # world 4: pp = 2 with each other parallelism on every stage

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.dist_utils import paratrain_cli
 
 CONFIG = """
@@ -38,9 +40,9 @@ def verify(tmp_path, extra: str = "", *sets: str):
 def test_verify_passes_on_sharded_data_parallel(tmp_path):
     r = verify(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    rows = re.findall(r"^\s+(\d)\s+(\S+)\s+(\S+)\s+(\S+)$", r.stdout, re.M)
+    rows = re.findall(r"^\s+(\d)" + r"\s+(\S+)" * 6 + "$", r.stdout, re.M)
     assert [int(s) for s, *_ in rows] == [1, 2, 3]
-    assert all(float(d) <= 1e-4 for *_, d in rows)
+    assert all(float(row[3]) <= 1e-4 and float(row[6]) <= 1e-4 for row in rows)  # loss, grad_norm
     assert "verify: OK" in r.stdout
 
 
@@ -51,3 +53,13 @@ def test_verify_fails_naming_a_parameter_when_a_rank_scales_its_gradient(tmp_pat
     assert "verify: FAILED" in r.stdout
     m = re.search(r"first parameter past tolerance: (\S+)", r.stdout)
     assert m and m.group(1).startswith(("layers.0.", "tok_emb", "pos_emb")), r.stdout  # block 0 or below it
+
+
+def test_verify_fails_on_a_gradient_off_by_a_constant_factor(tmp_path):
+    # tests/toy.py:gpt_scaled_grad doubles the whole gradient on every rank of the 2-rank layout:
+    # AdamW would divide the factor out of the updates; the gradient norm of step 1 shows it.
+    r = verify(tmp_path, "", "model.factory='tests.toy:gpt_scaled_grad'")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "verify: FAILED, the gradient norm differs from step 1" in r.stdout, r.stdout
+    step1 = re.search(r"^\s+1" + r"\s+(\S+)" * 6, r.stdout, re.M)
+    assert float(step1.group(6)) == pytest.approx(1.0, rel=1e-4)  # |2g - g| / |g|

@@ -209,3 +209,23 @@ def gpt_slow_rank(slow_rank: int = 1, sleep_s: float = 0.05, **gpt_args) -> nn.M
 
     model.register_forward_pre_hook(slow)
     return model
+
+
+def gpt_scaled_grad(factor: float = 2.0, **gpt_args) -> nn.Module:
+    """A deliberately broken layout whose whole gradient is off by a constant: when the job has
+    more than one process, the gradient flowing back out of the logits is multiplied by
+    ``factor`` on every rank (the forward is unchanged), as a dropped ``dp`` factor would do.
+    One process computes the true model. AdamW (invariant to a constant gradient factor) and
+    clipping hide this; plain SGD and the logged grad_norm do not."""
+    import torch.distributed as dist
+
+    from paratrain.models import build_gpt
+
+    model = build_gpt(**gpt_args)
+
+    def hook(module, args, output):
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        return _ScaleGrad.apply(output, factor) if multi else output
+
+    model.register_forward_hook(hook)
+    return model

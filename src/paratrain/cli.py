@@ -302,7 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="run a layout and the single-process reference; compare losses and weights")
     p.add_argument("config", help="TOML config file")
     p.add_argument("--steps", type=int, default=5, help="optimiser steps of each run (default 5)")
-    p.add_argument("--tol", type=float, default=1e-4, help="relative tolerance of losses and parameters (default 1e-4)")
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=1e-4,
+        help="relative tolerance of losses, gradient norms and parameters (default 1e-4)",
+    )
     p.add_argument("--out-dir", default="", help="where both runs write (default: RUN.OUT_DIR/verify)")
     add_launch_arguments(p)
     add_set_argument(p)

@@ -25,7 +25,31 @@ from paratrain.config import ConfigError, HardwareConfig
 from paratrain.models.gpt import GPT, GPT_SPEC, gpt_flops_per_token
 from paratrain.models.spec import default_spec
 
-__all__ = ["build_flops_per_token", "gpt_flops_per_token", "mfu", "resolve_peak_flops", "seq_len_of"]
+__all__ = [
+    "build_flops_per_token",
+    "datasheet_peak_flops",
+    "gpt_flops_per_token",
+    "mfu",
+    "resolve_peak_flops",
+    "seq_len_of",
+]
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peaks per device from NVIDIA's data sheets, the
+# denominator of MFU in the PaLM paper, torchtitan (utils.get_peak_flops) and Megatron: a
+# measured matmul peak is lower and flatters the MFU. Matched on torch.cuda.get_device_name(),
+# the more specific names first.
+DATASHEET_BF16_FLOPS = [
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("GH200", 989e12),
+    ("H100", 989e12),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),  # fp32 accumulation
+]
 
 
 def build_flops_per_token(model: nn.Module) -> Callable[[int], float]:
@@ -69,6 +93,13 @@ def resolve_peak_flops(cfg: HardwareConfig, *, device: torch.device, dtype: str)
         f"hardware.compute_bench = {path!r} has no matmul figure for {device.type}/{dtype} (it has {have});"
         f" run `paratrain bench compute --dtype {dtype} --json {path}` on this device"
     )
+
+
+def datasheet_peak_flops(device_name: str, dtype: str = "bf16") -> float | None:
+    """The data-sheet dense peak of a device by its name (bf16/fp16 tensor cores); None if unknown."""
+    if dtype not in ("bf16", "fp16"):
+        return None
+    return next((flops for key, flops in DATASHEET_BF16_FLOPS if key in device_name), None)
 
 
 def mfu(*, flops: float, seconds: float, peak_flops_per_device: float, devices: int) -> float:

@@ -186,6 +186,9 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
         "consumed_samples": state.consumed_samples,
         "epoch": run.sampler.epoch_of(state.consumed_samples - 1),
         "step_time_s": dt,
+        # Wall clock at this row: consecutive rows' difference is the whole loop iteration,
+        # logging, rank stats and checkpoint checks included (step_time_s ends here).
+        "time": time.time(),
         "tokens_per_s": result.tokens / dt,
         "samples_per_s": plan.global_batch_size / dt,
     }

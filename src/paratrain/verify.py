@@ -2,8 +2,11 @@
 
 It runs the config's layout and the single-process reference (world 1, every parallel degree 1,
 the same global batch, seed and data) for K steps through the launcher, then compares the
-per-step losses of the two ``metrics.jsonl`` files and, at the end, every parameter of the two
-``model.safetensors`` files. The relative difference of a parameter is ``||a - b|| / ||b||``
+per-step losses and gradient norms of the two ``metrics.jsonl`` files and, at the end, every
+parameter of the two ``model.safetensors`` files. The gradient norm (the whole model's, before
+clipping) is what catches a layout whose gradient is off by a constant factor (a dropped dp
+factor, a pipeline schedule's own 1/n): AdamW divides that factor out of every update and
+clipping rescales it, so losses and post-Adam parameters can match while the gradient is wrong. The relative difference of a parameter is ``||a - b|| / ||b||``
 (a norm over the whole tensor: robust to the few elements near zero). The first parameter past
 the tolerance is named (in the order of the weights file, alphabetical). Exit 0 within tolerance, 1 otherwise (2 for bad
 input, as everywhere). Run it before spending a cluster-day on a new layout.
@@ -28,9 +31,37 @@ def _toml_str(path: str) -> str:
     return json.dumps(path)  # a JSON string is a valid TOML basic string
 
 
-def _read_losses(out_dir: str) -> list[float]:
+def _read_rows(out_dir: str) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line)["loss"] for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+def compare_steps(rows: list[dict], ref_rows: list[dict], tol: float, out=sys.stdout) -> tuple[int | None, int | None]:
+    """Print the per-step table; returns the first step whose loss, and whose grad_norm, is past tol."""
+    print(
+        f"{'step':>4}  {'reference loss':>16}  {'layout loss':>16}  {'rel diff':>9}"
+        f"  {'ref grad_norm':>14}  {'grad_norm':>14}  {'rel diff':>9}",
+        file=out,
+    )
+    first_loss = first_grad = None
+    for i, (row, ref) in enumerate(zip(rows, ref_rows), start=1):
+        dl, dg = _rel(row["loss"], ref["loss"]), _rel(row["grad_norm"], ref["grad_norm"])
+        bad_loss, bad_grad = not math.isfinite(dl) or dl > tol, not math.isfinite(dg) or dg > tol
+        if bad_loss and first_loss is None:
+            first_loss = i
+        if bad_grad and first_grad is None:
+            first_grad = i
+        print(
+            f"{i:>4}  {ref['loss']:>16.8f}  {row['loss']:>16.8f}  {dl:>9.2e}"
+            f"  {ref['grad_norm']:>14.8f}  {row['grad_norm']:>14.8f}  {dg:>9.2e}"
+            f"{'  <- past tolerance' if bad_loss or bad_grad else ''}",
+            file=out,
+        )
+    return first_loss, first_grad
 
 
 def reference_overrides() -> list[str]:
@@ -121,28 +152,23 @@ def verify(
             print(f"paratrain: error: the {name} run failed with exit code {rc}", file=sys.stderr)
             return rc
 
-    ref_losses = _read_losses(os.path.join(root, "reference"))
-    losses = _read_losses(os.path.join(root, "layout"))
-    ok = len(losses) == len(ref_losses) == steps
-    print(f"{'step':>4}  {'reference loss':>16}  {'layout loss':>16}  {'rel diff':>9}", file=out)
-    first_step = None
-    for i, (a, b) in enumerate(zip(losses, ref_losses), start=1):
-        d = abs(a - b) / abs(b) if b else abs(a - b)
-        bad = not math.isfinite(d) or d > tol
-        if bad and first_step is None:
-            first_step = i
-        print(f"{i:>4}  {b:>16.8f}  {a:>16.8f}  {d:>9.2e}{'  <- past tolerance' if bad else ''}", file=out)
+    ref_rows = _read_rows(os.path.join(root, "reference"))
+    rows = _read_rows(os.path.join(root, "layout"))
+    ok = len(rows) == len(ref_rows) == steps
+    first_step, first_grad = compare_steps(rows, ref_rows, tol, out)
     params_ok, first_param = compare_parameters(
         os.path.join(root, "layout", "model.safetensors"),
         os.path.join(root, "reference", "model.safetensors"),
         tol,
         out,
     )
-    ok = ok and first_step is None and params_ok
+    ok = ok and first_step is None and first_grad is None and params_ok
     if ok:
         print("verify: OK, the layout matches the single-process reference", file=out)
         return 0
     what = []
+    if first_grad is not None:
+        what.append(f"the gradient norm differs from step {first_grad}")
     if first_step is not None:
         what.append(f"the loss diverges from step {first_step}")
     if first_param is not None:

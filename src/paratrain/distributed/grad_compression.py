@@ -9,7 +9,12 @@ the approximation misses is kept on each rank and added to the next step's gradi
 feedback), so nothing is lost over time. All of them divide by the data-parallel size before
 summing, like DDP's own reduce: the loss scaling in ``step.py`` (by ``dp / items``) stays exact.
 
-Counting bytes "in the hook": the hooks talk to a :class:`CountingGroup`, a thin stand-in for
+With ``"none"`` no hook is registered: DDP's built-in bucket all-reduce (C++, no Python on the
+hot path) already averages over the data-parallel ranks, and its bytes are known without
+watching it: every gradient once per optimiser step (gradient sync runs on the last micro-batch
+only, step.py), ``sum(numel x element size)`` over the parameters that take gradients.
+
+Counting bytes "in the hook" (the compressed settings): the hooks talk to a :class:`CountingGroup`, a thin stand-in for
 the process group that forwards each collective to the real group and adds up the bytes of the
 tensors it carried. That counts what the hook actually sent (for PowerSGD: the uncompressed
 vectors, then P, then Q), not what we think it should send. The figure is the payload handed
@@ -111,25 +116,28 @@ class GradCompression:
     counter: CountingGroup | None = None
     state: object = None
     extra: dict = field(default_factory=dict)
+    bytes_per_step: int | None = None  # "none" under DDP: counted arithmetically, once per step
 
     def take_bytes(self) -> int | None:
         """Gradient bytes handed to collectives since the last call (None when not counted)."""
+        if self.bytes_per_step is not None:
+            return self.bytes_per_step
         return None if self.counter is None else self.counter.take()
 
 
 def apply_grad_compression(model: nn.Module, *, cfg: CommConfig, seed: int = 0) -> GradCompression:
     """Register the comm hook of ``cfg.compression`` on a DDP model; no-op for other models.
 
-    Always registers a hook under DDP, "none" included, so the bytes are counted the same way
-    for every setting.
+    ``"none"`` keeps DDP's built-in all-reduce (no hook) and counts its bytes arithmetically:
+    a Python hook cost a measurable share of a small model's step (docs/overhead.md).
     """
 
     if not isinstance(model, DDP):
         return GradCompression(cfg.compression)
-    counter = CountingGroup(model.process_group)
     if cfg.compression == "none":
-        model.register_comm_hook(counter, default_hooks.allreduce_hook)
-        return GradCompression("none", counter, counter)
+        grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return GradCompression("none", bytes_per_step=grads)
+    counter = CountingGroup(model.process_group)
     if cfg.compression in HALF_DTYPES:
         hook = default_hooks.fp16_compress_hook
         if cfg.compression == "bf16":

@@ -26,8 +26,8 @@ are bucket views) explicitly.
 
 The search (:func:`search_micro_batch`) runs over the divisors of the per-rank batch, since
 accumulation keeps ``batch.global_batch_size`` and so the micro-batch must divide the per-rank
-batch: grow by doubling from 1 until a size does not fit, then bisect between the last fit and
-the first failure; at most ``max_trials`` (12) trials. It assumes the peak grows with the size.
+batch: the whole per-rank batch first, then bisection over the divisors, so any divisor is
+reachable within ``max_trials`` (12) trials. It assumes the peak grows with the size.
 """
 
 from paratrain.find_batch.measure import (

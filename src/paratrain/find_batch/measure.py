@@ -21,6 +21,7 @@ from paratrain.config import Config, ConfigError
 from paratrain.data import build_dataset
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
+from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.find_batch.search import GIB, Trial
 from paratrain.loss import build_loss
 from paratrain.models import build, spec_of
@@ -102,6 +103,7 @@ class StepRunner:
         self.user_model = model
         self._dataset = dataset
         self.loss_fn = loss if loss is not None and hasattr(loss, "count") else build_loss(cfg.loss, loss)
+        self.loss_parallel = False  # decided in build(), from the model's spec
         self.iterations = iterations
         self.per_rank = plan_batch(
             global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0, dp=dims.dp
@@ -132,6 +134,16 @@ class StepRunner:
                     model, spec = build(self.cfg.model)
             else:
                 model, spec = build(self.cfg.model)
+            # The real step's options (trainer.build_parallel): vocabulary-sharded logits change
+            # the activation memory, and ZeRO-3's per-micro-batch sync the gradient memory.
+            self.loss_parallel = loss_parallel_enabled(
+                tp=self.dims.tp,
+                requested=self.cfg.parallel.loss_parallel and self.dims.pp == 1,
+                # The built loss of the config (a user's function keeps its own name).
+                builtin_cross_entropy=self.cfg.loss.name == self.loss_fn.name == "cross_entropy",
+                user_plan=bool(self.cfg.parallel.tp_plan or self.cfg.parallel.tp_plan_factory),
+                supported=spec.loss_parallel,
+            )
             with fake_mode or contextlib.nullcontext():
                 model = parallelize(
                     model,
@@ -141,6 +153,7 @@ class StepRunner:
                     comm=self.cfg.comm,
                     precision=self.cfg.precision,
                     compile_enabled=False,
+                    loss_parallel=self.loss_parallel,
                     blocks_attr=spec.blocks_attr,
                     model_plan=spec.tp_plan,
                 )
@@ -163,6 +176,8 @@ class StepRunner:
                     grad_clip=self.cfg.optim.grad_clip,
                     device=self.device,
                     precision=precision,
+                    loss_parallel=self.loss_parallel,
+                    sync_each_micro_batch=self.cfg.parallel.reshard_after_forward,
                 ),
             )
 
