@@ -316,6 +316,9 @@ class StepRunner:
                 grad_clip=self.cfg.optim.grad_clip,
                 device=self.device,
                 precision=precision,
+                # The trainer's FSDP2 sync policy: ZeRO-3 reduce-scatters every micro-batch, else
+                # unsharded gradients accumulate (a block's worth of fp32 each, trainer.py).
+                sync_each_micro_batch=self.cfg.parallel.reshard_after_forward,
             )
 
     def ddp_extra_bytes(self, model: nn.Module, m: int, grads_at_peak: int) -> int:
