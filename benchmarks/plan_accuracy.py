@@ -20,12 +20,14 @@ an interleaved order over two rounds and the median of both is kept.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "src"), REPO]
@@ -42,6 +44,25 @@ CONFIGS = {"debug": os.path.join(REPO, "configs", "debug.toml"), "main": os.path
 def cli(*args: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src"), "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "paratrain", *args], check=True, env=env, capture_output=True, text=True)
+
+
+def block_overhead_s(repeats: int = 30) -> float:
+    """Seconds of one block pass that do not shrink with the work: forward + backward of a tiny GPT
+    (one sample of 8 tokens, width 32) with 1 and 5 blocks in this process; the difference per
+    block is 3 passes (forward 1, backward 2). A calibration on world 1, not on the layouts ranked."""
+    from paratrain.models.gpt import build_gpt
+
+    def step_s(n_layer: int) -> float:
+        model = build_gpt(n_layer=n_layer, n_head=2, d_model=32, block_size=8)
+        x = torch.randint(0, 256, (1, 8))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(x).sum().backward()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[3:])
+
+    return max(1e-6, (step_s(5) - step_s(1)) / 4 / 3)
 
 
 def measure_rank(config: str, layouts: list[dict], steps: int, out_root: str) -> list[dict]:
@@ -78,7 +99,7 @@ def run_world(config: str, layouts: list[Layout], world: int, steps: int) -> lis
     from tests.dist_utils import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
-        dicts = [vars(lay) if hasattr(lay, "__dict__") else lay.__getstate__() for lay in layouts]
+        dicts = [dataclasses.asdict(lay) for lay in layouts]
         return run_ranks(measure_rank, world, config, dicts, steps, tmp, timeout=3600)[0]
 
 
@@ -116,6 +137,8 @@ def main() -> int:
     worlds = [int(w) for w in args.worlds.split(",")]
     summary, points = [], []
     with tempfile.TemporaryDirectory() as tmp:
+        overhead = block_overhead_s()
+        print(f"calibrated block overhead: {overhead * 1e6:.0f} us per pass (1-process tiny GPT)")
         compute = os.path.join(tmp, "compute.json")
         cli("bench", "compute", "--device", "cpu", "--n", "512", "--runs", "5", "--json", compute)
         for world in worlds:
@@ -125,6 +148,7 @@ def main() -> int:
                 "--max-bytes", str(4 << 20), "--iters", "5", "--warmup", "2", "--pair-bytes", "-1", "--json", comm,
             )  # fmt: skip
             hw = calibrate(get_profile("cpu"), [compute, comm])
+            hw = dataclasses.replace(hw, block_overhead_s=overhead)
             if world == worlds[0]:
                 print(hw.describe())
             for name in args.configs.split(","):
