@@ -4,7 +4,8 @@
 
 1. Calibrates the `cpu` profile with a quick `paratrain bench compute` (one thread, as every rank
    runs) and `paratrain bench comm` at each world size.
-2. Plans every valid layout of each config at each world size (memory estimated for all).
+2. Prices every valid layout of each config at each world size (the plan's ranking) and
+   estimates the memory of those measured.
 3. Measures layouts on gloo over 127.0.0.1: the same processes train each layout in turn for
    ``--steps`` steps (the median step_time_s of the steps after the first two), then, where
    MemTracker can follow the step on real tensors (no pipeline, no DDP replica: the estimate's
@@ -35,8 +36,11 @@ sys.path[:0] = [os.path.join(REPO, "src"), REPO]
 import torch  # noqa: E402
 
 from paratrain.config import load_config  # noqa: E402
-from paratrain.plan import calibrate, get_profile, plan  # noqa: E402
-from paratrain.plan.enumerate import Layout  # noqa: E402
+from paratrain.plan import calibrate, get_profile  # noqa: E402
+from paratrain.plan.cost import ModelStats, step_cost  # noqa: E402
+from paratrain.plan.enumerate import Layout, enumerate_layouts, meta_model  # noqa: E402
+from paratrain.plan.memory import MemoryModel  # noqa: E402
+from paratrain.plan.planner import Planned  # noqa: E402
 
 CONFIGS = {"debug": os.path.join(REPO, "configs", "debug.toml"), "main": os.path.join(REPO, "configs", "main.toml")}
 
@@ -153,11 +157,21 @@ def main() -> int:
                 print(hw.describe())
             for name in args.configs.split(","):
                 cfg = load_config(CONFIGS[name])
-                result = plan(
-                    cfg, world_size=world, nproc_per_node=world, profile=hw, memory_gib=4, top=0, progress=False
+                # Step time of every valid layout (a formula); memory only for those measured.
+                model = meta_model(cfg)
+                layouts, _ = enumerate_layouts(cfg, world_size=world, nproc_per_node=world, model=model)
+                stats = ModelStats.of(model, cfg)
+                ranked = sorted(
+                    (
+                        Planned(lay, step_cost(lay, cfg=cfg, stats=stats, hw=hw, ranks_per_node=world))
+                        for lay in layouts
+                    ),
+                    key=lambda p: p.cost.step_time_s,
                 )
-                ranked = sorted(result.examined, key=lambda p: p.cost.step_time_s)
                 chosen = sample(ranked, args.max_layouts)
+                memory = MemoryModel(cfg, model=model, n_blocks=len(model.layers))
+                for p in chosen:
+                    p.memory = memory.peak(p.layout)
                 print(f"\n{name} at world {world}: {len(ranked)} valid layouts, measuring {len(chosen)}", flush=True)
                 # Two rounds in opposite orders: drift of the shared machine hits both ends alike.
                 first = run_world(CONFIGS[name], [p.layout for p in chosen], world, args.steps)
