@@ -50,23 +50,54 @@ def cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "paratrain", *args], check=True, env=env, capture_output=True, text=True)
 
 
-def block_overhead_s(repeats: int = 30) -> float:
-    """Seconds of one block pass that do not shrink with the work: forward + backward of a tiny GPT
-    (one sample of 8 tokens, width 32) with 1 and 5 blocks in this process; the difference per
-    block is 3 passes (forward 1, backward 2). A calibration on world 1, not on the layouts ranked."""
+def overheads(repeats: int = 30) -> tuple[float, float, float]:
+    """Seconds of one block pass that do not shrink with the work, plain and under TP, and of one
+    FSDP unit's collective: forward + backward of a tiny GPT (one sample of 8 tokens, width 32)
+    with 1 and 5 blocks, in this process on a 1-rank mesh (the DTensor and FSDP2 machinery runs,
+    the collectives have nobody to talk to). A calibration at world 1, not on the layouts ranked."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paratrain.distributed.data_parallel import apply_fsdp
+    from paratrain.distributed.tensor_parallel import apply_tp
     from paratrain.models.gpt import build_gpt
 
-    def step_s(n_layer: int) -> float:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+
+    def step_s(n_layer: int, wrap) -> float:
         model = build_gpt(n_layer=n_layer, n_head=2, d_model=32, block_size=8)
+        wrap(model)
         x = torch.randint(0, 256, (1, 8))
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            model(x).sum().backward()
+            y = model(x)
+            (y.full_tensor() if hasattr(y, "full_tensor") else y).sum().backward()
             times.append(time.perf_counter() - t0)
         return statistics.median(times[3:])
 
-    return max(1e-6, (step_s(5) - step_s(1)) / 4 / 3)
+    def per_block(wrap) -> float:
+        return max(1e-6, (step_s(5, wrap) - step_s(1, wrap)) / 4)
+
+    try:
+        plain = per_block(lambda m: None) / 3  # forward 1 + backward 2 passes
+        tp = (
+            per_block(
+                lambda m: apply_tp(m, mesh, plan={}, plan_factory="", sequence_parallel=False, loss_parallel=False)
+            )
+            / 3
+        )
+        # FSDP: per unit one all-gather in forward, one in backward, one reduce-scatter.
+        fsdp = (
+            max(
+                0.0, per_block(lambda m: apply_fsdp(m, mesh, reshard_after_forward=True, cpu_offload=False)) - 3 * plain
+            )
+            / 3
+        )
+    finally:
+        dist.destroy_process_group()
+    return plain, tp, fsdp
 
 
 def measure_rank(config: str, layouts: list[dict], steps: int, out_root: str) -> list[dict]:
@@ -141,8 +172,11 @@ def main() -> int:
     worlds = [int(w) for w in args.worlds.split(",")]
     summary, points = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        overhead = block_overhead_s()
-        print(f"calibrated block overhead: {overhead * 1e6:.0f} us per pass (1-process tiny GPT)")
+        plain, tp_pass, fsdp_unit = overheads()
+        print(
+            f"calibrated at world 1: {plain * 1e6:.0f} us per block pass, {tp_pass * 1e6:.0f} us under TP,"
+            f" {fsdp_unit * 1e6:.0f} us per FSDP unit and collective"
+        )
         compute = os.path.join(tmp, "compute.json")
         cli("bench", "compute", "--device", "cpu", "--n", "512", "--runs", "5", "--json", compute)
         for world in worlds:
@@ -152,7 +186,9 @@ def main() -> int:
                 "--max-bytes", str(4 << 20), "--iters", "5", "--warmup", "2", "--pair-bytes", "-1", "--json", comm,
             )  # fmt: skip
             hw = calibrate(get_profile("cpu"), [compute, comm])
-            hw = dataclasses.replace(hw, block_overhead_s=overhead)
+            hw = dataclasses.replace(
+                hw, block_overhead_s=plain, tp_block_overhead_s=tp_pass, fsdp_unit_overhead_s=fsdp_unit
+            )
             if world == worlds[0]:
                 print(hw.describe())
             for name in args.configs.split(","):

@@ -11,7 +11,8 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
   few percent for a similar recomputed set).
 - ``overhead``: a fixed time per block pass (forward 1, backward 2, recompute 1, selective 0.5) and per
   micro-batch (embedding and head as two more units): launches and dispatch that do not shrink
-  with the micro-batch, which is why tiny micro-batches are slow.
+  with the micro-batch, which is why tiny micro-batches are slow; the profile's DTensor figure
+  under TP, and FSDP's per-unit cost for each all-gather and reduce-scatter (hardware.py).
 - ``pointwise``: the memory-bound ops (norms, residual adds, activation function, biases,
   the loss over the vocabulary) over memory bandwidth; their FLOPs are not in ``compute``. The
   attention products are priced at the matmul rate: MFU counts them over the whole T x T square
@@ -183,7 +184,14 @@ def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ra
     pointwise_bytes += tokens * stats.vocab * LOSS_BYTES_PER_LOGIT / layout.tp
     t["pointwise"] = pointwise_bytes / (hw.hbm_gbps * 1e9 * share)
     recompute_passes = {"none": 0.0, "selective": 0.5, "full": 1.0}[layout.activation_checkpointing]
-    t["overhead"] = n_micro * (rank_blocks * (3 + recompute_passes) + 2) * hw.block_overhead_s / share
+    per_pass = (hw.tp_block_overhead_s or hw.block_overhead_s) if layout.tp > 1 else hw.block_overhead_s
+    t["overhead"] = n_micro * (rank_blocks * (3 + recompute_passes) + 2) * per_pass / share
+    if layout.dp_shard > 1:
+        units = rank_blocks + 1
+        collectives = n_micro * (2 if layout.reshard_after_forward else 1) + (
+            n_micro if layout.reshard_after_forward else 1
+        )
+        t["overhead"] += units * collectives * hw.fsdp_unit_overhead_s / share
 
     # Tensor parallel: all-reduces of one micro-batch's activations, on the critical path.
     stride_tp, stride_shard = 1, layout.tp

@@ -14,7 +14,11 @@ A profile holds what the cost model needs of one device and its links:
   files: the measured time by message size and group size then replaces the formula.
 - ``block_overhead_s``: fixed time of one block's forward or backward pass that does not
   shrink with the work (kernel launches, Python and autograd dispatch): it is what makes tiny
-  micro-batches slow.
+  micro-batches slow. ``tp_block_overhead_s`` replaces it under tensor parallelism (every op on a
+  DTensor propagates shardings in Python first) and ``fsdp_unit_overhead_s`` is added per FSDP
+  unit and collective (FSDP2's hooks, copy-in and copy-out). On a GPU these run ahead of the
+  kernels and hide behind them once the kernels are large, so the GPU profiles add nothing; the
+  CPU pays them in full (calibrated at world 1 by benchmarks/plan_accuracy.py).
 
 Link figures are the data sheet's per-direction NVLink bandwidth and NIC line rate times 0.8,
 the fraction nccl-tests' bus bandwidth typically reaches of the link (an assumption, stated
@@ -55,6 +59,8 @@ class Profile:
     overlap: float
     block_overhead_s: float
     sources: dict[str, str]
+    tp_block_overhead_s: float = 0.0  # 0: the same as block_overhead_s
+    fsdp_unit_overhead_s: float = 0.0
     # Ranks per node that share one compute resource (the CPU profile: cores); 0 = one device each.
     cores: int = 0
     # Calibrated: measured matmul FLOP/s by dtype, and collective times by (op, group size, inter).
@@ -122,7 +128,9 @@ class Profile:
             groups = sorted({(op, n, "inter" if x else "intra") for op, n, x in self.comm_table})
             lines.append(f"  measured collectives: {', '.join(f'{op}@{n} {x}' for op, n, x in groups)}")
         lines.append(
-            f"  block overhead {self.block_overhead_s * 1e6:g} us per pass, overlap {self.overlap:g}"
+            f"  block overhead {self.block_overhead_s * 1e6:g} us per pass"
+            f" ({(self.tp_block_overhead_s or self.block_overhead_s) * 1e6:g} under TP),"
+            f" FSDP {self.fsdp_unit_overhead_s * 1e6:g} us per unit and collective, overlap {self.overlap:g}"
             f" ({self.sources['overhead']})"
         )
         return "\n".join(lines)
@@ -233,12 +241,14 @@ def cpu_profile() -> Profile:
         inter_latency_s=200e-6,
         overlap=0.0,
         block_overhead_s=1e-3,
+        tp_block_overhead_s=15e-3,
+        fsdp_unit_overhead_s=1.5e-3,
         cores=cores,
         sources={
             "flops": "one AVX2 core, 32 FLOP/cycle at ~3 GHz (estimate; calibrate with bench compute)",
             "memory": "/proc/meminfo (the whole machine: ranks share it); bandwidth a DDR4 channel (estimate)",
             "links": "gloo over loopback TCP (estimate; calibrate with bench comm)",
-            "overhead": "PyTorch CPU eager dispatch of a small block pass, ~1 ms measured here (benchmarks/plan_accuracy.py)",
+            "overhead": "eager dispatch of a small block pass ~1 ms, ~15 ms on DTensors, FSDP2 ~1.5 ms per unit and collective, measured here at world 1 (benchmarks/plan_accuracy.py)",
         },
     )
 
