@@ -184,3 +184,13 @@ def test_nothing_fits_names_the_smallest_need():
     assert not result.layouts
     msg = str(nothing_fits_error(result))
     assert "no layout fits" in msg and "GiB" in msg and "\n" not in msg
+
+
+def test_zero_bubble_with_selective_checkpointing_is_refused():
+    """Found by training the plan's layouts: the weight pass of a zero-bubble schedule is a second
+    backward, which selective checkpointing refuses at run time; the preflight now refuses it."""
+    cfg = load_config(MAIN, ["parallel.pp=2", "parallel.pp_schedule='interleaved_zb'", "batch.micro_batch_size=8"])
+    check_layout(cfg, 2)
+    cfg.parallel.activation_checkpointing = "selective"
+    with pytest.raises(ConfigError, match="selective"):
+        check_layout(cfg, 2)
