@@ -26,6 +26,7 @@ from paratrain.find_batch import estimate_without_group, find_micro_batch, nothi
 from paratrain.generate import generate_text
 from paratrain.launch import LaunchSpec, launch
 from paratrain.layout import check_layout
+from paratrain.plan import cli_plan
 from paratrain.report import write_report
 from paratrain.trackers import check_trackers
 from paratrain.verify import verify
@@ -241,6 +242,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    return cli_plan(
+        load_config(args.config, args.overrides),
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        hardware=args.hardware,
+        calibrate_files=args.calibrate,
+        memory_gib=args.memory_gib,
+        top=args.top,
+        as_json=args.json,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paratrain", description="Train any PyTorch model on many processes, GPUs and machines."
@@ -328,6 +342,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-processes", type=int, default=0, help=argparse.SUPPRESS)  # RAM share on CPU
     add_set_argument(p)
     p.set_defaults(func=cmd_find_batch)
+
+    p = sub.add_parser("plan", help="rank the layouts of a config on a cluster: predicted step time and memory")
+    p.add_argument("config", help="TOML config file")
+    p.add_argument("--nproc-per-node", type=int, required=True, help="GPUs (processes) per node")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--memory-gib", type=float, default=0.0, help="memory per rank in GiB (default: the profile's)")
+    p.add_argument("--hardware", default="h100-sxm", help="profile: a100-80gb, h100-sxm, h200, b200 or cpu")
+    p.add_argument(
+        "--calibrate",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="a `bench compute/comm --json` file; repeatable",
+    )
+    p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line (table to stderr)")
+    add_set_argument(p)
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("generate", help="sample text from a trained byte-level GPT")
     p.add_argument("out_dir", help="run.out_dir of a finished run")

@@ -27,10 +27,14 @@ from paratrain.precision import check_precision
 log = logging.getLogger("paratrain")
 
 
-def check_layout(cfg: Config, world_size: int, *, model: nn.Module | None = None) -> tuple[ParallelDims, BatchPlan]:
+def check_layout(
+    cfg: Config, world_size: int, *, model: nn.Module | None = None, spec: ModelSpec | None = None
+) -> tuple[ParallelDims, BatchPlan]:
     """Every check that needs only the config and the world size: run before any process starts.
 
     ``model``: a model object passed to ``train`` instead of the config's builder (pipeline checks count its blocks).
+    ``spec``: that model's spec when ``model`` only stands in for it (``paratrain plan`` passes a
+    parameter-free stand-in with the real block count, not to walk an 8B model per layout).
     Fills ``model.args.vocab_size`` of the built-in GPT from a prepared corpus's meta.json (so
     every command and the written config.toml see the size the model is built with).
     """
@@ -49,22 +53,24 @@ def check_layout(cfg: Config, world_size: int, *, model: nn.Module | None = None
     check_feature_combinations(cfg, dims)
     check_eval(cfg, dims, plan)
     if dims.tp > 1 or dims.pp > 1:
-        meta_model, spec = model_on_meta(cfg, model)
+        meta_model, spec = model_on_meta(cfg, model, spec)
         check_model_layout(cfg, spec, tp=dims.tp)
         if dims.pp > 1:
             check_pp_layout_of(cfg, dims, plan, model=meta_model, spec=spec)
     elif not cfg.model.factory:
-        check_model_layout(cfg, spec_of(cfg.model, model), tp=1)
+        check_model_layout(cfg, spec or spec_of(cfg.model, model), tp=1)
     return dims, plan
 
 
-def model_on_meta(cfg: Config, model: nn.Module | None) -> tuple[nn.Module | None, ModelSpec]:
+def model_on_meta(
+    cfg: Config, model: nn.Module | None, spec: ModelSpec | None = None
+) -> tuple[nn.Module | None, ModelSpec]:
     """The model (built on the meta device: no memory) and its spec, for checks that look inside it.
 
     A factory that cannot run on meta gives (None, its default spec): the job checks at start.
     """
     if model is not None:
-        return model, spec_of(cfg.model, model)
+        return model, spec or spec_of(cfg.model, model)
     try:
         with torch.device("meta"):
             return build(cfg.model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -67,7 +68,8 @@ class ParallelDims:
         names = tuple(n for n in MESH_ORDER if getattr(self, n) > 1)
         if not names:
             return None
-        device_type = "cuda" if dist.get_backend() != "gloo" else "cpu"
+        # gloo, or c10d's 'fake' backend of the memory estimate on a machine without CUDA: a CPU mesh.
+        device_type = "cuda" if dist.get_backend() != "gloo" and torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=names)
         dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
         if len(dp_names) == 2:

@@ -172,6 +172,15 @@ def check_pp_layout(
             " parallel.reshard_after_forward = false (its deferred weight passes need the unsharded"
             " parameters); set it, or use 'gpipe', '1f1b' or 'interleaved1f1b'"
         )
+    if cfg.pp_schedule in ZERO_BUBBLE and cfg.activation_checkpointing == "selective":
+        # The deferred weight pass is a second backward through the block, which torch's selective
+        # checkpointing refuses ("Trying to backward an extra time", torch 2.13; found by
+        # benchmarks/plan_accuracy.py training every layout `paratrain plan` proposed).
+        raise ConfigError(
+            f"parallel.pp_schedule = '{cfg.pp_schedule}' runs a second backward for the weights, which"
+            " parallel.activation_checkpointing = 'selective' does not allow; use 'full' or 'none', or"
+            " 'gpipe', '1f1b' or 'interleaved1f1b'"
+        )
     if cfg.pp_microbatches < 0:
         raise ConfigError(
             f"parallel.pp_microbatches = {cfg.pp_microbatches} must be >= 1 (or 0 for the schedule's default)"

@@ -1,0 +1,254 @@
+"""Step time of a layout: a cost model with named terms, each printed.
+
+All terms are seconds per optimiser step on the slowest rank's critical path:
+
+- ``compute``: the model FLOPs of the rank (its pipeline stage's blocks, 1/tp of each) over the
+  achievable FLOP/s of the dtype (hardware.py). FLOPs as MFU counts them (mfu.py, PaLM
+  appendix B: 6 per matmul parameter per token plus 12 L d T attention).
+- ``recompute``: activation checkpointing. ``full`` runs every block's forward again (a third of
+  its forward+backward FLOPs); ``selective`` saves matmul and attention outputs and recomputes
+  only the pointwise ops and norms, priced in ``pointwise`` (Korthikanti et al. 2022 measure a
+  few percent for a similar recomputed set).
+- ``overhead``: a fixed time per block pass (forward 1, backward 2, recompute 1, selective 0.5) and per
+  micro-batch (embedding and head as two more units): launches and dispatch that do not shrink
+  with the micro-batch, which is why tiny micro-batches are slow; the profile's DTensor figure
+  under TP, and FSDP's per-unit cost for each all-gather and reduce-scatter (hardware.py).
+- ``pointwise``: the memory-bound ops (norms, residual adds, activation function, biases,
+  the loss over the vocabulary) over memory bandwidth; their FLOPs are not in ``compute``. The
+  attention products are priced at the matmul rate: MFU counts them over the whole T x T square
+  (PaLM) while a causal kernel computes half, at about half the matmul efficiency
+  (FlashAttention-2 reaches 35% of an H100, Shah et al. 2024, "FlashAttention-3"): the two cancel.
+- ``tp_comm``: tensor parallel, on the critical path (nothing overlaps it in eager mode): per
+  micro-batch and block two all-reduces forward and two backward of the activations
+  (Megatron-LM, Shoeybi et al. 2019; sequence parallel's all-gather + reduce-scatter move the
+  same bytes), two more per block recomputed, and two for the embedding and head.
+- ``fsdp_comm``: FSDP2 all-gathers each unit's parameters (compute dtype) in forward, again in
+  backward when ``reshard_after_forward``; reduce-scatters gradients (reduce dtype) every
+  micro-batch when resharding, once per step otherwise (paratrain's sync policy); HSDP adds an
+  all-reduce of the shard over dp_replicate. Prefetching hides it behind compute, except the
+  first unit's (``overlap`` of the profile).
+- ``dp_grad_reduce``: DDP's all-reduce of the gradients, once per step (``no_sync`` before the
+  last micro-batch), hidden behind that micro-batch's backward except the last bucket.
+- ``pp_bubble``: the pipeline's idle time over the stage's busy time: ``(p-1)/n`` for GPipe and
+  1F1B (n pipeline micro-batches per step; the bubble fraction of the whole step is then
+  (p-1)/(n+p-1)), ``/v`` for interleaved 1F1B and looped BFS (Narayanan et al. 2021), a further
+  third for ZB-1P (interleaved_zb, Qi et al. 2024 report about a third of 1F1B's), and a sixth
+  of 1F1B's for the V schedules (zbv, dualpipev: near zero once n >= 2p).
+- ``pp_p2p``: sends of activations and their gradients between stages, 2 per chunk and micro-batch.
+- ``optimizer``: AdamW is memory-bound: read parameter, gradient and two moments, write three
+  (28 bytes per fp32 parameter) plus the gradient-norm read (4), over memory bandwidth.
+
+Collectives cross nodes when their group does: the mesh is ``pp, dp_replicate, dp_shard, tp``
+outermost to innermost (parallel_dims.py), so a dimension's ranks are ``stride`` apart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from paratrain.config import Config
+from paratrain.distributed.pipeline_parallel import SCHEDULES, pp_microbatches, stage_ranges
+from paratrain.mfu import build_flops_per_token
+from paratrain.plan.enumerate import Layout
+from paratrain.plan.hardware import Profile
+
+# Elements read or written per token and block by the memory-bound ops, in units of the width d
+# (this GPT block, forward: 2 LayerNorms 4, 2 residual adds 6, GELU on 4d 8, 5 bias adds 22 =
+# 40; backward about twice the forward), at the compute dtype's size.
+POINTWISE_ELEMENTS = 120
+LOSS_BYTES_PER_LOGIT = 20  # fp32 logits: write, softmax read/write, gradient write/read
+ADAM_BYTES_PER_PARAM = 32
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TERMS = (
+    "compute",
+    "recompute",
+    "overhead",
+    "pointwise",
+    "tp_comm",
+    "fsdp_comm",
+    "dp_grad_reduce",
+    "pp_bubble",
+    "pp_p2p",
+    "optimizer",
+)
+
+
+@dataclass
+class ModelStats:
+    """What the cost model needs of the model, read from it on the meta device."""
+
+    seq_len: int
+    hidden: int  # width of the activations between blocks (0: unknown, no TP/PP traffic modelled)
+    block_params: list[int]
+    block_flops: list[float]  # training FLOPs per token of each block
+    head_flops: float  # the output layer's (on the last stage)
+    total_params: int
+    flops_per_token: float  # the whole model's, as MFU counts it
+    vocab: int = 0
+    model: nn.Module | None = None
+    _ranks: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: nn.Module | None, cfg: Config) -> ModelStats:
+        seq = cfg.data.args.get("block_size") or cfg.model.args.get("block_size") or 1
+        if model is None:
+            return cls(seq, 0, [0], [0.0], 0.0, 0, 0.0)
+        total = sum(p.numel() for p in model.parameters())
+        fpt = build_flops_per_token(model)(seq)
+        blocks = getattr(model, "layers", None)
+        mcfg = getattr(model, "cfg", None)
+        d = getattr(mcfg, "d_model", 0)
+        if blocks is None or not len(blocks):
+            return cls(seq, d, [total], [fpt], 0.0, total, fpt)
+        bp = [sum(p.numel() for p in b.parameters()) for b in blocks.values()]
+        attention = 12.0 * d * seq  # per block (mfu.py)
+        bf = [6.0 * n + attention for n in bp]
+        head = getattr(model, "lm_head", None)
+        head_flops = 6.0 * sum(p.numel() for p in head.parameters()) if head is not None else 0.0
+        return cls(seq, d, bp, bf, head_flops, total, fpt, getattr(mcfg, "vocab_size", 0), model)
+
+    def busiest_rank(self, pp: int, v: int, style: str, cfg: Config) -> tuple[float, int, float]:
+        """(FLOPs per token, blocks, parameters) of the pipeline rank with the most work (cached)."""
+        key = (pp, v, style)
+        if key not in self._ranks:
+            ranges = stage_ranges(self.model, pp * v, cfg.parallel.pp_split_points)
+            ranks = []
+            for r in range(pp):
+                stages = [r, 2 * pp - 1 - r] if style == "v" else list(range(r, pp * v, pp))
+                blocks = [i for s in stages for i in ranges[s]]
+                last = (pp * v - 1) in stages
+                flops = sum(self.block_flops[i] for i in blocks) + (self.head_flops if last else 0.0)
+                ranks.append((flops, len(blocks), sum(self.block_params[i] for i in blocks)))
+            flops, blocks, _ = max(ranks)
+            # Parameters: the largest stage's blocks plus half of the embedding and head (one each
+            # on the first and last stage), for the optimiser and gradient traffic.
+            params = max(r[2] for r in ranks) + (self.total_params - sum(self.block_params)) / 2
+            self._ranks[key] = (flops, blocks, params)
+        return self._ranks[key]
+
+
+@dataclass
+class Cost:
+    terms: dict[str, float]
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    n_micro: int  # micro-batches (pipeline micro-batches under pp) per step on a rank
+
+    @property
+    def dominant(self) -> str:
+        return max(self.terms, key=self.terms.get)
+
+
+def crosses_nodes(stride: int, size: int, ranks_per_node: int) -> bool:
+    return size > 1 and (size - 1) * stride >= ranks_per_node
+
+
+def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ranks_per_node: int) -> Cost:
+    dtype = cfg.precision.dtype
+    act_bytes = DTYPE_BYTES[dtype]
+    reduce_bytes = 2 if cfg.comm.compression in ("bf16", "fp16") or cfg.precision.reduce_dtype != "fp32" else 4
+    gbs, seq, d = cfg.batch.global_batch_size, stats.seq_len, stats.hidden
+    per_rank = gbs // layout.dp
+    accum = per_rank // layout.micro_batch_size
+    p, v = layout.pp, (layout.pp_virtual_stages if layout.pp > 1 else 1)
+
+    # Work of the busiest pipeline rank: its blocks (and the head on the last stage).
+    n_blocks = len(stats.block_params)
+    if p > 1 and stats.model is not None:
+        stage_flops, rank_blocks, rank_params = stats.busiest_rank(p, v, SCHEDULES[layout.pp_schedule][2], cfg)
+        ppm = pp_microbatches(
+            layout.apply(cfg).parallel, pp=p, micro_batch_size=layout.micro_batch_size, accum_steps=accum
+        )
+        n_micro, mb = accum * ppm, layout.micro_batch_size // ppm
+    else:
+        stage_flops, rank_blocks, rank_params = stats.flops_per_token, n_blocks, stats.total_params
+        n_micro, mb = accum, layout.micro_batch_size
+    share = 1.0 if not hw.cores else min(1.0, hw.cores / max(1, min(ranks_per_node, layout.world_size)))
+    rate = hw.achievable_flops(dtype) * share
+    tokens = per_rank * seq
+    block_flops_rank = stage_flops - (stats.head_flops if p == 1 else 0.0)
+    t = dict.fromkeys(TERMS, 0.0)
+    t["compute"] = tokens * stage_flops / layout.tp / rate
+    forward_blocks = tokens * block_flops_rank / 3.0 / layout.tp / rate  # forward = 2 of the 6 FLOPs
+    # Full checkpointing runs each block's forward again; selective only its pointwise ops (in
+    # ``pointwise`` below): its matmuls and attention are saved.
+    t["recompute"] = forward_blocks if layout.activation_checkpointing == "full" else 0.0
+    recomputed = layout.activation_checkpointing != "none"
+    pointwise_bytes = tokens * rank_blocks * POINTWISE_ELEMENTS * d * act_bytes / layout.tp
+    pointwise_bytes *= 1 + (1 / 3 if recomputed else 0)  # the forward's third, again
+    # The loss over the vocabulary (on the last stage; counted for the busiest rank as an upper bound).
+    pointwise_bytes += tokens * stats.vocab * LOSS_BYTES_PER_LOGIT / layout.tp
+    t["pointwise"] = pointwise_bytes / (hw.hbm_gbps * 1e9 * share)
+    recompute_passes = {"none": 0.0, "selective": 0.5, "full": 1.0}[layout.activation_checkpointing]
+    per_pass = (hw.tp_block_overhead_s or hw.block_overhead_s) if layout.tp > 1 else hw.block_overhead_s
+    t["overhead"] = n_micro * (rank_blocks * (3 + recompute_passes) + 2) * per_pass / share
+    if layout.dp_shard > 1:
+        units = rank_blocks + 1
+        collectives = n_micro * (2 if layout.reshard_after_forward else 1) + (
+            n_micro if layout.reshard_after_forward else 1
+        )
+        t["overhead"] += units * collectives * hw.fsdp_unit_overhead_s / share
+
+    # Tensor parallel: all-reduces of one micro-batch's activations, on the critical path.
+    stride_tp, stride_shard = 1, layout.tp
+    stride_rep = layout.tp * layout.dp_shard
+    stride_pp = stride_rep * layout.dp_replicate
+    if layout.tp > 1 and d:
+        act = mb * seq * d * act_bytes
+        per_micro = rank_blocks * (4 + (2 if layout.activation_checkpointing == "full" else 0)) + 2
+        inter = crosses_nodes(stride_tp, layout.tp, ranks_per_node)
+        t["tp_comm"] = n_micro * per_micro * hw.collective_s("all_reduce", act, layout.tp, inter=inter)
+
+    busy_compute = t["compute"] + t["recompute"] + t["overhead"] + t["pointwise"]
+    shard_params = rank_params / layout.tp
+    if layout.dp_shard > 1:
+        inter = crosses_nodes(stride_shard, layout.dp_shard, ranks_per_node)
+        units = rank_blocks + 1  # one FSDP unit per block, one for the rest
+        param_bytes = shard_params * (act_bytes if dtype != "fp32" else 4)
+        gathers = n_micro * (2 if layout.reshard_after_forward else 1)
+        scatters = n_micro if layout.reshard_after_forward else 1
+        # One collective per unit: the per-collective latency is paid per unit.
+        ag = gathers * units * hw.collective_s("all_gather", param_bytes / units, layout.dp_shard, inter=inter)
+        rs = (
+            scatters
+            * units
+            * hw.collective_s("reduce_scatter", shard_params * reduce_bytes / units, layout.dp_shard, inter=inter)
+        )
+        total = ag + rs
+        if layout.dp_replicate > 1:
+            inter_r = crosses_nodes(stride_rep, layout.dp_replicate, ranks_per_node)
+            total += scatters * hw.collective_s(
+                "all_reduce", shard_params * reduce_bytes / layout.dp_shard, layout.dp_replicate, inter=inter_r
+            )
+        t["fsdp_comm"] = max(total - hw.overlap * busy_compute, total / units)
+    elif layout.dp_replicate > 1:
+        inter = crosses_nodes(stride_rep, layout.dp_replicate, ranks_per_node)
+        grad_bytes = shard_params * reduce_bytes
+        ar = hw.collective_s("all_reduce", grad_bytes, layout.dp_replicate, inter=inter)
+        last_backward = (t["compute"] * 2 / 3 + t["recompute"]) / max(1, n_micro)
+        last_bucket = min(1.0, cfg.comm.bucket_mb * 2**20 / max(1.0, grad_bytes))
+        t["dp_grad_reduce"] = max(ar - hw.overlap * last_backward, ar * last_bucket)
+
+    busy = busy_compute + t["tp_comm"] + t["fsdp_comm"]
+    if p > 1:
+        bubble = (p - 1) / n_micro
+        if layout.pp_schedule in ("interleaved1f1b", "looped_bfs"):
+            bubble /= v
+        elif layout.pp_schedule == "interleaved_zb":
+            bubble /= 3 * v
+        elif layout.pp_schedule in ("zbv", "dualpipev"):
+            bubble /= 6
+        t["pp_bubble"] = busy * bubble
+        if d:
+            inter = crosses_nodes(stride_pp, p, ranks_per_node)
+            send = hw.collective_s("send_recv", mb * seq * d * act_bytes, 2, inter=inter)
+            t["pp_p2p"] = 2 * v * n_micro * send
+    t["optimizer"] = shard_params / layout.dp_shard * ADAM_BYTES_PER_PARAM / (hw.hbm_gbps * 1e9 * share)
+    step = sum(t.values())
+    tokens_step = gbs * seq
+    mfu = stats.flops_per_token * tokens_step / (step * layout.world_size * hw.peak(dtype)) if step > 0 else math.nan
+    return Cost(t, step, tokens_step / step, mfu, n_micro)

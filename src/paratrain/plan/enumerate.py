@@ -1,0 +1,199 @@
+"""Every layout of a config at a world size, each passed through the trainer's own preflight.
+
+A layout is what may change without changing the math (ARCHITECTURE.md): the parallel
+degrees, the micro-batch (a divisor of the per-rank batch: the global batch is kept), the
+pipeline schedule and its stages per rank, activation checkpointing and FSDP's resharding.
+Each candidate config goes through ``trainer.check_layout`` (the checks `paratrain train` runs
+before starting a process); a refused candidate is counted under its reason, never proposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paratrain.config import Config, ConfigError
+from paratrain.distributed.pipeline_parallel import SCHEDULES, check_untied
+from paratrain.layout import check_layout
+from paratrain.models import build_model, spec_of
+
+AC_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    activation_checkpointing: str = "none"
+    reshard_after_forward: bool = True
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def set_lines(self) -> list[str]:
+        """The `--set` lines that select this layout (ready to paste)."""
+        lines = [
+            f"parallel.dp_replicate={self.dp_replicate}",
+            f"parallel.dp_shard={self.dp_shard}",
+            f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"batch.micro_batch_size={self.micro_batch_size}",
+            f"parallel.activation_checkpointing='{self.activation_checkpointing}'",
+        ]
+        if self.dp_shard > 1:
+            lines.append(f"parallel.reshard_after_forward={'true' if self.reshard_after_forward else 'false'}")
+        if self.pp > 1:
+            lines += [
+                f"parallel.pp_schedule='{self.pp_schedule}'",
+                f"parallel.pp_virtual_stages={self.pp_virtual_stages}",
+            ]
+        return lines
+
+    def short(self) -> str:
+        s = f"r{self.dp_replicate} s{self.dp_shard} t{self.tp} p{self.pp} mb{self.micro_batch_size} ac:{self.activation_checkpointing}"
+        if self.dp_shard > 1:
+            s += f" reshard:{'y' if self.reshard_after_forward else 'n'}"
+        if self.pp > 1:
+            s += f" {self.pp_schedule}x{self.pp_virtual_stages}"
+        return s
+
+    def apply(self, cfg: Config) -> Config:
+        """``cfg`` with this layout (the same as passing ``set_lines`` to --set); shares the other sections."""
+        parallel = dataclasses.replace(
+            cfg.parallel,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            tp=self.tp,
+            pp=self.pp,
+            activation_checkpointing=self.activation_checkpointing,
+            reshard_after_forward=self.reshard_after_forward,
+            pp_schedule=self.pp_schedule if self.pp > 1 else cfg.parallel.pp_schedule,
+            pp_virtual_stages=self.pp_virtual_stages if self.pp > 1 else cfg.parallel.pp_virtual_stages,
+        )
+        batch = dataclasses.replace(cfg.batch, micro_batch_size=self.micro_batch_size)
+        return dataclasses.replace(cfg, parallel=parallel, batch=batch)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meta_model(cfg: Config) -> nn.Module | None:
+    """The config's model on the meta device (no memory), or None if its factory cannot run there."""
+    try:
+        with torch.device("meta"):
+            return build_model(cfg.model)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - a user factory that needs real tensors
+        return None
+
+
+def reason_of(err: ConfigError) -> str:
+    """A refusal's reason without its numbers, so that refusals of one kind count together."""
+    text = str(err).split(";")[0]
+    return re.sub(r"\d+", "N", text).strip()
+
+
+def candidate_layouts(cfg: Config, *, world_size: int, nproc_per_node: int, n_blocks: int | None):
+    """Every combination of the layout knobs (before any check)."""
+    gbs = cfg.batch.global_batch_size
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
+            for dp_shard in divisors(world_size // (tp * pp)):
+                dp_replicate = world_size // (tp * pp * dp_shard)
+                dp = dp_replicate * dp_shard
+                if gbs % dp:
+                    yield None, "batch.global_batch_size = N is not divisible by dp = N"
+                    continue
+                for mb in divisors(gbs // dp):
+                    for ac in AC_MODES:
+                        for reshard in (True, False) if dp_shard > 1 else (True,):
+                            scheds = [("1f1b", 1)]
+                            if pp > 1:
+                                scheds = []
+                                for name, (_, stages, _) in SCHEDULES.items():
+                                    vs = (
+                                        [stages]
+                                        if stages
+                                        else [v for v in (2, 4) if n_blocks is None or pp * v <= n_blocks]
+                                    )
+                                    scheds += [(name, v) for v in vs]
+                            for sched, v in scheds:
+                                layout = Layout(dp_replicate, dp_shard, tp, pp, mb, ac, reshard, sched, v)
+                                if tp > nproc_per_node:
+                                    # Tensor parallelism puts collectives on every layer's critical path:
+                                    # across nodes they would run at network speed (Megatron-LM keeps tp
+                                    # within a node, Narayanan et al. 2021 §3.3).
+                                    yield layout, "parallel.tp = N exceeds the GPUs of a node"
+                                else:
+                                    yield layout, None
+
+
+class _Blocks(nn.Module):
+    """A parameter-free stand-in with the model's block count, for the pipeline checks.
+
+    ``check_layout(model=...)`` reads two things of a model: the length of its ``layers`` and
+    whether parameters are tied across blocks (``check_untied``), which depends on the model
+    alone. Walking an 8B model's parameters for each of thousands of layouts took minutes, so
+    the tie check runs once (:func:`enumerate_layouts`) and the preflight gets this stand-in.
+    """
+
+    def __init__(self, n_blocks: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Module() for _ in range(n_blocks))
+
+
+def enumerate_layouts(
+    cfg: Config, *, world_size: int, nproc_per_node: int, model: nn.Module | None = None
+) -> tuple[list[Layout], Counter]:
+    """(layouts that pass the trainer's preflight, Counter of refusal reasons)."""
+    model = model if model is not None else meta_model(cfg)
+    blocks = getattr(model, "layers", None)
+    n_blocks = len(blocks) if blocks is not None else None
+    stand_in, untied = None, None
+    spec = spec_of(cfg.model, model)  # the real model's (the stand-in has no plan of its own)
+    if n_blocks is not None:
+        stand_in = _Blocks(n_blocks)
+        try:
+            check_untied(model)
+        except ConfigError as e:
+            untied = reason_of(e)
+    valid, refused = [], Counter()
+    verdicts: dict[Layout, str | None] = {}
+    for layout, reason in candidate_layouts(
+        cfg, world_size=world_size, nproc_per_node=nproc_per_node, n_blocks=n_blocks
+    ):
+        if reason is None and layout.pp > 1 and untied:
+            reason = untied
+        if reason is None:
+            # No check reads activation checkpointing (tests/test_plan.py checks every mode for real):
+            # one verdict serves the three modes.
+            key = dataclasses.replace(layout, activation_checkpointing="none")
+            if key not in verdicts:
+                try:
+                    check_layout(layout.apply(cfg), world_size, model=stand_in, spec=spec)
+                    verdicts[key] = None
+                except ConfigError as e:
+                    verdicts[key] = reason_of(e)
+            reason = verdicts[key]
+        if reason is not None:
+            refused[reason] += 1
+            continue
+        valid.append(layout)
+    return valid, refused

@@ -1,0 +1,299 @@
+"""Peak memory per rank of a layout, from find-batch's fake-tensor estimate of the real step.
+
+The estimator (find_batch: the model from the config, ``parallelize`` with FSDP2/TP/AC, the
+optimiser and ``train_step`` on fake tensors under MemTracker, fake process groups standing in
+for the other ranks) is called in ONE place, :func:`estimate_layout_peak`. What is built on it:
+
+- **Blocks are identical**: the peak is linear in the number of blocks a rank holds (each adds
+  its parameters, gradients, optimiser state and saved activations). For the built-in GPT the
+  layout is estimated with the model truncated to 1 and 2 blocks and extrapolated,
+  ``peak(L) = peak(1) + (L - 1) x (peak(2) - peak(1))``, so an 8B model plans in seconds
+  (checked against the full estimate in tests/test_plan.py). Other models are estimated whole.
+- **Micro-batches**: activations are linear in the micro-batch, so beyond 2 the peak is
+  extrapolated from micro-batches 1 and 2 the same way (also checked in the test).
+- **Cache**: estimates are keyed by what changes one rank's memory: dp_shard, tp, blocks held,
+  micro-batch, accumulation (2 micro-batches or 1), activation checkpointing, resharding,
+  dtype, and whether DDP buckets exist (dp_replicate > 1 adds them; its size does not matter).
+- **Pipeline stages**: the estimator does not run a pipeline schedule, so a pipeline rank is
+  modelled explicitly as the non-pipelined step of its blocks at the pipeline micro-batch
+  (``micro_batch / pp_microbatches``) plus the activations of the micro-batches the schedule
+  keeps in flight on it, one micro-batch's worth measured as ``peak(2m) - peak(m)``:
+  GPipe keeps all n; 1F1B keeps ``pp - rank`` (stage 0 the most, Narayanan et al. 2021);
+  interleaved 1F1B and ZB-1P keep torch's warm-up count of chunks,
+  ``(v - 1) pp + 2 (pp - 1 - rank) + 1``, of ``1/v`` of the rank's blocks each; looped BFS keeps
+  all n; ZB-V keeps ``pp`` and DualPipeV ``pp + 1`` (arXiv:2401.10241, arXiv:2412.19437). The
+  stage is estimated with both the embedding and the output layer (an upper bound: every
+  stage holds at most one of them), and the rank with the largest total decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+
+from paratrain.config import Config
+from paratrain.data import build_dataset
+from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.pipeline_parallel import SCHEDULES, pp_microbatches, stage_ranges
+from paratrain.find_batch.measure import StepRunner, estimate_peak, replica_dims
+from paratrain.find_batch.orchestrate import fake_process_group
+from paratrain.plan.enumerate import Layout
+
+log = logging.getLogger("paratrain")
+
+
+# ----------------------------------------------------------------------------- the one adapter
+
+
+@contextlib.contextmanager
+def _device_mesh_outside_fake():
+    """FSDP2 on a TP mesh concatenates device meshes while the model is built under fake mode,
+    and DeviceMesh computes the rank's coordinates with ``nonzero`` on the mesh tensor, which a
+    fake tensor cannot answer (DynamicOutputShapeException, torch 2.13). The mesh is metadata:
+    build it on real tensors."""
+    original = DeviceMesh.__init__
+
+    def init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
+
+
+def estimate_layout_peak(cfg: Config, dims: ParallelDims, micro_batch_size: int, *, dataset=None) -> int:
+    """Peak bytes of one rank of ``cfg``'s step at ``dims`` (pp must be 1) and this micro-batch."""
+    rep = replica_dims(dims)
+    with (
+        warnings.catch_warnings(),
+        _device_mesh_outside_fake(),
+        fake_process_group(rep.world_size, 0),
+        torch.random.fork_rng(devices=[]),
+    ):
+        warnings.simplefilter("ignore")  # FSDP's and checkpointing's notes about fake tensors
+        runner = StepRunner(cfg, dims, device=torch.device("cpu"), dataset=dataset)
+        return estimate_peak(runner, micro_batch_size)
+
+
+# ----------------------------------------------------------------------------- the model of a layout
+
+
+def truncatable(cfg: Config) -> bool:
+    """The built-in GPT: its block count is one argument, so the model can be cut for the estimate."""
+    return not cfg.model.factory and cfg.model.name == "gpt"
+
+
+@dataclasses.dataclass
+class RankMemory:
+    peak_bytes: int
+    stage_rank: int = 0  # the pipeline rank that decides
+    in_flight: float = 1.0  # micro-batches of activations it holds (pipeline)
+
+
+class MemoryModel:
+    """Peak memory per rank of layouts of one config, with the cache described above."""
+
+    def __init__(self, cfg: Config, *, model=None, n_blocks: int | None = None, estimate: Callable | None = None):
+        self.cfg = cfg
+        self.model = model  # the meta model: pipeline stage boundaries
+        self.n_blocks = n_blocks
+        self.estimate = estimate or estimate_layout_peak
+        self.cache: dict[tuple, int] = {}
+        self.estimates = 0  # calls of the estimator (cache misses)
+        self._dataset = None
+        self._stage_ranges: dict[int, list[range]] = {}
+        self._sizes: list[int] | None = None
+        self._rest: dict[tuple, dict[tuple[int, int], float]] = {}
+
+    @property
+    def dataset(self):
+        if self._dataset is None:
+            self._dataset = build_dataset(self.cfg.data)
+        return self._dataset
+
+    @staticmethod
+    def _key(layout: Layout, *, blocks: int | None, m: int, accumulate: bool, dp_replicate: int) -> tuple:
+        return (
+            dp_replicate > 1,
+            layout.dp_shard,
+            layout.tp,
+            blocks,
+            m,
+            accumulate,
+            layout.activation_checkpointing,
+            layout.reshard_after_forward if layout.dp_shard > 1 else True,
+        )
+
+    def _one(self, layout: Layout, *, blocks: int | None, m: int, accumulate: bool, dp_replicate: int) -> int:
+        """Estimator call (cached): pp = 1, ``blocks`` blocks (None: the model as configured)."""
+        key = self._key(layout, blocks=blocks, m=m, accumulate=accumulate, dp_replicate=dp_replicate)
+        if key not in self.cache:
+            cfg = copy.deepcopy(layout.apply(self.cfg))
+            cfg.parallel.pp = 1
+            cfg.parallel.dp_replicate = dp_replicate
+            dp = dp_replicate * layout.dp_shard
+            cfg.batch.global_batch_size = dp * m * (2 if accumulate else 1)
+            cfg.batch.micro_batch_size = m
+            if blocks is not None:
+                cfg.model.args = {**cfg.model.args, "n_layer": blocks}
+            dims = ParallelDims(dp_replicate, layout.dp_shard, layout.tp, 1, dp * layout.tp)
+            self.cache[key] = int(self.estimate(cfg, dims, m, dataset=self.dataset))
+            self.estimates += 1
+        return self.cache[key]
+
+    def blocks_peak(self, layout: Layout, *, blocks: int, m: int, accumulate: bool, dp_replicate: int) -> float:
+        """Peak with ``blocks`` blocks and micro-batch ``m``: extrapolated linearly from 1 and 2
+        blocks where the model allows, and from micro-batches 1 and 2 beyond 2 (activations are
+        linear in the micro-batch), so four runs price every block count and micro-batch."""
+        if m > 2:
+            kw = dict(blocks=blocks, accumulate=accumulate, dp_replicate=dp_replicate)
+            one, two = self.blocks_peak(layout, m=1, **kw), self.blocks_peak(layout, m=2, **kw)
+            return one + (m - 1) * (two - one)
+        kw = dict(m=m, accumulate=accumulate, dp_replicate=dp_replicate)
+        if not truncatable(self.cfg) or blocks <= 2:
+            return self._one(layout, blocks=blocks if truncatable(self.cfg) else None, **kw)
+        one, two = self._one(layout, blocks=1, **kw), self._one(layout, blocks=2, **kw)
+        return one + (blocks - 1) * (two - one)
+
+    def _ranges(self, stages: int) -> list[range]:
+        if stages not in self._stage_ranges:
+            self._stage_ranges[stages] = stage_ranges(self.model, stages, self.cfg.parallel.pp_split_points)
+        return self._stage_ranges[stages]
+
+    def _rank_blocks(self, layout: Layout, rank: int) -> list[int]:
+        v = layout.pp_virtual_stages
+        ranges = self._ranges(layout.pp * v)
+        if SCHEDULES[layout.pp_schedule][2] == "v":
+            stages = [rank, 2 * layout.pp - 1 - rank]
+        else:
+            stages = list(range(rank, layout.pp * v, layout.pp))
+        return [i for s in stages for i in ranges[s]]
+
+    def _sibling_key(self, layout: Layout) -> tuple:
+        return (layout.tp, layout.activation_checkpointing)
+
+    def _states(self, layout: Layout, blocks: int) -> float:
+        """fp32 parameters, gradients and optimiser state of the model cut to ``blocks`` blocks, split
+        tp x dp_shard ways (the bound of :meth:`lower_bound`)."""
+        sizes = self._block_sizes()
+        params = sum(p.numel() for p in self.model.parameters()) - sum(sizes[blocks:])
+        return self._per_param() * params / (layout.tp * layout.dp_shard)
+
+    def _remember(self, layout: Layout, *, accumulate: bool) -> None:
+        """Keep what an estimated layout holds beyond its states, by blocks and micro-batch."""
+        kw = dict(accumulate=accumulate, dp_replicate=layout.dp_replicate)
+        rest = {}
+        for b in (1, 2):
+            for m in (1, 2):
+                key = self._key(layout, blocks=b, m=m, **kw)
+                if key in self.cache:
+                    rest[b, m] = self.cache[key] - self._states(layout, b)
+        old = self._rest.get(self._sibling_key(layout), {})
+        if len(rest) > len(old):
+            self._rest[self._sibling_key(layout)] = rest
+
+    def sibling_guess(self, layout: Layout) -> int:
+        """This layout's peak guessed from an estimated sibling (the same tp and checkpointing, other
+        data-parallel degrees, resharding or accumulation): its own states plus what the sibling
+        held beyond its states (activations and buffers, which do not depend on how parameters and
+        gradients are split). The states alone when no sibling is known."""
+        bound = self.lower_bound(layout)
+        rest = self._rest.get(self._sibling_key(layout))
+        if layout.pp > 1 or not rest or (1, 1) not in rest or (2, 1) not in rest:
+            return bound
+
+        def at(m: int) -> float:
+            one, two = rest[1, m], rest[2, m]
+            return one + (self.n_blocks - 1) * (two - one)
+
+        m = layout.micro_batch_size
+        extra = at(1) if m == 1 or (1, 2) not in rest else at(1) + (m - 1) * (at(2) - at(1))
+        return int(bound + max(0.0, extra))
+
+    def _per_param(self) -> int:
+        o = self.cfg.optim
+        return 8 + (8 if o.name == "adamw" else (4 if o.beta1 > 0 else 0))
+
+    def lower_bound(self, layout: Layout) -> int:
+        """Bytes every step certainly holds on the busiest rank: fp32 parameters, gradients and
+        optimiser state of its blocks, as if all of them were split over tp x dp_shard. A layout
+        over budget by this bound needs no fake-tensor run (most of the fastest layouts of a
+        large model: replicas that cannot hold the model)."""
+        if self.model is None:
+            return 0
+        per_param = self._per_param()
+        if layout.pp == 1:
+            params = sum(p.numel() for p in self.model.parameters())
+        else:
+            sizes = self._block_sizes()
+            params = max(sum(sizes[i] for i in self._rank_blocks(layout, r)) for r in range(layout.pp))
+        return int(per_param * params / (layout.tp * layout.dp_shard))
+
+    def _block_sizes(self) -> list[int]:
+        if self._sizes is None:
+            self._sizes = [sum(p.numel() for p in b.parameters()) for b in self.model.layers.values()]
+        return self._sizes
+
+    def peak(self, layout: Layout) -> RankMemory:
+        per_rank = self.cfg.batch.global_batch_size // layout.dp
+        accumulate = per_rank // layout.micro_batch_size >= 2
+        if layout.pp == 1:
+            blocks = self.n_blocks if self.n_blocks is not None else 0
+            peak = self.blocks_peak(
+                layout,
+                blocks=blocks,
+                m=layout.micro_batch_size,
+                accumulate=accumulate,
+                dp_replicate=layout.dp_replicate,
+            )
+            if truncatable(self.cfg) and self.n_blocks and self.n_blocks > 2:
+                self._remember(layout, accumulate=accumulate)
+            return RankMemory(int(peak))
+        return self._pipeline_peak(layout, per_rank)
+
+    def _pipeline_peak(self, layout: Layout, per_rank: int) -> RankMemory:
+        cfg = layout.apply(self.cfg)
+        accum = per_rank // layout.micro_batch_size
+        ppm = pp_microbatches(cfg.parallel, pp=layout.pp, micro_batch_size=layout.micro_batch_size, accum_steps=accum)
+        m = layout.micro_batch_size // ppm
+        n = accum * ppm  # pipeline micro-batches per step
+        v = layout.pp_virtual_stages
+        best = None
+        for rank in range(layout.pp):
+            blocks = len(self._rank_blocks(layout, rank))
+            kw = dict(blocks=blocks, accumulate=False, dp_replicate=layout.dp_replicate)
+            base = self.blocks_peak(layout, m=m, **kw)
+            act = self.blocks_peak(layout, m=2 * m, **kw) - base
+            flight = in_flight(layout.pp_schedule, rank=rank, pp=layout.pp, v=v, n=n)
+            total = base + (flight - 1) * act
+            if best is None or total > best.peak_bytes:
+                best = RankMemory(int(total), rank, flight)
+        return best
+
+
+def in_flight(schedule: str, *, rank: int, pp: int, v: int, n: int) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at once (in units of all its blocks)."""
+    if schedule in ("gpipe", "looped_bfs"):
+        return float(n)
+    if schedule == "1f1b":
+        return float(min(n, pp - rank))
+    if schedule in ("interleaved1f1b", "interleaved_zb"):
+        # torch's _get_warmup_ops (microbatches_per_round = pp): chunks of 1/v of the rank's blocks.
+        chunks = min((v - 1) * pp + 2 * (pp - 1 - rank) + 1, n * v)
+        return chunks / v
+    if schedule == "zbv":
+        return float(min(n, pp))
+    if schedule == "dualpipev":
+        return float(min(n, pp + 1))
+    raise ValueError(schedule)

@@ -1,0 +1,196 @@
+"""`paratrain plan`: enumeration against the trainer's preflight, the memory extrapolation against the
+full estimate, the cost terms, calibration, the CLI, the best layout training, an 8B plan, and an anchor."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from paratrain.config import ConfigError, load_config
+from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.plan import calibrate, get_profile, plan
+from paratrain.plan.cost import ModelStats, step_cost
+from paratrain.plan.enumerate import Layout, candidate_layouts, enumerate_layouts, meta_model
+from paratrain.plan.memory import MemoryModel, estimate_layout_peak, in_flight
+from paratrain.plan.planner import nothing_fits_error
+from paratrain.trainer import check_layout
+from tests.dist_utils import REPO, paratrain_cli, read_metrics, run_ranks
+
+DEBUG = os.path.join(REPO, "configs", "debug.toml")
+MAIN = os.path.join(REPO, "configs", "main.toml")
+GIB = 1 << 30
+
+
+def big_gpt(n_layer: int = 32, seq: int = 4096, gbs: int = 256) -> list[str]:
+    """A Llama-3-8B-like GPT: 32 layers, d_model 4096, 32 heads, 128256-token vocabulary."""
+    return [
+        f"model.args={{n_layer={n_layer}, n_head=32, d_model=4096, block_size={seq}, vocab_size=128256}}",
+        f"data.args={{block_size={seq}, max_bytes=100000}}",
+        f"batch.global_batch_size={gbs}",
+        "precision.dtype='bf16'",
+    ]
+
+
+def test_enumerated_layouts_pass_the_trainers_preflight():
+    """Every layout offered passes check_layout itself (every checkpointing mode, the real model);
+    every candidate is either offered or counted under a reason."""
+    cfg = load_config(DEBUG)
+    layouts, refused = enumerate_layouts(cfg, world_size=4, nproc_per_node=4)
+    assert layouts and refused
+    for layout in layouts:
+        check_layout(layout.apply(cfg), 4)  # raises on a layout the trainer would refuse
+    n = sum(1 for _ in candidate_layouts(cfg, world_size=4, nproc_per_node=4, n_blocks=2))
+    assert len(layouts) + sum(refused.values()) == n
+    assert {lay.activation_checkpointing for lay in layouts} == {"none", "selective", "full"}
+    assert any(lay.pp > 1 for lay in layouts) and any(lay.tp > 1 for lay in layouts)
+    # The --set lines select exactly the layout.
+    lay = next(lay for lay in layouts if lay.pp > 1 and lay.dp_shard > 1)
+    assert load_config(DEBUG, lay.set_lines()).parallel == lay.apply(cfg).parallel
+
+
+def test_memory_extrapolation_matches_the_full_estimate():
+    """Extrapolated in blocks (1, 2 -> 6) and micro-batch (1, 2 -> 4): within 2% of the full model's
+    fake-tensor estimate, for DDP+accumulation, FSDP with checkpointing, and TP."""
+    torch.set_num_threads(1)
+    cfg = load_config(MAIN, ["model.args={n_layer=6, n_head=4, d_model=128, block_size=128}"])
+    mem = MemoryModel(cfg, model=meta_model(cfg), n_blocks=6)
+    for layout in (
+        Layout(2, 1, 1, 1, 4),  # per-rank 16: accumulation of 4
+        Layout(1, 2, 1, 1, 4, "full", False),
+        Layout(1, 1, 2, 1, 4, "selective"),
+    ):
+        predicted = mem.peak(layout).peak_bytes
+        dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.tp, 1, layout.world_size)
+        full = estimate_layout_peak(layout.apply(cfg), dims, layout.micro_batch_size, dataset=mem.dataset)
+        assert abs(predicted - full) <= 0.02 * full, (layout.short(), predicted, full)
+
+
+def test_pipeline_in_flight_and_bubble():
+    assert in_flight("gpipe", rank=0, pp=4, v=1, n=8) == 8
+    assert in_flight("1f1b", rank=0, pp=4, v=1, n=8) == 4 and in_flight("1f1b", rank=3, pp=4, v=1, n=8) == 1
+    assert in_flight("interleaved1f1b", rank=0, pp=2, v=2, n=8) == (2 + 2 + 1) / 2
+    # The 1F1B bubble over the whole step is (p-1)/(n+p-1) of it.
+    cfg = load_config(MAIN, ["batch.micro_batch_size=1", "batch.global_batch_size=8"])
+    stats = ModelStats.of(meta_model(cfg), cfg)
+    hw = get_profile("h100-sxm")
+    c = step_cost(Layout(1, 1, 1, 2, 1, pp_schedule="1f1b"), cfg=cfg, stats=stats, hw=hw, ranks_per_node=8)
+    busy = sum(v for k, v in c.terms.items() if k not in ("pp_bubble", "pp_p2p", "optimizer", "dp_grad_reduce"))
+    n, p = 8, 2
+    assert c.terms["pp_bubble"] / (busy + c.terms["pp_bubble"]) == pytest.approx((p - 1) / (n + p - 1))
+    i = step_cost(
+        Layout(1, 1, 1, 2, 1, pp_schedule="interleaved1f1b", pp_virtual_stages=2),
+        cfg=cfg,
+        stats=stats,
+        hw=hw,
+        ranks_per_node=8,
+    )
+    assert i.terms["pp_bubble"] == pytest.approx(c.terms["pp_bubble"] / 2, rel=0.05)
+
+
+def test_calibration_replaces_the_profile(tmp_path):
+    compute = {
+        "matmul": [{"dtype": "fp32", "flops_per_s": 5e10, "device_type": "cpu"}],
+        "memcpy": {"memory_traffic_gbps": 7.0},
+    }
+    comm = {
+        "world_size": 2,
+        "nodes": ["a", "a"],
+        "results": [
+            {"op": "all_reduce", "bytes": 1000, "time_s": 1e-4},
+            {"op": "all_reduce", "bytes": 2000, "time_s": 3e-4},
+        ],
+    }
+    (tmp_path / "c.json").write_text(json.dumps(compute))
+    (tmp_path / "m.json").write_text(json.dumps(comm))
+    hw = calibrate(get_profile("cpu"), [str(tmp_path / "c.json"), str(tmp_path / "m.json")])
+    assert hw.achievable_flops("fp32") == 5e10 and hw.hbm_gbps == 7.0
+    assert hw.collective_s("all_reduce", 1500, 2, inter=False) == pytest.approx(2e-4)
+    assert hw.collective_s("all_reduce", 4000, 2, inter=False) == pytest.approx(6e-4)  # its bandwidth holds
+    # Another group size keeps the measured bus bandwidth: time scales with the bus factor.
+    assert hw.collective_s("all_reduce", 2000, 4, inter=False) == pytest.approx(3e-4 * 1.5)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError):
+        calibrate(get_profile("cpu"), [str(tmp_path / "bad.json")])
+
+
+def test_cli_json_ranked_and_nothing_fits():
+    r = paratrain_cli("plan", DEBUG, "--nproc-per-node", "2", "--hardware", "cpu", "--top", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    times = [lay["step_time_s"] for lay in out["layouts"]]
+    assert len(times) == 3 and times == sorted(times)
+    for lay in out["layouts"]:
+        assert lay["peak_bytes"] <= out["usable_bytes"] and set(lay["terms"]) >= {"compute", "pp_bubble", "tp_comm"}
+        assert all(s.count("=") == 1 and "." in s.split("=")[0] for s in lay["set"])
+    assert "hardware profile 'cpu'" in r.stderr and out["refused"]
+    r = paratrain_cli("plan", DEBUG, "--nproc-per-node", "2", "--hardware", "cpu", "--memory-gib", "0.0001")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("paratrain: error")]
+    assert "no layout fits" in line and "--memory-gib" in line
+
+
+def train_debug_rank(overrides: list[str]) -> dict:
+    import paratrain
+
+    return paratrain.train(paratrain.load_config(DEBUG, overrides))
+
+
+@pytest.mark.slow
+def test_best_layout_at_world_4_trains(tmp_path):
+    result = plan(load_config(DEBUG), world_size=4, nproc_per_node=4, profile=get_profile("cpu"), top=1, progress=False)
+    best = result.layouts[0].layout
+    out = str(tmp_path / "run")
+    overrides = [f"run.out_dir='{out}'", "run.steps=2", "run.progress=false", "run.save_model=false"]
+    run_ranks(train_debug_rank, 4, [*overrides, *best.set_lines()])
+    rows = read_metrics(out)
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+
+
+@pytest.mark.slow
+def test_8b_on_64_gpus_plans_in_two_minutes_and_fits():
+    cfg = load_config(DEBUG, big_gpt())
+    start = time.perf_counter()
+    result = plan(cfg, world_size=64, nproc_per_node=8, profile=get_profile("h100-sxm"), top=5, progress=False)
+    seconds = time.perf_counter() - start
+    assert seconds < 120, seconds
+    assert len(result.layouts) == 5
+    for p in result.layouts:
+        assert p.memory.peak_bytes <= result.usable_bytes <= 80 * GIB
+
+
+@pytest.mark.slow
+def test_llama3_8b_on_8_h100_mfu_in_published_range():
+    """torchtitan reports 33-39% MFU for Llama-3-8B on 8 H100 (FSDP, bf16, seq 8192, local batch 1).
+    The plan predicts about 60% for these shapes: it prices every matmul at 0.7 of the data-sheet
+    peak, hides FSDP completely and knows no Llama-specific memory-bound ops (SwiGLU, RoPE), so it is
+    optimistic by about 1.6x here (docs/plan.md). The band [25%, 65%] is generous but still fails a
+    factor-2 error in the FLOPs or the time (forward-only or double-counted work, a wrong peak)."""
+    cfg = load_config(DEBUG, big_gpt(seq=8192, gbs=8))
+    result = plan(cfg, world_size=8, nproc_per_node=8, profile=get_profile("h100-sxm"), top=1, progress=False)
+    best = result.layouts[0]
+    print(f"\nLlama-3-8B-like on 8 H100: best {best.layout.short()} MFU {best.cost.mfu:.1%}")
+    assert 0.25 <= best.cost.mfu <= 0.65, best.cost.mfu
+
+
+def test_nothing_fits_names_the_smallest_need():
+    cfg = load_config(DEBUG)
+    result = plan(
+        cfg, world_size=2, nproc_per_node=2, profile=get_profile("cpu"), memory_gib=1e-5, top=1, progress=False
+    )
+    assert not result.layouts
+    msg = str(nothing_fits_error(result))
+    assert "no layout fits" in msg and "GiB" in msg and "\n" not in msg
+
+
+def test_zero_bubble_with_selective_checkpointing_is_refused():
+    """Found by training the plan's layouts: the weight pass of a zero-bubble schedule is a second
+    backward, which selective checkpointing refuses at run time; the preflight now refuses it."""
+    cfg = load_config(MAIN, ["parallel.pp=2", "parallel.pp_schedule='interleaved_zb'", "batch.micro_batch_size=8"])
+    check_layout(cfg, 2)
+    cfg.parallel.activation_checkpointing = "selective"
+    with pytest.raises(ConfigError, match="selective"):
+        check_layout(cfg, 2)
