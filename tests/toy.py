@@ -104,6 +104,18 @@ def gpt_stalled_at(stall_at_step: int = 0, stall_rank: int = 1, stall_s: float =
     return model
 
 
+def gpt_slow(forward_sleep_s: float = 0.2, **gpt_args) -> nn.Module:
+    """The built-in GPT, each forward slowed by ``forward_sleep_s`` (the math is unchanged), so a
+    test can signal a run mid-way."""
+    import time
+
+    from paratrain.models import build_gpt
+
+    model = build_gpt(**gpt_args)
+    model.register_forward_pre_hook(lambda module, args: time.sleep(forward_sleep_s))
+    return model
+
+
 class ResidualMLP(nn.Module):
     def __init__(self, d: int, hidden: int):
         super().__init__()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,6 +13,11 @@ from dataclasses import dataclass
 from paratrain.config import ConfigError
 from paratrain.distributed import rendezvous
 from paratrain.distributed.store_auth import BIND_ENV, SECRET_ENV, interface_of, load_secret, new_secret, route_source
+from paratrain.preemption import EXIT_NOW, forward_to_children
+
+# Set in the workers' environment by `paratrain train`: a preempted worker then exits 0 (so the
+# agent neither restarts nor reports it) and the launcher returns checkpoint.exit_code_on_preempt.
+LAUNCHED_ENV = "PARATRAIN_LAUNCHER"
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,8 @@ class LaunchSpec:
             raise ConfigError("--nproc-per-node and --nnodes must be >= 1")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        if self.rdzv_endpoint:
+            check_endpoint(self.rdzv_endpoint)
         if self.max_restarts < 0:
             raise ConfigError("--max-restarts must be >= 0")
         if self.nnodes == 1 and self.bind and self.bind not in ("127.0.0.1", "::1", "localhost"):
@@ -57,6 +66,15 @@ class LaunchSpec:
             ) from None
 
 
+def check_endpoint(endpoint: str) -> None:
+    """--rdzv-endpoint HOST:PORT ([v6]:PORT), port 0..65535: torch's own ValueError is a traceback."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint}: expected HOST:PORT with a port within 0..65535 (e.g. node0:29500)"
+        )
+
+
 def torchrun_args(spec: LaunchSpec, module: str, module_args: list[str], *, bind: str = "127.0.0.1") -> list[str]:
     args = [
         "--nproc-per-node",
@@ -75,6 +93,9 @@ def torchrun_args(spec: LaunchSpec, module: str, module_args: list[str], *, bind
     else:
         # What --standalone does (a rendezvous on a free local port), on loopback only.
         args += ["--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", str(uuid.uuid4())]
+    # SIGTERM is the launcher's own (forward_sigterm): torchrun's agent would answer it by
+    # terminating the workers and SIGKILLing them 30 s later, before they can save.
+    args += ["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
     return args + ["--module", module, *module_args]
 
 
@@ -108,6 +129,7 @@ def prepare_node(spec: LaunchSpec) -> tuple[str, Callable[[], None]]:
 
 def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
     """Run ``python -m module module_args`` on ``spec``'s processes; returns the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
@@ -119,17 +141,35 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
         # they share the agent's rendezvous TCP store; a store of their own avoids it.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args(torchrun_args(spec, module, module_args, bind=bind))
+    terms = []
+
+    def forward_sigterm(signum, frame) -> None:
+        # Preemption (preemption.py): the workers stop after an agreed step, save and exit;
+        # the agent then sees them succeed. Before any worker exists there is nothing to save.
+        terms.append(time.monotonic())
+        if not forward_to_children(signum):
+            raise SignalException("SIGTERM before the workers started", sigval=signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward_sigterm)
+    os.environ[LAUNCHED_ENV] = "1"
     try:
         run(args)
+    except SignalException:
+        print("paratrain: error: SIGTERM before the workers started; nothing to save", file=sys.stderr)
+        return EXIT_NOW
     except RendezvousError as e:
         # e.g. a node with the wrong job secret: one line, no traceback.
         print(f"paratrain: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     except ChildFailedError as e:
         print(f"paratrain: error: {failure_summary(e.failures)}", file=sys.stderr)
+        if terms:  # ended by SIGTERM (a second one, or the grace period ran out)
+            return EXIT_NOW
         # The cause decides: a bad config (2) stays 2 even when the agent then ends the others.
         return 2 if _exit_code(first_failure(e.failures)[1]) == 2 else 1
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        os.environ.pop(LAUNCHED_ENV, None)
         restore_env()  # a later launch in this process (verify runs two) starts from a clean slate
     return 0
 

@@ -42,6 +42,7 @@ from paratrain.models import build, spec_of
 from paratrain.models.spec import ModelSpec
 from paratrain.optim import LRScaling, build_optimizer, build_scheduler
 from paratrain.precision import Precision, build_precision
+from paratrain.preemption import Preemption
 from paratrain.profiling import Profiler, build_profiler
 from paratrain.rank_stats import RankStats, build_rank_stats
 from paratrain.step import StepContext, StepResult, train_step
@@ -79,6 +80,7 @@ class Run:
     precision: Precision
     compression: GradCompression
     ckpt: Checkpointer
+    preemption: Preemption  # SIGTERM: stop after the step every rank agrees on, with a checkpoint
     writer: MetricsWriter
     rank_stats: RankStats  # per-rank memory and times, stragglers (rank_stats.py)
     profiler: Profiler  # torch.profiler traces of [profile] steps (profiling.py)
@@ -111,6 +113,7 @@ def train(
             finally:
                 run.writer.close()
                 run.ckpt.close()
+                run.preemption.close()
                 run.profiler.close()
                 run.rank_stats.close()
             return finish(cfg, run, history)
@@ -148,7 +151,10 @@ def loop(cfg: Config, run: Run) -> list[dict]:
         row.update(run.rank_stats.row(step=state.step, step_time_s=row["step_time_s"], data_time_s=data_time))
         history.append(row)
         run.writer.log_step(row)
-    run.ckpt.at_end(state.step)
+        if run.preemption.should_stop(state.step):
+            break
+    # Preempted: a synchronous checkpoint of the step every rank stopped after, whatever the config says.
+    run.ckpt.at_end(state.step, force=run.preemption.stopped_at_step is not None)
     run.plan = plan
     return history
 
@@ -236,6 +242,12 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         device=ctx.device,
         stateful={"grad_scaler": precision.scaler},
     )
+    preemption = Preemption(
+        grace_s=cfg.checkpoint.preempt_grace_s,
+        check_steps=cfg.checkpoint.preempt_check_steps,
+        world_size=ctx.world_size,
+        timeout_s=cfg.dist.timeout_s,
+    )
     resumed_from = ckpt.resume(*resume_spec(cfg.checkpoint))
     if resumed_from is not None and ctx.is_main:
         truncate_metrics(cfg.run.out_dir, resumed_from)  # rows after the checkpoint are redone
@@ -269,6 +281,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         precision=precision,
         compression=compression,
         ckpt=ckpt,
+        preemption=preemption,
         writer=writer,
         rank_stats=build_rank_stats(
             cfg.metrics, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, model=model
@@ -368,8 +381,9 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
         torch_version=torch.__version__,
         resumed_from_step=run.resumed_from,
         checkpoint_blocked_s=run.ckpt.blocked_s,
+        preempted_at_step=run.preemption.stopped_at_step,
     )
-    if cfg.run.save_model:
+    if cfg.run.save_model and run.preemption.stopped_at_step is None:  # a preempted run is not done
         save_full_weights(run.model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
     run.writer.finish(summary)  # trackers get the summary and close
     if ctx.is_main:
