@@ -16,7 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from paratrain.checkpoint import export_safetensors, list_checkpoints, load_metadata, verify_checkpoint
+from paratrain.checkpoint import (
+    export_safetensors,
+    list_checkpoints,
+    load_metadata,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
+from paratrain.config import ConfigError
 from tests.dist_utils import REPO, read_metrics, run_ranks, train_rank
 from tests.test_checkpoint import GPT_ARGS, TOY, checkpoint_tensors
 
@@ -203,3 +210,153 @@ def test_grace_running_out_exits_at_once_and_keeps_the_previous_checkpoint(tmp_p
 
 def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "manifest.json"))
+
+
+# ----------------------------------------------------------------------------- resume safety
+
+
+def damage(path: str) -> None:
+    """Flip one byte of a checkpoint's first shard file: its checksum no longer matches."""
+    shard = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
+    with open(os.path.join(path, shard), "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_resume_when_no_checkpoint_verifies_names_each_and_stops(tmp_path, ref):
+    root = str(tmp_path / "checkpoints")
+    shutil.copytree(os.path.join(ref["one"][0], "checkpoints"), root)
+    damage(os.path.join(root, "step-6"))
+    os.remove(os.path.join(root, "step-3", "manifest.json"))
+    with pytest.raises(ConfigError) as e:
+        resolve_checkpoint("latest", root)
+    msg = str(e.value)
+    assert "no checkpoint in" in msg and "step-6: is damaged" in msg and "step-3: is incomplete" in msg
+    assert "\n" not in msg
+    shutil.rmtree(os.path.join(root, "step-6"))  # only an incomplete folder left: a fresh start is right
+    assert resolve_checkpoint("latest", root) is None
+
+
+def test_resume_with_other_model_shapes_is_one_line_before_loading(tmp_path, ref):
+    src = os.path.join(ref["one"][0], "checkpoints", "step-3")
+    wider = f"model.args={GPT_ARGS.replace('d_model = 32', 'd_model = 64')}"
+    with pytest.raises(AssertionError) as e:
+        run(str(tmp_path / "r"), 1, [wider, f"checkpoint.resume='{src}'"])
+    assert "has shape [32, 32] there but [32, 64] in this config's model" in str(e.value)
+    assert "Size mismatch between" not in str(e.value)  # DCP's own error never came
+
+
+def test_prune_never_deletes_another_runs_checkpoint(tmp_path, ref):
+    """A complete checkpoint of another run in checkpoint.dir survives keep = 1; this run's own older ones go."""
+    out = str(tmp_path / "run")
+    foreign = os.path.join(out, "checkpoints", "step-1")
+    shutil.copytree(os.path.join(ref["one"][0], "checkpoints", "step-3"), foreign)
+    run(out, 1, ["checkpoint.keep=1"])
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step-1", "step-6"]
+    verify_checkpoint(foreign)
+
+
+# ----------------------------------------------------------------------------- save failures
+
+
+def train_with_full_disk(overrides: list[str], *, fail_step: int, fail_rank: int) -> dict:
+    """train_rank, with the shard writes of step ``fail_step`` on rank ``fail_rank`` failing with ENOSPC."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def full(self, plan, planner):
+        if str(self.path).endswith(f"step-{fail_step}") and int(os.environ["RANK"]) == fail_rank:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = full
+    return train_rank(overrides)
+
+
+def test_full_disk_stops_with_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """ENOSPC on rank 1 only: both ranks stop with the same line; step 3 stays complete."""
+    out = str(tmp_path / "run")
+    with pytest.raises(AssertionError) as e:
+        run_ranks(train_with_full_disk, 2, [*TOY, f"run.out_dir='{out}'"], fail_step=6, fail_rank=1)
+    msg = str(e.value)
+    assert "CheckpointSaveError: the checkpoint of step 6 could not be written to" in msg
+    assert "No space left on device" in msg and "previous complete checkpoints: step-3" in msg
+    assert os.listdir(os.path.join(out, "checkpoints")) == ["step-3"]  # the partial step-6 is removed
+    verify_checkpoint(os.path.join(out, "checkpoints", "step-3"))
+
+
+def test_full_disk_with_on_error_warn_trains_on(tmp_path, caplog):
+    out = str(tmp_path / "run")
+    [summary] = run_ranks(
+        train_with_full_disk, 1, [*TOY, f"run.out_dir='{out}'", "checkpoint.on_error='warn'"], fail_step=3, fail_rank=0
+    )
+    assert summary["steps"] == 6
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step-6"]
+    verify_checkpoint(os.path.join(out, "checkpoints", "step-6"))
+
+
+# ----------------------------------------------------------------------------- PowerSGD
+
+
+def test_powersgd_state_survives_resume(tmp_path):
+    """Error feedback, warm-start Q and the iteration count are checkpointed: resumed at step 3
+    (PowerSGD running since step 2), the run equals the uninterrupted one bitwise."""
+    psgd = ["comm.compression='powersgd'", "comm.powersgd_start_step=2", "comm.powersgd_rank=1"]
+    full = run(str(tmp_path / "full"), 2, psgd)
+    src = os.path.join(str(tmp_path / "full"), "checkpoints", "step-3")
+    keys = load_metadata(src).state_dict_metadata.keys()
+    assert any(k.startswith("powersgd_rank1.error.") for k in keys) and "powersgd_rank0.iter" in keys
+    resumed = run(str(tmp_path / "r"), 2, [*psgd, f"checkpoint.resume='{src}'"])
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[3:]]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in full[3:]]
+
+
+# ----------------------------------------------------------------------------- elastic node count
+
+ELASTIC = ["--nnodes", "1:2", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1"]
+
+
+def start_node(out: str, port: int, extra: list[str], steps: int = 8) -> subprocess.Popen:
+    """One "node" of an elastic job: `paratrain train --nproc-per-node 1 --nnodes 1:2` in its own
+    process group (so its whole tree can be killed at once)."""
+    sets = [*[a for a in TOY if not a.startswith(("model.", "run.steps"))], *SLOW, f"run.steps={steps}"]
+    sets += [*SGD, f"run.out_dir='{out}'", "checkpoint.interval=2", *extra]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "paratrain", "train", "configs/debug.toml", "--nproc-per-node", "1", *ELASTIC]
+    cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", *[x for s in sets for x in ("--set", s)]]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+@pytest.mark.slow
+def test_elastic_node_loss_continues_alone_with_the_same_losses(tmp_path):
+    """Two one-process nodes; the second node's whole process tree is SIGKILLed after step 3. The
+    first restarts its worker, resumes the newest complete checkpoint at world 1 (global batch
+    kept: accumulation 1 -> 2) and its losses equal the uninterrupted single-process run's."""
+    from paratrain.distributed.process_group import free_port
+
+    want = run(str(tmp_path / "ref"), 1, ["run.steps=8"])
+    out, port = str(tmp_path / "run"), free_port()
+    first = start_node(out, port, [])
+    time.sleep(1.0)  # the first node hosts the rendezvous store
+    second = start_node(out, port, [])
+    wait_for_rows(out, 3, first, timeout=240)
+    t_kill = time.time()
+    os.killpg(second.pid, signal.SIGKILL)
+    second.communicate()
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-4000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[0]["world_size"] == 2 and rows[-1]["world_size"] == 1 and rows[-1]["accum_steps"] == 2
+    torch.testing.assert_close(column(rows, "loss"), column(want, "loss"), rtol=1e-5, atol=0)
+    torch.testing.assert_close(column(rows, "grad_norm"), column(want, "grad_norm"), rtol=1e-5, atol=0)
+    with open(os.path.join(out, "summary.json")) as f:
+        changes = json.load(f)["world_size_changes"]
+    assert changes[0] == {"step": 0, "world_size": 2} and changes[-1]["world_size"] == 1
+    print(f"node death -> job done alone: {time.time() - t_kill:.1f} s")

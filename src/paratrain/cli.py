@@ -40,12 +40,34 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class NodesAction(argparse.Action):
+    """``--nnodes N`` or ``MIN:MAX`` (torchrun's elastic form): ``nnodes`` = MIN, ``max_nnodes`` = MAX."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        lo, _, hi = values.partition(":")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or int(lo) < 1 or (hi and int(hi) < int(lo)):
+            raise ConfigError(f"--nnodes {values}: expected N or MIN:MAX with 1 <= MIN <= MAX (e.g. 1:2)")
+        namespace.nnodes, namespace.max_nnodes = int(lo), int(hi or lo)
+
+
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (default 1)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--nnodes",
+        action=NodesAction,
+        default=1,
+        metavar="N|MIN:MAX",
+        help="number of nodes (default 1); MIN:MAX is elastic: the job goes on between MIN and MAX nodes",
+    )
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (a hint under c10d rendezvous)")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous, the same on every node")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the workers up to K times on failure")
+    p.add_argument(
+        "--rdzv-conf",
+        default="",
+        metavar="KEY=VALUE,...",
+        help="rendezvous settings, e.g. last_call_timeout=30,join_timeout=600 (docs/resilience.md)",
+    )
     p.add_argument(
         "--job-secret-file",
         default="",
@@ -70,6 +92,8 @@ def launch_spec(args: argparse.Namespace):
         args.max_restarts,
         job_secret_file=args.job_secret_file,
         bind=args.bind,
+        max_nnodes=getattr(args, "max_nnodes", args.nnodes),
+        rdzv_conf=getattr(args, "rdzv_conf", ""),
     )
     spec.validate()
     return spec
@@ -86,7 +110,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         args.overrides = [*args.overrides, "checkpoint.resume=" + json.dumps(args.resume)]
     cfg = load_config(args.config, args.overrides)
-    check_layout(cfg, spec.world_size)  # refuse an impossible layout before any process starts
+    for nodes in range(spec.nnodes, spec.max_nnodes + 1):  # elastic: every world the job may shrink or grow to
+        try:
+            check_layout(cfg, spec.nproc_per_node * nodes)  # refuse an impossible layout before any process starts
+        except ConfigError as e:
+            if spec.max_nnodes == spec.nnodes:
+                raise
+            raise ConfigError(f"--nnodes {spec.nnodes}:{spec.max_nnodes} at {nodes} node(s): {e}") from None
     check_trackers(cfg.metrics, out_dir=cfg.run.out_dir)  # and a tracker that could not start
     module_args = [args.config] + [a for o in args.overrides for a in ("--set", o)]
     started = time.time()

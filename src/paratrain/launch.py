@@ -20,6 +20,18 @@ from paratrain.preemption import EXIT_NOW, forward_to_children
 LAUNCHED_ENV = "PARATRAIN_LAUNCHER"
 
 
+# Settings of the rendezvous (distributed/rendezvous.create_handler) a user may pass in --rdzv-conf.
+RDZV_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+)
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     nproc_per_node: int = 1
@@ -29,6 +41,8 @@ class LaunchSpec:
     max_restarts: int = 0
     job_secret_file: str = ""
     bind: str = ""  # address this node listens on (multi-node); "" = the one that reaches the rendezvous
+    max_nnodes: int = 0  # elastic (--nnodes MIN:MAX): MAX; 0 = nnodes (a fixed node count)
+    rdzv_conf: str = ""  # more rendezvous settings, "key=value,..." (timeouts: docs/resilience.md)
 
     @property
     def world_size(self) -> int:
@@ -37,10 +51,22 @@ class LaunchSpec:
     def validate(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
             raise ConfigError("--nproc-per-node and --nnodes must be >= 1")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
+        if max(self.nnodes, self.max_nnodes) > 1 and not self.rdzv_endpoint:
             raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        if self.max_nnodes > self.nnodes and self.max_restarts < 1:
+            # A membership change restarts the workers: each one spends a restart.
+            raise ConfigError(
+                f"--nnodes {self.nnodes}:{self.max_nnodes} needs --max-restarts >= 1 (each node lost or"
+                " joined restarts the workers); e.g. --max-restarts 10"
+            )
         if self.rdzv_endpoint:
             check_endpoint(self.rdzv_endpoint)
+        for item in filter(None, self.rdzv_conf.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq or key.strip() not in RDZV_KEYS:
+                raise ConfigError(
+                    f"--rdzv-conf {self.rdzv_conf}: {item!r} is not KEY=VALUE with KEY one of {', '.join(RDZV_KEYS)}"
+                )
         if self.max_restarts < 0:
             raise ConfigError("--max-restarts must be >= 0")
         if self.nnodes == 1 and self.bind and self.bind not in ("127.0.0.1", "::1", "localhost"):
@@ -48,7 +74,12 @@ class LaunchSpec:
 
     @property
     def multi_node(self) -> bool:
-        return self.nnodes > 1 or bool(self.rdzv_endpoint)
+        return max(self.nnodes, self.max_nnodes) > 1 or bool(self.rdzv_endpoint)
+
+    @property
+    def nnodes_arg(self) -> str:
+        """torchrun's --nnodes: N, or MIN:MAX for an elastic job."""
+        return f"{self.nnodes}:{self.max_nnodes}" if self.max_nnodes > self.nnodes else str(self.nnodes)
 
     def bind_addr(self) -> str:
         """What this node's stores and gloo/NCCL bootstrap listen on: loopback for one node, else one address."""
@@ -80,13 +111,14 @@ def torchrun_args(spec: LaunchSpec, module: str, module_args: list[str], *, bind
         "--nproc-per-node",
         str(spec.nproc_per_node),
         "--nnodes",
-        str(spec.nnodes),
+        spec.nnodes_arg,
         "--max-restarts",
         str(spec.max_restarts),
     ]
     # The paratrain backend (distributed/rendezvous.py): torch's dynamic rendezvous with JSON +
     # HMAC state instead of c10d's pickle, and stores bound to `bind` instead of all interfaces.
-    args += ["--rdzv-backend", rendezvous.NAME, "--local-addr", bind, "--rdzv-conf", f"bind_addr={bind}"]
+    conf = ",".join(filter(None, [f"bind_addr={bind}", spec.rdzv_conf]))
+    args += ["--rdzv-backend", rendezvous.NAME, "--local-addr", bind, "--rdzv-conf", conf]
     if spec.rdzv_endpoint:
         # Ranks follow arrival order, --node-rank is only a hint to the rendezvous.
         args += ["--rdzv-endpoint", spec.rdzv_endpoint, "--node-rank", str(spec.node_rank)]
@@ -136,7 +168,7 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
 
     spec.validate()
     bind, restore_env = prepare_node(spec)
-    if spec.max_restarts > 0:
+    if spec.max_restarts > 0 or spec.max_nnodes > spec.nnodes:
         # pytorch#135712: on torch 2.13 restarted workers often hang in init_process_group when
         # they share the agent's rendezvous TCP store; a store of their own avoids it.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

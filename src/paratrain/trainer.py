@@ -59,6 +59,8 @@ class TrainState:
     consumed_samples: int = 0  # position in the sampler's stream
     global_batch_size: int = 0  # the current global batch (batch.adaptive grows it); 0 = not started
     grad_noise: dict = field(default_factory=dict)  # the noise-scale averages of batch.adaptive
+    # [step, world_size] each time the run (re)started at a new world size (elastic --nnodes MIN:MAX)
+    world_sizes: list = field(default_factory=list)
 
 
 @dataclass
@@ -171,6 +173,7 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
         "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.micro_batch_size,
         "accum_steps": plan.accum_steps,
+        "world_size": run.ctx.world_size,
         "items": result.items,
         "tokens": result.tokens,
         "consumed_samples": state.consumed_samples,
@@ -240,7 +243,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         rank=ctx.rank,
         world_size=ctx.world_size,
         device=ctx.device,
-        stateful={"grad_scaler": precision.scaler},
+        stateful={"grad_scaler": precision.scaler, "powersgd": compression.checkpoint},
     )
     preemption = Preemption(
         grace_s=cfg.checkpoint.preempt_grace_s,
@@ -252,6 +255,16 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
     if resumed_from is not None and ctx.is_main:
         truncate_metrics(cfg.run.out_dir, resumed_from)  # rows after the checkpoint are redone
     plan = resumed_plan(cfg, plan, state=state, lr_scaling=lr_scaling, adapter=adapter)
+    if not state.world_sizes or state.world_sizes[-1][1] != ctx.world_size:
+        if state.world_sizes:  # resumed (an elastic restart, or by hand) on another number of ranks
+            log.warning(
+                "world size %d -> %d at step %d: %s",
+                state.world_sizes[-1][1],
+                ctx.world_size,
+                state.step,
+                plan.describe(),
+            )
+        state.world_sizes = [*state.world_sizes, [state.step, ctx.world_size]]
 
     if ctx.is_main:
         os.makedirs(cfg.run.out_dir, exist_ok=True)
@@ -382,6 +395,7 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
         resumed_from_step=run.resumed_from,
         checkpoint_blocked_s=run.ckpt.blocked_s,
         preempted_at_step=run.preemption.stopped_at_step,
+        world_size_changes=[{"step": s, "world_size": w} for s, w in run.state.world_sizes],
     )
     if cfg.run.save_model and run.preemption.stopped_at_step is None:  # a preempted run is not done
         save_full_weights(run.model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)

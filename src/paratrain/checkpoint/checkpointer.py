@@ -249,9 +249,13 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- state dicts
 
+    def _key(self, name: str) -> str:
+        """Objects whose state differs per rank (``per_rank = True``) are saved once per rank."""
+        return f"{name}_rank{self.rank}" if getattr(self.stateful[name], "per_rank", False) else name
+
     def _app_state(self) -> dict:
         return {
-            **{k: v.state_dict() for k, v in self.stateful.items()},
+            **{self._key(k): v.state_dict() for k, v in self.stateful.items()},
             f"rng_rank{self.rank}": rng_state(self.device),
         }
 
@@ -462,6 +466,8 @@ class Checkpointer:
         self._warn_config_changes(path)
         app = self._app_state()
         for name, obj in self.stateful.items():
+            if getattr(obj, "per_rank", False):
+                continue  # below
             if not any(key == name or key.startswith(name + ".") for key in keys):
                 # Absent from the checkpoint (an older run; fp32 before, for the GradScaler): keep as is.
                 del app[name]
@@ -479,9 +485,20 @@ class Checkpointer:
             # rank alike, so this is exact unless user code made per-rank random streams).
             log.info("checkpoint %s has no RNG state for rank %d; using rank 0's", path, self.rank)
         app[src] = app.pop(own)
+        per_rank = {}  # name -> the key loaded for it (this rank's, else rank 0's at another world size)
+        for name, obj in self.stateful.items():
+            if getattr(obj, "per_rank", False):
+                mine = app.pop(self._key(name))
+                key = next((k for k in (f"{name}_rank{self.rank}", f"{name}_rank0") if _has(keys, k)), None)
+                if key is not None:
+                    # Its tensors are known from the metadata only (e.g. PowerSGD's per-bucket state).
+                    app[key] = _template(md, key) or mine
+                    per_rank[name] = key
         dcp.load(app, storage_reader=safe_reader(path), planner=safe_planner(), process_group=self.group)
         for name, obj in self.stateful.items():  # in order: the model before its optimiser
-            if name in app:
+            if name in per_rank:
+                obj.load_state_dict(app[per_rank[name]], own=per_rank[name].endswith(f"_rank{self.rank}"))
+            elif name in app:
                 obj.load_state_dict(app[name])
         set_rng_state(app[src], self.device)
         log.info(
@@ -524,6 +541,25 @@ class Checkpointer:
                 path,
                 ", ".join(changed),
             )
+
+
+def _has(keys, name: str) -> bool:
+    return any(k == name or k.startswith(name + ".") for k in keys)
+
+
+def _template(md, prefix: str) -> dict:
+    """A nested dict shaped like the checkpoint's entries under ``prefix``: empty tensors of the
+    saved shapes and dtypes, None for other values (DCP fills both in)."""
+    out: dict = {}
+    for k, m in md.state_dict_metadata.items():
+        if not k.startswith(prefix + "."):
+            continue
+        *parents, leaf = k[len(prefix) + 1 :].split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+    return out
 
 
 def check_shapes(md, model_sd: dict, *, path: str) -> None:

@@ -22,6 +22,7 @@ torch gives is ``MixedPrecisionPolicy(reduce_dtype=...)`` (see :mod:`paratrain.p
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -29,9 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.config import CommConfig, ConfigError
+
+log = logging.getLogger("paratrain")
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -111,10 +115,45 @@ class GradCompression:
     counter: CountingGroup | None = None
     state: object = None
     extra: dict = field(default_factory=dict)
+    checkpoint: Stateful | None = None  # what a checkpoint saves of it (PowerSGD's state), None if nothing
 
     def take_bytes(self) -> int | None:
         """Gradient bytes handed to collectives since the last call (None when not counted)."""
         return None if self.counter is None else self.counter.take()
+
+
+class PowerSGDCheckpoint(Stateful):
+    """PowerSGD's state for checkpoints: the iteration count (which decides when compression
+    starts), the warm-start Q factors (the same on every rank: they are all-reduced) and this
+    rank's error feedback (its own: ``per_rank``), each keyed by DDP bucket index.
+
+    The P factors are not saved: every step recomputes them from the gradient and Q. At another
+    world size the error feedback of the ranks cannot be mapped onto the new ones; it restarts at
+    zero (rank 0's Q and count are kept) and the run leaves the uninterrupted trajectory.
+    """
+
+    per_rank = True
+
+    def __init__(self, state: powerSGD_hook.PowerSGDState, device: torch.device):
+        self.state, self.device = state, device
+
+    def state_dict(self) -> dict:
+        s = self.state
+        return {
+            "iter": s.iter,
+            "error": {str(k): v for k, v in s.error_dict.items()},
+            "q": {str(k): v for k, v in s.q_memory_dict.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict, *, own: bool = True) -> None:
+        s = self.state
+        s.iter = int(state_dict["iter"])
+        s.q_memory_dict = {int(k): v.to(self.device) for k, v in (state_dict.get("q") or {}).items()}
+        s.error_dict = {int(k): v.to(self.device) for k, v in (state_dict.get("error") or {}).items()} if own else {}
+        if not own:
+            log.warning(
+                "PowerSGD: the checkpoint was written at another world size; its error feedback restarts at zero"
+            )
 
 
 def apply_grad_compression(model: nn.Module, *, cfg: CommConfig, seed: int = 0) -> GradCompression:
@@ -150,5 +189,6 @@ def apply_grad_compression(model: nn.Module, *, cfg: CommConfig, seed: int = 0) 
             compression_stats_logging_frequency=10**9,
         )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return GradCompression("powersgd", counter, state)
+        device = next(model.parameters()).device
+        return GradCompression("powersgd", counter, state, checkpoint=PowerSGDCheckpoint(state, device))
     raise ConfigError(f"comm.compression = {cfg.compression!r} is unknown; use 'none', 'bf16', 'fp16' or 'powersgd'")
