@@ -24,7 +24,7 @@ from paratrain.checkpoint import (
     verify_checkpoint,
 )
 from paratrain.config import ConfigError
-from tests.dist_utils import REPO, read_metrics, run_ranks, train_rank
+from tests.dist_utils import REPO, paratrain_cli, read_metrics, run_ranks, train_rank
 from tests.test_checkpoint import GPT_ARGS, TOY, checkpoint_tensors
 
 # Plain SGD: a gradient off by a constant factor changes the losses (AdamW would hide it).
@@ -360,3 +360,86 @@ def test_elastic_node_loss_continues_alone_with_the_same_losses(tmp_path):
         changes = json.load(f)["world_size_changes"]
     assert changes[0] == {"step": 0, "world_size": 2} and changes[-1]["world_size"] == 1
     print(f"node death -> job done alone: {time.time() - t_kill:.1f} s")
+
+
+# ----------------------------------------------------------------------------- hang
+
+
+@pytest.mark.slow
+def test_hung_worker_is_found_and_the_restarted_job_finishes(tmp_path, ref2):
+    """Rank 1 sleeps "forever" in step 4 (first attempt only): rank 0's collective times out after
+    dist.timeout_s = 5, the hang report names rank 1, torchrun restarts both workers and the run
+    resumes from step 2 to the end, equal to the uninterrupted run bitwise."""
+    out = str(tmp_path / "run")
+    hang = [
+        "model.factory='tests.toy:gpt_stalled_at'",
+        f"model.args={GPT_ARGS[:-1]}, stall_at_step = 4, stall_rank = 1, stall_s = 3600, first_attempt_only = true}}",
+    ]
+    sets = [*[a for a in TOY if not a.startswith("model.")], *SGD, *hang, f"run.out_dir='{out}'"]
+    sets += ["dist.timeout_s=5", "checkpoint.interval=2"]
+    t0 = time.monotonic()
+    res = paratrain_cli(
+        "train", "configs/debug.toml", "--nproc-per-node", "2", "--max-restarts", "1",
+        *[x for s in sets for x in ("--set", s)], timeout=400,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "ranks that did not arrive: [1]" in res.stderr and "resumed from" in res.stderr
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in ref2]
+    print(f"hang -> restarted job done: {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.slow
+def test_elastic_node_joining_grows_the_job_with_the_same_losses(tmp_path):
+    """A one-node job (--nnodes 1:2) runs alone; a second node joins after step 1: the workers
+    restart at world 2 from the newest complete checkpoint (accumulation 2 -> 1) and the
+    losses still equal the uninterrupted single-process run's."""
+    from paratrain.distributed.process_group import free_port
+
+    want = run(str(tmp_path / "ref"), 1, ["run.steps=8"])
+    out, port = str(tmp_path / "run"), free_port()
+    slower = [f"model.args={GPT_ARGS[:-1]}, forward_sleep_s = 2.0}}"]  # the second node starts in time
+    first = start_node(out, port, slower)
+    wait_for_rows(out, 1, first, timeout=240)
+    second = start_node(out, port, slower)
+    _, err = first.communicate(timeout=300)
+    second.communicate(timeout=60)
+    assert first.returncode == 0, err[-4000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[0]["world_size"] == 1 and rows[-1]["world_size"] == 2 and rows[-1]["accum_steps"] == 1
+    torch.testing.assert_close(column(rows, "loss"), column(want, "loss"), rtol=1e-5, atol=0)
+    torch.testing.assert_close(column(rows, "grad_norm"), column(want, "grad_norm"), rtol=1e-5, atol=0)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--set", "run.out_dir='{file}'"], "run.out_dir = '{file}' is a file, not a folder"),
+        (["--set", "run.out_dir='{file}/run'"], "lies under the file '{file}'"),
+        (["--set", "checkpoint.dir='{file}/ckpt'"], "checkpoint.dir = '{file}/ckpt' lies under the file"),
+        (["--nnodes", "2", "--rdzv-endpoint", "nohost:99999"], "expected HOST:PORT with a port within 0..65535"),
+        (["--nnodes", "2:1"], "--nnodes 2:1: expected N or MIN:MAX"),
+        (["--nnodes", "1:2"], "--nnodes > 1 needs --rdzv-endpoint"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1"], "needs --max-restarts >= 1"),
+        (["--rdzv-conf", "last_call=3"], "'last_call=3' is not KEY=VALUE"),
+        (
+            ["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-endpoint", "127.0.0.1:1", "--set", "parallel.tp=2"],
+            "--nnodes 1:2 at 1 node(s): world size 1 is not divisible",
+        ),
+        (["--set", "checkpoint.on_error='ignore'"], "checkpoint.on_error"),
+        (["--set", "checkpoint.exit_code_on_preempt=300"], "must be within 0 .. 255"),
+        (["--set", "parallel.dp_shard=-2"], "parallel.dp_shard = -2 must be >= 1, or -1"),
+    ],
+)
+def test_bad_launch_input_exits_2_with_one_line(tmp_path, capsys, args, message):
+    from paratrain.cli import main
+
+    file = str(tmp_path / "a-file")
+    open(file, "w").close()
+    assert main(["train", "configs/debug.toml", *[a.replace("{file}", file) for a in args]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("paratrain: error: "), err
+    assert message.replace("{file}", file) in err

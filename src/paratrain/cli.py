@@ -380,8 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # inside: an option's own check (--nnodes) raises ConfigError
         return args.func(args)
     except ConfigError as e:
         print(f"paratrain: error: {e}", file=sys.stderr)

@@ -130,7 +130,10 @@ class ParallelConfig:
     dp_replicate: int = opt(
         -1, "Replicated data-parallel degree (DDP); -1 fills what the other degrees leave of the world size."
     )
-    dp_shard: int = opt(1, "Sharded data-parallel degree (FSDP2).")
+    dp_shard: int = opt(
+        1,
+        "Sharded data-parallel degree (FSDP2); -1 fills what tp and pp leave of the world size (dp_replicate is then 1 unless set).",
+    )
     tp: int = opt(1, "Tensor-parallel degree.")
     pp: int = opt(1, "Pipeline-parallel degree.")
     # --- sharded data parallel, tensor parallel, activation checkpointing (issue 3) ---
@@ -497,8 +500,10 @@ def validate(cfg: Config) -> None:
         parse_steps(cfg.profile.steps)
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio = {cfg.optim.min_lr_ratio} must be within [0, 1]")
-    for name in ("dp_shard", "tp", "pp"):
+    for name in ("tp", "pp"):
         positive(f"parallel.{name}", getattr(cfg.parallel, name))
+    if cfg.parallel.dp_shard == 0 or cfg.parallel.dp_shard < -1:
+        raise ConfigError(f"parallel.dp_shard = {cfg.parallel.dp_shard} must be >= 1, or -1 to fill the world size")
     if cfg.parallel.tp_plan_factory:
         resolve_callable(cfg.parallel.tp_plan_factory, "parallel.tp_plan_factory")
     if cfg.parallel.dp_replicate == 0 or cfg.parallel.dp_replicate < -1:

@@ -127,7 +127,10 @@ def torchrun_args(spec: LaunchSpec, module: str, module_args: list[str], *, bind
         args += ["--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", str(uuid.uuid4())]
     # SIGTERM is the launcher's own (forward_sigterm): torchrun's agent would answer it by
     # terminating the workers and SIGKILLing them 30 s later, before they can save.
-    args += ["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
+    # The agent still SIGTERMs the workers when one failed (before a restart, or to end the job);
+    # they take it for a preemption, so a worker stuck in a step would keep the default 30 s
+    # before the SIGKILL: 5 s is enough for one whose peers are gone to see its collective fail.
+    args += ["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout", "5"]
     return args + ["--module", module, *module_args]
 
 
