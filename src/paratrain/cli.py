@@ -161,7 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from paratrain.data.prepare import prepare
+    from paratrain.data.prepare import prepare  # only `paratrain prepare` needs the tokenising pipeline
 
     meta = prepare(
         args.inputs,

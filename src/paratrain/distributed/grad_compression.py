@@ -127,8 +127,9 @@ class PowerSGDCheckpoint(Stateful):
     starts), the warm-start Q factors (the same on every rank: they are all-reduced) and this
     rank's error feedback (its own: ``per_rank``), each keyed by DDP bucket index.
 
-    The P factors are not saved: every step recomputes them from the gradient and Q. At another
-    world size the error feedback of the ranks cannot be mapped onto the new ones; it restarts at
+    The P buffers are saved too although every step recomputes P from the gradient and Q: torch's
+    hook takes a bucket without a P buffer for a new one and draws fresh random Qs for it (from
+    its numpy RNG, also saved), which would throw the warm start away. At another world size the error feedback of the ranks cannot be mapped onto the new ones; it restarts at
     zero (rank 0's Q and count are kept) and the run leaves the uninterrupted trajectory.
     """
 
@@ -139,16 +140,24 @@ class PowerSGDCheckpoint(Stateful):
 
     def state_dict(self) -> dict:
         s = self.state
+        _, key, pos, has_gauss, gauss = s.rng.get_state()
         return {
             "iter": s.iter,
             "error": {str(k): v for k, v in s.error_dict.items()},
+            "p": {str(k): v for k, v in s.p_memory_dict.items()},
             "q": {str(k): v for k, v in s.q_memory_dict.items()},
+            "rng": {"key": torch.from_numpy(key.astype("int64")), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
         }
 
     def load_state_dict(self, state_dict: dict, *, own: bool = True) -> None:
         s = self.state
         s.iter = int(state_dict["iter"])
+        s.p_memory_dict = {int(k): v.to(self.device) for k, v in (state_dict.get("p") or {}).items()}
         s.q_memory_dict = {int(k): v.to(self.device) for k, v in (state_dict.get("q") or {}).items()}
+        rng = state_dict.get("rng")
+        if rng:
+            key = rng["key"].numpy().astype("uint32")
+            s.rng.set_state(("MT19937", key, int(rng["pos"]), int(rng["has_gauss"]), float(rng["gauss"])))
         s.error_dict = {int(k): v.to(self.device) for k, v in (state_dict.get("error") or {}).items()} if own else {}
         if not own:
             log.warning(
