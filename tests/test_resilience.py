@@ -326,6 +326,7 @@ def start_node(out: str, port: int, extra: list[str], steps: int = 8) -> subproc
     sets = [*[a for a in TOY if not a.startswith(("model.", "run.steps"))], *SLOW, f"run.steps={steps}"]
     sets += [*SGD, f"run.out_dir='{out}'", "checkpoint.interval=2", *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]), "OMP_NUM_THREADS": "1"}
+    env["PARATRAIN_JOB_SECRET"] = "elastic-test-secret"  # one secret shared by the nodes
     cmd = [sys.executable, "-m", "paratrain", "train", "configs/debug.toml", "--nproc-per-node", "1", *ELASTIC]
     cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", *[x for s in sets for x in ("--set", s)]]
     return subprocess.Popen(

@@ -198,6 +198,12 @@ def apply_grad_compression(model: nn.Module, *, cfg: CommConfig, seed: int = 0) 
             compression_stats_logging_frequency=10**9,
         )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        # PowerSGD keys its error feedback and Q factors by DDP bucket. DDP rebuilds its buckets
+        # once, after the first backward of a process, in the order the gradients were ready; a
+        # resumed process would run its first step on the initial buckets with state saved for
+        # the rebuilt ones. Pushing the rebuilt order now (parameter order, what DDP's Join does
+        # for late ranks) fixes one bucket layout from the first step, the same in every process.
+        model.reducer._push_all_rebuilt_params()
         device = next(model.parameters()).device
         return GradCompression("powersgd", counter, state, checkpoint=PowerSGDCheckpoint(state, device))
     raise ConfigError(f"comm.compression = {cfg.compression!r} is unknown; use 'none', 'bf16', 'fp16' or 'powersgd'")
