@@ -414,7 +414,9 @@ def test_elastic_node_joining_grows_the_job_with_the_same_losses(tmp_path):
 
     want = run(str(tmp_path / "ref"), 1, ["run.steps=8"])
     out, port = str(tmp_path / "run"), free_port()
-    slower = [f"model.args={GPT_ARGS[:-1]}, forward_sleep_s = 2.0}}"]  # the second node starts in time
+    # Slow steps, so the second node starts in time; a checkpoint each step, so the grown job
+    # resumes after the steps done alone.
+    slower = [f"model.args={GPT_ARGS[:-1]}, forward_sleep_s = 2.0}}", "checkpoint.interval=1"]
     first = start_node(out, port, slower)
     wait_for_rows(out, 1, first, timeout=240)
     second = start_node(out, port, slower)
@@ -426,6 +428,9 @@ def test_elastic_node_joining_grows_the_job_with_the_same_losses(tmp_path):
     assert rows[0]["world_size"] == 1 and rows[-1]["world_size"] == 2 and rows[-1]["accum_steps"] == 1
     torch.testing.assert_close(column(rows, "loss"), column(want, "loss"), rtol=1e-5, atol=0)
     torch.testing.assert_close(column(rows, "grad_norm"), column(want, "grad_norm"), rtol=1e-5, atol=0)
+    with open(os.path.join(out, "summary.json")) as f:
+        changes = json.load(f)["world_size_changes"]
+    assert changes[0] == {"step": 0, "world_size": 1} and changes[-1]["world_size"] == 2
 
 
 # ----------------------------------------------------------------------------- bad input
