@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from paratrain.checkpoint.checkpointer import ELASTIC_ENV
 from paratrain.config import ConfigError
 from paratrain.distributed import rendezvous
 from paratrain.distributed.store_auth import BIND_ENV, SECRET_ENV, interface_of, load_secret, new_secret, route_source
@@ -187,6 +188,8 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
 
     previous = signal.signal(signal.SIGTERM, forward_sigterm)
     os.environ[LAUNCHED_ENV] = "1"
+    if spec.max_nnodes > spec.nnodes:
+        os.environ[ELASTIC_ENV] = "1"  # every (re)start resumes the newest checkpoint (resume_spec)
     try:
         run(args)
     except SignalException:
@@ -205,6 +208,7 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         os.environ.pop(LAUNCHED_ENV, None)
+        os.environ.pop(ELASTIC_ENV, None)
         restore_env()  # a later launch in this process (verify runs two) starts from a clean slate
     return 0
 

@@ -607,10 +607,18 @@ def _guarded(fn) -> str | None:
         return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
+ELASTIC_ENV = "PARATRAIN_ELASTIC"  # set by `paratrain train --nnodes MIN:MAX` in its workers
+
+
 def resume_spec(cfg: CheckpointConfig) -> tuple[str, str]:
     """(spec, fallback) for Checkpointer.resume: checkpoint.resume; but in workers that torchrun
     restarted after a failure, the newest complete checkpoint of this run first (it is newer
     than the one the job was started from), checkpoint.resume only if there is none."""
+    if os.environ.get(ELASTIC_ENV):
+        # An elastic job (--nnodes MIN:MAX): torch elastic restarts the workers on a membership
+        # change without counting a restart (TORCHELASTIC_RESTART_COUNT stays 0), so every
+        # start continues the newest complete checkpoint, as --resume would.
+        return "latest", cfg.resume
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         log.info(
             "restart %s of the worker group: resuming from the newest complete checkpoint",
