@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: run test lint install install-test bench clean
+.PHONY: run run-tokens test lint install install-test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,14 @@ install: $(VENV)/.installed
 run: install
 	$(VENV)/bin/paratrain train configs/main.toml --nproc-per-node $(NPROC)
 	$(VENV)/bin/paratrain generate runs/main --prompt "def " --max-new-tokens 300
+
+# The two-command recipe of docs/data.md: BPE-4096 tokens of the standard library, then train.
+STDLIB = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+run-tokens: install
+	$(VENV)/bin/paratrain prepare "$(STDLIB)/**/*.py" --exclude '*/site-packages/*' --exclude '*/test/*' \
+		--exclude '*/tests/*' --out data/stdlib-bpe4096 --tokenizer bpe:4096 --workers $(NPROC)
+	$(VENV)/bin/paratrain train configs/tokens.toml --nproc-per-node $(NPROC)
+	$(VENV)/bin/paratrain generate runs/tokens --prompt "def " --max-new-tokens 100
 
 test: install lint
 	$(PY) -m pytest -q tests

@@ -7,13 +7,15 @@
    same for the 5 ms dataset. Modes alternate within each run; printed: the median step time of
    each mode and the paired ratio to the in-memory mode (median and range over runs). Target:
    within 2 % with workers.
+3. trainer (``--trainer``): the same comparison through ``paratrain.train`` itself (one process),
+   ``data.workers = N`` against ``data.workers = 0`` (inline), alternating; the run's median step
+   time (summary.json, first two steps left out), paired ratio.
 
     python benchmarks/loader.py [--corpus DIR] [--runs 3] [--steps 30] [--workers 2]
     python benchmarks/loader.py --device cuda --model 124m --dtype bfloat16   # the GPU check
 
 Without ``--corpus`` the standard library is prepared with the bytes tokenizer into a temp dir.
-After the loader is wired into the trainer, the same comparison through `paratrain train` is
-``--set data.workers=N`` against ``data.workers=0``.
+    python benchmarks/loader.py --trainer --runs 3 --steps 30   # through paratrain.train
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch.utils.data import Dataset, default_collate
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))  # run from a checkout without install
 
+from paratrain import load_config, train  # noqa: E402
 from paratrain.batching import GlobalBatchSampler  # noqa: E402
 from paratrain.data.loader import StepSampler, build_loader, to_device  # noqa: E402
 from paratrain.data.prepare import prepare  # noqa: E402
@@ -58,6 +61,52 @@ class Sleepy(Dataset):
     def __getitem__(self, i):
         time.sleep(self.sleep_s)
         return self.inner[i]
+
+
+def sleepy_tokens(path: str, block_size: int) -> Dataset:
+    """data.factory of the trainer mode: the token windows, 5 ms each."""
+    return Sleepy(build_tokens(path=path, block_size=block_size))
+
+
+def trainer_step_time(corpus: str, workers: int, args, *, sleepy: bool, vocab: int, out_dir: str) -> float:
+    """Median step time (s) of one ``paratrain.train`` run with ``data.workers = workers``."""
+    data = f"data.args={{path='{corpus}', block_size={args.block_size}}}"
+    m = MODELS[args.model]
+    overrides = [
+        f"run.out_dir='{out_dir}'",
+        f"run.steps={args.steps}",
+        "run.progress=false",
+        "run.save_model=false",
+        "metrics.plot=false",
+        "metrics.rank_stats_every=0",
+        # vocab_size: a user factory (sleepy) has no meta.json for the preflight to read it from
+        f"model.args={{n_layer={m['n_layer']}, n_head={m['n_head']}, d_model={m['d_model']},"
+        f" block_size={args.block_size}, vocab_size={vocab}}}",
+        *(["data.factory='loader:sleepy_tokens'", data] if sleepy else ["data.name='tokens'", data]),
+        f"data.workers={workers}",
+        f"data.prefetch={args.prefetch}",
+        f"batch.global_batch_size={args.batch}",
+        f"batch.micro_batch_size={args.micro_batch}",
+        f"dist.device='{args.device}'",
+        f"precision.dtype='{'bf16' if args.dtype == 'bfloat16' else 'fp32'}'",
+    ]
+    return train(load_config(None, overrides))["median_step_time_s"]
+
+
+def trainer_mode(corpus: str, vocab: int, args, tmp: str) -> None:
+    for name, sleepy in (("tokens", False), ("sleep5ms", True)):
+        res: dict[int, list[float]] = {0: [], args.workers: []}
+        for r in range(args.runs):
+            for w in (0, args.workers) if r % 2 == 0 else (args.workers, 0):  # alternate the order
+                out_dir = os.path.join(tmp, "run")
+                res[w].append(trainer_step_time(corpus, w, args, sleepy=sleepy, vocab=vocab, out_dir=out_dir))
+                print(f"  {name} run {r} workers {w}: median step {res[w][-1] * 1e3:.2f} ms", flush=True)
+        ratios = [a / b for a, b in zip(res[args.workers], res[0])]
+        print(
+            f"trainer {name}: median step inline {statistics.median(res[0]) * 1e3:.2f} ms, {args.workers} workers"
+            f" {statistics.median(res[args.workers]) * 1e3:.2f} ms; workers / inline: median"
+            f" {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}, {args.runs} paired runs)"
+        )
 
 
 def sampler_for(ds: Dataset, args, start_step: int = 0, steps: int | None = None) -> StepSampler:
@@ -141,6 +190,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="autocast dtype on the device (bfloat16 on GPU)")
     p.add_argument("--skip-step", action="store_true", help="only measure delivery")
+    p.add_argument("--trainer", action="store_true", help="only the comparison through paratrain.train")
     args = p.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - args.workers))  # leave the workers a core each
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,6 +202,8 @@ def main() -> None:
         tokens = build_tokens(path=corpus, block_size=args.block_size)
         datasets = {"tokens": tokens, "sleep5ms": Sleepy(tokens)}
         print(f"corpus {corpus}: {tokens.description['sources'][0]['tokens']} tokens, vocab {tokens.vocab_size}")
+        if args.trainer:
+            return trainer_mode(corpus, tokens.vocab_size, args, tmp)
 
         for name, ds in datasets.items():
             rates = {w: delivery(ds, w, args) for w in (0, 1, args.workers)}

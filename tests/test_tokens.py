@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tomllib
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch.utils.data import default_collate
 
 from paratrain.batching import GlobalBatchSampler
-from paratrain.config import ConfigError, DataConfig, ModelConfig
+from paratrain.config import ConfigError, DataConfig, ModelConfig, load_config
 from paratrain.data import build_dataset, build_val_dataset
 from paratrain.data import prepare as prep
 from paratrain.data.loader import StepLoader, StepSampler, build_loader
@@ -22,6 +23,7 @@ from paratrain.data.tokens import (
     model_vocab_size,
     resolve_model_vocab,
 )
+from paratrain.layout import check_layout
 from tests.test_prepare import read_split, stdlib_texts, write_corpus
 from tests.toy import ToyLM
 
@@ -79,7 +81,7 @@ def test_corpus_checks(tmp_path, corpora):
     with pytest.raises(ConfigError, match="fewer than block_size"):
         build_tokens(path=corpora[0], block_size=10**9)
     with pytest.raises(ConfigError, match="no validation set"):
-        build_val_dataset(DataConfig(name="stdlib_bytes"), samples=4)
+        build_val_dataset(DataConfig(factory="tests.toy:toy_lm"), samples=4)
     with pytest.raises(ConfigError, match="weight"):
         build_tokens(sources=[{"path": corpora[0], "weight": 0}], block_size=8)
 
@@ -118,6 +120,13 @@ def test_vocab_checks(corpora):
     model = ModelConfig(name="gpt", args={"n_layer": 1})
     resolve_model_vocab(model, DataConfig(name="tokens", args={"path": corpora[0], "block_size": 8}))
     assert model.args["vocab_size"] == 256
+    # Wired into the preflight that every command runs (layout.check_layout).
+    data = ["data.name='tokens'", f"data.args={{path='{corpora[0]}', block_size=8}}"]
+    cfg = load_config(None, [*data, "model.args={n_layer=1, block_size=8}"])
+    check_layout(cfg, 1)
+    assert cfg.model.args["vocab_size"] == 256
+    with pytest.raises(ConfigError, match="model.args.vocab_size = 100 is smaller"):
+        check_layout(load_config(None, [*data, "model.args={n_layer=1, block_size=8, vocab_size=100}"]), 1)
 
 
 def _inline(ds, sampler: StepSampler) -> list:
@@ -164,13 +173,15 @@ def test_train_then_generate_decodes_with_the_corpus_tokenizer(tmp_path, corpora
     overrides = [
         f"run.out_dir='{out}'",
         "run.steps=2",
-        "model.args={n_layer=1, n_head=2, d_model=16, block_size=16, vocab_size=300}",
+        "model.args={n_layer=1, n_head=2, d_model=16, block_size=16}",  # vocab_size: meta.json's
         "data.name='tokens'",
         f"data.args={{path='{corpus}', block_size=16}}",
         "batch.global_batch_size=4",
     ]
     summary = run_ranks(train_rank, 1, overrides)[0]
     assert summary["data"]["tokenizer"] == "bpe:300"  # the run records the tokenizer
+    with open(os.path.join(out, "config.toml"), "rb") as f:
+        assert tomllib.load(f)["model"]["args"]["vocab_size"] == 300  # and the vocabulary it took
     text = generate_text(out, "def ", max_new_tokens=8)
     assert text.startswith("def ")
 

@@ -13,13 +13,16 @@ import json
 import os
 import sys
 import time
+import tempfile
 
 from paratrain.bench.comm import add_bench_arguments, validate_bench_args, worker_args
 from paratrain.bench.compute import add_compute_arguments, compute_main
 from paratrain.checkpoint import export_safetensors
 from paratrain.config import Config, ConfigError, describe_keys, load_config, to_toml
+from paratrain.data.prepare import prepare
 from paratrain.distributed.process_group import resolve_device
 from paratrain.env import add_env_arguments, env_main, env_worker_args
+from paratrain.eval_run import check_eval_args
 from paratrain.find_batch import estimate_without_group, find_micro_batch, nothing_fits_error, replica_dims
 from paratrain.generate import generate_text
 from paratrain.launch import LaunchSpec, launch
@@ -136,6 +139,29 @@ def preempted(out_dir: str, *, since: float) -> bool:
             return json.load(f).get("preempted_at_step") is not None
     except (OSError, ValueError):
         return False
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    spec = launch_spec(args)
+    cfg = load_config(args.config, args.overrides)
+    check_layout(cfg, spec.world_size)
+    check_eval_args(cfg, args.checkpoint)
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "result.json")
+        module_args = [args.config, "--checkpoint", args.checkpoint, "--result", result_file]
+        code = launch(spec, "paratrain.eval_run", module_args + [a for o in args.overrides for a in ("--set", o)])
+        if code != 0:
+            return code
+        with open(result_file) as f:
+            result = json.load(f)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"val_loss {result['val_loss']:.6f} over {result['samples']} samples at step {result['step']}"
+            f" ({result['checkpoint']}, world {result['world_size']}, {result['eval_time_s']:.1f}s)"
+        )
+    return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -309,6 +335,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip files whose path matches (fnmatch; repeatable)",
     )
     p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("eval", help="the validation loss of a checkpoint ([data] and [eval] of CONFIG), any world size")
+    p.add_argument("config", help="TOML config file")
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a step-N checkpoint folder, or 'latest'")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_launch_arguments(p)
+    add_set_argument(p)
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", help="write a checkpoint's full weights (any layout) to one safetensors file")
     p.add_argument("checkpoint", help="a step-N checkpoint folder (or a checkpoints folder: its newest)")

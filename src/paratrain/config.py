@@ -66,6 +66,10 @@ class DataConfig:
         "Loader worker processes that prepare the next steps' micro-batches ahead of time (0 = in the training process). The samples are the same for any value.",
     )
     prefetch: int = opt(2, "Steps each loader worker prepares ahead (with data.workers > 0).")
+    val_factory: str = opt(
+        "",
+        "Validation set of a user dataset as 'package.module:function' (called with [data.args] like data.factory); empty: the builder's split='val' set.",
+    )
 
 
 @dataclass
@@ -316,6 +320,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    interval: int = opt(
+        0,
+        "Validation loss every this many optimiser steps and after the last one, logged as val_loss; 0 = off.",
+    )
+    samples: int = opt(
+        0,
+        "The fixed validation set: the first this many samples of the validation split, a multiple of batch.global_batch_size; 0 = all of it, rounded down to such a multiple.",
+    )
+    micro_batch_size: int = opt(
+        0,
+        "Samples per forward on one rank during validation; 0 = the training micro-batch (must be it under parallel.pp > 1).",
+    )
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -332,6 +352,7 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -479,6 +500,14 @@ def validate(cfg: Config) -> None:
     positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)
     positive("data.workers", cfg.data.workers, allow_zero=True)
     positive("data.prefetch", cfg.data.prefetch)
+    positive("eval.interval", cfg.eval.interval, allow_zero=True)
+    positive("eval.samples", cfg.eval.samples, allow_zero=True)
+    positive("eval.micro_batch_size", cfg.eval.micro_batch_size, allow_zero=True)
+    if cfg.eval.samples % cfg.batch.global_batch_size:
+        raise ConfigError(
+            f"eval.samples = {cfg.eval.samples} is not a multiple of batch.global_batch_size ="
+            f" {cfg.batch.global_batch_size} (validation runs in global batches); round it"
+        )
     positive("dist.timeout_s", cfg.dist.timeout_s)
     positive("comm.bucket_mb", cfg.comm.bucket_mb)
     positive("comm.powersgd_rank", cfg.comm.powersgd_rank)
@@ -510,7 +539,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.dp_replicate = {cfg.parallel.dp_replicate} must be >= 1, or -1 to fill the world size"
         )
-    for key, ref in (("model.factory", cfg.model.factory), ("data.factory", cfg.data.factory)):
+    for key, ref in (
+        ("model.factory", cfg.model.factory),
+        ("data.factory", cfg.data.factory),
+        ("data.val_factory", cfg.data.val_factory),
+    ):
         if ref:
             resolve_callable(ref, key)
     if ":" in cfg.loss.name:

@@ -16,6 +16,7 @@ from torch import nn
 from paratrain.batching import BatchPlan, plan_batch
 from paratrain.config import Config, ConfigError
 from paratrain.data import dataset_builder
+from paratrain.data.tokens import resolve_model_vocab
 from paratrain.distributed.grad_compression import check_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout
@@ -31,10 +32,13 @@ def check_layout(cfg: Config, world_size: int, *, model: nn.Module | None = None
     """Every check that needs only the config and the world size: run before any process starts.
 
     ``model``: a model object passed to ``train`` instead of the config's builder (pipeline checks count its blocks).
+    Fills ``model.args.vocab_size`` of the built-in GPT from a prepared corpus's meta.json (so
+    every command and the written config.toml see the size the model is built with).
     """
     check_paths(cfg)
     model_builder(cfg.model)
     dataset_builder(cfg.data)
+    resolve_model_vocab(cfg.model, cfg.data)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_compression(cfg.comm, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp)
     check_precision(cfg.precision, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, compression=cfg.comm.compression)
@@ -45,6 +49,7 @@ def check_layout(cfg: Config, world_size: int, *, model: nn.Module | None = None
         global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp
     )
     check_feature_combinations(cfg, dims)
+    check_eval(cfg, dims, plan)
     if dims.tp > 1 or dims.pp > 1:
         meta_model, spec = model_on_meta(cfg, model)
         check_model_layout(cfg, spec, tp=dims.tp)
@@ -161,3 +166,26 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
                 "batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
                 " set batch.micro_batch_size to a number with parallel.pp > 1"
             )
+
+
+def check_eval(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> BatchPlan | None:
+    """The batch plan of validation (None when [eval] is off and no checkpoint is evaluated).
+
+    Validation runs the configured global batch in eval.micro_batch_size pieces; a pipeline
+    schedule is built for one micro-batch size, so there it must be the training one.
+    """
+    mbs = cfg.eval.micro_batch_size
+    if dims.pp > 1 and mbs not in (0, plan.micro_batch_size):
+        raise ConfigError(
+            f"eval.micro_batch_size = {mbs} differs from the training micro-batch {plan.micro_batch_size};"
+            " with parallel.pp > 1 set it to 0 (the pipeline schedule has one micro-batch size)"
+        )
+    try:
+        return plan_batch(
+            global_batch_size=cfg.batch.global_batch_size, micro_batch_size=mbs or plan.micro_batch_size, dp=dims.dp
+        )
+    except ConfigError:
+        raise ConfigError(
+            f"eval.micro_batch_size = {mbs} does not divide the per-rank batch"
+            f" {cfg.batch.global_batch_size // dims.dp}; set it to a divisor of it, or 0"
+        ) from None

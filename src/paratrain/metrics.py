@@ -106,6 +106,8 @@ class MetricsWriter:
 def progress_fields(row: dict) -> dict[str, str]:
     """Loss, tokens/s, MFU when known and memory: what the bar and the log lines show."""
     out = {"loss": f"{row['loss']:.4f}", "tok/s": f"{row['tokens_per_s']:.0f}"}
+    if "val_loss" in row:
+        out["val_loss"] = f"{row['val_loss']:.4f}"
     if "mfu" in row:
         out["mfu"] = f"{100 * row['mfu']:.1f}%"
     if "memory_gib" in row:
@@ -125,6 +127,7 @@ def summarize(rows: list[dict]) -> dict:
     losses = [r["loss"] for r in rows]
     # The first steps include warm-up effects (allocator, caches): leave them out of speed.
     steady = rows[min(2, len(rows) - 1) :]
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
     return {
         "steps": rows[-1]["step"],
         "first_loss": losses[0],
@@ -135,6 +138,7 @@ def summarize(rows: list[dict]) -> dict:
         "train_time_s": sum(r["step_time_s"] for r in rows),
         "median_step_time_s": statistics.median(r["step_time_s"] for r in steady),
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        **({"final_val_loss": vals[-1], "best_val_loss": min(vals)} if vals else {}),
         **(
             {"max_memory_gib": max(r["memory_gib"] for r in rows if "memory_gib" in r)}
             if "memory_gib" in rows[-1]
@@ -144,7 +148,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def plot_metrics(rows: list[dict], path: str) -> None:
-    """Loss and throughput against step, one PNG."""
+    """Loss (and validation loss, when evaluated) and throughput against step, one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,8 +156,12 @@ def plot_metrics(rows: list[dict], path: str) -> None:
 
     steps = [r["step"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax1.plot(steps, [r["loss"] for r in rows], lw=1.2)
-    ax1.set(xlabel="step", ylabel="loss", title="training loss")
+    ax1.plot(steps, [r["loss"] for r in rows], lw=1.2, label="training")
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    if val:
+        ax1.plot(*zip(*val), "o-", ms=3, lw=1.2, color="tab:red", label="validation")
+        ax1.legend()
+    ax1.set(xlabel="step", ylabel="loss", title="loss")
     ax1.grid(alpha=0.3)
     ax2.plot(steps, [r["tokens_per_s"] for r in rows], lw=1.2, color="tab:green")
     ax2.set(xlabel="step", ylabel="tokens/s", title="throughput")

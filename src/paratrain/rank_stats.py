@@ -18,6 +18,7 @@ docs/observability.md).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -96,6 +97,16 @@ class RankStats:
         self.gather_device = torch.device("cpu") if "gloo" in str(backend) else device
         # (a pipeline model's schedule calls the stages, not this module: no forward time there)
         self.timer = ForwardTimer(model) if self.every and isinstance(model, nn.Module) else None
+
+    @contextlib.contextmanager
+    def excluded(self):
+        """Forwards inside (the validation loss) are not the step's: their time is dropped."""
+        kept = self.timer.total if self.timer else 0.0
+        try:
+            yield
+        finally:
+            if self.timer:
+                self.timer.total = kept
 
     def row(self, *, step: int, step_time_s: float, data_time_s: float) -> dict:
         used, reserved = local_memory(self.device)

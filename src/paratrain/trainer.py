@@ -22,10 +22,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import Dataset
 
 from paratrain.adaptive_batch import BatchAdapter, build_batch_adapter
-from paratrain.batching import BatchPlan, GlobalBatchSampler, load_batches, plan_batch, rank_slice
+from paratrain.batching import BatchPlan, GlobalBatchSampler, plan_batch
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.config import Config, to_dict, to_toml
-from paratrain.data import build_dataset
+from paratrain.data import build_dataset, build_val_dataset
+from paratrain.data.loader import StepLoader
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.parallel_dims import ParallelDims
@@ -33,8 +34,9 @@ from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.pipeline_parallel import PipelineModel
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
+from paratrain.evaluate import Evaluator, eval_due
 from paratrain.find_batch import resolve_auto_micro_batch
-from paratrain.layout import check_layout
+from paratrain.layout import check_eval, check_layout
 from paratrain.loss import Loss, build_loss
 from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
 from paratrain.mfu import mfu, resolve_peak_flops, seq_len_of
@@ -76,6 +78,8 @@ class Run:
     step_ctx: StepContext
     dataset: Dataset
     sampler: GlobalBatchSampler
+    loader: StepLoader  # this rank's micro-batches of a step, prefetched by data.workers processes
+    evaluator: Evaluator | None  # the validation loss ([eval]); None when off
     state: TrainState
     lr_scaling: LRScaling
     adapter: BatchAdapter | None
@@ -114,6 +118,7 @@ def train(
                 raise
             finally:
                 run.writer.close()
+                run.loader.close()
                 run.ckpt.close()
                 run.preemption.close()
                 run.profiler.close()
@@ -126,13 +131,11 @@ def train(
 def loop(cfg: Config, run: Run) -> list[dict]:
     """The optimiser steps: sample, step, adapt the batch, schedule the lr, log, checkpoint."""
     state, plan, history = run.state, run.plan, []
-    dp_rank = run.dims.local_rank_in("dp")
     run.model.train()
-    while state.step < cfg.run.steps and not (0 < cfg.run.max_samples <= state.consumed_samples):
+    while not finished(cfg, state):
         t0 = time.perf_counter()
         run.profiler.begin(state.step + 1)
-        indices = run.sampler.global_indices(state.consumed_samples, plan.global_batch_size)
-        batches = load_batches(run.dataset, rank_slice(indices, dp_rank=dp_rank, dp=plan.dp), plan.micro_batch_size)
+        batches = run.loader.batches(state.consumed_samples, plan.global_batch_size, plan.micro_batch_size)
         data_time = time.perf_counter() - t0
         lr = run.scheduler.get_last_lr()[0]
         probe = run.adapter.probe(run.model, batches[0], run.step_ctx.loss_fn) if run.adapter else None
@@ -140,6 +143,8 @@ def loop(cfg: Config, run: Run) -> list[dict]:
         state.step += 1
         state.consumed_samples += plan.global_batch_size
         row = metrics_row(run, result, plan=plan, lr=lr, seq_len=seq_len_of(batches[0][0]), t0=t0)
+        if run.evaluator and eval_due(state.step, interval=cfg.eval.interval, last=finished(cfg, state)):
+            row.update(validate(run))
         if run.adapter:  # adaptive batch: next step's plan and lr scale, before the scheduler reads it
             plan = run.adapter.after_step(result=result, step=state.step)
             state.global_batch_size, state.grad_noise = plan.global_batch_size, run.adapter.state_dict()
@@ -159,6 +164,17 @@ def loop(cfg: Config, run: Run) -> list[dict]:
     run.ckpt.at_end(state.step, force=run.preemption.stopped_at_step is not None)
     run.plan = plan
     return history
+
+
+def validate(run: Run) -> dict:
+    """The validation loss now (evaluate.py); its forwards are not the step's time (rank_stats)."""
+    with run.rank_stats.excluded():
+        val_loss = run.evaluator(run.model, run.step_ctx)
+    return {"val_loss": val_loss, "val_time_s": run.evaluator.last_time_s}
+
+
+def finished(cfg: Config, state: TrainState) -> bool:
+    return state.step >= cfg.run.steps or 0 < cfg.run.max_samples <= state.consumed_samples
 
 
 def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq_len: int, t0: float) -> dict:
@@ -231,6 +247,23 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
     adapter = build_batch_adapter(cfg.batch, lr_scaling=cfg.optim.lr_scaling, plan=plan, dp_group=dims.group("dp"))
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.run.steps, scale=lr_scaling)
     sampler = GlobalBatchSampler(len(dataset), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+    dp_rank = dims.local_rank_in("dp")
+    loader = StepLoader(
+        dataset,
+        sampler,
+        dp_rank=dp_rank,
+        dp=dims.dp,
+        workers=cfg.data.workers,
+        prefetch=cfg.data.prefetch,
+        pin_memory=ctx.device.type == "cuda",  # then the step copies with non_blocking=True
+        seed=cfg.run.seed,
+    )
+    evaluator = None
+    if cfg.eval.interval:
+        eval_plan = check_eval(cfg, dims, plan)
+        val_set = build_val_dataset(cfg.data, cfg.eval.samples, multiple_of=eval_plan.global_batch_size)
+        evaluator = Evaluator(val_set, eval_plan, dp_rank=dp_rank)
+        log.info("validation: %d samples every %d steps (%s)", len(val_set), cfg.eval.interval, eval_plan.describe())
 
     # Checkpoints (paratrain.checkpoint): resume before the loop, save after steps.
     ckpt = build_checkpointer(
@@ -288,6 +321,8 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         step_ctx=step_ctx,
         dataset=dataset,
         sampler=sampler,
+        loader=loader,
+        evaluator=evaluator,
         state=state,
         lr_scaling=lr_scaling,
         adapter=adapter,

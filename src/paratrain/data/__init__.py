@@ -36,17 +36,35 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     return ds
 
 
-def build_val_dataset(cfg: DataConfig, samples: int = 0) -> Dataset:
-    """The first ``samples`` (0 = all) samples of the builder's ``split="val"`` set: a fixed eval set.
+def build_val_dataset(cfg: DataConfig, samples: int = 0, multiple_of: int = 1) -> Dataset:
+    """The first ``samples`` samples of the validation set: a fixed eval set.
 
-    For [eval]: the same windows at every evaluation and for every layout. Needs a builder with a
-    ``split`` argument (``tokens`` has one; a user factory may add one).
+    ``samples = 0``: all of it, rounded down to a multiple of ``multiple_of`` (validation runs in
+    whole global batches). The validation set is ``data.val_factory(**data.args)`` when set, else
+    the builder's ``split="val"`` set (``tokens`` and ``stdlib_bytes`` have one; a user factory
+    may add a ``split`` argument). The same samples at every evaluation and for every layout.
     """
-    fn, key = dataset_builder(cfg)
-    if "split" not in inspect.signature(fn).parameters:
-        raise ConfigError(f"{key} has no `split` argument, so it has no validation set; add split='train'|'val' to it")
-    ds = fn(**{**cfg.args, "split": "val"})
-    return Subset(ds, range(min(samples, len(ds)) if samples else len(ds)))
+    if cfg.val_factory:
+        fn, key = resolve_callable(cfg.val_factory, "data.val_factory"), "data.val_factory"
+        _check_kwargs(fn, cfg.args, key, "data.args")
+        ds = fn(**cfg.args)
+    else:
+        fn, key = dataset_builder(cfg)
+        if "split" not in inspect.signature(fn).parameters:
+            raise ConfigError(
+                f"{key} has no `split` argument, so it has no validation set; add split='train'|'val' to it"
+                " or set data.val_factory"
+            )
+        ds = fn(**{**cfg.args, "split": "val"})
+    if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
+        raise ConfigError(f"{key} returned {type(ds).__name__}, not a map-style Dataset; return one with __len__")
+    n = samples or len(ds) - len(ds) % multiple_of
+    if n == 0 or n > len(ds):
+        raise ConfigError(
+            f"the validation set has {len(ds)} samples, fewer than eval.samples = {samples or multiple_of}"
+            " (at least one global batch); lower eval.samples or batch.global_batch_size, or give more validation data"
+        )
+    return Subset(ds, range(n))
 
 
 __all__ = ["StdlibBytes", "build_dataset", "build_val_dataset", "BUILTIN_DATASETS"]
