@@ -12,8 +12,8 @@ import argparse
 import json
 import os
 import sys
-import time
 import tempfile
+import time
 
 from paratrain.bench.comm import add_bench_arguments, validate_bench_args, worker_args
 from paratrain.bench.compute import add_compute_arguments, compute_main
@@ -187,7 +187,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from paratrain.data.prepare import prepare  # only `paratrain prepare` needs the tokenising pipeline
 
     meta = prepare(
         args.inputs,
