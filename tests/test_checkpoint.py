@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from paratrain.config import ConfigError
 from tests.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
 
 GPT_ARGS = "{n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}"
@@ -153,9 +154,10 @@ def test_incomplete_or_damaged_newest_is_skipped(tmp_path, ref, caplog):
         b = f.read(1)
         f.seek(100)
         f.write(bytes([b[0] ^ 1]))
-    with caplog.at_level(logging.WARNING, logger="paratrain"):
-        assert find_latest(root) is None
-    assert "does not match its sha256" in caplog.text
+    # Checkpoints were written but none verifies: stop, naming each and why (never step 0, which
+    # would overwrite and prune them; docs/resilience.md).
+    with pytest.raises(ConfigError, match="step-6: is incomplete.*step-3: is damaged: __1_0.distcp does not match"):
+        find_latest(root)
 
 
 class _Evil:

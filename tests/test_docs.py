@@ -370,7 +370,7 @@ def resolves(name: str) -> bool:
 
 
 # Pages other branches bring (the lead merges them); the README links them already.
-PENDING_PAGES = {"docs/huggingface.md", "docs/resilience.md"}
+PENDING_PAGES = {"docs/huggingface.md"}
 
 
 @pytest.mark.slow

@@ -47,7 +47,6 @@ CASES = [
     (2, ["optim.lr_scaling='adascale'", "precision.dtype='fp16'"], "would read loss-scaled gradients"),
     (2, ["optim.lr_scaling='adascale'", "parallel.pp=2"], "cannot measure the gradient noise across pipeline stages"),
     (2, ["batch.micro_batch_size='auto'", "parallel.pp=2"], "cannot estimate a pipeline step yet"),
-    (2, ["checkpoint.interval=2", "parallel.pp=2"], "checkpoints are not supported with parallel.pp > 1 yet"),
     (2, ["comm.compression='bf16'", "parallel.pp=2"], "is not applied to pipeline stages"),
     (1, ["data.args.block_size=32"], "data.args.block_size = 32 is longer than the model's context"),
 ]

@@ -84,9 +84,12 @@ def gpt_killed_at(kill_at_step: int = 0, kill_rank: int = 1, **gpt_args) -> nn.M
     return model
 
 
-def gpt_stalled_at(stall_at_step: int = 0, stall_rank: int = 1, stall_s: float = 60.0, **gpt_args) -> nn.Module:
+def gpt_stalled_at(
+    stall_at_step: int = 0, stall_rank: int = 1, stall_s: float = 60.0, first_attempt_only: bool = False, **gpt_args
+) -> nn.Module:
     """The built-in GPT, plus a test-only hang: rank ``stall_rank`` sleeps ``stall_s`` seconds
-    in the forward of step ``stall_at_step`` (counting forwards), so its peers time out."""
+    in the forward of step ``stall_at_step`` (counting forwards), so its peers time out.
+    ``first_attempt_only``: not in workers torchrun restarted."""
     import os
     import time
 
@@ -97,10 +100,24 @@ def gpt_stalled_at(stall_at_step: int = 0, stall_rank: int = 1, stall_s: float =
 
     def maybe_stall(module, args):
         calls[0] += 1
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
         if calls[0] == stall_at_step and int(os.environ.get("RANK", "-1")) == stall_rank:
-            time.sleep(stall_s)
+            if not (first_attempt_only and restarted):
+                time.sleep(stall_s)
 
     model.register_forward_pre_hook(maybe_stall)
+    return model
+
+
+def gpt_slow(forward_sleep_s: float = 0.2, **gpt_args) -> nn.Module:
+    """The built-in GPT, each forward slowed by ``forward_sleep_s`` (the math is unchanged), so a
+    test can signal a run mid-way."""
+    import time
+
+    from paratrain.models import build_gpt
+
+    model = build_gpt(**gpt_args)
+    model.register_forward_pre_hook(lambda module, args: time.sleep(forward_sleep_s))
     return model
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 from paratrain.bench.comm import add_bench_arguments, validate_bench_args, worker_args
 from paratrain.bench.compute import add_compute_arguments, compute_main
@@ -43,12 +44,34 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class NodesAction(argparse.Action):
+    """``--nnodes N`` or ``MIN:MAX`` (torchrun's elastic form): ``nnodes`` = MIN, ``max_nnodes`` = MAX."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        lo, _, hi = values.partition(":")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or int(lo) < 1 or (hi and int(hi) < int(lo)):
+            raise ConfigError(f"--nnodes {values}: expected N or MIN:MAX with 1 <= MIN <= MAX (e.g. 1:2)")
+        namespace.nnodes, namespace.max_nnodes = int(lo), int(hi or lo)
+
+
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (default 1)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--nnodes",
+        action=NodesAction,
+        default=1,
+        metavar="N|MIN:MAX",
+        help="number of nodes (default 1); MIN:MAX is elastic: the job goes on between MIN and MAX nodes",
+    )
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (a hint under c10d rendezvous)")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous, the same on every node")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the workers up to K times on failure")
+    p.add_argument(
+        "--rdzv-conf",
+        default="",
+        metavar="KEY=VALUE,...",
+        help="rendezvous settings, e.g. last_call_timeout=30,join_timeout=600 (docs/resilience.md)",
+    )
     p.add_argument(
         "--job-secret-file",
         default="",
@@ -73,6 +96,8 @@ def launch_spec(args: argparse.Namespace):
         args.max_restarts,
         job_secret_file=args.job_secret_file,
         bind=args.bind,
+        max_nnodes=getattr(args, "max_nnodes", args.nnodes),
+        rdzv_conf=getattr(args, "rdzv_conf", ""),
     )
     spec.validate()
     return spec
@@ -89,10 +114,32 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         args.overrides = [*args.overrides, "checkpoint.resume=" + json.dumps(args.resume)]
     cfg = load_config(args.config, args.overrides)
-    check_layout(cfg, spec.world_size)  # refuse an impossible layout before any process starts
+    for nodes in range(spec.nnodes, spec.max_nnodes + 1):  # elastic: every world the job may shrink or grow to
+        try:
+            check_layout(cfg, spec.nproc_per_node * nodes)  # refuse an impossible layout before any process starts
+        except ConfigError as e:
+            if spec.max_nnodes == spec.nnodes:
+                raise
+            raise ConfigError(f"--nnodes {spec.nnodes}:{spec.max_nnodes} at {nodes} node(s): {e}") from None
     check_trackers(cfg.metrics, out_dir=cfg.run.out_dir)  # and a tracker that could not start
     module_args = [args.config] + [a for o in args.overrides for a in ("--set", o)]
-    return launch(spec, "paratrain.worker", module_args)
+    started = time.time()
+    code = launch(spec, "paratrain.worker", module_args)
+    if code == 0 and preempted(cfg.run.out_dir, since=started):
+        return cfg.checkpoint.exit_code_on_preempt
+    return code
+
+
+def preempted(out_dir: str, *, since: float) -> bool:
+    """Did the job just launched stop on SIGTERM (its summary.json, written after ``since``, says so)?"""
+    path = os.path.join(out_dir, "summary.json")
+    try:
+        if os.path.getmtime(path) < since:
+            return False
+        with open(path) as f:
+            return json.load(f).get("preempted_at_step") is not None
+    except (OSError, ValueError):
+        return False
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -141,6 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+
     meta = prepare(
         args.inputs,
         out_dir=args.out,
@@ -402,8 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # inside: an option's own check (--nnodes) raises ConfigError
         return args.func(args)
     except ConfigError as e:
         print(f"paratrain: error: {e}", file=sys.stderr)

@@ -134,7 +134,10 @@ class ParallelConfig:
     dp_replicate: int = opt(
         -1, "Replicated data-parallel degree (DDP); -1 fills what the other degrees leave of the world size."
     )
-    dp_shard: int = opt(1, "Sharded data-parallel degree (FSDP2).")
+    dp_shard: int = opt(
+        1,
+        "Sharded data-parallel degree (FSDP2); -1 fills what tp and pp leave of the world size (dp_replicate is then 1 unless set).",
+    )
     tp: int = opt(1, "Tensor-parallel degree.")
     pp: int = opt(1, "Pipeline-parallel degree.")
     # --- sharded data parallel, tensor parallel, activation checkpointing (issue 3) ---
@@ -297,6 +300,22 @@ class CheckpointConfig:
     resume: str = opt(
         "",
         "'' starts at step 0; 'latest' continues from the newest complete checkpoint in dir (step 0 if none); or a checkpoint path.",
+    )
+    on_error: Literal["stop", "warn"] = opt(
+        "stop",
+        "A save that fails (full or unwritable folder): 'stop' ends the run (exit 1) with one line, 'warn' logs it and trains on; previous checkpoints stay complete either way.",
+    )
+    exit_code_on_preempt: int = opt(
+        0,
+        "Exit code after SIGTERM stopped the run with a checkpoint (e.g. a code your scheduler requeues on); docs/resilience.md.",
+    )
+    preempt_grace_s: float = opt(
+        0.0,
+        "After SIGTERM, exit at once (no new checkpoint) if the step and the save take longer than this; 0 = no limit. Set it below your scheduler's grace period.",
+    )
+    preempt_check_steps: int = opt(
+        1,
+        "Ranks agree on a SIGTERM (a one-element all_reduce) every this many steps: at most this many steps run after it.",
     )
 
 
@@ -497,6 +516,12 @@ def validate(cfg: Config) -> None:
     positive("hardware.peak_flops", cfg.hardware.peak_flops, allow_zero=True)
     positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     positive("checkpoint.keep", cfg.checkpoint.keep, allow_zero=True)
+    positive("checkpoint.preempt_grace_s", cfg.checkpoint.preempt_grace_s, allow_zero=True)
+    positive("checkpoint.preempt_check_steps", cfg.checkpoint.preempt_check_steps)
+    if not 0 <= cfg.checkpoint.exit_code_on_preempt <= 255:
+        raise ConfigError(
+            f"checkpoint.exit_code_on_preempt = {cfg.checkpoint.exit_code_on_preempt} must be within 0 .. 255"
+        )
     positive("metrics.rank_stats_every", cfg.metrics.rank_stats_every, allow_zero=True)
     if cfg.metrics.straggler_ratio < 1:
         raise ConfigError(f"metrics.straggler_ratio = {cfg.metrics.straggler_ratio} must be >= 1 (e.g. 1.2)")
@@ -504,8 +529,10 @@ def validate(cfg: Config) -> None:
         parse_steps(cfg.profile.steps)
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio = {cfg.optim.min_lr_ratio} must be within [0, 1]")
-    for name in ("dp_shard", "tp", "pp"):
+    for name in ("tp", "pp"):
         positive(f"parallel.{name}", getattr(cfg.parallel, name))
+    if cfg.parallel.dp_shard == 0 or cfg.parallel.dp_shard < -1:
+        raise ConfigError(f"parallel.dp_shard = {cfg.parallel.dp_shard} must be >= 1, or -1 to fill the world size")
     if cfg.parallel.tp_plan_factory:
         resolve_callable(cfg.parallel.tp_plan_factory, "parallel.tp_plan_factory")
     if cfg.parallel.dp_replicate == 0 or cfg.parallel.dp_replicate < -1:

@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from paratrain.checkpoint.checkpointer import ELASTIC_ENV
 from paratrain.config import ConfigError
 from paratrain.distributed import rendezvous
 from paratrain.distributed.store_auth import BIND_ENV, SECRET_ENV, interface_of, load_secret, new_secret, route_source
+from paratrain.preemption import EXIT_NOW, forward_to_children
+
+# Set in the workers' environment by `paratrain train`: a preempted worker then exits 0 (so the
+# agent neither restarts nor reports it) and the launcher returns checkpoint.exit_code_on_preempt.
+LAUNCHED_ENV = "PARATRAIN_LAUNCHER"
+
+
+# Settings of the rendezvous (distributed/rendezvous.create_handler) a user may pass in --rdzv-conf.
+RDZV_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+)
 
 
 @dataclass(frozen=True)
@@ -22,6 +42,8 @@ class LaunchSpec:
     max_restarts: int = 0
     job_secret_file: str = ""
     bind: str = ""  # address this node listens on (multi-node); "" = the one that reaches the rendezvous
+    max_nnodes: int = 0  # elastic (--nnodes MIN:MAX): MAX; 0 = nnodes (a fixed node count)
+    rdzv_conf: str = ""  # more rendezvous settings, "key=value,..." (timeouts: docs/resilience.md)
 
     @property
     def world_size(self) -> int:
@@ -30,8 +52,22 @@ class LaunchSpec:
     def validate(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
             raise ConfigError("--nproc-per-node and --nnodes must be >= 1")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
+        if max(self.nnodes, self.max_nnodes) > 1 and not self.rdzv_endpoint:
             raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        if self.max_nnodes > self.nnodes and self.max_restarts < 1:
+            # A membership change restarts the workers: each one spends a restart.
+            raise ConfigError(
+                f"--nnodes {self.nnodes}:{self.max_nnodes} needs --max-restarts >= 1 (each node lost or"
+                " joined restarts the workers); e.g. --max-restarts 10"
+            )
+        if self.rdzv_endpoint:
+            check_endpoint(self.rdzv_endpoint)
+        for item in filter(None, self.rdzv_conf.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq or key.strip() not in RDZV_KEYS:
+                raise ConfigError(
+                    f"--rdzv-conf {self.rdzv_conf}: {item!r} is not KEY=VALUE with KEY one of {', '.join(RDZV_KEYS)}"
+                )
         if self.max_restarts < 0:
             raise ConfigError("--max-restarts must be >= 0")
         if self.nnodes == 1 and self.bind and self.bind not in ("127.0.0.1", "::1", "localhost"):
@@ -39,7 +75,12 @@ class LaunchSpec:
 
     @property
     def multi_node(self) -> bool:
-        return self.nnodes > 1 or bool(self.rdzv_endpoint)
+        return max(self.nnodes, self.max_nnodes) > 1 or bool(self.rdzv_endpoint)
+
+    @property
+    def nnodes_arg(self) -> str:
+        """torchrun's --nnodes: N, or MIN:MAX for an elastic job."""
+        return f"{self.nnodes}:{self.max_nnodes}" if self.max_nnodes > self.nnodes else str(self.nnodes)
 
     def bind_addr(self) -> str:
         """What this node's stores and gloo/NCCL bootstrap listen on: loopback for one node, else one address."""
@@ -57,24 +98,40 @@ class LaunchSpec:
             ) from None
 
 
+def check_endpoint(endpoint: str) -> None:
+    """--rdzv-endpoint HOST:PORT ([v6]:PORT), port 0..65535: torch's own ValueError is a traceback."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint}: expected HOST:PORT with a port within 0..65535 (e.g. node0:29500)"
+        )
+
+
 def torchrun_args(spec: LaunchSpec, module: str, module_args: list[str], *, bind: str = "127.0.0.1") -> list[str]:
     args = [
         "--nproc-per-node",
         str(spec.nproc_per_node),
         "--nnodes",
-        str(spec.nnodes),
+        spec.nnodes_arg,
         "--max-restarts",
         str(spec.max_restarts),
     ]
     # The paratrain backend (distributed/rendezvous.py): torch's dynamic rendezvous with JSON +
     # HMAC state instead of c10d's pickle, and stores bound to `bind` instead of all interfaces.
-    args += ["--rdzv-backend", rendezvous.NAME, "--local-addr", bind, "--rdzv-conf", f"bind_addr={bind}"]
+    conf = ",".join(filter(None, [f"bind_addr={bind}", spec.rdzv_conf]))
+    args += ["--rdzv-backend", rendezvous.NAME, "--local-addr", bind, "--rdzv-conf", conf]
     if spec.rdzv_endpoint:
         # Ranks follow arrival order, --node-rank is only a hint to the rendezvous.
         args += ["--rdzv-endpoint", spec.rdzv_endpoint, "--node-rank", str(spec.node_rank)]
     else:
         # What --standalone does (a rendezvous on a free local port), on loopback only.
         args += ["--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", str(uuid.uuid4())]
+    # SIGTERM is the launcher's own (forward_sigterm): torchrun's agent would answer it by
+    # terminating the workers and SIGKILLing them 30 s later, before they can save.
+    # The agent still SIGTERMs the workers when one failed (before a restart, or to end the job);
+    # they take it for a preemption, so a worker stuck in a step would keep the default 30 s
+    # before the SIGKILL: 5 s is enough for one whose peers are gone to see its collective fail.
+    args += ["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout", "5"]
     return args + ["--module", module, *module_args]
 
 
@@ -108,28 +165,50 @@ def prepare_node(spec: LaunchSpec) -> tuple[str, Callable[[], None]]:
 
 def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
     """Run ``python -m module module_args`` on ``spec``'s processes; returns the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     spec.validate()
     bind, restore_env = prepare_node(spec)
-    if spec.max_restarts > 0:
+    if spec.max_restarts > 0 or spec.max_nnodes > spec.nnodes:
         # pytorch#135712: on torch 2.13 restarted workers often hang in init_process_group when
         # they share the agent's rendezvous TCP store; a store of their own avoids it.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args(torchrun_args(spec, module, module_args, bind=bind))
+    terms = []
+
+    def forward_sigterm(signum, frame) -> None:
+        # Preemption (preemption.py): the workers stop after an agreed step, save and exit;
+        # the agent then sees them succeed. Before any worker exists there is nothing to save.
+        terms.append(time.monotonic())
+        if not forward_to_children(signum):
+            raise SignalException("SIGTERM before the workers started", sigval=signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward_sigterm)
+    os.environ[LAUNCHED_ENV] = "1"
+    if spec.max_nnodes > spec.nnodes:
+        os.environ[ELASTIC_ENV] = "1"  # every (re)start resumes the newest checkpoint (resume_spec)
     try:
         run(args)
+    except SignalException:
+        print("paratrain: error: SIGTERM before the workers started; nothing to save", file=sys.stderr)
+        return EXIT_NOW
     except RendezvousError as e:
         # e.g. a node with the wrong job secret: one line, no traceback.
         print(f"paratrain: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     except ChildFailedError as e:
         print(f"paratrain: error: {failure_summary(e.failures)}", file=sys.stderr)
+        if terms:  # ended by SIGTERM (a second one, or the grace period ran out)
+            return EXIT_NOW
         # The cause decides: a bad config (2) stays 2 even when the agent then ends the others.
         return 2 if _exit_code(first_failure(e.failures)[1]) == 2 else 1
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        os.environ.pop(LAUNCHED_ENV, None)
+        os.environ.pop(ELASTIC_ENV, None)
         restore_env()  # a later launch in this process (verify runs two) starts from a clean slate
     return 0
 

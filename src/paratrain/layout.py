@@ -8,6 +8,7 @@ one clear line (ConfigError, exit code 2) instead of a failure deep inside a col
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -38,6 +39,7 @@ def check_layout(
     Fills ``model.args.vocab_size`` of the built-in GPT from a prepared corpus's meta.json (so
     every command and the written config.toml see the size the model is built with).
     """
+    check_paths(cfg)
     model_builder(cfg.model)
     dataset_builder(cfg.data)
     resolve_model_vocab(cfg.model, cfg.data)
@@ -60,6 +62,20 @@ def check_layout(
     elif not cfg.model.factory:
         check_model_layout(cfg, spec or spec_of(cfg.model, model), tp=1)
     return dims, plan
+
+
+def check_paths(cfg: Config) -> None:
+    """run.out_dir and checkpoint.dir must be folders (or creatable): no file on their way."""
+    for key, path in (("run.out_dir", cfg.run.out_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if not path:
+            continue
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{key} = {path!r} is a file, not a folder; choose a folder path")
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            raise ConfigError(f"{key} = {path!r} lies under the file {parent!r}; choose a folder path")
 
 
 def model_on_meta(
@@ -155,13 +171,6 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
             raise ConfigError(
                 "batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
                 " set batch.micro_batch_size to a number with parallel.pp > 1"
-            )
-        if cfg.checkpoint.interval or cfg.checkpoint.at_end or cfg.checkpoint.resume:
-            # Stage state dicts are keyed by the local stage index, not by the model's names, so a
-            # checkpoint could not be resharded to another layout or exported: refuse for now.
-            raise ConfigError(
-                "checkpoints are not supported with parallel.pp > 1 yet; set checkpoint.interval = 0,"
-                " checkpoint.at_end = false and checkpoint.resume = ''"
             )
 
 

@@ -44,6 +44,7 @@ from paratrain.models import build, spec_of
 from paratrain.models.spec import ModelSpec
 from paratrain.optim import LRScaling, build_optimizer, build_scheduler
 from paratrain.precision import Precision, build_precision
+from paratrain.preemption import Preemption
 from paratrain.profiling import Profiler, build_profiler
 from paratrain.rank_stats import RankStats, build_rank_stats
 from paratrain.step import StepContext, StepResult, train_step
@@ -60,6 +61,8 @@ class TrainState:
     consumed_samples: int = 0  # position in the sampler's stream
     global_batch_size: int = 0  # the current global batch (batch.adaptive grows it); 0 = not started
     grad_noise: dict = field(default_factory=dict)  # the noise-scale averages of batch.adaptive
+    # [step, world_size] each time the run (re)started at a new world size (elastic --nnodes MIN:MAX)
+    world_sizes: list = field(default_factory=list)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Run:
     precision: Precision
     compression: GradCompression
     ckpt: Checkpointer
+    preemption: Preemption  # SIGTERM: stop after the step every rank agrees on, with a checkpoint
     writer: MetricsWriter
     rank_stats: RankStats  # per-rank memory and times, stragglers (rank_stats.py)
     profiler: Profiler  # torch.profiler traces of [profile] steps (profiling.py)
@@ -116,6 +120,7 @@ def train(
                 run.writer.close()
                 run.loader.close()
                 run.ckpt.close()
+                run.preemption.close()
                 run.profiler.close()
                 run.rank_stats.close()
             return finish(cfg, run, history)
@@ -153,7 +158,10 @@ def loop(cfg: Config, run: Run) -> list[dict]:
         row.update(run.rank_stats.row(step=state.step, step_time_s=row["step_time_s"], data_time_s=data_time))
         history.append(row)
         run.writer.log_step(row)
-    run.ckpt.at_end(state.step)
+        if run.preemption.should_stop(state.step):
+            break
+    # Preempted: a synchronous checkpoint of the step every rank stopped after, whatever the config says.
+    run.ckpt.at_end(state.step, force=run.preemption.stopped_at_step is not None)
     run.plan = plan
     return history
 
@@ -181,6 +189,7 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
         "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.micro_batch_size,
         "accum_steps": plan.accum_steps,
+        "world_size": run.ctx.world_size,
         "items": result.items,
         "tokens": result.tokens,
         "consumed_samples": state.consumed_samples,
@@ -270,12 +279,28 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         rank=ctx.rank,
         world_size=ctx.world_size,
         device=ctx.device,
-        stateful={"grad_scaler": precision.scaler},
+        stateful={"grad_scaler": precision.scaler, "powersgd": compression.checkpoint},
+    )
+    preemption = Preemption(
+        grace_s=cfg.checkpoint.preempt_grace_s,
+        check_steps=cfg.checkpoint.preempt_check_steps,
+        world_size=ctx.world_size,
+        timeout_s=cfg.dist.timeout_s,
     )
     resumed_from = ckpt.resume(*resume_spec(cfg.checkpoint))
     if resumed_from is not None and ctx.is_main:
         truncate_metrics(cfg.run.out_dir, resumed_from)  # rows after the checkpoint are redone
     plan = resumed_plan(cfg, plan, state=state, lr_scaling=lr_scaling, adapter=adapter)
+    if not state.world_sizes or state.world_sizes[-1][1] != ctx.world_size:
+        if state.world_sizes:  # resumed (an elastic restart, or by hand) on another number of ranks
+            log.warning(
+                "world size %d -> %d at step %d: %s",
+                state.world_sizes[-1][1],
+                ctx.world_size,
+                state.step,
+                plan.describe(),
+            )
+        state.world_sizes = [*state.world_sizes, [state.step, ctx.world_size]]
 
     if ctx.is_main:
         os.makedirs(cfg.run.out_dir, exist_ok=True)
@@ -307,6 +332,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         precision=precision,
         compression=compression,
         ckpt=ckpt,
+        preemption=preemption,
         writer=writer,
         rank_stats=build_rank_stats(
             cfg.metrics, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, model=model
@@ -406,8 +432,10 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
         torch_version=torch.__version__,
         resumed_from_step=run.resumed_from,
         checkpoint_blocked_s=run.ckpt.blocked_s,
+        preempted_at_step=run.preemption.stopped_at_step,
+        world_size_changes=[{"step": s, "world_size": w} for s, w in run.state.world_sizes],
     )
-    if cfg.run.save_model:
+    if cfg.run.save_model and run.preemption.stopped_at_step is None:  # a preempted run is not done
         save_full_weights(run.model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
     run.writer.finish(summary)  # trackers get the summary and close
     if ctx.is_main:

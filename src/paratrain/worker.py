@@ -12,9 +12,11 @@ import os
 import sys
 import time
 
+from paratrain.checkpoint import CheckpointSaveError
 from paratrain.cli import add_set_argument
 from paratrain.config import ConfigError, load_config
 from paratrain.distributed.hang import CollectiveTimeout
+from paratrain.launch import LAUNCHED_ENV
 from paratrain.trainer import train
 
 
@@ -34,12 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.resume is not None:
             args.overrides.append("checkpoint.resume=" + json.dumps(args.resume))
-        train(load_config(args.config, args.overrides))
+        cfg = load_config(args.config, args.overrides)
+        summary = train(cfg)
+        if summary.get("preempted_at_step") is not None and not os.environ.get(LAUNCHED_ENV):
+            return cfg.checkpoint.exit_code_on_preempt  # plain torchrun: the workers' code is the job's
     except ConfigError as e:
         record_failure(str(e), exit_code=2)
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
-    except CollectiveTimeout as e:  # already explained: no traceback
+    except (CollectiveTimeout, CheckpointSaveError) as e:  # already explained: no traceback
         record_failure(str(e), exit_code=1)
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 1

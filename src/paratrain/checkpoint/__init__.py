@@ -8,6 +8,7 @@
 
 from paratrain.checkpoint.checkpointer import (
     Checkpointer,
+    CheckpointSaveError,
     DataclassState,
     ModelState,
     OptimizerState,
@@ -30,6 +31,7 @@ from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_rea
 
 __all__ = [
     "Checkpointer",
+    "CheckpointSaveError",
     "CheckpointInvalid",
     "DataclassState",
     "ModelState",

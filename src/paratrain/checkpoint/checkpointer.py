@@ -26,19 +26,25 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import random
+import re
 import shutil
 import time
 import tomllib
+import uuid
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -56,7 +62,8 @@ from paratrain.checkpoint.manifest import (
 )
 from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_reader
 from paratrain.config import CheckpointConfig, ConfigError, to_toml
-from paratrain.distributed.json_collectives import broadcast_json
+from paratrain.distributed.json_collectives import all_gather_json, broadcast_json
+from paratrain.distributed.pipeline_parallel import PipelineModel
 
 log = logging.getLogger("paratrain")
 
@@ -90,18 +97,44 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+# A PipelineModel (distributed/pipeline_parallel.py) holds this rank's stages in ``parts``; each
+# stage keeps the whole model's parameter names (the split keeps the module tree), so removing the
+# ``parts.K.`` container prefix gives the names a one-process model has. Saved under those names,
+# a pp = 2 checkpoint loads at pp = 1, under FSDP/TP or exports, and back (torchtitan does the same).
+_STAGE_PREFIX = re.compile(r"^((?:state|param_groups)\.)?parts\.\d+\.")
+
+
+def _own_names(sd: dict, model: torch.nn.Module) -> tuple[dict, dict[str, str]]:
+    """``sd`` with the model's own names, and the map back to the keys ``model`` uses."""
+    if not isinstance(model, PipelineModel):
+        return sd, {}
+    back = {_STAGE_PREFIX.sub(r"\1", k): k for k in sd}
+    return {_STAGE_PREFIX.sub(r"\1", k): v for k, v in sd.items()}, back
+
+
 class ModelState(Stateful):
-    """The model through DCP's get/set_model_state_dict: names without DDP's ``module.`` prefix,
-    DTensor shards described by their global shape, so any layout loads into any other."""
+    """The model through DCP's get/set_model_state_dict: names without DDP's ``module.`` prefix
+    (nor a pipeline's ``parts.K.``), DTensor shards described by their global shape, so any layout
+    loads into any other."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self._back: dict[str, str] = {}
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)
+        sd, self._back = _own_names(get_model_state_dict(self.model), self.model)
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self._back:
+            state_dict = {self._back[k]: v for k, v in state_dict.items()}
         set_model_state_dict(self.model, state_dict)
+
+
+# Flattened (``state.<name>.<key>``, ``param_groups.<name>.<key>``): every value is keyed by a
+# parameter name, so pipeline stages that hold different parameters never write the same key
+# (nested, ``param_groups`` is a list indexed by group number and the stages' lists collide).
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class OptimizerState(Stateful):
@@ -109,12 +142,16 @@ class OptimizerState(Stateful):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
+        self._back: dict[str, str] = {}
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        sd, self._back = _own_names(get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT), self.model)
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        if self._back:
+            state_dict = {self._back[k]: v for k, v in state_dict.items()}
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=_FLAT)
 
 
 class DataclassState(Stateful):
@@ -181,6 +218,11 @@ class Checkpointer:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.timeout_s = timeout_s
         self.last_saved_step = -1
+        # Which run wrote a checkpoint (its manifest's run_id): a resumed run takes over the id of
+        # the checkpoint it resumed, and prunes only checkpoints of its own id.
+        self.run_id = uuid.uuid4().hex
+        self._written: set[str] = set()  # folders this process created (partial ones may be removed)
+        self._pending_path: tuple[int, str] = (-1, "")
         self.blocked_s: list[float] = []  # time each save held up training
         self._pending: concurrent.futures.Future | None = None
         self._finalizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt") if rank == 0 else None
@@ -207,9 +249,13 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- state dicts
 
+    def _key(self, name: str) -> str:
+        """Objects whose state differs per rank (``per_rank = True``) are saved once per rank."""
+        return f"{name}_rank{self.rank}" if getattr(self.stateful[name], "per_rank", False) else name
+
     def _app_state(self) -> dict:
         return {
-            **{k: v.state_dict() for k, v in self.stateful.items()},
+            **{self._key(k): v.state_dict() for k, v in self.stateful.items()},
             f"rng_rank{self.rank}": rng_state(self.device),
         }
 
@@ -221,48 +267,57 @@ class Checkpointer:
             return self.save(step)
         return None
 
-    def at_end(self, step: int) -> float | None:
+    def at_end(self, step: int, *, force: bool = False) -> float | None:
+        """After the last step: save if checkpoint.at_end (or ``force``: preempted, synchronously)."""
         blocked = None
-        if self.cfg.at_end and step != self.last_saved_step:
-            blocked = self.save(step)
+        if (self.cfg.at_end or force) and step != self.last_saved_step:
+            blocked = self.save(step, sync=force)
         self.wait()
         return blocked
 
-    def save(self, step: int) -> float:
+    def save(self, step: int, *, sync: bool = False) -> float | None:
+        """Save ``step``; ``sync``: return only once it is complete, whatever checkpoint.async_save says.
 
+        Returns the seconds training was held up, or None when the save failed and
+        ``checkpoint.on_error = 'warn'`` let training go on (see :meth:`_failed`).
+        """
         t0 = time.perf_counter()
         self.wait()  # one save in flight at a time (waiting for it also holds training up)
         path = os.path.join(self.root, f"step-{step}")
         self._barrier(f"the checkpoint of step {step}")
-        if self.rank == 0:
-            if os.path.exists(path):  # a partial folder left by a killed attempt at this step
-                shutil.rmtree(path)
-            os.makedirs(path)
-            with open(os.path.join(path, CONFIG_FILE), "w") as f:
-                f.write(self.config_toml)
-        if self.world_size > 1:
-            dist.barrier(group=self.group)  # the folder is fresh before anyone writes into it
+        error = _guarded(lambda: self._prepare(path)) if self.rank == 0 else None
+        if self.world_size > 1:  # also a barrier: the folder is fresh before anyone writes into it
+            error = broadcast_json(error, src=0, group=self.group)
+        if error:
+            return self._failed(step, path, error)
         writer = dcp.FileSystemWriter(path)
         app = self._app_state()
         info = {
             "step": step,
+            "run_id": self.run_id,
             "train_state": dataclasses.asdict(self.state),
             "world_size": self.world_size,
             "layout": self.layout,
             "torch_version": torch.__version__,
             "time": time.time(),
         }
-        if self.cfg.async_save:
+        asynchronous = self.cfg.async_save and not sync
+        if asynchronous:
             # async_save copies the state to CPU memory (the blocking part) and writes it from a
             # background thread; the manifest follows once the coordinator's write is done.
             fut = dcp.async_save(app, storage_writer=writer, process_group=self.group)
             self._pending = self._finalizer.submit(self._finalize, fut, path, info) if self.rank == 0 else fut
+            self._pending_path = (step, path)
         else:
-            dcp.save(app, storage_writer=writer, process_group=self.group)
-            if self.rank == 0:
-                self._finalize(None, path, info)
-            if self.world_size > 1:
-                dist.barrier(group=self.group)  # every rank returns with the checkpoint complete
+
+            def write() -> None:
+                dcp.save(app, storage_writer=writer, process_group=self.group)
+                if self.rank == 0:
+                    self._finalize(None, path, info)
+
+            error = self._agree(_guarded(write))  # every rank returns with the checkpoint complete, or fails
+            if error:
+                return self._failed(step, path, error)
         blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
         self.last_saved_step = step
@@ -270,10 +325,57 @@ class Checkpointer:
             "checkpoint step %d -> %s (%s, training blocked %.3f s)",
             step,
             path,
-            "async" if self.cfg.async_save else "sync",
+            "async" if asynchronous else "sync",
             blocked,
         )
         return blocked
+
+    def _prepare(self, path: str) -> None:
+        """Rank 0: a fresh step-N folder holding the resolved config."""
+        if os.path.lexists(path):
+            if os.path.isfile(os.path.join(path, MANIFEST)) and self._owner(path) != self.run_id:
+                # A complete checkpoint of another run (or one whose manifest cannot be read): never
+                # delete what this run did not write; keep it under another name.
+                aside = f"{path}.replaced-{int(time.time())}"
+                os.replace(path, aside)
+                log.warning("warning: %s belongs to another run; moved it to %s", path, aside)
+            else:  # a partial folder left by a killed attempt at this step, or our own
+                shutil.rmtree(path)
+        os.makedirs(path)
+        self._written.add(path)
+        with open(os.path.join(path, CONFIG_FILE), "w") as f:
+            f.write(self.config_toml)
+
+    def _agree(self, error: str | None) -> str | None:
+        """The first rank's error, on every rank (None when every rank succeeded)."""
+        if self.world_size == 1:
+            return error
+        return next((e for e in all_gather_json(error, group=self.group) if e), None)
+
+    def _failed(self, step: int, path: str, error: str) -> None:
+        """A save that failed: drop its partial folder, keep the previous checkpoints; stop or warn."""
+        if self.rank == 0 and path in self._written and not os.path.isfile(os.path.join(path, MANIFEST)):
+            shutil.rmtree(path, ignore_errors=True)  # frees what a full disk took; it has no manifest
+        previous = [
+            os.path.basename(p) for _, p in list_checkpoints(self.root) if os.path.isfile(os.path.join(p, MANIFEST))
+        ]
+        line = (
+            f"the checkpoint of step {step} could not be written to {path} ({error});"
+            f" previous complete checkpoints: {', '.join(previous) or 'none'}"
+        )
+        if self.cfg.on_error == "warn":
+            log.warning("warning: %s; training goes on (checkpoint.on_error = 'warn')", line)
+            return None
+        raise CheckpointSaveError(
+            f"{line}; free space or fix the folder's permissions and resume (checkpoint.on_error = 'warn' trains on)"
+        )
+
+    def _owner(self, path: str) -> str | None:
+        try:
+            with open(os.path.join(path, MANIFEST)) as f:
+                return json.load(f).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            return None
 
     def _finalize(self, fut, path: str, info: dict) -> None:
         """Rank 0, after DCP wrote every shard and .metadata: manifest last, then prune."""
@@ -283,6 +385,7 @@ class Checkpointer:
         self._prune()
 
     def _prune(self) -> None:
+        """Delete the checkpoints beyond ``keep``: only this run's own (its run_id in the manifest)."""
         if self.cfg.keep <= 0:
             return
         complete = [(s, p) for s, p in list_checkpoints(self.root) if os.path.isfile(os.path.join(p, MANIFEST))]
@@ -291,20 +394,31 @@ class Checkpointer:
         keep = {p for _, p in complete[: self.cfg.keep]}
         oldest_kept = complete[: self.cfg.keep][-1][0]
         for s, p in list_checkpoints(self.root):
-            # Older complete checkpoints beyond `keep`, and partial folders older than a kept one.
+            # Older complete checkpoints beyond `keep`, and partial folders older than a kept one,
+            # when this run wrote them (a checkpoint of another run, or a damaged one, stays).
             if p not in keep and s < oldest_kept:
-                shutil.rmtree(p, ignore_errors=True)
+                complete_p = os.path.isfile(os.path.join(p, MANIFEST))
+                if (complete_p and self._owner(p) == self.run_id) or (not complete_p and p in self._written):
+                    shutil.rmtree(p, ignore_errors=True)
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is complete, manifest included."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+        """Block until the save in flight (if any) is complete, manifest included (every rank calls it)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        error = _guarded(pending.result)
+        error = self._agree(error)
+        if error:
+            self._failed(*self._pending_path, error)
 
     def close(self) -> None:
         """Wait for a save in flight; called in a finally block, so it reports rather than raises."""
         try:
-            self.wait()
+            if self._pending is not None:  # alone: the other ranks may be gone (no collective here)
+                pending, self._pending = self._pending, None
+                error = _guarded(pending.result)
+                if error:
+                    raise CheckpointSaveError(error)
         except Exception as e:  # noqa: BLE001 - do not mask the error that ended training
             log.warning(
                 "warning: the checkpoint in flight failed (%s: %s); it has no manifest and will be skipped",
@@ -341,6 +455,7 @@ class Checkpointer:
         if path is None:
             return None
         self.load(path)
+        self.run_id = self._owner(path) or self.run_id  # this run continues that one: its checkpoints are ours
         self.last_saved_step = self.state.step
         return self.state.step
 
@@ -351,6 +466,8 @@ class Checkpointer:
         self._warn_config_changes(path)
         app = self._app_state()
         for name, obj in self.stateful.items():
+            if getattr(obj, "per_rank", False):
+                continue  # below
             if not any(key == name or key.startswith(name + ".") for key in keys):
                 # Absent from the checkpoint (an older run; fp32 before, for the GradScaler): keep as is.
                 del app[name]
@@ -360,6 +477,7 @@ class Checkpointer:
                     for k, v in app[name].items()
                     if f"{name}.{k}" in keys or any(key.startswith(f"{name}.{k}.") for key in keys)
                 }
+        check_shapes(md, app.get("model", {}), path=path)  # one line, before DCP's "Size mismatch" on every rank
         own = f"rng_rank{self.rank}"
         src = own if any(k.startswith(own + ".") for k in keys) else "rng_rank0"
         if src != own:
@@ -367,9 +485,20 @@ class Checkpointer:
             # rank alike, so this is exact unless user code made per-rank random streams).
             log.info("checkpoint %s has no RNG state for rank %d; using rank 0's", path, self.rank)
         app[src] = app.pop(own)
+        per_rank = {}  # name -> the key loaded for it (this rank's, else rank 0's at another world size)
+        for name, obj in self.stateful.items():
+            if getattr(obj, "per_rank", False):
+                mine = app.pop(self._key(name))
+                key = next((k for k in (f"{name}_rank{self.rank}", f"{name}_rank0") if _has(keys, k)), None)
+                if key is not None:
+                    # Its tensors are known from the metadata only (e.g. PowerSGD's per-bucket state).
+                    app[key] = _template(md, key) or mine
+                    per_rank[name] = key
         dcp.load(app, storage_reader=safe_reader(path), planner=safe_planner(), process_group=self.group)
         for name, obj in self.stateful.items():  # in order: the model before its optimiser
-            if name in app:
+            if name in per_rank:
+                obj.load_state_dict(app[per_rank[name]], own=per_rank[name].endswith(f"_rank{self.rank}"))
+            elif name in app:
                 obj.load_state_dict(app[name])
         set_rng_state(app[src], self.device)
         log.info(
@@ -414,10 +543,82 @@ class Checkpointer:
             )
 
 
+def _has(keys, name: str) -> bool:
+    return any(k == name or k.startswith(name + ".") for k in keys)
+
+
+def _template(md, prefix: str) -> dict:
+    """A nested dict shaped like the checkpoint's entries under ``prefix``: empty tensors of the
+    saved shapes and dtypes, None for other values (DCP fills both in)."""
+    out: dict = {}
+    for k, m in md.state_dict_metadata.items():
+        if not k.startswith(prefix + "."):
+            continue
+        *parents, leaf = k[len(prefix) + 1 :].split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+    return out
+
+
+def check_shapes(md, model_sd: dict, *, path: str) -> None:
+    """Refuse a checkpoint whose model tensors differ from this model's (names and global shapes)."""
+    saved = {
+        k.removeprefix("model."): list(m.size)
+        for k, m in md.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+    for name, t in model_sd.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        shape = list(t.shape)  # a DTensor's shape is its global shape
+        if name not in saved:
+            raise ConfigError(
+                f"checkpoint {path} has no parameter {name} (shape {shape} in this config's model); resume with"
+                " the config that wrote it (its config.toml is in the checkpoint folder) or start a new run.out_dir"
+            )
+        if saved[name] != shape:
+            raise ConfigError(
+                f"checkpoint {path}: parameter {name} has shape {saved[name]} there but {shape} in this"
+                " config's model; resume with the config that wrote it (its config.toml is in the checkpoint"
+                " folder) or start a new run.out_dir"
+            )
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that could not be written (full or unwritable folder): one line, exit code 1."""
+
+
+def _guarded(fn) -> str | None:
+    """Run ``fn``; None if it succeeded, else the first underlying error as one line.
+
+    DCP wraps the writers' errors in CheckpointException, a BaseException (not an Exception) whose
+    text is every rank's traceback: the first failure's own line is what a person needs.
+    """
+    try:
+        fn()
+        return None
+    except CheckpointException as e:
+        first = next(iter(e.failures.values()), None)
+        exc = first[0] if isinstance(first, tuple) else first
+        return f"{type(exc).__name__}: {exc}".splitlines()[0] if exc is not None else "CheckpointException"
+    except OSError as e:
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
+ELASTIC_ENV = "PARATRAIN_ELASTIC"  # set by `paratrain train --nnodes MIN:MAX` in its workers
+
+
 def resume_spec(cfg: CheckpointConfig) -> tuple[str, str]:
     """(spec, fallback) for Checkpointer.resume: checkpoint.resume; but in workers that torchrun
     restarted after a failure, the newest complete checkpoint of this run first (it is newer
     than the one the job was started from), checkpoint.resume only if there is none."""
+    if os.environ.get(ELASTIC_ENV):
+        # An elastic job (--nnodes MIN:MAX): torch elastic restarts the workers on a membership
+        # change without counting a restart (TORCHELASTIC_RESTART_COUNT stays 0), so every
+        # start continues the newest complete checkpoint, as --resume would.
+        return "latest", cfg.resume
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         log.info(
             "restart %s of the worker group: resuming from the newest complete checkpoint",

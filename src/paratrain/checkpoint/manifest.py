@@ -91,13 +91,27 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
 
 
 def find_latest(root: str) -> str | None:
-    """The newest intact checkpoint under root; incomplete or damaged newer ones are reported and skipped."""
+    """The newest intact checkpoint under root; incomplete or damaged newer ones are reported and skipped.
+
+    Raises ConfigError when checkpoints were written (a manifest exists) but none verifies: starting
+    at step 0 would then overwrite and prune them, though on a network filesystem they may only be
+    unreadable for a moment. Only incomplete folders (a kill during the first save) start at step 0.
+    """
+    refused = []
     for _, path in list_checkpoints(root):
         try:
             verify_checkpoint(path)
             return path
         except CheckpointInvalid as e:
             log.warning("warning: %s; skipping it, trying the previous checkpoint", e)
+            refused.append((path, e))
+    written = [(p, e) for p, e in refused if os.path.lexists(os.path.join(p, MANIFEST))]
+    if written:
+        why = "; ".join(f"{os.path.basename(p)}: {str(e).removeprefix(f'checkpoint {p} ')}" for p, e in refused)
+        raise ConfigError(
+            f"no checkpoint in {root} verifies ({why}); restore them (a network filesystem may be late), move"
+            " them away to start at step 0, or pass --resume PATH"
+        )
     return None
 
 

@@ -27,6 +27,7 @@ torch gives is ``MixedPrecisionPolicy(reduce_dtype=...)`` (see :mod:`paratrain.p
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -34,9 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.config import CommConfig, ConfigError
+
+log = logging.getLogger("paratrain")
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -117,12 +121,56 @@ class GradCompression:
     state: object = None
     extra: dict = field(default_factory=dict)
     bytes_per_step: int | None = None  # "none" under DDP: counted arithmetically, once per step
+    checkpoint: Stateful | None = None  # what a checkpoint saves of it (PowerSGD's state), None if nothing
 
     def take_bytes(self) -> int | None:
         """Gradient bytes handed to collectives since the last call (None when not counted)."""
         if self.bytes_per_step is not None:
             return self.bytes_per_step
         return None if self.counter is None else self.counter.take()
+
+
+class PowerSGDCheckpoint(Stateful):
+    """PowerSGD's state for checkpoints: the iteration count (which decides when compression
+    starts), the warm-start Q factors (the same on every rank: they are all-reduced) and this
+    rank's error feedback (its own: ``per_rank``), each keyed by DDP bucket index.
+
+    The P buffers are saved too although every step recomputes P from the gradient and Q: torch's
+    hook takes a bucket without a P buffer for a new one and draws fresh random Qs for it (from
+    its numpy RNG, also saved), which would throw the warm start away. At another world size the error feedback of the ranks cannot be mapped onto the new ones; it restarts at
+    zero (rank 0's Q and count are kept) and the run leaves the uninterrupted trajectory.
+    """
+
+    per_rank = True
+
+    def __init__(self, state: powerSGD_hook.PowerSGDState, device: torch.device):
+        self.state, self.device = state, device
+
+    def state_dict(self) -> dict:
+        s = self.state
+        _, key, pos, has_gauss, gauss = s.rng.get_state()
+        return {
+            "iter": s.iter,
+            "error": {str(k): v for k, v in s.error_dict.items()},
+            "p": {str(k): v for k, v in s.p_memory_dict.items()},
+            "q": {str(k): v for k, v in s.q_memory_dict.items()},
+            "rng": {"key": torch.from_numpy(key.astype("int64")), "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
+        }
+
+    def load_state_dict(self, state_dict: dict, *, own: bool = True) -> None:
+        s = self.state
+        s.iter = int(state_dict["iter"])
+        s.p_memory_dict = {int(k): v.to(self.device) for k, v in (state_dict.get("p") or {}).items()}
+        s.q_memory_dict = {int(k): v.to(self.device) for k, v in (state_dict.get("q") or {}).items()}
+        rng = state_dict.get("rng")
+        if rng:
+            key = rng["key"].numpy().astype("uint32")
+            s.rng.set_state(("MT19937", key, int(rng["pos"]), int(rng["has_gauss"]), float(rng["gauss"])))
+        s.error_dict = {int(k): v.to(self.device) for k, v in (state_dict.get("error") or {}).items()} if own else {}
+        if not own:
+            log.warning(
+                "PowerSGD: the checkpoint was written at another world size; its error feedback restarts at zero"
+            )
 
 
 def apply_grad_compression(model: nn.Module, *, cfg: CommConfig, seed: int = 0) -> GradCompression:
@@ -158,5 +206,12 @@ def apply_grad_compression(model: nn.Module, *, cfg: CommConfig, seed: int = 0) 
             compression_stats_logging_frequency=10**9,
         )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return GradCompression("powersgd", counter, state)
+        # PowerSGD keys its error feedback and Q factors by DDP bucket. DDP rebuilds its buckets
+        # once, after the first backward of a process, in the order the gradients were ready; a
+        # resumed process would run its first step on the initial buckets with state saved for
+        # the rebuilt ones. Pushing the rebuilt order now (parameter order, what DDP's Join does
+        # for late ranks) fixes one bucket layout from the first step, the same in every process.
+        model.reducer._push_all_rebuilt_params()
+        device = next(model.parameters()).device
+        return GradCompression("powersgd", counter, state, checkpoint=PowerSGDCheckpoint(state, device))
     raise ConfigError(f"comm.compression = {cfg.compression!r} is unknown; use 'none', 'bf16', 'fp16' or 'powersgd'")

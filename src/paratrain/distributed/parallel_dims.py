@@ -30,8 +30,16 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
-        others = cfg.dp_shard * cfg.tp * cfg.pp
-        dp_replicate = cfg.dp_replicate
+        dp_shard, dp_replicate = cfg.dp_shard, cfg.dp_replicate
+        if dp_shard == -1:  # sharding fills the world (elastic jobs: any node count)
+            fixed = (dp_replicate if dp_replicate > 0 else 1) * cfg.tp * cfg.pp
+            if world_size % fixed:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by dp_replicate x tp {cfg.tp} x pp {cfg.pp} = {fixed}"
+                    " (parallel.dp_shard = -1 fills the rest); change the degrees or the number of processes"
+                )
+            dp_shard, dp_replicate = world_size // fixed, max(dp_replicate, 1)
+        others = dp_shard * cfg.tp * cfg.pp
         if dp_replicate == -1:
             if world_size % others:
                 raise ConfigError(
@@ -39,7 +47,7 @@ class ParallelDims:
                     f" = {others}; change the degrees or the number of processes"
                 )
             dp_replicate = world_size // others
-        dims = cls(dp_replicate, cfg.dp_shard, cfg.tp, cfg.pp, world_size)
+        dims = cls(dp_replicate, dp_shard, cfg.tp, cfg.pp, world_size)
         dims.validate()
         return dims
 
