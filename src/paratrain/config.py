@@ -47,7 +47,18 @@ class RunConfig:
 class ModelConfig:
     name: str = opt("gpt", "Built-in model: 'gpt'. Ignored when factory is set.")
     factory: str = opt("", "User model as 'package.module:function'; called with [model.args] as keyword arguments.")
-    args: dict = opt({}, "Keyword arguments for the model builder (e.g. n_layer, d_model for gpt).")
+    args: dict = opt(
+        {},
+        "Keyword arguments for the model builder (e.g. n_layer, d_model for gpt); with hf, fields of its config.json to override (e.g. num_hidden_layers).",
+    )
+    hf: str = opt(
+        "",
+        "A local directory of a transformers causal LM (config.json, optionally *.safetensors and tokenizer files); replaces name/factory. Never a hub name.",
+    )
+    hf_weights: bool | str = opt(
+        "auto",
+        "With hf: true loads the directory's safetensors weights (each rank reads only its shards), false initialises from run.seed, 'auto' loads them when present.",
+    )
 
 
 @dataclass
