@@ -19,6 +19,8 @@ from tests.dist_utils import read_metrics, run_ranks
 from tests.hf_models import ARCHS, save_tiny
 
 pytest.importorskip("transformers")
+# The module's fixture trains 21 runs in three process groups before the first assertion.
+pytestmark = pytest.mark.timeout(1200)
 
 BASE = [
     "data.factory='tests.toy:toy_lm'",

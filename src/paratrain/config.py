@@ -466,7 +466,7 @@ def validate(cfg: Config) -> None:
             f" batch.global_batch_size = {cfg.batch.global_batch_size}; raise it or set 0 (8x)"
         )
     positive("optim.reference_batch_size", cfg.optim.reference_batch_size, allow_zero=True)
-    positive("optim.lr", cfg.optim.lr)
+    positive("optim.lr", cfg.optim.lr, allow_zero=True)  # 0: the weights stay (e.g. a pretrained loss check)
     positive("optim.grad_clip", cfg.optim.grad_clip, allow_zero=True)
     positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)
     positive("data.workers", cfg.data.workers, allow_zero=True)

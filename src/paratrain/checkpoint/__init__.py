@@ -17,7 +17,7 @@ from paratrain.checkpoint.checkpointer import (
     rng_state,
     set_rng_state,
 )
-from paratrain.checkpoint.export import export_safetensors
+from paratrain.checkpoint.export import export_safetensors, read_model_weights
 from paratrain.checkpoint.manifest import (
     CheckpointInvalid,
     find_latest,
@@ -37,6 +37,7 @@ __all__ = [
     "build_checkpointer",
     "config_changes",
     "export_safetensors",
+    "read_model_weights",
     "find_latest",
     "list_checkpoints",
     "load_metadata",

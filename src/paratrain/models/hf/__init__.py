@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from paratrain.config import ConfigError, ModelConfig
-from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, check_hf_dir, load_hf_config
+from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
 from paratrain.models.hf.parallel import check_hf_layout, hf_tp_plan
 from paratrain.models.hf.weights import load_into, save_hf, weight_files
 from paratrain.models.spec import ModelSpec
@@ -38,7 +38,7 @@ def build_hf(cfg: ModelConfig) -> HFCausalLM:
 
 
 def hf_spec(cfg: ModelConfig) -> ModelSpec:
-    check_hf_dir(cfg.hf)
+    load_hf_config(cfg.hf, cfg.args)  # the directory, the architecture and [model.args], before any process starts
     files = weight_files(cfg.hf)
     load = hf_weights_enabled(cfg, files)
 

@@ -51,6 +51,13 @@ def load_hf_config(path: str, overrides: dict, key: str = "model.hf"):
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{key} = {path!r}: transformers cannot read its {CONFIG_FILE} ({first})") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(
+            f"{key} = {path!r}: model_type {config.model_type!r} is not a causal language model in transformers'"
+            " AutoModelForCausalLM; pass a decoder LM's directory"
+        )
     for name, value in overrides.items():
         if not hasattr(config, name):
             raise ConfigError(f"model.args.{name} is not a field of {type(config).__name__}; remove it")

@@ -28,6 +28,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from paratrain.config import ConfigError
 
 INDEX = "model.safetensors.index.json"
+# Module names that wrappers insert around blocks: checkpoint_wrapper's and torch.compile's.
+WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -94,12 +96,13 @@ def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device) 
     handles: dict[str, object] = {}
     try:
         for part in _parts(model):
-            hf_name = getattr(part, "module", part).hf_name
+            part = getattr(part, "module", part)  # DDP's wrapper: its module keeps the names
+            hf_name = part.hf_name
             if any(p.is_meta for p in part.parameters()):
                 _to_empty_keeping_ties(part, device)
             for name, p in part.named_parameters():
-                # Wrappers (DDP's module., checkpoint and compile prefixes) do not rename the checkpoint.
-                clean = name.replace("module.", "").replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+                # Activation checkpointing and compile wrap blocks; their names do not reach the checkpoint.
+                clean = ".".join(c for c in name.split(".") if c not in WRAPPER_NAMES)
                 key = hf_name(clean)
                 if key not in files:
                     raise ConfigError(
