@@ -145,3 +145,12 @@ def test_tied_embeddings_refused_on_pipeline(tmp_path):
     src = save_tiny("qwen3", str(tmp_path / "qwen3"), weights=False)
     line = refusal(tmp_path, f"model.hf='{src}'", "parallel.pp=2", "batch.micro_batch_size=4", nproc=2)
     assert "tied weights" in line and "parallel.pp = 1" in line
+
+
+def test_generate_decodes_with_the_hf_tokenizer(sharded_run):
+    from paratrain.generate import generate_text
+
+    _, _, out = sharded_run
+    text = generate_text(out, "def f(x):", max_new_tokens=8, seed=0)
+    assert text.startswith("def f(x):") and len(text) > len("def f(x):")
+    assert text == generate_text(out, "def f(x):", max_new_tokens=8, seed=0)  # the seed decides the sample

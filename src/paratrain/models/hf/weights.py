@@ -129,7 +129,9 @@ def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device) 
     return read
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], *, config, out_dir: str, source_dir: str, hf_name) -> None:
+def save_hf(
+    state_dict: dict[str, torch.Tensor], *, config, out_dir: str, source_dir: str, hf_name, max_shard_size: str = "2GB"
+) -> None:
     """Write the gathered weights (wrapper names) as an HF directory that ``from_pretrained`` loads."""
     from transformers import AutoModelForCausalLM  # an optional extra: paratrain[hf]
 
@@ -148,11 +150,25 @@ def save_hf(state_dict: dict[str, torch.Tensor], *, config, out_dir: str, source
         )
     os.makedirs(out_dir, exist_ok=True)
     hf.config._attn_implementation = None
-    hf.save_pretrained(out_dir, max_shard_size="2GB")
+    hf.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    _ensure_index(out_dir)
     for name in TOKENIZER_FILES:
         src = os.path.join(source_dir, name)
         if os.path.isfile(src) and not os.path.exists(os.path.join(out_dir, name)):
             shutil.copy(src, out_dir)
+
+
+def _ensure_index(out_dir: str) -> None:
+    """An index even for a single file (save_pretrained writes one only when it shards), so every
+    export has the same layout and tools that read the index find it."""
+    index, single = os.path.join(out_dir, INDEX), os.path.join(out_dir, "model.safetensors")
+    if os.path.isfile(index) or not os.path.isfile(single):
+        return
+    with safe_open(single, "pt") as f:
+        names = list(f.keys())
+    weight_map = dict.fromkeys(names, "model.safetensors")
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": os.path.getsize(single)}, "weight_map": weight_map}, f, indent=2)
 
 
 def _is_tied_copy(hf: nn.Module, key: str) -> bool:
