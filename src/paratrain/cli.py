@@ -18,6 +18,7 @@ from paratrain.bench.compute import add_compute_arguments, compute_main
 from paratrain.checkpoint import export_safetensors, read_model_weights
 from paratrain.checkpoint.manifest import CONFIG_FILE
 from paratrain.config import Config, ConfigError, describe_keys, load_config, to_toml
+from paratrain.data.prepare import prepare
 from paratrain.distributed.process_group import resolve_device
 from paratrain.env import add_env_arguments, env_main, env_worker_args
 from paratrain.find_batch import estimate_without_group, find_micro_batch, nothing_fits_error, replica_dims
@@ -116,8 +117,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from paratrain.data.prepare import prepare
-
     meta = prepare(
         args.inputs,
         out_dir=args.out,

@@ -146,7 +146,10 @@ def first_failure(failures: dict) -> tuple[int, object]:
     def when(item):
         rank, f = item
         recorded = _record(f).get("time")
-        return (recorded if recorded is not None else float(f.timestamp), rank)
+        # The elastic timestamp is int(time.time()) of when the agent looked: the failure lies in
+        # [ts, ts + 1), so compare its upper bound, or a worker the agent ended (in the same second)
+        # could look earlier than the recorded cause.
+        return (recorded if recorded is not None else f.timestamp + 1.0, rank)
 
     return min(failures.items(), key=when)
 
