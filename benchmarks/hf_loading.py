@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM  # imported before either clock starts
 
 from paratrain.config import ModelConfig, ParallelConfig
 from paratrain.distributed.json_collectives import all_gather_json
@@ -86,8 +87,6 @@ def paratrain_rank(model_dir: str) -> None:
 
 
 def hf_process(model_dir: str) -> None:
-    from transformers import AutoModelForCausalLM
-
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -114,6 +113,8 @@ def main() -> None:
     if args.role == "hf":
         return hf_process(args.dir)
     save_model(args.dir, args)
+    if args.rounds == 0:
+        return
     ours_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     ours_cmd += [__file__, "--role", "paratrain", "--dir", args.dir]
     theirs_cmd = [sys.executable, __file__, "--role", "hf", "--dir", args.dir]

@@ -91,9 +91,14 @@ def accelerate_worker(args) -> None:
             json.dump({"step_s": statistics.median(times[WARMUP:]), "world": accelerator.num_processes}, f)
 
 
+def run(cmd: list[str], env: dict) -> None:
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"{' '.join(cmd[:6])} ... failed ({res.returncode}):\n{res.stderr[-3000:]}")
+
+
 def torchrun(argv: list[str], env: dict) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv], env)
 
 
 def run_paratrain(model_dir: str, out: str, args, env: dict) -> float:
@@ -112,9 +117,11 @@ def run_paratrain(model_dir: str, out: str, args, env: dict) -> float:
         "optim.schedule='constant'",
         f"run.out_dir='{out}'",
     ]
-    cmd = [sys.executable, "-m", "paratrain", "train", os.devnull, "--nproc-per-node", "2"]
+    config = os.path.join(os.path.dirname(out), "empty.toml")  # every key comes from --set
+    open(config, "w").close()
+    cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", "2"]
     cmd += [arg for item in sets for arg in ("--set", item)]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    run(cmd, env)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return statistics.median(r["step_time_s"] for r in rows[WARMUP:])
