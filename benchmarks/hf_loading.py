@@ -7,9 +7,11 @@ safetensors with an index) to ``--dir`` once, then alternates, ``--rounds`` time
   then ``ModelSpec.materialize`` reading only each rank's row slices (models/hf/weights.py);
 - transformers: ``AutoModelForCausalLM.from_pretrained(dir)`` in one process.
 
-Each measurement runs in a fresh process and reports the wall time of the load and the peak
-resident memory of the process (``ru_maxrss``, includes the interpreter and torch, ~0.3-0.5 GB),
-so the peak per rank can be read against the model's size. Prints medians per tool and the
+Each measurement runs in a fresh process, reads every loaded parameter once (transformers 5
+maps the files lazily: without that its "load" reads nothing), and reports the wall time, the
+peak resident memory (``ru_maxrss``: includes the interpreter and torch, ~0.4 GB, and the touched
+pages of the mmap'd safetensors files, which are shared page cache) and the private resident
+memory after the load (``RssAnon``: the process's own copies). Prints medians per tool and the
 paired ratios of the load times.
 
     python benchmarks/hf_loading.py --rounds 3
@@ -41,6 +43,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def anon_rss_gb() -> float:
+    """Private (anonymous) resident memory now: the process's own copies, without the page cache
+    of the mmap'd safetensors files that ru_maxrss also counts."""
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+    return kib / 2**20
+
+
+def touch(model: torch.nn.Module) -> float:
+    """Read every local parameter once: a lazily mapped load (transformers 5 may map the files)
+    is then really in memory, as it is for training."""
+    total = 0.0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += float(local.detach().float().sum())
+    return total
 
 
 def save_model(path: str, args) -> None:
@@ -78,8 +98,9 @@ def paratrain_rank(model_dir: str) -> None:
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, pp=1, world_size=2)
     model = parallelize(model, dims, cfg=ParallelConfig(dp_shard=2), device=torch.device("cpu"))
     read = spec.materialize(model, device=torch.device("cpu"))
+    touch(model)
     dist.barrier()
-    out = {"s": time.perf_counter() - t0, "rss_gb": peak_rss_gb(), "read": read}
+    out = {"s": time.perf_counter() - t0, "rss_gb": peak_rss_gb(), "anon_gb": anon_rss_gb(), "read": read}
     rows = all_gather_json(out)
     if dist.get_rank() == 0:
         print(json.dumps(rows))
@@ -90,8 +111,9 @@ def hf_process(model_dir: str) -> None:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    touch(model)
     n = sum(p.numel() for p in model.parameters())
-    print(json.dumps([{"s": time.perf_counter() - t0, "rss_gb": peak_rss_gb(), "read": n}]))
+    print(json.dumps([{"s": time.perf_counter() - t0, "rss_gb": peak_rss_gb(), "anon_gb": anon_rss_gb(), "read": n}]))
 
 
 def measure(cmd: list[str]) -> list[dict]:
@@ -124,7 +146,8 @@ def main() -> None:
             rows = measure(ours_cmd if tool == "paratrain" else theirs_cmd)
             (ours if tool == "paratrain" else theirs).append(rows)
             desc = ", ".join(
-                f"{x['s']:.1f} s, peak RSS {x['rss_gb']:.2f} GB, {x['read'] / 1e9:.2f}B read" for x in rows
+                f"{x['s']:.1f} s, peak RSS {x['rss_gb']:.2f} GB (private {x['anon_gb']:.2f} GB), {x['read'] / 1e9:.2f}B read"
+                for x in rows
             )
             print(f"round {r} {tool}: {desc}", flush=True)
     t_ours = [max(x["s"] for x in rows) for rows in ours]
@@ -132,7 +155,9 @@ def main() -> None:
     print(
         f"median load: paratrain (2 ranks) {statistics.median(t_ours):.1f} s, from_pretrained {statistics.median(t_theirs):.1f} s;"
         f" peak RSS per rank: paratrain {statistics.median(max(x['rss_gb'] for x in rows) for rows in ours):.2f} GB,"
-        f" from_pretrained {statistics.median(rows[0]['rss_gb'] for rows in theirs):.2f} GB"
+        f" from_pretrained {statistics.median(rows[0]['rss_gb'] for rows in theirs):.2f} GB;"
+        f" private after load: paratrain {statistics.median(max(x['anon_gb'] for x in rows) for rows in ours):.2f} GB,"
+        f" from_pretrained {statistics.median(rows[0]['anon_gb'] for rows in theirs):.2f} GB"
     )
     ratios = [a / b for a, b in zip(t_ours, t_theirs)]
     print(f"paired load-time ratios: {', '.join(f'{x:.2f}' for x in ratios)}")
