@@ -17,7 +17,8 @@ import time
 
 from paratrain.bench.comm import add_bench_arguments, validate_bench_args, worker_args
 from paratrain.bench.compute import add_compute_arguments, compute_main
-from paratrain.checkpoint import export_safetensors
+from paratrain.checkpoint import export_safetensors, read_model_weights
+from paratrain.checkpoint.manifest import CONFIG_FILE
 from paratrain.config import Config, ConfigError, describe_keys, load_config, to_toml
 from paratrain.data.prepare import prepare
 from paratrain.distributed.process_group import resolve_device
@@ -27,6 +28,7 @@ from paratrain.find_batch import estimate_without_group, find_micro_batch, nothi
 from paratrain.generate import generate_text
 from paratrain.launch import LaunchSpec, launch
 from paratrain.layout import check_layout
+from paratrain.models.hf import export_hf
 from paratrain.plan import cli_plan
 from paratrain.report import write_report
 from paratrain.trackers import check_trackers
@@ -209,12 +211,28 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-
+    if bool(args.to) == bool(args.hf):
+        raise ConfigError("paratrain export needs exactly one of --to FILE (safetensors) or --hf DIR (transformers)")
+    if args.hf:
+        return export_hf_dir(args.checkpoint, args.hf)
     info = export_safetensors(args.checkpoint, args.to)
     print(
         f"exported {info['tensors']} tensors ({info['parameters'] / 1e6:.2f}M parameters) of step"
         f" {info['step']} from {info['path']} to {args.to}"
     )
+    return 0
+
+
+def export_hf_dir(checkpoint: str, out_dir: str) -> int:
+    """A checkpoint of a ``model.hf`` run -> a directory ``from_pretrained`` loads (docs/huggingface.md)."""
+    weights, manifest, path = read_model_weights(checkpoint)
+    cfg = load_config(os.path.join(path, CONFIG_FILE))  # the run's resolved config, saved with the checkpoint
+    if not cfg.model.hf:
+        raise ConfigError(
+            f"checkpoint {path} is not of a model.hf run (no transformers config to export with); use --to FILE"
+        )
+    export_hf(weights, model_cfg=cfg.model, out_dir=out_dir)
+    print(f"exported {len(weights)} tensors of step {manifest['step']} from {path} to {out_dir} (transformers format)")
     return 0
 
 
@@ -357,9 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_set_argument(p)
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("export", help="write a checkpoint's full weights (any layout) to one safetensors file")
+    p = sub.add_parser("export", help="write a checkpoint's full weights (any layout) to safetensors or an HF dir")
     p.add_argument("checkpoint", help="a step-N checkpoint folder (or a checkpoints folder: its newest)")
-    p.add_argument("--to", required=True, metavar="FILE", help="output .safetensors file")
+    p.add_argument("--to", metavar="FILE", help="output .safetensors file")
+    p.add_argument(
+        "--hf", metavar="DIR", help="output directory in transformers format (runs with model.hf): from_pretrained(DIR)"
+    )
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("verify", help="run a layout and the single-process reference; compare losses and weights")
     p.add_argument("config", help="TOML config file")

@@ -47,7 +47,18 @@ class RunConfig:
 class ModelConfig:
     name: str = opt("gpt", "Built-in model: 'gpt'. Ignored when factory is set.")
     factory: str = opt("", "User model as 'package.module:function'; called with [model.args] as keyword arguments.")
-    args: dict = opt({}, "Keyword arguments for the model builder (e.g. n_layer, d_model for gpt).")
+    args: dict = opt(
+        {},
+        "Keyword arguments for the model builder (e.g. n_layer, d_model for gpt); with hf, fields of its config.json to override (e.g. num_hidden_layers).",
+    )
+    hf: str = opt(
+        "",
+        "A local directory of a transformers causal LM (config.json, optionally *.safetensors and tokenizer files); replaces name/factory. Never a hub name.",
+    )
+    hf_weights: bool | str = opt(
+        "auto",
+        "With hf: true loads the directory's safetensors weights (each rank reads only its shards), false initialises from run.seed, 'auto' loads them when present.",
+    )
 
 
 @dataclass
@@ -495,7 +506,7 @@ def validate(cfg: Config) -> None:
             f" batch.global_batch_size = {cfg.batch.global_batch_size}; raise it or set 0 (8x)"
         )
     positive("optim.reference_batch_size", cfg.optim.reference_batch_size, allow_zero=True)
-    positive("optim.lr", cfg.optim.lr)
+    positive("optim.lr", cfg.optim.lr, allow_zero=True)  # 0: the weights stay (e.g. a pretrained loss check)
     positive("optim.grad_clip", cfg.optim.grad_clip, allow_zero=True)
     positive("optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True)
     positive("data.workers", cfg.data.workers, allow_zero=True)

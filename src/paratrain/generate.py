@@ -37,6 +37,15 @@ def _load_run(out_dir: str):
 def generate_text(
     out_dir: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0
 ) -> str:
+    if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):  # a model.hf run: its own format and tokenizer
+        return generate_hf(
+            os.path.join(out_dir, "hf"),
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+        )
     model, cfg = _load_run(out_dir)
     meta = tokens_meta(cfg.data)
     vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
@@ -56,3 +65,19 @@ def generate_text(
     if tok is not None:
         return tok.decode(out[0].tolist())
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def generate_hf(path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
+    """Sample with transformers' own generate and the tokenizer files the run's source directory had."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # an optional extra: paratrain[hf]
+
+    if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        raise ConfigError(f"{path} has no tokenizer files (the model.hf directory had none); add them to decode text")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = tok(prompt or tok.bos_token or " ", return_tensors="pt").input_ids
+    torch.manual_seed(seed)
+    out = model.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=top_k, pad_token_id=0
+    )
+    return tok.decode(out[0], skip_special_tokens=True)

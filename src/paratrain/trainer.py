@@ -41,6 +41,7 @@ from paratrain.loss import Loss, build_loss
 from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
 from paratrain.mfu import mfu, resolve_peak_flops, seq_len_of
 from paratrain.models import build, spec_of
+from paratrain.models.hf import export_hf
 from paratrain.models.spec import ModelSpec
 from paratrain.optim import LRScaling, build_optimizer, build_scheduler
 from paratrain.precision import Precision, build_precision
@@ -240,9 +241,18 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         cfg.precision.dtype,
         f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})",
     )
+    # Weights that arrive after the parallelisms (ModelSpec.materialize): plain DDP broadcasts
+    # rank 0's parameters when it wraps the model, so they must be real before it.
+    ddp_wraps = dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1
+    if spec.materialize is not None and ddp_wraps:
+        spec.materialize(model, device=ctx.device)
     model, step_ctx, compression = build_parallel(
         cfg, dims, model, spec=spec, device=ctx.device, loss_fn=loss_fn, precision=precision, user_loss=loss is not None
     )
+    if spec.materialize is not None and not ddp_wraps:
+        t0 = time.perf_counter()
+        read = spec.materialize(model, device=ctx.device)
+        log.info("weights: %.2fM elements read by this rank in %.2f s", (read or 0) / 1e6, time.perf_counter() - t0)
 
     optimizer = build_optimizer(model, cfg.optim)
     state = TrainState(global_batch_size=plan.global_batch_size)
@@ -436,7 +446,9 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
         world_size_changes=[{"step": s, "world_size": w} for s, w in run.state.world_sizes],
     )
     if cfg.run.save_model and run.preemption.stopped_at_step is None:  # a preempted run is not done
-        save_full_weights(run.model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
+        sd = save_full_weights(run.model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
+        if cfg.model.hf and ctx.is_main:  # the transformers format too, beside model.safetensors
+            export_hf(sd, model_cfg=cfg.model, out_dir=os.path.join(out_dir, "hf"))
     run.writer.finish(summary)  # trackers get the summary and close
     if ctx.is_main:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
@@ -455,12 +467,21 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
     return summary
 
 
-def save_full_weights(model: nn.Module, path: str, *, is_main: bool) -> None:
-    """Gather the full (unsharded, unwrapped) weights and write them from rank 0."""
+def save_full_weights(model: nn.Module, path: str, *, is_main: bool) -> dict | None:
+    """Gather the full (unsharded, unwrapped) weights and write them from rank 0; returns them there."""
     # Every rank takes part: with sharded layouts this is a collective.
     if isinstance(model, PipelineModel):  # every stage's weights, gathered onto pp rank 0
         sd = model.full_state_dict()
     else:
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if is_main:
-        save_file({k: v.contiguous() for k, v in sd.items()}, path)
+        # Tied weights (e.g. an HF model's embedding and lm_head) come out as one tensor under
+        # two names; safetensors refuses shared memory, so the later names get a copy.
+        seen: set[int] = set()
+        out = {}
+        for k, v in sd.items():
+            v = v.contiguous()
+            out[k] = v.clone() if v.data_ptr() in seen else v
+            seen.add(v.data_ptr())
+        save_file(out, path)
+    return sd

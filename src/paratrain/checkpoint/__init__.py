@@ -18,7 +18,7 @@ from paratrain.checkpoint.checkpointer import (
     rng_state,
     set_rng_state,
 )
-from paratrain.checkpoint.export import export_safetensors
+from paratrain.checkpoint.export import export_safetensors, read_model_weights
 from paratrain.checkpoint.manifest import (
     CheckpointInvalid,
     find_latest,
@@ -39,6 +39,7 @@ __all__ = [
     "build_checkpointer",
     "config_changes",
     "export_safetensors",
+    "read_model_weights",
     "find_latest",
     "list_checkpoints",
     "load_metadata",

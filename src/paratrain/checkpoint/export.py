@@ -18,14 +18,13 @@ from paratrain.config import ConfigError
 log = logging.getLogger("paratrain")
 
 
-def export_safetensors(checkpoint: str, to: str) -> dict:
-    """Consolidate a checkpoint's model weights (any layout) into one safetensors file.
+def read_model_weights(checkpoint: str) -> tuple[dict[str, torch.Tensor], dict, str]:
+    """A checkpoint's full model weights (any layout), its manifest and its resolved path.
 
     Runs in one process without a process group: the empty full-size tensors are made from the
     checkpoint's own metadata (global shapes and dtypes), so neither the model's code nor the
     layout that wrote it is needed; DCP gathers every shard into them.
     """
-
     path = resolve_checkpoint(checkpoint, checkpoint)  # verifies the checksums
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
@@ -38,6 +37,12 @@ def export_safetensors(checkpoint: str, to: str) -> dict:
     if not weights:
         raise ConfigError(f"checkpoint {path} holds no model tensors; pass a checkpoint written by paratrain train")
     dcp.load({"model": weights}, storage_reader=safe_reader(path), planner=safe_planner(), no_dist=True)
+    return weights, manifest, path
+
+
+def export_safetensors(checkpoint: str, to: str) -> dict:
+    """Consolidate a checkpoint's model weights (any layout) into one safetensors file."""
+    weights, manifest, path = read_model_weights(checkpoint)
     os.makedirs(os.path.dirname(os.path.abspath(to)), exist_ok=True)
     save_file(
         {k: v.contiguous() for k, v in weights.items()},

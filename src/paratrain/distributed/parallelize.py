@@ -108,7 +108,10 @@ def parallelize(
         )
     # Only move what is elsewhere: Module.to cannot swap the fake tensors of the memory
     # estimator (paratrain.find_batch) in torch 2.13, and they already sit on the device.
-    if any(t.device != device for t in [*model.parameters(), *model.buffers()]):
+    # A model on the meta device stays there: its spec materialises it after this function
+    # (ModelSpec.materialize, e.g. pretrained weights read shard by shard).
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.device != device for t in tensors) and not all(t.is_meta for t in tensors):
         model.to(device)
     if dims.tp > 1 and dims.dp > 1:
         # On 2-D (dp x tp) meshes DTensor logs, per rank, that the global gradient norm and the

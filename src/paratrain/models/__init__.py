@@ -7,12 +7,15 @@ models/spec.py apply: ``default_spec``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
+import torch
 from torch import nn
 
 from paratrain.config import ConfigError, ModelConfig, resolve_callable
 from paratrain.models.gpt import GPT, GPT_SPEC, GPTConfig, build_gpt
+from paratrain.models.hf import HFCausalLM, build_hf, hf_spec
 from paratrain.models.spec import ModelSpec, default_spec
 
 BUILTIN_SPECS: dict[str, ModelSpec] = {"gpt": GPT_SPEC}
@@ -21,6 +24,9 @@ BUILTIN_MODELS = {name: spec.build for name, spec in BUILTIN_SPECS.items()}
 
 def model_builder(cfg: ModelConfig):
     """The builder and its config key, with [model.args] checked against its signature."""
+    if cfg.hf:
+        hf_spec(cfg)  # the directory's checks
+        return (lambda: build_hf(cfg)), "model.hf"
     if cfg.factory:
         fn, key = resolve_callable(cfg.factory, "model.factory"), "model.factory"
     elif cfg.name in BUILTIN_MODELS:
@@ -33,7 +39,12 @@ def model_builder(cfg: ModelConfig):
 
 def build(cfg: ModelConfig) -> tuple[nn.Module, ModelSpec]:
     """Build the model on CPU with its spec; the caller seeds the RNG first so the init is a
-    function of the seed."""
+    function of the seed. A spec with ``materialize`` (pretrained weights) builds on the meta
+    device: the weights arrive after the parallelisms, each rank reading its own shards."""
+    if cfg.hf:
+        spec = hf_spec(cfg)
+        with torch.device("meta") if spec.materialize else contextlib.nullcontext():
+            return spec.build(), spec
     fn, key = model_builder(cfg)
     made = fn(**cfg.args)
     if isinstance(made, ModelSpec):  # a factory that describes its model fully
@@ -53,6 +64,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 def spec_of(cfg: ModelConfig, model: nn.Module | None = None) -> ModelSpec:
     """The spec of a model passed to ``paratrain.train(model=...)``, or of the config's built-in
     model, without building anything (a factory's spec needs :func:`build`)."""
+    if cfg.hf and (model is None or isinstance(model, HFCausalLM)):
+        return hf_spec(cfg)
     if model is None and not cfg.factory and cfg.name in BUILTIN_SPECS:
         return BUILTIN_SPECS[cfg.name]
     if isinstance(model, GPT):

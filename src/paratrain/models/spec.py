@@ -15,7 +15,9 @@ it receives the spec's pieces as arguments. A spec says
 - its own layout checks: ``check_layout(args, *, tp, sequence_parallel)`` raising ConfigError
   before any process starts (e.g. attention heads divisible by tp);
 - whether the built-in cross-entropy may run on vocabulary-sharded logits (``loss_parallel``);
-- its context length from its args (``context_length``), checked against the data's block size.
+- its context length from its args (``context_length``), checked against the data's block size;
+- ``materialize(model, *, device)``: when set, the model is built on the meta device and this
+  fills it after the parallelisms (each rank its own shards; e.g. pretrained HF weights).
 
 A user model gets a spec from its factory (``model.factory`` may return a ModelSpec instead of a
 module) or from the documented conventions: blocks in ``model.layers``, the plan from
@@ -49,6 +51,7 @@ class ModelSpec:
     check_layout: Callable[..., None] | None = None
     loss_parallel: bool = False
     context_length: Callable[[dict], int | None] | None = None
+    materialize: Callable[..., object] | None = None
 
     def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The model's repeated blocks ``[(name, module), ...]`` (empty when it has none)."""

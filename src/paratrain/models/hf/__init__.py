@@ -1,0 +1,68 @@
+"""transformers causal LMs from a local directory: ``[model] hf = DIR`` (docs/huggingface.md).
+
+``hf_spec(cfg)`` is the ModelSpec of the directory's model: build (config + ``[model.args]``
+overrides, weights loaded after parallelisation when ``hf_weights``), blocks (the decoder layers),
+the tensor-parallel plan from ``base_model_tp_plan`` and the layout checks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from paratrain.config import ConfigError, ModelConfig
+from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
+from paratrain.models.hf.parallel import check_hf_layout, hf_tp_plan
+from paratrain.models.hf.weights import load_into, save_hf, weight_files
+from paratrain.models.spec import ModelSpec
+
+
+def hf_weights_enabled(cfg: ModelConfig, files: dict) -> bool:
+    value = cfg.hf_weights
+    if value == "auto":
+        return bool(files)
+    if value is True and not files:
+        raise ConfigError(
+            f"model.hf_weights = true but {cfg.hf!r} has no *.safetensors weights; add them or set model.hf_weights = false"
+        )
+    if not isinstance(value, bool):
+        raise ConfigError(f"model.hf_weights = {value!r} must be true, false or 'auto'")
+    return value
+
+
+def build_hf(cfg: ModelConfig) -> HFCausalLM:
+    config = load_hf_config(cfg.hf, cfg.args)
+    return HFCausalLM(causal_lm_from_config(config))
+
+
+def hf_spec(cfg: ModelConfig) -> ModelSpec:
+    load_hf_config(cfg.hf, cfg.args)  # the directory, the architecture and [model.args], before any process starts
+    files = weight_files(cfg.hf)
+    load = hf_weights_enabled(cfg, files)
+
+    def materialize(model: nn.Module, *, device) -> int:
+        return load_into(model, files=files, device=device)
+
+    return ModelSpec(
+        name=f"hf:{cfg.hf}",
+        build=functools.partial(build_hf, cfg),
+        blocks_attr="layers",
+        tp_plan=hf_tp_plan,
+        check_layout=lambda args, *, tp, sequence_parallel: check_hf_layout(load_hf_config(cfg.hf, args), tp=tp),
+        loss_parallel=False,
+        context_length=lambda args: getattr(load_hf_config(cfg.hf, args), "max_position_embeddings", None),
+        materialize=materialize if load else None,
+    )
+
+
+def export_hf(state_dict: dict, *, model_cfg: ModelConfig, out_dir: str) -> None:
+    """Gathered weights (HFCausalLM names) of a ``model.hf`` run -> a ``from_pretrained`` directory."""
+    config = load_hf_config(model_cfg.hf, model_cfg.args)
+    with torch.device("meta"):
+        names = HFCausalLM(causal_lm_from_config(config))
+    save_hf(state_dict, config=config, out_dir=out_dir, source_dir=model_cfg.hf, hf_name=names.hf_name)
+
+
+__all__ = ["export_hf", "HFCausalLM", "build_hf", "hf_spec", "load_hf_config", "save_hf", "weight_files"]

@@ -1,0 +1,172 @@
+"""A local ``transformers`` causal LM as a paratrain model: config from a directory, a flat stage-able wrapper.
+
+``HFCausalLM`` holds the HF model's own modules (no copies, no re-implementation of a layer):
+the pieces its config's ``base_model_pp_plan`` names before the decoder layers (the token
+embedding), ``layers`` (the decoder layers, still keyed "0".."n-1"), the pieces after them (the
+final norm), then the output layer. That is the order ``distributed/pipeline_parallel.py``
+splits by, so a pipeline stage keeps the embedding on the first stage and the norm and
+``lm_head`` on the last, with no HF-specific code in ``distributed/``.
+
+Its forward is the decoder's own loop (transformers 5: ``LlamaModel.forward`` and its relatives)
+written so that a stage can run it: the rotary embedding is recomputed from the positions on every
+stage (a few FLOPs; it holds no parameter, so it is kept outside the module tree, where no
+stage split can drop it), the causal masks come from transformers' ``masking_utils`` per layer
+type (full or sliding window), and the result is the logits tensor, not a ``ModelOutput``.
+Parameter names are the wrapper's (``layers.0.self_attn.q_proj.weight``); ``hf_name`` maps them
+back to the checkpoint's (``model.layers.0.self_attn.q_proj.weight``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from paratrain.config import ConfigError
+
+CONFIG_FILE = "config.json"
+
+
+def check_hf_dir(path: str, key: str = "model.hf") -> str:
+    """The directory, or one line saying why it cannot be used (never a hub download)."""
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"{key} = {path!r} is not a local directory (paratrain never downloads from the hub); download the"
+            " model first (e.g. `hf download NAME --local-dir DIR`) and pass that directory"
+        )
+    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        raise ConfigError(f"{key} = {path!r} has no {CONFIG_FILE}; pass the directory of a transformers model")
+    return path
+
+
+def load_hf_config(path: str, overrides: dict, key: str = "model.hf"):
+    """The model's ``PretrainedConfig`` with ``[model.args]`` overriding its fields."""
+    from transformers import AutoConfig  # an optional extra: paratrain[hf]
+
+    check_hf_dir(path, key)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{key} = {path!r}: transformers cannot read its {CONFIG_FILE} ({first})") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(
+            f"{key} = {path!r}: model_type {config.model_type!r} is not a causal language model in transformers'"
+            " AutoModelForCausalLM; pass a decoder LM's directory"
+        )
+    for name, value in overrides.items():
+        if not hasattr(config, name):
+            raise ConfigError(f"model.args.{name} is not a field of {type(config).__name__}; remove it")
+        setattr(config, name, value)
+    # The decoder loop below calls the attention through masks made for SDPA (None = causal,
+    # its fast path); the layer reads the implementation from the config.
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    return config
+
+
+def causal_lm_from_config(config, key: str = "model.hf") -> nn.Module:
+    from transformers import AutoModelForCausalLM  # an optional extra: paratrain[hf]
+
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e):
+            raise ConfigError(
+                f"{key}: {type(config).__name__} ({', '.join(config.architectures or [])}) is not a causal language"
+                " model in transformers' AutoModelForCausalLM; pass a decoder LM's directory"
+            ) from None
+        raise
+
+
+class HFCausalLM(nn.Module):
+    """Token ids (B, T) -> logits (B, T, vocab) with the modules of an HF ``*ForCausalLM``."""
+
+    def __init__(self, hf_model: nn.Module, *, key: str = "model.hf"):
+        super().__init__()
+        config = hf_model.config
+        decoder = hf_model.get_decoder()
+        plan = list(getattr(config, "base_model_pp_plan", None) or {})
+        blocks = getattr(decoder, "layers", None)
+        if "layers" not in plan or not isinstance(blocks, nn.ModuleList):
+            raise ConfigError(
+                f"{key}: {type(hf_model).__name__} has no decoder layers in model.layers described by"
+                " base_model_pp_plan; paratrain trains transformers decoders laid out like Llama (Llama, Mistral,"
+                " Qwen2, Qwen3, ...)"
+            )
+        pos = plan.index("layers")
+        self.config = config
+        self._head_names = plan[:pos]  # e.g. ["embed_tokens"]
+        self._tail_names = plan[pos + 1 :]  # e.g. ["norm"]
+        for name in self._head_names:
+            setattr(self, name, getattr(decoder, name))
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(blocks)})
+        for name in self._tail_names:
+            setattr(self, name, getattr(decoder, name))
+        self.lm_head = hf_model.get_output_embeddings()
+        # The prefix of the decoder inside the HF model ("model"), for the checkpoint names.
+        self._decoder_prefix = next(n for n, m in hf_model.named_modules() if m is decoder)
+        self._lm_head_name = next(n for n, m in hf_model.named_modules() if m is self.lm_head)
+        rope = getattr(decoder, "rotary_emb", None)
+        if rope is not None:
+            # Built for real even when the model is built on the meta device: it has no
+            # parameter, only the inv_freq buffer that its config fixes.
+            with torch.device("cpu"):
+                rope = type(rope)(config=config)
+        self._rope = (rope,)  # a tuple: not a submodule, so no stage split drops it
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    def hf_name(self, name: str) -> str:
+        """The transformers checkpoint name of the wrapper's parameter ``name``."""
+        first = name.split(".", 1)[0]
+        if first == "lm_head":
+            return self._lm_head_name + name[len("lm_head") :]
+        return f"{self._decoder_prefix}.{name}" if self._decoder_prefix else name
+
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor):
+        rope = self._rope[0]
+        if rope is None:
+            return None
+        if rope.inv_freq.device != hidden.device:
+            rope.to(hidden.device)
+        return rope(hidden, position_ids)
+
+    def _masks(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        # Local tensors for the mask builders (a sequence-sharded DTensor has a global shape).
+        args = dict(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
+        )
+        masks = {"full_attention": create_causal_mask(**args)}
+        if "sliding_attention" in (getattr(self.config, "layer_types", None) or ()):
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**args)
+        return masks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits; on a later pipeline stage hidden -> hidden (or -> logits)."""
+        for name in self._head_names:
+            module = getattr(self, name)
+            if module is not None:
+                x = module(x)
+        t = x.shape[1]
+        position_ids = torch.arange(t, device=x.device).unsqueeze(0)
+        position_embeddings = self._rotary(x, position_ids)
+        masks = self._masks(x, position_ids)
+        layer_types = getattr(self.config, "layer_types", None)
+        for key, layer in self.layers.items():
+            kind = layer_types[int(key)] if layer_types else "full_attention"
+            x = layer(x, attention_mask=masks[kind], position_embeddings=position_embeddings, position_ids=position_ids)
+            if isinstance(x, tuple):  # older decoder layers return (hidden, ...)
+                x = x[0]
+        for name in self._tail_names:
+            module = getattr(self, name)
+            if module is not None:
+                x = module(x)
+        if self.lm_head is not None:
+            x = self.lm_head(x)
+        return x

@@ -1,0 +1,112 @@
+"""The tensor-parallel plan of an HF decoder from its own ``base_model_tp_plan``, and its layout checks.
+
+transformers ships, per architecture, a table of module-name patterns (relative to the decoder:
+``layers.*.self_attn.q_proj``) to style names, and the causal-LM class one for ``lm_head``.
+We map those names to torch's DTensor styles here (the same meaning as transformers'
+``integrations/tensor_parallel.py`` and torchtitan's Llama plan), with the module names of
+``HFCausalLM`` (models/hf/model.py), which keeps the decoder's names (``layers.0.self_attn...``):
+
+- ``colwise``: ColwiseParallel (split output features: whole heads of q/k/v, the MLP's up/gate);
+  the attention reshapes with ``view(..., -1, head_dim)``, so it runs on ``heads / tp`` local
+  heads, and grouped-query attention keeps ``heads / kv_heads`` because both divide by tp;
+- ``rowwise``: RowwiseParallel (split input features, all-reduce the output: o_proj, down_proj);
+- ``colwise_rep`` / ``colwise_gather_output``: ColwiseParallel with the output gathered;
+- ``rowwise_rep``: RowwiseParallel with a replicated output (what rowwise gives already);
+- ``replicated_with_grad_allreduce``: parameters replicated, but the module sees only this
+  rank's heads (Qwen3's per-head q/k norms), so its gradient must be summed over the tp ranks:
+  the input is wrapped as a DTensor sharded on the heads dim and DTensor's backward reduces the
+  weight's gradient (a Partial -> Replicate all-reduce);
+- ``sequence_parallel``: SequenceParallel.
+
+Embeddings stay replicated (the plans of transformers 5 do not split them), and ``lm_head`` is
+split only when its weight is not tied to the embedding (splitting one would split both).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from paratrain.config import ConfigError
+
+
+class ReplicateWithGradAllReduce(ParallelStyle):
+    """Replicated parameters of a module that sees a head-sharded input (dim -2, local heads)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            dt = DTensor.from_local(p.data, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+        def to_dtensor(mod, args):
+            x = args[0]
+            return (DTensor.from_local(x, device_mesh, [Shard(x.dim() - 2)], run_check=False), *args[1:])
+
+        module.register_forward_pre_hook(to_dtensor)
+        module.register_forward_hook(lambda mod, args, out: out.to_local() if isinstance(out, DTensor) else out)
+        return module
+
+
+def style_of(name: str, key: str) -> ParallelStyle:
+    styles = {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(output_layouts=Replicate()),
+        "replicated_with_grad_allreduce": ReplicateWithGradAllReduce,
+        "sequence_parallel": lambda: SequenceParallel(),
+    }
+    if name not in styles:
+        raise ConfigError(
+            f"{key} = {name!r}: paratrain has no DTensor style for this transformers plan entry; give the model's plan"
+            " yourself in [parallel.tp_plan] (styles: colwise, rowwise, colwise_gather, sequence, ...)"
+        )
+    return styles[name]()
+
+
+def hf_plan_table(model: nn.Module) -> dict[str, str]:
+    """The model's own pattern -> style-name table (decoder plan + the output layer's when untied)."""
+    table = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    if not model.tied:
+        table["lm_head"] = "colwise_gather_output"
+    return table
+
+
+def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """``{module name: ParallelStyle}`` for this (possibly pipeline-split) HFCausalLM."""
+    del loss_parallel  # the logits are gathered (ModelSpec.loss_parallel is False for HF models)
+    if sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel = true is not supported for model.hf (its plan keeps the residual stream"
+            " replicated); set it to false"
+        )
+    modules = {n: m for n, m in model.named_modules() if n and m is not None}
+    plan: dict[str, ParallelStyle] = {}
+    for pattern, name in hf_plan_table(model).items():
+        for fqn in modules:
+            if fnmatch.fnmatchcase(fqn, pattern):
+                plan[fqn] = style_of(name, f"base_model_tp_plan[{pattern!r}]")
+    return plan
+
+
+def check_hf_layout(config, *, tp: int) -> None:
+    """Refuse a tp degree that does not split the heads (query and key/value) and the MLP whole."""
+    heads = config.num_attention_heads
+    checks = [
+        ("num_attention_heads", heads, "attention heads are split whole across the tp ranks"),
+        (
+            "num_key_value_heads",
+            getattr(config, "num_key_value_heads", None) or heads,
+            "grouped-query attention splits the key/value heads whole across the tp ranks",
+        ),
+        ("intermediate_size", getattr(config, "intermediate_size", None), "the MLP is split across the tp ranks"),
+    ]
+    for key, value, why in checks:
+        if isinstance(value, int) and value % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp} does not divide {key} = {value} of model.hf ({why}); use a tp that divides {value}"
+            )

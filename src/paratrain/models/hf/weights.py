@@ -1,0 +1,178 @@
+"""HF weights in and out: per-rank sliced loading from safetensors, export to a ``from_pretrained`` directory.
+
+Loading (``load_into``) runs after the parallelisms, on a model built on the meta device: each
+parameter is materialised where it now lives (``to_empty``), then filled from the safetensors
+files with ``safe_open(...).get_slice`` reading only this rank's part of it (the shard of a
+DTensor, by ``compute_local_shape_and_global_offset``, the same rule DTensor shards by). No rank
+holds the full model unless its layout does (plain DDP replicates it by design). This is the
+"each rank reads its shards" recipe of torchtitan's HF loader, with safetensors' own lazy reads.
+
+Export (``save_hf``) writes ``config.json`` and sharded ``*.safetensors`` with their index through
+transformers' own ``save_pretrained``, so the names, tied weights and index are what
+``from_pretrained`` expects, and copies the tokenizer files of the source directory.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from paratrain.config import ConfigError
+
+INDEX = "model.safetensors.index.json"
+# Module names that wrappers insert around blocks: checkpoint_wrapper's and torch.compile's.
+WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+def weight_files(path: str) -> dict[str, str]:
+    """``{tensor name: safetensors file}`` of an HF directory (sharded with an index, or one file); {} if none."""
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    names: dict[str, str] = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, "pt") as f:
+            names.update({k: file for k in f.keys()})
+    return names
+
+
+def _local_slice(p: torch.Tensor) -> tuple[slice, ...] | None:
+    """This rank's region of parameter ``p`` in the full tensor (None: the whole of it)."""
+    if not isinstance(p, DTensor):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def _to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:
+    """``to_empty`` that keeps shared parameters shared (tied embeddings): it makes new Parameter
+    objects (torch 2.13 swaps tensors on conversion), one per module that held the shared one."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, name))
+    module.to_empty(device=device)
+    for places in owners.values():
+        first_module, first_name = places[0]
+        for m, name in places[1:]:
+            setattr(m, name, getattr(first_module, first_name))
+
+
+def _parts(model: nn.Module) -> list[nn.Module]:
+    # A PipelineModel (distributed/pipeline_parallel.py) holds this rank's stages in ``parts``.
+    parts = getattr(model, "parts", None)
+    return list(parts) if isinstance(parts, nn.ModuleList) else [model]
+
+
+@torch.no_grad()
+def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device) -> int:
+    """Materialise ``model`` (meta parameters, possibly sharded) on ``device`` and fill it from ``files``.
+
+    ``model`` is an HFCausalLM, parallelised or not (a PipelineModel's stages, DDP's ``module``).
+    Returns the number of elements this rank read (its share of the model).
+    """
+    read = 0
+    handles: dict[str, object] = {}
+    try:
+        for part in _parts(model):
+            part = getattr(part, "module", part)  # DDP's wrapper: its module keeps the names
+            hf_name = part.hf_name
+            if any(p.is_meta for p in part.parameters()):
+                _to_empty_keeping_ties(part, device)
+            for name, p in part.named_parameters():
+                # Activation checkpointing and compile wrap blocks; their names do not reach the checkpoint.
+                clean = ".".join(c for c in name.split(".") if c not in WRAPPER_NAMES)
+                key = hf_name(clean)
+                if key not in files:
+                    raise ConfigError(
+                        f"model.hf: the weights have no tensor {key!r}; set model.hf_weights = false to train from"
+                        " the seed, or pass the directory of the same architecture"
+                    )
+                file = files[key]
+                if file not in handles:
+                    handles[file] = safe_open(file, "pt", device="cpu").__enter__()
+                region = _local_slice(p)
+                local = p.to_local() if isinstance(p, DTensor) else p
+                src = handles[file].get_slice(key)
+                if list(src.get_shape()) != list(p.shape):
+                    raise ConfigError(
+                        f"model.hf: tensor {key!r} has shape {src.get_shape()} in the weights but {list(p.shape)} in"
+                        " the model; remove the [model.args] that change its size, or set model.hf_weights = false"
+                    )
+                value = src[region] if region is not None else src[:]
+                local.copy_(value.to(local.dtype))
+                read += value.numel()
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    return read
+
+
+def save_hf(
+    state_dict: dict[str, torch.Tensor], *, config, out_dir: str, source_dir: str, hf_name, max_shard_size: str = "2GB"
+) -> None:
+    """Write the gathered weights (wrapper names) as an HF directory that ``from_pretrained`` loads."""
+    from transformers import AutoModelForCausalLM  # an optional extra: paratrain[hf]
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    renamed = {hf_name(k): v for k, v in state_dict.items()}
+    # assign=True adopts our tensors in place of the meta ones: one copy of the weights in memory.
+    missing, unexpected = hf.load_state_dict(renamed, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        hf.tie_weights()
+        missing = [k for k in missing if k != hf._lm_head_name] if hasattr(hf, "_lm_head_name") else missing
+    missing = [k for k in missing if not _is_tied_copy(hf, k)]
+    if missing or unexpected:
+        raise ConfigError(
+            f"export --hf: the weights do not fit {type(hf).__name__}: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    os.makedirs(out_dir, exist_ok=True)
+    hf.config._attn_implementation = None
+    hf.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    _ensure_index(out_dir)
+    for name in TOKENIZER_FILES:
+        src = os.path.join(source_dir, name)
+        if os.path.isfile(src) and not os.path.exists(os.path.join(out_dir, name)):
+            shutil.copy(src, out_dir)
+
+
+def _ensure_index(out_dir: str) -> None:
+    """An index even for a single file (save_pretrained writes one only when it shards), so every
+    export has the same layout and tools that read the index find it."""
+    index, single = os.path.join(out_dir, INDEX), os.path.join(out_dir, "model.safetensors")
+    if os.path.isfile(index) or not os.path.isfile(single):
+        return
+    with safe_open(single, "pt") as f:
+        names = list(f.keys())
+    weight_map = dict.fromkeys(names, "model.safetensors")
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": os.path.getsize(single)}, "weight_map": weight_map}, f, indent=2)
+
+
+def _is_tied_copy(hf: nn.Module, key: str) -> bool:
+    """Whether ``key`` is a tied alias of a loaded parameter (e.g. lm_head.weight of a tied model)."""
+    params = dict(hf.named_parameters(remove_duplicate=False))
+    target = params.get(key)
+    return target is not None and not target.is_meta

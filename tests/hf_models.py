@@ -1,0 +1,55 @@
+"""Tiny random transformers causal LMs saved to a directory (no network): Llama, Qwen2, Qwen3 (tied)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+ARCHS = {
+    "llama": dict(model_type="llama", **COMMON),
+    # Qwen2: grouped-query attention with biases on q/k/v.
+    "qwen2": dict(model_type="qwen2", **COMMON),
+    # Qwen3: tied embeddings and per-head q/k norms (its plan's replicated_with_grad_allreduce).
+    "qwen3": dict(model_type="qwen3", head_dim=8, tie_word_embeddings=True, **COMMON),
+}
+
+
+def save_tiny(
+    arch: str, path: str, *, weights: bool = True, seed: int = 0, tokenizer: bool = False, **overrides
+) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    args = {**ARCHS[arch], **overrides}
+    config = AutoConfig.for_model(args.pop("model_type"), **args)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    os.makedirs(path, exist_ok=True)
+    if weights:
+        # Small shards so the index and several files are exercised.
+        model.save_pretrained(path, max_shard_size="20KB")
+    else:
+        config.save_pretrained(path)
+    if tokenizer:
+        save_tokenizer(path, vocab=config.vocab_size)
+    return path
+
+
+def save_tokenizer(path: str, *, vocab: int) -> None:
+    """A byte-level BPE with no merges: ids are bytes (0..255 fit a vocab of 256)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(vocab={chr(i): i for i in range(vocab)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)

@@ -1,0 +1,156 @@
+"""HF weights in and out: the pretrained loss, export to a from_pretrained directory, resume, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
+from tests.hf_models import save_tiny
+
+pytest.importorskip("transformers")
+
+BASE = [
+    "data.factory='tests.toy:toy_lm'",
+    "data.args={n = 64, seq_len = 16, vocab = 128}",
+    "batch.global_batch_size=8",
+    "run.progress=false",
+    "metrics.plot=false",
+]
+
+
+def hf_logits(path: str, x: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model(input_ids=x).logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lr0_loss_equals_transformers_loss(tmp_path, arch):
+    """With optim.lr = 0 the first loss is transformers' own loss of the loaded model on that batch."""
+    from transformers import AutoModelForCausalLM
+
+    import paratrain
+    from tests.toy import toy_lm
+
+    src = save_tiny(arch, str(tmp_path / arch))
+    out = str(tmp_path / "run")
+    cfg = [*BASE, f"model.hf='{src}'", "data.shuffle=false", "optim.lr=0", "run.steps=1", f"run.out_dir='{out}'"]
+    summary = paratrain.train(paratrain.load_config(None, [*cfg, "batch.micro_batch_size=4"]))
+    data = toy_lm(n=64, seq_len=16, vocab=128)
+    x, y = data.x[:8], data.y[:8]
+    model = AutoModelForCausalLM.from_pretrained(src)
+    # The toy targets are already shifted (and partly ignored): transformers takes them as shift_labels.
+    theirs = model(input_ids=x, labels=y, shift_labels=y).loss.item()
+    assert theirs == pytest.approx(F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item(), rel=1e-6)
+    assert summary["losses"][0] == pytest.approx(theirs, rel=1e-5, abs=0)
+    # run.save_model writes the transformers format too: same logits as paratrain's weights.
+    torch.testing.assert_close(hf_logits(os.path.join(out, "hf"), x), model(x).logits, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """4 AdamW steps of Llama on dp_shard 2 x tp... (world 2, FSDP2), checkpoints at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("hfio")
+    src = save_tiny("llama", str(root / "llama"), tokenizer=True, vocab_size=256)
+    cfg = [
+        *[c.replace("vocab = 128", "vocab = 256") for c in BASE],
+        f"model.hf='{src}'",
+        "batch.micro_batch_size=2",
+        "parallel.dp_shard=2",
+        "run.steps=4",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=0",
+        "checkpoint.interval=2",
+        "checkpoint.keep=0",
+    ]
+    out = str(root / "w2")
+    run_ranks(train_rank, 2, [*cfg, f"run.out_dir='{out}'"])
+    return root, cfg, out
+
+
+def test_export_hf_after_sharded_training_loads_in_transformers(sharded_run):
+    from safetensors.torch import load_file
+
+    from paratrain.config import ModelConfig
+    from paratrain.models.hf import build_hf
+
+    root, _, out = sharded_run
+    dst = str(root / "exported")
+    res = paratrain_cli("export", os.path.join(out, "checkpoints", "step-4"), "--hf", dst)
+    assert res.returncode == 0, res.stderr
+    assert os.path.isfile(os.path.join(dst, "config.json")) and os.path.isfile(os.path.join(dst, "tokenizer.json"))
+    with open(os.path.join(dst, "model.safetensors.index.json")) as f:
+        assert json.load(f)["weight_map"]
+    # paratrain's model with the trained weights (gathered at the end of the run).
+    model = build_hf(ModelConfig(hf=str(root / "llama"), hf_weights=False))
+    model.load_state_dict(load_file(os.path.join(out, "model.safetensors")))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours = model(x)
+    torch.testing.assert_close(hf_logits(dst, x), ours, rtol=0, atol=1e-5)
+    torch.testing.assert_close(hf_logits(os.path.join(out, "hf"), x), ours, rtol=0, atol=1e-5)
+
+
+def test_resume_hf_run_at_another_world_size(sharded_run, tmp_path):
+    _, cfg, out = sharded_run
+    dst = str(tmp_path / "w1")
+    run_ranks(
+        train_rank,
+        1,
+        [*cfg, "parallel.dp_shard=1", f"run.out_dir='{dst}'", f"checkpoint.resume='{out}/checkpoints/step-2'"],
+    )
+    rows, ref = read_metrics(dst), read_metrics(out)
+    assert [r["step"] for r in rows] == [3, 4]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in rows]), torch.tensor([r[key] for r in ref[2:]]), rtol=1e-5, atol=0
+        )
+
+
+def refusal(tmp_path, *extra: str, nproc: int = 1) -> str:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("")
+    sets = [arg for item in [*BASE, *extra] for arg in ("--set", item)]
+    res = paratrain_cli("train", str(cfg), "--nproc-per-node", str(nproc), *sets)
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    return lines[0]
+
+
+def test_refusals_exit_2_with_one_line(tmp_path):
+    from transformers import AutoConfig
+
+    assert "not a local directory" in refusal(tmp_path, "model.hf='meta-llama/Llama-3.2-1B'")
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in refusal(tmp_path, f"model.hf='{tmp_path / 'empty'}'")
+    AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(
+        tmp_path / "vit"
+    )
+    assert "is not a causal language model" in refusal(tmp_path, f"model.hf='{tmp_path / 'vit'}'")
+    src = save_tiny("qwen2", str(tmp_path / "qwen2"), weights=False)  # 2 key/value heads
+    line = refusal(tmp_path, f"model.hf='{src}'", "parallel.tp=4", nproc=4)
+    assert "parallel.tp = 4 does not divide num_key_value_heads = 2" in line
+    line = refusal(tmp_path, f"model.hf='{src}'", "model.args={no_such_field = 1}")
+    assert "model.args.no_such_field is not a field" in line
+
+
+def test_tied_embeddings_refused_on_pipeline(tmp_path):
+    src = save_tiny("qwen3", str(tmp_path / "qwen3"), weights=False)
+    line = refusal(tmp_path, f"model.hf='{src}'", "parallel.pp=2", "batch.micro_batch_size=4", nproc=2)
+    assert "tied weights" in line and "parallel.pp = 1" in line
+
+
+def test_generate_decodes_with_the_hf_tokenizer(sharded_run):
+    from paratrain.generate import generate_text
+
+    _, _, out = sharded_run
+    text = generate_text(out, "def f(x):", max_new_tokens=8, seed=0)
+    assert text.startswith("def f(x):") and len(text) > len("def f(x):")
+    assert text == generate_text(out, "def f(x):", max_new_tokens=8, seed=0)  # the seed decides the sample
