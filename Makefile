@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: run run-tokens test lint install install-test bench clean
+.PHONY: run run-tokens test test-slow test-all lint install install-test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,16 @@ run-tokens: install
 	$(VENV)/bin/paratrain train configs/tokens.toml --nproc-per-node $(NPROC)
 	$(VENV)/bin/paratrain generate runs/tokens --prompt "def " --max-new-tokens 100
 
+# The fast default path: every tier (unit, single-rank and multi-rank gloo, CLI end to end) except
+# the tests marked slow (long end-to-end runs: docs commands, elastic, HF layouts, the 8B plan).
 test: install lint
+	$(PY) -m pytest -q -m "not slow" tests
+
+# The slow end-to-end cases alone; CI runs `make test` and then this.
+test-slow: install
+	$(PY) -m pytest -q -m slow tests
+
+test-all: install lint
 	$(PY) -m pytest -q tests
 
 lint: install
