@@ -23,8 +23,8 @@ after shrinking) runs as a preflight: the README repeats the pages' examples.
 
 `DOCS_TEST_PAGES="docs/x.md" pytest tests/test_docs.py` runs one page's commands while writing it.
 The runner is this file run as a script (`python tests/test_docs.py PLAN.json`): one process
-imports paratrain once and runs every page's commands in process (`paratrain.cli.main`), which
-keeps the whole test near a minute.
+imports paratrain once and runs each command through `paratrain.cli.main` in a forked child
+(preflights in the runner itself), which keeps the whole test near a minute.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 
 import pytest
 
@@ -445,6 +447,8 @@ def run_one(c: dict) -> tuple[int, str]:
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv[1:]], capture_output=True, text=True)
         return p.returncode, p.stderr
     args = torchrun_as_train(argv) if argv[0] == "torchrun" else argv[1:]
+    if c["mode"] == "run":
+        return run_in_child(args)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -456,6 +460,32 @@ def run_one(c: dict) -> tuple[int, str]:
         rc = e.code if isinstance(e.code, int) else 1
     sys.stderr.write(err.getvalue()[-2000:])
     return rc, err.getvalue()
+
+
+def run_in_child(args: list[str]) -> tuple[int, str]:
+    """``paratrain ARGS`` in a forked child: paratrain is imported once (here), yet nothing a command
+    leaves in its process (signal handlers, environment, torch elastic's state) reaches the next
+    one, as with separate invocations from a shell. (In one process, a one-process `train` followed
+    by a two-process `eval` lost a worker to a SIGTERM.)"""
+    with tempfile.TemporaryFile("w+") as f:
+        pid = os.fork()
+        if pid == 0:  # the child: run the command, report through the exit code and the file
+            rc = 1
+            try:
+                with contextlib.redirect_stderr(f):
+                    rc = cli.main(args)
+            except SystemExit as e:  # argparse
+                rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+            except BaseException:  # noqa: BLE001 - a traceback is a failure the test reports
+                traceback.print_exc(file=f)
+            finally:
+                f.flush()
+                os._exit(rc)
+        _, status = os.waitpid(pid, 0)
+        f.seek(0)
+        err = f.read()
+    sys.stderr.write(err[-2000:])
+    return os.waitstatus_to_exitcode(status), err
 
 
 def run_plan(plan_file: str, root: str) -> int:
