@@ -98,6 +98,14 @@ class HFCausalLM(nn.Module):
                 " base_model_pp_plan; paratrain trains transformers decoders laid out like Llama (Llama, Mistral,"
                 " Qwen2, Qwen3, ...)"
             )
+        if getattr(config, "final_logit_softcapping", None):
+            # The *ForCausalLM forward caps the logits (Gemma 2); this module returns the head's
+            # logits directly, so it would train a different function: refuse rather than differ.
+            raise ConfigError(
+                f"{key}: {type(hf_model).__name__} caps its logits (final_logit_softcapping ="
+                f" {config.final_logit_softcapping}), which paratrain does not reproduce yet; set it to null in"
+                " model.args or train another architecture"
+            )
         pos = plan.index("layers")
         self.config = config
         self._head_names = plan[:pos]  # e.g. ["embed_tokens"]
