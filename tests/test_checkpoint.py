@@ -239,6 +239,7 @@ def test_export_loads_into_plain_model(tmp_path, ref):
         assert torch.equal(plain(x), reference(x))
 
 
+@pytest.mark.slow
 def test_collective_timeout_names_the_missing_rank(tmp_path):
     """Rank 1 stalls in step 2; rank 0's collective times out after 5 s and names rank 1."""
     stall = [
@@ -274,8 +275,10 @@ def test_fp16_loss_scale_survives_resume(tmp_path):
 
 @pytest.mark.parametrize(
     "src,dst,world",
-    [(["parallel.dp_shard=2"], ["parallel.tp=2"], 2), (["parallel.tp=2"], [], 1)],
-    ids=["fsdp2-to-tp2", "tp2-to-one-process"],
+    [
+        pytest.param(["parallel.dp_shard=2"], ["parallel.tp=2"], 2, id="fsdp2-to-tp2", marks=pytest.mark.slow),
+        pytest.param(["parallel.tp=2"], [], 1, id="tp2-to-one-process"),
+    ],
 )
 def test_resume_across_parallel_layouts(tmp_path, ref, src, dst, world):
     """Saved under one parallel layout, resumed under another: DCP reshards model and optimiser,

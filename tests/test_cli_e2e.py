@@ -142,6 +142,7 @@ def _wait_for_rendezvous_state(port: int, key: str, host_node: subprocess.Popen,
     raise AssertionError(f"no rendezvous state on 127.0.0.1:{port} within {timeout}s")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_nodes_on_one_machine_match_one_node(tmp_path):
     """Two nodes with a shared job secret train as one; a third with a wrong secret is refused, the job unaffected."""

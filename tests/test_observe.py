@@ -167,6 +167,7 @@ def test_no_straggler_without_a_slow_rank(tmp_path):
     assert sum("straggler" in r for r in rows) < len(rows) / 2
 
 
+@pytest.mark.slow
 def test_tracker_that_cannot_start_is_one_line_before_launch(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -212,6 +212,7 @@ COMPOSED = {  # world 4: pp = 2 with each other parallelism on every stage
 SAVED = ("ddp-interleaved1f1b", "fsdp-1f1b", "tp-1f1b")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_pp2_composed_with_ddp_fsdp_tp_matches_reference(tmp_path, reference):
     runs = [

@@ -112,6 +112,7 @@ def test_eval_does_not_change_training(tmp_path, reference):
     assert all("val_loss" not in r for r in read_metrics(out))
 
 
+@pytest.mark.slow
 def test_resume_with_loader_workers_is_exact(tmp_path):
     """Uninterrupted vs stopped at step 2 and resumed, with data.workers = 2 (and validation)."""
     common = [
@@ -137,6 +138,7 @@ def test_resume_with_loader_workers_is_exact(tmp_path):
     assert a[-1]["val_loss"] is not None and a[1]["val_loss"] is not None
 
 
+@pytest.mark.slow
 def test_paratrain_eval_at_another_world_size(tmp_path):
     out = str(tmp_path / "run")
     cfg = tmp_path / "c.toml"

@@ -46,6 +46,7 @@ def test_verify_passes_on_sharded_data_parallel(tmp_path):
     assert "verify: OK" in r.stdout
 
 
+@pytest.mark.slow
 def test_verify_fails_naming_a_parameter_when_a_rank_scales_its_gradient(tmp_path):
     # tests/toy.py:gpt_skewed_grad multiplies, on rank 1 only, the gradient leaving block 0.
     r = verify(tmp_path, "", "model.factory='tests.toy:gpt_skewed_grad'")
@@ -55,6 +56,7 @@ def test_verify_fails_naming_a_parameter_when_a_rank_scales_its_gradient(tmp_pat
     assert m and m.group(1).startswith(("layers.0.", "tok_emb", "pos_emb")), r.stdout  # block 0 or below it
 
 
+@pytest.mark.slow
 def test_verify_fails_on_a_gradient_off_by_a_constant_factor(tmp_path):
     # tests/toy.py:gpt_scaled_grad doubles the whole gradient on every rank of the 2-rank layout:
     # AdamW would divide the factor out of the updates; the gradient norm of step 1 shows it.
