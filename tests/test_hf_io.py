@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 
@@ -114,13 +116,22 @@ def test_resume_hf_run_at_another_world_size(sharded_run, tmp_path):
 
 
 def refusal(tmp_path, *extra: str, nproc: int = 1) -> str:
+    """`paratrain train` in this process (cli.main, as tests/test_pipeline.py does): the refusal
+    comes before the launcher, and no interpreter start per case. test_cli_subprocess_exits_2 there
+    covers the console entry point's exit code."""
+    import paratrain.cli
+
     cfg = tmp_path / "c.toml"
     cfg.write_text("")
     sets = [arg for item in [*BASE, *extra] for arg in ("--set", item)]
-    res = paratrain_cli("train", str(cfg), "--nproc-per-node", str(nproc), *sets)
-    assert res.returncode == 2, res.stderr
-    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paratrain.cli, "launch", lambda *a, **k: pytest.fail("a worker was launched"))
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = paratrain.cli.main(["train", str(cfg), "--nproc-per-node", str(nproc), *sets])
+    assert code == 2, err.getvalue()
+    lines = [ln for ln in err.getvalue().strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err.getvalue(), err.getvalue()
     return lines[0]
 
 
