@@ -38,6 +38,7 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -117,6 +118,19 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the rendezvous store of ``proc`` (the first node) accepts connections: a second node
+    started earlier would host the store itself, and killing it would end the job."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"no rendezvous store on port {port} (exit {proc.poll()})")
+
+
 def rows(out: str) -> int:
     try:
         with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -150,7 +164,7 @@ def node_death(root: str, rdzv: list[str]) -> dict:
     out, port = os.path.join(root, "run"), free_port()
     with open(os.path.join(root, "node1.log"), "w") as log1, open(os.path.join(root, "node2.log"), "w") as log2:
         first = start_node(out, port, rdzv, log1)
-        time.sleep(1.0)  # node 1 hosts the rendezvous store: it must survive
+        wait_listening(port, first)  # node 1 hosts the rendezvous store: it must survive
         second = start_node(out, port, rdzv, log2)
         wait_rows(out, 3, first, timeout=300)
         t_kill = time.time()
