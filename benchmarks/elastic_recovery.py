@@ -202,6 +202,7 @@ def node_death(root: str, rdzv: list[str]) -> dict:
 def sigterm_exit(root: str) -> dict:
     """`paratrain train configs/main.toml` on 2 processes, SIGTERM to the launcher after step 3."""
     out = os.path.join(root, "main")
+    os.makedirs(root, exist_ok=True)
     cmd = [sys.executable, "-m", "paratrain", "train", "configs/main.toml", "--nproc-per-node", "2"]
     cmd += ["--set", f"run.out_dir='{out}'", "--set", "run.progress=false", "--set", "metrics.plot=false"]
     with open(os.path.join(root, "main.log"), "w") as log:
@@ -238,17 +239,17 @@ def plot(results: dict[str, list[dict]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 2.2 + 0.4 * len(results)))
+    fig, ax = plt.subplots(figsize=(7, 2.4 + 0.5 * len(results)))
     for y, (name, runs) in enumerate(results.items()):
         left = 0.0
-        for phase in PHASES:
+        for i, phase in enumerate(PHASES):
             width = statistics.median(r[phase] for r in runs)
-            ax.barh(y, width, left=left, label=phase if y == 0 else None)
+            ax.barh(y, width, left=left, color=f"C{i}", label=phase if y == 0 else None)
             left += width
     ax.set_yticks(range(len(results)), list(results))
     ax.set_xlabel(f"seconds from SIGKILL of node 2 (median of {len(next(iter(results.values())))} runs per phase)")
     ax.set_title("node death -> first step alone, loopback, 2 shared CPU cores")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")

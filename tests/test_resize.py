@@ -4,6 +4,7 @@ is checked against the uninterrupted run of the same config, losses and grad_nor
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -104,6 +105,10 @@ def test_adaptive_batch_resized_mid_run_continues_exactly(tmp_path):
         assert [r["consumed_samples"] for r in rows] == [r["consumed_samples"] for r in want[2:]]
         torch.testing.assert_close(column(rows, "lr"), column(want[2:], "lr"), rtol=1e-6, atol=0)
         assert_same_steps(rows, want[2:], rtol=1e-5)
+        # The noise averages went on from the checkpoint's (2 updates before the resize, 6 after).
+        with open(os.path.join(out, "checkpoints", "step-8", "manifest.json")) as f:
+            state = json.load(f)["train_state"]
+        assert state["grad_noise"]["updates"] == 8 and state["world_sizes"] == [[0, 2], [2, world]]
 
 
 def test_replan_batch_keeps_the_batch_and_refuses_what_dp_cannot_split():
