@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 import paratrain
-from paratrain.batching import replan_batch
-from paratrain.config import ConfigError
+from paratrain.adaptive_batch import BatchAdapter
+from paratrain.batching import plan_batch, replan_batch
+from paratrain.config import BatchConfig, ConfigError
 from paratrain.events import read_events
 from tests.dist_utils import read_metrics, run_ranks
 from tests.test_checkpoint import TOY
@@ -117,6 +118,18 @@ def test_replan_batch_keeps_the_batch_and_refuses_what_dp_cannot_split():
     assert replan_batch(global_batch_size=24, micro_batch_size=4, dp=8).micro_batch_size == 3
     with pytest.raises(ConfigError, match="dp = 8 data-parallel ranks cannot split evenly"):
         replan_batch(global_batch_size=12, micro_batch_size=2, dp=8)
+
+
+def test_adaptive_cap_follows_the_plan_it_starts_from():
+    """Built from the config's plan at world 4 (micro 2 x dp 4 = steps of 8) but started from a
+    resumed batch of 12 (micro 1 x 3 x dp 4): the cap 24 is counted in steps of 4, so the batch
+    can still grow to 24 (it stopped at 12 before: accumulation 3 was the old cap's)."""
+    cfg = BatchConfig(global_batch_size=8, micro_batch_size=2, adaptive=True, max_global_batch_size=24)
+    adapter = BatchAdapter(
+        cfg, plan=plan_batch(global_batch_size=8, micro_batch_size=2, dp=4), dp_group=None, grow=True
+    )
+    adapter.start(replan_batch(global_batch_size=12, micro_batch_size=2, dp=4))
+    assert (adapter.max_accum, adapter.max_global) == (6, 24)
 
 
 # ----------------------------------------------------------------------------- events.jsonl
