@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -334,6 +335,19 @@ def start_node(out: str, port: int, extra: list[str], steps: int = 8) -> subproc
     )
 
 
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the first node's rendezvous store accepts connections. A fixed sleep is not enough
+    under load: a second node that binds the port first hosts the store, and killing it ends the job."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"no rendezvous store on port {port} within {timeout} s")
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants (torchrun starts its workers in sessions of their own)."""
     tree, i = [pid], 0
@@ -358,7 +372,7 @@ def test_elastic_node_loss_continues_alone_with_the_same_losses(tmp_path):
     want = run(str(tmp_path / "ref"), 1, ["run.steps=8"])
     out, port = str(tmp_path / "run"), free_port()
     first = start_node(out, port, [])
-    time.sleep(1.0)  # the first node hosts the rendezvous store
+    wait_listening(port, first)  # the first node hosts the rendezvous store (it must survive)
     second = start_node(out, port, [])
     wait_for_rows(out, 3, first, timeout=240)
     t_kill = time.time()

@@ -113,26 +113,34 @@ class BatchAdapter:
                 "batch.adaptive (and optim.lr_scaling = 'adascale') needs at least 2 samples per rank"
                 f" to measure the gradient noise; raise batch.global_batch_size above {plan.global_batch_size}"
             )
-        max_global = cfg.max_global_batch_size or 8 * cfg.global_batch_size
-        step = plan.micro_batch_size * plan.dp  # the global batch grows in these whole steps
-        self.max_accum = max(plan.accum_steps, max_global // step)
-        self.max_global = self.max_accum * step
-        if grow and self.max_global != max_global:
-            log.info(
-                "adaptive batch: max_global_batch_size %d rounded down to %d (a multiple of micro x dp = %d)",
-                max_global,
-                self.max_global,
-                step,
-            )
+        self._set_cap(plan, announce=False)  # start() announces the cap of the plan the run starts from
         self._probe_sq = None
         self._probe_items = 0.0
         self._probe_ran = False
         self.base = plan  # the plan adapted from; a step may run it with a smaller micro-batch (run_plan)
         self._warned = False
 
+    def _set_cap(self, plan: BatchPlan, *, announce: bool) -> None:
+        max_global = self.cfg.max_global_batch_size or 8 * self.cfg.global_batch_size
+        step = plan.micro_batch_size * plan.dp  # the global batch grows in these whole steps
+        self.max_accum = max(plan.accum_steps, max_global // step)
+        cap = self.max_accum * step
+        if announce and self.grow and cap != max_global:
+            log.info(
+                "adaptive batch: max_global_batch_size %d rounded down to %d (a multiple of micro x dp = %d)",
+                max_global,
+                cap,
+                step,
+            )
+        self.max_global = cap
+
     def start(self, plan: BatchPlan) -> BatchPlan:
-        """Take ``plan`` as the batch to adapt from; returns the plan the first step runs."""
+        """Take ``plan`` as the batch to adapt from; returns the plan the first step runs.
+
+        After a resume on another world size ``plan`` has the new ``dp`` (and perhaps a smaller
+        micro-batch, batching.replan_batch): the cap is rounded again in its whole steps."""
         self.base = plan
+        self._set_cap(plan, announce=True)
         return self.run_plan(plan)
 
     def run_plan(self, plan: BatchPlan) -> BatchPlan:

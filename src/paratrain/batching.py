@@ -51,6 +51,26 @@ def plan_batch(*, global_batch_size: int, micro_batch_size: int, dp: int) -> Bat
     return BatchPlan(global_batch_size, mbs, per_rank // mbs, dp)
 
 
+def replan_batch(*, global_batch_size: int, micro_batch_size: int, dp: int) -> BatchPlan:
+    """The plan of a global batch the run reached (batch.adaptive grows it) on a new world size.
+
+    After an elastic or by-hand resize, the grown batch that ``micro x dp`` of the old world
+    divided may not be a multiple of the new ``micro x dp``: then the micro-batch shrinks to the
+    largest divisor of the per-rank batch (the micro-batch is layout, not math), instead of
+    stopping the restarted job. Only a batch the new data-parallel degree cannot split at all
+    is refused.
+    """
+    if global_batch_size % dp:
+        raise ConfigError(
+            f"the adaptive batch reached global batch {global_batch_size}, which dp = {dp} data-parallel"
+            f" ranks cannot split evenly; resume on a layout whose dp divides {global_batch_size}, or cap"
+            " the growth (batch.max_global_batch_size) at a multiple of micro_batch_size x every dp you resize to"
+        )
+    per_rank = global_batch_size // dp
+    mbs = max(d for d in range(1, min(micro_batch_size or per_rank, per_rank) + 1) if per_rank % d == 0)
+    return plan_batch(global_batch_size=global_batch_size, micro_batch_size=mbs, dp=dp)
+
+
 class GlobalBatchSampler:
     """Indices of the global batch that starts at stream position ``start``.
 

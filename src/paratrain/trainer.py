@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import Dataset
 
 from paratrain.adaptive_batch import BatchAdapter, build_batch_adapter
-from paratrain.batching import BatchPlan, GlobalBatchSampler, plan_batch
+from paratrain.batching import BatchPlan, GlobalBatchSampler, replan_batch
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.config import Config, to_dict, to_toml
 from paratrain.data import build_dataset, build_val_dataset
@@ -35,6 +35,7 @@ from paratrain.distributed.pipeline_parallel import PipelineModel
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.evaluate import Evaluator, eval_due
+from paratrain.events import EventLog, process_start_time
 from paratrain.find_batch import resolve_auto_micro_batch
 from paratrain.layout import check_eval, check_layout
 from paratrain.loss import Loss, build_loss
@@ -88,6 +89,7 @@ class Run:
     compression: GradCompression
     ckpt: Checkpointer
     preemption: Preemption  # SIGTERM: stop after the step every rank agrees on, with a checkpoint
+    events: EventLog  # events.jsonl: a few wall-clock milestones per start (events.py)
     writer: MetricsWriter
     rank_stats: RankStats  # per-rank memory and times, stragglers (rank_stats.py)
     profiler: Profiler  # torch.profiler traces of [profile] steps (profiling.py)
@@ -106,14 +108,23 @@ def train(
     ``model``/``dataset``/``loss`` replace the config's builders for users who make their own
     objects in Python; start the script with torchrun for several processes.
     """
+    called = time.time()
     enable_flight_recorder()  # before the process group exists: hang reports name collectives
     ctx = init_distributed(cfg.dist)
+    # A few wall-clock lines per start (events.py): where an elastic restart's seconds go.
+    events = EventLog(cfg.run.out_dir, rank=ctx.rank, world_size=ctx.world_size)
+    events.record("worker_start", t=process_start_time())
+    events.record("train_called", t=called)
+    events.record("process_group_ready")
     try:
         with watch_collectives(rank=ctx.rank, world_size=ctx.world_size, timeout_s=cfg.dist.timeout_s):
-            run = build_run(cfg, ctx, model=model, dataset=dataset, loss=loss)
+            run = build_run(cfg, ctx, model=model, dataset=dataset, loss=loss, events=events)
             try:
                 history = loop(cfg, run)
             except BaseException as e:
+                events.record(
+                    "worker_failed", error=(str(e).strip().splitlines() or [""])[0][:300], type=type(e).__name__
+                )
                 run.profiler.on_error(e, run.state.step + 1)  # CUDA: a memory snapshot of an OOM
                 run.writer.finish(None)  # trackers mark the run failed
                 raise
@@ -159,6 +170,8 @@ def loop(cfg: Config, run: Run) -> list[dict]:
         row.update(run.rank_stats.row(step=state.step, step_time_s=row["step_time_s"], data_time_s=data_time))
         history.append(row)
         run.writer.log_step(row)
+        if len(history) == 1:
+            run.events.record("first_step_done", step=state.step)
         if run.preemption.should_stop(state.step):
             break
     # Preempted: a synchronous checkpoint of the step every rank stopped after, whatever the config says.
@@ -214,7 +227,7 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
     return row
 
 
-def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
+def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: EventLog) -> Run:
     """Make every object of the run from ``cfg`` (user objects replace the config's builders), resume."""
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
     dims, plan = check_layout(cfg, ctx.world_size, model=model)
@@ -297,7 +310,9 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         world_size=ctx.world_size,
         timeout_s=cfg.dist.timeout_s,
     )
+    t0 = time.perf_counter()
     resumed_from = ckpt.resume(*resume_spec(cfg.checkpoint))
+    events.record("checkpoint_loaded", step=resumed_from, load_s=time.perf_counter() - t0)
     if resumed_from is not None and ctx.is_main:
         truncate_metrics(cfg.run.out_dir, resumed_from)  # rows after the checkpoint are redone
     plan = resumed_plan(cfg, plan, state=state, lr_scaling=lr_scaling, adapter=adapter)
@@ -343,6 +358,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss) -> Run:
         compression=compression,
         ckpt=ckpt,
         preemption=preemption,
+        events=events,
         writer=writer,
         rank_stats=build_rank_stats(
             cfg.metrics, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, model=model
@@ -414,7 +430,9 @@ def resumed_plan(
     if not cfg.batch.adaptive:  # the configured global batch holds, whatever a checkpoint had
         state.global_batch_size = plan.global_batch_size
     elif state.global_batch_size != plan.global_batch_size:
-        plan = plan_batch(global_batch_size=state.global_batch_size, micro_batch_size=plan.micro_batch_size, dp=plan.dp)
+        plan = replan_batch(
+            global_batch_size=state.global_batch_size, micro_batch_size=plan.micro_batch_size, dp=plan.dp
+        )
         lr_scaling.update(global_batch_size=plan.global_batch_size)
     if adapter:
         if state.grad_noise:

@@ -472,8 +472,11 @@ class Checkpointer:
                 # Absent from the checkpoint (an older run; fp32 before, for the GradScaler): keep as is.
                 del app[name]
             elif getattr(obj, "partial", False):  # fields the checkpoint lacks keep their defaults
+                # A dict field takes the checkpoint's keys: DCP flattens a dict into one entry per
+                # key and loads only the keys it is asked for, so a fresh run's empty dict (the
+                # adaptive batch's noise averages) would come back empty.
                 app[name] = {
-                    k: v
+                    k: (_template(md, f"{name}.{k}") or v) if isinstance(v, dict) else v
                     for k, v in app[name].items()
                     if f"{name}.{k}" in keys or any(key.startswith(f"{name}.{k}.") for key in keys)
                 }
