@@ -7,13 +7,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from paratrain.checkpoint import verify_checkpoint
-from tests.dist_utils import read_metrics, run_ranks, train_rank
+from paratrain.distributed.process_group import free_port
+from tests.dist_utils import REPO, read_metrics, run_ranks, train_rank
 from tests.test_checkpoint import TOY
+from tests.test_resilience import SLOW, wait_for_rows
 
 # Plain SGD: a gradient off by a constant factor changes the losses (AdamW would hide it).
 SGD = ["optim.name='sgd'", "optim.beta1=0.0", "optim.lr=0.5", "optim.weight_decay=0.0", "optim.grad_clip=0.0"]
@@ -61,3 +67,39 @@ def _run(out: str, world: int, extra: list[str]) -> str:
     with open(os.path.join(out, "summary.json")) as f:
         assert json.load(f)["preempted_at_step"] is None
     return out
+
+
+def start_node(out: str, port: int, extra: list[str]) -> subprocess.Popen:
+    """One "node" of a two-node job: `paratrain train --nproc-per-node 1 --nnodes 2` on loopback."""
+    sets = [*[a for a in TOY if not a.startswith("model.")], *SLOW, *SGD, f"run.out_dir='{out}'", *extra]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]), "OMP_NUM_THREADS": "1"}
+    env["PARATRAIN_JOB_SECRET"] = "two-node-test-secret"  # one secret shared by the nodes
+    cmd = [sys.executable, "-m", "paratrain", "train", "configs/debug.toml", "--nproc-per-node", "1", "--nnodes", "2"]
+    cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", *[x for s in sets for x in ("--set", s)]]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_to_one_node_every_launcher_returns_exit_code_on_preempt(tmp_path):
+    """Two one-process nodes; only the second node's launcher gets SIGTERM. Every rank stops after
+    the same step with a checkpoint, and BOTH launchers return checkpoint.exit_code_on_preempt
+    (a scheduler requeues on it: a 0 from the node that got no signal would say "done"). Each
+    node has its own run.out_dir, as on machines without a shared disk (the checkpoints go to
+    one shared checkpoint.dir): a launcher cannot learn of the preemption from rank 0's summary."""
+    ckpts, port = str(tmp_path / "checkpoints"), free_port()
+    extra = ["checkpoint.interval=0", "checkpoint.at_end=false", "checkpoint.exit_code_on_preempt=3"]
+    extra += [f"checkpoint.dir='{ckpts}'"]
+    outs = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    first = start_node(outs[0], port, extra)
+    time.sleep(1.0)  # the first node hosts the rendezvous store
+    second = start_node(outs[1], port, extra)
+    wait_for_rows(outs[0], 2, first)
+    second.send_signal(signal.SIGTERM)
+    _, err2 = second.communicate(timeout=180)
+    _, err1 = first.communicate(timeout=180)
+    assert (first.returncode, second.returncode) == (3, 3), (err1[-2000:], err2[-2000:])
+    with open(os.path.join(outs[0], "summary.json")) as f:
+        stopped = json.load(f)["preempted_at_step"]
+    assert stopped is not None and [r["step"] for r in read_metrics(outs[0])] == list(range(1, stopped + 1))
+    verify_checkpoint(os.path.join(ckpts, f"step-{stopped}"))
