@@ -3,9 +3,11 @@
 Spawns WORLD gloo ranks on 127.0.0.1 (one thread each) and times, in rounds whose order
 alternates, three versions of the end of a step:
 
-- ``loss only``: the step's reduce of ``[loss_sum, item_count]`` alone (no preemption at all);
-- ``now``: ``step.check_and_reduce`` as the trainer calls it, the stop flag a third element;
-- ``0.2``: the loss reduce plus the separate one-float ``all_reduce(MAX)`` on a gloo group of its
+- ``loss only``: 0.2's reduce of ``[loss_sum, item_count]`` and its read, then the read of the
+  gradient norm, without any preemption check;
+- ``now``: what ``step.train_step`` does now: ``reduce_totals`` with the stop flag as a third
+  element, one read of the totals and the gradient norm together, ``check_count``;
+- ``0.2``: ``loss only`` plus the separate one-float ``all_reduce(MAX)`` on a gloo group of its
   own that ``Preemption.should_stop`` did every step before.
 
 Prints the median per-step time of each and, paired with ``loss only`` of the same round (so
@@ -37,7 +39,7 @@ def rank_main(rounds: int, checks: int) -> list[dict[str, float]]:
 
     from paratrain.config import LossConfig
     from paratrain.loss import build_loss
-    from paratrain.step import StepContext, check_and_reduce
+    from paratrain.step import StepContext, check_count, reduce_totals
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -45,14 +47,18 @@ def rank_main(rounds: int, checks: int) -> list[dict[str, float]]:
     flag_group = dist.new_group(backend="gloo")  # 0.2's Preemption group
     loss_sum = torch.tensor(1.5, dtype=torch.float64)
     returned = torch.tensor(1.0, dtype=torch.float64)
+    grad_norm = torch.tensor(0.75)
 
     def loss_only() -> None:
         totals = torch.stack([loss_sum, returned])
         dist.all_reduce(totals, group=ctx.loss_group)
-        assert int(totals.tolist()[1]) == world
+        check_count(totals.tolist()[1], world)
+        float(grad_norm)
 
     def now() -> None:
-        check_and_reduce(loss_sum, returned, items=world, ctx=ctx, pp_group=None, stop=False)
+        totals = reduce_totals(loss_sum, returned, ctx=ctx, pp_group=None, stop=False)
+        values = torch.cat([totals, grad_norm.reshape(1).to(totals)]).tolist()
+        check_count(values[1], world)
 
     def old() -> None:
         loss_only()

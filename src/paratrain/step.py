@@ -140,8 +140,13 @@ def train_step(
         pp_group = None
     grad_norm = finish_step(model, optimizer, ctx, pp_group=pp_group)
     stop = bool(stop_flag()) if stop_flag is not None else False
-    loss_total, stop = check_and_reduce(loss_sum, returned, items=items, ctx=ctx, pp_group=pp_group, stop=stop)
-    return StepResult(loss_total / items, items, grad_norm, tokens, stop)
+    totals = reduce_totals(loss_sum, returned, ctx=ctx, pp_group=pp_group, stop=stop)
+    # The step's one host read (one device sync on a GPU, where the norm used to be a second):
+    # the reduced sums, the stop flag and the gradient norm together. Exact: nothing changes the
+    # norm tensor after clipping, and any float dtype converts to float64 exactly.
+    loss_total, returned_total, stops, norm = torch.cat([totals, grad_norm.reshape(1).to(totals)]).tolist()
+    check_count(returned_total, items)
+    return StepResult(loss_total / items, items, norm, tokens, stops > 0)
 
 
 def forward_backward(
@@ -170,8 +175,9 @@ def forward_backward(
     return loss_sum, returned
 
 
-def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepContext, *, pp_group) -> float:
-    """Unscale (fp16), clip by the whole model's gradient norm, step, zero the gradients."""
+def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepContext, *, pp_group) -> torch.Tensor:
+    """Unscale (fp16), clip by the whole model's gradient norm, step, zero the gradients; returns
+    the norm as a 0-dim tensor (not read on the host: the step reads it with the loss)."""
     precision = ctx.amp
     precision.unscale_(optimizer)  # fp16: back to true gradients before clipping
     # The norm of the whole model's gradient on every rank, also when gradients are sharded or
@@ -179,19 +185,18 @@ def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepCon
     grad_norm = clip_grad_norm_(model.parameters(), ctx.grad_clip if ctx.grad_clip > 0 else math.inf, pp_group=pp_group)
     precision.step(optimizer)  # fp16: skipped when the gradients overflowed
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
+    return grad_norm
 
 
-def check_and_reduce(
-    loss_sum: torch.Tensor, returned: torch.Tensor, *, items: int, ctx: StepContext, pp_group, stop: bool = False
-) -> tuple[float, bool]:
-    """Sum ``[loss_sum, returned_count, stop]`` over the step's ranks (one tensor, one host read),
-    check the loss's own count against the pre-backward ``items``; returns (loss sum, any stop).
+def reduce_totals(
+    loss_sum: torch.Tensor, returned: torch.Tensor, *, ctx: StepContext, pp_group, stop: bool = False
+) -> torch.Tensor:
+    """``[loss_sum, returned_count, stop]`` summed over the step's ranks: one tensor, one reduce,
+    left on the device for the caller's one host read (then :func:`check_count`).
 
-    Checked on the reduced numbers, every rank raises the same error together. (Under pipeline
-    parallel only the last stage has the loss, and with tensor parallel only the first tp rank
-    adds it: the others contribute zeros.) The stop flag is a SUM of 0/1s, as good as a MAX:
-    any rank > 0 stops every rank, after the same step.
+    (Under pipeline parallel only the last stage has the loss, and with tensor parallel only the
+    first tp rank adds it: the others contribute zeros.) The stop flag is a SUM of 0/1s, as good
+    as a MAX: any rank > 0 stops every rank, after the same step.
     """
     if not ctx.adds_loss:
         loss_sum, returned = torch.zeros_like(loss_sum), torch.zeros_like(returned)
@@ -200,13 +205,17 @@ def check_and_reduce(
     for group in groups:
         if group is not None:
             dist.all_reduce(totals, group=group)
-    loss_total, returned_total, stops = totals.tolist()  # the step's one host read of the reduce
+    return totals
+
+
+def check_count(returned_total: float, items: int) -> None:
+    """The loss's own item count against the pre-backward ``items``, on the reduced numbers, so
+    every rank raises the same error together."""
     if int(returned_total) != items:
         raise ConfigError(
             f"the loss returned item count {int(returned_total)} but counting the targets gave"
             f" {items}; give the loss function a count(target) attribute that matches"
         )
-    return loss_total, stops > 0
 
 
 @torch.no_grad()
@@ -231,7 +240,9 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
             loss_sum += _plain(s).double()
             returned += torch.as_tensor(c, device=ctx.device, dtype=torch.float64)
         pp_group = None
-    return check_and_reduce(loss_sum, returned, items=items, ctx=ctx, pp_group=pp_group)[0], items
+    loss_total, returned_total, _ = reduce_totals(loss_sum, returned, ctx=ctx, pp_group=pp_group).tolist()
+    check_count(returned_total, items)
+    return loss_total, items
 
 
 def _plain(s: torch.Tensor) -> torch.Tensor:
