@@ -6,12 +6,14 @@ alternates, three versions of the end of a step:
 - ``loss only``: 0.2's reduce of ``[loss_sum, item_count]`` and its read, then the read of the
   gradient norm, without any preemption check;
 - ``now``: what ``step.train_step`` does now: ``reduce_totals`` with the stop flag as a third
-  element, one read of the totals and the gradient norm together, ``check_count``;
+  element, its read, ``check_count``, then the gradient norm's read;
+- ``joint read``: ``now`` with the totals and the norm read in one ``.tolist()`` (torch.cat),
+  the variant not taken (three more tensor ops per step);
 - ``0.2``: ``loss only`` plus the separate one-float ``all_reduce(MAX)`` on a gloo group of its
   own that ``Preemption.should_stop`` did every step before.
 
-Prints the median per-step time of each and, paired with ``loss only`` of the same round (so
-both see the same machine load), the median extra and a bootstrap 95% interval of it.
+Prints the median per-step time of each and the paired differences (rounds of the same moment
+see the same machine load): median and bootstrap 95% interval.
 
     PYTHONPATH=src python benchmarks/preempt_overhead.py [--world 2] [--rounds 20] [--checks 200]
 """
@@ -56,6 +58,11 @@ def rank_main(rounds: int, checks: int) -> list[dict[str, float]]:
         float(grad_norm)
 
     def now() -> None:
+        values = reduce_totals(loss_sum, returned, ctx=ctx, pp_group=None, stop=False).tolist()
+        check_count(values[1], world)
+        float(grad_norm)
+
+    def joint_read() -> None:
         totals = reduce_totals(loss_sum, returned, ctx=ctx, pp_group=None, stop=False)
         values = torch.cat([totals, grad_norm.reshape(1).to(totals)]).tolist()
         check_count(values[1], world)
@@ -66,7 +73,7 @@ def rank_main(rounds: int, checks: int) -> list[dict[str, float]]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=flag_group)
         t.item()
 
-    versions = {"loss only": loss_only, "now": now, "0.2": old}
+    versions = {"loss only": loss_only, "now": now, "joint read": joint_read, "0.2": old}
     out = []
     for r in range(rounds):
         row = {}
@@ -88,18 +95,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--checks", type=int, default=200)
     args = ap.parse_args()
+    versions_order = ("loss only", "now", "joint read", "0.2")
     rows = run_ranks(rank_main, args.world, args.rounds, args.checks)[0]  # rank 0's view
     print(f"world {args.world}, {args.rounds} rounds x {args.checks} steps each (gloo, loopback); per step:")
-    for name in ("loss only", "now", "0.2"):
-        line = f"  {name:>9}: median {statistics.median(r[name] for r in rows) * 1e6:8.1f} us"
-        if name != "loss only":
-            diffs = [r[name] - r["loss only"] for r in rows]
-            boot = sorted(statistics.median(random.choices(diffs, k=len(diffs))) for _ in range(2000))
-            line += (
-                f" | extra over loss only: median {statistics.median(diffs) * 1e6:7.1f} us,"
-                f" 95% bootstrap interval [{boot[50] * 1e6:.1f}, {boot[1949] * 1e6:.1f}] us"
-            )
-        print(line)
+    for name in versions_order:
+        print(f"  {name:>9}: median {statistics.median(r[name] for r in rows) * 1e6:8.1f} us")
+    for a, b in (("now", "loss only"), ("joint read", "loss only"), ("0.2", "loss only"), ("now", "0.2")):
+        diffs = [r[a] - r[b] for r in rows]
+        boot = sorted(statistics.median(random.choices(diffs, k=len(diffs))) for _ in range(2000))
+        print(
+            f"  {a} - {b} (paired): median {statistics.median(diffs) * 1e6:7.1f} us,"
+            f" 95% bootstrap interval [{boot[50] * 1e6:.1f}, {boot[1949] * 1e6:.1f}] us"
+        )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def global_grad_norm(params, *, norm_type: float = 2.0) -> torch.Tensor:
 
 def clip_grad_norm_(params, max_norm: float, *, norm_type: float = 2.0, pp_group=None) -> torch.Tensor:
     """Clip the gradients in place to ``max_norm`` (inf: no clipping); returns the global norm as
-    a 0-dim tensor, not read on the host (the step reads it together with its loss).
+    a 0-dim tensor, not read on the host (the step reads it after its loss reduce).
 
     ``pp_group``: the pipeline group, whose stages each hold a part of the model. Each stage's
     norm (itself whole over its FSDP/TP shards) is partial, so the p-th powers are summed over
