@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from paratrain.cli import main
+from paratrain.launch import LAUNCHED_ENV, forget_preempted, preempted_code, report_preempted
 from tests.dist_utils import REPO, read_metrics
 
 SETS = [
@@ -32,3 +33,16 @@ def test_launch_restores_the_environment_and_a_second_launch_works(tmp_path):
     assert train_here(str(tmp_path / "two"), "--nproc-per-node", "2") == 0
     assert dict(os.environ) == before
     assert [r["world_size"] for r in read_metrics(str(tmp_path / "two"))] == [2, 2]
+
+
+def test_a_preemption_report_reaches_the_launcher_and_a_restart_forgets_it(tmp_path, monkeypatch):
+    """A preempted worker leaves exit_code_on_preempt in its node launcher's folder; a worker of
+    a later attempt (torchrun restart) drops it at its start; plain torchrun has no folder."""
+    monkeypatch.setenv(LAUNCHED_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    assert preempted_code(str(tmp_path)) is None
+    assert report_preempted(3) and preempted_code(str(tmp_path)) == 3
+    forget_preempted()
+    assert preempted_code(str(tmp_path)) is None
+    monkeypatch.delenv(LAUNCHED_ENV)
+    assert not report_preempted(3)  # the worker's own exit code must say it

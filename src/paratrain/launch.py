@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -38,6 +39,18 @@ def report_preempted(code: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def forget_preempted() -> None:
+    """In a worker, at its start: drop what an earlier attempt on this node reported, so a
+    restart after a failed preempted save that then trains to the end returns 0. Safe: no worker
+    of this attempt can report before all of them have joined the process group, after this."""
+    folder = os.environ.get(LAUNCHED_ENV)
+    if not folder or not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(folder, name))
 
 
 def preempted_code(folder: str) -> int | None:
