@@ -194,3 +194,23 @@ def test_eval_micro_batch_must_divide_and_match_pipeline():
     over += ["model.args={n_layer=2,n_head=2,d_model=32,block_size=16}", "parallel.dp_replicate=1"]
     with pytest.raises(ConfigError, match="with parallel.pp > 1 set it to 0"):
         check_layout(load_config(None, over), 2)
+
+
+def eval_rank(overrides: list[str], checkpoint: str) -> dict:
+    """One rank of `paratrain eval` (for run_ranks)."""
+    from paratrain.eval_run import eval_checkpoint
+
+    return eval_checkpoint(load_config(None, overrides), checkpoint)
+
+
+def test_eval_of_a_pipeline_checkpoint_at_pp2_and_pp1(tmp_path):
+    """A pp = 2 run's checkpoint, evaluated at pp = 2 and at pp = 1, gives the run's own val_loss."""
+    out = str(tmp_path / "run")
+    sets = [*BASE, f"run.out_dir='{out}'", "checkpoint.at_end=true"]
+    run_ranks(train_rank, 2, [*sets, "parallel.pp=2"])
+    want = read_metrics(out)[-1]
+    ckpt = os.path.join(out, "checkpoints", "step-2")
+    for world, layout in ((2, ["parallel.pp=2"]), (1, [])):
+        results = run_ranks(eval_rank, world, [*sets, *layout], ckpt)
+        assert [r["step"] for r in results] == [2] * world and results[0]["layout"]["pp"] == world
+        torch.testing.assert_close(results[0]["val_loss"], want["val_loss"], rtol=1e-5, atol=0)

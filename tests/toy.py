@@ -109,6 +109,26 @@ def gpt_stalled_at(
     return model
 
 
+def gpt_sigterm_at(sigterm_at_forward: int = 0, sigterm_rank: int = 1, **gpt_args) -> nn.Module:
+    """The built-in GPT, plus a test-only preemption: rank ``sigterm_rank`` sends itself SIGTERM
+    in its forward number ``sigterm_at_forward`` (as if only its node, or only it, were signalled)."""
+    import os
+    import signal
+
+    from paratrain.models import build_gpt
+
+    model = build_gpt(**gpt_args)
+    calls = [0]
+
+    def maybe_signal(module, args):
+        calls[0] += 1
+        if calls[0] == sigterm_at_forward and int(os.environ.get("RANK", "-1")) == sigterm_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    model.register_forward_pre_hook(maybe_signal)
+    return model
+
+
 def gpt_slow(forward_sleep_s: float = 0.2, **gpt_args) -> nn.Module:
     """The built-in GPT, each forward slowed by ``forward_sleep_s`` (the math is unchanged), so a
     test can signal a run mid-way."""

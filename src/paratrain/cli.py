@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 from paratrain.bench.comm import add_bench_arguments, validate_bench_args, worker_args
 from paratrain.bench.compute import add_compute_arguments, compute_main
@@ -125,23 +124,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(f"--nnodes {spec.nnodes}:{spec.max_nnodes} at {nodes} node(s): {e}") from None
     check_trackers(cfg.metrics, out_dir=cfg.run.out_dir)  # and a tracker that could not start
     module_args = [args.config] + [a for o in args.overrides for a in ("--set", o)]
-    started = time.time()
-    code = launch(spec, "paratrain.worker", module_args)
-    if code == 0 and preempted(cfg.run.out_dir, since=started):
-        return cfg.checkpoint.exit_code_on_preempt
-    return code
-
-
-def preempted(out_dir: str, *, since: float) -> bool:
-    """Did the job just launched stop on SIGTERM (its summary.json, written after ``since``, says so)?"""
-    path = os.path.join(out_dir, "summary.json")
-    try:
-        if os.path.getmtime(path) < since:
-            return False
-        with open(path) as f:
-            return json.load(f).get("preempted_at_step") is not None
-    except (OSError, ValueError):
-        return False
+    # After a preemption the workers leave checkpoint.exit_code_on_preempt to their node's launcher.
+    return launch(spec, "paratrain.worker", module_args)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

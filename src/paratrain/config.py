@@ -326,7 +326,7 @@ class CheckpointConfig:
     )
     preempt_check_steps: int = opt(
         1,
-        "Ranks agree on a SIGTERM (a one-element all_reduce) every this many steps: at most this many steps run after it.",
+        "Deprecated and ignored (kept so older configs load): the ranks now agree on a SIGTERM every step, in the step's own loss reduce, at no extra cost.",
     )
 
 

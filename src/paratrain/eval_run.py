@@ -3,7 +3,8 @@
 The process torchrun starts (``python -m paratrain.eval_run CONFIG --checkpoint PATH --result
 FILE``): it builds the model and the layout exactly as training does (trainer.build_parallel),
 loads the checkpoint's model weights with the checkpointer (DCP reshards them to this layout:
-any world size), and evaluates the validation set of the config's [data] and [eval] sections
+any world size and layout, pipeline stages included: a pipeline checkpoint holds the model's own
+names), and evaluates the validation set of the config's [data] and [eval] sections
 (evaluate.py). Rank 0 writes the result as JSON to FILE for the launcher to print.
 """
 
@@ -31,8 +32,6 @@ from paratrain.trainer import TrainState, build_parallel
 
 def check_eval_args(cfg: Config, checkpoint: str) -> None:
     """Refuse what cannot be evaluated before any process starts (the checkpointer checks the rest)."""
-    if cfg.parallel.pp > 1:
-        raise ConfigError("paratrain eval: checkpoints are not supported with parallel.pp > 1; evaluate with pp = 1")
     if checkpoint != "latest" and not os.path.isdir(checkpoint):
         raise ConfigError(f"--checkpoint {checkpoint}: no such checkpoint folder; pass a step-N folder or 'latest'")
 

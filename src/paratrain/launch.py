@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -16,9 +19,59 @@ from paratrain.distributed import rendezvous
 from paratrain.distributed.store_auth import BIND_ENV, SECRET_ENV, interface_of, load_secret, new_secret, route_source
 from paratrain.preemption import EXIT_NOW, forward_to_children
 
-# Set in the workers' environment by `paratrain train`: a preempted worker then exits 0 (so the
-# agent neither restarts nor reports it) and the launcher returns checkpoint.exit_code_on_preempt.
+# Set in the workers' environment by `paratrain train`: a folder of this node's launcher. A
+# preempted worker leaves checkpoint.exit_code_on_preempt there and exits 0 (so the agent neither
+# restarts nor reports it); the launcher returns that code. Every node's launcher learns it from
+# its own workers: no shared disk, no rank 0 summary.json needed (a 0 from one node of a
+# preempted job would tell the scheduler "done").
 LAUNCHED_ENV = "PARATRAIN_LAUNCHER"
+
+
+def report_preempted(code: int) -> bool:
+    """In a worker: leave ``code`` for this node's launcher; False when there is none (plain
+    torchrun) or the note could not be written (then the worker's own exit code must say it)."""
+    folder = os.environ.get(LAUNCHED_ENV)
+    if not folder or not os.path.isdir(folder):
+        return False
+    try:
+        with open(os.path.join(folder, f"preempted-rank-{os.environ.get('RANK', '0')}"), "w") as f:
+            f.write(str(code))
+    except OSError:
+        return False
+    return True
+
+
+def forget_preempted() -> None:
+    """In a worker, at its start: drop what an earlier attempt on this node reported, so a
+    restart after a failed preempted save that then trains to the end returns 0. Safe: no worker
+    of this attempt can report before all of them have joined the process group, after this."""
+    folder = os.environ.get(LAUNCHED_ENV)
+    if not folder or not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(folder, name))
+
+
+def preempted_code(folder: str) -> int | None:
+    """The exit code this node's workers left after a preemption (None: not preempted)."""
+    codes = []
+    for name in os.listdir(folder):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                codes.append(int(f.read()))
+        except (OSError, ValueError):
+            continue
+    return max(codes) if codes else None  # one config: the same code on every rank
+
+
+def restore_environ(saved: dict[str, str]) -> None:
+    """Make os.environ equal ``saved`` again (removing what was added since)."""
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 # Settings of the rendezvous (distributed/rendezvous.create_handler) a user may pass in --rdzv-conf.
@@ -164,13 +217,31 @@ def prepare_node(spec: LaunchSpec) -> tuple[str, Callable[[], None]]:
 
 
 def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
-    """Run ``python -m module module_args`` on ``spec``'s processes; returns the exit code."""
+    """Run ``python -m module module_args`` on ``spec``'s processes; returns the exit code
+    (``checkpoint.exit_code_on_preempt`` when the workers stopped on SIGTERM with a checkpoint).
+
+    The caller's environment is restored afterwards: torchrun's ``run()`` sets variables in this
+    process for its workers (TORCHELASTIC_SIGNALS_TO_HANDLE, OMP_NUM_THREADS), and so does this
+    function; a later launch or a run in the same process (verify runs two) must not inherit them.
+    """
+    spec.validate()
+    saved_env = dict(os.environ)
+    reports = tempfile.mkdtemp(prefix="paratrain-launch-")  # this node's workers report a preemption here
+    try:
+        code = _launch(spec, module, module_args, reports=reports)
+        preempted = preempted_code(reports)
+        return preempted if code == 0 and preempted is not None else code
+    finally:
+        shutil.rmtree(reports, ignore_errors=True)
+        restore_environ(saved_env)
+
+
+def _launch(spec: LaunchSpec, module: str, module_args: list[str], *, reports: str) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
-    spec.validate()
     bind, restore_env = prepare_node(spec)
     if spec.max_restarts > 0 or spec.max_nnodes > spec.nnodes:
         # pytorch#135712: on torch 2.13 restarted workers often hang in init_process_group when
@@ -187,7 +258,7 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
             raise SignalException("SIGTERM before the workers started", sigval=signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, forward_sigterm)
-    os.environ[LAUNCHED_ENV] = "1"
+    os.environ[LAUNCHED_ENV] = reports
     if spec.max_nnodes > spec.nnodes:
         os.environ[ELASTIC_ENV] = "1"  # every (re)start resumes the newest checkpoint (resume_spec)
     try:
@@ -207,9 +278,7 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
         return 2 if _exit_code(first_failure(e.failures)[1]) == 2 else 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-        os.environ.pop(LAUNCHED_ENV, None)
-        os.environ.pop(ELASTIC_ENV, None)
-        restore_env()  # a later launch in this process (verify runs two) starts from a clean slate
+        restore_env()  # the agent's job secret (the environment is restored by launch)
     return 0
 
 

@@ -2,11 +2,11 @@
 
 Slurm (``--signal``, ``scancel``), Kubernetes (pod deletion, node drain) and cloud spot
 reclaims all send SIGTERM, then SIGKILL after a grace period. A worker that receives it only
-sets a flag; the ranks agree on it with a one-element ``all_reduce(MAX)`` after each step (or
-every ``checkpoint.preempt_check_steps`` steps), so every rank stops after the *same* step even
-when only one node was signalled, saves a synchronous checkpoint and exits (see
-docs/resilience.md; the agreement costs one tiny gloo collective per check, measured in
-benchmarks/preempt_overhead.py).
+sets a flag. The flag rides the step's own reduce of ``[loss_sum, item_count]`` as a third
+element (step.reduce_totals; a SUM of 0/1 flags is as good as a MAX), over pp x dp, or the
+whole world when tp > 1, so every rank stops after the *same* step even when only one node (or
+one tensor-parallel peer) was signalled, with no collective and no host sync of its own. They
+save a synchronous checkpoint and exit (see docs/resilience.md).
 
 A second SIGTERM (more than ``_DEBOUNCE_S`` after the first: ``scancel`` signals the launcher and
 the workers at once, and the launcher forwards its own) or the end of
@@ -17,16 +17,12 @@ so a half-written one is merely incomplete and ``--resume`` skips it.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-
-import torch
-import torch.distributed as dist
 
 log = logging.getLogger("paratrain")
 
@@ -35,21 +31,20 @@ _DEBOUNCE_S = 2.0  # a copy of the same SIGTERM (launcher forward + scancel) is 
 
 
 class Preemption:
-    """This rank's SIGTERM handler and the ranks' agreement to stop. Every method is called on every rank."""
+    """This rank's SIGTERM handler and the stop every rank agrees on. Every method is called on every rank."""
 
-    def __init__(self, *, grace_s: float, check_steps: int, world_size: int, timeout_s: float):
-        self.grace_s, self.check_steps = grace_s, max(1, check_steps)
+    def __init__(self, *, grace_s: float):
+        self.grace_s = grace_s
         self.requested_at: float | None = None  # monotonic time of the first SIGTERM
         self.stopped_at_step: int | None = None  # the step the ranks agreed to stop after
         self._timer: threading.Timer | None = None
         self._previous = None
-        # A gloo group of its own: the flag is a CPU tensor whatever the training backend, and an
-        # async checkpoint may be using the checkpointer's group from its thread at that moment.
-        self.group = None
-        if world_size > 1:
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def requested(self) -> bool:
+        """Did this rank get SIGTERM? (The step reads it just before its reduce.)"""
+        return self.requested_at is not None
 
     def _on_sigterm(self, signum, frame) -> None:
         now = time.monotonic()
@@ -76,21 +71,15 @@ class Preemption:
         sys.stderr.flush()
         os._exit(EXIT_NOW)
 
-    def should_stop(self, step: int) -> bool:
-        """After optimiser step ``step``: do the ranks stop now? (True on every rank or on none.)"""
+    def should_stop(self, step: int, *, agreed: bool) -> bool:
+        """After optimiser step ``step``: do the ranks stop now? ``agreed`` is the step's reduced
+        flag (StepResult.stop), the same on every rank, so this is True on every rank or on none."""
         if self.stopped_at_step is not None:
             return True
-        if step % self.check_steps:
-            return False
-        flag = float(self.requested_at is not None)
-        if self.group is not None:
-            t = torch.tensor([flag])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            flag = float(t.item())
-        if flag:
+        if agreed:
             self.stopped_at_step = step
             log.warning("preemption: every rank stops after step %d and saves a checkpoint", step)
-        return bool(flag)
+        return agreed
 
     def close(self) -> None:
         """Restore the previous SIGTERM handler; the grace timer keeps running until the process exits."""

@@ -3,9 +3,10 @@
 ``train_step(model, optimizer, batches, ctx)``: count the global items, run forward/backward
 (the plain micro-batch loop here, or the pipeline schedule of distributed/pipeline_parallel.py),
 then one finish for both: unscale (fp16), clip by the whole model's gradient norm, optimiser step,
-one reduce of ``[loss_sum, returned_count]`` over the pipeline and data-parallel ranks, and the
-check of the loss's own count on the reduced numbers, so every rank raises the same error
-together instead of one rank leaving the others in a collective.
+one reduce of ``[loss_sum, returned_count, stop_flag]`` over the pipeline, data-parallel and
+tensor-parallel ranks, and the check of the loss's own count on the reduced numbers, so every
+rank raises the same error together instead of one rank leaving the others in a collective. The
+SIGTERM stop flag (preemption.py) rides that reduce: agreeing on it costs no collective of its own.
 
 The differentiated loss is ``sum of item losses / global item count``, the count gathered over
 all micro-batches and data-parallel ranks *before* the first backward. Averaging micro-batch
@@ -41,7 +42,7 @@ class StepContext:
     under torch's loss_parallel. ``sync_each_micro_batch``: the FSDP2 ZeRO-3 sync policy (see
     distributed/data_parallel.py); otherwise gradients are reduced on the last micro-batch only.
     Ranks of one tensor-parallel or pipeline group get the same batches; the loss is reduced over
-    ``dp_group`` (and the pipeline group) only.
+    ``loss_group``, or ``dp_group`` (and the pipeline group) when that is None.
     """
 
     loss_fn: Loss
@@ -52,9 +53,14 @@ class StepContext:
     precision: Precision | None = None
     loss_parallel: bool = False
     sync_each_micro_batch: bool = False
-    # pp x dp flattened (ParallelDims.group("pp_dp")): the one reduce of [loss sum, item count].
-    # None: the pipeline group (if any) then dp_group, two reduces with the same sums.
+    # The one reduce of [loss sum, item count, stop flag]: pp x dp flattened (ParallelDims.group
+    # ("pp_dp")), or the whole world when tp > 1, so that a SIGTERM reaching only a tensor-parallel
+    # peer still stops every rank at the same step. None: the pipeline group (if any) then
+    # dp_group, two reduces with the same sums.
     loss_group: dist.ProcessGroup | None = None
+    # False on tensor-parallel ranks other than the first when loss_group spans tp: their loss is
+    # a copy of the first one's, so they add zeros (exact) and only their stop flag counts.
+    adds_loss: bool = True
 
     @property
     def amp(self) -> Precision:
@@ -67,6 +73,7 @@ class StepResult:
     items: int  # global count of target items
     grad_norm: float
     tokens: int  # input tokens of the global batch (samples, for non-token inputs)
+    stop: bool = False  # some rank's stop flag was set (the same on every rank: read from the step's reduce)
 
 
 def to_device(obj, device: torch.device):
@@ -109,11 +116,14 @@ def train_step(
     ctx: StepContext,
     *,
     after_backward: Callable[[int], None] | None = None,
+    stop_flag: Callable[[], bool] | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches ``[(input, target), ...]`` (on CPU).
 
     ``after_backward(k)`` runs after micro-batch k's backward (the gradient-noise probe of
-    batch.adaptive, adaptive_batch.py; not with a pipeline).
+    batch.adaptive, adaptive_batch.py; not with a pipeline). ``stop_flag()`` is read just before
+    the step's reduce (this rank got SIGTERM: preemption.py); ``StepResult.stop`` says whether
+    any rank's was set.
     """
     items, tokens = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
     # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
@@ -129,8 +139,16 @@ def train_step(
         loss_sum, returned = forward_backward(model, batches, ctx, scale=scale, after_backward=after_backward)
         pp_group = None
     grad_norm = finish_step(model, optimizer, ctx, pp_group=pp_group)
-    loss_total = check_and_reduce(loss_sum, returned, items=items, ctx=ctx, pp_group=pp_group)
-    return StepResult(loss_total / items, items, grad_norm, tokens)
+    stop = bool(stop_flag()) if stop_flag is not None else False
+    loss_total, returned_total, stops = reduce_totals(
+        loss_sum, returned, ctx=ctx, pp_group=pp_group, stop=stop
+    ).tolist()
+    check_count(returned_total, items)
+    # The norm is read only now, after the reduce's read has waited for the device: on a GPU that
+    # wait is the step's only one (the norm's read used to wait before the optimiser step was
+    # queued); this one copies a value already computed. The same tensor as before: exact.
+    # (One joint read via torch.cat adds three tensor ops and showed no gain: preempt_overhead.py.)
+    return StepResult(loss_total / items, items, float(grad_norm), tokens, stops > 0)
 
 
 def forward_backward(
@@ -159,8 +177,9 @@ def forward_backward(
     return loss_sum, returned
 
 
-def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepContext, *, pp_group) -> float:
-    """Unscale (fp16), clip by the whole model's gradient norm, step, zero the gradients."""
+def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepContext, *, pp_group) -> torch.Tensor:
+    """Unscale (fp16), clip by the whole model's gradient norm, step, zero the gradients; returns
+    the norm as a 0-dim tensor (not read on the host here: the step reads it after its reduce)."""
     precision = ctx.amp
     precision.unscale_(optimizer)  # fp16: back to true gradients before clipping
     # The norm of the whole model's gradient on every rank, also when gradients are sharded or
@@ -168,30 +187,37 @@ def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepCon
     grad_norm = clip_grad_norm_(model.parameters(), ctx.grad_clip if ctx.grad_clip > 0 else math.inf, pp_group=pp_group)
     precision.step(optimizer)  # fp16: skipped when the gradients overflowed
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
+    return grad_norm
 
 
-def check_and_reduce(
-    loss_sum: torch.Tensor, returned: torch.Tensor, *, items: int, ctx: StepContext, pp_group
-) -> float:
-    """Sum ``[loss_sum, returned_count]`` over the pipeline and data-parallel ranks (one tensor,
-    one host read) and check the loss's own count against the pre-backward ``items``.
+def reduce_totals(
+    loss_sum: torch.Tensor, returned: torch.Tensor, *, ctx: StepContext, pp_group, stop: bool = False
+) -> torch.Tensor:
+    """``[loss_sum, returned_count, stop]`` summed over the step's ranks: one tensor, one reduce,
+    left on the device for the caller's one host read (then :func:`check_count`).
 
-    Checked on the reduced numbers, every rank raises the same error together. (Under pipeline
-    parallel only the last stage has the loss: the others contribute zeros.)
+    (Under pipeline parallel only the last stage has the loss, and with tensor parallel only the
+    first tp rank adds it: the others contribute zeros.) The stop flag is a SUM of 0/1s, as good
+    as a MAX: any rank > 0 stops every rank, after the same step.
     """
-    totals = torch.stack([loss_sum, returned])
+    if not ctx.adds_loss:
+        loss_sum, returned = torch.zeros_like(loss_sum), torch.zeros_like(returned)
+    totals = torch.stack([loss_sum, returned, torch.full_like(returned, float(stop))])
     groups = [ctx.loss_group] if ctx.loss_group is not None else [pp_group, ctx.dp_group]
     for group in groups:
         if group is not None:
             dist.all_reduce(totals, group=group)
-    loss_total, returned_total = totals.tolist()
+    return totals
+
+
+def check_count(returned_total: float, items: int) -> None:
+    """The loss's own item count against the pre-backward ``items``, on the reduced numbers, so
+    every rank raises the same error together."""
     if int(returned_total) != items:
         raise ConfigError(
             f"the loss returned item count {int(returned_total)} but counting the targets gave"
             f" {items}; give the loss function a count(target) attribute that matches"
         )
-    return loss_total
 
 
 @torch.no_grad()
@@ -216,7 +242,9 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
             loss_sum += _plain(s).double()
             returned += torch.as_tensor(c, device=ctx.device, dtype=torch.float64)
         pp_group = None
-    return check_and_reduce(loss_sum, returned, items=items, ctx=ctx, pp_group=pp_group), items
+    loss_total, returned_total, _ = reduce_totals(loss_sum, returned, ctx=ctx, pp_group=pp_group).tolist()
+    check_count(returned_total, items)
+    return loss_total, items
 
 
 def _plain(s: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -151,7 +152,9 @@ def loop(cfg: Config, run: Run) -> list[dict]:
         data_time = time.perf_counter() - t0
         lr = run.scheduler.get_last_lr()[0]
         probe = run.adapter.probe(run.model, batches[0], run.step_ctx.loss_fn) if run.adapter else None
-        result = train_step(run.model, run.optimizer, batches, run.step_ctx, after_backward=probe)
+        result = train_step(
+            run.model, run.optimizer, batches, run.step_ctx, after_backward=probe, stop_flag=run.preemption.requested
+        )
         state.step += 1
         state.consumed_samples += plan.global_batch_size
         row = metrics_row(run, result, plan=plan, lr=lr, seq_len=seq_len_of(batches[0][0]), t0=t0)
@@ -172,7 +175,7 @@ def loop(cfg: Config, run: Run) -> list[dict]:
         run.writer.log_step(row)
         if len(history) == 1:
             run.events.record("first_step_done", step=state.step)
-        if run.preemption.should_stop(state.step):
+        if run.preemption.should_stop(state.step, agreed=result.stop):
             break
     # Preempted: a synchronous checkpoint of the step every rank stopped after, whatever the config says.
     run.ckpt.at_end(state.step, force=run.preemption.stopped_at_step is not None)
@@ -304,12 +307,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         device=ctx.device,
         stateful={"grad_scaler": precision.scaler, "powersgd": compression.checkpoint},
     )
-    preemption = Preemption(
-        grace_s=cfg.checkpoint.preempt_grace_s,
-        check_steps=cfg.checkpoint.preempt_check_steps,
-        world_size=ctx.world_size,
-        timeout_s=cfg.dist.timeout_s,
-    )
+    preemption = Preemption(grace_s=cfg.checkpoint.preempt_grace_s)
     t0 = time.perf_counter()
     resumed_from = ckpt.resume(*resume_spec(cfg.checkpoint))
     events.record("checkpoint_loaded", step=resumed_from, load_s=time.perf_counter() - t0)
@@ -416,7 +414,10 @@ def build_parallel(
         loss_parallel=loss_parallel,
         # FSDP2's gradient sync policy (distributed/data_parallel.py): ZeRO-3 reduces every micro-batch.
         sync_each_micro_batch=cfg.parallel.reshard_after_forward,
-        loss_group=dims.group("pp_dp"),
+        # With tp > 1 the step's reduce spans the world, so the SIGTERM flag it carries reaches
+        # every tp peer too; the tp ranks after the first add zeros instead of a copy of the loss.
+        loss_group=dims.group("pp_dp") if dims.tp == 1 else dist.group.WORLD,
+        adds_loss=dims.local_rank_in("tp") == 0,
     )
 
     return model, step_ctx, compression

@@ -16,7 +16,7 @@ from paratrain.checkpoint import CheckpointSaveError
 from paratrain.cli import add_set_argument
 from paratrain.config import ConfigError, load_config
 from paratrain.distributed.hang import CollectiveTimeout
-from paratrain.launch import LAUNCHED_ENV
+from paratrain.launch import forget_preempted, report_preempted
 from paratrain.trainer import train
 
 
@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume is not None:
             args.overrides.append("checkpoint.resume=" + json.dumps(args.resume))
         cfg = load_config(args.config, args.overrides)
+        forget_preempted()  # an earlier attempt's report (torchrun restarts) is not this one's
         summary = train(cfg)
-        if summary.get("preempted_at_step") is not None and not os.environ.get(LAUNCHED_ENV):
+        if summary.get("preempted_at_step") is not None and not report_preempted(cfg.checkpoint.exit_code_on_preempt):
             return cfg.checkpoint.exit_code_on_preempt  # plain torchrun: the workers' code is the job's
     except ConfigError as e:
         record_failure(str(e), exit_code=2)

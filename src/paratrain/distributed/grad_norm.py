@@ -36,8 +36,9 @@ def global_grad_norm(params, *, norm_type: float = 2.0) -> torch.Tensor:
     return parts.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
-def clip_grad_norm_(params, max_norm: float, *, norm_type: float = 2.0, pp_group=None) -> float:
-    """Clip the gradients in place to ``max_norm`` (inf: no clipping); returns the global norm.
+def clip_grad_norm_(params, max_norm: float, *, norm_type: float = 2.0, pp_group=None) -> torch.Tensor:
+    """Clip the gradients in place to ``max_norm`` (inf: no clipping); returns the global norm as
+    a 0-dim tensor, not read on the host (the step reads it after its loss reduce).
 
     ``pp_group``: the pipeline group, whose stages each hold a part of the model. Each stage's
     norm (itself whole over its FSDP/TP shards) is partial, so the p-th powers are summed over
@@ -46,7 +47,7 @@ def clip_grad_norm_(params, max_norm: float, *, norm_type: float = 2.0, pp_group
     params = [p for p in params if p.grad is not None]
     if pp_group is None and not any(isinstance(p.grad, DTensor) for p in params):
         # Plain tensors: torch's own (fused, foreach) implementation, as the reference uses it.
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)  # no host sync
     total = global_grad_norm(params, norm_type=norm_type)
     if pp_group is not None:
         total = total.double().reshape(())
@@ -56,11 +57,13 @@ def clip_grad_norm_(params, max_norm: float, *, norm_type: float = 2.0, pp_group
             total = total**norm_type
             dist.all_reduce(total, group=pp_group)
             total = total ** (1.0 / norm_type)
+    if math.isinf(max_norm):  # no clipping: the coefficient would be 1 (no host read for it)
+        return total
     # The same coefficient as torch.nn.utils.clip_grads_with_norm_, applied as a Python scalar so
-    # that it multiplies plain tensors and DTensors on any mesh alike.
+    # that it multiplies plain tensors and DTensors on any mesh alike (a host read, when clipping).
     coef = min(1.0, float(max_norm / (total + 1e-6)))
     if coef < 1.0:
         with torch.no_grad():
             for p in params:
                 p.grad.mul_(coef)
-    return float(total)
+    return total
