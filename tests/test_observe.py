@@ -208,6 +208,7 @@ def test_bad_profile_steps_is_config_error():
         paratrain.load_config(None, ["profile.steps='3-1'"])
 
 
+@pytest.mark.slow
 def test_report_compares_runs(tracked_run, tmp_path):
     other = str(tmp_path / "other")
     run_ranks(train_rank, 1, [*TOY, f"run.out_dir='{other}'", "optim.lr=1e-3"])

@@ -30,7 +30,10 @@ def column(rows: list[dict], key: str) -> torch.Tensor:
     return torch.tensor([r[key] for r in rows], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("layout,accum", [("parallel.tp=2", 2), ("parallel.dp_replicate=-1", 1)])
+@pytest.mark.parametrize(
+    "layout,accum",
+    [("parallel.tp=2", 2), pytest.param("parallel.dp_replicate=-1", 1, marks=pytest.mark.slow)],
+)
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, layout, accum):
     """Rank 1 alone gets SIGTERM in its 3rd forward (tp = 2: a tensor-parallel peer; dp = 2: one
     "node"): both ranks stop after the step of that forward, save it, and the losses and grad

@@ -189,6 +189,7 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
     verify_checkpoint(os.path.join(out, "checkpoints", f"step-{stopped}"))
 
 
+@pytest.mark.slow
 def test_grace_running_out_exits_at_once_and_keeps_the_previous_checkpoint(tmp_path):
     """The step outlasts checkpoint.preempt_grace_s: exit 143 without a new checkpoint; the one of
     step 3 stays complete and intact, and --resume starts from it."""
@@ -303,6 +304,7 @@ def test_full_disk_with_on_error_warn_trains_on(tmp_path, caplog):
 # ----------------------------------------------------------------------------- PowerSGD
 
 
+@pytest.mark.slow
 def test_powersgd_state_survives_resume(tmp_path):
     """Error feedback, warm-start Q and the iteration count are checkpointed: resumed at step 3
     (PowerSGD running since step 2), the run equals the uninterrupted one bitwise."""
