@@ -214,3 +214,50 @@ def test_eval_of_a_pipeline_checkpoint_at_pp2_and_pp1(tmp_path):
         results = run_ranks(eval_rank, world, [*sets, *layout], ckpt)
         assert [r["step"] for r in results] == [2] * world and results[0]["layout"]["pp"] == world
         torch.testing.assert_close(results[0]["val_loss"], want["val_loss"], rtol=1e-5, atol=0)
+
+
+def train_then_eval(runs: list[tuple[int, int, list[str], str]]) -> list[dict]:
+    """One rank of several runs, each trained then its checkpoint evaluated by `paratrain eval`
+    (one process start for all: the CPU is shared); returns the eval results."""
+    out = []
+    for train_port, eval_port, overrides, checkpoint in runs:
+        os.environ["MASTER_PORT"] = str(train_port)  # a fresh store for each process group
+        train_rank(overrides)
+        os.environ["MASTER_PORT"] = str(eval_port)
+        out.append(eval_rank(overrides, checkpoint))
+    return out
+
+
+def test_v_schedules_validate_like_the_reference(tmp_path):
+    """zbv and dualpipev (two adjacent stages on one rank): val_loss during training and
+    `paratrain eval` of their checkpoint (forward only before any training step) equal the
+    one-process reference's. Before the fix, eval crashed in torch's runtime."""
+    sets = [*BASE, "model.args={n_layer=4,n_head=2,d_model=32,block_size=16}", "checkpoint.at_end=true"]
+    ref = str(tmp_path / "ref")
+    run_ranks(train_rank, 1, [*sets, f"run.out_dir='{ref}'"])
+    ref_rows = read_metrics(ref)
+    names = ("zbv", "dualpipev")
+    runs = [
+        (
+            free_port(),
+            free_port(),
+            [
+                *sets,
+                "parallel.dp_replicate=1",
+                "parallel.pp=2",
+                f"parallel.pp_schedule='{s}'",
+                f"run.out_dir='{tmp_path / s}'",
+            ],
+            str(tmp_path / s / "checkpoints" / "step-2"),
+        )
+        for s in names
+    ]
+    results = run_ranks(train_then_eval, 2, runs, timeout=300)[0]
+    for s, result in zip(names, results):
+        rows = read_metrics(str(tmp_path / s))
+        for key in ("val_loss", "grad_norm"):
+            got, want = [r[key] for r in rows], [r[key] for r in ref_rows]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=0, msg=lambda m, s=s, k=key: f"{s} {k}: {m}")
+        assert result["step"] == 2 and result["layout"]["pp"] == 2
+        want = ref_rows[-1]["val_loss"]
+        torch.testing.assert_close(result["val_loss"], want, rtol=1e-5, atol=0, msg=lambda m, s=s: f"{s} eval: {m}")

@@ -498,7 +498,8 @@ def pipeline_forward_backward(
 def pipeline_forward(
     model: PipelineModel, batches: list[tuple], *, loss_fn: Callable, device: torch.device, autocast
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward only through the schedule (``eval()``, torch >= 2.9): ``(loss_sum, count)`` as above."""
+    """Forward only through the schedule (``eval()``, torch >= 2.9, running only the forward
+    actions, see :func:`_forward_actions_only`): ``(loss_sum, count)`` as above."""
     inputs = torch.cat([x for x, _ in batches]).to(device)
     target = torch.cat([t for _, t in batches]).to(device)
     if model.schedule is None:
@@ -506,9 +507,49 @@ def pipeline_forward(
     scaled = model.loss
     scaled.sums, scaled.counts = [], []
     args = (inputs,) if model.has_first else ()
-    with autocast, torch.no_grad():
+    with autocast, torch.no_grad(), _forward_actions_only(model.schedule):
         model.schedule.eval(*args, target=target if model.has_last else None)
     return _local_sums(model, device)
+
+
+# The actions of torch's lowered (compute + comm) schedule that a forward-only run keeps, by
+# their names in its CSV format ("2F0", "3SEND_F1", "1UNSHARD"): forwards, their sends and
+# receives, and FSDP's unshard/reshard around them.
+_FORWARD_ACTIONS = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
+
+
+@contextlib.contextmanager
+def _forward_actions_only(schedule):
+    """Run ``schedule`` on this rank's forward actions only, in their order.
+
+    torch 2.13's ``eval()`` runs a multi-stage schedule's whole action list with the stages'
+    backward off: the backward actions are meant to be no-ops, but under the V schedules (zbv,
+    dualpipev), where one rank holds two adjacent stages, a backward action still hands its
+    input gradient to the rank's other stage through ``stage.get_local_bwd_output``, which
+    asserts the stage has a backward ("can't steal_bwd_input", schedules.py
+    ``_PipelineScheduleRuntime._step_microbatches``, its FULL_BACKWARD and BACKWARD_INPUT
+    branches). So eval crashed under them; the loop-style schedules only ran the no-ops.
+
+    The lowered list is the runtime's own input, which it allows editing (pytorch PR #130488:
+    "possible to manually edit the compute+comm schedule"), so eval swaps in the list without
+    backward, weight, gradient-send/receive and gradient-reduce actions, and an OVERLAP_F_B
+    (dualpipev's forward paired with a backward) by its forward. Dropping actions keeps the run
+    deadlock-free: every forward still waits only on forwards that ran before it in the full
+    schedule, and sends do not block. torch still sets up (or re-sets up, on a switch between
+    training and eval) the stages' buffers, also when eval comes before any training step.
+    """
+    # gpipe/1f1b (PipelineScheduleSingle) have no action list; their eval() runs forwards only.
+    orders = getattr(schedule, "pipeline_order_with_comms", None)
+    if orders is None:
+        yield
+        return
+    full = orders[schedule.rank]
+    subs = [sub for a in full for sub in (a.sub_actions or (a,))]
+    orders[schedule.rank] = [a for a in subs if a.computation_type.value in _FORWARD_ACTIONS]
+    try:
+        yield
+    finally:
+        orders[schedule.rank] = full
 
 
 def _local_sums(model: PipelineModel, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
