@@ -60,7 +60,7 @@ def overheads(repeats: int = 30) -> tuple[float, float, float]:
 
     from paratrain.distributed.data_parallel import apply_fsdp
     from paratrain.distributed.tensor_parallel import apply_tp
-    from paratrain.models.gpt import build_gpt
+    from paratrain.models.gpt import build_gpt, gpt_tp_plan
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
@@ -84,7 +84,15 @@ def overheads(repeats: int = 30) -> tuple[float, float, float]:
         plain = per_block(lambda m: None) / 3  # forward 1 + backward 2 passes
         tp = (
             per_block(
-                lambda m: apply_tp(m, mesh, plan={}, plan_factory="", sequence_parallel=False, loss_parallel=False)
+                lambda m: apply_tp(
+                    m,
+                    mesh,
+                    plan={},
+                    plan_factory="",
+                    sequence_parallel=False,
+                    loss_parallel=False,
+                    model_plan=gpt_tp_plan,
+                )
             )
             / 3
         )
@@ -125,7 +133,7 @@ def measure_rank(config: str, layouts: list[dict], steps: int, out_root: str) ->
         if dist.get_rank() == 0:
             with open(os.path.join(out, "metrics.jsonl")) as f:
                 times = [json.loads(line)["step_time_s"] for line in f][2:]
-            results.append({"step_time_s": statistics.median(times), "peak_bytes": peak})
+            results.append({"step_time_s": statistics.median(times), "step_times": times, "peak_bytes": peak})
     dist.destroy_process_group()
     return results
 
