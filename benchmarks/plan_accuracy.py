@@ -122,7 +122,9 @@ def measure_rank(config: str, layouts: list[dict], steps: int, out_root: str) ->
         lay = Layout(**d)
         out = os.path.join(out_root, f"l{i}")
         overrides = [f"run.out_dir='{out}'", f"run.steps={steps}", "run.progress=false", "run.save_model=false"]
-        overrides += ["metrics.plot=false", "optim.warmup_steps=1", *lay.set_lines()]
+        # No validation: only the steps are timed (and validation under DualPipeV fails in torch's
+        # schedule.eval: "can't steal_bwd_input if this stage doesn't have backward").
+        overrides += ["metrics.plot=false", "optim.warmup_steps=1", "eval.interval=0", *lay.set_lines()]
         cfg = paratrain.load_config(config, overrides)
         paratrain.train(cfg)
         peak = None
