@@ -317,8 +317,7 @@ def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ra
         inter = crosses_nodes(stride_shard, layout.dp_shard, ranks_per_node)
         # One FSDP unit per block and one root unit (embedding, head, final norm); one collective
         # per unit and pass, so the per-collective latency is paid per unit.
-        block_params = (rank_params - stats.total_params + sum(stats.block_params)) / max(1, rank_blocks)
-        block_params = max(0.0, min(block_params, rank_params)) / layout.tp
+        block_params = sum(stats.block_params) / max(1, len(stats.block_params)) / layout.tp
         root_params = max(0.0, shard_params - block_params * rank_blocks)
         gather_bytes = act_bytes if dtype != "fp32" else 4
 
