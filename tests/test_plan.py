@@ -270,3 +270,7 @@ def test_zero_bubble_with_selective_checkpointing_is_refused():
     cfg.parallel.activation_checkpointing = "selective"
     with pytest.raises(ConfigError, match="selective"):
         check_layout(cfg, 2)
+    # And the plan does not offer it (its verdict cache once shared one verdict across the modes).
+    layouts, _ = enumerate_layouts(load_config(MAIN), world_size=4, nproc_per_node=4)
+    zero_bubble = [lay for lay in layouts if lay.pp_schedule in ("interleaved_zb", "zbv", "dualpipev") and lay.pp > 1]
+    assert zero_bubble and not any(lay.activation_checkpointing == "selective" for lay in zero_bubble)
