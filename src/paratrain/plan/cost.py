@@ -2,9 +2,12 @@
 
 All terms are seconds per optimiser step on the slowest rank's critical path:
 
-- ``compute``: the model FLOPs of the rank (its pipeline stage's blocks, 1/tp of each) over the
-  achievable FLOP/s of the dtype (hardware.py). FLOPs as MFU counts them (mfu.py, PaLM
-  appendix B: 6 per matmul parameter per token plus 12 L d T attention).
+- ``compute``: the model FLOPs of the rank's matmuls (its pipeline stage's blocks, 1/tp of each)
+  over the achievable FLOP/s of the dtype (hardware.py), times the GEMM shape factor on a GPU
+  (``gemm_slowdown``: tile and wave quantization, memory-bound thin GEMMs); plus attention: on
+  a GPU as causal flash attention computes it (half the T x T square, backward 2.5x the forward)
+  at the profile's attention efficiency, elsewhere as MFU counts it (PaLM appendix B: 12 L d T
+  per token) at the matmul rate.
 - ``recompute``: activation checkpointing. ``full`` runs every block's forward again (a third of
   its forward+backward FLOPs); ``selective`` saves matmul and attention outputs and recomputes
   only the pointwise ops and norms, priced in ``pointwise`` (Korthikanti et al. 2022 measure a
@@ -13,11 +16,9 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
   micro-batch (embedding and head as two more units): launches and dispatch that do not shrink
   with the micro-batch, which is why tiny micro-batches are slow; the profile's DTensor figure
   under TP, and FSDP's per-unit cost for each all-gather and reduce-scatter (hardware.py).
-- ``pointwise``: the memory-bound ops (norms, residual adds, activation function, biases,
-  the loss over the vocabulary) over memory bandwidth; their FLOPs are not in ``compute``. The
-  attention products are priced at the matmul rate: MFU counts them over the whole T x T square
-  (PaLM) while a causal kernel computes half, at about half the matmul efficiency
-  (FlashAttention-2 reaches 35% of an H100, Shah et al. 2024, "FlashAttention-3"): the two cancel.
+- ``pointwise``: the memory-bound ops counted from the block's own modules (``block_shapes``:
+  norms, bias adds, GELU or SwiGLU, RoPE, residual adds) and the loss over the vocabulary, over
+  memory bandwidth; their FLOPs are not in ``compute``.
 - ``tp_comm``: tensor parallel, on the critical path (nothing overlaps it in eager mode): per
   micro-batch and block two all-reduces forward and two backward of the activations
   (Megatron-LM, Shoeybi et al. 2019; sequence parallel's all-gather + reduce-scatter move the
@@ -25,8 +26,9 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
 - ``fsdp_comm``: FSDP2 all-gathers each unit's parameters (compute dtype) in forward, again in
   backward when ``reshard_after_forward``; reduce-scatters gradients (reduce dtype) every
   micro-batch when resharding, once per step otherwise (paratrain's sync policy); HSDP adds an
-  all-reduce of the shard over dp_replicate. Prefetching hides it behind compute, except the
-  first unit's (``overlap`` of the profile).
+  all-reduce of the shard over dp_replicate. The root unit's first all-gather and the last
+  reduce-scatter are exposed; each block's collectives hide behind a block's compute up to the
+  profile's ``overlap`` of it, the rest is exposed (the max per layer).
 - ``dp_grad_reduce``: DDP's all-reduce of the gradients, once per step (``no_sync`` before the
   last micro-batch), hidden behind that micro-batch's backward except the last bucket.
 - ``pp_bubble``: the pipeline's idle time over the stage's busy time: ``(p-1)/n`` for GPipe and

@@ -11,7 +11,7 @@ A profile holds what the cost model needs of one device and its links:
 - ``intra_busbw_gbps`` / ``inter_busbw_gbps``: bus bandwidth (nccl-tests' definition, see
   bench/comm.py) of a collective inside a node (NVLink) and across nodes (InfiniBand/RoCE, one
   NIC per GPU); ``latency_s`` per collective. Calibrated from ``paratrain bench comm --json``
-  files: the measured time by message size and group size then replaces the formula.
+  files: a latency-bandwidth line fitted to the measured times by message size replaces the formula.
 - ``block_overhead_s``: fixed time of one block's forward or backward pass that does not
   shrink with the work (kernel launches, Python and autograd dispatch): it is what makes tiny
   micro-batches slow. ``tp_block_overhead_s`` replaces it under tensor parallelism (every op on a
