@@ -3,6 +3,7 @@ full estimate, the cost terms, calibration, the CLI, the best layout training, a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -13,7 +14,7 @@ import torch
 from paratrain.config import ConfigError, load_config
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.plan import calibrate, get_profile, plan
-from paratrain.plan.cost import ModelStats, step_cost
+from paratrain.plan.cost import ModelStats, gemm_seconds, step_cost
 from paratrain.plan.enumerate import Layout, candidate_layouts, enumerate_layouts, meta_model
 from paratrain.plan.memory import MemoryModel, estimate_layout_peak, in_flight
 from paratrain.plan.planner import nothing_fits_error
@@ -91,6 +92,26 @@ def test_pipeline_in_flight_and_bubble():
     assert i.terms["pp_bubble"] == pytest.approx(c.terms["pp_bubble"] / 2, rel=0.05)
 
 
+def test_gemm_waves_and_exposed_fsdp():
+    """A GEMM fills the GPU in waves of 256 x 128 tiles: one whole wave costs its FLOPs at the
+    achievable rate, one tile more costs a second wave. FSDP's collectives hide behind the blocks'
+    compute up to the per-layer overlap; slower links expose more of them."""
+    hw = get_profile("h100-sxm")
+    rate = hw.achievable_flops("bf16")
+    full = gemm_seconds(256, 128 * 132, 8192, hw=hw, rate=rate, elem_bytes=2)
+    assert full == pytest.approx(2 * 256 * 128 * 132 * 8192 / rate)
+    assert gemm_seconds(256, 128 * 133, 8192, hw=hw, rate=rate, elem_bytes=2) == pytest.approx(2 * full, rel=0.02)
+    thin = gemm_seconds(16384, 8, 4096, hw=hw, rate=rate, elem_bytes=2)  # reads 128 MiB for 1 GFLOP
+    assert thin == pytest.approx(16384 * 4096 * 2 / (hw.hbm_gbps * 1e9), rel=0.01)
+    cfg = load_config(MAIN, ["precision.dtype='bf16'"])
+    stats = ModelStats.of(meta_model(cfg), cfg)
+    layout = Layout(1, 8, 1, 1, 4)
+    fast = step_cost(layout, cfg=cfg, stats=stats, hw=hw, ranks_per_node=8).terms["fsdp_comm"]
+    slow_hw = dataclasses.replace(hw, intra_busbw_gbps=hw.intra_busbw_gbps / 1000)
+    slow = step_cost(layout, cfg=cfg, stats=stats, hw=slow_hw, ranks_per_node=8).terms["fsdp_comm"]
+    assert 0 < fast < slow
+
+
 def test_calibration_replaces_the_profile(tmp_path):
     compute = {
         "matmul": [{"dtype": "fp32", "flops_per_s": 5e10, "device_type": "cpu"}],
@@ -99,17 +120,21 @@ def test_calibration_replaces_the_profile(tmp_path):
     comm = {
         "world_size": 2,
         "nodes": ["a", "a"],
-        "results": [
-            {"op": "all_reduce", "bytes": 1000, "time_s": 1e-4},
+        "results": [  # 100 us + 0.1 us per byte, and one timing spoiled by another process
+            {"op": "all_reduce", "bytes": 1000, "time_s": 2e-4},
             {"op": "all_reduce", "bytes": 2000, "time_s": 3e-4},
+            {"op": "all_reduce", "bytes": 4000, "time_s": 5e-3},
+            {"op": "all_reduce", "bytes": 8000, "time_s": 9e-4},
+            {"op": "all_reduce", "bytes": 16000, "time_s": 1.7e-3},
         ],
     }
     (tmp_path / "c.json").write_text(json.dumps(compute))
     (tmp_path / "m.json").write_text(json.dumps(comm))
     hw = calibrate(get_profile("cpu"), [str(tmp_path / "c.json"), str(tmp_path / "m.json")])
     assert hw.achievable_flops("fp32") == 5e10 and hw.hbm_gbps == 7.0
-    assert hw.collective_s("all_reduce", 1500, 2, inter=False) == pytest.approx(2e-4)
-    assert hw.collective_s("all_reduce", 4000, 2, inter=False) == pytest.approx(6e-4)  # its bandwidth holds
+    # The latency-bandwidth line through the measurements, not bent by the outlier.
+    assert hw.collective_s("all_reduce", 4000, 2, inter=False) == pytest.approx(5e-4)
+    assert hw.collective_s("all_reduce", 32000, 2, inter=False) == pytest.approx(3.3e-3)  # beyond: its bandwidth
     # Another group size keeps the measured bus bandwidth: time scales with the bus factor.
     assert hw.collective_s("all_reduce", 2000, 4, inter=False) == pytest.approx(3e-4 * 1.5)
     (tmp_path / "bad.json").write_text("{}")
@@ -162,18 +187,69 @@ def test_8b_on_64_gpus_plans_in_two_minutes_and_fits():
         assert p.memory.peak_bytes <= result.usable_bytes <= 80 * GIB
 
 
+def llama3_8b(tmp_path) -> str:
+    """A transformers Llama-3-8B config (no weights): 32 layers, width 4096, SwiGLU 14336, 32 query
+    and 8 key/value heads, vocabulary 128256, untied head."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_llama3_8b_on_8_h100_lands_near_torchtitans_measurement(tmp_path):
+    """torchtitan (docs/performance.md, Table 1; arXiv:2410.06511) trains Llama 3.1 8B on 8 H100
+    (96 GiB HBM2e at 2.4 TB/s, 500 W) with FSDP over the 8, bf16, sequence 8192, local batch 2,
+    selective activation checkpointing: 5,762 tokens/s per GPU eager (33.7% MFU), 6,667 compiled
+    (39.0%). Priced on that hardware, that layout lands at about 50%: the model's terms are all
+    lower bounds of what a real step adds (docs/plan.md), so it may sit above the measurement but
+    not below it, and not more than ~1.5x above. The old flat model (every matmul, attention
+    included, at 0.7 of peak; the GPT block's pointwise ops) lands at 59% and fails the band."""
+    cfg = load_config(
+        DEBUG,
+        [
+            "model.args={}",
+            f"model.hf='{llama3_8b(tmp_path)}'",
+            "data.args={block_size=8192, max_bytes=100000}",
+            "batch.global_batch_size=16",
+            "precision.dtype='bf16'",
+        ],
+    )
+    stats = ModelStats.of(meta_model(cfg), cfg)
+    assert stats.flops_per_token == pytest.approx(5.79e10, rel=0.01)  # 6 x 7.5e9 + 12 x 32 x 4096 x 8192
+    titan = dataclasses.replace(get_profile("h100-sxm"), hbm_gbps=2400.0, memory_gib=96)
+    layout = Layout(1, 8, 1, 1, 2, "selective", True)
+    cost = step_cost(layout, cfg=cfg, stats=stats, hw=titan, ranks_per_node=8)
+    print(f"\nLlama-3-8B on torchtitan's 8 H100: MFU {cost.mfu:.1%}, terms {cost.terms}")
+    assert 0.33 <= cost.mfu <= 0.52, cost.mfu
+    # The fault this test must catch: the old flat model.
+    flat = dataclasses.replace(titan, sms=0, attention_efficiency=0.0)
+    gpt_pointwise = dataclasses.replace(stats, pointwise=(40.0 * 4096, 0.0))
+    old = step_cost(layout, cfg=cfg, stats=gpt_pointwise, hw=flat, ranks_per_node=8)
+    assert old.mfu > 0.52, old.mfu
+
+
 @pytest.mark.slow
-def test_llama3_8b_on_8_h100_mfu_in_published_range():
-    """torchtitan reports 33-39% MFU for Llama-3-8B on 8 H100 (FSDP, bf16, seq 8192, local batch 1).
-    The plan predicts about 60% for these shapes: it prices every matmul at 0.7 of the data-sheet
-    peak, hides FSDP completely and knows no Llama-specific memory-bound ops (SwiGLU, RoPE), so it is
-    optimistic by about 1.6x here (docs/plan.md). The band [25%, 65%] is generous but still fails a
-    factor-2 error in the FLOPs or the time (forward-only or double-counted work, a wrong peak)."""
-    cfg = load_config(DEBUG, big_gpt(seq=8192, gbs=8))
-    result = plan(cfg, world_size=8, nproc_per_node=8, profile=get_profile("h100-sxm"), top=1, progress=False)
-    best = result.layouts[0]
-    print(f"\nLlama-3-8B-like on 8 H100: best {best.layout.short()} MFU {best.cost.mfu:.1%}")
-    assert 0.25 <= best.cost.mfu <= 0.65, best.cost.mfu
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_stage_memory_matches_a_real_run(schedule):
+    """Each pipeline rank's modelled peak against the live tensor bytes of a real pp = 2 run of the
+    main GPT (benchmarks/plan_pipeline_memory.py): within 10%. Without the receive buffers, the
+    gradients accumulated over the pipeline micro-batches and with logits on the first stage, the
+    last 1F1B stage was 18% under and the first GPipe stage 17% over."""
+    from benchmarks.plan_pipeline_memory import measured, modelled  # a script, imported for its helpers
+
+    layout = Layout(1, 1, 1, 2, 4, pp_schedule=schedule)
+    for meas, model in zip(measured(layout), modelled(layout), strict=True):
+        assert abs(model / meas - 1) <= 0.10, (schedule, meas, model)
 
 
 def test_nothing_fits_names_the_smallest_need():
@@ -194,3 +270,7 @@ def test_zero_bubble_with_selective_checkpointing_is_refused():
     cfg.parallel.activation_checkpointing = "selective"
     with pytest.raises(ConfigError, match="selective"):
         check_layout(cfg, 2)
+    # And the plan does not offer it (its verdict cache once shared one verdict across the modes).
+    layouts, _ = enumerate_layouts(load_config(MAIN), world_size=4, nproc_per_node=4)
+    zero_bubble = [lay for lay in layouts if lay.pp_schedule in ("interleaved_zb", "zbv", "dualpipev") and lay.pp > 1]
+    assert zero_bubble and not any(lay.activation_checkpointing == "selective" for lay in zero_bubble)

@@ -2,9 +2,12 @@
 
 All terms are seconds per optimiser step on the slowest rank's critical path:
 
-- ``compute``: the model FLOPs of the rank (its pipeline stage's blocks, 1/tp of each) over the
-  achievable FLOP/s of the dtype (hardware.py). FLOPs as MFU counts them (mfu.py, PaLM
-  appendix B: 6 per matmul parameter per token plus 12 L d T attention).
+- ``compute``: the model FLOPs of the rank's matmuls (its pipeline stage's blocks, 1/tp of each)
+  over the achievable FLOP/s of the dtype (hardware.py), times the GEMM shape factor on a GPU
+  (``gemm_slowdown``: tile and wave quantization, memory-bound thin GEMMs); plus attention: on
+  a GPU as causal flash attention computes it (half the T x T square, backward 2.5x the forward)
+  at the profile's attention efficiency, elsewhere as MFU counts it (PaLM appendix B: 12 L d T
+  per token) at the matmul rate.
 - ``recompute``: activation checkpointing. ``full`` runs every block's forward again (a third of
   its forward+backward FLOPs); ``selective`` saves matmul and attention outputs and recomputes
   only the pointwise ops and norms, priced in ``pointwise`` (Korthikanti et al. 2022 measure a
@@ -13,11 +16,9 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
   micro-batch (embedding and head as two more units): launches and dispatch that do not shrink
   with the micro-batch, which is why tiny micro-batches are slow; the profile's DTensor figure
   under TP, and FSDP's per-unit cost for each all-gather and reduce-scatter (hardware.py).
-- ``pointwise``: the memory-bound ops (norms, residual adds, activation function, biases,
-  the loss over the vocabulary) over memory bandwidth; their FLOPs are not in ``compute``. The
-  attention products are priced at the matmul rate: MFU counts them over the whole T x T square
-  (PaLM) while a causal kernel computes half, at about half the matmul efficiency
-  (FlashAttention-2 reaches 35% of an H100, Shah et al. 2024, "FlashAttention-3"): the two cancel.
+- ``pointwise``: the memory-bound ops counted from the block's own modules (``block_shapes``:
+  norms, bias adds, GELU or SwiGLU, RoPE, residual adds) and the loss over the vocabulary, over
+  memory bandwidth; their FLOPs are not in ``compute``.
 - ``tp_comm``: tensor parallel, on the critical path (nothing overlaps it in eager mode): per
   micro-batch and block two all-reduces forward and two backward of the activations
   (Megatron-LM, Shoeybi et al. 2019; sequence parallel's all-gather + reduce-scatter move the
@@ -25,8 +26,9 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
 - ``fsdp_comm``: FSDP2 all-gathers each unit's parameters (compute dtype) in forward, again in
   backward when ``reshard_after_forward``; reduce-scatters gradients (reduce dtype) every
   micro-batch when resharding, once per step otherwise (paratrain's sync policy); HSDP adds an
-  all-reduce of the shard over dp_replicate. Prefetching hides it behind compute, except the
-  first unit's (``overlap`` of the profile).
+  all-reduce of the shard over dp_replicate. The root unit's first all-gather and the last
+  reduce-scatter are exposed; each block's collectives hide behind a block's compute up to the
+  profile's ``overlap`` of it, the rest is exposed (the max per layer).
 - ``dp_grad_reduce``: DDP's all-reduce of the gradients, once per step (``no_sync`` before the
   last micro-batch), hidden behind that micro-batch's backward except the last bucket.
 - ``pp_bubble``: the pipeline's idle time over the stage's busy time: ``(p-1)/n`` for GPipe and
@@ -52,6 +54,7 @@ from torch import nn
 from paratrain.config import Config
 from paratrain.distributed.pipeline_parallel import SCHEDULES, pp_microbatches, stage_ranges
 from paratrain.mfu import build_flops_per_token
+from paratrain.models.gpt import GPT
 from paratrain.plan.enumerate import Layout
 from paratrain.plan.hardware import Profile
 
@@ -83,12 +86,18 @@ class ModelStats:
     seq_len: int
     hidden: int  # width of the activations between blocks (0: unknown, no TP/PP traffic modelled)
     block_params: list[int]
-    block_flops: list[float]  # training FLOPs per token of each block
+    block_flops: list[float]  # training FLOPs per token of each block (matmuls and attention, as MFU counts)
     head_flops: float  # the output layer's (on the last stage)
     total_params: int
     flops_per_token: float  # the whole model's, as MFU counts it
     vocab: int = 0
     model: nn.Module | None = None
+    # One block's matmuls as (in_features, out_features) of its nn.Linear modules, its attention
+    # width (query features; 0: no attention found), and the element accesses per token of its
+    # memory-bound ops in a forward: (at the compute dtype, in fp32). See ``block_shapes``.
+    gemms: list[tuple[int, int]] = field(default_factory=list)
+    attention_width: int = 0
+    pointwise: tuple[float, float] = (0.0, 0.0)
     _ranks: dict = field(default_factory=dict)
 
     @classmethod
@@ -99,16 +108,22 @@ class ModelStats:
         total = sum(p.numel() for p in model.parameters())
         fpt = build_flops_per_token(model)(seq)
         blocks = getattr(model, "layers", None)
-        mcfg = getattr(model, "cfg", None)
-        d = getattr(mcfg, "d_model", 0)
+        mcfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+        d = getattr(mcfg, "d_model", 0) or getattr(mcfg, "hidden_size", 0)
         if blocks is None or not len(blocks):
             return cls(seq, d, [total], [fpt], 0.0, total, fpt)
         bp = [sum(p.numel() for p in b.parameters()) for b in blocks.values()]
-        attention = 12.0 * d * seq  # per block (mfu.py)
+        gemms, width, pointwise = block_shapes(next(iter(blocks.values())), rope=hasattr(model, "rotary_emb"))
+        attention = 12.0 * (width or d) * seq  # per block (mfu.py, PaLM)
         bf = [6.0 * n + attention for n in bp]
         head = getattr(model, "lm_head", None)
         head_flops = 6.0 * sum(p.numel() for p in head.parameters()) if head is not None else 0.0
-        return cls(seq, d, bp, bf, head_flops, total, fpt, getattr(mcfg, "vocab_size", 0), model)
+        if not isinstance(model, GPT):
+            # PaLM's count (mfu.py's for the built-in GPT): matmul parameters and attention;
+            # a generic model's 6 x parameters would count the embedding and miss attention.
+            fpt = sum(bf) + head_flops
+        vocab = getattr(mcfg, "vocab_size", 0)
+        return cls(seq, d, bp, bf, head_flops, total, fpt, vocab, model, gemms, width, pointwise)
 
     def busiest_rank(self, pp: int, v: int, style: str, cfg: Config) -> tuple[float, int, float]:
         """(FLOPs per token, blocks, parameters) of the pipeline rank with the most work (cached)."""
@@ -128,6 +143,80 @@ class ModelStats:
             params = max(r[2] for r in ranks) + (self.total_params - sum(self.block_params)) / 2
             self._ranks[key] = (flops, blocks, params)
         return self._ranks[key]
+
+
+def block_shapes(block: nn.Module, *, rope: bool) -> tuple[list[tuple[int, int]], int, tuple[float, float]]:
+    """One block's matmul shapes, attention width and memory-bound element accesses per token.
+
+    The memory-bound ops of an eager forward, counted by what each reads and writes per token
+    (in units of elements; the backward reads saved inputs and the incoming gradient and writes
+    one gradient per op: about twice the forward):
+
+    - LayerNorm: one fused kernel, read x, write y: 2 x width.
+    - RMSNorm (Llama's, eager as transformers writes it: upcast, square, mean, scale, downcast,
+      weight): 4 x width at the compute dtype and 7 x width in fp32.
+    - a bias add: read, write and the addend: 3 x out_features.
+    - the MLP activation: GELU reads and writes the hidden width (2 h); SwiGLU's silu(gate) * up
+      reads gate and up, writes silu and the product (5 h).
+    - RoPE on queries and keys (transformers' ``apply_rotary_pos_emb``: two products, a
+      rotate-half (negate, concatenate) and a sum): about 10 accesses per query and key element.
+    - two residual adds: 6 x the block's width.
+    """
+    linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+    gemms = [(m.in_features, m.out_features) for m in linears]
+    width = next((m.out_features for n, m in block.named_modules() if n.endswith("q_proj")), 0)
+    d = linears[0].in_features if linears else 0
+    act, fp32 = 6.0 * d, 0.0  # residual adds
+    for name, m in block.named_modules():
+        kind = type(m).__name__
+        if isinstance(m, nn.LayerNorm):
+            act += 2.0 * m.normalized_shape[-1]
+        elif "RMSNorm" in kind:
+            n = m.weight.shape[-1] if getattr(m, "weight", None) is not None else d
+            act, fp32 = act + 4.0 * n, fp32 + 7.0 * n
+        elif isinstance(m, nn.Linear) and m.bias is not None:
+            act += 3.0 * m.out_features
+    gated = next((m for m in block.modules() if hasattr(m, "gate_proj") and hasattr(m, "up_proj")), None)
+    if gated is not None:  # SwiGLU
+        act += 5.0 * gated.gate_proj.out_features
+    elif linears:  # one activation function (GELU) on the widest matmul output
+        act += 2.0 * max(m.out_features for m in linears)
+    if rope:
+        qk = sum(m.out_features for n, m in block.named_modules() if n.endswith(("q_proj", "k_proj")))
+        act += 10.0 * qk
+    return gemms, width, (act, fp32)
+
+
+def gemm_slowdown(stats: ModelStats, m: int, tp: int, *, hw: Profile, rate: float, elem_bytes: int) -> float:
+    """Time of a block's and the head's GEMMs for a micro-batch of ``m`` tokens (forward, and the
+    backward's input and weight gradients) over that of their FLOPs at ``rate``: 1 off a GPU.
+    Under TP each matmul is split along its wider side (Megatron's column and row splits)."""
+    if not hw.sms or not stats.gemms:
+        return 1.0
+    shapes = [*stats.gemms, (stats.hidden, stats.vocab)] if stats.vocab and stats.hidden else stats.gemms
+    seconds = flops = 0.0
+    for k, n in shapes:
+        k, n = (k, n // tp) if n >= k else (k // tp, n)
+        for a, b, c in ((m, n, k), (m, k, n), (k, n, m)):  # y = x W, dx = dy W^T, dW = x^T dy
+            seconds += gemm_seconds(a, b, c, hw=hw, rate=rate, elem_bytes=elem_bytes)
+        flops += 6.0 * m * n * k
+    return seconds / (flops / rate)
+
+
+def gemm_seconds(m: float, n: int, k: int, *, hw: Profile, rate: float, elem_bytes: int) -> float:
+    """One (m x k) @ (k x n) GEMM. On a GPU (``hw.sms``) it runs in waves of 256 x 128 output
+    tiles over the SMs, so a partial last wave or a small output wastes part of the device (tile
+    and wave quantization), and a GEMM too thin to reuse its operands is bound by memory
+    (NVIDIA, "Matrix Multiplication Background User's Guide": arithmetic intensity, tile and
+    wave quantization); elsewhere FLOPs over the rate."""
+    flops = 2.0 * m * n * k
+    if not hw.sms:
+        return flops / rate
+    tiles = math.ceil(m / 256) * math.ceil(n / 128)
+    waves = math.ceil(tiles / hw.sms)
+    busy = tiles / (waves * hw.sms)
+    memory = (m * k + k * n + m * n) * elem_bytes / (hw.hbm_gbps * 1e9)
+    return max(flops / (rate * busy), memory)
 
 
 @dataclass
@@ -172,13 +261,34 @@ def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ra
     tokens = per_rank * seq
     block_flops_rank = stage_flops - (stats.head_flops if p == 1 else 0.0)
     t = dict.fromkeys(TERMS, 0.0)
-    t["compute"] = tokens * stage_flops / layout.tp / rate
-    forward_blocks = tokens * block_flops_rank / 3.0 / layout.tp / rate  # forward = 2 of the 6 FLOPs
-    # Full checkpointing runs each block's forward again; selective only its pointwise ops (in
-    # ``pointwise`` below): its matmuls and attention are saved.
-    t["recompute"] = forward_blocks if layout.activation_checkpointing == "full" else 0.0
+    # Matmuls and attention apart: attention as MFU counts it is 12 x width x T per token and block.
+    width = stats.attention_width or d
+    attention_token = rank_blocks * 12.0 * width * seq if stats.gemms else 0.0
+    linear_flops = stage_flops - attention_token
+    slowdown = gemm_slowdown(stats, mb * seq, layout.tp, hw=hw, rate=rate, elem_bytes=act_bytes)
+    linear_s = tokens * linear_flops / layout.tp / rate * slowdown
+    block_linear_s = linear_s * (block_flops_rank - attention_token) / max(1.0, linear_flops)
+    if hw.attention_efficiency:
+        # Causal flash attention computes the lower half of the T x T square: forward 2 x width x T
+        # per token (QK^T and PV), backward 2.5x that (it recomputes QK^T: Dao 2023, sec. 3.1).
+        att_rate = hw.peak(dtype) * hw.attention_efficiency * share
+        attention_s = tokens * rank_blocks * 7.0 * width * seq / layout.tp / att_rate
+        attention_forward_s = attention_s * 2 / 7
+    else:
+        attention_s = tokens * attention_token / layout.tp / rate
+        attention_forward_s = attention_s / 3
+    t["compute"] = linear_s + attention_s
+    # Full checkpointing runs each block's forward again (a third of its matmul FLOPs); selective
+    # only its pointwise ops (in ``pointwise`` below): its matmuls and attention are saved.
+    if layout.activation_checkpointing == "full":
+        t["recompute"] = block_linear_s / 3 + attention_forward_s
     recomputed = layout.activation_checkpointing != "none"
-    pointwise_bytes = tokens * rank_blocks * POINTWISE_ELEMENTS * d * act_bytes / layout.tp
+    if stats.pointwise != (0.0, 0.0):
+        per_token_block = stats.pointwise[0] * act_bytes + stats.pointwise[1] * 4
+    else:  # a model without recognisable blocks: the GPT block's figure per unit of width
+        per_token_block = POINTWISE_ELEMENTS / 3 * d * act_bytes
+    # Forward once, backward about twice (each op's gradient reads its inputs and writes one).
+    pointwise_bytes = tokens * rank_blocks * 3 * per_token_block / layout.tp
     pointwise_bytes *= 1 + (1 / 3 if recomputed else 0)  # the forward's third, again
     # The loss over the vocabulary (on the last stage; counted for the busiest rank as an upper bound).
     pointwise_bytes += tokens * stats.vocab * LOSS_BYTES_PER_LOGIT / layout.tp
@@ -207,24 +317,44 @@ def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ra
     shard_params = rank_params / layout.tp
     if layout.dp_shard > 1:
         inter = crosses_nodes(stride_shard, layout.dp_shard, ranks_per_node)
-        units = rank_blocks + 1  # one FSDP unit per block, one for the rest
-        param_bytes = shard_params * (act_bytes if dtype != "fp32" else 4)
-        gathers = n_micro * (2 if layout.reshard_after_forward else 1)
-        scatters = n_micro if layout.reshard_after_forward else 1
-        # One collective per unit: the per-collective latency is paid per unit.
-        ag = gathers * units * hw.collective_s("all_gather", param_bytes / units, layout.dp_shard, inter=inter)
-        rs = (
-            scatters
-            * units
-            * hw.collective_s("reduce_scatter", shard_params * reduce_bytes / units, layout.dp_shard, inter=inter)
-        )
-        total = ag + rs
-        if layout.dp_replicate > 1:
-            inter_r = crosses_nodes(stride_rep, layout.dp_replicate, ranks_per_node)
-            total += scatters * hw.collective_s(
-                "all_reduce", shard_params * reduce_bytes / layout.dp_shard, layout.dp_replicate, inter=inter_r
-            )
-        t["fsdp_comm"] = max(total - hw.overlap * busy_compute, total / units)
+        # One FSDP unit per block and one root unit (embedding, head, final norm); one collective
+        # per unit and pass, so the per-collective latency is paid per unit.
+        block_params = sum(stats.block_params) / max(1, len(stats.block_params)) / layout.tp
+        root_params = max(0.0, shard_params - block_params * rank_blocks)
+        gather_bytes = act_bytes if dtype != "fp32" else 4
+
+        def unit_comm(params: float, scatter: bool) -> tuple[float, float]:
+            """(all-gather, reduce-scatter [+ HSDP's all-reduce]) seconds of one unit."""
+            ag = hw.collective_s("all_gather", params * gather_bytes, layout.dp_shard, inter=inter)
+            rs = 0.0
+            if scatter:
+                rs = hw.collective_s("reduce_scatter", params * reduce_bytes, layout.dp_shard, inter=inter)
+                if layout.dp_replicate > 1:
+                    inter_r = crosses_nodes(stride_rep, layout.dp_replicate, ranks_per_node)
+                    rs += hw.collective_s(
+                        "all_reduce", params * reduce_bytes / layout.dp_shard, layout.dp_replicate, inter=inter_r
+                    )
+            return ag, rs
+
+        # Per micro-batch: the forward gathers each unit while the previous block computes
+        # (FSDP2's prefetch), the backward gathers again when resharding and reduce-scatters
+        # each unit's gradients while the next block's backward runs (every micro-batch when
+        # resharding, else on the last one: paratrain's sync policy). Nothing hides the root's
+        # first gather nor the last reduce-scatter; a block's collective hides behind a block's
+        # compute up to ``overlap`` of it and the rest is exposed (max per layer).
+        per_block = busy_compute / max(1, n_micro) / max(1, rank_blocks)
+        fwd_block, bwd_block = per_block / 3, per_block * 2 / 3
+
+        def micro_batch(scatter: bool) -> float:
+            ag_root, rs_root = unit_comm(root_params, scatter)
+            ag, rs = unit_comm(block_params, scatter)
+            bwd_ag = ag if layout.reshard_after_forward else 0.0
+            forward = ag_root + rank_blocks * max(0.0, ag - hw.overlap * fwd_block)
+            return forward + rank_blocks * max(0.0, bwd_ag + rs - hw.overlap * bwd_block) + rs_root
+
+        scattering = n_micro if layout.reshard_after_forward else 1
+        exposed = scattering * micro_batch(True) + (n_micro - scattering) * micro_batch(False)
+        t["fsdp_comm"] = exposed
     elif layout.dp_replicate > 1:
         inter = crosses_nodes(stride_rep, layout.dp_replicate, ranks_per_node)
         grad_bytes = shard_params * reduce_bytes

@@ -182,9 +182,15 @@ def enumerate_layouts(
         if reason is None and layout.pp > 1 and untied:
             reason = untied
         if reason is None:
-            # No check reads activation checkpointing (tests/test_plan.py checks every mode for real):
-            # one verdict serves the three modes.
-            key = dataclasses.replace(layout, activation_checkpointing="none")
+            # Only the pipeline checks read activation checkpointing (zero-bubble schedules refuse
+            # selective; tests/test_plan.py checks every mode for real): one verdict serves the
+            # modes the checks do not tell apart.
+            ac = (
+                layout.activation_checkpointing
+                if layout.pp > 1 and layout.activation_checkpointing == "selective"
+                else "none"
+            )
+            key = dataclasses.replace(layout, activation_checkpointing=ac)
             if key not in verdicts:
                 try:
                     check_layout(layout.apply(cfg), world_size, model=stand_in, spec=spec)

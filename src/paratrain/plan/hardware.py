@@ -11,7 +11,7 @@ A profile holds what the cost model needs of one device and its links:
 - ``intra_busbw_gbps`` / ``inter_busbw_gbps``: bus bandwidth (nccl-tests' definition, see
   bench/comm.py) of a collective inside a node (NVLink) and across nodes (InfiniBand/RoCE, one
   NIC per GPU); ``latency_s`` per collective. Calibrated from ``paratrain bench comm --json``
-  files: the measured time by message size and group size then replaces the formula.
+  files: a latency-bandwidth line fitted to the measured times by message size replaces the formula.
 - ``block_overhead_s``: fixed time of one block's forward or backward pass that does not
   shrink with the work (kernel launches, Python and autograd dispatch): it is what makes tiny
   micro-batches slow. ``tp_block_overhead_s`` replaces it under tensor parallelism (every op on a
@@ -27,10 +27,11 @@ once here; calibrate to replace it).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
+import functools
 import json
 import os
+import statistics
 from dataclasses import dataclass, field
 
 from paratrain.config import ConfigError
@@ -41,6 +42,11 @@ LINK_EFFICIENCY = 0.8  # nccl-tests busbw / link rate, typical on NVLink and Inf
 # `paratrain bench compute` at n = 8192, and NVIDIA's own "Matrix Multiplication Background"
 # guide, which shows ~0.7 of peak for large aligned shapes); calibrate to replace it.
 GPU_MATMUL_EFFICIENCY = 0.7
+# Causal attention as FlashAttention-2 (what SDPA runs on these GPUs) computes it: FA2 reaches
+# about 35% of an H100's peak (Shah et al. 2024, "FlashAttention-3", sec. 1) and 50-73% of an
+# A100's in the forward, less in the backward (Dao 2023, "FlashAttention-2", sec. 4): 0.35 on
+# Hopper and Blackwell, 0.55 on Ampere.
+ATTENTION_SOURCE = "FlashAttention-2 efficiency: Shah et al. 2024 (FA3 paper) on H100, Dao 2023 (FA2 paper) on A100"
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,12 @@ class Profile:
     fsdp_unit_overhead_s: float = 0.0
     # Ranks per node that share one compute resource (the CPU profile: cores); 0 = one device each.
     cores: int = 0
+    # Streaming multiprocessors: a GEMM runs in waves of output tiles over them (tile and wave
+    # quantization, NVIDIA's "Matrix Multiplication Background" guide); 0 = no such effect (CPU).
+    sms: int = 0
+    # Fraction of the peak a causal flash-attention kernel reaches over its forward and backward;
+    # 0 = attention priced as MFU counts it (the whole T x T square) at the matmul rate.
+    attention_efficiency: float = 0.0
     # Calibrated: measured matmul FLOP/s by dtype, and collective times by (op, group size, inter).
     measured_flops: dict[str, float] = field(default_factory=dict)
     comm_table: dict[tuple[str, int, bool], list[tuple[int, float]]] = field(default_factory=dict)
@@ -87,24 +99,17 @@ class Profile:
         return (self.inter_latency_s if inter else self.latency_s) + nbytes * bus_factor(op, group) / busbw
 
     def _measured_s(self, op: str, nbytes: float, group: int, *, inter: bool) -> float | None:
-        """From a calibration: interpolate the measured time in size; other group sizes keep the
-        measured bus bandwidth (busbw is the per-link figure, nearly independent of the group)."""
+        """From a calibration: the latency-bandwidth line fitted to the measured times (see
+        ``fit_line``); other group sizes keep the measured bus bandwidth (busbw is the per-link
+        figure, nearly independent of the group)."""
         rows = [k for k in self.comm_table if k[0] == op and k[2] == inter] or [
             k for k in self.comm_table if k[0] == op
         ]
         if not rows:
             return None
         key = min(rows, key=lambda k: (abs(k[1] - group), -k[1]))
-        table = self.comm_table[key]
-        sizes = [b for b, _ in table]
-        i = bisect.bisect_left(sizes, nbytes)
-        if i == 0:
-            t = table[0][1]
-        elif i == len(table):  # beyond the largest size: its bandwidth holds
-            t = table[-1][1] * nbytes / table[-1][0]
-        else:
-            (b0, t0), (b1, t1) = table[i - 1], table[i]
-            t = t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        latency, per_byte = fit_line(self.comm_table[key])
+        t = latency + per_byte * nbytes
         if key[1] != group:
             t *= bus_factor(op, group) / bus_factor(op, key[1])
         return t
@@ -119,6 +124,12 @@ class Profile:
         for d in self.peak_flops:
             how = "measured matmul" if d in self.measured_flops else f"x {self.matmul_efficiency} matmul efficiency"
             lines.append(f"  achievable {d}: {self.achievable_flops(d) / 1e12:.4g} TFLOP/s ({how})")
+        if self.sms:
+            lines.append(f"  GEMMs in waves of 256x128 tiles over {self.sms} SMs, memory-bound below the ridge")
+        if self.attention_efficiency:
+            lines.append(
+                f"  causal flash attention at {self.attention_efficiency:g} of peak ({self.sources.get('attention', '')})"
+            )
         lines.append(f"  memory {self.memory_gib:g} GiB, bandwidth {self.hbm_gbps:g} GB/s ({self.sources['memory']})")
         lines.append(
             f"  busbw intra-node {self.intra_busbw_gbps:g} GB/s, inter-node {self.inter_busbw_gbps:g} GB/s,"
@@ -136,6 +147,23 @@ class Profile:
         return "\n".join(lines)
 
 
+@functools.cache
+def _fit(table: tuple[tuple[int, float], ...]) -> tuple[float, float]:
+    pairs = [(t1 - t0) / (b1 - b0) for i, (b0, t0) in enumerate(table) for b1, t1 in table[i + 1 :] if b1 != b0]
+    per_byte = max(0.0, statistics.median(pairs)) if pairs else 0.0
+    latency = max(0.0, statistics.median(t - per_byte * b for b, t in table))
+    return latency, per_byte
+
+
+def fit_line(table: list[tuple[int, float]]) -> tuple[float, float]:
+    """(latency s, s per byte) of ``time = latency + bytes x per_byte`` (Hockney's alpha-beta model)
+    through measured (bytes, time) points, by the Theil-Sen estimator (the median of the pairwise
+    slopes, then the median intercept): a few timings spoiled by another process on a shared
+    machine do not bend it, where interpolating between the raw points made a larger message
+    cheaper than a smaller one (e.g. a 16 KiB send at 2.9 ms between two 0.25 ms ones)."""
+    return _fit(tuple(table))
+
+
 def bus_factor(op: str, n: int) -> float:
     # nccl-tests' bus bandwidth factors (bench/comm.py keeps the same table).
     if op == "all_reduce":
@@ -145,7 +173,7 @@ def bus_factor(op: str, n: int) -> float:
     return 1.0
 
 
-def _gpu(name, bf16, fp32, mem, hbm, nvlink, nic, sheet, network) -> Profile:
+def _gpu(name, bf16, fp32, mem, hbm, nvlink, nic, sheet, network, *, sms, attention) -> Profile:
     return Profile(
         name=name,
         peak_flops={"bf16": bf16, "fp16": bf16, "fp32": fp32},
@@ -158,11 +186,14 @@ def _gpu(name, bf16, fp32, mem, hbm, nvlink, nic, sheet, network) -> Profile:
         inter_latency_s=20e-6,
         overlap=1.0,
         block_overhead_s=60e-6,
+        sms=sms,
+        attention_efficiency=attention,
         sources={
             "flops": f"{sheet}: dense (non-sparse) Tensor Core bf16/fp16, plain FP32 (paratrain does not enable TF32)",
             "memory": sheet,
             "links": f"{sheet} NVLink per direction; {network}; x {LINK_EFFICIENCY} (typical nccl-tests busbw)",
             "overhead": "about 12 kernels per block pass x ~5 us CUDA launch latency (assumption)",
+            "attention": ATTENTION_SOURCE,
         },
     )
 
@@ -179,6 +210,8 @@ PROFILES: dict[str, Profile] = {
         25,
         "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
         "HDR InfiniBand 200 Gb/s per GPU (DGX A100 datasheet)",
+        sms=108,
+        attention=0.55,
     ),
     "h100-sxm": _gpu(
         "h100-sxm",
@@ -190,6 +223,8 @@ PROFILES: dict[str, Profile] = {
         50,
         "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)",
         "NDR InfiniBand 400 Gb/s per GPU (DGX H100 datasheet)",
+        sms=132,
+        attention=0.35,
     ),
     "h200": _gpu(
         "h200",
@@ -201,6 +236,8 @@ PROFILES: dict[str, Profile] = {
         50,
         "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)",
         "NDR InfiniBand 400 Gb/s per GPU (HGX H200)",
+        sms=132,
+        attention=0.35,
     ),
     "b200": _gpu(
         "b200",
@@ -212,6 +249,8 @@ PROFILES: dict[str, Profile] = {
         50,
         "NVIDIA DGX B200 / HGX B200 datasheet (per GPU: 1/8 of the 8-GPU figures)",
         "ConnectX-7 400 Gb/s per GPU (DGX B200 datasheet)",
+        sms=148,
+        attention=0.35,
     ),
 }
 

@@ -47,6 +47,8 @@ from paratrain.find_batch.measure import StepRunner, estimate_peak, replica_dims
 from paratrain.find_batch.orchestrate import fake_process_group
 from paratrain.plan.enumerate import Layout
 
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
 log = logging.getLogger("paratrain")
 
 
@@ -171,14 +173,15 @@ class MemoryModel:
             self._stage_ranges[stages] = stage_ranges(self.model, stages, self.cfg.parallel.pp_split_points)
         return self._stage_ranges[stages]
 
-    def _rank_blocks(self, layout: Layout, rank: int) -> list[int]:
-        v = layout.pp_virtual_stages
-        ranges = self._ranges(layout.pp * v)
+    @staticmethod
+    def _rank_stages(layout: Layout, rank: int) -> list[int]:
         if SCHEDULES[layout.pp_schedule][2] == "v":
-            stages = [rank, 2 * layout.pp - 1 - rank]
-        else:
-            stages = list(range(rank, layout.pp * v, layout.pp))
-        return [i for s in stages for i in ranges[s]]
+            return [rank, 2 * layout.pp - 1 - rank]
+        return list(range(rank, layout.pp * layout.pp_virtual_stages, layout.pp))
+
+    def _rank_blocks(self, layout: Layout, rank: int) -> list[int]:
+        ranges = self._ranges(layout.pp * layout.pp_virtual_stages)
+        return [i for s in self._rank_stages(layout, rank) for i in ranges[s]]
 
     def _sibling_key(self, layout: Layout) -> tuple:
         return (layout.tp, layout.activation_checkpointing)
@@ -263,23 +266,54 @@ class MemoryModel:
         return self._pipeline_peak(layout, per_rank)
 
     def _pipeline_peak(self, layout: Layout, per_rank: int) -> RankMemory:
+        ranks = self.pipeline_ranks(layout, per_rank)
+        rank = max(range(len(ranks)), key=lambda r: ranks[r].peak_bytes)
+        return ranks[rank]
+
+    def pipeline_ranks(self, layout: Layout, per_rank: int) -> list[RankMemory]:
+        """Each pipeline rank's modelled peak (``stage_rank`` and ``in_flight`` filled in)."""
         cfg = layout.apply(self.cfg)
         accum = per_rank // layout.micro_batch_size
         ppm = pp_microbatches(cfg.parallel, pp=layout.pp, micro_batch_size=layout.micro_batch_size, accum_steps=accum)
         m = layout.micro_batch_size // ppm
         n = accum * ppm  # pipeline micro-batches per step
         v = layout.pp_virtual_stages
-        best = None
+        # torch.distributed.pipelining allocates, per stage and pipeline micro-batch, a buffer
+        # for the activations it receives (every stage but the first) and one for the gradients
+        # it receives (every stage but the last), kept for the schedule's life (stage.py,
+        # _prepare_forward_infra / _prepare_backward_infra): measured on CPU, docs/plan.md.
+        boundary = m * self._seq_len() * self._width() * DTYPE_BYTES.get(cfg.precision.dtype, 4)
+        n_stages = layout.pp * v
+        out = []
         for rank in range(layout.pp):
             blocks = len(self._rank_blocks(layout, rank))
-            kw = dict(blocks=blocks, accumulate=False, dp_replicate=layout.dp_replicate)
+            # With n >= 2 the gradients of earlier micro-batches are alive during later ones.
+            kw = dict(blocks=blocks, accumulate=n >= 2, dp_replicate=layout.dp_replicate)
             base = self.blocks_peak(layout, m=m, **kw)
             act = self.blocks_peak(layout, m=2 * m, **kw) - base
+            stages = self._rank_stages(layout, rank)
+            if n_stages - 1 not in stages and blocks:
+                # Not the last stage: its in-flight micro-batches hold no logits. The estimate's
+                # part that is not in the blocks (head, logits, loss) is what 0 blocks would
+                # hold, by the same linearity in blocks: act(1) - (act(2) - act(1)).
+                one, two = (self._act(layout, m, b, n, kw["dp_replicate"]) for b in (1, 2))
+                act = max(act - max(0.0, 2 * one - two), act * blocks / (blocks + 1))
             flight = in_flight(layout.pp_schedule, rank=rank, pp=layout.pp, v=v, n=n)
-            total = base + (flight - 1) * act
-            if best is None or total > best.peak_bytes:
-                best = RankMemory(int(total), rank, flight)
-        return best
+            buffers = n * boundary * sum((s > 0) + (s < n_stages - 1) for s in stages)
+            out.append(RankMemory(int(base + (flight - 1) * act + buffers), rank, flight))
+        return out
+
+    def _act(self, layout: Layout, m: int, blocks: int, n: int, dp_replicate: int) -> float:
+        """One pipeline micro-batch's activations with ``blocks`` blocks: peak(2m) - peak(m)."""
+        kw = dict(blocks=blocks, accumulate=n >= 2, dp_replicate=dp_replicate)
+        return self.blocks_peak(layout, m=2 * m, **kw) - self.blocks_peak(layout, m=m, **kw)
+
+    def _seq_len(self) -> int:
+        return self.cfg.data.args.get("block_size") or self.cfg.model.args.get("block_size") or 1
+
+    def _width(self) -> int:
+        mcfg = getattr(self.model, "cfg", None) or getattr(self.model, "config", None)
+        return getattr(mcfg, "d_model", 0) or getattr(mcfg, "hidden_size", 0)
 
 
 def in_flight(schedule: str, *, rank: int, pp: int, v: int, n: int) -> float:
