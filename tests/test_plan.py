@@ -53,6 +53,7 @@ def test_enumerated_layouts_pass_the_trainers_preflight():
     assert load_config(DEBUG, lay.set_lines()).parallel == lay.apply(cfg).parallel
 
 
+@pytest.mark.slow  # about 50 s: three full fake-tensor estimates of a 6-block model
 def test_memory_extrapolation_matches_the_full_estimate():
     """Extrapolated in blocks (1, 2 -> 6) and micro-batch (1, 2 -> 4): within 2% of the full model's
     fake-tensor estimate, for DDP+accumulation, FSDP with checkpointing, and TP."""
