@@ -247,7 +247,7 @@ def build_tokens(
     return ds
 
 
-# --- the model's vocabulary (for the lead's preflight and the GPT builder) --------------------------
+# --- the model's vocabulary (for the launcher's preflight and the GPT builder) --------------------------
 
 
 def model_vocab_size(model_args: dict, data_meta: dict) -> int:
