@@ -38,7 +38,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,11 +46,12 @@ import time
 from datetime import datetime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]
 
 from paratrain.checkpoint import verify_checkpoint  # noqa: E402 - after the path above
 from paratrain.distributed.process_group import free_port  # noqa: E402
 from paratrain.events import read_events  # noqa: E402
+from tests.dist_utils import kill_tree, wait_listening  # noqa: E402 - the elastic test's own helpers
 
 GPT = "{n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, forward_sleep_s = 0.3}"
 JOB = [  # tests/test_resilience.py's elastic job (plain SGD)
@@ -92,43 +92,6 @@ def start_node(out: str, port: int, rdzv: list[str], log) -> subprocess.Popen:
     cmd += [x for s in [*JOB, f"run.out_dir='{out}'"] for x in ("--set", s)]
     # A session of its own, so the node's whole tree (launcher, agent, worker) can be killed.
     return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=log, start_new_session=True)
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    tree, i = [pid], 0
-    while i < len(tree):
-        tree += children(tree[i])
-        i += 1
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    """Until the rendezvous store of ``proc`` (the first node) accepts connections: a second node
-    started earlier would host the store itself, and killing it would end the job."""
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"no rendezvous store on port {port} (exit {proc.poll()})")
 
 
 def rows(out: str) -> int:

@@ -6,8 +6,11 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import signal
+import socket
 import subprocess
 import sys
+import time
 import traceback
 
 from paratrain.distributed.process_group import free_port
@@ -88,3 +91,50 @@ def paratrain_cli(*args: str, timeout: float = 240, env: dict | None = None, cwd
 def read_metrics(out_dir: str) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+# --- process trees and stores of real jobs (tests and benchmarks/elastic_recovery.py) ----------
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of ``pid`` (from /proc: torchrun starts its workers in sessions of their own)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree += child_pids(tree[i])
+        i += 1
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (a whole "node" of a loopback job)."""
+    for p in descendants(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the first node's rendezvous store accepts connections. A fixed sleep is not enough
+    under load: a second node that binds the port first hosts the store, and killing it ends the job."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"no rendezvous store on port {port} within {timeout} s (exit {proc.poll()})")

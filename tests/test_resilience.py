@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,16 @@ from paratrain.checkpoint import (
     verify_checkpoint,
 )
 from paratrain.config import ConfigError
-from tests.dist_utils import REPO, paratrain_cli, read_metrics, run_ranks, train_rank
+from tests.dist_utils import (
+    REPO,
+    child_pids,
+    kill_tree,
+    paratrain_cli,
+    read_metrics,
+    run_ranks,
+    train_rank,
+    wait_listening,
+)
 from tests.test_checkpoint import GPT_ARGS, TOY, checkpoint_tensors
 
 # Plain SGD: a gradient off by a constant factor changes the losses (AdamW would hide it).
@@ -160,25 +168,13 @@ def test_sigterm_to_the_launcher_saves_and_resume_continues_bitwise(tmp_path, re
     assert [r["grad_norm"] for r in read_metrics(out)] == [r["grad_norm"] for r in ref2]
 
 
-def worker_pids(launcher: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == launcher:
-                    pids.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return pids
-
-
 def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
     """Only one worker is signalled (one node preempted): the ranks agree through the all_reduce,
     all save the same step, and the job exits 0 (the default exit code)."""
     out = str(tmp_path / "run")
     proc = start_train(out, ["checkpoint.interval=0", "checkpoint.at_end=false"])
     wait_for_rows(out, 2, proc)
-    workers = worker_pids(proc.pid)
+    workers = child_pids(proc.pid)
     assert len(workers) == 2
     os.kill(max(workers), signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -335,32 +331,6 @@ def start_node(out: str, port: int, extra: list[str], steps: int = 8) -> subproc
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
-
-
-def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    """Until the first node's rendezvous store accepts connections. A fixed sleep is not enough
-    under load: a second node that binds the port first hosts the store, and killing it ends the job."""
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"no rendezvous store on port {port} within {timeout} s")
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants (torchrun starts its workers in sessions of their own)."""
-    tree, i = [pid], 0
-    while i < len(tree):
-        tree += worker_pids(tree[i])
-        i += 1
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.slow

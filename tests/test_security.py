@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from paratrain.distributed import rendezvous
 from paratrain.distributed.store_auth import TamperedValue, bound_tcp_store, sign, verify
-from tests.dist_utils import REPO, read_metrics
+from tests.dist_utils import REPO, descendants, read_metrics
 
 
 class _Payload:
@@ -102,24 +102,6 @@ def test_bound_store_listens_on_loopback_only():
 # --- a real job --------------------------------------------------------------------------------
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def _hex_addr(text: str) -> str:
     raw = bytes.fromhex(text)
     if len(raw) == 4:
@@ -186,7 +168,7 @@ def test_single_node_job_listens_on_loopback_and_ignores_forged_state(tmp_path):
     job = _start_job(out, 100_000, "--nproc-per-node", "2")
     try:
         _wait_for(lambda: _metric_lines(out) >= 2, 120, "the job's first steps")
-        pids = _descendants(job.pid)
+        pids = descendants(job.pid)
         listening = _listening_ports_of(pids)
         assert len(listening) >= 2, listening  # the agent's stores, the workers' gloo listeners
         assert all(ipaddress.ip_address(a).is_loopback for a in listening.values()), listening
