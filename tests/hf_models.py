@@ -21,6 +21,8 @@ ARCHS = {
     "qwen2": dict(model_type="qwen2", **COMMON),
     # Qwen3: tied embeddings and per-head q/k norms (its plan's replicated_with_grad_allreduce).
     "qwen3": dict(model_type="qwen3", head_dim=8, tie_word_embeddings=True, **COMMON),
+    # Gemma 3: a non-persistent buffer (embed_tokens.embed_scale) the weights do not hold.
+    "gemma3": dict(model_type="gemma3_text", head_dim=8, **COMMON),
 }
 
 

@@ -165,3 +165,28 @@ def test_generate_decodes_with_the_hf_tokenizer(sharded_run):
     text = generate_text(out, "def f(x):", max_new_tokens=8, seed=0)
     assert text.startswith("def f(x):") and len(text) > len("def f(x):")
     assert text == generate_text(out, "def f(x):", max_new_tokens=8, seed=0)  # the seed decides the sample
+
+
+def test_a_buffer_the_weights_lack_is_refused_not_trained_on_garbage(tmp_path):
+    """Loading weights materialises the model with to_empty: Gemma 3's non-persistent
+    embed_scale would keep whatever the memory held. One line, exit 2, instead."""
+    src = save_tiny("gemma3", str(tmp_path / "gemma3"))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("")
+    out = tmp_path / "run"
+    sets = [a for s in [*BASE, f"model.hf='{src}'", f"run.out_dir='{out}'"] for a in ("--set", s)]
+    res = paratrain_cli("train", str(cfg), "--nproc-per-node", "1", *sets)
+    assert res.returncode == 2, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert "embed_tokens.embed_scale" in last and "model.hf_weights = false" in last, last
+
+
+def test_missing_transformers_is_one_line(monkeypatch, tmp_path):
+    import sys
+
+    from paratrain.config import ConfigError
+    from paratrain.models.hf.model import load_hf_config
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'paratrain\[hf\]'"):
+        load_hf_config(str(tmp_path), {})

@@ -69,7 +69,10 @@ def generate_text(
 
 def generate_hf(path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
     """Sample with transformers' own generate and the tokenizer files the run's source directory had."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # an optional extra: paratrain[hf]
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # an optional extra: paratrain[hf]
+    except ImportError:
+        raise ConfigError("generating from a model.hf run needs transformers: pip install 'paratrain[hf]'") from None
 
     if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
         raise ConfigError(f"{path} has no tokenizer files (the model.hf directory had none); add them to decode text")
@@ -77,7 +80,9 @@ def generate_hf(path: str, prompt: str, *, max_new_tokens: int, temperature: flo
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     ids = tok(prompt or tok.bos_token or " ", return_tensors="pt").input_ids
     torch.manual_seed(seed)
+    # Token 0 is a real token in many vocabularies: pad with the tokenizer's own pad (or end) token.
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     out = model.generate(
-        ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=top_k, pad_token_id=0
+        ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=top_k, pad_token_id=pad
     )
     return tok.decode(out[0], skip_special_tokens=True)

@@ -42,8 +42,12 @@ def check_hf_dir(path: str, key: str = "model.hf") -> str:
 
 
 def load_hf_config(path: str, overrides: dict, key: str = "model.hf"):
-    """The model's ``PretrainedConfig`` with ``[model.args]`` overriding its fields."""
-    from transformers import AutoConfig  # an optional extra: paratrain[hf]
+    """The model's ``PretrainedConfig`` with ``[model.args]`` overriding its fields. Every path
+    that reads a ``model.hf`` starts here, so a missing transformers is one line here."""
+    try:
+        from transformers import AutoConfig  # an optional extra: paratrain[hf]
+    except ImportError:
+        raise ConfigError(f"{key} needs transformers, which is not installed: pip install 'paratrain[hf]'") from None
 
     check_hf_dir(path, key)
     try:

@@ -79,6 +79,11 @@ def _to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:
             setattr(m, name, getattr(first_module, first_name))
 
 
+def _clean(name: str) -> str:
+    """Activation checkpointing and compile wrap blocks; their names do not reach the checkpoint."""
+    return ".".join(c for c in name.split(".") if c not in WRAPPER_NAMES)
+
+
 def _parts(model: nn.Module) -> list[nn.Module]:
     # A PipelineModel (distributed/pipeline_parallel.py) holds this rank's stages in ``parts``.
     parts = getattr(model, "parts", None)
@@ -98,12 +103,20 @@ def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device) 
         for part in _parts(model):
             part = getattr(part, "module", part)  # DDP's wrapper: its module keeps the names
             hf_name = part.hf_name
+            # to_empty leaves buffers uninitialised too. A buffer the weights hold is read below like a
+            # parameter; one they do not hold (non-persistent, e.g. Gemma 3's embed_tokens.embed_scale)
+            # would train on garbage, silently: refuse it (the rotary inv_freq is rebuilt by
+            # HFCausalLM itself, outside the module tree).
+            lost = [n for n, b in part.named_buffers() if b.is_meta and hf_name(_clean(n)) not in files]
+            if lost:
+                raise ConfigError(
+                    f"model.hf: {type(part).__name__} keeps buffers the weights do not hold ({', '.join(lost[:3])}),"
+                    " which paratrain cannot rebuild on load; set model.hf_weights = false to train from the seed"
+                )
             if any(p.is_meta for p in part.parameters()):
                 _to_empty_keeping_ties(part, device)
-            for name, p in part.named_parameters():
-                # Activation checkpointing and compile wrap blocks; their names do not reach the checkpoint.
-                clean = ".".join(c for c in name.split(".") if c not in WRAPPER_NAMES)
-                key = hf_name(clean)
+            for name, p in [*part.named_parameters(), *part.named_buffers()]:
+                key = hf_name(_clean(name))
                 if key not in files:
                     raise ConfigError(
                         f"model.hf: the weights have no tensor {key!r}; set model.hf_weights = false to train from"
@@ -142,7 +155,6 @@ def save_hf(
     missing, unexpected = hf.load_state_dict(renamed, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         hf.tie_weights()
-        missing = [k for k in missing if k != hf._lm_head_name] if hasattr(hf, "_lm_head_name") else missing
     missing = [k for k in missing if not _is_tied_copy(hf, k)]
     if missing or unexpected:
         raise ConfigError(
