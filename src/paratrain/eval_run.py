@@ -27,10 +27,10 @@ from paratrain.loss import build_loss
 from paratrain.metrics import setup_logging
 from paratrain.models import build
 from paratrain.precision import build_precision
-from paratrain.trainer import TrainState, build_parallel
+from paratrain.trainer import TrainState, build_parallel_with_weights
 
 
-def check_eval_args(cfg: Config, checkpoint: str) -> None:
+def check_eval_args(checkpoint: str) -> None:
     """Refuse what cannot be evaluated before any process starts (the checkpointer checks the rest)."""
     if checkpoint != "latest" and not os.path.isdir(checkpoint):
         raise ConfigError(f"--checkpoint {checkpoint}: no such checkpoint folder; pass a step-N folder or 'latest'")
@@ -43,11 +43,10 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
         setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
         dims, plan = check_layout(cfg, ctx.world_size)
         eval_plan = check_eval(cfg, dims, plan)
-        check_eval_args(cfg, checkpoint)
         torch.manual_seed(cfg.run.seed)
         model, spec = build(cfg.model)
         precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.dp_shard > 1)
-        model, step_ctx, _ = build_parallel(
+        model, step_ctx, _ = build_parallel_with_weights(
             cfg,
             dims,
             model,
@@ -81,7 +80,7 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
         evaluator = Evaluator(val_set, eval_plan, dp_rank=dims.local_rank_in("dp"))
         val_loss = evaluator(model, step_ctx)
         return {
-            "checkpoint": checkpoint if checkpoint != "latest" else "latest",
+            "checkpoint": checkpoint,
             "step": step,
             "val_loss": val_loss,
             "samples": len(val_set),

@@ -257,18 +257,9 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         cfg.precision.dtype,
         f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})",
     )
-    # Weights that arrive after the parallelisms (ModelSpec.materialize): plain DDP broadcasts
-    # rank 0's parameters when it wraps the model, so they must be real before it.
-    ddp_wraps = dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1
-    if spec.materialize is not None and ddp_wraps:
-        spec.materialize(model, device=ctx.device)
-    model, step_ctx, compression = build_parallel(
+    model, step_ctx, compression = build_parallel_with_weights(
         cfg, dims, model, spec=spec, device=ctx.device, loss_fn=loss_fn, precision=precision, user_loss=loss is not None
     )
-    if spec.materialize is not None and not ddp_wraps:
-        t0 = time.perf_counter()
-        read = spec.materialize(model, device=ctx.device)
-        log.info("weights: %.2fM elements read by this rank in %.2f s", (read or 0) / 1e6, time.perf_counter() - t0)
 
     optimizer = build_optimizer(model, cfg.optim)
     state = TrainState(global_batch_size=plan.global_batch_size)
@@ -368,6 +359,24 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         data_info=data_info,
         resumed_from=resumed_from,
     )
+
+
+def build_parallel_with_weights(
+    cfg: Config, dims: ParallelDims, model: nn.Module, *, spec: ModelSpec, device, **kwargs
+):
+    """:func:`build_parallel`, and the weights that arrive after the parallelisms
+    (ModelSpec.materialize: a model built on the meta device, such as a ``model.hf`` with weights).
+    Plain DDP broadcasts rank 0's parameters when it wraps the model, so there they are read
+    before. Training and ``paratrain eval`` (whose checkpoint then overwrites them) both call this."""
+    ddp_wraps = dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1
+    if spec.materialize is not None and ddp_wraps:
+        spec.materialize(model, device=device)
+    model, step_ctx, compression = build_parallel(cfg, dims, model, spec=spec, device=device, **kwargs)
+    if spec.materialize is not None and not ddp_wraps:
+        t0 = time.perf_counter()
+        read = spec.materialize(model, device=device)
+        log.info("weights: %.2fM elements read by this rank in %.2f s", (read or 0) / 1e6, time.perf_counter() - t0)
+    return model, step_ctx, compression
 
 
 def build_parallel(
