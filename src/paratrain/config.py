@@ -324,10 +324,6 @@ class CheckpointConfig:
         0.0,
         "After SIGTERM, exit at once (no new checkpoint) if the step and the save take longer than this; 0 = no limit. Set it below your scheduler's grace period.",
     )
-    preempt_check_steps: int = opt(
-        1,
-        "Deprecated and ignored (kept so older configs load): the ranks now agree on a SIGTERM every step, in the step's own loss reduce, at no extra cost.",
-    )
 
 
 @dataclass
@@ -528,7 +524,6 @@ def validate(cfg: Config) -> None:
     positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     positive("checkpoint.keep", cfg.checkpoint.keep, allow_zero=True)
     positive("checkpoint.preempt_grace_s", cfg.checkpoint.preempt_grace_s, allow_zero=True)
-    positive("checkpoint.preempt_check_steps", cfg.checkpoint.preempt_check_steps)
     if not 0 <= cfg.checkpoint.exit_code_on_preempt <= 255:
         raise ConfigError(
             f"checkpoint.exit_code_on_preempt = {cfg.checkpoint.exit_code_on_preempt} must be within 0 .. 255"

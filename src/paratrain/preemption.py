@@ -74,8 +74,6 @@ class Preemption:
     def should_stop(self, step: int, *, agreed: bool) -> bool:
         """After optimiser step ``step``: do the ranks stop now? ``agreed`` is the step's reduced
         flag (StepResult.stop), the same on every rank, so this is True on every rank or on none."""
-        if self.stopped_at_step is not None:
-            return True
         if agreed:
             self.stopped_at_step = step
             log.warning("preemption: every rank stops after step %d and saves a checkpoint", step)
