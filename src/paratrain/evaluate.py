@@ -31,10 +31,6 @@ class Evaluator:
         self._batches: list[list] | None = None  # per global batch: this rank's collated micro-batches
         self.last_time_s = 0.0
 
-    @property
-    def samples(self) -> int:
-        return len(self.dataset)
-
     def _load(self) -> list[list]:
         g = self.plan.global_batch_size
         return [

@@ -174,8 +174,8 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
             )
 
 
-def check_eval(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> BatchPlan | None:
-    """The batch plan of validation (None when [eval] is off and no checkpoint is evaluated).
+def check_eval(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> BatchPlan:
+    """The batch plan of validation (also when [eval] is off: `paratrain eval` may still use it).
 
     Validation runs the configured global batch in eval.micro_batch_size pieces; a pipeline
     schedule is built for one micro-batch size, so there it must be the training one.
