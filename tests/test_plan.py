@@ -138,9 +138,10 @@ def test_calibration_replaces_the_profile(tmp_path):
     assert hw.collective_s("all_reduce", 32000, 2, inter=False) == pytest.approx(3.3e-3)  # beyond: its bandwidth
     # Another group size keeps the measured bus bandwidth: time scales with the bus factor.
     assert hw.collective_s("all_reduce", 2000, 4, inter=False) == pytest.approx(3e-4 * 1.5)
-    (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(ConfigError):
-        calibrate(get_profile("cpu"), [str(tmp_path / "bad.json")])
+    for bad in ("{}", '{"matmul": [{"dtype": "fp32"}]}', '{"results": [{"op": "all_reduce"}], "world_size": 2}'):
+        (tmp_path / "bad.json").write_text(bad)
+        with pytest.raises(ConfigError, match="--calibrate"):
+            calibrate(get_profile("cpu"), [str(tmp_path / "bad.json")])
 
 
 def test_cli_json_ranked_and_nothing_fits():

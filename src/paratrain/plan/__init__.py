@@ -31,7 +31,7 @@ def cli_plan(
     if nproc_per_node < 1 or nnodes < 1:
         raise ConfigError("--nproc-per-node and --nnodes must be >= 1")
     if memory_gib < 0:
-        raise ConfigError("--memory-gib must be > 0 (GiB per rank)")
+        raise ConfigError("--memory-gib must be >= 0 (GiB per rank; 0: the hardware profile's memory)")
     if top < 1:
         raise ConfigError("--top must be >= 1")
     profile = get_profile(hardware)

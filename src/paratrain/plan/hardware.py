@@ -315,20 +315,25 @@ def calibrate(profile: Profile, paths: list[str]) -> Profile:
             raise ConfigError(
                 f"--calibrate {path}: cannot read it as JSON ({e}); pass a `paratrain bench ... --json` file"
             )
-        if isinstance(data, dict) and "matmul" in data:  # bench compute
-            for row in data["matmul"]:
-                measured[row["dtype"]] = float(row["flops_per_s"])
-            if data.get("memcpy"):
-                hbm = float(data["memcpy"]["memory_traffic_gbps"])
-        elif isinstance(data, dict) and "results" in data:  # bench comm
-            inter = len(set(data.get("nodes") or [None])) > 1
-            n = int(data["world_size"])
-            for row in data["results"]:
-                table.setdefault((row["op"], n, inter), []).append((int(row["bytes"]), float(row["time_s"])))
-        else:
+        try:
+            if isinstance(data, dict) and "matmul" in data:  # bench compute
+                for row in data["matmul"]:
+                    measured[row["dtype"]] = float(row["flops_per_s"])
+                if data.get("memcpy"):
+                    hbm = float(data["memcpy"]["memory_traffic_gbps"])
+            elif isinstance(data, dict) and "results" in data:  # bench comm
+                inter = len(set(data.get("nodes") or [None])) > 1
+                n = int(data["world_size"])
+                for row in data["results"]:
+                    table.setdefault((row["op"], n, inter), []).append((int(row["bytes"]), float(row["time_s"])))
+            else:
+                raise ConfigError(
+                    f"--calibrate {path}: neither a `paratrain bench compute --json` nor a `bench comm --json` file"
+                )
+        except (KeyError, TypeError, ValueError) as e:  # a field missing or of the wrong type
             raise ConfigError(
-                f"--calibrate {path}: neither a `paratrain bench compute --json` nor a `bench comm --json` file"
-            )
+                f"--calibrate {path}: a row lacks or mangles {e}; regenerate it with `paratrain bench ... --json`"
+            ) from None
     table = {k: sorted(v) for k, v in table.items()}
     return dataclasses.replace(
         profile,
