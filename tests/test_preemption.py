@@ -19,15 +19,9 @@ from paratrain.checkpoint import verify_checkpoint
 from paratrain.distributed.process_group import free_port
 from tests.dist_utils import REPO, read_metrics, run_ranks, train_rank
 from tests.test_checkpoint import TOY
-from tests.test_resilience import SLOW, wait_for_rows
+from tests.test_resilience import SGD, SLOW, column, wait_for_rows
 
-# Plain SGD: a gradient off by a constant factor changes the losses (AdamW would hide it).
-SGD = ["optim.name='sgd'", "optim.beta1=0.0", "optim.lr=0.5", "optim.weight_decay=0.0", "optim.grad_clip=0.0"]
 BASE = [*TOY, *SGD, "checkpoint.interval=0", "checkpoint.at_end=false", "dist.timeout_s=60"]
-
-
-def column(rows: list[dict], key: str) -> torch.Tensor:
-    return torch.tensor([r[key] for r in rows], dtype=torch.float64)
 
 
 @pytest.mark.parametrize(
