@@ -1,7 +1,7 @@
 """Gradient compression for the data-parallel reduce, and the count of the bytes it sends.
 
 DDP takes a *communication hook* that replaces its bucket all-reduce (torch's
-``ddp_comm_hooks``): ``"none"`` is torch's plain ``allreduce_hook``, ``"bf16"``/``"fp16"`` cast
+``ddp_comm_hooks``): ``"none"`` keeps DDP's own all-reduce (below), ``"bf16"``/``"fp16"`` cast
 each bucket to half width before the all-reduce and back after it (half the bytes), and
 ``"powersgd"`` is torch's PowerSGD hook (Vogels et al., NeurIPS 2019, arXiv:1905.13727): each
 gradient matrix M (n x m) is sent as two rank-r factors P (n x r) and Q (m x r), and the part
