@@ -190,3 +190,18 @@ def test_missing_transformers_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     with pytest.raises(ConfigError, match=r"pip install 'paratrain\[hf\]'"):
         load_hf_config(str(tmp_path), {})
+
+
+def test_paratrain_eval_of_an_hf_run(sharded_run, tmp_path):
+    """`paratrain eval` builds a model.hf on the meta device as training does: its weights must be
+    materialised before the checkpoint loads (it crashed on meta tensors). The checkpoint's
+    val_loss at world 1 equals the one the world-2 FSDP run computes for the same checkpoint."""
+    from tests.test_validation import eval_rank
+
+    _, cfg, out = sharded_run
+    ckpt = os.path.join(out, "checkpoints", "step-4")
+    sets = [*cfg, f"run.out_dir='{out}'", "data.val_factory='tests.toy:toy_lm'", "eval.samples=8"]
+    (one,) = run_ranks(eval_rank, 1, [*sets, "parallel.dp_shard=1"], ckpt)
+    two = run_ranks(eval_rank, 2, sets, ckpt)[0]
+    assert one["step"] == two["step"] == 4 and 0 < one["val_loss"] < 10
+    torch.testing.assert_close(one["val_loss"], two["val_loss"], rtol=1e-5, atol=0)
