@@ -113,7 +113,7 @@ class ModelStats:
         if blocks is None or not len(blocks):
             return cls(seq, d, [total], [fpt], 0.0, total, fpt)
         bp = [sum(p.numel() for p in b.parameters()) for b in blocks.values()]
-        gemms, width, pointwise = block_shapes(next(iter(blocks.values())), rope=hasattr(model, "rotary_emb"))
+        gemms, width, pointwise = block_shapes(next(iter(blocks.values())), rope=getattr(model, "has_rope", False))
         attention = 12.0 * (width or d) * seq  # per block (mfu.py, PaLM)
         bf = [6.0 * n + attention for n in bp]
         head = getattr(model, "lm_head", None)

@@ -132,6 +132,11 @@ class HFCausalLM(nn.Module):
         self._rope = (rope,)  # a tuple: not a submodule, so no stage split drops it
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
 
+    @property
+    def has_rope(self) -> bool:
+        """Rotary position embeddings (plan/cost.py prices their pointwise work)."""
+        return self._rope[0] is not None
+
     def hf_name(self, name: str) -> str:
         """The transformers checkpoint name of the wrapper's parameter ``name``."""
         first = name.split(".", 1)[0]
