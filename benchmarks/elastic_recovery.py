@@ -20,8 +20,8 @@ is SIGKILLed; node 1 restarts its worker alone and finishes. The worker's events
                 load; the load alone is `load_s`)
     first step  checkpoint loaded -> the first step at the new world size is done
 
-once with torch elastic's default rendezvous timeouts and once with short ones (`--rdzv-conf
-last_call_timeout=3,keep_alive_interval=1`), alternating, `--repeats` times each. Prints the
+under each of SETTINGS (torch elastic's default rendezvous timeouts, `--rdzv-conf
+last_call_timeout=3`, and that with `keep_alive_interval=1`), alternating, `--repeats` times each. Prints the
 median (min..max) of each phase and names the largest.
 
 SIGTERM (`--sigterm`): `paratrain train configs/main.toml --nproc-per-node 2`, SIGTERM to the
@@ -65,6 +65,9 @@ JOB = [  # tests/test_resilience.py's elastic job (plain SGD)
     "run.progress=false",
     "metrics.plot=false",
     "optim.name='sgd'",
+    "optim.beta1=0.0",
+    "optim.weight_decay=0.0",
+    "optim.grad_clip=0.0",
     "optim.lr=0.5",
     "checkpoint.interval=2",
     "checkpoint.keep=0",
