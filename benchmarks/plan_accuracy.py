@@ -50,62 +50,98 @@ def cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "paratrain", *args], check=True, env=env, capture_output=True, text=True)
 
 
-def overheads(repeats: int = 30) -> tuple[float, float, float]:
-    """Seconds of one block pass that do not shrink with the work, plain and under TP, and of one
-    FSDP unit's collective: forward + backward of a tiny GPT (one sample of 8 tokens, width 32)
-    with 1 and 5 blocks, in this process on a 1-rank mesh (the DTensor and FSDP2 machinery runs,
-    the collectives have nobody to talk to). A calibration at world 1, not on the layouts ranked."""
+def tiny_step_s(n_layer: int, wrap, repeats: int = 30) -> tuple[float, float, int]:
+    """A tiny GPT (one sample of 8 tokens, width 32, 4 heads) wrapped by ``wrap``: median seconds of
+    forward + backward, of the step's end (norm, clipping, AdamW, zero_grad), and its parameter tensors."""
+    from paratrain.distributed.grad_norm import clip_grad_norm_
+    from paratrain.models.gpt import build_gpt
+
+    torch.manual_seed(0)
+    model = build_gpt(n_layer=n_layer, n_head=4, d_model=32, block_size=8)
+    wrap(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 256, (1, 8))
+    passes, ends = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        y = model(x)
+        (y.full_tensor() if hasattr(y, "full_tensor") else y).sum().backward()
+        t1 = time.perf_counter()
+        clip_grad_norm_(list(model.parameters()), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        passes.append(t1 - t0)
+        ends.append(time.perf_counter() - t1)
+    return statistics.median(passes[3:]), statistics.median(ends[3:]), len(list(model.parameters()))
+
+
+def per_block(wrap) -> tuple[float, float]:
+    """(one block's forward + backward, the step's end per parameter tensor): 5 blocks less 1."""
+    (p1, e1, n1), (p5, e5, n5) = tiny_step_s(1, wrap), tiny_step_s(5, wrap)
+    return max(1e-6, (p5 - p1) / 4), max(0.0, (e5 - e1) / (n5 - n1))
+
+
+def tp_wrap(mesh):
+    from paratrain.distributed.tensor_parallel import apply_tp
+    from paratrain.models.gpt import gpt_tp_plan
+
+    return lambda m: apply_tp(
+        m, mesh, plan={}, plan_factory="", sequence_parallel=False, loss_parallel=False, model_plan=gpt_tp_plan
+    )
+
+
+def overheads() -> dict[str, float]:
+    """The profile's fixed costs, as ``Profile`` fields: seconds of one block pass that do not
+    shrink with the work, plain and under TP, of one FSDP unit's collective, and of the step's end
+    per parameter tensor, plain and as DTensors: the tiny GPT with 1 and 5 blocks, in this process
+    on a 1-rank mesh (the DTensor and FSDP2 machinery runs, the collectives have nobody to talk
+    to). A calibration at world 1, not on the layouts ranked."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from paratrain.distributed.data_parallel import apply_fsdp
-    from paratrain.distributed.tensor_parallel import apply_tp
-    from paratrain.models.gpt import build_gpt, gpt_tp_plan
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
-
-    def step_s(n_layer: int, wrap) -> float:
-        model = build_gpt(n_layer=n_layer, n_head=2, d_model=32, block_size=8)
-        wrap(model)
-        x = torch.randint(0, 256, (1, 8))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            y = model(x)
-            (y.full_tensor() if hasattr(y, "full_tensor") else y).sum().backward()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[3:])
-
-    def per_block(wrap) -> float:
-        return max(1e-6, (step_s(5, wrap) - step_s(1, wrap)) / 4)
-
     try:
-        plain = per_block(lambda m: None) / 3  # forward 1 + backward 2 passes
-        tp = (
-            per_block(
-                lambda m: apply_tp(
-                    m,
-                    mesh,
-                    plan={},
-                    plan_factory="",
-                    sequence_parallel=False,
-                    loss_parallel=False,
-                    model_plan=gpt_tp_plan,
-                )
-            )
-            / 3
-        )
-        # FSDP: per unit one all-gather in forward, one in backward, one reduce-scatter.
-        fsdp = (
-            max(
-                0.0, per_block(lambda m: apply_fsdp(m, mesh, reshard_after_forward=True, cpu_offload=False)) - 3 * plain
-            )
-            / 3
+        plain, end_plain = per_block(lambda m: None)
+        tp_block, _ = per_block(tp_wrap(mesh))
+        fsdp_block, end_dtensor = per_block(
+            lambda m: apply_fsdp(m, mesh, reshard_after_forward=True, cpu_offload=False)
         )
     finally:
         dist.destroy_process_group()
-    return plain, tp, fsdp
+    return {
+        "block_overhead_s": plain / 3,  # forward 1 + backward 2 passes
+        "tp_block_overhead_s": tp_block / 3,
+        # FSDP: per unit one all-gather in forward, one in backward, one reduce-scatter.
+        "fsdp_unit_overhead_s": max(0.0, fsdp_block - plain) / 3,
+        "optimizer_tensor_overhead_s": end_plain,
+        "dtensor_optimizer_tensor_overhead_s": end_dtensor,
+    }
+
+
+def tp_block_rank() -> float:
+    """On one rank of a world: the tiny GPT's block under TP over the whole world (for run_ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    try:
+        return per_block(tp_wrap(init_device_mesh("cpu", (dist.get_world_size(),))))[0]
+    finally:
+        dist.destroy_process_group()
+
+
+def collective_sync(world: int, hw, tp_block_world1: float) -> float:
+    """What one collective costs in a step beyond its isolated `bench comm` time, measured in place:
+    the tiny GPT's block under TP at ``world`` less the same at world 1 is its 4 all-reduces (2 in
+    forward, 2 in backward) of 8 x 32 activations; less their bench time, per collective."""
+    from tests.dist_utils import run_ranks
+
+    tp_block = max(run_ranks(tp_block_rank, world))
+    isolated = dataclasses.replace(hw, collective_sync_s=0.0).collective_s("all_reduce", 8 * 32 * 4, world, inter=False)
+    return max(0.0, (tp_block - tp_block_world1) / 4 - isolated)
 
 
 def measure_rank(config: str, layouts: list[dict], steps: int, out_root: str) -> list[dict]:
@@ -183,11 +219,8 @@ def main() -> int:
     worlds = [int(w) for w in args.worlds.split(",")]
     summary, points = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        plain, tp_pass, fsdp_unit = overheads()
-        print(
-            f"calibrated at world 1: {plain * 1e6:.0f} us per block pass, {tp_pass * 1e6:.0f} us under TP,"
-            f" {fsdp_unit * 1e6:.0f} us per FSDP unit and collective"
-        )
+        fixed = overheads()
+        print("calibrated at world 1: " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in fixed.items()))
         compute = os.path.join(tmp, "compute.json")
         cli("bench", "compute", "--device", "cpu", "--n", "512", "--runs", "5", "--json", compute)
         for world in worlds:
@@ -197,8 +230,10 @@ def main() -> int:
                 "--max-bytes", str(4 << 20), "--iters", "20", "--warmup", "3", "--pair-bytes", "-1", "--json", comm,
             )  # fmt: skip
             hw = calibrate(get_profile("cpu"), [compute, comm])
-            hw = dataclasses.replace(
-                hw, block_overhead_s=plain, tp_block_overhead_s=tp_pass, fsdp_unit_overhead_s=fsdp_unit
+            hw = dataclasses.replace(hw, **fixed)
+            hw = dataclasses.replace(hw, collective_sync_s=collective_sync(world, hw, 3 * fixed["tp_block_overhead_s"]))
+            print(
+                f"world {world}: a collective costs {hw.collective_sync_s * 1e3:.2f} ms more inside a step", flush=True
             )
             if world == worlds[0]:
                 print(hw.describe())

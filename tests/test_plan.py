@@ -53,10 +53,12 @@ def test_enumerated_layouts_pass_the_trainers_preflight():
     assert load_config(DEBUG, lay.set_lines()).parallel == lay.apply(cfg).parallel
 
 
-@pytest.mark.slow  # about 50 s: three full fake-tensor estimates of a 6-block model
+@pytest.mark.slow  # about 60 s: four full fake-tensor estimates of a 6-block model
 def test_memory_extrapolation_matches_the_full_estimate():
-    """Extrapolated in blocks (1, 2 -> 6) and micro-batch (1, 2 -> 4): within 2% of the full model's
-    fake-tensor estimate, for DDP+accumulation, FSDP with checkpointing, and TP."""
+    """Extrapolated in blocks (1, 2 -> 6), at the layout's own micro-batch: within -2%..+10% of the full
+    model's fake-tensor estimate, for DDP+accumulation, FSDP with checkpointing, TP, and FSDP x TP
+    with full checkpointing at micro-batch 16 (where the old line through micro-batches 1 and 2
+    was 43% under a measured run: the moment of the peak moves with the micro-batch)."""
     torch.set_num_threads(1)
     cfg = load_config(MAIN, ["model.args={n_layer=6, n_head=4, d_model=128, block_size=128}"])
     mem = MemoryModel(cfg, model=meta_model(cfg), n_blocks=6)
@@ -64,11 +66,29 @@ def test_memory_extrapolation_matches_the_full_estimate():
         Layout(2, 1, 1, 1, 4),  # per-rank 16: accumulation of 4
         Layout(1, 2, 1, 1, 4, "full", False),
         Layout(1, 1, 2, 1, 4, "selective"),
+        Layout(1, 2, 2, 1, 16, "full"),
     ):
         predicted = mem.peak(layout).peak_bytes
         dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.tp, 1, layout.world_size)
         full = estimate_layout_peak(layout.apply(cfg), dims, layout.micro_batch_size, dataset=mem.dataset)
-        assert abs(predicted - full) <= 0.02 * full, (layout.short(), predicted, full)
+        # Over by up to 10% (the safe side: with resharding, the slope from 1 to 2 blocks holds a
+        # unit's unsharded parameters too; +6.7% on the last layout), under by 2% at most.
+        assert -0.02 * full <= predicted - full <= 0.10 * full, (layout.short(), predicted, full)
+
+
+def test_memory_estimate_does_not_depend_on_what_ran_before():
+    """Under TP, DTensor runs each new op shape under the fake mode it finds (ours) and caches it:
+    the first estimate of a process at new shapes counted those tensors (+47% at tp 4 on the
+    main GPT). The estimate tracks only the step's second iteration, so it is the same whether
+    or not the shapes are new. The shapes here are used by no other test."""
+    cfg = load_config(
+        DEBUG, ["model.args={n_layer=1, n_head=4, d_model=64, block_size=40}", "data.args={block_size=40}"]
+    )
+    cfg.parallel.tp, cfg.parallel.activation_checkpointing = 2, "full"
+    cfg.batch.global_batch_size, cfg.batch.micro_batch_size = 8, 8
+    dims = ParallelDims(1, 1, 2, 1, 2)
+    first, second = (estimate_layout_peak(cfg, dims, 8) for _ in range(2))  # 6% apart before
+    assert first == second
 
 
 def test_pipeline_in_flight_and_bubble():
@@ -91,6 +111,18 @@ def test_pipeline_in_flight_and_bubble():
         ranks_per_node=8,
     )
     assert i.terms["pp_bubble"] == pytest.approx(c.terms["pp_bubble"] / 2, rel=0.05)
+    # Full checkpointing recomputes twice under a zero-bubble schedule (input and weight passes).
+    full = {
+        schedule: step_cost(
+            Layout(1, 1, 1, 2, 1, "full", pp_schedule=schedule, pp_virtual_stages=v),
+            cfg=cfg,
+            stats=stats,
+            hw=hw,
+            ranks_per_node=8,
+        ).terms["recompute"]
+        for schedule, v in (("1f1b", 1), ("zbv", 2))
+    }
+    assert full["zbv"] == pytest.approx(2 * full["1f1b"], rel=0.05)
 
 
 def test_gemm_waves_and_exposed_fsdp():
@@ -113,6 +145,33 @@ def test_gemm_waves_and_exposed_fsdp():
     assert 0 < fast < slow
 
 
+def test_the_steps_end_costs_per_parameter_tensor():
+    """Off CUDA torch's AdamW loops over the parameter tensors, and on DTensors (FSDP, TP) each op
+    propagates shardings first: the CPU profile charges a fixed time per tensor, more when sharded,
+    so FSDP's optimizer term is the larger one although its shard is half; GPU profiles add none."""
+    cfg = load_config(MAIN)
+    stats = ModelStats.of(meta_model(cfg), cfg)
+    assert stats.tensors == sum(1 for _ in meta_model(cfg).parameters()) and stats.block_tensors > 0
+    cpu = dataclasses.replace(get_profile("cpu"), cores=2)
+    ddp, fsdp = (
+        step_cost(lay, cfg=cfg, stats=stats, hw=cpu, ranks_per_node=2).terms["optimizer"]
+        for lay in (Layout(2, 1, 1, 1, 16), Layout(1, 2, 1, 1, 16))
+    )
+    halved = stats.total_params / 2 * 32 / (cpu.hbm_gbps * 1e9)  # AdamW's traffic over half the parameters
+    per_tensor = cpu.dtensor_optimizer_tensor_overhead_s - cpu.optimizer_tensor_overhead_s
+    assert fsdp - ddp == pytest.approx(stats.tensors * per_tensor - halved)
+    assert fsdp > ddp
+    gpu = get_profile("h100-sxm")
+    assert gpu.optimizer_tensor_overhead_s == gpu.dtensor_optimizer_tensor_overhead_s == 0
+    # The memory traffic is the optimiser's own: plain SGD moves half of AdamW's bytes.
+    sgd = load_config(MAIN, ["optim.name='sgd'", "optim.beta1=0.0"])
+    adamw_s, sgd_s = (
+        step_cost(Layout(8, 1, 1, 1, 4), cfg=c, stats=stats, hw=gpu, ranks_per_node=8).terms["optimizer"]
+        for c in (cfg, sgd)
+    )
+    assert sgd_s == pytest.approx(adamw_s * 16 / 32)
+
+
 def test_calibration_replaces_the_profile(tmp_path):
     compute = {
         "matmul": [{"dtype": "fp32", "flops_per_s": 5e10, "device_type": "cpu"}],
@@ -133,11 +192,13 @@ def test_calibration_replaces_the_profile(tmp_path):
     (tmp_path / "m.json").write_text(json.dumps(comm))
     hw = calibrate(get_profile("cpu"), [str(tmp_path / "c.json"), str(tmp_path / "m.json")])
     assert hw.achievable_flops("fp32") == 5e10 and hw.hbm_gbps == 7.0
-    # The latency-bandwidth line through the measurements, not bent by the outlier.
-    assert hw.collective_s("all_reduce", 4000, 2, inter=False) == pytest.approx(5e-4)
-    assert hw.collective_s("all_reduce", 32000, 2, inter=False) == pytest.approx(3.3e-3)  # beyond: its bandwidth
+    # The latency-bandwidth line through the measurements, not bent by the outlier (plus what a
+    # collective costs more inside a step, measured apart).
+    sync = hw.collective_sync_s
+    assert hw.collective_s("all_reduce", 4000, 2, inter=False) == pytest.approx(5e-4 + sync)
+    assert hw.collective_s("all_reduce", 32000, 2, inter=False) == pytest.approx(3.3e-3 + sync)  # its bandwidth
     # Another group size keeps the measured bus bandwidth: time scales with the bus factor.
-    assert hw.collective_s("all_reduce", 2000, 4, inter=False) == pytest.approx(3e-4 * 1.5)
+    assert hw.collective_s("all_reduce", 2000, 4, inter=False) == pytest.approx(3e-4 * 1.5 + sync)
     for bad in ("{}", '{"matmul": [{"dtype": "fp32"}]}', '{"results": [{"op": "all_reduce"}], "world_size": 2}'):
         (tmp_path / "bad.json").write_text(bad)
         with pytest.raises(ConfigError, match="--calibrate"):
@@ -186,13 +247,23 @@ def test_best_layout_at_world_4_trains(tmp_path):
 @pytest.mark.slow
 def test_8b_on_64_gpus_plans_in_two_minutes_and_fits():
     cfg = load_config(DEBUG, big_gpt())
+    memory = MemoryModel(cfg, model=meta_model(cfg), n_blocks=32)
+    hw = get_profile("h100-sxm")
     start = time.perf_counter()
-    result = plan(cfg, world_size=64, nproc_per_node=8, profile=get_profile("h100-sxm"), top=5, progress=False)
+    result = plan(cfg, world_size=64, nproc_per_node=8, profile=hw, top=5, memory=memory, progress=False)
     seconds = time.perf_counter() - start
     assert seconds < 120, seconds
     assert len(result.layouts) == 5
     for p in result.layouts:
         assert p.memory.peak_bytes <= result.usable_bytes <= 80 * GIB
+    # No shortcut skipped a faster layout that fits: HSDP (8 replicas of FSDP over 8) at micro-batch 1
+    # fits (64 GiB), the fastest layout that does; a sibling shortcut that took one sibling's
+    # unsharded parameters for every sibling's refused it once.
+    known = Layout(8, 8, 1, 1, 1)
+    assert memory.peak(known).peak_bytes <= result.usable_bytes
+    stats = ModelStats.of(meta_model(cfg), cfg)
+    fastest = step_cost(known, cfg=cfg, stats=stats, hw=hw, ranks_per_node=8).step_time_s
+    assert result.layouts[0].cost.step_time_s <= fastest
 
 
 def llama3_8b(tmp_path) -> str:

@@ -9,7 +9,8 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
   at the profile's attention efficiency, elsewhere as MFU counts it (PaLM appendix B: 12 L d T
   per token) at the matmul rate.
 - ``recompute``: activation checkpointing. ``full`` runs every block's forward again (a third of
-  its forward+backward FLOPs); ``selective`` saves matmul and attention outputs and recomputes
+  its forward+backward FLOPs; twice under the zero-bubble schedules, whose backward is two
+  autograd calls, each recomputing); ``selective`` saves matmul and attention outputs and recomputes
   only the pointwise ops and norms, priced in ``pointwise`` (Korthikanti et al. 2022 measure a
   few percent for a similar recomputed set).
 - ``overhead``: a fixed time per block pass (forward 1, backward 2, recompute 1, selective 0.5) and per
@@ -38,7 +39,10 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
   of 1F1B's for the V schedules (zbv, dualpipev: near zero once n >= 2p).
 - ``pp_p2p``: sends of activations and their gradients between stages, 2 per chunk and micro-batch.
 - ``optimizer``: AdamW is memory-bound: read parameter, gradient and two moments, write three
-  (28 bytes per fp32 parameter) plus the gradient-norm read (4), over memory bandwidth.
+  (28 bytes per fp32 parameter) plus the gradient-norm read (4), over memory bandwidth (SGD: 24
+  with momentum, 16 without, ``optimizer_bytes_per_param``); plus the
+  profile's fixed time per parameter tensor (plain, or DTensor under FSDP and TP), which the CPU
+  pays (its AdamW loops over tensors one by one).
 
 Collectives cross nodes when their group does: the mesh is ``pp, dp_replicate, dp_shard, tp``
 outermost to innermost (parallel_dims.py), so a dimension's ranks are ``stride`` apart.
@@ -64,7 +68,19 @@ from paratrain.plan.hardware import Profile
 POINTWISE_ELEMENTS = 120
 LOSS_BYTES_PER_LOGIT = 20  # fp32 logits: write, softmax read/write, gradient write/read
 ADAM_BYTES_PER_PARAM = 32
+
+
+def optimizer_bytes_per_param(cfg: Config) -> int:
+    """fp32 bytes the optimiser step reads and writes per parameter, plus the gradient-norm read (4):
+    AdamW reads parameter, gradient and two moments and writes three (28); SGD with momentum
+    reads parameter, gradient and buffer and writes two (20); plain SGD reads two, writes one (12)."""
+    if cfg.optim.name == "adamw":
+        return ADAM_BYTES_PER_PARAM
+    return (20 if cfg.optim.beta1 > 0 else 12) + 4
+
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # schedules whose backward is two passes
 TERMS = (
     "compute",
     "recompute",
@@ -98,6 +114,10 @@ class ModelStats:
     gemms: list[tuple[int, int]] = field(default_factory=list)
     attention_width: int = 0
     pointwise: tuple[float, float] = (0.0, 0.0)
+    # Parameter tensors of the whole model and of one block: the step's end pays a fixed time for
+    # each (the optimiser's per-tensor overhead, hardware.py).
+    tensors: int = 0
+    block_tensors: int = 0
     _ranks: dict = field(default_factory=dict)
 
     @classmethod
@@ -123,7 +143,11 @@ class ModelStats:
             # a generic model's 6 x parameters would count the embedding and miss attention.
             fpt = sum(bf) + head_flops
         vocab = getattr(mcfg, "vocab_size", 0)
-        return cls(seq, d, bp, bf, head_flops, total, fpt, vocab, model, gemms, width, pointwise)
+        tensors = sum(1 for _ in model.parameters())
+        block_tensors = sum(1 for _ in next(iter(blocks.values())).parameters())
+        return cls(
+            seq, d, bp, bf, head_flops, total, fpt, vocab, model, gemms, width, pointwise, tensors, block_tensors
+        )
 
     def busiest_rank(self, pp: int, v: int, style: str, cfg: Config) -> tuple[float, int, float]:
         """(FLOPs per token, blocks, parameters) of the pipeline rank with the most work (cached)."""
@@ -280,8 +304,14 @@ def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ra
     t["compute"] = linear_s + attention_s
     # Full checkpointing runs each block's forward again (a third of its matmul FLOPs); selective
     # only its pointwise ops (in ``pointwise`` below): its matmuls and attention are saved.
+    # The zero-bubble schedules split each backward into an input-gradient and a weight-gradient
+    # pass, two autograd.grad calls, and non-reentrant checkpointing recomputes per call (its
+    # recomputed tensors are keyed by the graph task id, torch/utils/checkpoint.py): the forward
+    # is run again twice. Measured at world 2 on the main GPT: full checkpointing adds 0.08 s to a
+    # 1F1B step and 0.25 s to a DualPipeV one.
+    recomputes = 2 if p > 1 and layout.pp_schedule in SPLIT_BACKWARD else 1
     if layout.activation_checkpointing == "full":
-        t["recompute"] = block_linear_s / 3 + attention_forward_s
+        t["recompute"] = recomputes * (block_linear_s / 3 + attention_forward_s)
     recomputed = layout.activation_checkpointing != "none"
     if stats.pointwise != (0.0, 0.0):
         per_token_block = stats.pointwise[0] * act_bytes + stats.pointwise[1] * 4
@@ -289,11 +319,11 @@ def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ra
         per_token_block = POINTWISE_ELEMENTS / 3 * d * act_bytes
     # Forward once, backward about twice (each op's gradient reads its inputs and writes one).
     pointwise_bytes = tokens * rank_blocks * 3 * per_token_block / layout.tp
-    pointwise_bytes *= 1 + (1 / 3 if recomputed else 0)  # the forward's third, again
+    pointwise_bytes *= 1 + (recomputes / 3 if recomputed else 0)  # the forward's third, again
     # The loss over the vocabulary (on the last stage; counted for the busiest rank as an upper bound).
     pointwise_bytes += tokens * stats.vocab * LOSS_BYTES_PER_LOGIT / layout.tp
     t["pointwise"] = pointwise_bytes / (hw.hbm_gbps * 1e9 * share)
-    recompute_passes = {"none": 0.0, "selective": 0.5, "full": 1.0}[layout.activation_checkpointing]
+    recompute_passes = {"none": 0.0, "selective": 0.5, "full": 1.0}[layout.activation_checkpointing] * recomputes
     per_pass = (hw.tp_block_overhead_s or hw.block_overhead_s) if layout.tp > 1 else hw.block_overhead_s
     t["overhead"] = n_micro * (rank_blocks * (3 + recompute_passes) + 2) * per_pass / share
     if layout.dp_shard > 1:
@@ -377,7 +407,15 @@ def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ra
             inter = crosses_nodes(stride_pp, p, ranks_per_node)
             send = hw.collective_s("send_recv", mb * seq * d * act_bytes, 2, inter=inter)
             t["pp_p2p"] = 2 * v * n_micro * send
-    t["optimizer"] = shard_params / layout.dp_shard * ADAM_BYTES_PER_PARAM / (hw.hbm_gbps * 1e9 * share)
+    step_bytes = optimizer_bytes_per_param(cfg)
+    t["optimizer"] = shard_params / layout.dp_shard * step_bytes / (hw.hbm_gbps * 1e9 * share)
+    # The step's end per parameter tensor (norm, clipping, AdamW), more on DTensors (FSDP, TP).
+    # A pipeline rank holds its blocks' tensors and, as for the parameters, half the others.
+    others = stats.tensors - stats.block_tensors * n_blocks
+    rank_tensors = stats.tensors if p == 1 else stats.block_tensors * rank_blocks + others / 2
+    sharded = layout.dp_shard > 1 or layout.tp > 1
+    per_tensor = hw.dtensor_optimizer_tensor_overhead_s if sharded else hw.optimizer_tensor_overhead_s
+    t["optimizer"] += rank_tensors * per_tensor / share
     step = sum(t.values())
     tokens_step = gbs * seq
     mfu = stats.flops_per_token * tokens_step / (step * layout.world_size * hw.peak(dtype)) if step > 0 else math.nan

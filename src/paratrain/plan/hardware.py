@@ -19,6 +19,19 @@ A profile holds what the cost model needs of one device and its links:
   unit and collective (FSDP2's hooks, copy-in and copy-out). On a GPU these run ahead of the
   kernels and hide behind them once the kernels are large, so the GPU profiles add nothing; the
   CPU pays them in full (calibrated at world 1 by benchmarks/plan_accuracy.py).
+- ``optimizer_tensor_overhead_s`` / ``dtensor_optimizer_tensor_overhead_s``: the end of the step
+  (gradient norm, clipping, AdamW, zero_grad) per parameter tensor, plain and sharded (FSDP or
+  TP: each op on a DTensor propagates shardings in Python). On CPU torch's AdamW loops over the
+  tensors one by one (foreach is its default on CUDA only, torch/optim/optimizer.py
+  ``_default_to_fused_or_foreach``): measured 60 us a tensor plain and 230 us as DTensors at world
+  1, about 30 ms a step for the 4-block main GPT under FSDP. On a GPU the foreach kernels take
+  whole lists of tensors and the host runs ahead: the GPU profiles add nothing.
+- ``collective_sync_s``: what a collective costs inside a step beyond its isolated `bench comm`
+  time: the ranks arrive at different moments, and on a CPU the backend's threads compete with
+  the compute for the same cores. Added to every collective priced. On this 2-core machine it is
+  measured in place by benchmarks/plan_accuracy.py: a tiny tensor-parallel GPT at the world size
+  (4 all-reduces per block) against the same at world 1 (about 1.5 ms a collective at world 2);
+  the GPU profiles add nothing (NCCL runs on its own SMs; not measured here).
 
 Link figures are the data sheet's per-direction NVLink bandwidth and NIC line rate times 0.8,
 the fraction nccl-tests' bus bandwidth typically reaches of the link (an assumption, stated
@@ -67,6 +80,10 @@ class Profile:
     sources: dict[str, str]
     tp_block_overhead_s: float = 0.0  # 0: the same as block_overhead_s
     fsdp_unit_overhead_s: float = 0.0
+    optimizer_tensor_overhead_s: float = 0.0
+    # What a collective costs inside a step beyond its isolated `bench comm` time (see above).
+    collective_sync_s: float = 0.0
+    dtensor_optimizer_tensor_overhead_s: float = 0.0
     # Ranks per node that share one compute resource (the CPU profile: cores); 0 = one device each.
     cores: int = 0
     # Streaming multiprocessors: a GEMM runs in waves of output tiles over them (tile and wave
@@ -94,9 +111,10 @@ class Profile:
             return 0.0
         measured = self._measured_s(op, nbytes, group, inter=inter)
         if measured is not None:
-            return measured
+            return measured + self.collective_sync_s
         busbw = (self.inter_busbw_gbps if inter else self.intra_busbw_gbps) * 1e9
-        return (self.inter_latency_s if inter else self.latency_s) + nbytes * bus_factor(op, group) / busbw
+        latency = self.inter_latency_s if inter else self.latency_s
+        return latency + self.collective_sync_s + nbytes * bus_factor(op, group) / busbw
 
     def _measured_s(self, op: str, nbytes: float, group: int, *, inter: bool) -> float | None:
         """From a calibration: the latency-bandwidth line fitted to the measured times (see
@@ -141,7 +159,10 @@ class Profile:
         lines.append(
             f"  block overhead {self.block_overhead_s * 1e6:g} us per pass"
             f" ({(self.tp_block_overhead_s or self.block_overhead_s) * 1e6:g} under TP),"
-            f" FSDP {self.fsdp_unit_overhead_s * 1e6:g} us per unit and collective, overlap {self.overlap:g}"
+            f" FSDP {self.fsdp_unit_overhead_s * 1e6:g} us per unit and collective, optimizer"
+            f" {self.optimizer_tensor_overhead_s * 1e6:g} us per tensor"
+            f" ({self.dtensor_optimizer_tensor_overhead_s * 1e6:g} as DTensors),"
+            f" {self.collective_sync_s * 1e6:g} us per collective in a step, overlap {self.overlap:g}"
             f" ({self.sources['overhead']})"
         )
         return "\n".join(lines)
@@ -282,12 +303,15 @@ def cpu_profile() -> Profile:
         block_overhead_s=1e-3,
         tp_block_overhead_s=15e-3,
         fsdp_unit_overhead_s=1.5e-3,
+        optimizer_tensor_overhead_s=60e-6,
+        dtensor_optimizer_tensor_overhead_s=230e-6,
+        collective_sync_s=1.5e-3,
         cores=cores,
         sources={
             "flops": "one AVX2 core, 32 FLOP/cycle at ~3 GHz (estimate; calibrate with bench compute)",
             "memory": "/proc/meminfo (the whole machine: ranks share it); bandwidth a DDR4 channel (estimate)",
-            "links": "gloo over loopback TCP (estimate; calibrate with bench comm)",
-            "overhead": "eager dispatch of a small block pass ~1 ms, ~15 ms on DTensors, FSDP2 ~1.5 ms per unit and collective, measured here at world 1 (benchmarks/plan_accuracy.py)",
+            "links": "gloo over loopback TCP (estimate; calibrate with bench comm); 1.5 ms more per collective inside a step, measured in place at world 2 (benchmarks/plan_accuracy.py)",
+            "overhead": "eager dispatch of a small block pass ~1 ms, ~15 ms on DTensors, FSDP2 ~1.5 ms per unit and collective, the step's end 60 us per parameter tensor (230 us on DTensors), measured here at world 1 (benchmarks/plan_accuracy.py)",
         },
     )
 

@@ -23,8 +23,8 @@ from paratrain.plan.enumerate import Layout, enumerate_layouts, meta_model
 from paratrain.plan.hardware import GIB, Profile
 from paratrain.plan.memory import MemoryModel, RankMemory
 
-# A layout whose exact states plus the activations measured on a sibling (same tp and
-# checkpointing; other data-parallel degrees, resharding, accumulation) exceed the budget by this factor is refused
+# A layout whose exact states plus the activations measured on a sibling (same tp,
+# checkpointing and resharding; other data-parallel degrees, accumulation) exceed the budget by this factor is refused
 # without its own fake-tensor run: the margin covers what the sibling's activations may differ by.
 SIBLING_MARGIN = 1.1
 
