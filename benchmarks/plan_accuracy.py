@@ -136,12 +136,16 @@ def tp_block_rank() -> float:
 def collective_sync(world: int, hw, tp_block_world1: float) -> float:
     """What one collective costs in a step beyond its isolated `bench comm` time, measured in place:
     the tiny GPT's block under TP at ``world`` less the same at world 1 is its 4 all-reduces (2 in
-    forward, 2 in backward) of 8 x 32 activations; less their bench time, per collective."""
+    forward, 2 in backward) of 8 x 32 activations; less their bench time, per collective. The
+    world-1 figure is taken as the cost model prices a pass at this world, over the share of a
+    core each rank gets (``share`` in cost.py): more ranks than cores slow the passes too, and
+    that is in the ``overhead`` term already."""
     from tests.dist_utils import run_ranks
 
     tp_block = max(run_ranks(tp_block_rank, world))
+    share = min(1.0, hw.cores / world) if hw.cores else 1.0
     isolated = dataclasses.replace(hw, collective_sync_s=0.0).collective_s("all_reduce", 8 * 32 * 4, world, inter=False)
-    return max(0.0, (tp_block - tp_block_world1) / 4 - isolated)
+    return max(0.0, (tp_block - tp_block_world1 / share) / 4 - isolated)
 
 
 def measure_rank(config: str, layouts: list[dict], steps: int, out_root: str) -> list[dict]:

@@ -114,6 +114,38 @@ def test_estimate_matches_real_ddp_step():
         assert abs(est - real) <= 0.10 * real, (m, est, real)
 
 
+def _real_fsdp_peaks(sizes):
+    from paratrain.config import DistConfig, load_config
+    from paratrain.distributed.process_group import close_distributed, init_distributed
+    from paratrain.find_batch import StepRunner, measure_peak
+    from paratrain.layout import check_layout
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(DistConfig())
+    try:
+        cfg = load_config(DEBUG, ["batch.global_batch_size=16", "parallel.dp_shard=2"])
+        dims, _ = check_layout(cfg, 2)
+        return [measure_peak(StepRunner(cfg, dims, device=torch.device("cpu")), m) for m in sizes]
+    finally:
+        close_distributed(ctx)
+
+
+def test_estimate_matches_real_fsdp_step():
+    """FSDP2 over 2 gloo ranks: the fake-tensor estimate (its first iteration untracked) against
+    MemTracker following both iterations of the real step, with and without accumulation."""
+    from paratrain.config import load_config
+    from paratrain.layout import check_layout
+    from paratrain.plan.memory import estimate_layout_peak
+
+    sizes = (2, 8)
+    real = run_ranks(_real_fsdp_peaks, 2, sizes)[0]
+    cfg = load_config(DEBUG, ["batch.global_batch_size=16", "parallel.dp_shard=2"])
+    dims, _ = check_layout(cfg, 2)
+    for r, m in zip(real, sizes):
+        est = estimate_layout_peak(cfg, dims, m)
+        assert abs(est - r) <= 0.05 * r, (m, est, r)
+
+
 def test_search_is_exact_and_monotone_in_budget(estimates):
     from paratrain.config import load_config
     from paratrain.find_batch import find_micro_batch

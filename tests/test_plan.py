@@ -55,7 +55,7 @@ def test_enumerated_layouts_pass_the_trainers_preflight():
 
 @pytest.mark.slow  # about 60 s: four full fake-tensor estimates of a 6-block model
 def test_memory_extrapolation_matches_the_full_estimate():
-    """Extrapolated in blocks (1, 2 -> 6), at the layout's own micro-batch: within -2%..+10% of the full
+    """Extrapolated in blocks (1, 2 -> 6), at the layout's own micro-batch: within 2% of the full
     model's fake-tensor estimate, for DDP+accumulation, FSDP with checkpointing, TP, and FSDP x TP
     with full checkpointing at micro-batch 16 (where the old line through micro-batches 1 and 2
     was 43% under a measured run: the moment of the peak moves with the micro-batch)."""
@@ -71,9 +71,10 @@ def test_memory_extrapolation_matches_the_full_estimate():
         predicted = mem.peak(layout).peak_bytes
         dims = ParallelDims(layout.dp_replicate, layout.dp_shard, layout.tp, 1, layout.world_size)
         full = estimate_layout_peak(layout.apply(cfg), dims, layout.micro_batch_size, dataset=mem.dataset)
-        # Over by up to 10% (the safe side: with resharding, the slope from 1 to 2 blocks holds a
-        # unit's unsharded parameters too; +6.7% on the last layout), under by 2% at most.
-        assert -0.02 * full <= predicted - full <= 0.10 * full, (layout.short(), predicted, full)
+        # Within 2%, except FSDP x TP with resharding: +6.7%, on the safe side (the slope from 1
+        # to 2 blocks holds a unit's unsharded parameters too).
+        over = 0.10 if layout.tp > 1 and layout.dp_shard > 1 else 0.02
+        assert -0.02 * full <= predicted - full <= over * full, (layout.short(), predicted, full)
 
 
 def test_memory_estimate_does_not_depend_on_what_ran_before():
@@ -120,9 +121,10 @@ def test_pipeline_in_flight_and_bubble():
             hw=hw,
             ranks_per_node=8,
         ).terms["recompute"]
-        for schedule, v in (("1f1b", 1), ("zbv", 2))
+        for schedule, v in (("1f1b", 1), ("zbv", 2), ("interleaved1f1b", 2))
     }
     assert full["zbv"] == pytest.approx(2 * full["1f1b"], rel=0.05)
+    assert full["interleaved1f1b"] == pytest.approx(full["1f1b"], rel=0.05)
 
 
 def test_gemm_waves_and_exposed_fsdp():

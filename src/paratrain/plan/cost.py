@@ -131,7 +131,7 @@ class ModelStats:
         mcfg = getattr(model, "cfg", None) or getattr(model, "config", None)
         d = getattr(mcfg, "d_model", 0) or getattr(mcfg, "hidden_size", 0)
         if blocks is None or not len(blocks):
-            return cls(seq, d, [total], [fpt], 0.0, total, fpt)
+            return cls(seq, d, [total], [fpt], 0.0, total, fpt, tensors=sum(1 for _ in model.parameters()))
         bp = [sum(p.numel() for p in b.parameters()) for b in blocks.values()]
         gemms, width, pointwise = block_shapes(next(iter(blocks.values())), rope=getattr(model, "has_rope", False))
         attention = 12.0 * (width or d) * seq  # per block (mfu.py, PaLM)
@@ -339,7 +339,7 @@ def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ra
     stride_pp = stride_rep * layout.dp_replicate
     if layout.tp > 1 and d:
         act = mb * seq * d * act_bytes
-        per_micro = rank_blocks * (4 + (2 if layout.activation_checkpointing == "full" else 0)) + 2
+        per_micro = rank_blocks * (4 + (2 * recomputes if layout.activation_checkpointing == "full" else 0)) + 2
         inter = crosses_nodes(stride_tp, layout.tp, ranks_per_node)
         t["tp_comm"] = n_micro * per_micro * hw.collective_s("all_reduce", act, layout.tp, inter=inter)
 
