@@ -24,13 +24,14 @@ A profile holds what the cost model needs of one device and its links:
   TP: each op on a DTensor propagates shardings in Python). On CPU torch's AdamW loops over the
   tensors one by one (foreach is its default on CUDA only, torch/optim/optimizer.py
   ``_default_to_fused_or_foreach``): 30-33 us a tensor plain and 186-203 us as DTensors at world
-  1 (benchmarks/plan_accuracy.py, two runs), about 12 ms a step for the main GPT under FSDP. On a GPU the foreach kernels take
-  whole lists of tensors and the host runs ahead: the GPU profiles add nothing.
+  1 (benchmarks/plan_accuracy.py, two runs), about 12 ms a step for the main GPT under FSDP. On
+  a GPU the foreach kernels take whole lists of tensors and the host runs ahead: the GPU
+  profiles add nothing.
 - ``collective_sync_s``: what a collective costs inside a step beyond its isolated `bench comm`
   time: the ranks arrive at different moments, and on a CPU the backend's threads compete with
   the compute for the same cores. Added to every collective priced. On this 2-core machine it is
   measured in place by benchmarks/plan_accuracy.py: a tiny tensor-parallel GPT at the world size
-  (4 all-reduces per block) against the same at world 1 (1.5-2.1 ms a collective at world 2);
+  (4 all-reduces per block) against the same at world 1 (1.5-2.5 ms a collective at world 2);
   the GPU profiles add nothing (NCCL runs on its own SMs; not measured here).
 
 Link figures are the data sheet's per-direction NVLink bandwidth and NIC line rate times 0.8,
@@ -81,9 +82,9 @@ class Profile:
     tp_block_overhead_s: float = 0.0  # 0: the same as block_overhead_s
     fsdp_unit_overhead_s: float = 0.0
     optimizer_tensor_overhead_s: float = 0.0
+    dtensor_optimizer_tensor_overhead_s: float = 0.0
     # What a collective costs inside a step beyond its isolated `bench comm` time (see above).
     collective_sync_s: float = 0.0
-    dtensor_optimizer_tensor_overhead_s: float = 0.0
     # Ranks per node that share one compute resource (the CPU profile: cores); 0 = one device each.
     cores: int = 0
     # Streaming multiprocessors: a GEMM runs in waves of output tiles over them (tile and wave

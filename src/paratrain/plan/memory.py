@@ -175,8 +175,9 @@ class MemoryModel:
         """Whether block counts are extrapolated from 1 and 2 blocks: for a built-in GPT of more
         than :data:`WHOLE_UP_TO` blocks. A run's cost grows with the blocks (the 8B GPT, one
         timing each: 0.65 s with 1 block, 0.69 s with 2, 1.16 s with 3, 1.4 s with 4), so up to 4
-        blocks the model as it is costs about what the pair does, and is exact: with FSDP's resharding, the slope from 1 to 2
-        blocks of the 4-block main GPT held up to 14% too much (the line is exact on the 8B GPT)."""
+        blocks the model as it is costs about what the pair does, and is exact: with FSDP's
+        resharding, the slope from 1 to 2 blocks of the 4-block main GPT held up to 14% too much
+        (the line is exact on the 8B GPT)."""
         return truncatable(self.cfg) and (self.n_blocks or 0) > WHOLE_UP_TO
 
     def _ranges(self, stages: int) -> list[range]:
