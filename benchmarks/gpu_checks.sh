@@ -3,7 +3,9 @@
 #   1. `paratrain env` (versions, GPU, topology, problems found);
 #   2. a bf16 training run of the debug config on the GPU through the launcher (NCCL backend);
 #   3. benchmarks/gpu.py: bench compute, then the GPT-2-small-shape GPT at bf16 + compile: MFU;
-#   4. benchmarks/gpu_find_batch.py: the real-OOM micro-batch search next to the fake-tensor estimate.
+#   4. benchmarks/gpu_find_batch.py: the real-OOM micro-batch search next to the fake-tensor estimate;
+#   5. benchmarks/gpu_plan.py: the plan's step time and peak memory against real steps of the 124M GPT
+#      for every micro-batch x activation-checkpointing choice (real OOM where the plan says no fit).
 # Every part's output goes to $OUT (or ./gpu-out) as well as the terminal.
 #   bash benchmarks/gpu_checks.sh
 set -uo pipefail
@@ -26,4 +28,7 @@ timeout 270 $PY benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.txt" | grep -v "^W[0-9]" 
 
 step "gpu_find_batch.py: real OOM search vs fake-tensor estimate"
 timeout 200 $PY benchmarks/gpu_find_batch.py 2>&1 | tee "$OUT/gpu_find_batch.txt" | tail -40
+
+step "gpu_plan.py: plan's predictions vs real steps, 124M GPT"
+timeout 300 $PY benchmarks/gpu_plan.py 2>&1 | tee "$OUT/gpu_plan.txt" | grep -v "^W[0-9]" | tail -30
 step "done"

@@ -355,3 +355,17 @@ def test_zero_bubble_with_selective_checkpointing_is_refused():
     layouts, _ = enumerate_layouts(load_config(MAIN), world_size=4, nproc_per_node=4)
     zero_bubble = [lay for lay in layouts if lay.pp_schedule in ("interleaved_zb", "zbv", "dualpipev") and lay.pp > 1]
     assert zero_bubble and not any(lay.activation_checkpointing == "selective" for lay in zero_bubble)
+
+
+@pytest.mark.slow  # about 20 s: six tiny trainings
+def test_gpu_check_script_runs_on_cpu():
+    """benchmarks/gpu_plan.py (the GPU check, for a task lent a device) works end to end here."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src"), "OMP_NUM_THREADS": "1"}
+    script = os.path.join(REPO, "benchmarks", "gpu_plan.py")
+    args = ["--dry-run-cpu", "--global-batch", "8", "--min-micro-batch", "4", "--steps", "3"]
+    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Spearman of step times over 6 layouts" in out.stdout, out.stdout[-2000:]
