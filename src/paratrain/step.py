@@ -147,7 +147,8 @@ def train_step(
     # The norm is read only now, after the reduce's read has waited for the device: on a GPU that
     # wait is the step's only one for plain-tensor models (the norm's read used to wait before the
     # optimiser step was queued; with clipping on under FSDP, TP or pipelining the clip
-    # coefficient is still read in distributed/grad_norm.py); this one copies a value already computed. The same tensor as before: exact.
+    # coefficient is still read in distributed/grad_norm.py); this one copies a value already
+    # computed. The same tensor as before: exact.
     # (One joint read via torch.cat adds three tensor ops and showed no gain: preempt_overhead.py.)
     return StepResult(loss_total / items, items, float(grad_norm), tokens, stops > 0)
 
