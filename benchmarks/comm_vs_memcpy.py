@@ -61,7 +61,7 @@ def main() -> None:
     sys.path.insert(0, os.path.join(REPO, "src"))
     import torch
 
-    from paratrain.bench.compute import bench_memcpy
+    from paratrain.hardware.bench_compute import bench_memcpy
 
     torch.set_num_threads(1)  # one rank's copy: each gloo rank runs on one thread here
     mem = bench_memcpy(torch.device("cpu"), nbytes=args.max_bytes, runs=7, inner=3)

@@ -7,7 +7,7 @@ Node death (the default): two one-process "nodes" on 127.0.0.1 (`paratrain train
 --max-restarts 3`, the same job as tests/test_resilience.py's elastic test: a tiny GPT slowed to
 0.3 s per forward, a checkpoint every 2 steps). After the third step, node 2's whole process tree
 is SIGKILLed; node 1 restarts its worker alone and finishes. The worker's events.jsonl
-(src/paratrain/events.py) and the kill time split the gap into
+(src/paratrain/observability/events.py) and the kill time split the gap into
 
     detection   kill -> the surviving worker's collective fails (its `worker_failed` line)
     agent       detection -> the agent logs the failed worker ("failed (exitcode: 1)"): the
@@ -50,7 +50,7 @@ sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]
 
 from paratrain.checkpoint import verify_checkpoint  # noqa: E402 - after the path above
 from paratrain.distributed.process_group import free_port  # noqa: E402
-from paratrain.events import read_events  # noqa: E402
+from paratrain.observability.events import read_events  # noqa: E402
 from tests.dist_utils import kill_tree, wait_listening  # noqa: E402 - the elastic test's own helpers
 
 GPT = "{n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, forward_sleep_s = 0.3}"

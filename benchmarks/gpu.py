@@ -9,7 +9,7 @@
    fixed number of steps.
 3. Prints tokens/s and MFU (median over the steps after the first ones, which include
    compilation) against the data-sheet dense bf16 peak of the GPU (the convention of PaLM,
-   torchtitan and Megatron; paratrain.mfu.DATASHEET_BF16_FLOPS) and, as a second figure,
+   torchtitan and Megatron; paratrain.observability.mfu.DATASHEET_BF16_FLOPS) and, as a second figure,
    against the best matmul throughput measured in step 1 (its maximum, not its median); whether
    torch.compile really compiled (dynamo's counters: graphs, graph breaks), then ONE JSON line.
 
@@ -76,7 +76,7 @@ def main() -> int:
         return 2
 
     import paratrain
-    from paratrain.bench.compute import run_compute_bench
+    from paratrain.hardware.bench_compute import run_compute_bench
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -95,7 +95,7 @@ def main() -> int:
     )
     from torch._dynamo.utils import counters
 
-    from paratrain.mfu import datasheet_peak_flops
+    from paratrain.observability.mfu import datasheet_peak_flops
 
     measured_max = compute["matmul"][0]["flops_per_s_max"]
     datasheet = None if smoke else datasheet_peak_flops(name, "bf16")
@@ -137,7 +137,7 @@ def main() -> int:
         ):  # fail loudly rather than fall back to the math kernel
             summary = paratrain.train(cfg, dataset=data)
         # paratrain falls back to eager (with a warning) where compilation does not work: say which
-        # happened. Graphs include compiling.py's probe (one); the blocks share one graph.
+        # happened. Graphs include distributed/compile.py's probe (one); the blocks share one graph.
         graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         compiled = (not args.no_compile) and graphs >= 2
         with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -51,9 +51,11 @@ def main() -> int:
         )
         return 0
 
+    from paratrain.batch.auto import find_micro_batch
+    from paratrain.batch.measure import StepRunner, estimate_peak
+    from paratrain.batch.search import GIB
     from paratrain.config import load_config
-    from paratrain.find_batch import GIB, StepRunner, estimate_peak, find_micro_batch
-    from paratrain.layout import check_layout
+    from paratrain.preflight import check_run
 
     T = 32 if dry else args.block_size
     model = "n_layer = 2, n_head = 2, d_model = 32" if dry else "n_layer = 12, n_head = 12, d_model = 768"
@@ -68,7 +70,7 @@ def main() -> int:
             *(["batch.memory_gib=0.002"] if dry else []),
         ],
     )
-    dims, _ = check_layout(cfg, 1)
+    dims, _ = check_run(cfg, 1)
     if dry:
         device = torch.device("cpu")
         print("dry run on CPU: tiny GPT, 2 MiB budget")

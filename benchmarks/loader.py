@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))  # run from a checkout without install
 
 from paratrain import load_config, train  # noqa: E402
-from paratrain.batching import GlobalBatchSampler  # noqa: E402
+from paratrain.batch.plan import GlobalBatchSampler  # noqa: E402
 from paratrain.data.loader import StepSampler, build_loader, to_device  # noqa: E402
 from paratrain.data.prepare import prepare  # noqa: E402
 from paratrain.data.tokens import build_tokens  # noqa: E402

@@ -137,7 +137,7 @@ def _rank_stats_worker(rank: int, port: int, n: int, q) -> None:
     from torch import nn
 
     from paratrain.config import MetricsConfig
-    from paratrain.rank_stats import RankStats
+    from paratrain.observability.rank_stats import RankStats
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -184,7 +184,7 @@ def micro(step_ms: float, n: int = 2000) -> None:
     import tempfile
 
     from paratrain.config import MetricsConfig
-    from paratrain.trackers import build_trackers
+    from paratrain.observability.trackers import build_trackers
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.update(WANDB_DIR=tmp, WANDB_SILENT="true")

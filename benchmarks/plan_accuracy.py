@@ -153,8 +153,8 @@ def measure_rank(config: str, layouts: list[dict], steps: int, out_root: str) ->
     import torch.distributed as dist
 
     import paratrain
+    from paratrain.batch.measure import StepRunner, measure_peak
     from paratrain.distributed.parallel_dims import ParallelDims
-    from paratrain.find_batch import StepRunner, measure_peak
 
     dist.init_process_group("gloo")
     results = []

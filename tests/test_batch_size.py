@@ -28,12 +28,12 @@ TOY = [  # the acceptance test's job
 
 
 def _runner(overrides=(), world=1):
+    from paratrain.batch.measure import StepRunner
     from paratrain.config import load_config
-    from paratrain.find_batch import StepRunner
-    from paratrain.layout import check_layout
+    from paratrain.preflight import check_run
 
     cfg = load_config(DEBUG, ["batch.global_batch_size=8", *overrides])
-    dims, _ = check_layout(cfg, world)
+    dims, _ = check_run(cfg, world)
     return cfg, dims, StepRunner(cfg, dims, device=torch.device("cpu"))
 
 
@@ -43,7 +43,7 @@ def _runner(overrides=(), world=1):
 @pytest.fixture(scope="module")
 def estimates():
     """Fake-tensor peaks of the debug GPT's step for every divisor of the per-rank batch 8."""
-    from paratrain.find_batch import estimate_peak
+    from paratrain.batch.measure import estimate_peak
 
     torch.set_num_threads(1)
     _, _, runner = _runner()
@@ -52,7 +52,7 @@ def estimates():
 
 def test_estimate_matches_real_memtracker(estimates):
     """The fake-tensor estimate against MemTracker on real tensors, same step, three sizes."""
-    from paratrain.find_batch import measure_peak
+    from paratrain.batch.measure import measure_peak
 
     _, _, runner = _runner()
     for m in (1, 2, 4):
@@ -63,20 +63,19 @@ def test_estimate_matches_real_memtracker(estimates):
 
 
 def _real_ddp_peaks(sizes):
+    from paratrain.batch.measure import StepRunner, _StepMemTracker, estimate_peak
     from paratrain.config import DistConfig, load_config
     from paratrain.distributed.parallelize import parallelize
     from paratrain.distributed.process_group import close_distributed, init_distributed
-    from paratrain.find_batch import StepRunner, estimate_peak
-    from paratrain.find_batch.measure import _StepMemTracker
-    from paratrain.layout import check_layout
     from paratrain.models import build_model
     from paratrain.optim import build_optimizer
+    from paratrain.preflight import check_run
     from paratrain.step import StepContext, train_step
 
     ctx = init_distributed(DistConfig())
     try:
         cfg = load_config(DEBUG, ["batch.global_batch_size=16"])
-        dims, _ = check_layout(cfg, 2)
+        dims, _ = check_run(cfg, 2)
         runner = StepRunner(cfg, dims, device=torch.device("cpu"))
         out = []
         for m in sizes:
@@ -115,16 +114,16 @@ def test_estimate_matches_real_ddp_step():
 
 
 def _real_fsdp_peaks(sizes):
+    from paratrain.batch.measure import StepRunner, measure_peak
     from paratrain.config import DistConfig, load_config
     from paratrain.distributed.process_group import close_distributed, init_distributed
-    from paratrain.find_batch import StepRunner, measure_peak
-    from paratrain.layout import check_layout
+    from paratrain.preflight import check_run
 
     torch.set_num_threads(1)
     ctx = init_distributed(DistConfig())
     try:
         cfg = load_config(DEBUG, ["batch.global_batch_size=16", "parallel.dp_shard=2"])
-        dims, _ = check_layout(cfg, 2)
+        dims, _ = check_run(cfg, 2)
         return [measure_peak(StepRunner(cfg, dims, device=torch.device("cpu")), m) for m in sizes]
     finally:
         close_distributed(ctx)
@@ -134,22 +133,22 @@ def test_estimate_matches_real_fsdp_step():
     """FSDP2 over 2 gloo ranks: the fake-tensor estimate (its first iteration untracked) against
     MemTracker following both iterations of the real step, with and without accumulation."""
     from paratrain.config import load_config
-    from paratrain.layout import check_layout
     from paratrain.plan.memory import estimate_layout_peak
+    from paratrain.preflight import check_run
 
     sizes = (2, 8)
     real = run_ranks(_real_fsdp_peaks, 2, sizes)[0]
     cfg = load_config(DEBUG, ["batch.global_batch_size=16", "parallel.dp_shard=2"])
-    dims, _ = check_layout(cfg, 2)
+    dims, _ = check_run(cfg, 2)
     for r, m in zip(real, sizes):
         est = estimate_layout_peak(cfg, dims, m)
         assert abs(est - r) <= 0.05 * r, (m, est, r)
 
 
 def test_search_is_exact_and_monotone_in_budget(estimates):
+    from paratrain.batch.auto import find_micro_batch
     from paratrain.config import load_config
-    from paratrain.find_batch import find_micro_batch
-    from paratrain.layout import check_layout
+    from paratrain.preflight import check_run
 
     chosen = []
     lo, hi = estimates[1] * 0.8, estimates[8] * 1.2
@@ -159,7 +158,7 @@ def test_search_is_exact_and_monotone_in_budget(estimates):
             DEBUG,
             ["batch.global_batch_size=8", "batch.memory_margin=0.5", f"batch.memory_gib={usable / 0.5 / 2**30!r}"],
         )
-        dims, _ = check_layout(cfg, 1)
+        dims, _ = check_run(cfg, 1)
         r = find_micro_batch(cfg, dims, device=torch.device("cpu"), method="estimate", measure=estimates.__getitem__)
         fitting = [m for m, p in estimates.items() if p <= r.usable_bytes]
         assert r.micro_batch_size == (max(fitting) if fitting else None)
@@ -169,7 +168,7 @@ def test_search_is_exact_and_monotone_in_budget(estimates):
 
 
 def test_search_trials_are_few_and_only_divisors():
-    from paratrain.find_batch import Trial, search_micro_batch
+    from paratrain.batch.search import Trial, search_micro_batch
 
     for per_rank, limit in [(1024, 700), (96, 37), (360, 359), (7, 100), (12, 5)]:
         seen = []
@@ -188,8 +187,8 @@ def test_search_trials_are_few_and_only_divisors():
 def test_search_reaches_every_divisor_within_the_budget(per_rank):
     """Whatever the memory limit, the answer is the largest fitting divisor, within 12 trials:
     4096 is the case the doubling search lost (12 trials reached 2048); 720720 has 240 divisors."""
-    from paratrain.find_batch import Trial, search_micro_batch
-    from paratrain.find_batch.search import divisors, trials_needed
+    from paratrain.batch.plan import divisors
+    from paratrain.batch.search import Trial, search_micro_batch, trials_needed
 
     divs = divisors(per_rank)
     assert trials_needed(len(divs)) <= 12
@@ -211,15 +210,15 @@ def _oom_on_rank_1(_tmp):
     """Rank 1 runs out of memory from micro-batch 4 on; rank 0 would fit 8."""
     import torch.distributed as dist
 
+    from paratrain.batch.auto import find_micro_batch
     from paratrain.config import DistConfig, load_config
     from paratrain.distributed.process_group import close_distributed, init_distributed
-    from paratrain.find_batch import find_micro_batch
-    from paratrain.layout import check_layout
+    from paratrain.preflight import check_run
 
     ctx = init_distributed(DistConfig())
     try:
         cfg = load_config(DEBUG, ["batch.global_batch_size=16", "batch.memory_gib=1.0"])
-        dims, _ = check_layout(cfg, 2)
+        dims, _ = check_run(cfg, 2)
 
         held = []
 
@@ -247,14 +246,14 @@ def test_injected_oom_on_one_rank_both_agree(tmp_path):
 
 @pytest.mark.slow
 def test_cli_find_batch_json_and_nothing_fits():
+    from paratrain.batch.auto import _estimate_in_subprocess
     from paratrain.config import load_config
-    from paratrain.find_batch.orchestrate import _estimate_in_subprocess
-    from paratrain.layout import check_layout
+    from paratrain.preflight import check_run
 
     # `paratrain find-batch --estimate --json` in a fresh process, as a job's rank 0 runs it for
     # sharded layouts; its last line is the JSON answer.
     cfg = load_config(DEBUG, ["batch.global_batch_size=16", "batch.memory_gib=1.0"])
-    dims, _ = check_layout(cfg, 2)
+    dims, _ = check_run(cfg, 2)
     r = _estimate_in_subprocess(cfg, dims, model=None, dataset=None, loss=None)
     assert r.micro_batch_size == 8 and r.peak_bytes > 0 and r.accum_steps == 1 and r.per_rank_batch_size == 8
     assert [t.micro_batch_size for t in r.trials] == [8]  # the whole per-rank batch fits at once
@@ -269,10 +268,10 @@ def test_cli_find_batch_json_and_nothing_fits():
 
 def test_auto_config_values():
     from paratrain.config import ConfigError, load_config
-    from paratrain.layout import check_layout
+    from paratrain.preflight import check_run
 
     cfg = load_config(DEBUG, ["batch.micro_batch_size='auto'"])
-    _, plan = check_layout(cfg, 2)  # the launcher's pre-flight accepts 'auto'
+    _, plan = check_run(cfg, 2)  # the launcher's pre-flight accepts 'auto'
     assert plan.global_batch_size == 8
     with pytest.raises(ConfigError, match="batch.micro_batch_size"):
         load_config(DEBUG, ["batch.micro_batch_size='big'"])
@@ -283,15 +282,15 @@ def test_auto_config_values():
 
 def test_auto_keeps_layout_invariance(tmp_path):
     """'auto' at world 1 and 2, with a budget that admits micro-batch 2 but not 4, equals the reference."""
+    from paratrain.batch.measure import StepRunner, estimate_peak
     from paratrain.config import load_config
-    from paratrain.find_batch import StepRunner, estimate_peak
-    from paratrain.layout import check_layout
+    from paratrain.preflight import check_run
 
     torch.set_num_threads(1)
     cfg = load_config(None, TOY)
 
     def budget(world):  # half-way between the peaks of micro-batches 2 and 4 on this layout
-        dims, _ = check_layout(cfg, world)
+        dims, _ = check_run(cfg, world)
         runner = StepRunner(cfg, dims, device=torch.device("cpu"))
         usable = (estimate_peak(runner, 2) + estimate_peak(runner, 4)) / 2
         return [f"batch.memory_gib={usable / 0.9 / 2**30!r}"]
@@ -313,7 +312,7 @@ def test_auto_keeps_layout_invariance(tmp_path):
 
 
 def test_lr_scaling_rules():
-    from paratrain.optim import lr_scale
+    from paratrain.batch.lr_scaling import lr_scale
 
     assert lr_scale("none", global_batch_size=256, reference_batch_size=32) == 1.0
     assert lr_scale("linear", global_batch_size=256, reference_batch_size=32) == 8.0
@@ -331,8 +330,9 @@ def test_lr_scaling_rules():
 
 
 def test_lr_scaling_with_warmup_and_batch_change():
+    from paratrain.batch.lr_scaling import LRScaling
     from paratrain.config import OptimConfig
-    from paratrain.optim import LRScaling, build_scheduler, lr_factor
+    from paratrain.optim import build_scheduler, lr_factor
 
     cfg = OptimConfig(lr=0.1, warmup_steps=4, schedule="constant", lr_scaling="linear", reference_batch_size=8)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
@@ -357,7 +357,7 @@ def test_lr_scaling_with_warmup_and_batch_change():
 
 def test_noise_scale_estimator_on_known_noise():
     """Per-sample gradients G + eps with Cov(eps) = s^2 I: B_simple = d s^2 / |G|^2 (here 200)."""
-    from paratrain.adaptive_batch import GradNoiseScale
+    from paratrain.batch.adaptive import GradNoiseScale
 
     g = torch.Generator().manual_seed(0)
     d, s2 = 100, 2.0
@@ -376,8 +376,8 @@ def test_noise_scale_estimator_on_known_noise():
 
 def test_probe_gives_the_first_micro_batch_gradient():
     """The small-batch gradient the adapter derives is the mean item gradient of micro-batch 0."""
-    from paratrain.adaptive_batch import BatchAdapter
-    from paratrain.batching import plan_batch
+    from paratrain.batch.adaptive import BatchAdapter
+    from paratrain.batch.plan import plan_batch
     from paratrain.config import BatchConfig, LossConfig
     from paratrain.loss import build_loss
     from paratrain.step import StepContext, train_step
@@ -428,7 +428,7 @@ class Recording(torch.utils.data.Dataset):
 
 def _adaptive_run(out_dir, world):
     import paratrain
-    from paratrain.batching import GlobalBatchSampler
+    from paratrain.data.sampler import GlobalBatchSampler
     from tests.toy import toy_lm
 
     torch.set_num_threads(1)

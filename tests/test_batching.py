@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.batching import GlobalBatchSampler, micro_batches, plan_batch, rank_slice
+from paratrain.batch.plan import plan_batch
 from paratrain.config import ConfigError, OptimConfig, ParallelConfig
+from paratrain.data.sampler import GlobalBatchSampler, micro_batches, rank_slice
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.optim import lr_factor
 

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from paratrain.bench import comm as bc
 from paratrain.config import CommConfig, ConfigError, load_config
 from paratrain.distributed.grad_compression import check_compression
+from paratrain.hardware import bench_comm as bc
 from tests.dist_utils import paratrain_cli, read_metrics, run_ranks
 
 # ----------------------------------------------------------------------------- pure arithmetic

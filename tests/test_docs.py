@@ -49,7 +49,7 @@ import pytest
 
 from paratrain import cli
 from paratrain.config import ConfigError, load_config
-from paratrain.layout import check_layout
+from paratrain.preflight import check_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
@@ -418,7 +418,7 @@ def preflight(argv: list[str]) -> int:
     if config:
         cfg = load_config(config, args.overrides)
         nodes, procs = getattr(args, "nnodes", 1), getattr(args, "nproc_per_node", 1)
-        check_layout(cfg, nodes * procs)
+        check_run(cfg, nodes * procs)
     if args.command in ("train", "bench", "env"):
         real = cli.launch
         cli.launch = lambda *a, **k: 0  # stop where the processes would start

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from paratrain.env import collect, compare_ranks, find_problems
+from paratrain.hardware.env import collect, compare_ranks, find_problems
 from tests.dist_utils import paratrain_cli
 
 

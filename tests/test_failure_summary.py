@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from paratrain.launch import failure_summary, first_failure
-from paratrain.worker import record_failure
+from paratrain.launch.agent import failure_summary, first_failure
+from paratrain.launch.worker import record_failure
 
 
 def _failure(
@@ -17,7 +17,7 @@ def _failure(
     path = tmp_path / f"error_{local_rank}.json"
     if line is not None:  # what worker.record_failure leaves in torchrun's per-worker error file
         monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
-        monkeypatch.setattr("paratrain.worker.time", SimpleNamespace(time=lambda: at))
+        monkeypatch.setattr("paratrain.launch.worker.time", SimpleNamespace(time=lambda: at))
         record_failure(line, exit_code=recorded)
     return ProcessFailure(local_rank=local_rank, pid=100 + local_rank, exitcode=exitcode, error_file=str(path))
 

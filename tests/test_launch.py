@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from paratrain.cli import main
-from paratrain.launch import LAUNCHED_ENV, forget_preempted, preempted_code, report_preempted
+from paratrain.launch.agent import LAUNCHED_ENV, forget_preempted, preempted_code, report_preempted
 from tests.dist_utils import REPO, read_metrics
 
 SETS = [

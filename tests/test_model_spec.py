@@ -10,10 +10,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from paratrain.config import ConfigError, load_config
 from paratrain.distributed.activation_checkpoint import apply_ac
-from paratrain.layout import check_layout
 from paratrain.models import build
 from paratrain.models.gpt import GPT_SPEC
 from paratrain.models.spec import ModelSpec
+from paratrain.preflight import check_run
 
 
 class Stack(nn.Module):
@@ -66,11 +66,11 @@ def test_activation_checkpointing_follows_the_specs_blocks():
 
 
 def test_the_preflight_takes_the_tp_plan_and_blocks_from_the_spec():
-    check_layout(_cfg("stack_spec", "parallel.tp=2", "data.factory='tests.toy:regression'"), 2)
+    check_run(_cfg("stack_spec", "parallel.tp=2", "data.factory='tests.toy:regression'"), 2)
     with pytest.raises(ConfigError, match="needs a tensor-parallel plan for model.factory"):
-        check_layout(_cfg("plain_stack", "parallel.tp=2", "data.factory='tests.toy:regression'"), 2)
+        check_run(_cfg("plain_stack", "parallel.tp=2", "data.factory='tests.toy:regression'"), 2)
     with pytest.raises(ConfigError, match="blocks are in a 'layers'"):
-        check_layout(_cfg("plain_stack", "parallel.pp=2", "data.factory='tests.toy:regression'"), 2)
+        check_run(_cfg("plain_stack", "parallel.pp=2", "data.factory='tests.toy:regression'"), 2)
 
 
 def test_the_gpt_spec_checks_its_own_heads():

@@ -191,7 +191,7 @@ def test_tracker_not_installed_is_config_error(monkeypatch, tmp_path):
     import sys
 
     from paratrain.config import ConfigError, MetricsConfig
-    from paratrain.trackers import check_trackers
+    from paratrain.observability.trackers import check_trackers
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     with pytest.raises(ConfigError, match=r"metrics.wandb = true needs the wandb package .*paratrain\[wandb\]"):

@@ -18,7 +18,7 @@ from paratrain.plan.cost import ModelStats, gemm_seconds, step_cost
 from paratrain.plan.enumerate import Layout, candidate_layouts, enumerate_layouts, meta_model
 from paratrain.plan.memory import MemoryModel, estimate_layout_peak, in_flight
 from paratrain.plan.planner import nothing_fits_error
-from paratrain.trainer import check_layout
+from paratrain.preflight import check_run
 from tests.dist_utils import REPO, paratrain_cli, read_metrics, run_ranks
 
 DEBUG = os.path.join(REPO, "configs", "debug.toml")
@@ -37,13 +37,13 @@ def big_gpt(n_layer: int = 32, seq: int = 4096, gbs: int = 256) -> list[str]:
 
 
 def test_enumerated_layouts_pass_the_trainers_preflight():
-    """Every layout offered passes check_layout itself (every checkpointing mode, the real model);
+    """Every layout offered passes check_run itself (every checkpointing mode, the real model);
     every candidate is either offered or counted under a reason."""
     cfg = load_config(DEBUG)
     layouts, refused = enumerate_layouts(cfg, world_size=4, nproc_per_node=4)
     assert layouts and refused
     for layout in layouts:
-        check_layout(layout.apply(cfg), 4)  # raises on a layout the trainer would refuse
+        check_run(layout.apply(cfg), 4)  # raises on a layout the trainer would refuse
     n = sum(1 for _ in candidate_layouts(cfg, world_size=4, nproc_per_node=4, n_blocks=2))
     assert len(layouts) + sum(refused.values()) == n
     assert {lay.activation_checkpointing for lay in layouts} == {"none", "selective", "full"}
@@ -347,10 +347,10 @@ def test_zero_bubble_with_selective_checkpointing_is_refused():
     """Found by training the plan's layouts: the weight pass of a zero-bubble schedule is a second
     backward, which selective checkpointing refuses at run time; the preflight now refuses it."""
     cfg = load_config(MAIN, ["parallel.pp=2", "parallel.pp_schedule='interleaved_zb'", "batch.micro_batch_size=8"])
-    check_layout(cfg, 2)
+    check_run(cfg, 2)
     cfg.parallel.activation_checkpointing = "selective"
     with pytest.raises(ConfigError, match="selective"):
-        check_layout(cfg, 2)
+        check_run(cfg, 2)
     # And the plan does not offer it (its verdict cache once shared one verdict across the modes).
     layouts, _ = enumerate_layouts(load_config(MAIN), world_size=4, nproc_per_node=4)
     zero_bubble = [lay for lay in layouts if lay.pp_schedule in ("interleaved_zb", "zbv", "dualpipev") and lay.pp > 1]

@@ -10,10 +10,11 @@ import torch
 from torch._dynamo.utils import counters
 
 import paratrain
-from paratrain.compiling import apply_compile
-from paratrain.config import ConfigError, HardwareConfig, PrecisionConfig
-from paratrain.mfu import build_flops_per_token, gpt_flops_per_token, resolve_peak_flops
-from paratrain.models import build_gpt
+from paratrain.config import ConfigError, HardwareConfig, ModelConfig, PrecisionConfig
+from paratrain.distributed.compile import apply_compile
+from paratrain.models import build_gpt, spec_of
+from paratrain.models.gpt import gpt_flops_per_token
+from paratrain.observability.mfu import resolve_peak_flops
 from paratrain.precision import build_mp_policy, check_device_supports, check_precision
 from tests.dist_utils import paratrain_cli, read_metrics
 
@@ -121,7 +122,7 @@ def test_compile_runs_and_matches_eager(tmp_path, fp32, caplog):
     """inductor works on this CPU machine (gcc): each block is compiled, the losses are eager's.
 
     Without proof that compilation happened, an eager fallback would compare eager with eager:
-    dynamo's counters must show the probe's graph (compiling.py) and the blocks' (one graph for
+    dynamo's counters must show the probe's graph (distributed/compile.py) and the blocks' (one graph for
     both: the same code), compiled through AOTAutograd, with no graph break."""
     counters.clear()
     losses, _ = _train(tmp_path, "compiled", [*MOVING, "train.compile=true"])
@@ -132,7 +133,7 @@ def test_compile_runs_and_matches_eager(tmp_path, fp32, caplog):
 
 
 def test_compile_falls_back_with_a_warning(monkeypatch, caplog):
-    import paratrain.compiling as comp
+    import paratrain.distributed.compile as comp
 
     def no_compiler(device):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
@@ -154,6 +155,11 @@ def test_compile_keeps_parameter_names():
 
 
 # ----------------------------------------------------------------------------- MFU and bench compute
+
+
+def build_flops_per_token(model):
+    """The count MFU uses: the model's ModelSpec's (6 x parameters for a model we do not know)."""
+    return spec_of(ModelConfig(), model).flops_per_token(model)
 
 
 def test_gpt_flops_follow_palm_appendix_b():
@@ -201,7 +207,7 @@ def test_bench_compute_feeds_mfu(tmp_path):
 
 
 def test_datasheet_peak_by_device_name():
-    from paratrain.mfu import datasheet_peak_flops
+    from paratrain.observability.mfu import datasheet_peak_flops
 
     assert datasheet_peak_flops("NVIDIA H100 80GB HBM3") == 989e12  # SXM
     assert datasheet_peak_flops("NVIDIA H100 PCIe") == 756e12  # the more specific name wins

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 import paratrain
-from paratrain.adaptive_batch import BatchAdapter
-from paratrain.batching import plan_batch, replan_batch
+from paratrain.batch.adaptive import BatchAdapter
+from paratrain.batch.plan import plan_batch, replan_batch
 from paratrain.config import BatchConfig, ConfigError
-from paratrain.events import read_events
+from paratrain.observability.events import read_events
 from tests.dist_utils import read_metrics, run_ranks
 from tests.test_checkpoint import TOY
 from tests.test_resilience import SGD, column, run

@@ -246,7 +246,7 @@ def test_multi_node_without_a_secret_exits_2_before_starting(monkeypatch, capsys
 
 def test_launch_arguments_use_the_paratrain_backend_and_one_address():
     from paratrain.config import ConfigError
-    from paratrain.launch import LaunchSpec, torchrun_args
+    from paratrain.launch.agent import LaunchSpec, torchrun_args
 
     one = LaunchSpec(nproc_per_node=2)
     args = torchrun_args(one, "paratrain.train", ["c.toml"], bind=one.bind_addr())

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratrain.batching import load_batches, rank_slice
 from paratrain.config import DistConfig, LossConfig, ParallelConfig
+from paratrain.data.sampler import load_batches, rank_slice
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.process_group import close_distributed, init_distributed

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import paratrain
-import paratrain.worker
+import paratrain.launch.worker
 
 ROOT = os.path.dirname(paratrain.__file__)
 
@@ -94,7 +94,7 @@ def test_the_import_graph_of_the_package_has_no_cycle():
 def test_the_cycle_finder_finds_a_cycle():
     # The test above must be able to fail: an injected back edge is found.
     graph = _graph()
-    graph["paratrain.batching"] = graph["paratrain.batching"] | {"paratrain.trainer"}
+    graph["paratrain.batch.plan"] = graph["paratrain.batch.plan"] | {"paratrain.trainer"}
     cycle = _find_cycle(graph)
     assert cycle is not None and cycle[0] == cycle[-1]
 
@@ -108,7 +108,7 @@ def test_distributed_imports_no_model():
 
 def test_the_trainer_imports_find_batch_never_the_reverse():
     graph = _graph()
-    assert "paratrain.trainer" not in {t for m, ts in graph.items() if m.startswith("paratrain.find_batch") for t in ts}
+    assert "paratrain.trainer" not in {t for m, ts in graph.items() if m.startswith("paratrain.batch") for t in ts}
 
 
 @pytest.mark.parametrize("module", sorted(_modules()))
@@ -128,7 +128,7 @@ def test_paratrain_imports_sit_at_the_top_unless_a_comment_says_why(module):
 def test_the_train_alias_runs_the_worker_and_leaves_the_api_function(monkeypatch):
     """`-m paratrain.train` runs worker.main without binding the module as `paratrain.train`."""
     calls = []
-    monkeypatch.setattr(paratrain.worker, "main", lambda argv=None: calls.append(argv) or 0)
+    monkeypatch.setattr(paratrain.launch.worker, "main", lambda argv=None: calls.append(argv) or 0)
     monkeypatch.setattr(sys, "argv", ["paratrain.train", "cfg.toml"])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("paratrain.train", run_name="__main__", alter_sys=True)  # what `python -m` does

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from paratrain.batching import GlobalBatchSampler
 from paratrain.config import ConfigError, DataConfig, ModelConfig, load_config
 from paratrain.data import build_dataset, build_val_dataset
 from paratrain.data import prepare as prep
 from paratrain.data.loader import StepLoader, StepSampler, build_loader
+from paratrain.data.sampler import GlobalBatchSampler
 from paratrain.data.tokens import (
     TokenMixture,
     build_tokens,
@@ -23,7 +23,7 @@ from paratrain.data.tokens import (
     model_vocab_size,
     resolve_model_vocab,
 )
-from paratrain.layout import check_layout
+from paratrain.preflight import check_run
 from tests.test_prepare import read_split, stdlib_texts, write_corpus
 from tests.toy import ToyLM
 
@@ -120,13 +120,13 @@ def test_vocab_checks(corpora):
     model = ModelConfig(name="gpt", args={"n_layer": 1})
     resolve_model_vocab(model, DataConfig(name="tokens", args={"path": corpora[0], "block_size": 8}))
     assert model.args["vocab_size"] == 256
-    # Wired into the preflight that every command runs (layout.check_layout).
+    # Wired into the preflight that every command runs (preflight.check_run).
     data = ["data.name='tokens'", f"data.args={{path='{corpora[0]}', block_size=8}}"]
     cfg = load_config(None, [*data, "model.args={n_layer=1, block_size=8}"])
-    check_layout(cfg, 1)
+    check_run(cfg, 1)
     assert cfg.model.args["vocab_size"] == 256
     with pytest.raises(ConfigError, match="model.args.vocab_size = 100 is smaller"):
-        check_layout(load_config(None, [*data, "model.args={n_layer=1, block_size=8, vocab_size=100}"]), 1)
+        check_run(load_config(None, [*data, "model.args={n_layer=1, block_size=8, vocab_size=100}"]), 1)
 
 
 def _inline(ds, sampler: StepSampler) -> list:

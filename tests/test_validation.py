@@ -182,19 +182,19 @@ def test_val_factory_and_sample_counts(tmp_path):
 
 
 def test_eval_micro_batch_must_divide_and_match_pipeline():
-    from paratrain.layout import check_layout
+    from paratrain.preflight import check_run
 
     with pytest.raises(ConfigError, match="eval.micro_batch_size = 3 does not divide the per-rank batch 4"):
-        check_layout(load_config(None, ["batch.global_batch_size=8", "eval.micro_batch_size=3"]), 2)
+        check_run(load_config(None, ["batch.global_batch_size=8", "eval.micro_batch_size=3"]), 2)
     over = ["batch.global_batch_size=8", "batch.micro_batch_size=2", "eval.micro_batch_size=1", "parallel.pp=2"]
     over += ["model.args={n_layer=2,n_head=2,d_model=32,block_size=16}", "parallel.dp_replicate=1"]
     with pytest.raises(ConfigError, match="with parallel.pp > 1 set it to 0"):
-        check_layout(load_config(None, over), 2)
+        check_run(load_config(None, over), 2)
 
 
 def eval_rank(overrides: list[str], checkpoint: str) -> dict:
     """One rank of `paratrain eval` (for run_ranks)."""
-    from paratrain.eval_run import eval_checkpoint
+    from paratrain.launch.eval_worker import eval_checkpoint
 
     return eval_checkpoint(load_config(None, overrides), checkpoint)
 

@@ -14,35 +14,35 @@ import os
 import sys
 import tempfile
 
-from paratrain.bench.comm import add_bench_arguments, validate_bench_args, worker_args
-from paratrain.bench.compute import add_compute_arguments, compute_main
+from paratrain.batch.auto import estimate_without_group, find_micro_batch
+from paratrain.batch.measure import replica_dims
+from paratrain.batch.search import nothing_fits_error
 from paratrain.checkpoint import export_safetensors, read_model_weights
 from paratrain.checkpoint.manifest import CONFIG_FILE
-from paratrain.config import Config, ConfigError, describe_keys, load_config, to_toml
+from paratrain.config import (
+    Config,
+    ConfigError,
+    add_resume_argument,
+    add_set_argument,
+    describe_keys,
+    load_config,
+    resume_overrides,
+    to_toml,
+)
 from paratrain.data.prepare import prepare
 from paratrain.distributed.process_group import resolve_device
-from paratrain.env import add_env_arguments, env_main, env_worker_args
-from paratrain.eval_run import check_eval_args
-from paratrain.find_batch import estimate_without_group, find_micro_batch, nothing_fits_error, replica_dims
 from paratrain.generate import generate_text
-from paratrain.launch import LaunchSpec, launch
-from paratrain.layout import check_layout
+from paratrain.hardware.bench_comm import add_bench_arguments, validate_bench_args, worker_args
+from paratrain.hardware.bench_compute import add_compute_arguments, compute_main
+from paratrain.hardware.env import add_env_arguments, env_main, env_worker_args
+from paratrain.launch.agent import LaunchSpec, launch
+from paratrain.launch.eval_worker import check_eval_args
 from paratrain.models.hf import export_hf
+from paratrain.observability.report import write_report
+from paratrain.observability.trackers import check_trackers
 from paratrain.plan import cli_plan
-from paratrain.report import write_report
-from paratrain.trackers import check_trackers
+from paratrain.preflight import check_run
 from paratrain.verify import verify
-
-
-def add_set_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config key (value is a TOML literal); repeatable; wins over the file",
-    )
 
 
 class NodesAction(argparse.Action):
@@ -113,11 +113,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"--resume {args.resume}: no such checkpoint folder; pass a step-N folder"
                 " (or omit PATH for the run's newest checkpoint)"
             )
-        args.overrides = [*args.overrides, "checkpoint.resume=" + json.dumps(args.resume)]
+        args.overrides = [*args.overrides, *resume_overrides(args.resume)]
     cfg = load_config(args.config, args.overrides)
     for nodes in range(spec.nnodes, spec.max_nnodes + 1):  # elastic: every world the job may shrink or grow to
         try:
-            check_layout(cfg, spec.nproc_per_node * nodes)  # refuse an impossible layout before any process starts
+            check_run(cfg, spec.nproc_per_node * nodes)  # refuse an impossible layout before any process starts
         except ConfigError as e:
             if spec.max_nnodes == spec.nnodes:
                 raise
@@ -125,18 +125,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_trackers(cfg.metrics, out_dir=cfg.run.out_dir)  # and a tracker that could not start
     module_args = [args.config] + [a for o in args.overrides for a in ("--set", o)]
     # After a preemption the workers leave checkpoint.exit_code_on_preempt to their node's launcher.
-    return launch(spec, "paratrain.worker", module_args)
+    return launch(spec, "paratrain.launch.worker", module_args)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     spec = launch_spec(args)
     cfg = load_config(args.config, args.overrides)
-    check_layout(cfg, spec.world_size)
+    check_run(cfg, spec.world_size)
     check_eval_args(args.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.json")
         module_args = [args.config, "--checkpoint", args.checkpoint, "--result", result_file]
-        code = launch(spec, "paratrain.eval_run", module_args + [a for o in args.overrides for a in ("--set", o)])
+        code = launch(
+            spec, "paratrain.launch.eval_worker", module_args + [a for o in args.overrides for a in ("--set", o)]
+        )
         if code != 0:
             return code
         with open(result_file) as f:
@@ -232,7 +234,7 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
 
     spec = launch_spec(args)
     validate_bench_args(args)  # refuse bad options before any process starts
-    return launch(spec, "paratrain.bench.comm", worker_args(args))
+    return launch(spec, "paratrain.hardware.bench_comm", worker_args(args))
 
 
 def cmd_bench_compute(args: argparse.Namespace) -> int:
@@ -245,7 +247,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     spec = launch_spec(args)
     if spec.world_size == 1:
         return env_main(args)
-    return launch(spec, "paratrain.env", env_worker_args(args))
+    return launch(spec, "paratrain.hardware.env", env_worker_args(args))
 
 
 def cmd_find_batch(args: argparse.Namespace) -> int:
@@ -268,7 +270,7 @@ def cmd_find_batch(args: argparse.Namespace) -> int:
 def cli_find_batch(cfg: Config, *, world_size: int, local_processes: int, estimate: bool, as_json: bool) -> int:
     """`paratrain find-batch`: real trials on a local CUDA device, else the fake-tensor estimate."""
 
-    dims, _ = check_layout(cfg, world_size)
+    dims, _ = check_run(cfg, world_size)
     device = resolve_device(cfg.dist, 0)
     use_trial = (
         not estimate and device.type == "cuda" and cfg.batch.memory_gib <= 0 and replica_dims(dims).world_size == 1
@@ -315,14 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="TOML config file")
     add_launch_arguments(p)
     add_set_argument(p)
-    p.add_argument(
-        "--resume",
-        nargs="?",
-        const="latest",
-        default=None,
-        metavar="PATH",
-        help="continue from the newest complete checkpoint of the run, or from PATH",
-    )
+    add_resume_argument(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("prepare", help="tokenise text files, jsonl or parquet into token shards for data.name='tokens'")

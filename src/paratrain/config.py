@@ -8,9 +8,12 @@ stderr and exit code 2.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import importlib
+import inspect
+import json
 import os
 import tomllib
 import types
@@ -602,3 +605,53 @@ def describe_keys(cfg: Config | None = None) -> str:
             tname = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
             lines.append(f"  {f.name} ({tname}) = {getattr(sub, f.name)!r}\n      {f.metadata.get('doc', '')}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- command-line flags
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set SECTION.KEY=VALUE`` (repeatable): every command that reads a config, and the workers."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config key (value is a TOML literal); repeatable; wins over the file",
+    )
+
+
+def add_resume_argument(parser: argparse.ArgumentParser) -> None:
+    """``--resume [PATH]``: ``paratrain train`` and the worker; :func:`resume_overrides` turns it into a key."""
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="continue from the newest complete checkpoint of the run, or from PATH",
+    )
+
+
+def resume_overrides(resume: str | None) -> list[str]:
+    """The ``--set`` line that ``--resume`` stands for (checkpoint.resume as a TOML string literal)."""
+    return [] if resume is None else ["checkpoint.resume=" + json.dumps(resume)]
+
+
+def check_kwargs(fn: typing.Callable, args: dict, key: str, args_key: str, accepted: typing.Iterable[str] = ()) -> None:
+    """Name an unknown keyword argument of ``args_key`` before calling ``fn`` (the builder named by
+    ``key``), instead of a TypeError traceback. A builder taking ``**kwargs`` accepts anything,
+    unless ``accepted`` lists what it forwards them to (models/: the built-in GPT's config)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return
+    names = [p.name for p in params if p.kind is not p.VAR_KEYWORD]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        if not accepted:
+            return
+        names = list(accepted)
+    for name in args:
+        if name not in names:
+            raise ConfigError(f"{args_key}.{name} is not accepted by {key}; accepted: {', '.join(names)}")

@@ -19,7 +19,8 @@ import time
 from torch import nn
 from torch.utils.data import Dataset
 
-from paratrain.batching import BatchPlan, load_batches, rank_slice
+from paratrain.batch.plan import BatchPlan
+from paratrain.data.sampler import load_batches, rank_slice
 from paratrain.step import StepContext, eval_step
 
 

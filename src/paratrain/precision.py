@@ -24,6 +24,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from paratrain.config import ConfigError, PrecisionConfig
 
+# THE dtype table: config names to torch dtypes (bytes: DTYPES[name].itemsize), for the step,
+# the benchmarks and the planner.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

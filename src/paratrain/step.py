@@ -121,7 +121,7 @@ def train_step(
     """One optimiser step over this rank's micro-batches ``[(input, target), ...]`` (on CPU).
 
     ``after_backward(k)`` runs after micro-batch k's backward (the gradient-noise probe of
-    batch.adaptive, adaptive_batch.py; not with a pipeline). ``stop_flag()`` is read just before
+    batch.adaptive, batch/adaptive.py; not with a pipeline). ``stop_flag()`` is read just before
     the step's reduce (this rank got SIGTERM: preemption.py); ``StepResult.stop`` says whether
     any rank's was set.
     """

@@ -22,12 +22,15 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import Dataset
 
-from paratrain.adaptive_batch import BatchAdapter, build_batch_adapter
-from paratrain.batching import BatchPlan, GlobalBatchSampler, replan_batch
+from paratrain.batch.adaptive import BatchAdapter, build_batch_adapter
+from paratrain.batch.auto import resolve_auto_micro_batch
+from paratrain.batch.lr_scaling import LRScaling
+from paratrain.batch.plan import BatchPlan, replan_batch
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.config import Config, to_dict, to_toml
 from paratrain.data import build_dataset, build_val_dataset
 from paratrain.data.loader import StepLoader
+from paratrain.data.sampler import GlobalBatchSampler
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.parallel_dims import ParallelDims
@@ -36,22 +39,21 @@ from paratrain.distributed.pipeline_parallel import PipelineModel
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.evaluate import Evaluator, eval_due
-from paratrain.events import EventLog, process_start_time
-from paratrain.find_batch import resolve_auto_micro_batch
-from paratrain.layout import check_eval, check_layout
 from paratrain.loss import Loss, build_loss
-from paratrain.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
-from paratrain.mfu import mfu, resolve_peak_flops, seq_len_of
 from paratrain.models import build, spec_of
 from paratrain.models.hf import export_hf
 from paratrain.models.spec import ModelSpec
-from paratrain.optim import LRScaling, build_optimizer, build_scheduler
+from paratrain.observability.events import EventLog, process_start_time
+from paratrain.observability.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
+from paratrain.observability.mfu import mfu, resolve_peak_flops, seq_len_of
+from paratrain.observability.profiler import Profiler, build_profiler
+from paratrain.observability.rank_stats import RankStats, build_rank_stats
+from paratrain.observability.trackers import build_trackers
+from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.precision import Precision, build_precision
 from paratrain.preemption import Preemption
-from paratrain.profiling import Profiler, build_profiler
-from paratrain.rank_stats import RankStats, build_rank_stats
+from paratrain.preflight import check_eval, check_run
 from paratrain.step import StepContext, StepResult, train_step
-from paratrain.trackers import build_trackers
 
 log = logging.getLogger("paratrain")
 
@@ -90,10 +92,10 @@ class Run:
     compression: GradCompression
     ckpt: Checkpointer
     preemption: Preemption  # SIGTERM: stop after the step every rank agrees on, with a checkpoint
-    events: EventLog  # events.jsonl: a few wall-clock milestones per start (events.py)
+    events: EventLog  # events.jsonl: a few wall-clock milestones per start (observability/events.py)
     writer: MetricsWriter
-    rank_stats: RankStats  # per-rank memory and times, stragglers (rank_stats.py)
-    profiler: Profiler  # torch.profiler traces of [profile] steps (profiling.py)
+    rank_stats: RankStats  # per-rank memory and times, stragglers (observability/rank_stats.py)
+    profiler: Profiler  # torch.profiler traces of [profile] steps (observability/profiler.py)
     flops_per_token: Callable[[int], float]
     peak_flops: float | None
     n_params: int
@@ -112,7 +114,7 @@ def train(
     called = time.time()
     enable_flight_recorder()  # before the process group exists: hang reports name collectives
     ctx = init_distributed(cfg.dist)
-    # A few wall-clock lines per start (events.py): where an elastic restart's seconds go.
+    # A few wall-clock lines per start (observability/events.py): where an elastic restart's seconds go.
     events = EventLog(cfg.run.out_dir, rank=ctx.rank, world_size=ctx.world_size)
     events.record("worker_start", t=process_start_time())
     events.record("train_called", t=called)
@@ -233,10 +235,10 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
 def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: EventLog) -> Run:
     """Make every object of the run from ``cfg`` (user objects replace the config's builders), resume."""
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
-    dims, plan = check_layout(cfg, ctx.world_size, model=model)
+    dims, plan = check_run(cfg, ctx.world_size, model=model)
     dataset = dataset if dataset is not None else build_dataset(cfg.data)
     loss_fn = build_loss(cfg.loss, loss)
-    # Batch-size adjustment (find_batch/): 'auto' resolves before any model exists, to the same
+    # Batch-size adjustment (batch/): 'auto' resolves before any model exists, to the same
     # micro-batch on every rank; plan_batch then keeps the global batch.
     if cfg.batch.micro_batch_size == "auto":
         plan = resolve_auto_micro_batch(cfg, dims=dims, device=ctx.device, model=model, dataset=dataset, loss=loss_fn)

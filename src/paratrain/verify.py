@@ -23,8 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from paratrain.config import ConfigError, load_config
-from paratrain.launch import LaunchSpec, launch
-from paratrain.layout import check_layout
+from paratrain.launch.agent import LaunchSpec, launch
+from paratrain.preflight import check_run
 
 
 def _toml_str(path: str) -> str:
@@ -119,9 +119,9 @@ def verify(
     if not tol > 0:
         raise ConfigError("--tol must be > 0")
     cfg = load_config(config, overrides)
-    dims, _ = check_layout(cfg, spec.world_size)  # refuse an impossible layout before starting
+    dims, _ = check_run(cfg, spec.world_size)  # refuse an impossible layout before starting
     ref_cfg = load_config(config, [*overrides, *reference_overrides()])
-    check_layout(ref_cfg, 1)
+    check_run(ref_cfg, 1)
     root = out_dir or os.path.join(cfg.run.out_dir, "verify")
     # Both runs start fresh and leave no checkpoints (they would share checkpoint.dir).
     common = [
@@ -147,7 +147,7 @@ def verify(
         flush=True,
     )
     for name, (run_spec, sets) in runs.items():
-        rc = launch(run_spec, "paratrain.worker", [config] + [a for s in sets for a in ("--set", s)])
+        rc = launch(run_spec, "paratrain.launch.worker", [config] + [a for s in sets for a in ("--set", s)])
         if rc != 0:
             print(f"paratrain: error: the {name} run failed with exit code {rc}", file=sys.stderr)
             return rc

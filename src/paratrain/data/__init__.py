@@ -6,10 +6,9 @@ import inspect
 
 from torch.utils.data import Dataset, Subset
 
-from paratrain.config import ConfigError, DataConfig, resolve_callable
+from paratrain.config import ConfigError, DataConfig, check_kwargs, resolve_callable
 from paratrain.data.stdlib_bytes import StdlibBytes, build_stdlib_bytes
 from paratrain.data.tokens import build_tokens
-from paratrain.models import _check_kwargs
 
 BUILTIN_DATASETS = {"stdlib_bytes": build_stdlib_bytes, "tokens": build_tokens}
 
@@ -22,7 +21,7 @@ def dataset_builder(cfg: DataConfig):
         fn, key = BUILTIN_DATASETS[cfg.name], "data.name"
     else:
         raise ConfigError(f"data.name = {cfg.name!r} is unknown; use one of {sorted(BUILTIN_DATASETS)} or data.factory")
-    _check_kwargs(fn, cfg.args, key, "data.args")
+    check_kwargs(fn, cfg.args, key, "data.args")
     return fn, key
 
 
@@ -46,7 +45,7 @@ def build_val_dataset(cfg: DataConfig, samples: int = 0, multiple_of: int = 1) -
     """
     if cfg.val_factory:
         fn, key = resolve_callable(cfg.val_factory, "data.val_factory"), "data.val_factory"
-        _check_kwargs(fn, cfg.args, key, "data.args")
+        check_kwargs(fn, cfg.args, key, "data.args")
         ds = fn(**cfg.args)
     else:
         fn, key = dataset_builder(cfg)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from paratrain.batching import GlobalBatchSampler, micro_batches, rank_slice
+from paratrain.data.sampler import GlobalBatchSampler, micro_batches, rank_slice
 
 
 class StepSampler(Sampler):

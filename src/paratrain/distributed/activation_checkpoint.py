@@ -23,7 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from paratrain.config import ConfigError
-from paratrain.distributed.data_parallel import blocks_of
+from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_of
 
 
 def _save_list() -> set:
@@ -54,7 +54,7 @@ def _selective_policy(save: set):
     return policy
 
 
-def apply_ac(model: nn.Module, *, mode: str, blocks_attr: str = "layers") -> None:
+def apply_ac(model: nn.Module, *, mode: str, blocks_attr: str = BLOCKS_ATTR) -> None:
     """Wrap each block of ``model.<blocks_attr>`` in place for ``mode`` ('none', 'full', 'selective')."""
     if mode == "none":
         return

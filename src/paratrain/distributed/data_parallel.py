@@ -35,6 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_of
+
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, device: torch.device, bucket_mb: float) -> DDP:
     """Wrap ``model`` in DDP over ``mesh`` (a 1-D data-parallel mesh)."""
@@ -48,16 +50,6 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, device: torch.device, bucke
     )
 
 
-def blocks_of(model: nn.Module, blocks_attr: str = "layers") -> list[tuple[str, nn.Module]]:
-    """The model's repeated blocks: the children of ``model.<blocks_attr>`` (ModuleDict, ModuleList
-    or Sequential; the ModelSpec names the attribute), the unit of FSDP sharding, activation
-    checkpointing and compile. The ONE rule: models/spec.py ModelSpec.blocks is the same."""
-    layers = getattr(model, blocks_attr, None)
-    if not isinstance(layers, nn.Module):
-        return []
-    return list(layers.named_children())
-
-
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -65,7 +57,7 @@ def apply_fsdp(
     reshard_after_forward: bool,
     cpu_offload: bool,
     mp_policy: MixedPrecisionPolicy | None = None,
-    blocks_attr: str = "layers",
+    blocks_attr: str = BLOCKS_ATTR,
 ) -> nn.Module:
     """FSDP2 ``fully_shard`` each block of ``model.layers``, then the root (in place).
 
@@ -90,7 +82,7 @@ def apply_fsdp(
     return model
 
 
-def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, blocks_attr: str = "layers") -> nn.Module:
+def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, blocks_attr: str = BLOCKS_ATTR) -> nn.Module:
     """Replicated data parallel over ``mesh`` for a model whose parameters are DTensors (tensor
     parallel): DDP cannot bucket DTensors, so this uses torch's FSDP2-based ``replicate`` (the
     same per-block units and hooks as ``apply_fsdp``, all-reduce instead of reduce-scatter)."""

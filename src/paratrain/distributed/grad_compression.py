@@ -39,10 +39,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.config import CommConfig, ConfigError
+from paratrain.precision import DTYPES
 
 log = logging.getLogger("paratrain")
 
-HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+HALF_DTYPES = {name: DTYPES[name] for name in ("bf16", "fp16")}
 
 
 def check_compression(cfg: CommConfig, *, dp_replicate: int, dp_shard: int, tp: int = 1, pp: int = 1) -> None:

@@ -27,9 +27,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from paratrain.compiling import apply_compile
 from paratrain.config import CommConfig, ConfigError, ParallelConfig, PrecisionConfig
 from paratrain.distributed.activation_checkpoint import apply_ac
+from paratrain.distributed.blocks import BLOCKS_ATTR
+from paratrain.distributed.compile import apply_compile
 from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import apply_pp, is_pipeline_stage
@@ -70,7 +71,7 @@ def parallelize(
     precision: PrecisionConfig | None = None,
     compile_enabled: bool = False,
     loss_parallel: bool = False,
-    blocks_attr: str = "layers",
+    blocks_attr: str = BLOCKS_ATTR,
     model_plan: Callable[..., dict] | None = None,
 ) -> nn.Module:
     """Move ``model`` to ``device`` and apply the parallelisms its layout asks for, in order.
@@ -107,7 +108,7 @@ def parallelize(
             blocks_attr=blocks_attr,
         )
     # Only move what is elsewhere: Module.to cannot swap the fake tensors of the memory
-    # estimator (paratrain.find_batch) in torch 2.13, and they already sit on the device.
+    # estimator (paratrain.batch) in torch 2.13, and they already sit on the device.
     # A model on the meta device stays there: its spec materialises it after this function
     # (ModelSpec.materialize, e.g. pretrained weights read shard by shard).
     tensors = [*model.parameters(), *model.buffers()]

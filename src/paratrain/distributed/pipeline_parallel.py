@@ -61,6 +61,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import ConfigError, ParallelConfig
+from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_container
 from paratrain.distributed.json_collectives import all_gather_json
 
 log = logging.getLogger("paratrain")
@@ -139,7 +140,7 @@ def check_pp_layout(
 ) -> None:
     """Refuse an impossible pipeline layout with one line naming the key and the fix.
 
-    Runs before any process group exists (``trainer.check_layout``). ``n_blocks`` is the length
+    Runs before any process group exists (``preflight.check_run``). ``n_blocks`` is the length
     of the model's ``layers`` (None when unknown: then apply_pp checks it at start).
     """
     v = virtual_stages(cfg)
@@ -221,7 +222,7 @@ def check_pp_layout(
             )
 
 
-def check_untied(model: nn.Module, *, blocks_attr: str = "layers") -> None:
+def check_untied(model: nn.Module, *, blocks_attr: str = BLOCKS_ATTR) -> None:
     """Refuse parameters shared between blocks or head/tail modules (e.g. tied embeddings).
 
     Every stage holds its own copy of its modules, so a parameter tied across two of them would
@@ -241,8 +242,8 @@ def check_untied(model: nn.Module, *, blocks_attr: str = "layers") -> None:
 
 
 def _blocks(model: nn.Module, blocks_attr: str) -> nn.Module:
-    layers = getattr(model, blocks_attr, None)
-    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+    layers = blocks_container(model, blocks_attr)
+    if layers is None:
         raise ConfigError(
             f"parallel.pp > 1 needs a model whose blocks are in a '{blocks_attr}' ModuleList/ModuleDict/Sequential"
             f" ({type(model).__name__} has none); restructure the model or set parallel.pp = 1"
@@ -289,7 +290,9 @@ def _numel(module: nn.Module | None) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters())
 
 
-def stage_ranges(model: nn.Module, stages: int, split_points: list[int], *, blocks_attr: str = "layers") -> list[range]:
+def stage_ranges(
+    model: nn.Module, stages: int, split_points: list[int], *, blocks_attr: str = BLOCKS_ATTR
+) -> list[range]:
     """The blocks (positions in the ``blocks_attr`` container) of every stage."""
     layers = _blocks(model, blocks_attr)
     n = len(layers)
@@ -314,7 +317,9 @@ def stage_ranges(model: nn.Module, stages: int, split_points: list[int], *, bloc
     return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
 
 
-def split_stage(model: nn.Module, blocks: range, *, first: bool, last: bool, blocks_attr: str = "layers") -> nn.Module:
+def split_stage(
+    model: nn.Module, blocks: range, *, first: bool, last: bool, blocks_attr: str = BLOCKS_ATTR
+) -> nn.Module:
     """``model`` cut down in place to ``blocks`` (and its head/tail modules when first/last):
     the modules registered before the blocks go with the first stage, those after with the last."""
     layers = _blocks(model, blocks_attr)
@@ -425,7 +430,7 @@ def apply_pp(
     cfg: ParallelConfig,
     device: torch.device,
     parallelize_stage: Callable[[nn.Module], nn.Module] = lambda m: m,
-    blocks_attr: str = "layers",
+    blocks_attr: str = BLOCKS_ATTR,
 ) -> PipelineModel:
     """Split ``model`` into stages, keep this rank's, parallelise each and wrap it in a PipelineStage.
 

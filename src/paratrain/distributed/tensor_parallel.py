@@ -69,20 +69,32 @@ def style_from_name(name: str, module: nn.Module, key: str) -> ParallelStyle:
     raise ConfigError(f"{key} = {name!r} is not a tensor-parallel style; use one of {', '.join(STYLE_NAMES)}")
 
 
-def plan_from_table(model: nn.Module, table: dict) -> dict[str, ParallelStyle]:
-    """Expand ``{pattern: style name}`` (fnmatch on module names) into ``{fqn: ParallelStyle}``."""
-    modules = dict(model.named_modules())
+def plan_from_table(
+    model: nn.Module,
+    table: dict,
+    *,
+    style_of: Callable[[str, nn.Module, str], ParallelStyle] = style_from_name,
+    key_of: Callable[[str], str] = lambda pattern: f"parallel.tp_plan.{pattern}",
+    require_match: bool = True,
+) -> dict[str, ParallelStyle]:
+    """Expand ``{pattern: style name}`` (fnmatch on module names) into ``{fqn: ParallelStyle}``.
+
+    The ONE expansion: ``[parallel.tp_plan]`` uses paratrain's style names; an HF model's own
+    ``base_model_tp_plan`` passes transformers' names (``style_of``, models/hf/parallel.py) and
+    ``require_match=False``, since a pipeline stage holds only some of the modules named.
+    """
+    modules = {fqn: m for fqn, m in model.named_modules() if fqn}
     plan: dict[str, ParallelStyle] = {}
     for pattern, name in table.items():
-        key = f"parallel.tp_plan.{pattern}"
+        key = key_of(pattern)
         if not isinstance(name, str):
             raise ConfigError(f"{key} = {name!r} must be a style name; use one of {', '.join(STYLE_NAMES)}")
-        hits = [fqn for fqn in modules if fqn and fnmatch.fnmatchcase(fqn, pattern)]
-        if not hits:
-            sample = ", ".join(list(m for m in modules if m)[:8])
+        hits = [fqn for fqn in modules if fnmatch.fnmatchcase(fqn, pattern)]
+        if not hits and require_match:
+            sample = ", ".join(list(modules)[:8])
             raise ConfigError(f"{key}: the pattern matches no module of the model; module names look like: {sample}")
         for fqn in hits:
-            plan[fqn] = style_from_name(name, modules[fqn], key)
+            plan[fqn] = style_of(name, modules[fqn], key)
     return plan
 
 

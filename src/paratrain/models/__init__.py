@@ -13,7 +13,7 @@ import inspect
 import torch
 from torch import nn
 
-from paratrain.config import ConfigError, ModelConfig, resolve_callable
+from paratrain.config import ConfigError, ModelConfig, check_kwargs, resolve_callable
 from paratrain.models.gpt import GPT, GPT_SPEC, GPTConfig, build_gpt
 from paratrain.models.hf import HFCausalLM, build_hf, hf_spec
 from paratrain.models.spec import ModelSpec, default_spec
@@ -33,7 +33,9 @@ def model_builder(cfg: ModelConfig):
         fn, key = BUILTIN_MODELS[cfg.name], "model.name"
     else:
         raise ConfigError(f"model.name = {cfg.name!r} is unknown; use one of {sorted(BUILTIN_MODELS)} or model.factory")
-    _check_kwargs(fn, cfg.args, key, "model.args")
+    # build_gpt forwards **kwargs to GPTConfig: its fields are what it accepts.
+    accepted = inspect.signature(GPTConfig).parameters if fn is build_gpt else ()
+    check_kwargs(fn, cfg.args, key, "model.args", accepted)
     return fn, key
 
 
@@ -73,23 +75,6 @@ def spec_of(cfg: ModelConfig, model: nn.Module | None = None) -> ModelSpec:
     if model is not None:
         return default_spec(type(model).__name__, lambda: model)
     return default_spec(cfg.factory, model_builder(cfg)[0])
-
-
-def _check_kwargs(fn, args: dict, key: str, args_key: str) -> None:
-    """Name an unknown keyword argument before calling, instead of a TypeError traceback."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return
-    params = sig.parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        if fn is build_gpt:
-            params = inspect.signature(GPTConfig).parameters
-        else:
-            return
-    for name in args:
-        if name not in params:
-            raise ConfigError(f"{args_key}.{name} is not accepted by {key}; accepted: {', '.join(params)}")
 
 
 __all__ = ["GPT", "GPTConfig", "ModelSpec", "build", "build_gpt", "build_model", "spec_of", "BUILTIN_MODELS"]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-BLOCKS_ATTR = "layers"  # the documented convention for user models
+from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_of
 
 
 def params_flops_per_token(model: nn.Module) -> Callable[[int], float]:
@@ -55,8 +55,7 @@ class ModelSpec:
 
     def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The model's repeated blocks ``[(name, module), ...]`` (empty when it has none)."""
-        layers = getattr(model, self.blocks_attr, None)
-        return list(layers.named_children()) if isinstance(layers, nn.Module) else []
+        return blocks_of(model, self.blocks_attr)
 
 
 def default_spec(name: str, build: Callable[..., nn.Module]) -> ModelSpec:

@@ -1,7 +1,7 @@
 """`paratrain plan`: the best layout for a model and a cluster, predicted without the cluster.
 
 enumerate.py lists the layouts the trainer's preflight accepts, cost.py prices their step
-time term by term on a hardware profile (hardware.py), memory.py estimates each one's peak
+time term by term on a hardware profile (profile.py), memory.py estimates each one's peak
 memory per rank with find-batch's fake-tensor estimator, planner.py ranks them. docs/plan.md.
 """
 
@@ -11,8 +11,8 @@ import json
 import sys
 
 from paratrain.config import Config, ConfigError
-from paratrain.plan.hardware import calibrate, get_profile, profile_names
 from paratrain.plan.planner import PlanResult, nothing_fits_error, plan
+from paratrain.plan.profile import calibrate, get_profile, profile_names
 
 __all__ = ["PlanResult", "cli_plan", "plan", "profile_names", "get_profile", "calibrate"]
 

@@ -3,7 +3,7 @@
 All terms are seconds per optimiser step on the slowest rank's critical path:
 
 - ``compute``: the model FLOPs of the rank's matmuls (its pipeline stage's blocks, 1/tp of each)
-  over the achievable FLOP/s of the dtype (hardware.py), times the GEMM shape factor on a GPU
+  over the achievable FLOP/s of the dtype (profile.py), times the GEMM shape factor on a GPU
   (``gemm_slowdown``: tile and wave quantization, memory-bound thin GEMMs); plus attention: on
   a GPU as causal flash attention computes it (half the T x T square, backward 2.5x the forward)
   at the profile's attention efficiency, elsewhere as MFU counts it (PaLM appendix B: 12 L d T
@@ -16,7 +16,7 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
 - ``overhead``: a fixed time per block pass (forward 1, backward 2, recompute 1, selective 0.5) and per
   micro-batch (embedding and head as two more units): launches and dispatch that do not shrink
   with the micro-batch, which is why tiny micro-batches are slow; the profile's DTensor figure
-  under TP, and FSDP's per-unit cost for each all-gather and reduce-scatter (hardware.py).
+  under TP, and FSDP's per-unit cost for each all-gather and reduce-scatter (profile.py).
 - ``pointwise``: the memory-bound ops counted from the block's own modules (``block_shapes``:
   norms, bias adds, GELU or SwiGLU, RoPE, residual adds) and the loss over the vocabulary, over
   memory bandwidth; their FLOPs are not in ``compute``.
@@ -56,11 +56,14 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from paratrain.config import Config
+from paratrain.distributed.blocks import BLOCKS_ATTR
 from paratrain.distributed.pipeline_parallel import SCHEDULES, pp_microbatches, stage_ranges
-from paratrain.mfu import build_flops_per_token
+from paratrain.models import spec_of
 from paratrain.models.gpt import GPT
+from paratrain.models.spec import ModelSpec
 from paratrain.plan.enumerate import Layout
-from paratrain.plan.hardware import Profile
+from paratrain.plan.profile import Profile
+from paratrain.precision import DTYPES
 
 # Elements read or written per token and block by the memory-bound ops, in units of the width d
 # (this GPT block, forward: 2 LayerNorms 4, 2 residual adds 6, GELU on 4d 8, 5 bias adds 22 =
@@ -79,7 +82,6 @@ def optimizer_bytes_per_param(cfg: Config) -> int:
     return (20 if cfg.optim.beta1 > 0 else 12) + 4
 
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # schedules whose backward is two passes
 TERMS = (
     "compute",
@@ -115,45 +117,61 @@ class ModelStats:
     attention_width: int = 0
     pointwise: tuple[float, float] = (0.0, 0.0)
     # Parameter tensors of the whole model and of one block: the step's end pays a fixed time for
-    # each (the optimiser's per-tensor overhead, hardware.py).
+    # each (the optimiser's per-tensor overhead, profile.py).
     tensors: int = 0
     block_tensors: int = 0
+    blocks_attr: str = BLOCKS_ATTR
     _ranks: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, model: nn.Module | None, cfg: Config) -> ModelStats:
+    def of(cls, model: nn.Module | None, cfg: Config, *, spec: ModelSpec | None = None) -> ModelStats:
         seq = cfg.data.args.get("block_size") or cfg.model.args.get("block_size") or 1
         if model is None:
             return cls(seq, 0, [0], [0.0], 0.0, 0, 0.0)
         total = sum(p.numel() for p in model.parameters())
-        fpt = build_flops_per_token(model)(seq)
-        blocks = getattr(model, "layers", None)
+        spec = spec or spec_of(cfg.model, model)
+        fpt = spec.flops_per_token(model)(seq)
+        blocks = [b for _, b in spec.blocks(model)]
         mcfg = getattr(model, "cfg", None) or getattr(model, "config", None)
         d = getattr(mcfg, "d_model", 0) or getattr(mcfg, "hidden_size", 0)
-        if blocks is None or not len(blocks):
+        if not blocks:
             return cls(seq, d, [total], [fpt], 0.0, total, fpt, tensors=sum(1 for _ in model.parameters()))
-        bp = [sum(p.numel() for p in b.parameters()) for b in blocks.values()]
-        gemms, width, pointwise = block_shapes(next(iter(blocks.values())), rope=getattr(model, "has_rope", False))
-        attention = 12.0 * (width or d) * seq  # per block (mfu.py, PaLM)
+        bp = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        gemms, width, pointwise = block_shapes(blocks[0], rope=getattr(model, "has_rope", False))
+        attention = 12.0 * (width or d) * seq  # per block (observability/mfu.py, PaLM)
         bf = [6.0 * n + attention for n in bp]
         head = getattr(model, "lm_head", None)
         head_flops = 6.0 * sum(p.numel() for p in head.parameters()) if head is not None else 0.0
         if not isinstance(model, GPT):
-            # PaLM's count (mfu.py's for the built-in GPT): matmul parameters and attention;
+            # PaLM's count (observability/mfu.py's for the built-in GPT): matmul parameters and attention;
             # a generic model's 6 x parameters would count the embedding and miss attention.
             fpt = sum(bf) + head_flops
         vocab = getattr(mcfg, "vocab_size", 0)
         tensors = sum(1 for _ in model.parameters())
-        block_tensors = sum(1 for _ in next(iter(blocks.values())).parameters())
+        block_tensors = sum(1 for _ in blocks[0].parameters())
         return cls(
-            seq, d, bp, bf, head_flops, total, fpt, vocab, model, gemms, width, pointwise, tensors, block_tensors
+            seq,
+            d,
+            bp,
+            bf,
+            head_flops,
+            total,
+            fpt,
+            vocab,
+            model,
+            gemms,
+            width,
+            pointwise,
+            tensors,
+            block_tensors,
+            blocks_attr=spec.blocks_attr,
         )
 
     def busiest_rank(self, pp: int, v: int, style: str, cfg: Config) -> tuple[float, int, float]:
         """(FLOPs per token, blocks, parameters) of the pipeline rank with the most work (cached)."""
         key = (pp, v, style)
         if key not in self._ranks:
-            ranges = stage_ranges(self.model, pp * v, cfg.parallel.pp_split_points)
+            ranges = stage_ranges(self.model, pp * v, cfg.parallel.pp_split_points, blocks_attr=self.blocks_attr)
             ranks = []
             for r in range(pp):
                 stages = [r, 2 * pp - 1 - r] if style == "v" else list(range(r, pp * v, pp))
@@ -262,7 +280,7 @@ def crosses_nodes(stride: int, size: int, ranks_per_node: int) -> bool:
 
 def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ranks_per_node: int) -> Cost:
     dtype = cfg.precision.dtype
-    act_bytes = DTYPE_BYTES[dtype]
+    act_bytes = DTYPES[dtype].itemsize
     reduce_bytes = 2 if cfg.comm.compression in ("bf16", "fp16") or cfg.precision.reduce_dtype != "fp32" else 4
     gbs, seq, d = cfg.batch.global_batch_size, stats.seq_len, stats.hidden
     per_rank = gbs // layout.dp

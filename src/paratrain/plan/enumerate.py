@@ -3,7 +3,7 @@
 A layout is what may change without changing the math (ARCHITECTURE.md): the parallel
 degrees, the micro-batch (a divisor of the per-rank batch: the global batch is kept), the
 pipeline schedule and its stages per rank, activation checkpointing and FSDP's resharding.
-Each candidate config goes through ``trainer.check_layout`` (the checks `paratrain train` runs
+Each candidate config goes through ``preflight.check_run`` (the checks `paratrain train` runs
 before starting a process); a refused candidate is counted under its reason, never proposed.
 """
 
@@ -17,10 +17,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paratrain.batch.plan import divisors
 from paratrain.config import Config, ConfigError
 from paratrain.distributed.pipeline_parallel import SCHEDULES, check_untied
-from paratrain.layout import check_layout
-from paratrain.models import build_model, spec_of
+from paratrain.models import build, spec_of
+from paratrain.models.spec import ModelSpec
+from paratrain.preflight import check_run
 
 AC_MODES = ("none", "selective", "full")
 
@@ -89,19 +91,28 @@ class Layout:
         return dataclasses.replace(cfg, parallel=parallel, batch=batch)
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def meta_model(cfg: Config) -> nn.Module | None:
-    """The config's model on the meta device (no memory), or None if its factory cannot run there."""
+def meta_build(cfg: Config) -> tuple[nn.Module | None, ModelSpec]:
+    """The config's model on the meta device (no memory) and its spec; the model is None if its
+    factory cannot run there. The spec is the one the trainer uses (a factory's own ModelSpec
+    included), so the planner reads blocks through ``spec.blocks`` as the trainer does."""
     try:
         with torch.device("meta"):
-            return build_model(cfg.model)
+            return build(cfg.model)
     except ConfigError:
         raise
     except Exception:  # noqa: BLE001 - a user factory that needs real tensors
-        return None
+        return None, spec_of(cfg.model)
+
+
+def meta_model(cfg: Config) -> nn.Module | None:
+    """The config's model on the meta device, or None (see :func:`meta_build`)."""
+    return meta_build(cfg)[0]
+
+
+def count_blocks(model: nn.Module | None, spec: ModelSpec) -> int | None:
+    """The model's block count through its spec; None for a model without blocks (or none built)."""
+    blocks = spec.blocks(model) if model is not None else []
+    return len(blocks) if blocks else None
 
 
 def reason_of(err: ConfigError) -> str:
@@ -148,30 +159,35 @@ def candidate_layouts(cfg: Config, *, world_size: int, nproc_per_node: int, n_bl
 class _Blocks(nn.Module):
     """A parameter-free stand-in with the model's block count, for the pipeline checks.
 
-    ``check_layout(model=...)`` reads two things of a model: the length of its ``layers`` and
+    The preflight reads two things of a model: the number of its blocks and
     whether parameters are tied across blocks (``check_untied``), which depends on the model
     alone. Walking an 8B model's parameters for each of thousands of layouts took minutes, so
     the tie check runs once (:func:`enumerate_layouts`) and the preflight gets this stand-in.
     """
 
-    def __init__(self, n_blocks: int):
+    def __init__(self, n_blocks: int, blocks_attr: str):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Module() for _ in range(n_blocks))
+        setattr(self, blocks_attr, nn.ModuleList(nn.Module() for _ in range(n_blocks)))
 
 
 def enumerate_layouts(
-    cfg: Config, *, world_size: int, nproc_per_node: int, model: nn.Module | None = None
+    cfg: Config,
+    *,
+    world_size: int,
+    nproc_per_node: int,
+    model: nn.Module | None = None,
+    spec: ModelSpec | None = None,
 ) -> tuple[list[Layout], Counter]:
     """(layouts that pass the trainer's preflight, Counter of refusal reasons)."""
-    model = model if model is not None else meta_model(cfg)
-    blocks = getattr(model, "layers", None)
-    n_blocks = len(blocks) if blocks is not None else None
+    if model is None:
+        model, spec = meta_build(cfg)
+    spec = spec or spec_of(cfg.model, model)  # the real model's (the stand-in has no plan of its own)
+    n_blocks = count_blocks(model, spec)
     stand_in, untied = None, None
-    spec = spec_of(cfg.model, model)  # the real model's (the stand-in has no plan of its own)
     if n_blocks is not None:
-        stand_in = _Blocks(n_blocks)
+        stand_in = _Blocks(n_blocks, spec.blocks_attr)
         try:
-            check_untied(model)
+            check_untied(model, blocks_attr=spec.blocks_attr)
         except ConfigError as e:
             untied = reason_of(e)
     valid, refused = [], Counter()
@@ -193,7 +209,7 @@ def enumerate_layouts(
             key = dataclasses.replace(layout, activation_checkpointing=ac)
             if key not in verdicts:
                 try:
-                    check_layout(layout.apply(cfg), world_size, model=stand_in, spec=spec)
+                    check_run(layout.apply(cfg), world_size, model=stand_in, spec=spec)
                     verdicts[key] = None
                 except ConfigError as e:
                     verdicts[key] = reason_of(e)

@@ -1,6 +1,6 @@
 """Peak memory per rank of a layout, from find-batch's fake-tensor estimate of the real step.
 
-The estimator (find_batch: the model from the config, ``parallelize`` with FSDP2/TP/AC, the
+The estimator (batch/measure.py: the model from the config, ``parallelize`` with FSDP2/TP/AC, the
 optimiser and ``train_step`` on fake tensors under MemTracker, fake process groups standing in
 for the other ranks) is called in ONE place, :func:`estimate_layout_peak`. What is built on it:
 
@@ -45,15 +45,17 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
+from paratrain.batch.auto import fake_process_group
+from paratrain.batch.measure import StepRunner, estimate_peak, replica_dims
 from paratrain.config import Config
 from paratrain.data import build_dataset
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import SCHEDULES, pp_microbatches, stage_ranges
-from paratrain.find_batch.measure import StepRunner, estimate_peak, replica_dims
-from paratrain.find_batch.orchestrate import fake_process_group
+from paratrain.models import spec_of
+from paratrain.models.spec import ModelSpec
 from paratrain.plan.enumerate import Layout
+from paratrain.precision import DTYPES
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 WHOLE_UP_TO = 4  # blocks: a model this small is estimated whole (MemoryModel.extrapolates)
 
 log = logging.getLogger("paratrain")
@@ -113,9 +115,18 @@ class RankMemory:
 class MemoryModel:
     """Peak memory per rank of layouts of one config, with the cache described above."""
 
-    def __init__(self, cfg: Config, *, model=None, n_blocks: int | None = None, estimate: Callable | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        model=None,
+        n_blocks: int | None = None,
+        estimate: Callable | None = None,
+        spec: ModelSpec | None = None,
+    ):
         self.cfg = cfg
         self.model = model  # the meta model: pipeline stage boundaries
+        self.spec = spec or spec_of(cfg.model, model)  # its blocks, as the trainer reads them
         self.n_blocks = n_blocks
         self.estimate = estimate or estimate_layout_peak
         self.cache: dict[tuple, int] = {}
@@ -182,7 +193,9 @@ class MemoryModel:
 
     def _ranges(self, stages: int) -> list[range]:
         if stages not in self._stage_ranges:
-            self._stage_ranges[stages] = stage_ranges(self.model, stages, self.cfg.parallel.pp_split_points)
+            self._stage_ranges[stages] = stage_ranges(
+                self.model, stages, self.cfg.parallel.pp_split_points, blocks_attr=self.spec.blocks_attr
+            )
         return self._stage_ranges[stages]
 
     @staticmethod
@@ -256,7 +269,7 @@ class MemoryModel:
 
     def _block_sizes(self) -> list[int]:
         if self._sizes is None:
-            self._sizes = [sum(p.numel() for p in b.parameters()) for b in self.model.layers.values()]
+            self._sizes = [sum(p.numel() for p in b.parameters()) for _, b in self.spec.blocks(self.model)]
         return self._sizes
 
     def peak(self, layout: Layout) -> RankMemory:
@@ -293,7 +306,7 @@ class MemoryModel:
         # for the activations it receives (every stage but the first) and one for the gradients
         # it receives (every stage but the last), kept for the schedule's life (stage.py,
         # _prepare_forward_infra / _prepare_backward_infra): measured on CPU, docs/plan.md.
-        boundary = m * self._seq_len() * self._width() * DTYPE_BYTES.get(cfg.precision.dtype, 4)
+        boundary = m * self._seq_len() * self._width() * DTYPES[cfg.precision.dtype].itemsize
         n_stages = layout.pp * v
         out = []
         for rank in range(layout.pp):

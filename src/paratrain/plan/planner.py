@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from paratrain.config import Config, ConfigError
 from paratrain.plan.cost import TERMS, Cost, ModelStats, step_cost
-from paratrain.plan.enumerate import Layout, enumerate_layouts, meta_model
-from paratrain.plan.hardware import GIB, Profile
+from paratrain.plan.enumerate import Layout, count_blocks, enumerate_layouts, meta_build
 from paratrain.plan.memory import MemoryModel, RankMemory
+from paratrain.plan.profile import GIB, Profile
 
 # A layout whose exact states plus the activations measured on a sibling (same tp,
 # checkpointing and resharding; other data-parallel degrees, accumulation) exceed the budget by this factor is refused
@@ -140,11 +140,12 @@ def plan(
     """Rank the layouts of ``cfg`` at ``world_size``; ``top`` <= 0 estimates every layout."""
     start = time.perf_counter()
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    model = meta_model(cfg)
-    blocks = getattr(model, "layers", None)
-    n_blocks = len(blocks) if blocks is not None else None
-    layouts, refused = enumerate_layouts(cfg, world_size=world_size, nproc_per_node=nproc_per_node, model=model)
-    stats = ModelStats.of(model, cfg)
+    model, spec = meta_build(cfg)
+    n_blocks = count_blocks(model, spec)
+    layouts, refused = enumerate_layouts(
+        cfg, world_size=world_size, nproc_per_node=nproc_per_node, model=model, spec=spec
+    )
+    stats = ModelStats.of(model, cfg, spec=spec)
     ranks_per_node = min(nproc_per_node, world_size)
     priced = [
         Planned(lay, step_cost(lay, cfg=cfg, stats=stats, hw=profile, ranks_per_node=ranks_per_node)) for lay in layouts
@@ -156,7 +157,7 @@ def plan(
         f"plan: {len(layouts)} layouts pass the preflight ({sum(refused.values())} refused);"
         " estimating memory fastest first"
     )
-    memory = memory or MemoryModel(cfg, model=model, n_blocks=n_blocks)
+    memory = memory or MemoryModel(cfg, model=model, n_blocks=n_blocks, spec=spec)
     fitting, examined, looked, bounded, guessed = [], [], 0, 0, 0
     smallest_bound = None
     last_note = time.perf_counter()

@@ -24,13 +24,12 @@ split only when its weight is not tied to the embedding (splitting one would spl
 
 from __future__ import annotations
 
-import fnmatch
-
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from paratrain.config import ConfigError
+from paratrain.distributed.tensor_parallel import plan_from_table
 
 
 class ReplicateWithGradAllReduce(ParallelStyle):
@@ -84,13 +83,13 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool
             "parallel.sequence_parallel = true is not supported for model.hf (its plan keeps the residual stream"
             " replicated); set it to false"
         )
-    modules = {n: m for n, m in model.named_modules() if n and m is not None}
-    plan: dict[str, ParallelStyle] = {}
-    for pattern, name in hf_plan_table(model).items():
-        for fqn in modules:
-            if fnmatch.fnmatchcase(fqn, pattern):
-                plan[fqn] = style_of(name, f"base_model_tp_plan[{pattern!r}]")
-    return plan
+    return plan_from_table(
+        model,
+        hf_plan_table(model),
+        style_of=lambda name, module, key: style_of(name, key),
+        key_of=lambda pattern: f"base_model_tp_plan[{pattern!r}]",
+        require_match=False,
+    )
 
 
 def check_hf_layout(config, *, tp: int) -> None:

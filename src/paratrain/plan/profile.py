@@ -9,7 +9,7 @@ A profile holds what the cost model needs of one device and its links:
 - ``hbm_gbps``: memory bandwidth (the optimiser step is memory-bound); calibrated from the
   memory-copy figure (traffic = 2 x bytes copied).
 - ``intra_busbw_gbps`` / ``inter_busbw_gbps``: bus bandwidth (nccl-tests' definition, see
-  bench/comm.py) of a collective inside a node (NVLink) and across nodes (InfiniBand/RoCE, one
+  hardware/collectives.py) of a collective inside a node (NVLink) and across nodes (InfiniBand/RoCE, one
   NIC per GPU); ``latency_s`` per collective. Calibrated from ``paratrain bench comm --json``
   files: a latency-bandwidth line fitted to the measured times by message size replaces the formula.
 - ``block_overhead_s``: fixed time of one block's forward or backward pass that does not
@@ -42,13 +42,15 @@ once here; calibrate to replace it).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
-import statistics
 from dataclasses import dataclass, field
 
 from paratrain.config import ConfigError
+from paratrain.hardware.bench_comm import is_comm_report, read_comm_json
+from paratrain.hardware.bench_compute import is_compute_report, read_compute_json
+from paratrain.hardware.collectives import bus_factor, fit_line
+from paratrain.hardware.specs import GPUS, GPUSpec
 
 GIB = 1 << 30
 LINK_EFFICIENCY = 0.8  # nccl-tests busbw / link rate, typical on NVLink and InfiniBand (assumption)
@@ -169,47 +171,22 @@ class Profile:
         return "\n".join(lines)
 
 
-@functools.cache
-def _fit(table: tuple[tuple[int, float], ...]) -> tuple[float, float]:
-    pairs = [(t1 - t0) / (b1 - b0) for i, (b0, t0) in enumerate(table) for b1, t1 in table[i + 1 :] if b1 != b0]
-    per_byte = max(0.0, statistics.median(pairs)) if pairs else 0.0
-    latency = max(0.0, statistics.median(t - per_byte * b for b, t in table))
-    return latency, per_byte
-
-
-def fit_line(table: list[tuple[int, float]]) -> tuple[float, float]:
-    """(latency s, s per byte) of ``time = latency + bytes x per_byte`` (Hockney's alpha-beta model)
-    through measured (bytes, time) points, by the Theil-Sen estimator (the median of the pairwise
-    slopes, then the median intercept): a few timings spoiled by another process on a shared
-    machine do not bend it, where interpolating between the raw points made a larger message
-    cheaper than a smaller one (e.g. a 16 KiB send at 2.9 ms between two 0.25 ms ones)."""
-    return _fit(tuple(table))
-
-
-def bus_factor(op: str, n: int) -> float:
-    # nccl-tests' bus bandwidth factors (bench/comm.py keeps the same table).
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
-
-
-def _gpu(name, bf16, fp32, mem, hbm, nvlink, nic, sheet, network, *, sms, attention) -> Profile:
+def _gpu(g: GPUSpec) -> Profile:
+    sheet, network = g.sheet, g.network
     return Profile(
-        name=name,
-        peak_flops={"bf16": bf16, "fp16": bf16, "fp32": fp32},
+        name=g.profile,
+        peak_flops={"bf16": g.bf16_flops, "fp16": g.bf16_flops, "fp32": g.fp32_flops},
         matmul_efficiency=GPU_MATMUL_EFFICIENCY,
-        memory_gib=mem,
-        hbm_gbps=hbm,
-        intra_busbw_gbps=nvlink * LINK_EFFICIENCY,
-        inter_busbw_gbps=nic * LINK_EFFICIENCY,
+        memory_gib=g.memory_gib,
+        hbm_gbps=g.hbm_gbps,
+        intra_busbw_gbps=g.nvlink_gbps * LINK_EFFICIENCY,
+        inter_busbw_gbps=g.nic_gbps * LINK_EFFICIENCY,
         latency_s=10e-6,
         inter_latency_s=20e-6,
         overlap=1.0,
         block_overhead_s=60e-6,
-        sms=sms,
-        attention_efficiency=attention,
+        sms=g.sms,
+        attention_efficiency=g.attention_efficiency,
         sources={
             "flops": f"{sheet}: dense (non-sparse) Tensor Core bf16/fp16, plain FP32 (paratrain does not enable TF32)",
             "memory": sheet,
@@ -220,61 +197,8 @@ def _gpu(name, bf16, fp32, mem, hbm, nvlink, nic, sheet, network, *, sms, attent
     )
 
 
-# Per-GPU figures. NVLink: total bidirectional bandwidth / 2. Network: one NIC per GPU.
-PROFILES: dict[str, Profile] = {
-    "a100-80gb": _gpu(
-        "a100-80gb",
-        312e12,
-        19.5e12,
-        80,
-        2039,
-        300,
-        25,
-        "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
-        "HDR InfiniBand 200 Gb/s per GPU (DGX A100 datasheet)",
-        sms=108,
-        attention=0.55,
-    ),
-    "h100-sxm": _gpu(
-        "h100-sxm",
-        989e12,
-        67e12,
-        80,
-        3350,
-        450,
-        50,
-        "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM)",
-        "NDR InfiniBand 400 Gb/s per GPU (DGX H100 datasheet)",
-        sms=132,
-        attention=0.35,
-    ),
-    "h200": _gpu(
-        "h200",
-        989e12,
-        67e12,
-        141,
-        4800,
-        450,
-        50,
-        "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM)",
-        "NDR InfiniBand 400 Gb/s per GPU (HGX H200)",
-        sms=132,
-        attention=0.35,
-    ),
-    "b200": _gpu(
-        "b200",
-        2250e12,
-        75e12,
-        180,
-        8000,
-        900,
-        50,
-        "NVIDIA DGX B200 / HGX B200 datasheet (per GPU: 1/8 of the 8-GPU figures)",
-        "ConnectX-7 400 Gb/s per GPU (DGX B200 datasheet)",
-        sms=148,
-        attention=0.35,
-    ),
-}
+# The planner's GPU profiles: the data-sheet rows of hardware/specs.py that carry full figures.
+PROFILES: dict[str, Profile] = {g.profile: _gpu(g) for g in GPUS if g.profile}
 
 
 def cpu_profile() -> Profile:
@@ -341,16 +265,14 @@ def calibrate(profile: Profile, paths: list[str]) -> Profile:
                 f"--calibrate {path}: cannot read it as JSON ({e}); pass a `paratrain bench ... --json` file"
             )
         try:
-            if isinstance(data, dict) and "matmul" in data:  # bench compute
-                for row in data["matmul"]:
-                    measured[row["dtype"]] = float(row["flops_per_s"])
-                if data.get("memcpy"):
-                    hbm = float(data["memcpy"]["memory_traffic_gbps"])
-            elif isinstance(data, dict) and "results" in data:  # bench comm
-                inter = len(set(data.get("nodes") or [None])) > 1
-                n = int(data["world_size"])
-                for row in data["results"]:
-                    table.setdefault((row["op"], n, inter), []).append((int(row["bytes"]), float(row["time_s"])))
+            if is_compute_report(data):
+                rows, traffic = read_compute_json(data)
+                measured.update({dtype: flops for _, dtype, flops in rows})
+                hbm = traffic or hbm
+            elif is_comm_report(data):
+                n, inter, rows = read_comm_json(data)
+                for op, nbytes, seconds in rows:
+                    table.setdefault((op, n, inter), []).append((nbytes, seconds))
             else:
                 raise ConfigError(
                     f"--calibrate {path}: neither a `paratrain bench compute --json` nor a `bench comm --json` file"

@@ -18,11 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from paratrain.batching import BatchPlan, plan_batch
-from paratrain.config import Config, ConfigError, to_toml
-from paratrain.distributed.json_collectives import broadcast_json
-from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.find_batch.measure import (
+from paratrain.batch.measure import (
     StepRunner,
     agreed,
     estimate_peak,
@@ -31,7 +27,11 @@ from paratrain.find_batch.measure import (
     memory_budget,
     replica_dims,
 )
-from paratrain.find_batch.search import MAX_TRIALS, SearchResult, Trial, nothing_fits_error, search_micro_batch
+from paratrain.batch.plan import BatchPlan, plan_batch
+from paratrain.batch.search import MAX_TRIALS, SearchResult, Trial, nothing_fits_error, search_micro_batch
+from paratrain.config import Config, ConfigError, to_toml
+from paratrain.distributed.json_collectives import broadcast_json
+from paratrain.distributed.parallel_dims import ParallelDims
 
 log = logging.getLogger("paratrain")
 

@@ -1,4 +1,16 @@
-"""Find the largest micro-batch that fits in memory: ``batch.micro_batch_size = "auto"`` and
+"""Technique 4, batch-size adjustment, and the arithmetic behind accumulation.
+
+- ``plan.py``: ``global_batch_size = micro_batch_size x accum_steps x dp`` (``BatchPlan``), the
+  replan after a resize, and the one ``divisors``;
+- ``search.py``, ``measure.py``, ``auto.py``: the largest micro-batch that fits in memory
+  (``batch.micro_batch_size = "auto"`` and ``paratrain find-batch``, below);
+- ``lr_scaling.py``: the lr for a batch tuned at another (linear, sqrt, AdaScale);
+- ``adaptive.py``: the batch that grows with the gradient noise scale (``batch.adaptive``).
+
+The samples of each step are data/sampler.py's. The modules are imported by name (this package
+imports none of them, so the light arithmetic does not pull in the step).
+
+Find the largest micro-batch that fits in memory: ``batch.micro_batch_size = "auto"`` and
 ``paratrain find-batch``.
 
 Two ways to decide whether a micro-batch size fits, one search and one answer format:
@@ -29,36 +41,3 @@ accumulation keeps ``batch.global_batch_size`` and so the micro-batch must divid
 batch: the whole per-rank batch first, then bisection over the divisors, so any divisor is
 reachable within ``max_trials`` (12) trials. It assumes the peak grows with the size.
 """
-
-from paratrain.find_batch.measure import (
-    StepRunner,
-    available_ram_bytes,
-    estimate_peak,
-    measure_peak,
-    memory_budget,
-    replica_dims,
-)
-from paratrain.find_batch.orchestrate import (
-    estimate_without_group,
-    find_micro_batch,
-    resolve_auto_micro_batch,
-)
-from paratrain.find_batch.search import GIB, MAX_TRIALS, SearchResult, Trial, nothing_fits_error, search_micro_batch
-
-__all__ = [
-    "GIB",
-    "MAX_TRIALS",
-    "SearchResult",
-    "StepRunner",
-    "Trial",
-    "available_ram_bytes",
-    "estimate_peak",
-    "estimate_without_group",
-    "find_micro_batch",
-    "measure_peak",
-    "memory_budget",
-    "nothing_fits_error",
-    "replica_dims",
-    "resolve_auto_micro_batch",
-    "search_micro_batch",
-]

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.batching import BatchPlan, plan_batch
+from paratrain.batch.plan import BatchPlan, plan_batch
 from paratrain.config import BatchConfig, ConfigError
 from paratrain.distributed.grad_norm import global_grad_norm
 

@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.batching import load_batches, plan_batch
+from paratrain.batch.plan import plan_batch
+from paratrain.batch.search import GIB, Trial
 from paratrain.config import Config, ConfigError
 from paratrain.data import build_dataset
+from paratrain.data.sampler import load_batches
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
-from paratrain.find_batch.search import GIB, Trial
 from paratrain.loss import build_loss
 from paratrain.models import build, spec_of
 from paratrain.optim import build_optimizer

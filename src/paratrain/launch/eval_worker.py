@@ -1,6 +1,6 @@
 """`paratrain eval CONFIG --checkpoint PATH`: a checkpoint's validation loss at any world size.
 
-The process torchrun starts (``python -m paratrain.eval_run CONFIG --checkpoint PATH --result
+The process torchrun starts (``python -m paratrain.launch.eval_worker CONFIG --checkpoint PATH --result
 FILE``): it builds the model and the layout exactly as training does (trainer.build_parallel),
 loads the checkpoint's model weights with the checkpointer (DCP reshards them to this layout:
 any world size and layout, pipeline stages included: a pipeline checkpoint holds the model's own
@@ -22,11 +22,11 @@ from paratrain.config import Config, ConfigError, load_config, to_toml
 from paratrain.data import build_val_dataset
 from paratrain.distributed.process_group import close_distributed, init_distributed
 from paratrain.evaluate import Evaluator
-from paratrain.layout import check_eval, check_layout
 from paratrain.loss import build_loss
-from paratrain.metrics import setup_logging
 from paratrain.models import build
+from paratrain.observability.metrics import setup_logging
 from paratrain.precision import build_precision
+from paratrain.preflight import check_eval, check_run
 from paratrain.trainer import TrainState, build_parallel_with_weights
 
 
@@ -41,7 +41,7 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
     ctx = init_distributed(cfg.dist)
     try:
         setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
-        dims, plan = check_layout(cfg, ctx.world_size)
+        dims, plan = check_run(cfg, ctx.world_size)
         eval_plan = check_eval(cfg, dims, plan)
         torch.manual_seed(cfg.run.seed)
         model, spec = build(cfg.model)
@@ -93,7 +93,7 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paratrain.eval_run", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m paratrain.launch.eval_worker", description=__doc__)
     parser.add_argument("config", help="TOML config file")
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--result", default="", help="rank 0 writes the result here (JSON)")

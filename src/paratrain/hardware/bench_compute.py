@@ -24,8 +24,8 @@ import time
 import torch
 
 from paratrain.config import ConfigError
+from paratrain.precision import DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 1024 * 1024
 
 
@@ -141,6 +141,20 @@ def run_compute_bench(
     return report
 
 
+def read_compute_json(data) -> tuple[list[tuple[str, str, float]], float | None]:
+    """The figures of a ``bench compute --json`` report (the reader beside its writer,
+    :func:`run_compute_bench`): ``[(device_type, dtype, matmul FLOP/s), ...]`` and the memory
+    traffic in GB/s (None without a memcpy row). KeyError, TypeError or ValueError when a field is
+    missing or mangled; ``hardware.compute_bench`` (MFU) and ``plan --calibrate`` read it."""
+    rows = [(row.get("device_type"), row["dtype"], float(row["flops_per_s"])) for row in data["matmul"]]
+    memcpy = data.get("memcpy")
+    return rows, (float(memcpy["memory_traffic_gbps"]) if memcpy else None)
+
+
+def is_compute_report(data) -> bool:
+    return isinstance(data, dict) and "matmul" in data
+
+
 def add_compute_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
@@ -186,6 +200,8 @@ def compute_main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m paratrain.bench.compute", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m paratrain.hardware.bench_compute", description=__doc__.split("\n")[0]
+    )
     add_compute_arguments(parser)
     sys.exit(compute_main(parser.parse_args()))

@@ -1,4 +1,4 @@
-"""The process torchrun starts: ``torchrun ... -m paratrain.worker CONFIG [--set section.key=value ...]``.
+"""The process torchrun starts: ``torchrun ... -m paratrain.launch.worker CONFIG [--set section.key=value ...]``.
 
 Parses the config and calls :func:`paratrain.trainer.train`; a bad config exits with code 2 and
 one line. (``-m paratrain.train`` is kept as an alias: see train.py.)
@@ -13,30 +13,20 @@ import sys
 import time
 
 from paratrain.checkpoint import CheckpointSaveError
-from paratrain.cli import add_set_argument
-from paratrain.config import ConfigError, load_config
+from paratrain.config import ConfigError, add_resume_argument, add_set_argument, load_config, resume_overrides
 from paratrain.distributed.hang import CollectiveTimeout
-from paratrain.launch import forget_preempted, report_preempted
+from paratrain.launch.agent import forget_preempted, report_preempted
 from paratrain.trainer import train
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paratrain.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m paratrain.launch.worker", description=__doc__)
     parser.add_argument("config", help="TOML config file")
     add_set_argument(parser)
-    parser.add_argument(
-        "--resume",
-        nargs="?",
-        const="latest",
-        default=None,
-        metavar="PATH",
-        help="continue from the newest complete checkpoint of the run, or from PATH",
-    )
+    add_resume_argument(parser)
     args = parser.parse_args(argv)
     try:
-        if args.resume is not None:
-            args.overrides.append("checkpoint.resume=" + json.dumps(args.resume))
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, [*args.overrides, *resume_overrides(args.resume)])
         forget_preempted()  # an earlier attempt's report (torchrun restarts) is not this one's
         summary = train(cfg)
         if summary.get("preempted_at_step") is not None and not report_preempted(cfg.checkpoint.exit_code_on_preempt):

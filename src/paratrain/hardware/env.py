@@ -438,8 +438,8 @@ def env_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Worker: ``torchrun ... -m paratrain.env``; every rank collects, rank 0 compares and prints."""
-    parser = argparse.ArgumentParser(prog="python -m paratrain.env")
+    """Worker: ``torchrun ... -m paratrain.hardware.env``; every rank collects, rank 0 compares and prints."""
+    parser = argparse.ArgumentParser(prog="python -m paratrain.hardware.env")
     add_env_arguments(parser)
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--nproc-per-node", type=int, default=1)

@@ -1,6 +1,6 @@
 """Every preflight check that needs only the config and the world size.
 
-``check_layout`` runs in the launcher (``paratrain train``/``verify``/``find-batch``) before any
+``check_run`` runs in the launcher (``paratrain train``/``verify``/``find-batch``) before any
 process starts, and again in each worker before anything is built, so an impossible layout is
 one clear line (ConfigError, exit code 2) instead of a failure deep inside a collective.
 """
@@ -13,7 +13,7 @@ import os
 import torch
 from torch import nn
 
-from paratrain.batching import BatchPlan, plan_batch
+from paratrain.batch.plan import BatchPlan, plan_batch
 from paratrain.config import Config, ConfigError
 from paratrain.data import dataset_builder
 from paratrain.data.tokens import resolve_model_vocab
@@ -28,7 +28,7 @@ from paratrain.precision import check_precision
 log = logging.getLogger("paratrain")
 
 
-def check_layout(
+def check_run(
     cfg: Config, world_size: int, *, model: nn.Module | None = None, spec: ModelSpec | None = None
 ) -> tuple[ParallelDims, BatchPlan]:
     """Every check that needs only the config and the world size: run before any process starts.
@@ -48,7 +48,7 @@ def check_layout(
     check_precision(cfg.precision, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, compression=cfg.comm.compression)
     check_parallel_layout(dims, parallel=cfg.parallel)
     mbs = cfg.batch.micro_batch_size
-    # 'auto' is resolved in the job (find_batch/); until then the plan is the whole per-rank batch.
+    # 'auto' is resolved in the job (batch/auto.py); until then the plan is the whole per-rank batch.
     plan = plan_batch(
         global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp
     )

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from paratrain.batch.plan import divisors
 from paratrain.config import ConfigError
 from paratrain.distributed.parallel_dims import ParallelDims
 
@@ -106,12 +106,6 @@ def nothing_fits_error(result: SearchResult, dims: ParallelDims) -> ConfigError:
 
 
 # ----------------------------------------------------------------------------- the search
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n``, ascending (pairs d, n/d up to sqrt(n): fast for any batch)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def trials_needed(n_candidates: int) -> int:

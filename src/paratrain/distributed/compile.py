@@ -19,7 +19,7 @@ import logging
 import torch
 from torch import nn
 
-from paratrain.distributed.data_parallel import blocks_of
+from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_of
 
 log = logging.getLogger("paratrain")
 
@@ -45,7 +45,7 @@ def compile_available(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def apply_compile(model: nn.Module, *, device: torch.device, blocks_attr: str = "layers") -> bool:
+def apply_compile(model: nn.Module, *, device: torch.device, blocks_attr: str = BLOCKS_ATTR) -> bool:
     """Compile each block of ``model`` in place (``model.<blocks_attr>`` values, else the whole model).
 
     Returns True when compiled; False (after a warning) when the platform cannot compile.

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from paratrain.trackers import Tracker
+from paratrain.observability.trackers import Tracker
 
 log = logging.getLogger("paratrain")
 

@@ -1,7 +1,7 @@
 """``paratrain bench comm``: collective bandwidth, checked results, and slow links.
 
-Run on every process of a job (``python -m paratrain.bench.comm ...`` under torchrun; the CLI
-starts it through :mod:`paratrain.launch`). For each operation and message size (powers of
+Run on every process of a job (``python -m paratrain.hardware.bench_comm ...`` under torchrun; the CLI
+starts it through :mod:`paratrain.launch.agent`). For each operation and message size (powers of
 two): one run whose output is checked value by value, warm-up runs, then timed runs.
 
 Definitions (nccl-tests, doc/PERFORMANCE.md). ``bytes`` is the size of the largest buffer on a
@@ -44,9 +44,10 @@ import torch.distributed as dist
 from paratrain.config import ConfigError
 from paratrain.distributed.json_collectives import all_gather_json
 from paratrain.distributed.process_group import init_env_process_group
+from paratrain.hardware.collectives import bandwidths, bus_factor
+from paratrain.precision import DTYPES
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KIB, MIB = 1024, 1024 * 1024
 
 
@@ -57,21 +58,17 @@ class BenchError(RuntimeError):
 # ----------------------------------------------------------------------------- pure arithmetic
 
 
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' bus bandwidth factor for ``op`` on ``n`` ranks."""
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if op in ("broadcast", "send_recv"):
-        return 1.0
-    raise ValueError(f"unknown op {op!r}")
+def read_comm_json(data) -> tuple[int, bool, list[tuple[str, int, float]]]:
+    """The figures of a ``bench comm --json`` report (the reader beside its writer, :func:`main`):
+    (world size, whether it spans nodes, ``[(op, bytes, median seconds), ...]``). KeyError,
+    TypeError or ValueError when a field is missing or mangled; ``plan --calibrate`` reads it."""
+    inter = len(set(data.get("nodes") or [None])) > 1
+    rows = [(row["op"], int(row["bytes"]), float(row["time_s"])) for row in data["results"]]
+    return int(data["world_size"]), inter, rows
 
 
-def bandwidths(op: str, nbytes: int, seconds: float, n: int) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s (1e9 bytes per second)."""
-    algbw = nbytes / seconds / 1e9
-    return algbw, algbw * bus_factor(op, n)
+def is_comm_report(data) -> bool:
+    return isinstance(data, dict) and "results" in data
 
 
 def default_sizes(min_bytes: int = 4 * KIB, max_bytes: int = 64 * MIB) -> list[int]:
@@ -530,9 +527,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Worker entry: ``torchrun ... -m paratrain.bench.comm [options]``."""
+    """Worker entry: ``torchrun ... -m paratrain.hardware.bench_comm [options]``."""
 
-    parser = argparse.ArgumentParser(prog="python -m paratrain.bench.comm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m paratrain.hardware.bench_comm", description=__doc__.split("\n")[0])
     add_bench_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -545,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         if "MASTER_ADDR" in os.environ:
             init_env_process_group(backend)  # the job's store bound to one address (docs/security.md)
-        else:  # a lone process (python -m paratrain.bench.comm): world size 1
+        else:  # a lone process (python -m paratrain.hardware.bench_comm): world size 1
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         try:
             run(args)

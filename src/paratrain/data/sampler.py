@@ -1,0 +1,69 @@
+"""The layout-invariant global-batch sampler and the rank and micro-batch slices of a step.
+
+The samples of a step are a pure function of ``(seed, consumed_samples)``: the sampler walks an
+endless stream made of one seeded permutation per epoch, so a step never depends on how many
+ranks read it, and a change of batch size (or a resume) neither skips nor repeats a sample
+within an epoch. How the global batch divides (``BatchPlan``) is batch/plan.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from paratrain.config import ConfigError
+
+
+class GlobalBatchSampler:
+    """Indices of the global batch that starts at stream position ``start``.
+
+    Position p falls in epoch ``p // N`` at offset ``p % N`` of that epoch's permutation, which
+    is drawn from its own ``torch.Generator`` seeded by ``(seed, epoch)`` (never the global RNG).
+    """
+
+    def __init__(self, dataset_len: int, *, seed: int, shuffle: bool = True):
+        if dataset_len <= 0:
+            raise ConfigError("the dataset is empty; give data.args that yield at least one sample")
+        self.n = dataset_len
+        self.seed = seed
+        self.shuffle = shuffle
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            if len(self._perms) > 2:  # positions only move forward; keep the cache small
+                self._perms.pop(min(self._perms))
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._perms[epoch] = torch.randperm(self.n, generator=g)
+            else:
+                self._perms[epoch] = torch.arange(self.n)
+        return self._perms[epoch]
+
+    def epoch_of(self, position: int) -> int:
+        return position // self.n
+
+    def global_indices(self, start: int, count: int) -> list[int]:
+        out: list[int] = []
+        pos = start
+        while len(out) < count:
+            epoch, offset = divmod(pos, self.n)
+            take = min(count - len(out), self.n - offset)
+            out.extend(self._perm(epoch)[offset : offset + take].tolist())
+            pos += take
+        return out
+
+
+def rank_slice(indices: list[int], *, dp_rank: int, dp: int) -> list[int]:
+    """The contiguous share of data-parallel rank ``dp_rank``."""
+    per = len(indices) // dp
+    return indices[dp_rank * per : (dp_rank + 1) * per]
+
+
+def micro_batches(indices: list[int], micro_batch_size: int) -> list[list[int]]:
+    return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+
+
+def load_batches(dataset: Dataset, indices: list[int], micro_batch_size: int) -> list:
+    """This rank's micro-batches of the step, collated: ``[(input, target), ...]``."""
+    return [default_collate([dataset[i] for i in mb]) for mb in micro_batches(indices, micro_batch_size)]
