@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import Dataset
 
 from paratrain.batch.adaptive import BatchAdapter, build_batch_adapter
@@ -27,6 +25,7 @@ from paratrain.batch.auto import resolve_auto_micro_batch
 from paratrain.batch.lr_scaling import LRScaling
 from paratrain.batch.plan import BatchPlan, replan_batch
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
+from paratrain.checkpoint.export import save_full_weights
 from paratrain.config import Config, to_dict, to_toml
 from paratrain.data import build_dataset, build_val_dataset
 from paratrain.data.loader import StepLoader
@@ -35,7 +34,6 @@ from paratrain.distributed.grad_compression import GradCompression, apply_grad_c
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
-from paratrain.distributed.pipeline_parallel import PipelineModel
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.evaluate import Evaluator, eval_due
@@ -495,23 +493,3 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
                 out_dir,
             )
     return summary
-
-
-def save_full_weights(model: nn.Module, path: str, *, is_main: bool) -> dict | None:
-    """Gather the full (unsharded, unwrapped) weights and write them from rank 0; returns them there."""
-    # Every rank takes part: with sharded layouts this is a collective.
-    if isinstance(model, PipelineModel):  # every stage's weights, gathered onto pp rank 0
-        sd = model.full_state_dict()
-    else:
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if is_main:
-        # Tied weights (e.g. an HF model's embedding and lm_head) come out as one tensor under
-        # two names; safetensors refuses shared memory, so the later names get a copy.
-        seen: set[int] = set()
-        out = {}
-        for k, v in sd.items():
-            v = v.contiguous()
-            out[k] = v.clone() if v.data_ptr() in seen else v
-            seen.add(v.data_ptr())
-        save_file(out, path)
-    return sd

@@ -2,21 +2,17 @@
 
 - safe_load.py     restricted unpickler and safe DCP reader/planner (no code runs on load)
 - manifest.py      sha256 manifest: write, verify, list, find the latest, resolve checkpoint.resume
-- checkpointer.py  the Checkpointer: a dict of Stateful objects, save/resume/prune
+- state.py         what is saved: the Stateful adapters (model, optimiser, dataclasses) and RNG states
+- checkpointer.py  when and where: the Checkpointer saves a dict of Stateful objects, resumes, prunes
 - export.py        a checkpoint's model as one safetensors file
 """
 
 from paratrain.checkpoint.checkpointer import (
     Checkpointer,
     CheckpointSaveError,
-    DataclassState,
-    ModelState,
-    OptimizerState,
     build_checkpointer,
     config_changes,
     resume_spec,
-    rng_state,
-    set_rng_state,
 )
 from paratrain.checkpoint.export import export_safetensors, read_model_weights
 from paratrain.checkpoint.manifest import (
@@ -28,6 +24,7 @@ from paratrain.checkpoint.manifest import (
     write_manifest,
 )
 from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_reader
+from paratrain.checkpoint.state import DataclassState, ModelState, OptimizerState, rng_state, set_rng_state
 
 __all__ = [
     "Checkpointer",

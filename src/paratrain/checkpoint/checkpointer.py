@@ -9,10 +9,8 @@ atomic rename: a checkpoint is complete exactly when its manifest exists, and it
 exactly when the checksums match. DCP's own ``.metadata`` is not enough for that: it is renamed
 into place when the shards are written, but says nothing about a shard truncated later.
 
-Why the model and optimiser go through ``torch.distributed.checkpoint.state_dict``
-(get/set_state_dict): they key every tensor by its fully qualified name with DDP's ``module.``
-prefix removed and every DTensor shard described by its global shape, so a checkpoint written by
-one layout (2 DDP ranks, FSDP, TP) loads into any other, DCP resharding on load.
+What is saved (the Stateful adapters that make any layout load into any other, the RNG states)
+is state.py's.
 
 Loading never unpickles untrusted data. DCP (torch 2.13) reads ``.metadata`` with plain
 ``pickle.load`` and non-tensor values with ``torch.load(weights_only=False)``; both can run code
@@ -29,27 +27,17 @@ import datetime
 import json
 import logging
 import os
-import random
-import re
 import shutil
 import time
 import tomllib
 import uuid
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from paratrain.checkpoint.manifest import (
@@ -61,115 +49,11 @@ from paratrain.checkpoint.manifest import (
     write_manifest,
 )
 from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_reader
+from paratrain.checkpoint.state import DataclassState, ModelState, OptimizerState, rng_state, set_rng_state
 from paratrain.config import CheckpointConfig, ConfigError, to_toml
 from paratrain.distributed.json_collectives import all_gather_json, broadcast_json
-from paratrain.distributed.pipeline_parallel import PipelineModel
 
 log = logging.getLogger("paratrain")
-
-
-def rng_state(device: torch.device) -> dict:
-    """Python, numpy and torch RNG states as values torch.load(weights_only=True) accepts."""
-
-    np_state = np.random.get_state(legacy=False)
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            **np_state,
-            "state": {"key": np_state["state"]["key"].tolist(), "pos": int(np_state["state"]["pos"])},
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    np_state = dict(state["numpy"])
-    np_state["state"] = {"key": np.asarray(np_state["state"]["key"], dtype=np.uint32), "pos": np_state["state"]["pos"]}
-    np.random.set_state(np_state)
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-# A PipelineModel (distributed/pipeline_parallel.py) holds this rank's stages in ``parts``; each
-# stage keeps the whole model's parameter names (the split keeps the module tree), so removing the
-# ``parts.K.`` container prefix gives the names a one-process model has. Saved under those names,
-# a pp = 2 checkpoint loads at pp = 1, under FSDP/TP or exports, and back (torchtitan does the same).
-_STAGE_PREFIX = re.compile(r"^((?:state|param_groups)\.)?parts\.\d+\.")
-
-
-def _own_names(sd: dict, model: torch.nn.Module) -> tuple[dict, dict[str, str]]:
-    """``sd`` with the model's own names, and the map back to the keys ``model`` uses."""
-    if not isinstance(model, PipelineModel):
-        return sd, {}
-    back = {_STAGE_PREFIX.sub(r"\1", k): k for k in sd}
-    return {_STAGE_PREFIX.sub(r"\1", k): v for k, v in sd.items()}, back
-
-
-class ModelState(Stateful):
-    """The model through DCP's get/set_model_state_dict: names without DDP's ``module.`` prefix
-    (nor a pipeline's ``parts.K.``), DTensor shards described by their global shape, so any layout
-    loads into any other."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self._back: dict[str, str] = {}
-
-    def state_dict(self) -> dict:
-        sd, self._back = _own_names(get_model_state_dict(self.model), self.model)
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if self._back:
-            state_dict = {self._back[k]: v for k, v in state_dict.items()}
-        set_model_state_dict(self.model, state_dict)
-
-
-# Flattened (``state.<name>.<key>``, ``param_groups.<name>.<key>``): every value is keyed by a
-# parameter name, so pipeline stages that hold different parameters never write the same key
-# (nested, ``param_groups`` is a list indexed by group number and the stages' lists collide).
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class OptimizerState(Stateful):
-    """The optimiser, keyed by parameter names (get/set_optimizer_state_dict), resharded on load."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-        self._back: dict[str, str] = {}
-
-    def state_dict(self) -> dict:
-        sd, self._back = _own_names(get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT), self.model)
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if self._back:
-            state_dict = {self._back[k]: v for k, v in state_dict.items()}
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=_FLAT)
-
-
-class DataclassState(Stateful):
-    """A dataclass (the trainer's TrainState) saved with ``asdict`` and restored field by field:
-    fields added later are checkpointed without touching this module, and a field an older
-    checkpoint lacks keeps its default (``partial``: the Checkpointer loads only what it has)."""
-
-    partial = True
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def state_dict(self) -> dict:
-        return dataclasses.asdict(self.obj)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        for k, v in state_dict.items():
-            setattr(self.obj, k, v)
 
 
 def config_changes(saved: dict, now: dict) -> list[str]:

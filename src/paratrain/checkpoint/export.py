@@ -1,4 +1,5 @@
-"""``paratrain export``: a checkpoint's model weights (any layout) as one safetensors file."""
+"""The model as one safetensors file: a checkpoint's weights (``paratrain export``, any layout) and a
+run's final weights (``save_full_weights``, gathered from whatever layout trained them)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from paratrain.checkpoint.manifest import MANIFEST, resolve_checkpoint
 from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_reader
 from paratrain.config import ConfigError
+from paratrain.distributed.pipeline_parallel import PipelineModel
 
 log = logging.getLogger("paratrain")
 
@@ -55,3 +59,23 @@ def export_safetensors(checkpoint: str, to: str) -> dict:
         "tensors": len(weights),
         "parameters": sum(v.numel() for v in weights.values()),
     }
+
+
+def save_full_weights(model: nn.Module, path: str, *, is_main: bool) -> dict | None:
+    """Gather the full (unsharded, unwrapped) weights and write them from rank 0; returns them there."""
+    # Every rank takes part: with sharded layouts this is a collective.
+    if isinstance(model, PipelineModel):  # every stage's weights, gathered onto pp rank 0
+        sd = model.full_state_dict()
+    else:
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_main:
+        # Tied weights (e.g. an HF model's embedding and lm_head) come out as one tensor under
+        # two names; safetensors refuses shared memory, so the later names get a copy.
+        seen: set[int] = set()
+        out = {}
+        for k, v in sd.items():
+            v = v.contiguous()
+            out[k] = v.clone() if v.data_ptr() in seen else v
+            seen.add(v.data_ptr())
+        save_file(out, path)
+    return sd

@@ -278,163 +278,269 @@ def crosses_nodes(stride: int, size: int, ranks_per_node: int) -> bool:
     return size > 1 and (size - 1) * stride >= ranks_per_node
 
 
-def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ranks_per_node: int) -> Cost:
-    dtype = cfg.precision.dtype
-    act_bytes = DTYPES[dtype].itemsize
-    reduce_bytes = 2 if cfg.comm.compression in ("bf16", "fp16") or cfg.precision.reduce_dtype != "fp32" else 4
-    gbs, seq, d = cfg.batch.global_batch_size, stats.seq_len, stats.hidden
-    per_rank = gbs // layout.dp
-    accum = per_rank // layout.micro_batch_size
-    p, v = layout.pp, (layout.pp_virtual_stages if layout.pp > 1 else 1)
+@dataclass(frozen=True)
+class _Rank:
+    """What every term reads: the layout's work on its busiest rank, worked out once."""
 
-    # Work of the busiest pipeline rank: its blocks (and the head on the last stage).
-    n_blocks = len(stats.block_params)
-    if p > 1 and stats.model is not None:
-        stage_flops, rank_blocks, rank_params = stats.busiest_rank(p, v, SCHEDULES[layout.pp_schedule][2], cfg)
-        ppm = pp_microbatches(
-            layout.apply(cfg).parallel, pp=p, micro_batch_size=layout.micro_batch_size, accum_steps=accum
+    layout: Layout
+    cfg: Config
+    stats: ModelStats
+    hw: Profile
+    ranks_per_node: int
+    dtype: str
+    act_bytes: int
+    reduce_bytes: int
+    seq: int
+    d: int
+    per_rank: int
+    n_micro: int  # micro-batches (pipeline micro-batches under pp) per step
+    mb: int  # samples in one of them
+    stage_flops: float  # training FLOPs per token of the rank's blocks (and head)
+    rank_blocks: int
+    rank_params: float
+    share: float  # the rank's share of a compute resource (CPU cores)
+    rate: float  # achievable matmul FLOP/s of that share
+    recomputes: int  # forward recomputations per checkpointed block (2 under split backwards)
+
+    @property
+    def tokens(self) -> int:
+        return self.per_rank * self.seq
+
+    @property
+    def shard_params(self) -> float:
+        return self.rank_params / self.layout.tp
+
+    @classmethod
+    def of(cls, layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ranks_per_node: int) -> _Rank:
+        dtype = cfg.precision.dtype
+        per_rank = cfg.batch.global_batch_size // layout.dp
+        accum = per_rank // layout.micro_batch_size
+        p, v = layout.pp, (layout.pp_virtual_stages if layout.pp > 1 else 1)
+        # Work of the busiest pipeline rank: its blocks (and the head on the last stage).
+        if p > 1 and stats.model is not None:
+            stage_flops, rank_blocks, rank_params = stats.busiest_rank(p, v, SCHEDULES[layout.pp_schedule][2], cfg)
+            ppm = pp_microbatches(
+                layout.apply(cfg).parallel, pp=p, micro_batch_size=layout.micro_batch_size, accum_steps=accum
+            )
+            n_micro, mb = accum * ppm, layout.micro_batch_size // ppm
+        else:
+            stage_flops, rank_blocks, rank_params = stats.flops_per_token, len(stats.block_params), stats.total_params
+            n_micro, mb = accum, layout.micro_batch_size
+        share = 1.0 if not hw.cores else min(1.0, hw.cores / max(1, min(ranks_per_node, layout.world_size)))
+        return cls(
+            layout=layout,
+            cfg=cfg,
+            stats=stats,
+            hw=hw,
+            ranks_per_node=ranks_per_node,
+            dtype=dtype,
+            act_bytes=DTYPES[dtype].itemsize,
+            reduce_bytes=2 if cfg.comm.compression in ("bf16", "fp16") or cfg.precision.reduce_dtype != "fp32" else 4,
+            seq=stats.seq_len,
+            d=stats.hidden,
+            per_rank=per_rank,
+            n_micro=n_micro,
+            mb=mb,
+            stage_flops=stage_flops,
+            rank_blocks=rank_blocks,
+            rank_params=rank_params,
+            share=share,
+            rate=hw.achievable_flops(dtype) * share,
+            # The zero-bubble schedules split each backward into an input-gradient and a
+            # weight-gradient pass, two autograd.grad calls, and non-reentrant checkpointing
+            # recomputes per call (its recomputed tensors are keyed by the graph task id,
+            # torch/utils/checkpoint.py): the forward is run again twice. Measured at world 2 on
+            # the main GPT: full checkpointing adds 0.08 s to a 1F1B step and 0.25 s to a DualPipeV one.
+            recomputes=2 if p > 1 and layout.pp_schedule in SPLIT_BACKWARD else 1,
         )
-        n_micro, mb = accum * ppm, layout.micro_batch_size // ppm
-    else:
-        stage_flops, rank_blocks, rank_params = stats.flops_per_token, n_blocks, stats.total_params
-        n_micro, mb = accum, layout.micro_batch_size
-    share = 1.0 if not hw.cores else min(1.0, hw.cores / max(1, min(ranks_per_node, layout.world_size)))
-    rate = hw.achievable_flops(dtype) * share
-    tokens = per_rank * seq
-    block_flops_rank = stage_flops - (stats.head_flops if p == 1 else 0.0)
-    t = dict.fromkeys(TERMS, 0.0)
-    # Matmuls and attention apart: attention as MFU counts it is 12 x width x T per token and block.
-    width = stats.attention_width or d
-    attention_token = rank_blocks * 12.0 * width * seq if stats.gemms else 0.0
-    linear_flops = stage_flops - attention_token
-    slowdown = gemm_slowdown(stats, mb * seq, layout.tp, hw=hw, rate=rate, elem_bytes=act_bytes)
-    linear_s = tokens * linear_flops / layout.tp / rate * slowdown
+
+
+def compute_terms(r: _Rank) -> tuple[float, float]:
+    """(compute, recompute) seconds: the rank's matmuls and attention, and what checkpointing runs again.
+
+    Matmuls and attention apart: attention as MFU counts it is 12 x width x T per token and block.
+    Full checkpointing runs each block's forward again (a third of its matmul FLOPs); selective
+    only its pointwise ops (:func:`pointwise_term`): its matmuls and attention are saved.
+    """
+    stats, hw, layout = r.stats, r.hw, r.layout
+    block_flops_rank = r.stage_flops - (stats.head_flops if layout.pp == 1 else 0.0)
+    width = stats.attention_width or r.d
+    attention_token = r.rank_blocks * 12.0 * width * r.seq if stats.gemms else 0.0
+    linear_flops = r.stage_flops - attention_token
+    slowdown = gemm_slowdown(stats, r.mb * r.seq, layout.tp, hw=hw, rate=r.rate, elem_bytes=r.act_bytes)
+    linear_s = r.tokens * linear_flops / layout.tp / r.rate * slowdown
     block_linear_s = linear_s * (block_flops_rank - attention_token) / max(1.0, linear_flops)
     if hw.attention_efficiency:
         # Causal flash attention computes the lower half of the T x T square: forward 2 x width x T
         # per token (QK^T and PV), backward 2.5x that (it recomputes QK^T: Dao 2023, sec. 3.1).
-        att_rate = hw.peak(dtype) * hw.attention_efficiency * share
-        attention_s = tokens * rank_blocks * 7.0 * width * seq / layout.tp / att_rate
+        att_rate = hw.peak(r.dtype) * hw.attention_efficiency * r.share
+        attention_s = r.tokens * r.rank_blocks * 7.0 * width * r.seq / layout.tp / att_rate
         attention_forward_s = attention_s * 2 / 7
     else:
-        attention_s = tokens * attention_token / layout.tp / rate
+        attention_s = r.tokens * attention_token / layout.tp / r.rate
         attention_forward_s = attention_s / 3
-    t["compute"] = linear_s + attention_s
-    # Full checkpointing runs each block's forward again (a third of its matmul FLOPs); selective
-    # only its pointwise ops (in ``pointwise`` below): its matmuls and attention are saved.
-    # The zero-bubble schedules split each backward into an input-gradient and a weight-gradient
-    # pass, two autograd.grad calls, and non-reentrant checkpointing recomputes per call (its
-    # recomputed tensors are keyed by the graph task id, torch/utils/checkpoint.py): the forward
-    # is run again twice. Measured at world 2 on the main GPT: full checkpointing adds 0.08 s to a
-    # 1F1B step and 0.25 s to a DualPipeV one.
-    recomputes = 2 if p > 1 and layout.pp_schedule in SPLIT_BACKWARD else 1
+    recompute = 0.0
     if layout.activation_checkpointing == "full":
-        t["recompute"] = recomputes * (block_linear_s / 3 + attention_forward_s)
-    recomputed = layout.activation_checkpointing != "none"
+        recompute = r.recomputes * (block_linear_s / 3 + attention_forward_s)
+    return linear_s + attention_s, recompute
+
+
+def pointwise_term(r: _Rank) -> float:
+    """Seconds of the memory-bound ops (norms, activations, the loss over the vocabulary) at the
+    memory bandwidth: forward once, backward about twice (each op's gradient reads its inputs and
+    writes one), and the forward's third again when checkpointing recomputes."""
+    stats, layout = r.stats, r.layout
     if stats.pointwise != (0.0, 0.0):
-        per_token_block = stats.pointwise[0] * act_bytes + stats.pointwise[1] * 4
+        per_token_block = stats.pointwise[0] * r.act_bytes + stats.pointwise[1] * 4
     else:  # a model without recognisable blocks: the GPT block's figure per unit of width
-        per_token_block = POINTWISE_ELEMENTS / 3 * d * act_bytes
-    # Forward once, backward about twice (each op's gradient reads its inputs and writes one).
-    pointwise_bytes = tokens * rank_blocks * 3 * per_token_block / layout.tp
-    pointwise_bytes *= 1 + (recomputes / 3 if recomputed else 0)  # the forward's third, again
+        per_token_block = POINTWISE_ELEMENTS / 3 * r.d * r.act_bytes
+    pointwise_bytes = r.tokens * r.rank_blocks * 3 * per_token_block / layout.tp
+    pointwise_bytes *= 1 + (r.recomputes / 3 if layout.activation_checkpointing != "none" else 0)
     # The loss over the vocabulary (on the last stage; counted for the busiest rank as an upper bound).
-    pointwise_bytes += tokens * stats.vocab * LOSS_BYTES_PER_LOGIT / layout.tp
-    t["pointwise"] = pointwise_bytes / (hw.hbm_gbps * 1e9 * share)
-    recompute_passes = {"none": 0.0, "selective": 0.5, "full": 1.0}[layout.activation_checkpointing] * recomputes
+    pointwise_bytes += r.tokens * stats.vocab * LOSS_BYTES_PER_LOGIT / layout.tp
+    return pointwise_bytes / (r.hw.hbm_gbps * 1e9 * r.share)
+
+
+def overhead_term(r: _Rank) -> float:
+    """The fixed time of each block pass (dispatch, launches; more on DTensors) and of each FSDP
+    unit and collective (FSDP2's hooks, copy-in and copy-out): profile.py's overhead figures."""
+    layout, hw = r.layout, r.hw
+    recompute_passes = {"none": 0.0, "selective": 0.5, "full": 1.0}[layout.activation_checkpointing] * r.recomputes
     per_pass = (hw.tp_block_overhead_s or hw.block_overhead_s) if layout.tp > 1 else hw.block_overhead_s
-    t["overhead"] = n_micro * (rank_blocks * (3 + recompute_passes) + 2) * per_pass / share
+    t = r.n_micro * (r.rank_blocks * (3 + recompute_passes) + 2) * per_pass / r.share
     if layout.dp_shard > 1:
-        units = rank_blocks + 1
-        collectives = n_micro * (2 if layout.reshard_after_forward else 1) + (
-            n_micro if layout.reshard_after_forward else 1
+        units = r.rank_blocks + 1
+        collectives = r.n_micro * (2 if layout.reshard_after_forward else 1) + (
+            r.n_micro if layout.reshard_after_forward else 1
         )
-        t["overhead"] += units * collectives * hw.fsdp_unit_overhead_s / share
+        t += units * collectives * hw.fsdp_unit_overhead_s / r.share
+    return t
 
-    # Tensor parallel: all-reduces of one micro-batch's activations, on the critical path.
-    stride_tp, stride_shard = 1, layout.tp
-    stride_rep = layout.tp * layout.dp_shard
-    stride_pp = stride_rep * layout.dp_replicate
-    if layout.tp > 1 and d:
-        act = mb * seq * d * act_bytes
-        per_micro = rank_blocks * (4 + (2 * recomputes if layout.activation_checkpointing == "full" else 0)) + 2
-        inter = crosses_nodes(stride_tp, layout.tp, ranks_per_node)
-        t["tp_comm"] = n_micro * per_micro * hw.collective_s("all_reduce", act, layout.tp, inter=inter)
 
-    busy_compute = t["compute"] + t["recompute"] + t["overhead"] + t["pointwise"]
-    shard_params = rank_params / layout.tp
-    if layout.dp_shard > 1:
-        inter = crosses_nodes(stride_shard, layout.dp_shard, ranks_per_node)
-        # One FSDP unit per block and one root unit (embedding, head, final norm); one collective
-        # per unit and pass, so the per-collective latency is paid per unit.
-        block_params = sum(stats.block_params) / max(1, len(stats.block_params)) / layout.tp
-        root_params = max(0.0, shard_params - block_params * rank_blocks)
-        gather_bytes = act_bytes if dtype != "fp32" else 4
+def tp_comm_term(r: _Rank) -> float:
+    """Tensor parallel: all-reduces of one micro-batch's activations, on the critical path (four a
+    block, two more for a recomputed forward, and two outside the blocks)."""
+    layout = r.layout
+    if layout.tp <= 1 or not r.d:
+        return 0.0
+    act = r.mb * r.seq * r.d * r.act_bytes
+    per_micro = r.rank_blocks * (4 + (2 * r.recomputes if layout.activation_checkpointing == "full" else 0)) + 2
+    inter = crosses_nodes(1, layout.tp, r.ranks_per_node)
+    return r.n_micro * per_micro * r.hw.collective_s("all_reduce", act, layout.tp, inter=inter)
 
-        def unit_comm(params: float, scatter: bool) -> tuple[float, float]:
-            """(all-gather, reduce-scatter [+ HSDP's all-reduce]) seconds of one unit."""
-            ag = hw.collective_s("all_gather", params * gather_bytes, layout.dp_shard, inter=inter)
-            rs = 0.0
-            if scatter:
-                rs = hw.collective_s("reduce_scatter", params * reduce_bytes, layout.dp_shard, inter=inter)
-                if layout.dp_replicate > 1:
-                    inter_r = crosses_nodes(stride_rep, layout.dp_replicate, ranks_per_node)
-                    rs += hw.collective_s(
-                        "all_reduce", params * reduce_bytes / layout.dp_shard, layout.dp_replicate, inter=inter_r
-                    )
-            return ag, rs
 
-        # Per micro-batch: the forward gathers each unit while the previous block computes
-        # (FSDP2's prefetch), the backward gathers again when resharding and reduce-scatters
-        # each unit's gradients while the next block's backward runs (every micro-batch when
-        # resharding, else on the last one: paratrain's sync policy). Nothing hides the root's
-        # first gather nor the last reduce-scatter; a block's collective hides behind a block's
-        # compute up to ``overlap`` of it and the rest is exposed (max per layer).
-        per_block = busy_compute / max(1, n_micro) / max(1, rank_blocks)
-        fwd_block, bwd_block = per_block / 3, per_block * 2 / 3
+def fsdp_comm_term(r: _Rank, busy_compute: float) -> float:
+    """FSDP's exposed all-gathers and reduce-scatters (and HSDP's all-reduce), given the compute
+    they hide behind.
 
-        def micro_batch(scatter: bool) -> float:
-            ag_root, rs_root = unit_comm(root_params, scatter)
-            ag, rs = unit_comm(block_params, scatter)
-            bwd_ag = ag if layout.reshard_after_forward else 0.0
-            forward = ag_root + rank_blocks * max(0.0, ag - hw.overlap * fwd_block)
-            return forward + rank_blocks * max(0.0, bwd_ag + rs - hw.overlap * bwd_block) + rs_root
+    One FSDP unit per block and one root unit (embedding, head, final norm); one collective per
+    unit and pass, so the per-collective latency is paid per unit. Per micro-batch: the forward
+    gathers each unit while the previous block computes (FSDP2's prefetch), the backward gathers
+    again when resharding and reduce-scatters each unit's gradients while the next block's
+    backward runs (every micro-batch when resharding, else on the last one: paratrain's sync
+    policy). Nothing hides the root's first gather nor the last reduce-scatter; a block's
+    collective hides behind a block's compute up to ``overlap`` of it and the rest is exposed.
+    """
+    layout, hw, stats = r.layout, r.hw, r.stats
+    if layout.dp_shard <= 1:
+        return 0.0
+    inter = crosses_nodes(layout.tp, layout.dp_shard, r.ranks_per_node)
+    block_params = sum(stats.block_params) / max(1, len(stats.block_params)) / layout.tp
+    root_params = max(0.0, r.shard_params - block_params * r.rank_blocks)
+    gather_bytes = r.act_bytes if r.dtype != "fp32" else 4
 
-        scattering = n_micro if layout.reshard_after_forward else 1
-        exposed = scattering * micro_batch(True) + (n_micro - scattering) * micro_batch(False)
-        t["fsdp_comm"] = exposed
-    elif layout.dp_replicate > 1:
-        inter = crosses_nodes(stride_rep, layout.dp_replicate, ranks_per_node)
-        grad_bytes = shard_params * reduce_bytes
-        ar = hw.collective_s("all_reduce", grad_bytes, layout.dp_replicate, inter=inter)
-        last_backward = (t["compute"] * 2 / 3 + t["recompute"]) / max(1, n_micro)
-        last_bucket = min(1.0, cfg.comm.bucket_mb * 2**20 / max(1.0, grad_bytes))
-        t["dp_grad_reduce"] = max(ar - hw.overlap * last_backward, ar * last_bucket)
+    def unit_comm(params: float, scatter: bool) -> tuple[float, float]:
+        """(all-gather, reduce-scatter [+ HSDP's all-reduce]) seconds of one unit."""
+        ag = hw.collective_s("all_gather", params * gather_bytes, layout.dp_shard, inter=inter)
+        rs = 0.0
+        if scatter:
+            rs = hw.collective_s("reduce_scatter", params * r.reduce_bytes, layout.dp_shard, inter=inter)
+            if layout.dp_replicate > 1:
+                inter_r = crosses_nodes(layout.tp * layout.dp_shard, layout.dp_replicate, r.ranks_per_node)
+                rs += hw.collective_s(
+                    "all_reduce", params * r.reduce_bytes / layout.dp_shard, layout.dp_replicate, inter=inter_r
+                )
+        return ag, rs
 
-    busy = busy_compute + t["tp_comm"] + t["fsdp_comm"]
-    if p > 1:
-        bubble = (p - 1) / n_micro
-        if layout.pp_schedule in ("interleaved1f1b", "looped_bfs"):
-            bubble /= v
-        elif layout.pp_schedule == "interleaved_zb":
-            bubble /= 3 * v
-        elif layout.pp_schedule in ("zbv", "dualpipev"):
-            bubble /= 6
-        t["pp_bubble"] = busy * bubble
-        if d:
-            inter = crosses_nodes(stride_pp, p, ranks_per_node)
-            send = hw.collective_s("send_recv", mb * seq * d * act_bytes, 2, inter=inter)
-            t["pp_p2p"] = 2 * v * n_micro * send
-    step_bytes = optimizer_bytes_per_param(cfg)
-    t["optimizer"] = shard_params / layout.dp_shard * step_bytes / (hw.hbm_gbps * 1e9 * share)
-    # The step's end per parameter tensor (norm, clipping, AdamW), more on DTensors (FSDP, TP).
-    # A pipeline rank holds its blocks' tensors and, as for the parameters, half the others.
-    others = stats.tensors - stats.block_tensors * n_blocks
-    rank_tensors = stats.tensors if p == 1 else stats.block_tensors * rank_blocks + others / 2
+    per_block = busy_compute / max(1, r.n_micro) / max(1, r.rank_blocks)
+    fwd_block, bwd_block = per_block / 3, per_block * 2 / 3
+
+    def micro_batch(scatter: bool) -> float:
+        ag_root, rs_root = unit_comm(root_params, scatter)
+        ag, rs = unit_comm(block_params, scatter)
+        bwd_ag = ag if layout.reshard_after_forward else 0.0
+        forward = ag_root + r.rank_blocks * max(0.0, ag - hw.overlap * fwd_block)
+        return forward + r.rank_blocks * max(0.0, bwd_ag + rs - hw.overlap * bwd_block) + rs_root
+
+    scattering = r.n_micro if layout.reshard_after_forward else 1
+    return scattering * micro_batch(True) + (r.n_micro - scattering) * micro_batch(False)
+
+
+def dp_comm_term(r: _Rank, compute: float, recompute: float) -> float:
+    """DDP's gradient all-reduce (no sharding): what the last micro-batch's backward cannot hide,
+    and at least the last bucket's share."""
+    layout = r.layout
+    if layout.dp_shard > 1 or layout.dp_replicate <= 1:
+        return 0.0
+    inter = crosses_nodes(layout.tp * layout.dp_shard, layout.dp_replicate, r.ranks_per_node)
+    grad_bytes = r.shard_params * r.reduce_bytes
+    ar = r.hw.collective_s("all_reduce", grad_bytes, layout.dp_replicate, inter=inter)
+    last_backward = (compute * 2 / 3 + recompute) / max(1, r.n_micro)
+    last_bucket = min(1.0, r.cfg.comm.bucket_mb * 2**20 / max(1.0, grad_bytes))
+    return max(ar - r.hw.overlap * last_backward, ar * last_bucket)
+
+
+def pipeline_terms(r: _Rank, busy: float) -> tuple[float, float]:
+    """(bubble, point-to-point) seconds of a pipeline: the schedule's idle fraction of the busy
+    time, and the activation sends between stages."""
+    layout = r.layout
+    p = layout.pp
+    if p <= 1:
+        return 0.0, 0.0
+    v = layout.pp_virtual_stages
+    bubble = (p - 1) / r.n_micro
+    if layout.pp_schedule in ("interleaved1f1b", "looped_bfs"):
+        bubble /= v
+    elif layout.pp_schedule == "interleaved_zb":
+        bubble /= 3 * v
+    elif layout.pp_schedule in ("zbv", "dualpipev"):
+        bubble /= 6
+    p2p = 0.0
+    if r.d:
+        stride_pp = layout.tp * layout.dp_shard * layout.dp_replicate
+        inter = crosses_nodes(stride_pp, p, r.ranks_per_node)
+        send = r.hw.collective_s("send_recv", r.mb * r.seq * r.d * r.act_bytes, 2, inter=inter)
+        p2p = 2 * v * r.n_micro * send
+    return busy * bubble, p2p
+
+
+def optimizer_term(r: _Rank) -> float:
+    """The step's end: the optimiser's memory traffic over the rank's parameter shard, and a fixed
+    time per parameter tensor (norm, clipping, AdamW; more on DTensors under FSDP or TP). A
+    pipeline rank holds its blocks' tensors and, as for the parameters, half the others."""
+    layout, stats, hw = r.layout, r.stats, r.hw
+    t = r.shard_params / layout.dp_shard * optimizer_bytes_per_param(r.cfg) / (hw.hbm_gbps * 1e9 * r.share)
+    others = stats.tensors - stats.block_tensors * len(stats.block_params)
+    rank_tensors = stats.tensors if layout.pp == 1 else stats.block_tensors * r.rank_blocks + others / 2
     sharded = layout.dp_shard > 1 or layout.tp > 1
     per_tensor = hw.dtensor_optimizer_tensor_overhead_s if sharded else hw.optimizer_tensor_overhead_s
-    t["optimizer"] += rank_tensors * per_tensor / share
+    return t + rank_tensors * per_tensor / r.share
+
+
+def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ranks_per_node: int) -> Cost:
+    """The step time of ``layout``, term by term (:data:`TERMS`), on its busiest rank."""
+    r = _Rank.of(layout, cfg=cfg, stats=stats, hw=hw, ranks_per_node=ranks_per_node)
+    t = dict.fromkeys(TERMS, 0.0)
+    t["compute"], t["recompute"] = compute_terms(r)
+    t["pointwise"] = pointwise_term(r)
+    t["overhead"] = overhead_term(r)
+    t["tp_comm"] = tp_comm_term(r)
+    busy_compute = t["compute"] + t["recompute"] + t["overhead"] + t["pointwise"]
+    t["fsdp_comm"] = fsdp_comm_term(r, busy_compute)
+    t["dp_grad_reduce"] = dp_comm_term(r, t["compute"], t["recompute"])
+    t["pp_bubble"], t["pp_p2p"] = pipeline_terms(r, busy_compute + t["tp_comm"] + t["fsdp_comm"])
+    t["optimizer"] = optimizer_term(r)
     step = sum(t.values())
-    tokens_step = gbs * seq
-    mfu = stats.flops_per_token * tokens_step / (step * layout.world_size * hw.peak(dtype)) if step > 0 else math.nan
-    return Cost(t, step, tokens_step / step, mfu, n_micro)
+    tokens_step = cfg.batch.global_batch_size * r.seq
+    mfu = stats.flops_per_token * tokens_step / (step * layout.world_size * hw.peak(r.dtype)) if step > 0 else math.nan
+    return Cost(t, step, tokens_step / step, mfu, r.n_micro)
