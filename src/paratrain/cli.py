@@ -32,9 +32,10 @@ from paratrain.config import (
 from paratrain.data.prepare import prepare
 from paratrain.distributed.process_group import resolve_device
 from paratrain.generate import generate_text
+from paratrain.hardware import env as env_command
 from paratrain.hardware.bench_comm import add_bench_arguments, validate_bench_args, worker_args
 from paratrain.hardware.bench_compute import add_compute_arguments, compute_main
-from paratrain.hardware.env import add_env_arguments, env_main, env_worker_args
+from paratrain.hardware.env import env_main, env_worker_args
 from paratrain.launch.agent import LaunchSpec, launch
 from paratrain.launch.eval_worker import check_eval_args
 from paratrain.models.hf import export_hf
@@ -104,6 +105,13 @@ def launch_spec(args: argparse.Namespace):
     return spec
 
 
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="TOML config file")
+    add_launch_arguments(p)
+    add_set_argument(p)
+    add_resume_argument(p)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
 
     spec = launch_spec(args)
@@ -126,6 +134,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     module_args = [args.config] + [a for o in args.overrides for a in ("--set", o)]
     # After a preemption the workers leave checkpoint.exit_code_on_preempt to their node's launcher.
     return launch(spec, "paratrain.launch.worker", module_args)
+
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="TOML config file")
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a step-N checkpoint folder, or 'latest'")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_launch_arguments(p)
+    add_set_argument(p)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -153,11 +169,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="TOML config file")
+    p.add_argument("--steps", type=int, default=5, help="optimiser steps of each run (default 5)")
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=1e-4,
+        help="relative tolerance of losses, gradient norms and parameters (default 1e-4)",
+    )
+    p.add_argument("--out-dir", default="", help="where both runs write (default: RUN.OUT_DIR/verify)")
+    add_launch_arguments(p)
+    add_set_argument(p)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
 
     return verify(
         args.config, args.overrides, spec=launch_spec(args), steps=args.steps, tol=args.tol, out_dir=args.out_dir
     )
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out_dir", help="run.out_dir of a finished run")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -173,6 +212,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, directories (recursive) or globs")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (shards, tokenizer.json, meta.json)")
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="SPEC",
+        help="'bytes', 'bpe:VOCAB' (trained here), or a tokenizer.json / its dir",
+    )
+    p.add_argument("--text-field", default="text", help="field (jsonl) or column (parquet) of the text (default text)")
+    p.add_argument(
+        "--val-fraction", type=float, default=0.005, help="share of documents in the val split (default 0.005)"
+    )
+    p.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1)")
+    p.add_argument(
+        "--eos", type=int, default=None, metavar="ID", help="EOS id after each document (default: the tokenizer's)"
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="skip files whose path matches (fnmatch; repeatable)",
+    )
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -194,6 +259,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         f" ({meta['dtype']}), EOS {meta['eos_id']} -> {args.out}"
     )
     return 0
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a step-N checkpoint folder (or a checkpoints folder: its newest)")
+    p.add_argument("--to", metavar="FILE", help="output .safetensors file")
+    p.add_argument(
+        "--hf", metavar="DIR", help="output directory in transformers format (runs with model.hf): from_pretrained(DIR)"
+    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -222,12 +295,30 @@ def export_hf_dir(checkpoint: str, out_dir: str) -> int:
     return 0
 
 
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", default=None, help="TOML config file (defaults if omitted)")
+    p.add_argument("--keys", action="store_true", help="list every key with its type, default and meaning")
+    add_set_argument(p)
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     if args.keys:
         print(describe_keys())
     else:
         print(to_toml(load_config(args.config, args.overrides)), end="")
     return 0
+
+
+def add_bench_commands(p: argparse.ArgumentParser) -> None:
+    """``paratrain bench comm|compute``: two commands of their own under ``bench``."""
+    bench = p.add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("comm", help="collective bandwidth on the job's processes (checked results, slow links)")
+    add_launch_arguments(p)
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench_comm)
+    p = bench.add_parser("compute", help="matmul FLOP/s and memory-copy bandwidth of one device")
+    add_compute_arguments(p)
+    p.set_defaults(func=cmd_bench_compute)
 
 
 def cmd_bench_comm(args: argparse.Namespace) -> int:
@@ -242,12 +333,32 @@ def cmd_bench_compute(args: argparse.Namespace) -> int:
     return compute_main(args)
 
 
+def add_env_arguments(p: argparse.ArgumentParser) -> None:
+    add_launch_arguments(p)
+    env_command.add_env_arguments(p)
+
+
 def cmd_env(args: argparse.Namespace) -> int:
 
     spec = launch_spec(args)
     if spec.world_size == 1:
         return env_main(args)
     return launch(spec, "paratrain.hardware.env", env_worker_args(args))
+
+
+def add_find_batch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="TOML config file")
+    p.add_argument(
+        "--memory-gib", type=float, default=None, help="per-rank memory budget in GiB (implies the estimate)"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object as the last line (the table goes to stderr)"
+    )
+    p.add_argument("--estimate", action="store_true", help="estimate on fake tensors even where a GPU could run trials")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="processes per node of the job to plan (default 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job to plan (default 1)")
+    p.add_argument("--local-processes", type=int, default=0, help=argparse.SUPPRESS)  # RAM share on CPU
+    add_set_argument(p)
 
 
 def cmd_find_batch(args: argparse.Namespace) -> int:
@@ -288,110 +399,19 @@ def cli_find_batch(cfg: Config, *, world_size: int, local_processes: int, estima
     return 0
 
 
+def add_report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run.out_dir of runs (config.toml, metrics.jsonl)")
+    p.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
+    p.add_argument("--png", default="", metavar="FILE", help="also write the plots alone to this PNG")
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     info = write_report(args.run_dirs, out=args.out, png=args.png)
     print(f"report of {info['runs']} run(s) written to {args.out}" + (f" and {args.png}" if args.png else ""))
     return 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    return cli_plan(
-        load_config(args.config, args.overrides),
-        nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes,
-        hardware=args.hardware,
-        calibrate_files=args.calibrate,
-        memory_gib=args.memory_gib,
-        top=args.top,
-        as_json=args.json,
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="paratrain", description="Train any PyTorch model on many processes, GPUs and machines."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("train", help="train a config (through torchrun's launcher)")
-    p.add_argument("config", help="TOML config file")
-    add_launch_arguments(p)
-    add_set_argument(p)
-    add_resume_argument(p)
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("prepare", help="tokenise text files, jsonl or parquet into token shards for data.name='tokens'")
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, directories (recursive) or globs")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (shards, tokenizer.json, meta.json)")
-    p.add_argument(
-        "--tokenizer",
-        required=True,
-        metavar="SPEC",
-        help="'bytes', 'bpe:VOCAB' (trained here), or a tokenizer.json / its dir",
-    )
-    p.add_argument("--text-field", default="text", help="field (jsonl) or column (parquet) of the text (default text)")
-    p.add_argument(
-        "--val-fraction", type=float, default=0.005, help="share of documents in the val split (default 0.005)"
-    )
-    p.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1)")
-    p.add_argument(
-        "--eos", type=int, default=None, metavar="ID", help="EOS id after each document (default: the tokenizer's)"
-    )
-    p.add_argument(
-        "--exclude",
-        action="append",
-        default=[],
-        metavar="PATTERN",
-        help="skip files whose path matches (fnmatch; repeatable)",
-    )
-    p.set_defaults(func=cmd_prepare)
-
-    p = sub.add_parser("eval", help="the validation loss of a checkpoint ([data] and [eval] of CONFIG), any world size")
-    p.add_argument("config", help="TOML config file")
-    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a step-N checkpoint folder, or 'latest'")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    add_launch_arguments(p)
-    add_set_argument(p)
-    p.set_defaults(func=cmd_eval)
-
-    p = sub.add_parser("export", help="write a checkpoint's full weights (any layout) to safetensors or an HF dir")
-    p.add_argument("checkpoint", help="a step-N checkpoint folder (or a checkpoints folder: its newest)")
-    p.add_argument("--to", metavar="FILE", help="output .safetensors file")
-    p.add_argument(
-        "--hf", metavar="DIR", help="output directory in transformers format (runs with model.hf): from_pretrained(DIR)"
-    )
-    p.set_defaults(func=cmd_export)
-    p = sub.add_parser("verify", help="run a layout and the single-process reference; compare losses and weights")
-    p.add_argument("config", help="TOML config file")
-    p.add_argument("--steps", type=int, default=5, help="optimiser steps of each run (default 5)")
-    p.add_argument(
-        "--tol",
-        type=float,
-        default=1e-4,
-        help="relative tolerance of losses, gradient norms and parameters (default 1e-4)",
-    )
-    p.add_argument("--out-dir", default="", help="where both runs write (default: RUN.OUT_DIR/verify)")
-    add_launch_arguments(p)
-    add_set_argument(p)
-    p.set_defaults(func=cmd_verify)
-    p = sub.add_parser(
-        "find-batch", help="find the largest micro-batch that fits in memory (trials on CUDA, else an estimate)"
-    )
-    p.add_argument("config", help="TOML config file")
-    p.add_argument(
-        "--memory-gib", type=float, default=None, help="per-rank memory budget in GiB (implies the estimate)"
-    )
-    p.add_argument(
-        "--json", action="store_true", help="print one JSON object as the last line (the table goes to stderr)"
-    )
-    p.add_argument("--estimate", action="store_true", help="estimate on fake tensors even where a GPU could run trials")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="processes per node of the job to plan (default 1)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job to plan (default 1)")
-    p.add_argument("--local-processes", type=int, default=0, help=argparse.SUPPRESS)  # RAM share on CPU
-    add_set_argument(p)
-    p.set_defaults(func=cmd_find_batch)
-
-    p = sub.add_parser("plan", help="rank the layouts of a config on a cluster: predicted step time and memory")
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="TOML config file")
     p.add_argument("--nproc-per-node", type=int, required=True, help="GPUs (processes) per node")
     p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
@@ -407,45 +427,79 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line (table to stderr)")
     add_set_argument(p)
-    p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("generate", help="sample text from a trained byte-level GPT")
-    p.add_argument("out_dir", help="run.out_dir of a finished run")
-    p.add_argument("--prompt", default="def ")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("report", help="one self-contained HTML page comparing runs (plots, layouts, config diff)")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run.out_dir of runs (config.toml, metrics.jsonl)")
-    p.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
-    p.add_argument("--png", default="", metavar="FILE", help="also write the plots alone to this PNG")
-    p.set_defaults(func=cmd_report)
+def cmd_plan(args: argparse.Namespace) -> int:
+    return cli_plan(
+        load_config(args.config, args.overrides),
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        hardware=args.hardware,
+        calibrate_files=args.calibrate,
+        memory_gib=args.memory_gib,
+        top=args.top,
+        as_json=args.json,
+    )
 
-    p = sub.add_parser("config", help="print the resolved config, or every key with --keys")
-    p.add_argument("config", nargs="?", default=None, help="TOML config file (defaults if omitted)")
-    p.add_argument("--keys", action="store_true", help="list every key with its type, default and meaning")
-    add_set_argument(p)
-    p.set_defaults(func=cmd_config)
 
-    # --- communication and hardware: bench comm, bench compute, env ---------------------------
+# The subcommands: (name, help, the function that adds its arguments, the function that runs it).
+# ``bench`` has commands of its own (comm, compute), each with its own function.
+COMMANDS = (
+    ("train", "train a config (through torchrun's launcher)", add_train_arguments, cmd_train),
+    (
+        "prepare",
+        "tokenise text files, jsonl or parquet into token shards for data.name='tokens'",
+        add_prepare_arguments,
+        cmd_prepare,
+    ),
+    (
+        "eval",
+        "the validation loss of a checkpoint ([data] and [eval] of CONFIG), any world size",
+        add_eval_arguments,
+        cmd_eval,
+    ),
+    (
+        "export",
+        "write a checkpoint's full weights (any layout) to safetensors or an HF dir",
+        add_export_arguments,
+        cmd_export,
+    ),
+    (
+        "verify",
+        "run a layout and the single-process reference; compare losses and weights",
+        add_verify_arguments,
+        cmd_verify,
+    ),
+    (
+        "find-batch",
+        "find the largest micro-batch that fits in memory (trials on CUDA, else an estimate)",
+        add_find_batch_arguments,
+        cmd_find_batch,
+    ),
+    ("plan", "rank the layouts of a config on a cluster: predicted step time and memory", add_plan_arguments, cmd_plan),
+    ("generate", "sample text from a trained byte-level GPT", add_generate_arguments, cmd_generate),
+    (
+        "report",
+        "one self-contained HTML page comparing runs (plots, layouts, config diff)",
+        add_report_arguments,
+        cmd_report,
+    ),
+    ("config", "print the resolved config, or every key with --keys", add_config_arguments, cmd_config),
+    ("bench", "benchmark collectives (comm) or one device (compute)", add_bench_commands, None),
+    ("env", "versions, devices, network, variables and the problems found, with advice", add_env_arguments, cmd_env),
+)
 
-    p = sub.add_parser("bench", help="benchmark collectives (comm) or one device (compute)")
-    bench = p.add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("comm", help="collective bandwidth on the job's processes (checked results, slow links)")
-    add_launch_arguments(p)
-    add_bench_arguments(p)
-    p.set_defaults(func=cmd_bench_comm)
-    p = bench.add_parser("compute", help="matmul FLOP/s and memory-copy bandwidth of one device")
-    add_compute_arguments(p)
-    p.set_defaults(func=cmd_bench_compute)
 
-    p = sub.add_parser("env", help="versions, devices, network, variables and the problems found, with advice")
-    add_launch_arguments(p)
-    add_env_arguments(p)
-    p.set_defaults(func=cmd_env)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paratrain", description="Train any PyTorch model on many processes, GPUs and machines."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_, add_arguments, run in COMMANDS:
+        p = sub.add_parser(name, help=help_)
+        add_arguments(p)
+        if run is not None:
+            p.set_defaults(func=run)
     return parser
 
 
