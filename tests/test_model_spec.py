@@ -76,3 +76,20 @@ def test_the_preflight_takes_the_tp_plan_and_blocks_from_the_spec():
 def test_the_gpt_spec_checks_its_own_heads():
     with pytest.raises(ConfigError, match="does not divide model.args.n_head = 3"):
         GPT_SPEC.check_layout({"n_head": 3, "d_model": 48}, tp=2, sequence_parallel=False)
+
+
+def test_plan_reads_blocks_through_the_spec():
+    """`paratrain plan` counts a model's blocks as the trainer does, through its spec's blocks_attr
+    (it once looked at `model.layers` whatever the spec said, so Stack had no blocks for it)."""
+    from paratrain.plan.cost import ModelStats
+    from paratrain.plan.enumerate import count_blocks, enumerate_layouts, meta_build
+    from paratrain.plan.memory import MemoryModel
+
+    cfg = _cfg("stack_spec", "data.factory='tests.toy:regression'")
+    model, spec = meta_build(cfg)
+    assert spec.blocks_attr == "blocks" and count_blocks(model, spec) == 3
+    stats = ModelStats.of(model, cfg, spec=spec)
+    assert len(stats.block_params) == 3 and stats.block_tensors == 4 and stats.blocks_attr == "blocks"
+    assert MemoryModel(cfg, model=model, n_blocks=3, spec=spec)._block_sizes() == [2 * (8 * 8 + 8)] * 3
+    layouts, _ = enumerate_layouts(cfg, world_size=2, nproc_per_node=2)
+    assert any(lay.pp == 2 for lay in layouts)

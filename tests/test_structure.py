@@ -99,6 +99,67 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycle is not None and cycle[0] == cycle[-1]
 
 
+# The package's floors, bottom-up (docs/structure.md): a module imports only from its own room or
+# from a lower floor (rooms that share a floor are siblings and import nothing of each other). A
+# room is a root module or a package; every room must be placed, so a new one gets a floor.
+LAYERS = (
+    ("config", "preemption"),
+    ("loss", "optim", "precision"),
+    ("distributed",),
+    ("models", "checkpoint", "hardware", "step"),
+    ("data", "observability"),
+    ("batch", "generate"),
+    ("preflight", "evaluate"),
+    ("plan", "trainer"),
+    ("launch",),
+    ("verify", "train", "paratrain"),
+    ("cli",),
+    ("__main__",),
+)
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "paratrain"
+
+
+def _upward(graph: dict[str, set[str]], layers=LAYERS) -> list[tuple[str, str]]:
+    floor = {room: i for i, rooms in enumerate(layers) for room in rooms}
+    return [
+        (m, t)
+        for m, ts in sorted(graph.items())
+        for t in sorted(ts)
+        if _room(t) != _room(m) and floor[_room(t)] >= floor[_room(m)]
+    ]
+
+
+def test_every_import_runs_down_the_floors():
+    graph = _graph()
+    placed = {room for rooms in LAYERS for room in rooms}
+    assert {_room(m) for m in graph} <= placed, (
+        f"rooms without a floor in LAYERS: { ({_room(m) for m in graph} - placed) }"
+    )
+    assert not _upward(graph), "imports running back up (or sideways): " + ", ".join(f"{m} -> {t}" for m, t in _upward(graph))
+
+
+def test_the_layering_test_finds_the_old_compile_arrow():
+    """Before distributed/compile.py, ``compiling.py`` sat at the root: distributed/parallelize.py
+    imported it and it imported distributed/data_parallel.py. Wherever that room is placed, one of
+    the two arrows runs up (the cycle test could not see it: no module-level cycle)."""
+    graph = _graph()
+    graph["paratrain.distributed.parallelize"] = graph["paratrain.distributed.parallelize"] | {"paratrain.compiling"}
+    graph["paratrain.compiling"] = {"paratrain.distributed.data_parallel"}
+    for floor in range(len(LAYERS)):
+        layers = tuple(rooms + (("compiling",) if i == floor else ()) for i, rooms in enumerate(LAYERS))
+        assert _upward(graph, layers), f"the old compile arrow passes with compiling on floor {floor}"
+
+
+def test_the_root_keeps_the_main_path():
+    """At most 15 root modules (27 before the packages): the rest has a home per concern."""
+    root = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    assert len(root) <= 15, root
+
+
 def test_distributed_imports_no_model():
     """distributed/ gets the model's pieces (blocks, plan) as arguments (models/spec.py)."""
     graph = _graph()
