@@ -139,7 +139,9 @@ def test_every_import_runs_down_the_floors():
     assert {_room(m) for m in graph} <= placed, (
         f"rooms without a floor in LAYERS: { ({_room(m) for m in graph} - placed) }"
     )
-    assert not _upward(graph), "imports running back up (or sideways): " + ", ".join(f"{m} -> {t}" for m, t in _upward(graph))
+    assert not _upward(graph), "imports running back up (or sideways): " + ", ".join(
+        f"{m} -> {t}" for m, t in _upward(graph)
+    )
 
 
 def test_the_layering_test_finds_the_old_compile_arrow():
