@@ -105,9 +105,9 @@ def test_the_cycle_finder_finds_a_cycle():
 LAYERS = (
     ("config", "preemption"),
     ("loss", "optim", "precision"),
-    ("distributed",),
+    ("distributed", "data"),
     ("models", "checkpoint", "hardware", "step"),
-    ("data", "observability"),
+    ("observability",),
     ("batch", "generate"),
     ("preflight", "evaluate"),
     ("plan", "trainer"),

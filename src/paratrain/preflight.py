@@ -16,7 +16,8 @@ from torch import nn
 from paratrain.batch.plan import BatchPlan, plan_batch
 from paratrain.config import Config, ConfigError
 from paratrain.data import dataset_builder
-from paratrain.data.tokens import resolve_model_vocab
+from paratrain.data.packing import IGNORE_INDEX
+from paratrain.data.tokens import resolve_model_vocab, resolve_packing, tokens_meta
 from paratrain.distributed.grad_compression import check_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout
@@ -53,6 +54,7 @@ def check_run(
         global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp
     )
     check_feature_combinations(cfg, dims)
+    check_packing(cfg, dims)
     check_eval(cfg, dims, plan)
     if dims.tp > 1 or dims.pp > 1:
         meta_model, spec = model_on_meta(cfg, model, spec)
@@ -172,6 +174,31 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
                 "batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
                 " set batch.micro_batch_size to a number with parallel.pp > 1"
             )
+
+
+def check_packing(cfg: Config, dims: ParallelDims) -> None:
+    """Packed documents (data/packing.py): what reads them, and what this version refuses."""
+    meta = tokens_meta(cfg.data)
+    if meta is None:
+        return
+    packing = resolve_packing(cfg.data.args.get("packing", ""), meta)
+    if packing == "stream":
+        return
+    if cfg.loss.ignore_index != IGNORE_INDEX:
+        raise ConfigError(
+            f"loss.ignore_index = {cfg.loss.ignore_index}: packed documents mark what is not a target with"
+            f" {IGNORE_INDEX}; set loss.ignore_index = {IGNORE_INDEX}"
+        )
+    if cfg.model.factory:
+        raise ConfigError(
+            f"data.args.packing = {packing!r} feeds (batch, 2, T) token and position ids, which the built-in GPT and"
+            " model.hf read; a model.factory model does not (yet): use one of those"
+        )
+    if dims.pp > 1:
+        raise ConfigError(
+            f"data.args.packing = {packing!r} with parallel.pp = {dims.pp}: the later pipeline stages do not receive"
+            " the documents' positions yet; use parallel.pp = 1 (DDP, FSDP2, TP and their compositions run it)"
+        )
 
 
 def check_eval(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> BatchPlan:

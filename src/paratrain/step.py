@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import ConfigError
+from paratrain.data.packing import count_input_tokens
 from paratrain.distributed.data_parallel import maybe_no_sync
 from paratrain.distributed.grad_norm import clip_grad_norm_
 from paratrain.distributed.pipeline_parallel import PipelineModel, pipeline_forward, pipeline_forward_backward
@@ -87,7 +88,11 @@ def to_device(obj, device: torch.device):
 
 
 def count_tokens(inputs) -> int:
-    """Token ids count one each; any other input counts one per sample."""
+    """Token ids count one each (packed documents: their real tokens, not the padding); any other
+    input counts one per sample."""
+    packed = count_input_tokens(inputs)
+    if packed is not None:
+        return packed
     if isinstance(inputs, torch.Tensor):
         return inputs.numel() if not inputs.is_floating_point() else inputs.shape[0]
     return len(inputs)

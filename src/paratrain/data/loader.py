@@ -2,7 +2,7 @@
 
 It is ``torch.utils.data.DataLoader`` over a dataset whose items are *steps*: item = this rank's
 list of micro-batch index lists, value = the list of collated micro-batches
-(``default_collate([dataset[i] for i in mb])`` each). The index lists come from a
+(the dataset's collate, ``default_collate`` by default, of ``[dataset[i] for i in mb]`` each). The index lists come from a
 ``StepSampler``, a pure function of ``consumed_samples`` (batching.GlobalBatchSampler), so the
 loader holds no state but its queue: resume, resize or a change of batch size is a new loader
 started at another position. The DataLoader keeps the order of its sampler whatever
@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from paratrain.data.sampler import GlobalBatchSampler, micro_batches, rank_slice
+from paratrain.data.sampler import GlobalBatchSampler, collate_of, micro_batches, rank_slice
 
 
 class StepSampler(Sampler):
@@ -58,9 +58,10 @@ class CollatedSteps(Dataset):
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
+        self.collate = collate_of(dataset)
 
     def __getitem__(self, step: list[list[int]]) -> list:
-        return [default_collate([self.dataset[i] for i in mb]) for mb in step]
+        return [self.collate([self.dataset[i] for i in mb]) for mb in step]
 
 
 def build_loader(

@@ -15,6 +15,13 @@ vocabulary fits (half the bytes) else ``uint32``. Design decisions:
   files never moves an old document across the split, and duplicates land in the same split.
 - ``meta.json`` is the completeness marker (like a checkpoint's manifest): it is removed first,
   written last, atomically (tmp + ``os.replace``), and lists size and SHA-256 of every file.
+
+Format 2 (``paratrain-tokens/2``) adds, per split, the length of every document
+(``{split}-docs-*.bin``, uint32), so that training can pack whole documents
+(``data.args.packing``), and for conversations (``--format chat|prompt``, data/chat.py) a loss
+mask beside the tokens (``{split}-mask-*.bin``, one uint8 per token: 1 where the token is a
+target). A chat or prompt document is exactly its chat-template rendering, with no EOS appended.
+Format 1 corpora still load (as pretraining streams).
 """
 
 from __future__ import annotations
@@ -36,9 +43,20 @@ import numpy as np
 from tqdm import tqdm
 
 from paratrain.config import ConfigError
+from paratrain.data.chat import (
+    FORMATS,
+    HF_TOKENIZER_DIR,
+    LOSS_ON,
+    detect_format,
+    encode_conversation,
+    load_chat_tokenizer,
+    row_key,
+    row_messages,
+)
 
 META = "meta.json"
-FORMAT = "paratrain-tokens/1"
+FORMAT = "paratrain-tokens/2"
+FORMATS_READ = ("paratrain-tokens/1", FORMAT)
 TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val")
 # Files taken from a directory (any file named explicitly is taken whatever its name).
@@ -87,6 +105,51 @@ def _open_text(path: str) -> io.TextIOBase:
     return open(path, encoding="utf-8", errors="replace", newline="")
 
 
+def iter_rows(files: list[str]) -> Iterator[tuple[str, dict]]:
+    """(where, row) of every jsonl line or parquet row: the records of a chat or prompt corpus."""
+    for path in files:
+        name = path[:-3] if path.endswith(".gz") else path
+        if name.endswith(".parquet"):
+            pf = _parquet_file(path)
+            n = 0
+            for batch in pf.iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    n += 1
+                    yield f"{path} row {n}", row
+        elif name.endswith(".jsonl"):
+            with _open_text(path) as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line")
+                    if not isinstance(row, dict):
+                        raise ConfigError(f"{path}:{lineno}: a row must be a JSON object; fix the line")
+                    yield f"{path}:{lineno}", row
+        else:
+            raise ConfigError(f"{path}: --format chat/prompt reads .jsonl or .parquet rows; convert the file")
+
+
+def first_row(files: list[str]) -> tuple[str, dict] | None:
+    """The first record of the inputs (for ``--format auto``), or None for plain text files."""
+    for path in files:
+        name = path[:-3] if path.endswith(".gz") else path
+        if name.endswith((".jsonl", ".parquet")):
+            return next(iter_rows([path]), None)
+        return None
+    return None
+
+
+def _parquet_file(path: str):
+    try:
+        import pyarrow.parquet as pq  # optional extra `parquet`: imported only for .parquet inputs
+    except ImportError:
+        raise ConfigError(f"{path}: reading .parquet needs pyarrow; pip install 'paratrain[parquet]'")
+    return pq.ParquetFile(path)
+
+
 def iter_documents(files: list[str], text_field: str = "text") -> Iterator[str]:
     """Documents as strings, streamed: one per plain file, one per jsonl line or parquet row."""
     for path in files:
@@ -118,11 +181,7 @@ def _iter_jsonl(path: str, text_field: str) -> Iterator[str]:
 
 
 def _iter_parquet(path: str, text_field: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq  # optional extra `parquet`: imported only for .parquet inputs
-    except ImportError:
-        raise ConfigError(f"{path}: reading .parquet needs pyarrow; pip install 'paratrain[parquet]'")
-    pf = pq.ParquetFile(path)
+    pf = _parquet_file(path)
     if text_field not in pf.schema_arrow.names:
         raise ConfigError(f"{path}: no column {text_field!r}; pass --text-field with the column holding the text")
     for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
@@ -262,17 +321,68 @@ def encode_chunk(texts: list[str], val_fraction: float, dtype: str) -> dict:
     """Token arrays of one chunk per split (documents in order, each followed by EOS)."""
     enc = _ENCODER
     out = {s: [] for s in SPLITS}
-    docs = dict.fromkeys(SPLITS, 0)
+    lengths = {s: [] for s in SPLITS}
     eos = np.array([enc.eos_id], dtype=dtype)
     for text, ids in zip(texts, enc.encode_batch(texts)):
         split = split_of(text, val_fraction)
         out[split] += [np.asarray(ids, dtype=dtype), eos]
-        docs[split] += 1
+        lengths[split].append(len(ids) + 1)
     return {
         "tokens": {s: np.concatenate(v) if v else np.empty(0, dtype) for s, v in out.items()},
-        "docs": docs,
+        "lengths": lengths,
         "text_bytes": sum(len(t.encode("utf-8", errors="replace")) for t in texts),
     }
+
+
+_CHAT: tuple | None = None  # (transformers tokenizer, format, loss_on) of a chat worker
+
+
+def _init_chat_worker(tokenizer_dir: str, fmt: str, loss_on: str) -> None:
+    global _CHAT
+    _CHAT = (load_chat_tokenizer(tokenizer_dir), fmt, loss_on)
+
+
+def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
+    """Token and loss-mask arrays of one chunk of chat or prompt rows per split (data/chat.py);
+    a row with no trainable token is skipped and counted, a longer one cut to ``max_length``."""
+    tok, fmt, loss_on = _CHAT
+    out = {s: [] for s in SPLITS}
+    masks = {s: [] for s in SPLITS}
+    lengths = {s: [] for s in SPLITS}
+    skipped = truncated = text_bytes = 0
+    for where, row in rows:
+        messages, first = row_messages(row, fmt, where)
+        ids, mask = encode_conversation(tok, messages, first, loss_on=loss_on, where=where)
+        key = row_key(row)
+        text_bytes += len(key.encode("utf-8", errors="replace"))
+        if max_length and len(ids) > max_length:
+            ids, mask, truncated = ids[:max_length], mask[:max_length], truncated + 1
+        if not mask[1:].any():  # the first token is never a target: nothing precedes it
+            skipped += 1
+            continue
+        split = split_of(key, val_fraction)
+        out[split].append(ids.astype(dtype))
+        masks[split].append(mask)
+        lengths[split].append(len(ids))
+    return {
+        "tokens": {s: np.concatenate(v) if v else np.empty(0, dtype) for s, v in out.items()},
+        "masks": {s: np.concatenate(v) if v else np.empty(0, np.uint8) for s, v in masks.items()},
+        "lengths": lengths,
+        "skipped": skipped,
+        "truncated": truncated,
+        "text_bytes": text_bytes,
+    }
+
+
+def _row_chunks(rows: Iterator[tuple[str, dict]]) -> Iterator[list[tuple[str, dict]]]:
+    chunk: list = []
+    for item in rows:
+        chunk.append(item)
+        if len(chunk) >= 256:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
@@ -289,22 +399,23 @@ def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def encoded_chunks(chunks: Iterator[list[str]], *, spec: TokenizerSpec, workers: int, val_fraction: float, dtype: str):
-    """encode_chunk over the chunks, in order, with at most 2 x workers chunks in flight."""
+def encoded_chunks(chunks: Iterator[list], *, workers: int, init, init_args: tuple, fn, args: tuple):
+    """``fn(chunk, *args)`` over the chunks, in order, with at most 2 x workers chunks in flight;
+    ``init(*init_args)`` builds each worker's tokenizer."""
     if workers <= 1:
-        _init_worker(spec)
+        init(*init_args)
         for chunk in chunks:
-            yield encode_chunk(chunk, val_fraction, dtype)
+            yield fn(chunk, *args)
         return
     # fork: workers start at once and share the parent's pages (a spawned worker would import
     # torch again through the package, about 300 MB each). Safe for tokenizers because
     # TOKENIZERS_PARALLELISM=false is set before any use: its thread pool, which does not survive
     # a fork (huggingface/tokenizers#187), never starts.
     ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+    with ctx.Pool(workers, initializer=init, initargs=init_args) as pool:
         pending: deque = deque()
         for chunk in chunks:
-            pending.append(pool.apply_async(encode_chunk, (chunk, val_fraction, dtype)))
+            pending.append(pool.apply_async(fn, (chunk, *args)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:
@@ -315,15 +426,17 @@ def encoded_chunks(chunks: Iterator[list[str]], *, spec: TokenizerSpec, workers:
 
 
 class ShardWriter:
-    """Appends tokens to ``{split}-00000.bin``, ... , hashing as it writes (no second read)."""
+    """Appends tokens to ``{split}-00000.bin``, ... , hashing as it writes (no second read);
+    ``kind`` "mask" and "docs" write ``{split}-mask-00000.bin`` and ``{split}-docs-00000.bin``."""
 
-    def __init__(self, out_dir: str, split: str, dtype: str):
+    def __init__(self, out_dir: str, split: str, dtype: str, kind: str = ""):
         self.out_dir, self.split, self.itemsize = out_dir, split, np.dtype(dtype).itemsize
+        self.prefix = f"{split}-{kind}-" if kind else f"{split}-"
         self.files: list[dict] = []
         self._f = None
 
     def _open(self) -> None:
-        name = f"{self.split}-{len(self.files):05d}.bin"
+        name = f"{self.prefix}{len(self.files):05d}.bin"
         self._f = open(os.path.join(self.out_dir, name), "wb")
         self._sha = hashlib.sha256()
         self.files.append({"name": name, "tokens": 0, "bytes": 0, "sha256": ""})
@@ -398,11 +511,12 @@ def _check_out_dir(out_dir: str, fingerprint: dict) -> None:
     # A half-written corpus must never be taken for complete: the marker goes first.
     for name in os.listdir(out_dir):
         if _ours(name) and name != TOKENIZER_FILE:
-            os.remove(os.path.join(out_dir, name))
+            path = os.path.join(out_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def _ours(name: str) -> bool:
-    return name in (META, META + ".tmp", TOKENIZER_FILE, TOKENIZER_FILE + ".tmp") or (
+    return name in (META, META + ".tmp", TOKENIZER_FILE, TOKENIZER_FILE + ".tmp", HF_TOKENIZER_DIR) or (
         name.endswith(".bin") and name.split("-")[0] in SPLITS
     )
 
@@ -422,20 +536,38 @@ def prepare(
     eos: int | None = None,
     exclude: list[str] = (),
     progress: bool = True,
+    fmt: str = "text",
+    chat_template: str = "",
+    loss_on: str = "assistant",
+    max_length: int = 0,
 ) -> dict:
-    """Tokenise ``inputs`` into ``out_dir``; returns the meta.json dict."""
+    """Tokenise ``inputs`` into ``out_dir``; returns the meta.json dict.
+
+    ``fmt``: ``text`` (documents, each followed by EOS), ``chat`` or ``prompt`` (rows rendered by
+    the tokenizer's chat template, with a loss mask: data/chat.py), ``auto`` (by the first row's fields).
+    """
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # --workers is the only parallelism (see module doc)
-    if not 0 <= val_fraction < 1:
-        raise ConfigError(f"--val-fraction {val_fraction} must be within [0, 1)")
+    if not 0 <= val_fraction <= 1:
+        raise ConfigError(f"--val-fraction {val_fraction} must be within [0, 1] (1: every document into val)")
     if workers < 1:
         raise ConfigError(f"--workers {workers} must be >= 1")
     if eos is not None and eos < 0:
         raise ConfigError(f"--eos {eos} must be >= 0")
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+    if loss_on not in LOSS_ON:
+        raise ConfigError(f"--loss-on {loss_on!r} is unknown; use one of {', '.join(LOSS_ON)}")
+    if max_length < 0:
+        raise ConfigError(f"--max-length {max_length} must be >= 0 (0: documents are kept whole)")
     if not inputs:
         raise ConfigError("prepare needs at least one INPUT (file, directory or glob)")
     files = expand_inputs(inputs, list(exclude))
     if not files:
         raise ConfigError(f"inputs {inputs} hold no text files; give files, directories of text or globs")
+    if fmt == "auto":
+        first = first_row(files)
+        fmt = "text" if first is None else detect_format(first[1], first[0])
+    chat = fmt in ("chat", "prompt")
     fingerprint = {
         "inputs": [os.path.abspath(p) for p in inputs],
         "tokenizer": tokenizer if tokenizer == "bytes" or tokenizer.startswith("bpe:") else os.path.abspath(tokenizer),
@@ -443,12 +575,32 @@ def prepare(
         "val_fraction": val_fraction,
         "eos": eos,
         "exclude": list(exclude),
+        "format": fmt,
+        **({"chat_template": os.path.abspath(chat_template), "loss_on": loss_on} if chat else {}),
+        "max_length": max_length,
     }
     _check_out_dir(out_dir, fingerprint)
-    spec = resolve_tokenizer(tokenizer, eos=eos, files=files, text_field=text_field, out_dir=out_dir)
+    if chat:
+        tok = load_chat_tokenizer(tokenizer, chat_template)
+        tok.save_pretrained(os.path.join(out_dir, HF_TOKENIZER_DIR))  # with the template it was rendered by
+        tok.backend_tokenizer.save(os.path.join(out_dir, TOKENIZER_FILE))
+        eos_id = tok.eos_token_id if eos is None else eos
+        spec = TokenizerSpec(
+            "huggingface", os.path.join(out_dir, TOKENIZER_FILE), -1 if eos_id is None else eos_id, len(tok)
+        )
+        chunks = _row_chunks(iter_rows(files))
+        init, init_args = _init_chat_worker, (os.path.join(out_dir, HF_TOKENIZER_DIR), fmt, loss_on)
+    else:
+        spec = resolve_tokenizer(tokenizer, eos=eos, files=files, text_field=text_field, out_dir=out_dir)
+        chunks = _chunks(iter_documents(files, text_field))
+        init, init_args = _init_worker, (spec,)
     dtype = "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
+    fn, args = (encode_rows, (val_fraction, dtype, max_length)) if chat else (encode_chunk, (val_fraction, dtype))
     writers = {s: ShardWriter(out_dir, s, dtype) for s in SPLITS}
-    docs, text_bytes = dict.fromkeys(SPLITS, 0), 0
+    doc_writers = {s: ShardWriter(out_dir, s, "uint32", kind="docs") for s in SPLITS}
+    mask_writers = {s: ShardWriter(out_dir, s, "uint8", kind="mask") for s in SPLITS} if chat else {}
+    docs, trainable, text_bytes = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), 0
+    skipped = truncated = 0
     bar = tqdm(
         total=_total_bytes(files),
         unit="B",
@@ -458,21 +610,39 @@ def prepare(
         mininterval=1.0,
         delay=1.0,
     )  # progress: the rate in MB/s and the ETA from the input files' total size (approximate for jsonl/gz)
-    chunks = _chunks(iter_documents(files, text_field))
-    for result in encoded_chunks(chunks, spec=spec, workers=workers, val_fraction=val_fraction, dtype=dtype):
+    for result in encoded_chunks(chunks, workers=workers, init=init, init_args=init_args, fn=fn, args=args):
         for s in SPLITS:
             writers[s].write(result["tokens"][s])
-            docs[s] += result["docs"][s]
+            doc_writers[s].write(np.asarray(result["lengths"][s], dtype=np.uint32))
+            docs[s] += len(result["lengths"][s])
+            if chat:
+                mask_writers[s].write(result["masks"][s])
+                # A document's first token is never a target (nothing precedes it in its row).
+                trainable[s] += int(result["masks"][s].sum()) - _first_token_marks(result, s)
+            else:
+                trainable[s] += len(result["tokens"][s]) - len(result["lengths"][s])
+        skipped += result.get("skipped", 0)
+        truncated += result.get("truncated", 0)
         text_bytes += result["text_bytes"]
         bar.update(result["text_bytes"])
         bar.set_postfix(docs=sum(docs.values()), refresh=False)
     bar.close()
     if not sum(docs.values()):
-        raise ConfigError(f"inputs {inputs} hold no text (empty corpus); check the files and --text-field")
+        what = "no row with an assistant token to train on" if chat else "no text (empty corpus)"
+        raise ConfigError(f"inputs {inputs} hold {what}; check the files, --format and --text-field/--loss-on")
+    if not sum(trainable.values()):
+        raise ConfigError(f"inputs {inputs} hold no trainable token; check --loss-on and the rows' assistant turns")
     splits = {}
     for s in SPLITS:
         shard_files = writers[s].close()
-        splits[s] = {"documents": docs[s], "tokens": sum(f["tokens"] for f in shard_files), "files": shard_files}
+        splits[s] = {
+            "documents": docs[s],
+            "tokens": sum(f["tokens"] for f in shard_files),
+            "trainable_tokens": trainable[s],
+            "files": shard_files,
+            "doc_files": doc_writers[s].close(),
+            "mask_files": mask_writers[s].close() if chat else None,
+        }
     meta = {
         "format": FORMAT,
         "fingerprint": fingerprint,
@@ -481,7 +651,13 @@ def prepare(
             "kind": spec.kind,
             "file": TOKENIZER_FILE if spec.kind == "huggingface" else None,
             "sha256": file_sha256(spec.path) if spec.kind == "huggingface" else None,
+            "transformers_dir": HF_TOKENIZER_DIR if chat else None,
         },
+        "document_format": fmt,
+        "loss_mask": chat,
+        "loss_on": ("completion" if fmt == "prompt" else loss_on) if chat else "all",
+        "skipped_documents": skipped,
+        "truncated_documents": truncated,
         "vocab_size": spec.vocab_size,
         "eos_id": spec.eos_id,
         "dtype": dtype,
@@ -491,6 +667,15 @@ def prepare(
     }
     write_json_atomic(os.path.join(out_dir, META), meta)  # last: the corpus is complete from here on
     return meta
+
+
+def _first_token_marks(result: dict, split: str) -> int:
+    """How many documents of a chunk have their first token marked (it is never a target)."""
+    lengths = result["lengths"][split]
+    if not lengths:
+        return 0
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return int(result["masks"][split][starts].sum())
 
 
 def load_tokenizer(corpus_dir: str) -> Encoder:

@@ -9,7 +9,7 @@ within an epoch. How the global batch divides (``BatchPlan``) is batch/plan.py's
 from __future__ import annotations
 
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, Subset, default_collate
 
 from paratrain.config import ConfigError
 
@@ -64,6 +64,15 @@ def micro_batches(indices: list[int], micro_batch_size: int) -> list[list[int]]:
     return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
 
 
+def collate_of(dataset: Dataset):
+    """The dataset's own ``collate`` (packed documents lay out a micro-batch themselves), through
+    ``Subset`` wrappers; torch's ``default_collate`` otherwise."""
+    while isinstance(dataset, Subset) and not hasattr(dataset, "collate"):
+        dataset = dataset.dataset
+    return getattr(dataset, "collate", default_collate)
+
+
 def load_batches(dataset: Dataset, indices: list[int], micro_batch_size: int) -> list:
     """This rank's micro-batches of the step, collated: ``[(input, target), ...]``."""
-    return [default_collate([dataset[i] for i in mb]) for mb in micro_batches(indices, micro_batch_size)]
+    collate = collate_of(dataset)
+    return [collate([dataset[i] for i in mb]) for mb in micro_batches(indices, micro_batch_size)]

@@ -31,7 +31,8 @@ import torch
 from torch.utils.data import Dataset
 
 from paratrain.config import ConfigError
-from paratrain.data.prepare import FORMAT, META, file_sha256, write_json_atomic
+from paratrain.data.packing import PACKINGS, PackedRows
+from paratrain.data.prepare import FORMATS_READ, META, file_sha256, write_json_atomic
 
 VERIFIED = "verified.json"
 VERIFY_MODES = ("once", "always", "size")
@@ -48,8 +49,10 @@ def read_meta(path: str, key: str = "data.args.path") -> dict:
             meta = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{meta_path} is unreadable ({e}); prepare the corpus again")
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}; prepare the corpus again")
+    if meta.get("format") not in FORMATS_READ:
+        raise ConfigError(
+            f"{meta_path}: format {meta.get('format')!r} is not one of {list(FORMATS_READ)}; prepare the corpus again"
+        )
     return meta
 
 
@@ -59,7 +62,7 @@ def verify_corpus(path: str, meta: dict, mode: str = "once") -> None:
         raise ConfigError(f"data.args.verify = {mode!r} is unknown; use one of {list(VERIFY_MODES)}")
     stamps = {}
     for split in meta["splits"].values():
-        for entry in split["files"]:
+        for entry in split["files"] + (split.get("doc_files") or []) + (split.get("mask_files") or []):
             file = os.path.join(path, entry["name"])
             try:
                 st = os.stat(file)
@@ -92,6 +95,36 @@ def verify_corpus(path: str, meta: dict, mode: str = "once") -> None:
             pass  # a read-only corpus: verified again at the next start
 
 
+class ShardedArray:
+    """Shard files read end to end as one array, by memmap opened lazily in each process."""
+
+    def __init__(self, path: str, files: list[dict], dtype: str):
+        self._files = [os.path.join(path, f["name"]) for f in files]
+        self._starts = np.cumsum([0] + [f["tokens"] for f in files])  # shard k holds [starts[k], starts[k+1])
+        self.dtype = dtype
+        self._maps: list[np.memmap] | None = None
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getstate__(self) -> dict:  # loader workers reopen the files instead of receiving copies
+        return {**self.__dict__, "_maps": None}
+
+    def _memmaps(self) -> list[np.memmap]:
+        if self._maps is None:
+            self._maps = [np.memmap(f, dtype=self.dtype, mode="r") for f in self._files]
+        return self._maps
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        k = int(np.searchsorted(self._starts, start, side="right")) - 1
+        parts, maps = [], self._memmaps()
+        while start < stop:  # a range may span two shards
+            end = min(stop, int(self._starts[k + 1]))
+            parts.append(maps[k][start - self._starts[k] : end - self._starts[k]])
+            start, k = end, k + 1
+        return np.concatenate(parts) if parts else np.empty(0, self.dtype)
+
+
 class TokenWindows(Dataset):
     """The windows of one split of one prepared corpus."""
 
@@ -99,19 +132,8 @@ class TokenWindows(Dataset):
         self.path, self.block_size, self.split = path, block_size, split
         self.meta = read_meta(path)
         verify_corpus(path, self.meta, verify)
-        files = self.meta["splits"][split]["files"]
-        self._files = [os.path.join(path, f["name"]) for f in files]
-        self._starts = np.cumsum([0] + [f["tokens"] for f in files])  # shard k holds [starts[k], starts[k+1])
-        self.tokens = int(self._starts[-1])
-        self._maps: list[np.memmap] | None = None
-
-    def __getstate__(self) -> dict:  # loader workers reopen the files instead of receiving copies
-        return {**self.__dict__, "_maps": None}
-
-    def _memmaps(self) -> list[np.memmap]:
-        if self._maps is None:
-            self._maps = [np.memmap(f, dtype=self.meta["dtype"], mode="r") for f in self._files]
-        return self._maps
+        self._tokens = ShardedArray(path, self.meta["splits"][split]["files"], self.meta["dtype"])
+        self.tokens = len(self._tokens)
 
     def __len__(self) -> int:
         return max(0, (self.tokens - 1) // self.block_size)
@@ -119,18 +141,32 @@ class TokenWindows(Dataset):
     def window(self, i: int) -> np.ndarray:
         if not 0 <= i < len(self):
             raise IndexError(f"window {i} out of range [0, {len(self)})")
-        start, stop = i * self.block_size, i * self.block_size + self.block_size + 1
-        k = int(np.searchsorted(self._starts, start, side="right")) - 1
-        parts, maps = [], self._memmaps()
-        while start < stop:  # a window may span two shards
-            end = min(stop, int(self._starts[k + 1]))
-            parts.append(maps[k][start - self._starts[k] : end - self._starts[k]])
-            start, k = end, k + 1
-        return np.concatenate(parts).astype(np.int64)
+        start = i * self.block_size
+        return self._tokens.read(start, start + self.block_size + 1).astype(np.int64)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         w = torch.from_numpy(self.window(int(i)))
         return w[:-1], w[1:]
+
+
+class Documents:
+    """The documents of one split of a format-2 corpus: token ids and, for conversations, the loss
+    mask (1 where a token is a target), by document (data/packing.py packs them into rows)."""
+
+    def __init__(self, path: str, meta: dict, split: str):
+        entry = meta["splits"][split]
+        self.tokens = ShardedArray(path, entry["files"], meta["dtype"])
+        self.masks = ShardedArray(path, entry["mask_files"], "uint8") if entry.get("mask_files") else None
+        docs = ShardedArray(path, entry["doc_files"], "uint32")
+        self.doc_lengths = docs.read(0, len(docs)).astype(np.int64)
+        self.doc_starts = np.concatenate([[0], np.cumsum(self.doc_lengths)[:-1]]).astype(np.int64)
+
+    def document(self, d: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, mask) of the first ``n`` tokens of document ``d``."""
+        start = int(self.doc_starts[d])
+        ids = self.tokens.read(start, start + n).astype(np.int64)
+        mask = self.masks.read(start, start + n) if self.masks is not None else np.ones(n, np.uint8)
+        return ids, mask
 
 
 def mixture_table(lengths: list[int], weights: list[float], total: int) -> tuple[np.ndarray, np.ndarray]:
@@ -207,10 +243,19 @@ def build_tokens(
     split: str = "train",
     samples: int = 0,
     verify: str = "once",
+    packing: str = "",
 ) -> Dataset:
-    """The ``tokens`` dataset: one corpus (``path``) or a weighted mixture (``sources``)."""
+    """The ``tokens`` dataset: one corpus (``path``) or a weighted mixture (``sources``).
+
+    ``packing`` (data/packing.py): ``documents`` (whole documents packed into rows, the default
+    for a corpus with loss masks), ``padded`` (one document per row), ``stream`` (fixed windows
+    across documents, the default for a text corpus).
+    """
     if split not in ("train", "val"):
         raise ConfigError(f"data.args.split = {split!r}; use 'train' or 'val'")
+    packing = resolve_packing(packing, corpus_meta(path, sources))
+    if packing != "stream":
+        return _build_packed(path, sources, block_size=block_size, split=split, verify=verify, packing=packing)
     if not isinstance(block_size, int) or block_size < 1:
         raise ConfigError(f"data.args.block_size = {block_size!r} must be an integer >= 1")
     if not isinstance(samples, int) or samples < 0:
@@ -241,6 +286,56 @@ def build_tokens(
         "tokenizer_sha256": meta["tokenizer"]["sha256"],
         "vocab_size": meta["vocab_size"],
         "eos_id": meta["eos_id"],
+        "block_size": block_size,
+        "samples": len(ds),
+    }
+    return ds
+
+
+def resolve_packing(packing: str, meta: dict) -> str:
+    """data.args.packing, or its default for the corpus: documents for one with loss masks."""
+    if packing and packing not in PACKINGS:
+        raise ConfigError(f"data.args.packing = {packing!r} is unknown; use one of {', '.join(PACKINGS)}")
+    packing = packing or ("documents" if meta.get("loss_mask") else "stream")
+    if meta.get("loss_mask") and packing == "stream":
+        raise ConfigError(
+            "data.args.packing = 'stream' would cross document boundaries of a corpus with loss masks;"
+            " use 'documents' or 'padded'"
+        )
+    if packing != "stream" and "doc_files" not in next(iter(meta["splits"].values())):
+        raise ConfigError(
+            f"data.args.packing = {packing!r} needs document boundaries, which a format-1 corpus lacks;"
+            " prepare it again (format 2) or use packing = 'stream'"
+        )
+    return packing
+
+
+def _build_packed(path: str, sources: list | None, *, block_size: int, split: str, verify: str, packing: str):
+    if sources:
+        raise ConfigError(
+            f"data.args.packing = {packing!r} takes one corpus (data.args.path), not a mixture of sources;"
+            " prepare the conversations into one corpus"
+        )
+    meta = read_meta(path)
+    verify_corpus(path, meta, verify)
+    ds = PackedRows(Documents(path, meta, split), block_size=block_size, packing=packing)
+    if len(ds) == 0:
+        raise ConfigError(
+            f"data.args: the {split} split of {path!r} has no document with a target; prepare more conversations"
+            + (" (or --val-fraction > 0)" if split == "val" else "")
+        )
+    ds.vocab_size, ds.eos_id, ds.meta = meta["vocab_size"], meta["eos_id"], {**meta, "path": path}
+    ds.description = {
+        "name": "tokens",
+        "split": split,
+        "packing": packing,
+        "path": path,
+        "documents": int(len(ds.lengths)),
+        "rows": len(ds),
+        "truncated_documents": ds.truncated,
+        "documents_without_target": ds.dropped,
+        "tokenizer": meta["tokenizer"]["spec"],
+        "vocab_size": meta["vocab_size"],
         "block_size": block_size,
         "samples": len(ds),
     }

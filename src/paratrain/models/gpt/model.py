@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.data.packing import document_mask, split_packed
+
 
 @dataclass
 class GPTConfig:
@@ -42,10 +44,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: packed documents' boolean attention mask (data/packing.py); None: causal."""
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -67,8 +72,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -97,14 +102,20 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab); on a middle pipeline stage, hidden -> hidden."""
+        """Token ids (B, T) -> logits (B, T, vocab); on a middle pipeline stage, hidden -> hidden.
+
+        Packed documents (B, 2, T) carry their position ids (data/packing.py): each document
+        gets positions from 0 and attends to itself only.
+        """
+        idx, positions = split_packed(idx)
+        mask = document_mask(positions) if positions is not None else None
         if self.tok_emb is not None:
-            pos = torch.arange(idx.shape[1], device=idx.device)
+            pos = positions.clamp(min=0) if positions is not None else torch.arange(idx.shape[1], device=idx.device)
             x = self.tok_emb(idx) + self.pos_emb(pos)
         else:
             x = idx
         for block in self.layers.values():
-            x = block(x)
+            x = block(x, mask)
         if self.norm is not None:
             x = self.norm(x)
         if self.lm_head is not None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from paratrain.config import ConfigError
+from paratrain.data.packing import split_packed
 
 CONFIG_FILE = "config.json"
 
@@ -153,6 +154,9 @@ class HFCausalLM(nn.Module):
         return rope(hidden, position_ids)
 
     def _masks(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """transformers' own masks per layer type. With packed documents, the position ids that
+        restart at 0 make ``masking_utils`` build the block-diagonal causal mask itself
+        (``find_packed_sequence_indices``): each document attends to itself only."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         # Local tensors for the mask builders (a sequence-sharded DTensor has a global shape).
@@ -165,15 +169,23 @@ class HFCausalLM(nn.Module):
         return masks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits; on a later pipeline stage hidden -> hidden (or -> logits)."""
+        """Token ids (B, T) -> logits; on a later pipeline stage hidden -> hidden (or -> logits).
+
+        Packed documents (B, 2, T) carry their position ids (data/packing.py); padding's -1
+        starts a one-token sequence of its own for the mask and rotates as position 0.
+        """
+        x, positions = split_packed(x)
         for name in self._head_names:
             module = getattr(self, name)
             if module is not None:
                 x = module(x)
-        t = x.shape[1]
-        position_ids = torch.arange(t, device=x.device).unsqueeze(0)
+        if positions is None:
+            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            masks = self._masks(x, position_ids)
+        else:
+            masks = self._masks(x, positions)
+            position_ids = positions.clamp(min=0)
         position_embeddings = self._rotary(x, position_ids)
-        masks = self._masks(x, position_ids)
         layer_types = getattr(self.config, "layer_types", None)
         for key, layer in self.layers.items():
             kind = layer_types[int(key)] if layer_types else "full_attention"

@@ -1,0 +1,183 @@
+"""Conversations and prompt/completion pairs as token ids and a loss mask, through transformers.
+
+A row of a ``chat`` corpus holds ``messages = [{role, content}, ...]`` (the OpenAI / Hugging Face
+chat format); a row of a ``prompt`` corpus holds ``prompt`` and ``completion`` (strings, or lists
+of messages as TRL's conversational prompt-completion rows). Each is rendered by the tokenizer's
+own ``chat_template`` through ``apply_chat_template`` (transformers' code, not ours), and the
+document is exactly that rendering: nothing is appended, the template ends its turns.
+
+The loss mask marks the tokens that are *predicted* (targets), as transformers' assistant mask
+does: the assistant turns' tokens, their end-of-turn token included. Two ways to find them:
+
+- the template marks them with ``{% generation %}`` ... ``{% endgeneration %}``: transformers'
+  ``return_assistant_tokens_mask=True`` gives the mask;
+- otherwise the conversation is rendered as growing prefixes: the text before assistant turn
+  ``k`` (rendered with ``add_generation_prompt``) and the text up to its end. Both must be prefixes
+  of the whole rendering (a template that rewrites earlier turns, e.g. one that drops past
+  reasoning, breaks this: the row is refused with one line naming it), and the tokens whose text
+  starts inside such a span, up to its end-of-turn token (the tokenizer's EOS), are the turn's.
+
+``loss_on``: ``assistant`` (every assistant turn), ``last`` (the last one), ``all`` (every token).
+A ``prompt`` row trains on its completion only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+
+from paratrain.config import ConfigError
+
+FORMATS = ("chat", "prompt", "text", "auto")
+LOSS_ON = ("assistant", "last", "all")
+HF_TOKENIZER_DIR = "hf_tokenizer"  # the transformers tokenizer, saved beside the shards
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def load_chat_tokenizer(path: str, chat_template: str = ""):
+    """The transformers tokenizer of a directory (a model's, or one with tokenizer_config.json +
+    tokenizer.json), with ``chat_template`` (a file) replacing its own; never a hub download."""
+    try:
+        from transformers import AutoTokenizer  # an optional extra: paratrain[hf]
+    except ImportError:
+        raise ConfigError(
+            "--format chat/prompt needs transformers, which is not installed: pip install 'paratrain[hf]'"
+        )
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"--tokenizer {path!r}: --format chat/prompt needs a transformers tokenizer directory"
+            " (tokenizer_config.json + tokenizer.json, e.g. the model's directory)"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ConfigError(f"--tokenizer {path!r}: transformers cannot load it ({first})") from None
+    if not getattr(tok, "is_fast", False):
+        raise ConfigError(f"--tokenizer {path!r}: a fast tokenizer (tokenizer.json) is needed for the token offsets")
+    if chat_template:
+        if not os.path.isfile(chat_template):
+            raise ConfigError(f"--chat-template {chat_template!r}: no such file; give a Jinja template file")
+        with open(chat_template) as f:
+            tok.chat_template = f.read()
+    if not tok.chat_template:
+        raise ConfigError(
+            f"--tokenizer {path!r} has no chat_template; pass --chat-template FILE (a Jinja chat template)"
+        )
+    return tok
+
+
+def has_generation_marks(tok) -> bool:
+    return bool(_GENERATION.search(tok.chat_template or ""))
+
+
+def detect_format(row: dict, where: str) -> str:
+    """``auto``: the format a row's fields say."""
+    if "messages" in row:
+        return "chat"
+    if "prompt" in row and "completion" in row:
+        return "prompt"
+    if "text" in row:
+        return "text"
+    raise ConfigError(
+        f"{where}: none of the fields messages, prompt + completion or text; pass --format with the row's format"
+    )
+
+
+def row_messages(row: dict, fmt: str, where: str) -> tuple[list[dict], int]:
+    """(messages, index of the first message whose assistant turns train)."""
+    if fmt == "chat":
+        messages = row.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError(f"{where}: no list field 'messages' of {{role, content}}; fix the row or pass --format")
+        return _checked(messages, where), 0
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if prompt is None or completion is None:
+        raise ConfigError(f"{where}: a prompt row needs the fields 'prompt' and 'completion'; fix the row")
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    completion = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
+    if not isinstance(prompt, list) or not isinstance(completion, list):
+        raise ConfigError(f"{where}: 'prompt' and 'completion' must be strings or lists of messages")
+    return _checked(prompt + completion, where), len(prompt)
+
+
+def _checked(messages: list, where: str) -> list[dict]:
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ConfigError(
+                f"{where}: every message needs a string 'role' and 'content' (got {m!r:.80}); fix the row"
+            )
+    return messages
+
+
+def _render(tok, messages: list[dict], where: str, **kwargs):
+    try:
+        return tok.apply_chat_template(messages, **kwargs)
+    except Exception as e:  # noqa: BLE001 - jinja's TemplateError or a raise_exception() of the template
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ConfigError(f"{where}: the chat template rejects this row ({first}); fix the row or the template")
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of ones."""
+    padded = np.concatenate([[0], mask.astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(padded))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def encode_conversation(tok, messages: list[dict], first: int, *, loss_on: str, where: str):
+    """(token ids, target mask as uint8) of one conversation; the mask keeps the assistant turns
+    from message ``first`` on (see the module docstring)."""
+    if has_generation_marks(tok):
+        out = _render(tok, messages, where, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids = np.asarray(out["input_ids"], dtype=np.int64)
+        mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
+        if first:  # a prompt row: the prompt's own assistant turns (few-shot examples) do not train
+            head = _render(tok, messages[:first], where, tokenize=False, add_generation_prompt=True)
+            n_head = len(tok(head, add_special_tokens=False)["input_ids"])
+            mask[:n_head] = 0
+    else:
+        ids, mask = _encode_by_prefixes(tok, messages, first, where)
+    if loss_on == "all":
+        mask = np.ones_like(mask)
+    elif loss_on == "last":
+        runs = _runs(mask)
+        mask = np.zeros_like(mask)
+        if runs:
+            mask[runs[-1][0] : runs[-1][1]] = 1
+    return ids, mask
+
+
+def _encode_by_prefixes(tok, messages: list[dict], first: int, where: str):
+    full = _render(tok, messages, where, tokenize=False)
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant" or k < first:
+            continue
+        before = _render(tok, messages[:k], where, tokenize=False, add_generation_prompt=True)
+        upto = _render(tok, messages[: k + 1], where, tokenize=False)
+        if not (full.startswith(upto) and upto.startswith(before)):
+            raise ConfigError(
+                f"{where}: the chat template renders earlier turns differently once later ones follow, so the"
+                " assistant turns cannot be found by rendering prefixes; use a template with {% generation %} marks"
+                " (--chat-template FILE)"
+            )
+        # The turn ends at its end-of-turn token: what the template writes after it (ChatML's
+        # newline) belongs to no one's reply, as the {% generation %} marks would say.
+        eot = full.rfind(tok.eos_token, len(before), len(upto)) if tok.eos_token else -1
+        spans.append((len(before), eot + len(tok.eos_token) if eot >= 0 else len(upto)))
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for lo, hi in spans:
+        mask[(starts >= lo) & (starts < hi)] = 1
+    return ids, mask
+
+
+def row_key(row: dict) -> str:
+    """The text the train/validation split hashes for a row (its JSON, keys sorted)."""
+    return json.dumps(row, sort_keys=True, ensure_ascii=False)
