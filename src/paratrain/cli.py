@@ -138,7 +138,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="TOML config file")
-    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a step-N checkpoint folder, or 'latest'")
+    p.add_argument(
+        "--checkpoint",
+        default="",
+        metavar="PATH",
+        help="a step-N checkpoint folder, or 'latest' (default: the model as configured, e.g. its model.hf weights)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     add_launch_arguments(p)
     add_set_argument(p)
@@ -148,7 +153,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     spec = launch_spec(args)
     cfg = load_config(args.config, args.overrides)
     check_run(cfg, spec.world_size)
-    check_eval_args(args.checkpoint)
+    if args.checkpoint:
+        check_eval_args(args.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.json")
         module_args = [args.config, "--checkpoint", args.checkpoint, "--result", result_file]
@@ -162,9 +168,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        where = (
+            f"at step {result['step']} ({result['checkpoint']}" if result["checkpoint"] else "(the model as configured"
+        )
         print(
-            f"val_loss {result['val_loss']:.6f} over {result['samples']} samples at step {result['step']}"
-            f" ({result['checkpoint']}, world {result['world_size']}, {result['eval_time_s']:.1f}s)"
+            f"val_loss {result['val_loss']:.6f} over {result['samples']} samples ({result['val_items']} items) {where},"
+            f" world {result['world_size']}, {result['eval_time_s']:.1f}s)"
         )
     return 0
 

@@ -31,6 +31,8 @@ class Evaluator:
         self.dataset, self.plan, self.dp_rank = dataset, plan, dp_rank
         self._batches: list[list] | None = None  # per global batch: this rank's collated micro-batches
         self.last_time_s = 0.0
+        self.last_items = 0  # the item count of the last evaluation (trainable tokens of a corpus)
+        self.samples = getattr(dataset, "real", len(dataset))  # without the empty samples that fill it up
 
     def _load(self) -> list[list]:
         g = self.plan.global_batch_size
@@ -57,6 +59,7 @@ class Evaluator:
         finally:
             model.train(was_training)
         self.last_time_s = time.perf_counter() - t0
+        self.last_items = items
         return loss_sum / items
 
 

@@ -187,7 +187,14 @@ def validate(run: Run) -> dict:
     """The validation loss now (evaluate.py); its forwards are not the step's time (rank_stats)."""
     with run.rank_stats.excluded():
         val_loss = run.evaluator(run.model, run.step_ctx)
-    return {"val_loss": val_loss, "val_time_s": run.evaluator.last_time_s}
+    return {"val_loss": val_loss, "val_items": run.evaluator.last_items, "val_time_s": run.evaluator.last_time_s}
+
+
+def val_pad_target(cfg: Config, *, user_loss: bool) -> int | None:
+    """The target that fills up the validation set's last batch (data/__init__.py): the built-in
+    cross-entropy's ignore index, which adds nothing to the loss's sum or count; None (round down
+    to whole batches) for any other loss, whose count we do not know."""
+    return cfg.loss.ignore_index if cfg.loss.name == "cross_entropy" and not user_loss else None
 
 
 def finished(cfg: Config, state: TrainState) -> bool:
@@ -283,9 +290,16 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     evaluator = None
     if cfg.eval.interval:
         eval_plan = check_eval(cfg, dims, plan)
-        val_set = build_val_dataset(cfg.data, cfg.eval.samples, multiple_of=eval_plan.global_batch_size)
+        val_set = build_val_dataset(
+            cfg.data,
+            cfg.eval.samples,
+            multiple_of=eval_plan.global_batch_size,
+            pad_target=val_pad_target(cfg, user_loss=loss is not None),
+        )
         evaluator = Evaluator(val_set, eval_plan, dp_rank=dp_rank)
-        log.info("validation: %d samples every %d steps (%s)", len(val_set), cfg.eval.interval, eval_plan.describe())
+        log.info(
+            "validation: %d samples every %d steps (%s)", evaluator.samples, cfg.eval.interval, eval_plan.describe()
+        )
 
     # Checkpoints (paratrain.checkpoint): resume before the loop, save after steps.
     ckpt = build_checkpointer(

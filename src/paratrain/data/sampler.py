@@ -9,7 +9,7 @@ within an epoch. How the global batch divides (``BatchPlan``) is batch/plan.py's
 from __future__ import annotations
 
 import torch
-from torch.utils.data import Dataset, Subset, default_collate
+from torch.utils.data import Dataset, default_collate
 
 from paratrain.config import ConfigError
 
@@ -66,8 +66,8 @@ def micro_batches(indices: list[int], micro_batch_size: int) -> list[list[int]]:
 
 def collate_of(dataset: Dataset):
     """The dataset's own ``collate`` (packed documents lay out a micro-batch themselves), through
-    ``Subset`` wrappers; torch's ``default_collate`` otherwise."""
-    while isinstance(dataset, Subset) and not hasattr(dataset, "collate"):
+    wrappers that keep it in ``.dataset`` (``Subset``); torch's ``default_collate`` otherwise."""
+    while not hasattr(dataset, "collate") and isinstance(getattr(dataset, "dataset", None), Dataset):
         dataset = dataset.dataset
     return getattr(dataset, "collate", default_collate)
 

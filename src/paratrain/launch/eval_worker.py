@@ -27,7 +27,7 @@ from paratrain.models import build
 from paratrain.observability.metrics import setup_logging
 from paratrain.precision import build_precision
 from paratrain.preflight import check_eval, check_run
-from paratrain.trainer import TrainState, build_parallel_with_weights
+from paratrain.trainer import TrainState, build_parallel_with_weights, val_pad_target
 
 
 def check_eval_args(checkpoint: str) -> None:
@@ -37,7 +37,8 @@ def check_eval_args(checkpoint: str) -> None:
 
 
 def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
-    """One rank of `paratrain eval`: the validation loss of ``checkpoint`` (every rank returns it)."""
+    """One rank of `paratrain eval`: the validation loss of ``checkpoint`` (every rank returns it);
+    ``checkpoint`` "" evaluates the model as configured (its ``model.hf`` weights, or its init)."""
     ctx = init_distributed(cfg.dist)
     try:
         setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
@@ -56,34 +57,21 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
             precision=precision,
             user_loss=False,
         )
-        state = TrainState()
-        # The model and the step only: the checkpointer verifies the files and reshards (DCP).
-        ckpt = Checkpointer(
-            cfg.checkpoint,
-            out_dir=cfg.run.out_dir,
-            config_toml=to_toml(cfg),
-            stateful={"model": ModelState(model), "train_state": DataclassState(state)},
-            train_state=state,
-            layout=dims.degrees(),
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            device=ctx.device,
-            timeout_s=cfg.dist.timeout_s,
+        step = 0 if not checkpoint else resume_model(cfg, checkpoint, model=model, dims=dims, ctx=ctx)
+        val_set = build_val_dataset(
+            cfg.data,
+            cfg.eval.samples,
+            multiple_of=eval_plan.global_batch_size,
+            pad_target=val_pad_target(cfg, user_loss=False),
         )
-        try:
-            step = ckpt.resume(checkpoint)
-        finally:
-            ckpt.close()
-        if step is None:
-            raise ConfigError(f"--checkpoint latest: no complete checkpoint in {ckpt.root}; pass a step-N folder")
-        val_set = build_val_dataset(cfg.data, cfg.eval.samples, multiple_of=eval_plan.global_batch_size)
         evaluator = Evaluator(val_set, eval_plan, dp_rank=dims.local_rank_in("dp"))
         val_loss = evaluator(model, step_ctx)
         return {
-            "checkpoint": checkpoint,
+            "checkpoint": checkpoint or None,
             "step": step,
             "val_loss": val_loss,
-            "samples": len(val_set),
+            "val_items": evaluator.last_items,
+            "samples": evaluator.samples,
             "world_size": ctx.world_size,
             "layout": dims.degrees(),
             "eval_time_s": evaluator.last_time_s,
@@ -92,10 +80,35 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
         close_distributed(ctx)
 
 
+def resume_model(cfg: Config, checkpoint: str, *, model, dims, ctx) -> int:
+    """Load the model of ``checkpoint`` into ``model`` (any layout: DCP reshards); its step."""
+    state = TrainState()
+    # The model and the step only: the checkpointer verifies the files and reshards (DCP).
+    ckpt = Checkpointer(
+        cfg.checkpoint,
+        out_dir=cfg.run.out_dir,
+        config_toml=to_toml(cfg),
+        stateful={"model": ModelState(model), "train_state": DataclassState(state)},
+        train_state=state,
+        layout=dims.degrees(),
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        device=ctx.device,
+        timeout_s=cfg.dist.timeout_s,
+    )
+    try:
+        step = ckpt.resume(checkpoint)
+    finally:
+        ckpt.close()
+    if step is None:
+        raise ConfigError(f"--checkpoint latest: no complete checkpoint in {ckpt.root}; pass a step-N folder")
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m paratrain.launch.eval_worker", description=__doc__)
     parser.add_argument("config", help="TOML config file")
-    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--checkpoint", default="")
     parser.add_argument("--result", default="", help="rank 0 writes the result here (JSON)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)

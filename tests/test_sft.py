@@ -1,0 +1,187 @@
+"""Supervised fine-tuning on conversations (docs/sft.md): prepared with transformers' chat template,
+packed into rows whose documents never see each other, the loss on the assistant tokens only.
+
+The reference is code we did not write: a tiny Llama run by plain ``transformers`` on **each
+conversation alone, unpacked**, with the loss mask of ``apply_chat_template(...,
+return_assistant_tokens_mask=True)`` and transformers' own ``labels=`` loss. paratrain's
+``val_loss`` of the initial model and the gradient of one SGD step (its logged ``grad_norm``)
+must equal it. A packing that let attention cross a document boundary, positions that did not
+restart, or a mask that counted prompt tokens would each change the number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from paratrain.config import ConfigError, load_config, to_toml
+from paratrain.data.packing import document_mask, pack_best_fit
+from paratrain.data.prepare import prepare
+from paratrain.data.tokens import build_tokens
+from tests.dist_utils import paratrain_cli, read_metrics
+from tests.hf_models import save_tiny
+from tests.sft_data import CHATML_PLAIN, VOCAB, prompt_rows, save_chat_tokenizer, stdlib_conversations, write_jsonl
+
+pytest.importorskip("transformers")
+
+SGD = [
+    "optim.name='sgd'",
+    "optim.lr=0.1",
+    "optim.beta1=0",
+    "optim.weight_decay=0",
+    "optim.grad_clip=0",
+    "optim.warmup_steps=0",
+    "optim.schedule='constant'",
+    "run.progress=false",
+    "metrics.plot=false",
+]
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """A tokenizer with a chat template, 24 conversations, a tiny Llama of the tokenizer's
+    vocabulary, and two corpora: every conversation in train, and every one in val."""
+    root = tmp_path_factory.mktemp("sft")
+    tok = save_chat_tokenizer(str(root / "tok"))
+    convs = stdlib_conversations(24)
+    chat = write_jsonl(str(root / "chat.jsonl"), convs)
+    model = save_tiny("llama", str(root / "llama"), vocab_size=VOCAB, max_position_embeddings=512)
+    train = str(root / "train")
+    val = str(root / "val")
+    prepare([chat], out_dir=train, tokenizer=tok, fmt="chat", val_fraction=0, progress=False)
+    prepare([chat], out_dir=val, tokenizer=tok, fmt="chat", val_fraction=1, progress=False)
+    return {"root": str(root), "tok": tok, "convs": convs, "chat": chat, "model": model, "train": train, "val": val}
+
+
+def reference(sft: dict, convs: list[dict]) -> tuple[float, int, float]:
+    """(mean loss, trainable tokens, gradient norm) of plain transformers over each conversation
+    alone: its own labels= loss (mean over the conversation's targets), weighted back to a sum."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sft["tok"])
+    model = AutoModelForCausalLM.from_pretrained(sft["model"], attn_implementation="sdpa")
+    total, count = 0.0, 0
+    model.zero_grad()
+    losses = []
+    for c in convs:
+        out = tok.apply_chat_template(c["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids = torch.tensor([out["input_ids"]])
+        mask = torch.tensor([out["assistant_masks"]])
+        labels = torch.where(mask.bool(), ids, -100)
+        n = int((labels[0, 1:] != -100).sum())  # transformers shifts the labels inside
+        loss = model(input_ids=ids, labels=labels).loss * n
+        losses.append(loss)
+        total, count = total + float(loss.detach()), count + n
+    (torch.stack(losses).sum() / count).backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    return total / count, count, float(norm)
+
+
+def _config(sft: dict, corpus: str, name: str, *extra: str) -> list[str]:
+    return [
+        f"model.hf='{sft['model']}'",
+        "data.name='tokens'",
+        f"data.args={{path = '{corpus}', block_size = 256}}",
+        f"run.out_dir='{sft['root']}/{name}'",
+        *SGD,
+        *extra,
+    ]
+
+
+def _write_config(sft: dict, name: str, overrides: list[str]) -> str:
+    path = os.path.join(sft["root"], f"{name}.toml")
+    with open(path, "w") as f:
+        f.write(to_toml(load_config(None, overrides)))
+    return path
+
+
+def test_val_loss_and_gradient_equal_transformers_on_each_conversation_alone(sft):
+    ref_loss, ref_items, ref_norm = reference(sft, sft["convs"])
+    # val_loss of the initial model: `paratrain eval` with no checkpoint, every document once.
+    cfg = _write_config(sft, "eval", _config(sft, sft["val"], "eval", "batch.global_batch_size=4"))
+    got = paratrain_cli("eval", cfg, "--json", timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    result = json.loads(got.stdout.strip().splitlines()[-1])
+    assert result["val_items"] == ref_items
+    torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
+    # The gradient of one step over every conversation (one global batch of all train rows).
+    rows = len(build_tokens(sft["train"], block_size=256))
+    out = os.path.join(sft["root"], "step")
+    cfg = _write_config(
+        sft, "step", _config(sft, sft["train"], "step", f"batch.global_batch_size={rows}", "run.steps=1")
+    )
+    got = paratrain_cli("train", cfg, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    (row,) = read_metrics(out)
+    assert row["trainable_tokens"] == ref_items
+    torch.testing.assert_close(row["loss"], ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(row["grad_norm"], ref_norm, rtol=1e-5, atol=0)
+
+
+def test_document_mask_is_block_diagonal_and_causal():
+    pos = torch.tensor([[0, 1, 2, 0, 1, -1, -1]])
+    m = document_mask(pos)[0, 0].int()
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0],
+            [0, 0, 0, 1, 0, 0, 0],
+            [0, 0, 0, 1, 1, 0, 0],
+            [0, 0, 0, 0, 0, 1, 0],  # padding sees itself only: no empty row
+            [0, 0, 0, 0, 0, 0, 1],
+        ]
+    )
+    assert torch.equal(m, expected)
+
+
+def test_best_fit_packs_whole_documents_deterministically():
+    lengths = np.array([5, 3, 8, 2, 6, 4, 1, 7])
+    rows = pack_best_fit(lengths, 10)
+    assert sorted(int(d) for r in rows for d in r) == list(range(8))  # each document once
+    assert all(lengths[r].sum() <= 10 for r in rows)
+    assert len(rows) == 4  # 36 tokens in rows of 10: best fit needs the minimum here
+    assert [r.tolist() for r in rows] == [r.tolist() for r in pack_best_fit(lengths, 10)]
+
+
+def test_the_two_mask_paths_agree_and_prompt_rows_train_the_completion(sft, tmp_path):
+    """Without {% generation %} marks the assistant spans come from rendering prefixes; the mask
+    is the same bytes as transformers' assistant mask."""
+    plain = save_chat_tokenizer(str(tmp_path / "plain"), template=CHATML_PLAIN)
+    prepare([sft["chat"]], out_dir=str(tmp_path / "p"), tokenizer=plain, fmt="chat", val_fraction=0, progress=False)
+    for name in ("train-00000.bin", "train-mask-00000.bin", "train-docs-00000.bin"):
+        with open(os.path.join(sft["train"], name), "rb") as a, open(str(tmp_path / "p" / name), "rb") as b:
+            assert a.read() == b.read(), name
+    rows = write_jsonl(str(tmp_path / "prompts.jsonl"), prompt_rows(sft["convs"]))
+    meta = prepare(
+        [rows], out_dir=str(tmp_path / "q"), tokenizer=sft["tok"], fmt="auto", val_fraction=0, progress=False
+    )
+    assert meta["document_format"] == "prompt" and meta["loss_on"] == "completion"
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sft["tok"])
+    ds = build_tokens(str(tmp_path / "q"), block_size=256, packing="padded")
+    targets = [t for i in range(len(ds)) for _, t in ds[i].docs]
+    text = "".join(tok.decode([int(x) for x in t if x != -100]) for t in targets)
+    for r in prompt_rows(sft["convs"]):
+        assert r["completion"] + "<|im_end|>" in text and r["prompt"] not in text
+
+
+def test_bad_chat_input_is_one_line(sft, tmp_path):
+    bad = write_jsonl(str(tmp_path / "bad.jsonl"), [{"messages": [{"role": "tool", "content": "x"}]}])
+    with pytest.raises(ConfigError, match="bad.jsonl:1: the chat template rejects this row"):
+        prepare([bad], out_dir=str(tmp_path / "o1"), tokenizer=sft["tok"], fmt="chat", progress=False)
+    missing = write_jsonl(str(tmp_path / "m.jsonl"), [{"text": "hello"}])
+    with pytest.raises(ConfigError, match="m.jsonl:1: no list field 'messages'"):
+        prepare([missing], out_dir=str(tmp_path / "o2"), tokenizer=sft["tok"], fmt="chat", progress=False)
+    none = save_chat_tokenizer(str(tmp_path / "none"), template=None)
+    with pytest.raises(ConfigError, match="has no chat_template; pass --chat-template FILE"):
+        prepare([sft["chat"]], out_dir=str(tmp_path / "o3"), tokenizer=none, fmt="chat", progress=False)
+    users = write_jsonl(str(tmp_path / "u.jsonl"), [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(ConfigError, match="no row with an assistant token"):
+        prepare([users], out_dir=str(tmp_path / "o4"), tokenizer=sft["tok"], fmt="chat", progress=False)
+    assert not os.path.exists(str(tmp_path / "o4" / "meta.json"))  # nothing written as complete
