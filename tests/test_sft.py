@@ -85,7 +85,7 @@ def _config(sft: dict, corpus: str, name: str, *extra: str) -> list[str]:
     return [
         f"model.hf='{sft['model']}'",
         "data.name='tokens'",
-        f"data.args={{path = '{corpus}', block_size = 256}}",
+        f"data.args={{path = '{corpus}', block_size = 512}}",
         f"run.out_dir='{sft['root']}/{name}'",
         *SGD,
         *extra,
@@ -109,7 +109,9 @@ def test_val_loss_and_gradient_equal_transformers_on_each_conversation_alone(sft
     assert result["val_items"] == ref_items
     torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
     # The gradient of one step over every conversation (one global batch of all train rows).
-    rows = len(build_tokens(sft["train"], block_size=256))
+    ds = build_tokens(sft["train"], block_size=512)
+    rows = len(ds)
+    assert len(ds.lengths) / rows > 2  # rows hold several documents: a leak between them would show
     out = os.path.join(sft["root"], "step")
     cfg = _write_config(
         sft, "step", _config(sft, sft["train"], "step", f"batch.global_batch_size={rows}", "run.steps=1")
@@ -185,3 +187,64 @@ def test_bad_chat_input_is_one_line(sft, tmp_path):
     with pytest.raises(ConfigError, match="no row with an assistant token"):
         prepare([users], out_dir=str(tmp_path / "o4"), tokenizer=sft["tok"], fmt="chat", progress=False)
     assert not os.path.exists(str(tmp_path / "o4" / "meta.json"))  # nothing written as complete
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def _gpt(sft: dict, name: str, *extra: str) -> list[str]:
+    return [
+        "model.name='gpt'",
+        "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 256}",
+        "data.name='tokens'",
+        f"data.args={{path = '{sft['train']}', block_size = 256}}",
+        "batch.global_batch_size=8",
+        "run.steps=3",
+        f"run.out_dir='{sft['root']}/{name}'",
+        *SGD,
+        *extra,
+    ]
+
+
+def _losses_and_norms(out_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = read_metrics(out_dir)
+    return torch.tensor([r["loss"] for r in rows]), torch.tensor([r["grad_norm"] for r in rows])
+
+
+@pytest.fixture(scope="module")
+def gpt_reference(sft):
+    """The GPT's packed run in one process (the layouts below must give its numbers)."""
+    import paratrain
+
+    name = "gpt_ref"
+    paratrain.train(paratrain.load_config(None, _gpt(sft, name, "batch.micro_batch_size=8")))
+    return _losses_and_norms(os.path.join(sft["root"], name))
+
+
+def test_padded_documents_give_the_packed_losses(sft, gpt_reference):
+    """The same documents each on a row of its own (plain causal attention, positions from 0):
+    packing changes nothing. Fails if packed rows leak attention or do not restart positions
+    (the GPT's learned positions see an offset, where RoPE's relative positions would not)."""
+    import paratrain
+
+    name = "gpt_padded"
+    over = _gpt(
+        sft,
+        name,
+        "batch.micro_batch_size=4",
+        f"data.args={{path = '{sft['train']}', block_size = 256, packing = 'padded'}}",
+    )
+    paratrain.train(paratrain.load_config(None, over))
+    losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
+    torch.testing.assert_close(losses, gpt_reference[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(norms, gpt_reference[1], rtol=1e-5, atol=0)
+
+
+def test_two_ranks_with_accumulation_give_the_one_process_losses(sft, gpt_reference):
+    from tests.dist_utils import run_ranks, train_rank
+
+    name = "gpt_ddp_accum"
+    run_ranks(train_rank, 2, _gpt(sft, name, "parallel.dp_replicate=2", "batch.micro_batch_size=1"))
+    losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
+    torch.testing.assert_close(losses, gpt_reference[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(norms, gpt_reference[1], rtol=1e-5, atol=0)
