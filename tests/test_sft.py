@@ -248,3 +248,46 @@ def test_two_ranks_with_accumulation_give_the_one_process_losses(sft, gpt_refere
     losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
     torch.testing.assert_close(losses, gpt_reference[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(norms, gpt_reference[1], rtol=1e-5, atol=0)
+
+
+SLOW_LAYOUTS = {
+    2: {
+        "gpt_fsdp": ["parallel.dp_shard=2", "batch.micro_batch_size=2"],
+        "gpt_tp": ["parallel.tp=2", "batch.micro_batch_size=4"],
+        "gpt_tp_sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "batch.micro_batch_size=4"],
+        "gpt_ddp_padded_ac": [
+            "parallel.dp_replicate=2",
+            "parallel.activation_checkpointing='full'",
+            "batch.micro_batch_size=4",
+            "data.args.packing='padded'",
+        ],
+    },
+    4: {
+        "gpt_ddp4_accum": ["parallel.dp_replicate=4", "batch.micro_batch_size=1"],
+        "gpt_fsdp_tp": ["parallel.dp_shard=2", "parallel.tp=2", "batch.micro_batch_size=2"],
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(SLOW_LAYOUTS))
+def test_every_layout_gives_the_one_process_losses(sft, gpt_reference, world):
+    """DDP, FSDP2, TP (with sequence parallel), FSDP2 x TP, activation checkpointing, accumulation
+    and padding at worlds 2 and 4: losses and grad_norm within 1e-5 (DP) / 1e-4 of one process."""
+    from tests.dist_utils import run_ranks
+    from tests.test_hf import train_layouts
+
+    runs = {}
+    for name, extra in SLOW_LAYOUTS[world].items():
+        over = _gpt(sft, name, *extra)
+        if "data.args.packing='padded'" in extra:
+            over = [o for o in over if not o.startswith("data.args") or o == "data.args.packing='padded'"]
+            over.insert(3, f"data.args={{path = '{sft['train']}', block_size = 256, packing = 'padded'}}")
+            over.remove("data.args.packing='padded'")
+        runs[name] = [o for o in over if not o.startswith("run.out_dir")]
+    run_ranks(train_layouts, world, runs, sft["root"], timeout=900)
+    for name in runs:
+        losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
+        tol = 1e-5 if "ddp" in name else 1e-4
+        torch.testing.assert_close(losses, gpt_reference[0], rtol=tol, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(norms, gpt_reference[1], rtol=tol, atol=0, msg=lambda m: f"{name}: {m}")

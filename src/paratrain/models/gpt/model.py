@@ -110,8 +110,12 @@ class GPT(nn.Module):
         idx, positions = split_packed(idx)
         mask = document_mask(positions) if positions is not None else None
         if self.tok_emb is not None:
-            pos = positions.clamp(min=0) if positions is not None else torch.arange(idx.shape[1], device=idx.device)
-            x = self.tok_emb(idx) + self.pos_emb(pos)
+            if positions is None:
+                x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+            else:
+                # (T, B) in, (T, B, d) out, then (B, T, d): the embedding's sequence dim stays dim 0,
+                # as the tensor-parallel plan shards it under sequence parallelism.
+                x = self.tok_emb(idx) + self.pos_emb(positions.clamp(min=0).t()).transpose(0, 1)
         else:
             x = idx
         for block in self.layers.values():

@@ -41,7 +41,10 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: boo
             plan[p + "attn_norm"] = SequenceParallel()
             plan[p + "mlp_norm"] = SequenceParallel()
             # The attention and the MLP need the whole sequence: all-gather it on entry.
-            plan[p + "attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            # Its second input is the packed documents' mask (or None): a plain tensor, left alone.
+            plan[p + "attn"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            )
             plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         # Whole heads per rank: q/k/v split by output features = by heads (n_head % tp == 0).
         for proj in ("q_proj", "k_proj", "v_proj"):
