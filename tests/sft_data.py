@@ -99,3 +99,31 @@ def prompt_rows(conversations: list[dict]) -> list[dict]:
         reply = next(m for m in c["messages"] if m["role"] == "assistant")
         rows.append({"prompt": user["content"], "completion": reply["content"]})
     return rows
+
+
+def write_example(out: str, *, conversations: int = 200) -> None:
+    """The committed example of docs/sft.md: ``out/model`` (a tiny Llama's config.json, no weights,
+    and the chat tokenizer) and ``out/conversations.jsonl``. Regenerate with
+    ``python -m tests.sft_data configs/sft``."""
+    from transformers import AutoConfig
+
+    model = os.path.join(out, "model")
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    config.save_pretrained(model)
+    save_chat_tokenizer(model)
+    write_jsonl(os.path.join(out, "conversations.jsonl"), stdlib_conversations(conversations))
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_example(sys.argv[1])

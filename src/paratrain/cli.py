@@ -31,7 +31,7 @@ from paratrain.config import (
 )
 from paratrain.data.prepare import prepare
 from paratrain.distributed.process_group import resolve_device
-from paratrain.generate import generate_text
+from paratrain.generate import chat_reply, generate_text
 from paratrain.hardware import env as env_command
 from paratrain.hardware.bench_comm import add_bench_arguments, validate_bench_args, worker_args
 from paratrain.hardware.bench_compute import add_compute_arguments, compute_main
@@ -202,6 +202,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", help="run.out_dir of a finished run")
     p.add_argument("--prompt", default="def ")
+    p.add_argument(
+        "--chat",
+        default=None,
+        metavar="MESSAGE",
+        help="one user turn through the run's chat template; prints the reply",
+    )
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=40)
@@ -209,7 +215,18 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-
+    if args.chat is not None:
+        print(
+            chat_reply(
+                args.out_dir,
+                args.chat,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                seed=args.seed,
+            )
+        )
+        return 0
     print(
         generate_text(
             args.out_dir,
@@ -230,11 +247,36 @@ def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
         "--tokenizer",
         required=True,
         metavar="SPEC",
-        help="'bytes', 'bpe:VOCAB' (trained here), or a tokenizer.json / its dir",
+        help="'bytes', 'bpe:VOCAB' (trained here), or a tokenizer.json / its dir (chat/prompt: a transformers tokenizer dir)",
+    )
+    p.add_argument(
+        "--format",
+        choices=("chat", "prompt", "text", "auto"),
+        default="text",
+        help="chat: jsonl/parquet rows of messages; prompt: rows of prompt + completion; text (default); auto: by the fields",
+    )
+    p.add_argument(
+        "--chat-template", default="", metavar="FILE", help="a Jinja chat template replacing the tokenizer's own"
+    )
+    p.add_argument(
+        "--loss-on",
+        choices=("assistant", "last", "all"),
+        default="assistant",
+        help="chat: train on every assistant turn (default), the last one, or all tokens (prompt rows: the completion)",
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cut longer documents to N tokens, counted (default: none)",
     )
     p.add_argument("--text-field", default="text", help="field (jsonl) or column (parquet) of the text (default text)")
     p.add_argument(
-        "--val-fraction", type=float, default=0.005, help="share of documents in the val split (default 0.005)"
+        "--val-fraction",
+        type=float,
+        default=0.005,
+        help="share of documents in the val split (default 0.005; 1: all, for a held-out file prepared on its own)",
     )
     p.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1)")
     p.add_argument(
@@ -260,12 +302,18 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         workers=args.workers,
         eos=args.eos,
         exclude=args.exclude,
+        fmt=args.format,
+        chat_template=args.chat_template,
+        loss_on=args.loss_on,
+        max_length=args.max_length,
     )
     train, val = meta["splits"]["train"], meta["splits"]["val"]
     print(
-        f"prepared {train['documents'] + val['documents']} documents ({meta['text_bytes'] / 1e6:.1f} MB of text):"
-        f" train {train['tokens']} tokens, val {val['tokens']} tokens, vocab {meta['vocab_size']}"
-        f" ({meta['dtype']}), EOS {meta['eos_id']} -> {args.out}"
+        f"prepared {train['documents'] + val['documents']} {meta['document_format']} documents"
+        f" ({meta['text_bytes'] / 1e6:.1f} MB of text): train {train['tokens']} tokens"
+        f" ({train['trainable_tokens']} trainable), val {val['tokens']} tokens ({val['trainable_tokens']} trainable),"
+        f" {meta['truncated_documents']} truncated, {meta['skipped_documents']} skipped without an assistant token;"
+        f" vocab {meta['vocab_size']} ({meta['dtype']}), EOS {meta['eos_id']} -> {args.out}"
     )
     return 0
 

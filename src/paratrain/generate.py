@@ -2,6 +2,9 @@
 
 Byte-level runs decode bytes; runs on ``data.name = 'tokens'`` decode with the tokenizer the
 corpus was prepared with (its ``tokenizer.json``, found through the run's config.toml).
+``--chat MESSAGE`` renders one user turn through the chat template of a conversation corpus
+(``paratrain prepare --format chat`` keeps the transformers tokenizer beside the shards) and
+prints the reply, up to the template's end of turn.
 """
 
 from __future__ import annotations
@@ -65,6 +68,63 @@ def generate_text(
     if tok is not None:
         return tok.decode(out[0].tolist())
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def chat_reply(
+    out_dir: str, message: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+) -> str:
+    """One reply of a fine-tuned run to ``message`` (a user turn) through its corpus's chat template."""
+    model, cfg = (
+        (None, load_config(os.path.join(out_dir, "config.toml"))) if _is_hf_run(out_dir) else _load_run(out_dir)
+    )
+    tok = _chat_tokenizer(out_dir, cfg)
+    ids = tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else list(ids)
+    idx = torch.tensor([ids], dtype=torch.long)
+    if model is None:
+        from transformers import AutoModelForCausalLM  # an optional extra: paratrain[hf]
+
+        hf = AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf")).eval()
+        torch.manual_seed(seed)
+        out = hf.generate(
+            idx,
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_k=top_k,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        )
+    else:
+        out = model.generate(
+            idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=torch.Generator().manual_seed(seed)
+        )
+    reply = out[0, len(ids) :].tolist()
+    if tok.eos_token_id in reply:
+        reply = reply[: reply.index(tok.eos_token_id)]
+    return tok.decode(reply, skip_special_tokens=True)
+
+
+def _is_hf_run(out_dir: str) -> bool:
+    return os.path.isfile(os.path.join(out_dir, "hf", "config.json"))
+
+
+def _chat_tokenizer(out_dir: str, cfg):
+    try:
+        from transformers import AutoTokenizer  # an optional extra: paratrain[hf]
+    except ImportError:
+        raise ConfigError("generate --chat needs transformers: pip install 'paratrain[hf]'") from None
+    meta = tokens_meta(cfg.data)
+    corpus_tok = (meta or {}).get("tokenizer", {}).get("transformers_dir")
+    for path in ([os.path.join(meta["path"], corpus_tok)] if corpus_tok else []) + [os.path.join(out_dir, "hf")]:
+        if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+            tok = AutoTokenizer.from_pretrained(path)
+            if tok.chat_template:
+                return tok
+    raise ConfigError(
+        f"generate --chat: the run {out_dir!r} has no chat template (neither its corpus, prepared with --format chat,"
+        " nor its model.hf directory has one); use --prompt"
+    )
 
 
 def generate_hf(path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
