@@ -20,7 +20,7 @@ import torch
 from paratrain.checkpoint import Checkpointer, DataclassState, ModelState
 from paratrain.config import Config, ConfigError, load_config, to_toml
 from paratrain.data import build_val_dataset
-from paratrain.distributed.process_group import close_distributed, init_distributed
+from paratrain.distributed.process_group import close_distributed, init_distributed, run_then_exit
 from paratrain.evaluate import Evaluator
 from paratrain.layout import check_eval, check_layout
 from paratrain.loss import build_loss
@@ -39,6 +39,7 @@ def check_eval_args(checkpoint: str) -> None:
 def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
     """One rank of `paratrain eval`: the validation loss of ``checkpoint`` (every rank returns it)."""
     ctx = init_distributed(cfg.dist)
+    ended = False
     try:
         setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
         dims, plan = check_layout(cfg, ctx.world_size)
@@ -79,7 +80,7 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
         val_set = build_val_dataset(cfg.data, cfg.eval.samples, multiple_of=eval_plan.global_batch_size)
         evaluator = Evaluator(val_set, eval_plan, dp_rank=dims.local_rank_in("dp"))
         val_loss = evaluator(model, step_ctx)
-        return {
+        result = {
             "checkpoint": checkpoint,
             "step": step,
             "val_loss": val_loss,
@@ -88,8 +89,13 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
             "layout": dims.degrees(),
             "eval_time_s": evaluator.last_time_s,
         }
+        ended = True
+        return result
     finally:
-        close_distributed(ctx)
+        # The model (DDP) goes before the process group: its Reducer must not hold the group's
+        # last reference (a deadlock in torch's destructors, see close_distributed).
+        model = step_ctx = ckpt = None
+        close_distributed(ctx, barrier=ended)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,4 +117,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_then_exit(main)

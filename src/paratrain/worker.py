@@ -16,6 +16,7 @@ from paratrain.checkpoint import CheckpointSaveError
 from paratrain.cli import add_set_argument
 from paratrain.config import ConfigError, load_config
 from paratrain.distributed.hang import CollectiveTimeout
+from paratrain.distributed.process_group import run_then_exit
 from paratrain.launch import forget_preempted, report_preempted
 from paratrain.trainer import train
 
@@ -82,4 +83,4 @@ def record_failure(line: str, *, exit_code: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_then_exit(main)
