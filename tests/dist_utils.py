@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -18,7 +22,12 @@ from paratrain.distributed.process_group import free_port
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _worker(fn, rank, world_size, port, q, args, kwargs):
+def _worker(fn, rank, world_size, port, q, stacks_file, args, kwargs):
+    # On SIGUSR1 (the parent timed out waiting for this rank) every thread's Python stack goes to
+    # a file the parent reads: faulthandler writes from the signal handler without taking the GIL,
+    # so it works even when a deadlocked thread holds the GIL.
+    stacks = open(stacks_file, "w")  # noqa: SIM115 - open until os._exit
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -31,17 +40,53 @@ def _worker(fn, rank, world_size, port, q, args, kwargs):
 
     torch.set_num_threads(1)
     try:
-        q.put((rank, True, fn(*args, **kwargs)))
+        result = (rank, True, fn(*args, **kwargs))
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        q.put((rank, False, traceback.format_exc()))
+        result = (rank, False, traceback.format_exc())
+    q.put(result)
+    # The result is out: exit without the interpreter's teardown, whose destructors (torch's
+    # process groups, pytorch#56297) can block, and report nothing the parent does not know.
+    q.close()
+    q.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _stacks(proc, rank: int, stacks_file: str) -> str:
+    """What a stuck rank is doing: faulthandler's Python stacks, and py-spy's native ones if installed."""
+    with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+        os.kill(proc.pid, signal.SIGUSR1)
+    out = []
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if py_spy:
+        try:
+            r = subprocess.run(
+                [py_spy, "dump", "--native", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60
+            )
+            out.append(f"py-spy dump --native (rank {rank}):\n{r.stdout}{r.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            out.append(f"py-spy dump failed: {e}")
+    time.sleep(1)  # faulthandler writes from the signal handler, at once
+    with open(stacks_file) as f:
+        out.insert(0, f"Python stacks of rank {rank} (pid {proc.pid}):\n{f.read()}")
+    return "\n".join(out)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240, **kwargs) -> list:
-    """Call ``fn(*args, **kwargs)`` on each of ``world_size`` ranks; returns their results by rank."""
+    """Call ``fn(*args, **kwargs)`` on each of ``world_size`` ranks; returns their results by rank.
+
+    On a timeout the error holds the stacks of the ranks still running and every rank's exit code.
+    """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, q, args, kwargs)) for r in range(world_size)]
+    tmp = tempfile.mkdtemp(prefix="run_ranks-")
+    files = [os.path.join(tmp, f"stacks-{r}.txt") for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, q, files[r], args, kwargs))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results, errors = {}, []
@@ -52,14 +97,20 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240, **kwargs) -> lis
             if errors:
                 break
     except queue.Empty:
-        errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(results))}")
+        missing = sorted(set(range(world_size)) - set(results))
+        errors.append(f"timed out after {timeout}s waiting for ranks {missing}")
     finally:
-        for p in procs:
+        for r, p in enumerate(procs):
             p.join(timeout=5 if errors else 30)
             if p.is_alive():
+                if errors:  # stuck, or left behind by a failed rank: what it was doing
+                    errors.append(_stacks(p, r, files[r]))
                 p.kill()
+                p.join()
+        shutil.rmtree(tmp, ignore_errors=True)
     if errors:
-        raise AssertionError("\n".join(errors))
+        codes = ", ".join(f"rank {r}: {p.exitcode}" for r, p in enumerate(procs))
+        raise AssertionError("\n".join(errors) + f"\nexit codes (negative: killed by that signal): {codes}")
     return [results[r] for r in range(world_size)]
 
 

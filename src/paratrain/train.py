@@ -5,9 +5,8 @@ bound as the package attribute ``paratrain.train`` in place of the API function.
 this file as ``__main__`` without binding it (runpy), so the function stays.
 """
 
-import sys
-
+from paratrain.distributed.process_group import run_then_exit
 from paratrain.launch.worker import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_then_exit(main)

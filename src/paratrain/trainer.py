@@ -117,6 +117,7 @@ def train(
     events.record("worker_start", t=process_start_time())
     events.record("train_called", t=called)
     events.record("process_group_ready")
+    run, ended = None, False
     try:
         with watch_collectives(rank=ctx.rank, world_size=ctx.world_size, timeout_s=cfg.dist.timeout_s):
             run = build_run(cfg, ctx, model=model, dataset=dataset, loss=loss, events=events)
@@ -136,9 +137,14 @@ def train(
                 run.preemption.close()
                 run.profiler.close()
                 run.rank_stats.close()
-            return finish(cfg, run, history)
+            summary = finish(cfg, run, history)
+        ended = True  # every rank got here: the heartbeat is stopped and joined (watch_collectives)
+        return summary
     finally:
-        close_distributed(ctx)
+        # The DDP modules go before the process group: their Reducer must not hold its last
+        # reference (a deadlock in torch's destructors, see close_distributed).
+        run = None
+        close_distributed(ctx, barrier=ended)
 
 
 def loop(cfg: Config, run: Run) -> list[dict]:

@@ -93,9 +93,13 @@ class HangWatch:
         return self
 
     def stop(self) -> None:
+        """Stop beating and wait for a beat in progress: no store write may outlive the run, whose
+        end lets rank 0 (the store's host) exit."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=self.interval_s + 1)
+            self._thread.join(timeout=self.interval_s + 60)  # a beat is one store write: ms, unless the store is gone
+            if self._thread.is_alive():
+                log.warning("paratrain: the heartbeat of rank %d did not stop within a minute", self.rank)
 
     def beat(self) -> None:
         payload = {"time": time.time(), "pid": os.getpid(), "last": last_collectives()}

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
+import logging
 import os
 import socket
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -147,9 +153,55 @@ def init_env_process_group(backend: str, timeout: datetime.timedelta = datetime.
     )
 
 
-def close_distributed(ctx: DistContext) -> None:
-    if ctx.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+def close_distributed(ctx: DistContext, *, barrier: bool = True) -> None:
+    """Leave the process group we made, in an order that cannot deadlock in torch's destructors.
+
+    Call it after dropping the run's DDP modules. A gloo group's destructor joins its worker
+    threads, and a worker thread that is still freeing a finished collective (its tensors, its
+    thread-local state) needs the GIL to drop their Python objects. When the group's last
+    reference goes away in a holder that keeps the GIL (DDP's ``Reducer``, torch's native group
+    registry), both wait on each other forever (pytorch#56297; caught here in a stuck rank:
+    ``Reducer::~Reducer -> ~ProcessGroupGloo -> thread::join`` against ``~AsyncAllreduceWork ->
+    decref_pyobject -> gil_scoped_acquire``). So the last references are ours, Python
+    ``ProcessGroup`` objects, whose deallocation releases the GIL (pytorch#154976).
+
+    ``barrier``: wait for every rank first (all are done with the group and the job's store,
+    which rank 0 hosts in its process, before any leaves). False on a failure, where a peer may
+    never arrive.
+    """
+    if not (ctx.owns_group and dist.is_initialized()):
+        return
+    gc.collect()  # a DDP module in a reference cycle is freed now, while the group still lives
+    if barrier and ctx.world_size > 1:
+        dist.barrier()
+    groups = list(dist.distributed_c10d._world.pg_map)  # kept past destroy: the last references
+    dist.destroy_process_group()
+    del groups  # the groups' destructors run here, without the GIL
+
+
+def run_then_exit(main: Callable[[], int | None]) -> NoReturn:
+    """A worker process's last act: ``main()``, then an exit that runs no destructors.
+
+    Whatever the run leaves (a group a traceback still holds, gloo's threads, a store) would be
+    destroyed by the interpreter's exit, where torch's destructors can block forever
+    (pytorch#56297, see close_distributed). The process ends anyway: its output and logs are
+    flushed, then ``os._exit`` with ``main``'s code (what ``sys.exit(main())`` would exit with).
+    """
+    try:
+        code = main()
+    except SystemExit as e:  # argparse, or sys.exit inside main
+        code = e.code
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, exit code 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code or 0)
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ import torch
 from paratrain.checkpoint import Checkpointer, DataclassState, ModelState
 from paratrain.config import Config, ConfigError, load_config, to_toml
 from paratrain.data import build_val_dataset
-from paratrain.distributed.process_group import close_distributed, init_distributed
+from paratrain.distributed.process_group import close_distributed, init_distributed, run_then_exit
 from paratrain.evaluate import Evaluator
 from paratrain.loss import build_loss
 from paratrain.models import build
@@ -40,6 +40,7 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
     """One rank of `paratrain eval`: the validation loss of ``checkpoint`` (every rank returns it);
     ``checkpoint`` "" evaluates the model as configured (its ``model.hf`` weights, or its init)."""
     ctx = init_distributed(cfg.dist)
+    ended = False
     try:
         setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
         dims, plan = check_run(cfg, ctx.world_size)
@@ -66,7 +67,7 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
         )
         evaluator = Evaluator(val_set, eval_plan, dp_rank=dims.local_rank_in("dp"))
         val_loss = evaluator(model, step_ctx)
-        return {
+        result = {
             "checkpoint": checkpoint or None,
             "step": step,
             "val_loss": val_loss,
@@ -76,8 +77,13 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
             "layout": dims.degrees(),
             "eval_time_s": evaluator.last_time_s,
         }
+        ended = True
+        return result
     finally:
-        close_distributed(ctx)
+        # The model (DDP) goes before the process group: its Reducer must not hold the group's
+        # last reference (a deadlock in torch's destructors, see close_distributed).
+        model = step_ctx = None
+        close_distributed(ctx, barrier=ended)
 
 
 def resume_model(cfg: Config, checkpoint: str, *, model, dims, ctx) -> int:
@@ -124,4 +130,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_then_exit(main)

@@ -15,6 +15,7 @@ import time
 from paratrain.checkpoint import CheckpointSaveError
 from paratrain.config import ConfigError, add_resume_argument, add_set_argument, load_config, resume_overrides
 from paratrain.distributed.hang import CollectiveTimeout
+from paratrain.distributed.process_group import run_then_exit
 from paratrain.launch.agent import forget_preempted, report_preempted
 from paratrain.trainer import train
 
@@ -72,4 +73,4 @@ def record_failure(line: str, *, exit_code: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_then_exit(main)
