@@ -308,11 +308,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         max_length=args.max_length,
     )
     train, val = meta["splits"]["train"], meta["splits"]["val"]
+    chat = (
+        f"; trainable tokens: train {train['trainable_tokens']}, val {val['trainable_tokens']};"
+        f" {meta['truncated_documents']} truncated, {meta['skipped_documents']} skipped (no assistant token)"
+        if meta["loss_mask"]
+        else ""
+    )
     print(
-        f"prepared {train['documents'] + val['documents']} {meta['document_format']} documents"
-        f" ({meta['text_bytes'] / 1e6:.1f} MB of text): train {train['tokens']} tokens"
-        f" ({train['trainable_tokens']} trainable), val {val['tokens']} tokens ({val['trainable_tokens']} trainable),"
-        f" {meta['truncated_documents']} truncated, {meta['skipped_documents']} skipped without an assistant token;"
+        f"prepared {train['documents'] + val['documents']} documents ({meta['document_format']},"
+        f" {meta['text_bytes'] / 1e6:.1f} MB of text): train {train['tokens']} tokens, val {val['tokens']} tokens{chat},"
         f" vocab {meta['vocab_size']} ({meta['dtype']}), EOS {meta['eos_id']} -> {args.out}"
     )
     return 0

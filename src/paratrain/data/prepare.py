@@ -117,17 +117,10 @@ def iter_rows(files: list[str]) -> Iterator[tuple[str, dict]]:
                     n += 1
                     yield f"{path} row {n}", row
         elif name.endswith(".jsonl"):
-            with _open_text(path) as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line")
-                    if not isinstance(row, dict):
-                        raise ConfigError(f"{path}:{lineno}: a row must be a JSON object; fix the line")
-                    yield f"{path}:{lineno}", row
+            for lineno, row in _jsonl_records(path):
+                if not isinstance(row, dict):
+                    raise ConfigError(f"{path}:{lineno}: a row must be a JSON object; fix the line")
+                yield f"{path}:{lineno}", row
         else:
             raise ConfigError(f"{path}: --format chat/prompt reads .jsonl or .parquet rows; convert the file")
 
@@ -163,21 +156,26 @@ def iter_documents(files: list[str], text_field: str = "text") -> Iterator[str]:
                 yield f.read()
 
 
-def _iter_jsonl(path: str, text_field: str) -> Iterator[str]:
+def _jsonl_records(path: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) of every non-empty line; a bad line is one error naming it."""
     with _open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the line")
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise ConfigError(
-                    f"{path}:{lineno}: no string field {text_field!r}; pass --text-field with the field holding the text"
-                )
-            yield text
+
+
+def _iter_jsonl(path: str, text_field: str) -> Iterator[str]:
+    for lineno, record in _jsonl_records(path):
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"{path}:{lineno}: no string field {text_field!r}; pass --text-field with the field holding the text"
+            )
+        yield text
 
 
 def _iter_parquet(path: str, text_field: str) -> Iterator[str]:
