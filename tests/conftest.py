@@ -6,3 +6,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+
+# A worker's entry point ends its process with os._exit (distributed/process_group.run_then_exit).
+# Run inside pytest's own process by mistake, it would end the session with exit code 0 and no
+# summary, hiding every test after it: in this process os._exit raises instead (forked children,
+# e.g. tests/test_docs.py's runner, have another pid and exit for real).
+_PYTEST_PID = os.getpid()
+_real_exit = os._exit
+
+
+def _guarded_exit(code: int = 0):
+    if os.getpid() == _PYTEST_PID:
+        raise RuntimeError(f"os._exit({code}) called in pytest's own process; a worker entry point ran in-process")
+    _real_exit(code)
+
+
+os._exit = _guarded_exit

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 import paratrain
+import paratrain.distributed.process_group
 import paratrain.launch.worker
 
 ROOT = os.path.dirname(paratrain.__file__)
@@ -193,6 +194,11 @@ def test_the_train_alias_runs_the_worker_and_leaves_the_api_function(monkeypatch
     calls = []
     monkeypatch.setattr(paratrain.launch.worker, "main", lambda argv=None: calls.append(argv) or 0)
     monkeypatch.setattr(sys, "argv", ["paratrain.train", "cfg.toml"])
+
+    def run_then_exit(main):  # the real one ends the process with os._exit: it would end pytest
+        raise SystemExit(main())
+
+    monkeypatch.setattr(paratrain.distributed.process_group, "run_then_exit", run_then_exit)
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("paratrain.train", run_name="__main__", alter_sys=True)  # what `python -m` does
     assert exit_info.value.code == 0 and calls == [None]
