@@ -33,7 +33,7 @@ run-tokens: install
 # The fast default path: every tier (unit, single-rank and multi-rank gloo, CLI end to end) except
 # the tests marked slow (long end-to-end runs: docs commands, elastic, HF layouts, the 8B plan).
 test: install lint
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" --durations=10 tests
 
 # The slow end-to-end cases alone; CI runs `make test` and then this.
 test-slow: install
