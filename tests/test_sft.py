@@ -182,12 +182,12 @@ def test_bad_chat_input_is_one_line(sft, tmp_path):
 # ----------------------------------------------------------------------------- layouts
 
 
-def _gpt(sft: dict, name: str, *extra: str) -> list[str]:
+def _gpt(sft: dict, name: str, *extra: str, packing: str = "documents") -> list[str]:
     return [
         "model.name='gpt'",
         "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 256}",
         "data.name='tokens'",
-        f"data.args={{path = '{sft['train']}', block_size = 256}}",
+        f"data.args={{path = '{sft['train']}', block_size = 256, packing = '{packing}'}}",
         "batch.global_batch_size=8",
         "run.steps=3",
         f"run.out_dir='{sft['root']}/{name}'",
@@ -218,12 +218,7 @@ def test_padded_documents_give_the_packed_losses(sft, gpt_reference):
     import paratrain
 
     name = "gpt_padded"
-    over = _gpt(
-        sft,
-        name,
-        "batch.micro_batch_size=4",
-        f"data.args={{path = '{sft['train']}', block_size = 256, packing = 'padded'}}",
-    )
+    over = _gpt(sft, name, "batch.micro_batch_size=4", packing="padded")
     paratrain.train(paratrain.load_config(None, over))
     losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
     torch.testing.assert_close(losses, gpt_reference[0], rtol=1e-5, atol=0)
@@ -249,7 +244,6 @@ SLOW_LAYOUTS = {
             "parallel.dp_replicate=2",
             "parallel.activation_checkpointing='full'",
             "batch.micro_batch_size=4",
-            "data.args.packing='padded'",
         ],
     },
     4: {
@@ -267,14 +261,14 @@ def test_every_layout_gives_the_one_process_losses(sft, gpt_reference, world):
     from tests.dist_utils import run_ranks
     from tests.test_hf import train_layouts
 
-    runs = {}
-    for name, extra in SLOW_LAYOUTS[world].items():
-        over = _gpt(sft, name, *extra)
-        if "data.args.packing='padded'" in extra:
-            over = [o for o in over if not o.startswith("data.args") or o == "data.args.packing='padded'"]
-            over.insert(3, f"data.args={{path = '{sft['train']}', block_size = 256, packing = 'padded'}}")
-            over.remove("data.args.packing='padded'")
-        runs[name] = [o for o in over if not o.startswith("run.out_dir")]
+    runs = {
+        name: [
+            o
+            for o in _gpt(sft, name, *extra, packing="padded" if "padded" in name else "documents")
+            if not o.startswith("run.out_dir")
+        ]
+        for name, extra in SLOW_LAYOUTS[world].items()
+    }
     run_ranks(train_layouts, world, runs, sft["root"], timeout=900)
     for name in runs:
         losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
