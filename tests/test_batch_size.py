@@ -280,6 +280,7 @@ def test_auto_config_values():
 # ----------------------------------------------------------------------------- 'auto' keeps invariance
 
 
+@pytest.mark.slow  # > 12 s: make test stays under 10 minutes
 def test_auto_keeps_layout_invariance(tmp_path):
     """'auto' at world 1 and 2, with a budget that admits micro-batch 2 but not 4, equals the reference."""
     from paratrain.batch.measure import StepRunner, estimate_peak

@@ -168,6 +168,7 @@ def test_a_broken_collective_is_an_error_on_every_rank(world2):
     assert all("wrong values" in m for m in world2["broken"]), world2["broken"]
 
 
+@pytest.mark.slow  # > 12 s: make test stays under 10 minutes
 def test_bench_comm_end_to_end_writes_json_and_png(tmp_path):
     js, png = tmp_path / "comm.json", tmp_path / "comm.png"
     r = paratrain_cli(

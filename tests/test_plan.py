@@ -206,6 +206,7 @@ def test_calibration_replaces_the_profile(tmp_path):
             calibrate(get_profile("cpu"), [str(tmp_path / "bad.json")])
 
 
+@pytest.mark.slow  # > 12 s: make test stays under 10 minutes
 def test_cli_json_ranked_and_nothing_fits():
     r = paratrain_cli("plan", DEBUG, "--nproc-per-node", "2", "--hardware", "cpu", "--top", "3", "--json")
     assert r.returncode == 0, r.stderr

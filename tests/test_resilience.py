@@ -141,6 +141,7 @@ def ref2(tmp_path_factory):
     return run(out, 2, [])
 
 
+@pytest.mark.slow  # > 12 s: make test stays under 10 minutes
 def test_sigterm_to_the_launcher_saves_and_resume_continues_bitwise(tmp_path, ref2):
     out = str(tmp_path / "run")
     proc = start_train(

@@ -162,6 +162,7 @@ def _metric_lines(out_dir) -> int:
         return 0
 
 
+@pytest.mark.slow  # > 12 s: make test stays under 10 minutes
 @pytest.mark.timeout(240)
 def test_single_node_job_listens_on_loopback_and_ignores_forged_state(tmp_path):
     out, marker = tmp_path / "run", tmp_path / "code-ran"

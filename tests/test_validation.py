@@ -229,6 +229,7 @@ def train_then_eval(runs: list[tuple[int, int, list[str], str]]) -> list[dict]:
     return out
 
 
+@pytest.mark.slow  # > 12 s: make test stays under 10 minutes
 def test_v_schedules_validate_like_the_reference(tmp_path):
     """zbv and dualpipev (two adjacent stages on one rank): val_loss during training and
     `paratrain eval` of their checkpoint (forward only before any training step) equal the

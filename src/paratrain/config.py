@@ -93,6 +93,10 @@ class LossConfig:
         "'cross_entropy', 'mse', or 'package.module:function' returning (sum_of_item_losses, item_count).",
     )
     ignore_index: int = opt(-100, "Targets equal to this are not counted (cross_entropy and user losses).")
+    chunk_size: int = opt(
+        0,
+        "Positions per chunk of the built-in cross_entropy: the loss takes the model's last hidden states and runs the output layer and the loss chunk by chunk (recomputed in the backward), so the [tokens, vocab] float32 logits never exist at once. 0: the model computes all logits (built-in GPT and model.hf support it).",
+    )
 
 
 @dataclass

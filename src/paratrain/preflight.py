@@ -194,11 +194,6 @@ def check_packing(cfg: Config, dims: ParallelDims) -> None:
             f"data.args.packing = {packing!r} feeds (batch, 2, T) token and position ids, which the built-in GPT and"
             " model.hf read; a model.factory model does not (yet): use one of those"
         )
-    if dims.pp > 1:
-        raise ConfigError(
-            f"data.args.packing = {packing!r} with parallel.pp = {dims.pp}: the later pipeline stages do not receive"
-            " the documents' positions yet; use parallel.pp = 1 (DDP, FSDP2, TP and their compositions run it)"
-        )
 
 
 def check_eval(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> BatchPlan:

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import ConfigError
-from paratrain.data.packing import count_input_tokens
+from paratrain.data.packing import attention_square, count_input_tokens, split_packed
 from paratrain.distributed.data_parallel import maybe_no_sync
 from paratrain.distributed.grad_norm import clip_grad_norm_
 from paratrain.distributed.pipeline_parallel import PipelineModel, pipeline_forward, pipeline_forward_backward
@@ -75,6 +75,9 @@ class StepResult:
     grad_norm: float
     tokens: int  # input tokens of the global batch (samples, for non-token inputs)
     stop: bool = False  # some rank's stop flag was set (the same on every rank: read from the step's reduce)
+    # Packed documents (data/packing.py): the sum of their squared lengths, what their attention
+    # covers; None for other inputs, whose rows attend over their whole length.
+    attention_square: int | None = None
 
 
 def to_device(obj, device: torch.device):
@@ -98,20 +101,22 @@ def count_tokens(inputs) -> int:
     return len(inputs)
 
 
-def count_global_items(batches: list[tuple], *, loss_fn: Loss, dp_group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """Target items and input tokens of the whole global batch, from the targets alone, before
-    any backward. Counted on the CPU so this small all-reduce never waits
-    for the device."""
+def count_global_items(
+    batches: list[tuple], *, loss_fn: Loss, dp_group: dist.ProcessGroup | None
+) -> tuple[int, int, int | None]:
+    """Target items, input tokens and packed documents' attention square (None when the inputs
+    are not packed) of the whole global batch, from the targets alone, before any backward.
+    Counted on the CPU so this small all-reduce never waits for the device."""
     local_items = torch.stack([loss_fn.count(t) for _, t in batches]).sum()
-    counts = torch.stack(
-        [local_items, torch.tensor(float(sum(count_tokens(x) for x, _ in batches)), dtype=torch.float64)]
-    )
+    squares = [attention_square(x) for x, _ in batches]
+    local = [float(sum(count_tokens(x) for x, _ in batches)), float(sum(q or 0 for q in squares))]
+    counts = torch.cat([local_items.reshape(1), torch.tensor(local, dtype=torch.float64)])
     if dp_group is not None:
         dist.all_reduce(counts, group=dp_group)
-    items, tokens = int(counts[0].item()), int(counts[1].item())
+    items, tokens, square = (int(c) for c in counts.tolist())
     if items == 0:
         raise ConfigError("a global batch has no target items (every target is loss.ignore_index); check the data")
-    return items, tokens
+    return items, tokens, (square if squares[0] is not None else None)
 
 
 def train_step(
@@ -130,14 +135,20 @@ def train_step(
     the step's reduce (this rank got SIGTERM: preemption.py); ``StepResult.stop`` says whether
     any rank's was set.
     """
-    items, tokens = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
+    items, tokens, square = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
     # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
     # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
     # of two in practice, which makes the round trip exact in floating point.
     scale = ctx.dp / items
     if isinstance(model, PipelineModel):  # the schedule runs forward and backward
         loss_sum, returned = pipeline_forward_backward(
-            model, batches, scale=scale, loss_fn=ctx.loss_fn, device=ctx.device, autocast=ctx.amp.autocast()
+            model,
+            batches,
+            scale=scale,
+            loss_fn=ctx.loss_fn,
+            device=ctx.device,
+            autocast=ctx.amp.autocast(),
+            split_inputs=stage_inputs,
         )
         pp_group = model.pp_group
     else:
@@ -155,7 +166,7 @@ def train_step(
     # coefficient is still read in distributed/grad_norm.py); this one copies a value already
     # computed. The same tensor as before: exact.
     # (One joint read via torch.cat adds three tensor ops and showed no gain: preempt_overhead.py.)
-    return StepResult(loss_total / items, items, float(grad_norm), tokens, stops > 0)
+    return StepResult(loss_total / items, items, float(grad_norm), tokens, stops > 0, square)
 
 
 def forward_backward(
@@ -227,16 +238,28 @@ def check_count(returned_total: float, items: int) -> None:
         )
 
 
+def stage_inputs(inputs) -> tuple[torch.Tensor, dict]:
+    """A pipeline's first-stage input and the keywords for every stage: packed documents
+    (data/packing.py) send their token ids to the first stage and their positions to all."""
+    ids, positions = split_packed(inputs)
+    return ids, ({} if positions is None else {"positions": positions})
+
+
 @torch.no_grad()
 def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple[float, int]:
     """The loss sum and item count of a global batch, forward only, summed over all ranks.
 
     Shares the step's counting and checking; the mean is ``loss_sum / items``.
     """
-    items, _ = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
+    items, _, _ = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
     if isinstance(model, PipelineModel):
         loss_sum, returned = pipeline_forward(
-            model, batches, loss_fn=ctx.loss_fn, device=ctx.device, autocast=ctx.amp.autocast()
+            model,
+            batches,
+            loss_fn=ctx.loss_fn,
+            device=ctx.device,
+            autocast=ctx.amp.autocast(),
+            split_inputs=stage_inputs,
         )
         pp_group = model.pp_group
     else:

@@ -235,6 +235,11 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
     }
     # Communication and hardware: model FLOPs and MFU, bytes sent, fp16 loss scale.
     step_flops = run.flops_per_token(seq_len) * result.tokens
+    if result.attention_square is not None:
+        # Packed documents attend within themselves: the attention term (linear in the sequence
+        # length, flops_per_token = a + b x seq_len) is credited per document, not per row.
+        per_token = run.flops_per_token(0)
+        step_flops = per_token * result.tokens + (run.flops_per_token(1) - per_token) * result.attention_square
     row["model_flops_per_s"] = step_flops / dt
     if run.peak_flops:
         row["mfu"] = mfu(flops=step_flops, seconds=dt, peak_flops_per_device=run.peak_flops, devices=run.ctx.world_size)
@@ -422,6 +427,7 @@ def build_parallel(
         user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory),
         supported=spec.loss_parallel,
     )
+    spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
     model = parallelize(
         model,
         dims,
@@ -433,6 +439,7 @@ def build_parallel(
         loss_parallel=loss_parallel,
         blocks_attr=spec.blocks_attr,
         model_plan=spec.tp_plan,
+        loss_owns_head=loss_fn.owns_head,
     )
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
     step_ctx = StepContext(

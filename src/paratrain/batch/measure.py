@@ -145,6 +145,7 @@ class StepRunner:
                 user_plan=bool(self.cfg.parallel.tp_plan or self.cfg.parallel.tp_plan_factory),
                 supported=spec.loss_parallel,
             )
+            spec.hand_head_to(model, self.loss_fn, loss_parallel=self.loss_parallel)  # loss.chunk_size
             with fake_mode or contextlib.nullcontext():
                 model = parallelize(
                     model,
@@ -157,6 +158,7 @@ class StepRunner:
                     loss_parallel=self.loss_parallel,
                     blocks_attr=spec.blocks_attr,
                     model_plan=spec.tp_plan,
+                    loss_owns_head=getattr(self.loss_fn, "owns_head", False),
                 )
                 optimizer = build_optimizer(model, self.cfg.optim)
         return model, optimizer

@@ -84,6 +84,17 @@ def count_input_tokens(inputs) -> int | None:
     return None if positions is None else int((positions >= 0).sum())
 
 
+def attention_square(inputs) -> int | None:
+    """The (query, key) pairs of packed inputs' attention, counted as MFU counts a sequence (the
+    whole square, PaLM appendix B): the sum of the documents' squared lengths, which is the sum
+    over real tokens of ``2 x position + 1``. None when ``inputs`` are not packed."""
+    _, positions = split_packed(inputs)
+    if positions is None:
+        return None
+    real = positions[positions >= 0]
+    return int((2 * real + 1).sum())
+
+
 class PackedRows(torch.utils.data.Dataset):
     """The rows of one split of a prepared corpus with document boundaries (format 2)."""
 

@@ -58,8 +58,13 @@ def apply_fsdp(
     cpu_offload: bool,
     mp_policy: MixedPrecisionPolicy | None = None,
     blocks_attr: str = BLOCKS_ATTR,
+    keep_root_unsharded: bool = False,
 ) -> nn.Module:
     """FSDP2 ``fully_shard`` each block of ``model.layers``, then the root (in place).
+
+    ``keep_root_unsharded``: the root's parameters stay gathered from its forward to its
+    backward, because the loss reads one of them after the forward (loss.chunk_size: the loss
+    runs the output layer; loss.py ``ChunkedCrossEntropy``).
 
     ``mesh`` is 1-D (``dp_shard``: ZeRO over all dp ranks) or 2-D (``dp_replicate, dp_shard``:
     HSDP, sharded within a group and replicated across groups, reduce-scatter then all-reduce).
@@ -77,8 +82,10 @@ def apply_fsdp(
         # follows: keeping them saves one all-gather for a block's worth of memory (torchtitan).
         last = i == len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **common)
-    # The root's own parameters are never resharded after forward (FSDP2 does so for the root).
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **common)
+    # An explicit reshard_after_forward=True reshards the root too (only FSDP2's automatic
+    # default, None, keeps the root gathered): a loss that reads the root's output layer after
+    # the forward would otherwise see its shards.
+    fully_shard(model, reshard_after_forward=reshard_after_forward and not keep_root_unsharded, **common)
     return model
 
 

@@ -73,6 +73,7 @@ def parallelize(
     loss_parallel: bool = False,
     blocks_attr: str = BLOCKS_ATTR,
     model_plan: Callable[..., dict] | None = None,
+    loss_owns_head: bool = False,
 ) -> nn.Module:
     """Move ``model`` to ``device`` and apply the parallelisms its layout asks for, in order.
 
@@ -81,7 +82,9 @@ def parallelize(
     ``precision``/``comm`` give FSDP2 its MixedPrecisionPolicy; without FSDP2, autocast in the
     step does the casting and DDP's communication hooks the compression.
     ``blocks_attr``/``model_plan`` are the model's ModelSpec pieces (models/spec.py): where its
-    blocks are, its own tensor-parallel plan.
+    blocks are, its own tensor-parallel plan. ``loss_owns_head``: the loss runs the output layer
+    after the forward (loss.chunk_size), so FSDP2 keeps the root's parameters gathered until
+    the backward.
     """
     comm, precision = comm or CommConfig(), precision or PrecisionConfig()
     # 1. Pipeline split, still on the CPU (only this rank's stages reach the device): each stage
@@ -147,6 +150,7 @@ def parallelize(
             cpu_offload=cfg.cpu_offload,
             mp_policy=build_mp_policy(precision, compression=comm.compression),
             blocks_attr=blocks_attr,
+            keep_root_unsharded=loss_owns_head,
         )
     # 6. Replicated data parallel, last: it wraps whatever the model has become.
     elif dims.dp_replicate > 1:

@@ -468,8 +468,32 @@ def apply_pp(
 # ----------------------------------------------------------------------------- the step
 
 
+def _no_split(inputs):
+    return inputs, {}
+
+
+def _stage_inputs(model: PipelineModel, inputs: torch.Tensor, split: Callable) -> tuple[tuple, dict]:
+    """The schedule's ``(args, kwargs)``: ``split(inputs)`` gives the first stage's input and
+    the keywords that every stage gets (packed documents' ``positions``: each stage builds its
+    own document mask, and stages pass on hidden states alone; step.py's ``stage_inputs``).
+
+    torch's schedules cut keyword tensors into micro-batches like the input and hand them to
+    every stage (``PipelineStage.forward_one_chunk``: "kwargs can be passed to all stages");
+    an integer tensor takes no gradient, so nothing flows back for it.
+    """
+    first, kwargs = split(inputs)
+    return ((first,) if model.has_first else ()), kwargs
+
+
 def pipeline_forward_backward(
-    model: PipelineModel, batches: list[tuple], *, scale: float, loss_fn: Callable, device: torch.device, autocast
+    model: PipelineModel,
+    batches: list[tuple],
+    *,
+    scale: float,
+    loss_fn: Callable,
+    device: torch.device,
+    autocast,
+    split_inputs: Callable = _no_split,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One schedule run (forward and backward) over this rank's micro-batches ``[(input, target), ...]``.
 
@@ -485,7 +509,7 @@ def pipeline_forward_backward(
         model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=loss_fn)
     scaled = model.loss
     scaled.scale, scaled.sums, scaled.counts = scale, [], []
-    args = (inputs,) if model.has_first else ()
+    args, kwargs = _stage_inputs(model, inputs, split_inputs)
     with contextlib.ExitStack() as stack:
         # The schedule reduces DDP gradients itself, in the last backward, through an explicit
         # reducer.prepare_for_backward that no_sync does not block. But its shape-inference
@@ -496,12 +520,18 @@ def pipeline_forward_backward(
             if isinstance(part, DistributedDataParallel):
                 stack.enter_context(part.no_sync())
         stack.enter_context(autocast)
-        model.schedule.step(*args, target=target if model.has_last else None, return_outputs=False)
+        model.schedule.step(*args, target=target if model.has_last else None, return_outputs=False, **kwargs)
     return _local_sums(model, device)
 
 
 def pipeline_forward(
-    model: PipelineModel, batches: list[tuple], *, loss_fn: Callable, device: torch.device, autocast
+    model: PipelineModel,
+    batches: list[tuple],
+    *,
+    loss_fn: Callable,
+    device: torch.device,
+    autocast,
+    split_inputs: Callable = _no_split,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only through the schedule (``eval()``, torch >= 2.9, running only the forward
     actions, see :func:`_forward_actions_only`): ``(loss_sum, count)`` as above."""
@@ -511,9 +541,9 @@ def pipeline_forward(
         model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=loss_fn)
     scaled = model.loss
     scaled.sums, scaled.counts = [], []
-    args = (inputs,) if model.has_first else ()
+    args, kwargs = _stage_inputs(model, inputs, split_inputs)
     with autocast, torch.no_grad(), _forward_actions_only(model.schedule):
-        model.schedule.eval(*args, target=target if model.has_last else None)
+        model.schedule.eval(*args, target=target if model.has_last else None, **kwargs)
     return _local_sums(model, device)
 
 

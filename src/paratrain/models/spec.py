@@ -17,7 +17,10 @@ it receives the spec's pieces as arguments. A spec says
 - whether the built-in cross-entropy may run on vocabulary-sharded logits (``loss_parallel``);
 - its context length from its args (``context_length``), checked against the data's block size;
 - ``materialize(model, *, device)``: when set, the model is built on the meta device and this
-  fills it after the parallelisms (each rank its own shards; e.g. pretrained HF weights).
+  fills it after the parallelisms (each rank its own shards; e.g. pretrained HF weights);
+- ``head_attr``: its output layer (an ``nn.Linear``), which a chunked cross-entropy
+  (``loss.chunk_size``) runs itself; the model then returns its last hidden states when its
+  ``return_hidden`` attribute is True (None: the model has no such switch).
 
 A user model gets a spec from its factory (``model.factory`` may return a ModelSpec instead of a
 module) or from the documented conventions: blocks in ``model.layers``, the plan from
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from paratrain.config import ConfigError
 from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_of
 
 
@@ -52,6 +56,22 @@ class ModelSpec:
     loss_parallel: bool = False
     context_length: Callable[[dict], int | None] | None = None
     materialize: Callable[..., object] | None = None
+    head_attr: str | None = None
+
+    def hand_head_to(self, model: nn.Module, loss_fn, *, loss_parallel: bool) -> None:
+        """Give the output layer to a loss that runs it (loss.py ``ChunkedCrossEntropy``), before
+        the parallelisms: they change the layer's parameters in place, and a pipeline's last
+        stage is the model itself cut down (distributed/pipeline_parallel.py ``apply_pp``)."""
+        if not getattr(loss_fn, "owns_head", False):
+            return
+        head = getattr(model, self.head_attr, None) if self.head_attr else None
+        if not isinstance(head, nn.Linear):
+            raise ConfigError(
+                f"loss.chunk_size needs a model that can hand its output layer to the loss (the built-in GPT"
+                f" and model.hf do; {self.name} does not): set loss.chunk_size = 0"
+            )
+        model.return_hidden = True
+        loss_fn.fn.bind(head, loss_parallel=loss_parallel)
 
     def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The model's repeated blocks ``[(name, module), ...]`` (empty when it has none)."""

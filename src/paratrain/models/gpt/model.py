@@ -78,6 +78,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # True: forward stops before lm_head, whose logits a chunked loss makes itself (loss.py).
+    return_hidden = False
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
@@ -101,13 +104,15 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab); on a middle pipeline stage, hidden -> hidden.
 
         Packed documents (B, 2, T) carry their position ids (data/packing.py): each document
-        gets positions from 0 and attends to itself only.
+        gets positions from 0 and attends to itself only. A pipeline stage gets the ids (or the
+        hidden states) and the ``positions`` (B, T) apart: only the first stage sees the input.
         """
-        idx, positions = split_packed(idx)
+        if positions is None:
+            idx, positions = split_packed(idx)
         mask = document_mask(positions) if positions is not None else None
         if self.tok_emb is not None:
             if positions is None:
@@ -122,7 +127,7 @@ class GPT(nn.Module):
             x = block(x, mask)
         if self.norm is not None:
             x = self.norm(x)
-        if self.lm_head is not None:
+        if self.lm_head is not None and not self.return_hidden:
             x = self.lm_head(x)
         return x
 

@@ -96,4 +96,5 @@ GPT_SPEC = ModelSpec(
     check_layout=check_gpt_layout,
     loss_parallel=True,
     context_length=gpt_context_length,
+    head_attr="lm_head",
 )

@@ -54,6 +54,7 @@ def hf_spec(cfg: ModelConfig) -> ModelSpec:
         loss_parallel=False,
         context_length=lambda args: getattr(load_hf_config(cfg.hf, args), "max_position_embeddings", None),
         materialize=materialize if load else None,
+        head_attr="lm_head",
     )
 
 

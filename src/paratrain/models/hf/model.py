@@ -91,6 +91,9 @@ def causal_lm_from_config(config, key: str = "model.hf") -> nn.Module:
 class HFCausalLM(nn.Module):
     """Token ids (B, T) -> logits (B, T, vocab) with the modules of an HF ``*ForCausalLM``."""
 
+    # True: forward stops before lm_head, whose logits a chunked loss makes itself (loss.py).
+    return_hidden = False
+
     def __init__(self, hf_model: nn.Module, *, key: str = "model.hf"):
         super().__init__()
         config = hf_model.config
@@ -168,13 +171,15 @@ class HFCausalLM(nn.Module):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**args)
         return masks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits; on a later pipeline stage hidden -> hidden (or -> logits).
 
         Packed documents (B, 2, T) carry their position ids (data/packing.py); padding's -1
-        starts a one-token sequence of its own for the mask and rotates as position 0.
+        starts a one-token sequence of its own for the mask and rotates as position 0. A
+        pipeline stage gets the ids (or the hidden states) and the ``positions`` (B, T) apart.
         """
-        x, positions = split_packed(x)
+        if positions is None:
+            x, positions = split_packed(x)
         for name in self._head_names:
             module = getattr(self, name)
             if module is not None:
@@ -196,6 +201,6 @@ class HFCausalLM(nn.Module):
             module = getattr(self, name)
             if module is not None:
                 x = module(x)
-        if self.lm_head is not None:
+        if self.lm_head is not None and not self.return_hidden:
             x = self.lm_head(x)
         return x
