@@ -9,14 +9,21 @@ NPROC ?= 2
 
 .PHONY: run run-tokens test test-slow test-all lint install install-test bench clean
 
+# `make run` installs what the main job needs (torch and paratrain's own few dependencies);
+# the test extras (transformers, MLflow, W&B, TensorBoard, pyarrow, Accelerate) come with `make test`.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]" "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e . "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.installed-%: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[$*]" "$(TORCH_SPEC)"
 	touch $@
 
 install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 
 run: install
 	$(VENV)/bin/paratrain train configs/main.toml --nproc-per-node $(NPROC)
@@ -24,7 +31,7 @@ run: install
 
 # The two-command recipe of docs/data.md: BPE-4096 tokens of the standard library, then train.
 STDLIB = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
-run-tokens: install
+run-tokens: $(VENV)/.installed-tokenizers
 	$(VENV)/bin/paratrain prepare "$(STDLIB)/**/*.py" --exclude '*/site-packages/*' --exclude '*/test/*' \
 		--exclude '*/tests/*' --out data/stdlib-bpe4096 --tokenizer bpe:4096 --workers $(NPROC)
 	$(VENV)/bin/paratrain train configs/tokens.toml --nproc-per-node $(NPROC)
@@ -32,17 +39,17 @@ run-tokens: install
 
 # The fast default path: every tier (unit, single-rank and multi-rank gloo, CLI end to end) except
 # the tests marked slow (long end-to-end runs: docs commands, elastic, HF layouts, the 8B plan).
-test: install lint
+test: install-test lint
 	$(PY) -m pytest -q -m "not slow" --durations=10 tests
 
 # The slow end-to-end cases alone; CI runs `make test` and then this.
-test-slow: install
+test-slow: install-test
 	$(PY) -m pytest -q -m slow tests
 
-test-all: install lint
+test-all: install-test lint
 	$(PY) -m pytest -q tests
 
-lint: install
+lint: install-test
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 

@@ -4,6 +4,7 @@ uninterrupted single-process run of the same config."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -454,3 +455,73 @@ def test_bad_launch_input_exits_2_with_one_line(tmp_path, capsys, args, message)
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("paratrain: error: "), err
     assert message.replace("{file}", file) in err
+
+
+# ----------------------------------------------------------------------------- orphaned workers
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie that no one reaped yet has stopped: it holds no device, no memory)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+def test_a_worker_stops_when_its_launcher_is_killed(tmp_path):
+    """launch/worker.py ``stop_with_launcher``: a process whose parent is SIGKILLed ends within
+    seconds (the parent-death signal; the pid watch behind it)."""
+    pid_file = tmp_path / "child.pid"
+    child = (
+        "import os, time; from paratrain.launch.worker import stop_with_launcher; stop_with_launcher(0.1);"
+        f" open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}]).wait()"],
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker = int(pid_file.read_text())
+        assert _alive(worker)
+        os.kill(parent.pid, signal.SIGKILL)
+        assert _gone_within([worker], 5) == [], "the worker outlived its launcher"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_no_process_of_the_job_outlives_a_killed_launcher(tmp_path):
+    """`kill -9` of a `paratrain train --nproc-per-node 2` launcher's process group: torch elastic's
+    workers live in sessions of their own, yet none is left 10 s later."""
+    from tests.dist_utils import descendants
+    from tests.test_security import _metric_lines, _start_job, _wait_for
+
+    out = tmp_path / "run"
+    job = _start_job(out, 100_000, "--nproc-per-node", "2")
+    tree = [job.pid]
+    try:
+        _wait_for(lambda: _metric_lines(out) >= 2, 120, "the job's first steps")
+        tree = descendants(job.pid)
+        assert len(tree) >= 3, tree  # the launcher and its two workers
+        os.killpg(job.pid, signal.SIGKILL)
+        left = _gone_within(tree, 10)
+        assert left == [], f"processes of the job still running 10 s after the launcher died: {left}"
+    finally:
+        for p in tree if not _alive(job.pid) else descendants(job.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        job.wait()

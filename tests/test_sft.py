@@ -252,6 +252,26 @@ def test_pipeline_stages_get_the_positions(sft, gpt_reference):
     torch.testing.assert_close(norms, gpt_reference[1], rtol=1e-5, atol=0)
 
 
+def test_flex_attention_evaluates_like_sdpa_and_refuses_cpu_training(sft):
+    """``model.args.attention = "flex"`` (FlexAttention with the documents' BlockMask, the GPU
+    path): the validation loss of packed rows equals SDPA with the boolean mask. Training with it
+    on CPU, which torch cannot (no FlexAttention backward there), is one line."""
+    import paratrain
+
+    def val_loss(attention: str) -> float:
+        over = _gpt(sft, f"flex_{attention}", "batch.micro_batch_size=4")
+        over += [
+            f"model.args={{n_layer = 2, n_head = 4, d_model = 32, block_size = 256, attention = '{attention}'}}",
+            f"data.args={{path = '{sft['val']}', block_size = 256}}",
+        ]
+        return eval_checkpoint(load_config(None, over), "")["val_loss"]
+
+    torch.testing.assert_close(val_loss("flex"), val_loss("sdpa"), rtol=1e-6, atol=0)
+    over = _gpt(sft, "flex_train", "run.steps=1", "model.args.attention='flex'")
+    with pytest.raises(ConfigError, match="'flex' trains on GPU only"):
+        paratrain.train(paratrain.load_config(None, over))
+
+
 SLOW_LAYOUTS = {
     2: {
         "gpt_pp_gpipe": ["parallel.pp=2", "parallel.pp_schedule='gpipe'", "batch.micro_batch_size=4"],

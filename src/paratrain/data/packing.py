@@ -78,6 +78,21 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
     return ((i >= start.unsqueeze(-1)) & (i <= j.view(1, t, 1))).unsqueeze(1)
 
 
+def document_block_mask(positions: torch.Tensor):
+    """:func:`document_mask` as a FlexAttention ``BlockMask`` (torch.nn.attention.flex_attention):
+    the same rule, evaluated per block, so blocks that the documents leave empty are skipped
+    instead of computed and masked (the GPU path of ``model.args.attention = "flex"``)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, t = positions.shape
+    start = torch.arange(t, device=positions.device) - positions.clamp(min=0)
+
+    def same_document_causal(batch, head, q, k):
+        return (k >= start[batch, q]) & (k <= q)
+
+    return create_block_mask(same_document_causal, b, None, t, t, device=positions.device)
+
+
 def count_input_tokens(inputs) -> int | None:
     """Real (non-padding) tokens of packed inputs; None when ``inputs`` are not packed."""
     _, positions = split_packed(inputs)

@@ -22,6 +22,7 @@ from paratrain.config import Config, ConfigError, load_config, to_toml
 from paratrain.data import build_val_dataset
 from paratrain.distributed.process_group import close_distributed, init_distributed, run_then_exit
 from paratrain.evaluate import Evaluator
+from paratrain.launch.worker import stop_with_launcher
 from paratrain.loss import build_loss
 from paratrain.models import build
 from paratrain.observability.metrics import setup_logging
@@ -130,4 +131,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by paratrain's launcher or torchrun
+        stop_with_launcher()
     run_then_exit(main)

@@ -7,9 +7,11 @@ one line. (``-m paratrain.train`` is kept as an alias: see train.py.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 
 from paratrain.checkpoint import CheckpointSaveError
@@ -72,5 +74,35 @@ def record_failure(line: str, *, exit_code: int) -> None:
         pass
 
 
+def stop_with_launcher(poll_s: float = 1.0) -> None:
+    """End this worker within seconds of its launcher's death (issue: workers orphaned by a
+    SIGKILLed launcher kept training for minutes, holding their devices).
+
+    torch elastic starts each worker in a session of its own, so a signal to the launcher's
+    process group never reaches it. Two guards: Linux's parent-death signal (``prctl
+    PR_SET_PDEATHSIG``: the kernel sends SIGKILL when the parent dies, even while this process
+    is stuck in C code holding the GIL), and a daemon thread that watches the parent's pid
+    (other systems, or a parent that died before the prctl took effect: then the pid changed).
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"paratrain: error: the launcher (pid {parent}) is gone; this worker stops", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="paratrain-launcher-watch", daemon=True).start()
+
+
 if __name__ == "__main__":
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun or paratrain's launcher
+        stop_with_launcher()
     run_then_exit(main)

@@ -9,14 +9,17 @@ Attention derives its head count from the projected width, so a tensor-parallel 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from paratrain.data.packing import document_mask, split_packed
+from paratrain.config import ConfigError
+from paratrain.data.packing import document_block_mask, document_mask, split_packed
 
 
 @dataclass
@@ -29,6 +32,14 @@ class GPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     bias: bool = True
+    # Packed documents' attention: "sdpa" (a boolean mask, every path) or "flex" (FlexAttention
+    # with a block mask that skips the blocks no document fills; trains on GPU only: torch 2.13
+    # has no FlexAttention backward on CPU).
+    attention: str = "sdpa"
+
+    def __post_init__(self):
+        if self.attention not in ("sdpa", "flex"):
+            raise ConfigError(f"model.args.attention = {self.attention!r} is unknown; use 'sdpa' or 'flex'")
 
 
 class Attention(nn.Module):
@@ -44,14 +55,33 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: packed documents' boolean attention mask (data/packing.py); None: causal."""
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        """``mask``: packed documents' boolean attention mask or FlexAttention BlockMask
+        (data/packing.py); None: causal."""
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
-        )
+        if isinstance(mask, BlockMask):
+            if self.dropout and self.training:
+                raise ConfigError("model.args.attention = 'flex' has no attention dropout; set model.args.dropout = 0")
+            if torch.is_grad_enabled() and x.device.type == "cpu":
+                raise ConfigError(
+                    "model.args.attention = 'flex' trains on GPU only (torch has no FlexAttention backward"
+                    " on CPU); use model.args.attention = 'sdpa' here"
+                )
+            # Compiled on GPU, where it becomes one fused kernel; eager elsewhere (forward only).
+            y = (_compiled_flex() if q.is_cuda else flex_attention)(q, k, v, block_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
+            )
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+@functools.cache
+def _compiled_flex():
+    # Without torch.compile, flex_attention runs an unfused reference that materialises the
+    # whole score matrix (torch's own warning); compiled once per process, as torchtitan does.
+    return torch.compile(flex_attention)
 
 
 class MLP(nn.Module):
@@ -72,7 +102,7 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), mask)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -113,7 +143,12 @@ class GPT(nn.Module):
         """
         if positions is None:
             idx, positions = split_packed(idx)
-        mask = document_mask(positions) if positions is not None else None
+        if positions is None:
+            mask = None
+        elif self.cfg.attention == "flex":
+            mask = document_block_mask(positions)
+        else:
+            mask = document_mask(positions)
         if self.tok_emb is not None:
             if positions is None:
                 x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
