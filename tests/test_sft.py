@@ -339,3 +339,20 @@ def test_pipelined_hf_model_equals_transformers_on_each_conversation_alone(sft):
     assert row["trainable_tokens"] == ref_items
     torch.testing.assert_close(row["loss"], ref_loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(row["grad_norm"], ref_norm, rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow  # about 30 s: four tiny HF trainings
+def test_gpu_sft_check_script_runs_on_cpu():
+    """benchmarks/gpu_sft.py (the GPU check of this issue, for a task lent a device) works here."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(repo, "src"), repo]), "OMP_NUM_THREADS": "1"}
+    script = os.path.join(repo, "benchmarks", "gpu_sft.py")
+    out = subprocess.run(
+        [sys.executable, script, "--dry-run-cpu"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for run in ("hf documents, chunk 0", "hf padded, chunk 1024"):
+        assert run in out.stdout, out.stdout[-2000:]
