@@ -323,15 +323,15 @@ def test_powersgd_state_survives_resume(tmp_path):
 ELASTIC = ["--nnodes", "1:2", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1"]
 
 
-def start_node(out: str, port: int, extra: list[str], steps: int = 8) -> subprocess.Popen:
+def start_node(out: str, port: int, extra: list[str], steps: int = 8, args: tuple[str, ...] = ()) -> subprocess.Popen:
     """One "node" of an elastic job: `paratrain train --nproc-per-node 1 --nnodes 1:2` in its own
-    process group (so its whole tree can be killed at once)."""
+    process group (so its whole tree can be killed at once); ``args``: more launcher options."""
     sets = [*[a for a in TOY if not a.startswith(("model.", "run.steps"))], *SLOW, f"run.steps={steps}"]
     sets += [*SGD, f"run.out_dir='{out}'", "checkpoint.interval=2", *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]), "OMP_NUM_THREADS": "1"}
     env["PARATRAIN_JOB_SECRET"] = "elastic-test-secret"  # one secret shared by the nodes
     cmd = [sys.executable, "-m", "paratrain", "train", "configs/debug.toml", "--nproc-per-node", "1", *ELASTIC]
-    cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", *[x for s in sets for x in ("--set", s)]]
+    cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", *args, *[x for s in sets for x in ("--set", s)]]
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -30,6 +30,7 @@ from paratrain.config import (
     to_toml,
 )
 from paratrain.data.prepare import prepare
+from paratrain.distributed import rendezvous
 from paratrain.distributed.process_group import resolve_device
 from paratrain.generate import chat_reply, generate_text
 from paratrain.hardware import env as env_command
@@ -394,6 +395,35 @@ def cmd_bench_compute(args: argparse.Namespace) -> int:
     return compute_main(args)
 
 
+def add_rendezvous_commands(p: argparse.ArgumentParser) -> None:
+    """``paratrain rendezvous serve``: the rendezvous store as a process of its own."""
+    sub = p.add_subparsers(dest="rendezvous", required=True)
+    p = sub.add_parser(
+        "serve",
+        help="host the rendezvous store of multi-node jobs until SIGTERM (no training node then hosts it)",
+        description=(
+            "Host the rendezvous store that `paratrain train --rdzv-endpoint HOST:PORT --rdzv-conf is_host=false`"
+            " nodes meet at, so that no training node hosts it and an elastic job (--nnodes MIN:MAX) survives"
+            " the loss of any node. It needs no job secret: the nodes sign and verify every value"
+            " (docs/resilience.md)."
+        ),
+    )
+    p.add_argument("--port", type=int, default=rendezvous.DEFAULT_PORT, help="port (default 29400; 0: a free one)")
+    p.add_argument(
+        "--bind",
+        default="",
+        metavar="ADDR",
+        help="address to listen on (default: the one this host's name resolves to; 0.0.0.0: every interface)",
+    )
+    p.set_defaults(func=cmd_rendezvous_serve)
+
+
+def cmd_rendezvous_serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: expected a port within 0..65535")
+    return rendezvous.serve(args.port, args.bind, ready=lambda line: print(line, flush=True))
+
+
 def add_env_arguments(p: argparse.ArgumentParser) -> None:
     add_launch_arguments(p)
     env_command.add_env_arguments(p)
@@ -548,6 +578,7 @@ COMMANDS = (
     ("config", "print the resolved config, or every key with --keys", add_config_arguments, cmd_config),
     ("bench", "benchmark collectives (comm) or one device (compute)", add_bench_commands, None),
     ("env", "versions, devices, network, variables and the problems found, with advice", add_env_arguments, cmd_env),
+    ("rendezvous", "serve the rendezvous store of multi-node jobs (serve)", add_rendezvous_commands, None),
 )
 
 

@@ -18,18 +18,41 @@ and still go through an unpickler that admits only the state's classes.
 Stores bind to one address (``store_auth.bound_tcp_store``): the rendezvous store to the
 endpoint's address, the store the workers share (``TORCHELASTIC_USE_AGENT_STORE``) to the
 node's ``local_addr``, which the launcher sets to 127.0.0.1 for one node.
+
+Who hosts the rendezvous store (``_create_store``): ``is_host`` in ``--rdzv-conf`` decides when
+given (``paratrain train`` passes ``is_host=false`` to every node with ``--node-rank`` > 0);
+otherwise the node whose machine has the endpoint's address. ``is_host=false`` on every node
+and :func:`serve` (``paratrain rendezvous serve``) somewhere: no training node hosts it, so the
+loss of any of them is survived by an elastic job.
+
+A client reconnects (``ParatrainRendezvousBackend._call``): a TCPStore client does not, and
+its connection to a restarted server stays broken. A restarted server holds nothing: the first
+node to reconnect writes back the last state it verified (signed, so every node accepts it),
+and the job goes on. While the store is unreachable, a running job trains on (no new node can
+join: ``num_nodes_waiting`` answers 0), and a node that needs a new round retries until
+``join_timeout``, then stops with one line.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import os
 import pickle
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -40,10 +63,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
+from paratrain.config import ConfigError
 from paratrain.distributed.store_auth import (
     SECRET_ENV,
     TamperedValue,
     bound_tcp_store,
+    listen_socket,
     load_secret,
     resolve,
     sign,
@@ -143,10 +168,20 @@ def _loads_local_state(bits: bytes) -> _RendezvousState:
 class ParatrainRendezvousBackend(RendezvousBackend):
     """Like torch's ``C10dRendezvousBackend`` (compare-and-set on one key), with JSON + HMAC values."""
 
-    def __init__(self, store: dist.Store, run_id: str, *, secret: str, endpoint: str) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        run_id: str,
+        *,
+        secret: str,
+        endpoint: str,
+        reconnect: Callable[[], dist.Store] | None = None,
+    ) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._store, self._secret, self._endpoint = store, secret, endpoint
+        self._reconnect = reconnect  # a new client of the store (None: this node hosts it)
+        self._down_since: float | None = None  # when the store became unreachable (logged once)
         self._key = "paratrain.rendezvous." + run_id
         self._last_good: bytes | None = None  # pickled bytes of the last verified state (made here)
         self._last_raw: bytes | None = None  # the store value they came from (most reads find it unchanged)
@@ -171,11 +206,40 @@ class ParatrainRendezvousBackend(RendezvousBackend):
             return None
         return decoded[0], decoded[1], raw == value.encode()
 
+    @property
+    def store(self) -> dist.Store:
+        """The store as now connected (a new client after a reconnect)."""
+        return self._store
+
     def _call(self, op: str, *args):
         try:
             return getattr(self._store, op)(*args)
         except (ValueError, RuntimeError, TimeoutError) as exc:
-            raise RendezvousConnectionError(f"the rendezvous store at {self._endpoint} failed: {exc}") from exc
+            error = exc
+        if self._reconnect is not None:
+            try:
+                # A TCPStore client never reconnects by itself: a new one, and on a restarted
+                # (empty) server the last verified state back under the key, before any other op.
+                store = self._reconnect()
+                store.compare_set(self._key, "", self._last_raw or _SENTINEL)
+                self._store = store
+                result = getattr(store, op)(*args)
+            except (ValueError, RuntimeError, TimeoutError) as exc:
+                error = exc
+            else:
+                if self._down_since is not None:
+                    log.warning(
+                        "paratrain: reconnected to the rendezvous store at %s after %.0f s",
+                        self._endpoint,
+                        time.monotonic() - self._down_since,
+                    )
+                    self._down_since = None
+                return result
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__  # no C++ frames
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning("paratrain: the rendezvous store at %s is unreachable (%s)", self._endpoint, first)
+        raise RendezvousConnectionError(f"the rendezvous store at {self._endpoint} failed: {first}") from error
 
     def _decode(self, raw: bytes) -> tuple[bytes, Token] | None:
         if raw == _SENTINEL.encode():
@@ -210,28 +274,68 @@ class ParatrainRendezvousBackend(RendezvousBackend):
 
 
 class ParatrainRendezvousHandler(DynamicRendezvousHandler):
-    """torch's handler, with the store it shares with the workers bound to this node's address."""
+    """torch's handler, with the store it shares with the workers bound to this node's address,
+    and a rendezvous store that may go away for a while (a restarted ``rendezvous serve``)."""
 
     bind_addr: str = "127.0.0.1"
+    backend: ParatrainRendezvousBackend | None = None
 
     def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:
         return bound_tcp_store(master_addr, master_port, bind_addr=self.bind_addr, timeout=timedelta(seconds=300))
 
+    def _get_store(self) -> dist.Store:
+        # The backend's client: after a reconnect torch's own reference is a broken connection.
+        return self._wrap_store(self.backend.store if self.backend is not None else self._store)
 
-def _create_store(params: RendezvousParameters, host: str, port: int) -> dist.TCPStore:
-    """Host the rendezvous store on the endpoint's address if it is this machine's, else connect to it."""
+    def num_nodes_waiting(self) -> int:
+        # The agent asks every monitor interval while the workers run: an unreachable store
+        # (a restarting server) must not end a job that needs no new round. Nobody can join it meanwhile.
+        try:
+            return super().num_nodes_waiting()
+        except RendezvousConnectionError:
+            return 0
+
+    def next_rendezvous(self):
+        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        while True:
+            try:
+                return super().next_rendezvous()
+            except RendezvousConnectionError as exc:
+                if time.monotonic() >= deadline:
+                    raise RendezvousTimeoutError(
+                        f"{exc} (unreachable for join_timeout, {self._settings.timeout.join.total_seconds():.0f} s);"
+                        " start the rendezvous server again (or the node that hosts it) and resume the job"
+                    ) from exc
+                time.sleep(1.0)
+
+
+def _create_store(params: RendezvousParameters, host: str, port: int) -> tuple[dist.TCPStore, bool]:
+    """(the rendezvous store, whether this node hosts it): ``is_host`` when given, else host when
+    the endpoint's address is this machine's; a client otherwise."""
     cfg_is_host = params.get_as_bool("is_host")
     is_host = cfg_is_host if cfg_is_host is not None else _matches_machine_hostname(host)
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
     if is_host:
         try:
-            return bound_tcp_store(host, port, bind_addr=_resolve(host), timeout=timeout)
+            return bound_tcp_store(host, port, bind_addr=_resolve(host), timeout=timeout), True
         except OSError:
-            # Another agent of this rendezvous on this machine hosts it already (two nodes on one
-            # machine, or a restart): be its client, as torch's c10d backend does.
+            # Without is_host: another agent of this rendezvous on this machine (started with the
+            # same --node-rank) or a `paratrain rendezvous serve` holds the port: be its client.
             if cfg_is_host:
                 raise
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            log.info("paratrain: %s:%s is already served on this machine; this node is its client", host, port)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout), False
+
+
+def _client(host: str, port: int, read_timeout: float) -> Callable[[], dist.TCPStore]:
+    """A function that connects a new client (a few seconds to connect, then the read timeout)."""
+
+    def connect() -> dist.TCPStore:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=3))
+        store.set_timeout(timedelta(seconds=read_timeout))
+        return store
+
+    return connect
 
 
 def _resolve(host: str) -> str:
@@ -242,8 +346,10 @@ def create_handler(params: RendezvousParameters) -> ParatrainRendezvousHandler:
     """The factory torch elastic calls for ``--rdzv-backend paratrain``."""
     secret = _agent_secret or load_secret(params.get("secret_file", ""), required=True)
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
-    store = _create_store(params, host, port)
-    backend = ParatrainRendezvousBackend(store, params.run_id, secret=secret, endpoint=f"{host}:{store.port}")
+    store, hosting = _create_store(params, host, port)
+    reconnect = None if hosting else _client(host, store.port, params.get_as_int("read_timeout", 60))
+    endpoint = f"{host}:{store.port}"
+    backend = ParatrainRendezvousBackend(store, params.run_id, secret=secret, endpoint=endpoint, reconnect=reconnect)
     timeout = RendezvousTimeout(
         *(
             None if params.get_as_int(k + "_timeout") is None else timedelta(seconds=params.get_as_int(k + "_timeout"))
@@ -262,6 +368,7 @@ def create_handler(params: RendezvousParameters) -> ParatrainRendezvousHandler:
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3),
     )
     handler.bind_addr = params.get("bind_addr", "") or params.local_addr or "127.0.0.1"
+    handler.backend = backend
     return handler
 
 
@@ -276,3 +383,50 @@ def register() -> None:
         rendezvous_handler_registry.register(NAME, create_handler)
     except ValueError:
         pass  # already registered (same creator)
+
+
+# --- the standalone server ---------------------------------------------------------------------
+
+
+def serve(port: int = DEFAULT_PORT, bind: str = "", *, ready: Callable[[str], None] = print) -> int:
+    """``paratrain rendezvous serve``: host the rendezvous store until SIGTERM/SIGINT; returns 0.
+
+    A plain TCPStore: the nodes sign and verify every value (the job secret never reaches it),
+    so one server can serve several jobs (each its own ``--rdzv-id``/run id key). ``bind`` "":
+    the address this machine's host name resolves to (never every interface unless asked: 0.0.0.0)."""
+    bind = bind or socket.gethostname()
+    try:
+        addr = _resolve(bind)
+        sock = listen_socket(addr, port)
+    except OSError as e:
+        raise ConfigError(
+            f"--bind {bind} --port {port}: cannot listen there ({e.strerror or e}); pass another --bind or --port"
+        ) from None
+    port = sock.getsockname()[1]
+    fd = sock.detach()
+    try:
+        store = dist.TCPStore(addr, port, None, True, timedelta(seconds=60), master_listen_fd=fd, multi_tenant=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    stop = threading.Event()
+    got: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        got.append(signum)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        host = f"[{addr}]" if ":" in addr else addr
+        ready(
+            f"paratrain rendezvous: serving on {host}:{port} (nodes: --rdzv-endpoint HOST:{port} --rdzv-conf is_host=false)"
+        )
+        while not stop.wait(1.0):
+            pass
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        del store
+    ready(f"paratrain rendezvous: stopped ({signal.Signals(got[0]).name})" if got else "paratrain rendezvous: stopped")
+    return 0

@@ -83,7 +83,9 @@ RDZV_KEYS = (
     "keep_alive_interval",
     "keep_alive_max_attempt",
     "read_timeout",
+    "is_host",  # false on every node: the endpoint is a `paratrain rendezvous serve`, no node hosts it
 )
+_BOOLS = ("true", "false", "1", "0", "yes", "no")
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ class LaunchSpec:
                 raise ConfigError(
                     f"--rdzv-conf {self.rdzv_conf}: {item!r} is not KEY=VALUE with KEY one of {', '.join(RDZV_KEYS)}"
                 )
+            if key.strip() == "is_host" and value.strip().lower() not in _BOOLS:
+                raise ConfigError(f"--rdzv-conf {self.rdzv_conf}: is_host={value} is not true or false")
         if self.max_restarts < 0:
             raise ConfigError("--max-restarts must be >= 0")
         if self.nnodes == 1 and self.bind and self.bind not in ("127.0.0.1", "::1", "localhost"):
@@ -172,6 +176,10 @@ def torchrun_args(spec: LaunchSpec, module: str, module_args: list[str], *, bind
     # The paratrain backend (distributed/rendezvous.py): torch's dynamic rendezvous with JSON +
     # HMAC state instead of c10d's pickle, and stores bound to `bind` instead of all interfaces.
     conf = ",".join(filter(None, [f"bind_addr={bind}", spec.rdzv_conf]))
+    if spec.rdzv_endpoint and spec.node_rank != 0 and "is_host" not in spec.rdzv_conf:
+        # Who hosts the rendezvous store is decided, not raced: the node with --node-rank 0 (on
+        # the endpoint's machine); the others are clients. `is_host=false` everywhere: a server.
+        conf += ",is_host=false"
     args += ["--rdzv-backend", rendezvous.NAME, "--local-addr", bind, "--rdzv-conf", conf]
     if spec.rdzv_endpoint:
         # Ranks follow arrival order, --node-rank is only a hint to the rendezvous.
