@@ -27,9 +27,11 @@ class ConfigError(ValueError):
 
 
 def opt(default: Any, doc: str) -> Any:
-    """A config field with a default and its documentation."""
+    """A config field with a default and its documentation (a table of keys: a dataclass default)."""
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: dataclasses.replace(default), metadata={"doc": doc})
     return field(default=default, metadata={"doc": doc})
 
 
@@ -47,6 +49,50 @@ class RunConfig:
 
 
 @dataclass
+class LoraConfig:
+    """``[model.lora]``: PEFT's LoRA adapters (docs/lora.md). Off while target_modules is empty."""
+
+    r: int = opt(8, "LoRA rank of each adapter (PEFT's r); > 0.")
+    alpha: float = opt(8.0, "LoRA scaling numerator (PEFT's lora_alpha): the update is B @ A x alpha / r.")
+    dropout: float = opt(
+        0.0,
+        "Dropout on the adapters' input (PEFT's lora_dropout), in [0, 1). Its masks come from each rank's RNG: > 0 is not layout-exact.",
+    )
+    target_modules: list | str = opt(
+        [],
+        "Layers that get adapters: module names (['q_proj', 'v_proj'] match any module whose name ends with them), globs ('layers.*.mlp.*_proj'), or 'all-linear' (every linear layer but the output layer). Empty: LoRA off.",
+    )
+    modules_to_save: list = opt(
+        [],
+        "Modules trained in full beside the adapters (PEFT's modules_to_save, e.g. ['lm_head']); the rest of the model is frozen.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.target_modules)
+
+    @staticmethod
+    def unknown_key(key: str, name: str) -> str | None:
+        """The one line for a key PEFT's LoraConfig has and [model.lora] does not (None: not PEFT's)."""
+        if name in LORA_PEFT_NAMES:
+            return f"{key}.{name} is PEFT's name; write {key}.{LORA_PEFT_NAMES[name]} instead"
+        try:
+            import peft  # optional (paratrain[lora]); only to name its options in this message
+        except ImportError:
+            return None
+        if name in {f.name for f in dataclasses.fields(peft.LoraConfig)}:
+            return (
+                f"{key}.{name} is a PEFT LoraConfig option paratrain does not support yet; remove it"
+                " (supported: r, alpha, dropout, target_modules, modules_to_save)"
+            )
+        return None
+
+
+# PEFT's LoraConfig fields under the names [model.lora] gives them (a PEFT name gets a pointer).
+LORA_PEFT_NAMES = {"lora_alpha": "alpha", "lora_dropout": "dropout"}
+
+
+@dataclass
 class ModelConfig:
     name: str = opt("gpt", "Built-in model: 'gpt'. Ignored when factory is set.")
     factory: str = opt("", "User model as 'package.module:function'; called with [model.args] as keyword arguments.")
@@ -61,6 +107,10 @@ class ModelConfig:
     hf_weights: bool | str = opt(
         "auto",
         "With hf: true loads the directory's safetensors weights (each rank reads only its shards), false initialises from run.seed, 'auto' loads them when present.",
+    )
+    lora: LoraConfig = opt(
+        LoraConfig(),
+        "[model.lora]: LoRA fine-tuning with PEFT's adapters on model.hf or the built-in GPT; the base weights are frozen (docs/lora.md).",
     )
 
 
@@ -393,6 +443,8 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
                 pass
         names = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(tp))
         raise ConfigError(f"{key} = {value!r} has the wrong type; expected {names}")
+    if dataclasses.is_dataclass(tp):  # a table of keys inside a section, e.g. [model.lora]
+        return _check_table(key, value, tp)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is int and isinstance(value, bool):
@@ -400,6 +452,22 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{key} = {value!r} has the wrong type ({type(value).__name__}); expected {tp.__name__}")
     return value
+
+
+def _check_table(key: str, value: Any, tp: type) -> Any:
+    """A TOML table (or an instance) -> the dataclass ``tp``; keys it omits keep their defaults."""
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} = {value!r} must be a table ([{key}] or {key}.KEY = value)")
+    hints = typing.get_type_hints(tp)
+    out = tp()
+    for name, item in value.items():
+        if name not in hints:
+            hint = getattr(tp, "unknown_key", lambda *_: None)(key, name)
+            raise ConfigError(hint or f"unknown config key '{key}.{name}'; {_suggest(name, hints)}")
+        setattr(out, name, _check_type(f"{key}.{name}", item, hints[name]))
+    return out
 
 
 # Keys that moved: one place for each setting, and a pointer from the old name.
@@ -458,7 +526,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
         if "." in key:  # a key inside a table field, e.g. model.args.n_layer=2
             key, _, sub_key = key.partition(".")
             current = getattr(getattr(cfg, section, None), key, None)
-            if isinstance(current, dict):
+            if dataclasses.is_dataclass(current):  # a key of a table, e.g. model.lora.r=16
+                value = {**{f.name: getattr(current, f.name) for f in dataclasses.fields(current)}, sub_key: value}
+            elif isinstance(current, dict):
                 value = {**current, sub_key: value}
             elif hasattr(getattr(cfg, section, None), key):
                 raise ConfigError(f"--set '{item}': {section}.{key} is not a table; write --set {section}.{key}=value")
@@ -559,11 +629,40 @@ def validate(cfg: Config) -> None:
     ):
         if ref:
             resolve_callable(ref, key)
+    validate_lora(cfg.model.lora)
     if ":" in cfg.loss.name:
         resolve_callable(cfg.loss.name, "loss.name")
     elif cfg.loss.name not in ("cross_entropy", "mse"):
         raise ConfigError(
             f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse' or 'package.module:function'"
+        )
+
+
+def validate_lora(lora: LoraConfig) -> None:
+    """[model.lora]'s single values (the modules it names are checked on the built model, models/lora.py)."""
+    if lora.r <= 0:
+        raise ConfigError(f"model.lora.r = {lora.r} must be > 0 (the adapters' rank, e.g. 8)")
+    if lora.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha = {lora.alpha} must be > 0 (e.g. 2 x model.lora.r)")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"model.lora.dropout = {lora.dropout} must be within [0, 1)")
+    targets = lora.target_modules
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ConfigError(
+            f"model.lora.target_modules = {targets!r} is a string; use 'all-linear' or a list of names or globs"
+            " (e.g. ['q_proj', 'v_proj'])"
+        )
+    for key, names in (
+        ("target_modules", targets if isinstance(targets, list) else []),
+        ("modules_to_save", lora.modules_to_save),
+    ):
+        bad = [n for n in names if not isinstance(n, str) or not n]
+        if bad:
+            raise ConfigError(f"model.lora.{key} = {names!r} must list module names (strings)")
+    if lora.modules_to_save and not lora.enabled:
+        raise ConfigError(
+            "model.lora.modules_to_save is set but model.lora.target_modules is empty (LoRA off);"
+            " name the layers that get adapters, e.g. ['q_proj', 'v_proj'] or 'all-linear'"
         )
 
 
@@ -596,6 +695,10 @@ def to_toml(cfg: Config) -> str:
     return tomli_w.dumps(to_dict(cfg))
 
 
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
 def describe_keys(cfg: Config | None = None) -> str:
     """Every key with its type, default and documentation, for `paratrain config`."""
     cfg = cfg or Config()
@@ -606,8 +709,17 @@ def describe_keys(cfg: Config | None = None) -> str:
         hints = typing.get_type_hints(type(sub))
         for f in dataclasses.fields(sub):
             tp = hints[f.name]
-            tname = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-            lines.append(f"  {f.name} ({tname}) = {getattr(sub, f.name)!r}\n      {f.metadata.get('doc', '')}")
+            value = getattr(sub, f.name)
+            if dataclasses.is_dataclass(value):  # a table: its own keys, e.g. [model.lora]
+                lines.append(f"  [{sec.name}.{f.name}]\n      {f.metadata.get('doc', '')}")
+                sub_hints = typing.get_type_hints(type(value))
+                for g in dataclasses.fields(value):
+                    lines.append(
+                        f"  {f.name}.{g.name} ({_type_name(sub_hints[g.name])}) = {getattr(value, g.name)!r}"
+                        f"\n      {g.metadata.get('doc', '')}"
+                    )
+                continue
+            lines.append(f"  {f.name} ({_type_name(tp)}) = {value!r}\n      {f.metadata.get('doc', '')}")
     return "\n".join(lines)
 
 

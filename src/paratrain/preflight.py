@@ -23,6 +23,7 @@ from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout
 from paratrain.distributed.pipeline_parallel import check_pp_layout, check_untied
 from paratrain.models import build, model_builder, spec_of
+from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
 from paratrain.precision import check_precision
 
@@ -168,6 +169,15 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
             raise ConfigError(
                 f"{noise} with precision.dtype = 'fp16' would read loss-scaled gradients; use precision.dtype = 'bf16'"
             )
+    lora = cfg.model.lora
+    if lora.enabled:
+        import_peft()
+        for degree, value in (("tp", dims.tp), ("pp", dims.pp)):
+            if value > 1:
+                raise ConfigError(
+                    f"model.lora with parallel.{degree} = {value} is not supported yet; train the adapters with"
+                    f" parallel.dp_replicate or parallel.dp_shard and parallel.{degree} = 1"
+                )
     if dims.pp > 1:
         if cfg.batch.micro_batch_size == "auto":
             raise ConfigError(

@@ -40,6 +40,7 @@ from paratrain.evaluate import Evaluator, eval_due
 from paratrain.loss import Loss, build_loss
 from paratrain.models import build, spec_of
 from paratrain.models.hf import export_hf
+from paratrain.models.lora import apply_lora, trainable_parameters
 from paratrain.models.spec import ModelSpec
 from paratrain.observability.events import EventLog, process_start_time
 from paratrain.observability.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
@@ -261,12 +262,20 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     if cfg.batch.micro_batch_size == "auto":
         plan = resolve_auto_micro_batch(cfg, dims=dims, device=ctx.device, model=model, dataset=dataset, loss=loss_fn)
     torch.manual_seed(cfg.run.seed)  # the init is a function of the seed, the same on every rank
-    model, spec = (model, spec_of(cfg.model, model)) if model is not None else build(cfg.model)
+    if model is not None:
+        spec = spec_of(cfg.model, model)
+        if cfg.model.lora.enabled:  # a model passed in gets the adapters build() gives the config's models
+            apply_lora(model, cfg.model.lora, exclude=(spec.head_attr,) if spec.head_attr else ())
+    else:
+        model, spec = build(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
     data_info = getattr(dataset, "description", {"samples": len(dataset)})
     log.info("paratrain: world %d on %s | %s", ctx.world_size, ctx.device, dims.describe())
     log.info("batch: %s (per rank %d)", plan.describe(), plan.per_rank_batch_size)
     log.info("model: %.2fM parameters | data: %s", n_params / 1e6, json.dumps(data_info))
+    if cfg.model.lora.enabled:
+        trainable, _ = trainable_parameters(model)
+        log.info("lora: %d trainable parameters (%.3f%%), the rest frozen", trainable, 100 * trainable / n_params)
 
     # Communication and hardware: precision, MFU, the parallelisms, gradient compression.
     precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.dp_shard > 1)
@@ -504,8 +513,10 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
     )
     if cfg.run.save_model and run.preemption.stopped_at_step is None:  # a preempted run is not done
         sd = save_full_weights(run.model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
-        if cfg.model.hf and ctx.is_main:  # the transformers format too, beside model.safetensors
+        if cfg.model.hf and ctx.is_main and not cfg.model.lora.enabled:  # the transformers format too
             export_hf(sd, model_cfg=cfg.model, out_dir=os.path.join(out_dir, "hf"))
+        elif cfg.model.hf and ctx.is_main:
+            log.info("lora: weights with their adapters in model.safetensors; no hf/ export of a LoRA run yet")
     run.writer.finish(summary)  # trackers get the summary and close
     if ctx.is_main:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:

@@ -16,6 +16,7 @@ from torch import nn
 from paratrain.config import ConfigError, ModelConfig, check_kwargs, resolve_callable
 from paratrain.models.gpt import GPT, GPT_SPEC, GPTConfig, build_gpt
 from paratrain.models.hf import HFCausalLM, build_hf, hf_spec
+from paratrain.models.lora import apply_lora
 from paratrain.models.spec import ModelSpec, default_spec
 
 BUILTIN_SPECS: dict[str, ModelSpec] = {"gpt": GPT_SPEC}
@@ -55,6 +56,8 @@ def build(cfg: ModelConfig) -> tuple[nn.Module, ModelSpec]:
         spec = BUILTIN_SPECS[cfg.name] if not cfg.factory else default_spec(cfg.factory, fn)
     if not isinstance(made, nn.Module):
         raise ConfigError(f"{key} returned {type(made).__name__}, not a torch.nn.Module or ModelSpec; return the model")
+    if cfg.lora.enabled:  # model.hf applies it in build_hf, on the transformers model
+        apply_lora(made, cfg.lora, exclude=(spec.head_attr,) if spec.head_attr else ())
     return made, spec
 
 

@@ -16,6 +16,7 @@ from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
 from paratrain.models.hf.parallel import check_hf_layout, hf_tp_plan
 from paratrain.models.hf.weights import load_into, save_hf, weight_files
+from paratrain.models.lora import apply_lora
 from paratrain.models.spec import ModelSpec
 
 
@@ -34,7 +35,13 @@ def hf_weights_enabled(cfg: ModelConfig, files: dict) -> bool:
 
 def build_hf(cfg: ModelConfig) -> HFCausalLM:
     config = load_hf_config(cfg.hf, cfg.args)
-    return HFCausalLM(causal_lm_from_config(config))
+    hf_model = causal_lm_from_config(config)
+    # LoRA on the transformers model itself, before the wrapper takes its modules: PEFT sees the
+    # model it knows ('all-linear' leaves its output layer out) and the checkpoint's names.
+    built = apply_lora(hf_model, cfg.lora) if cfg.lora.enabled else {}
+    model = HFCausalLM(hf_model)
+    model.built_tensors = built  # adapters of a meta model, by checkpoint name: load_into copies them in
+    return model
 
 
 def hf_spec(cfg: ModelConfig) -> ModelSpec:

@@ -93,6 +93,9 @@ class HFCausalLM(nn.Module):
 
     # True: forward stops before lm_head, whose logits a chunked loss makes itself (loss.py).
     return_hidden = False
+    # Tensors the checkpoint does not hold, made at build time, by checkpoint name (LoRA's
+    # adapters of a meta model, models/lora.py): the loader copies each rank's part of them in.
+    built_tensors: dict = {}
 
     def __init__(self, hf_model: nn.Module, *, key: str = "model.hf"):
         super().__init__()

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from paratrain.config import ConfigError
+from paratrain.models.lora import adapter_base_name
 
 INDEX = "model.safetensors.index.json"
 # Module names that wrappers insert around blocks: checkpoint_wrapper's and torch.compile's.
@@ -102,12 +103,17 @@ def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device) 
     try:
         for part in _parts(model):
             part = getattr(part, "module", part)  # DDP's wrapper: its module keeps the names
+            # A LoRA model's adapters come from its build (HFCausalLM.built_tensors), its base
+            # layers from the files under the base model's names (models/lora.py).
+            built = getattr(part, "built_tensors", {})
             hf_name = part.hf_name
             # to_empty leaves buffers uninitialised too. A buffer the weights hold is read below like a
             # parameter; one they do not hold (non-persistent, e.g. Gemma 3's embed_tokens.embed_scale)
             # would train on garbage, silently: refuse it (the rotary inv_freq is rebuilt by
             # HFCausalLM itself, outside the module tree).
-            lost = [n for n, b in part.named_buffers() if b.is_meta and hf_name(_clean(n)) not in files]
+            lost = [
+                n for n, b in part.named_buffers() if b.is_meta and adapter_base_name(hf_name(_clean(n))) not in files
+            ]
             if lost:
                 raise ConfigError(
                     f"model.hf: {type(part).__name__} keeps buffers the weights do not hold ({', '.join(lost[:3])}),"
@@ -117,6 +123,12 @@ def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device) 
                 _to_empty_keeping_ties(part, device)
             for name, p in [*part.named_parameters(), *part.named_buffers()]:
                 key = hf_name(_clean(name))
+                if key in built:
+                    region = _local_slice(p)
+                    value = built[key][region] if region is not None else built[key]
+                    (p.to_local() if isinstance(p, DTensor) else p).copy_(value)
+                    continue
+                key = adapter_base_name(key)
                 if key not in files:
                     raise ConfigError(
                         f"model.hf: the weights have no tensor {key!r}; set model.hf_weights = false to train from"
@@ -139,6 +151,8 @@ def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device) 
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
+    for part in _parts(model):
+        getattr(part, "module", part).built_tensors = {}  # copied in: free them
     return read
 
 

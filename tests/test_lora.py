@@ -1,0 +1,206 @@
+"""LoRA with PEFT's own adapters (``[model.lora]``, docs/lora.md).
+
+The reference is code we did not write: PEFT's ``get_peft_model`` on the same transformers
+Llama. paratrain's LoRA model must give the base model's logits at step 0 (B starts at zero),
+count PEFT's ``get_nb_trainable_parameters``, and three plain SGD steps must give PEFT's losses
+and gradient norms; the base weights it writes at the end are bitwise the ones it loaded. An
+adapter left out of the optimiser, or a base weight that trained, fails it. Then every data-
+parallel layout (DDP, FSDP2 at world 2) gives the one-process losses, for a Llama and the GPT.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import paratrain
+from paratrain.config import ConfigError, load_config
+from paratrain.data import build_dataset
+from paratrain.models import build
+from paratrain.models.hf import weight_files
+from paratrain.models.lora import adapter_base_name, is_adapter_param, trainable_parameters
+from paratrain.preflight import check_run
+from tests.dist_utils import read_metrics, run_ranks
+from tests.hf_models import save_tiny
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+SGD = [
+    "optim.name='sgd'",
+    "optim.lr=2.0",
+    "optim.beta1=0",
+    "optim.weight_decay=0",
+    "optim.grad_clip=0",
+    "optim.warmup_steps=0",
+    "optim.schedule='constant'",
+    "run.progress=false",
+    "metrics.plot=false",
+]
+LORA = [
+    "model.lora.r=4",
+    "model.lora.alpha=8",
+    "model.lora.target_modules=['q_proj', 'v_proj', 'mlp.*_proj']",
+    "model.lora.modules_to_save=['lm_head']",
+]
+DATA = ["data.factory='tests.toy:toy_lm'", "data.args={n = 16, seq_len = 16, vocab = 128}"]
+
+
+def test_lora_equals_peft_get_peft_model(tmp_path):
+    """Step 0: the base model's logits, PEFT's trainable count, B = 0 and A PEFT's kaiming init.
+    Three full-batch SGD steps: PEFT's losses and gradient norms (1e-5); base weights bitwise."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = save_tiny("llama", str(tmp_path / "llama"))
+    out = str(tmp_path / "run")
+    over = [f"model.hf='{hf_dir}'", *LORA, *DATA, "batch.global_batch_size=16", "run.steps=3", f"run.out_dir='{out}'"]
+    cfg = load_config(None, [*over, *SGD])
+
+    # paratrain's model at step 0, as build_run makes it: seed, build on meta, load after.
+    torch.manual_seed(cfg.run.seed)
+    model, spec = build(cfg.model)
+    spec.materialize(model, device=torch.device("cpu"))
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if ".lora_B." in name:
+            assert torch.count_nonzero(p) == 0, name
+        if ".lora_A." in name:  # PEFT's init: kaiming_uniform(a=sqrt(5)), bound 1/sqrt(fan_in)
+            assert 0 < p.abs().max() <= p.shape[1] ** -0.5, name
+
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa")
+    ds = build_dataset(cfg.data)
+    x, y = (torch.stack(t) for t in zip(*(ds[i] for i in range(len(ds)))))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), base(input_ids=x).logits, rtol=0, atol=0)
+
+    peft_model = get_peft_model(
+        base,
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=r"(?:.*\.)?(?:q_proj|v_proj|mlp\..*_proj)", modules_to_save=["lm_head"]
+        ),
+    )
+    assert trainable_parameters(model)[0] == peft_model.get_nb_trainable_parameters()[0]
+    by_hf_name = {model.hf_name(n): p for n, p in params.items()}
+    with torch.no_grad():  # paratrain's initial adapters into PEFT's (the same modules by name)
+        names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+        assert len(names) == sum(p.requires_grad for p in params.values())
+        for n, p in peft_model.named_parameters():
+            if p.requires_grad:
+                p.copy_(by_hf_name[n.removeprefix("base_model.model.")])
+
+    # PEFT's three steps: the mean cross-entropy of the whole batch, plain SGD on its trainables.
+    ref_losses, ref_norms = [], []
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    for _ in range(3):
+        loss = F.cross_entropy(peft_model(input_ids=x).logits.flatten(0, 1), y.flatten())
+        grads = torch.autograd.grad(loss, trainable)
+        ref_losses.append(float(loss.detach()))
+        ref_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        with torch.no_grad():
+            for p, g in zip(trainable, grads):
+                p.sub_(cfg.optim.lr * g)
+
+    paratrain.train(cfg)
+    rows = read_metrics(out)
+    torch.testing.assert_close([r["loss"] for r in rows], ref_losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close([r["grad_norm"] for r in rows], ref_norms, rtol=1e-5, atol=0)
+
+    # Base weights bitwise the loaded ones; the adapters moved.
+    final = load_file(os.path.join(out, "model.safetensors"))
+    files = weight_files(hf_dir)
+    for name, value in final.items():
+        if is_adapter_param(name):
+            if ".lora_B." in name:
+                assert torch.count_nonzero(value) > 0, name
+            continue
+        key = adapter_base_name(model.hf_name(name))
+        with safe_open(files[key], "pt") as f:
+            assert torch.equal(value, f.get_tensor(key)), f"base weight {name} changed"
+
+
+def test_bad_lora_input_is_one_line(tmp_path):
+    def refused(over: list[str], needle: str, *, world: int = 1, build_it: bool = False) -> None:
+        with pytest.raises(ConfigError) as e:
+            cfg = load_config(None, ["model.args={n_layer = 1, n_head = 2, d_model = 16}", *over])
+            check_run(cfg, world)
+            if build_it:
+                build(cfg.model)
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+    refused(["model.lora.r=0", "model.lora.target_modules=['q_proj']"], "model.lora.r = 0 must be > 0")
+    refused(["model.lora.r=-2"], "model.lora.r = -2 must be > 0")
+    refused(["model.lora.use_dora=true"], "model.lora.use_dora is a PEFT LoraConfig option paratrain does not support")
+    refused(["model.lora.lora_alpha=16"], "write model.lora.alpha instead")
+    refused(["model.lora.target_modules='q_proj'"], "use 'all-linear' or a list")
+    refused(["model.lora.modules_to_save=['lm_head']"], "model.lora.target_modules is empty")
+    refused(
+        ["model.lora.target_modules=['qkv']"],
+        "matches no layer of the model; its linear layers are named q_proj, k_proj, v_proj, o_proj",
+        build_it=True,
+    )
+    refused(
+        ["model.lora.target_modules=['q_proj']", "model.lora.modules_to_save=['head']"],
+        "model.lora.modules_to_save names 'head', which matches no module",
+        build_it=True,
+    )
+    for degree in ("tp", "pp"):
+        refused(
+            ["model.lora.target_modules='all-linear'", f"parallel.{degree}=2"],
+            f"model.lora with parallel.{degree} = 2 is not supported yet",
+            world=2,
+        )
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def _runs(root: str) -> tuple[dict, dict]:
+    """One-process references and their world-2 layouts: a Llama with weights, and the GPT."""
+    llama = [f"model.hf='{root}/llama'", *LORA]
+    gpt = [
+        "model.args={n_layer = 2, n_head = 4, d_model = 32, vocab_size = 128, block_size = 16}",
+        "model.lora.target_modules='all-linear'",
+        "model.lora.modules_to_save=['norm']",
+    ]
+    common = [*DATA, "batch.global_batch_size=8", "run.steps=3", *SGD]
+    world1, world2 = {}, {}
+    for name, model in (("llama", llama), ("gpt", gpt)):
+        world1[f"{name}_ref"] = [*common, *model, "batch.micro_batch_size=8"]
+        world2[f"{name}_ddp"] = [*common, *model, "parallel.dp_replicate=2", "batch.micro_batch_size=2"]
+        world2[f"{name}_fsdp"] = [*common, *model, "parallel.dp_shard=2", "batch.micro_batch_size=2"]
+    return world1, world2
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp2_give_the_one_process_lora_losses(tmp_path):
+    """DDP (with accumulation) and FSDP2 at world 2: losses and grad_norm within 1e-5 / 1e-4 of one
+    process, base weights unchanged; FSDP2 shards units that hold frozen and trainable parameters."""
+    from tests.test_hf import train_layouts
+
+    root = str(tmp_path)
+    save_tiny("llama", f"{root}/llama")
+    world1, world2 = _runs(root)
+    for name, over in world1.items():
+        paratrain.train(load_config(None, [*over, f"run.out_dir='{root}/{name}'"]))
+    run_ranks(train_layouts, 2, world2, root, timeout=900)
+    for name in world2:
+        ref = read_metrics(f"{root}/{name.split('_')[0]}_ref")
+        rows = read_metrics(f"{root}/{name}")
+        tol = 1e-4 if "fsdp" in name else 1e-5
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(
+                [r[key] for r in rows], [r[key] for r in ref], rtol=tol, atol=0, msg=lambda m: f"{name} {key}: {m}"
+            )
+        final, ref_final = (load_file(f"{root}/{n}/model.safetensors") for n in (name, f"{name.split('_')[0]}_ref"))
+        assert final.keys() == ref_final.keys()
+        for key, value in final.items():
+            if is_adapter_param(key):
+                torch.testing.assert_close(value, ref_final[key], rtol=tol, atol=1e-6)
+            else:  # frozen: bitwise the one-process run's, which kept its initial values
+                assert torch.equal(value, ref_final[key]), f"{name}: base weight {key} differs"
