@@ -192,6 +192,7 @@ def test_missing_transformers_is_one_line(monkeypatch, tmp_path):
         load_hf_config(str(tmp_path), {})
 
 
+@pytest.mark.slow  # > 12 s: make test stays under 10 minutes
 def test_paratrain_eval_of_an_hf_run(sharded_run, tmp_path):
     """`paratrain eval` builds a model.hf on the meta device as training does: its weights must be
     materialised before the checkpoint loads (it crashed on meta tensors). The checkpoint's

@@ -199,6 +199,7 @@ def eval_rank(overrides: list[str], checkpoint: str) -> dict:
     return eval_checkpoint(load_config(None, overrides), checkpoint)
 
 
+@pytest.mark.slow  # > 12 s: make test stays under 10 minutes
 def test_eval_of_a_pipeline_checkpoint_at_pp2_and_pp1(tmp_path, reference):
     """A pp = 2 run validates like the one-process reference (loss, grad_norm under plain SGD,
     val_loss), and its checkpoint, evaluated at pp = 2 and at pp = 1, gives that val_loss."""
