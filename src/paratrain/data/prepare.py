@@ -48,7 +48,7 @@ from paratrain.data.chat import (
     HF_TOKENIZER_DIR,
     LOSS_ON,
     detect_format,
-    encode_conversation,
+    encode_conversations,
     load_chat_tokenizer,
     row_key,
     row_messages,
@@ -348,9 +348,17 @@ def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, m
     masks = {s: [] for s in SPLITS}
     lengths = {s: [] for s in SPLITS}
     skipped = truncated = text_bytes = 0
+    conversations, bad_row = [], None
     for where, row in rows:
-        messages, first = row_messages(row, fmt, where)
-        ids, mask = encode_conversation(tok, messages, first, loss_on=loss_on, where=where)
+        try:
+            conversations.append((*row_messages(row, fmt, where), where))
+        except ConfigError as e:
+            bad_row = e  # raised after the rows before it are encoded: the first failing row is named
+            break
+    encoded = encode_conversations(tok, conversations, loss_on=loss_on)  # one tokenizer batch
+    if bad_row is not None:
+        raise bad_row
+    for (where, row), (ids, mask) in zip(rows, encoded):
         key = row_key(row)
         text_bytes += len(key.encode("utf-8", errors="replace"))
         if max_length and len(ids) > max_length:
