@@ -227,13 +227,11 @@ class ParatrainRendezvousBackend(RendezvousBackend):
             except (ValueError, RuntimeError, TimeoutError) as exc:
                 error = exc
             else:
-                if self._down_since is not None:
-                    log.warning(
-                        "paratrain: reconnected to the rendezvous store at %s after %.0f s",
-                        self._endpoint,
-                        time.monotonic() - self._down_since,
-                    )
-                    self._down_since = None
+                # Logged at every reconnect: a server back before this node noticed it was gone
+                # (its first call after the restart reconnects at once) is worth a line too.
+                down = "" if self._down_since is None else f" after {time.monotonic() - self._down_since:.0f} s"
+                log.warning("paratrain: reconnected to the rendezvous store at %s%s", self._endpoint, down)
+                self._down_since = None
                 return result
         first = str(error).splitlines()[0] if str(error) else type(error).__name__  # no C++ frames
         if self._down_since is None:
