@@ -52,6 +52,8 @@ def test_bad_chunk_settings_are_one_line():
         build_loss(LossConfig(chunk_size=-1))
     with pytest.raises(ConfigError, match="chunks the built-in cross_entropy only"):
         build_loss(LossConfig(name="mse", chunk_size=64))
+    with pytest.raises(ConfigError, match="not the loss passed to train"):
+        build_loss(LossConfig(chunk_size=64), lambda out, t: (out.sum(), t.numel()))
 
 
 def test_tensor_parallel_loss_parallel_chunks_equal_one_process(sft, gpt_reference):  # noqa: F811

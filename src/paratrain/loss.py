@@ -41,19 +41,20 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
     def count_not_ignored(target: torch.Tensor) -> torch.Tensor:
         return (target != ignore).sum()
 
+    if cfg.chunk_size < 0:
+        raise ConfigError(f"loss.chunk_size = {cfg.chunk_size} must be >= 0 (0: no chunking)")
+    if cfg.chunk_size and (fn is not None or cfg.name != "cross_entropy"):
+        # Checked before the user's loss is taken: a chunk size it would silently ignore is refused.
+        raise ConfigError(
+            f"loss.chunk_size = {cfg.chunk_size} chunks the built-in cross_entropy only, not"
+            f" {'the loss passed to train()' if fn is not None else repr(cfg.name)}; set loss.chunk_size = 0"
+        )
     if fn is not None or ":" in cfg.name:
         user = fn if fn is not None else resolve_callable(cfg.name, "loss.name")
         # A user loss may say how it counts with a `count(target)` attribute; by default the
         # items are the target elements not equal to loss.ignore_index.
         count = getattr(user, "count", count_not_ignored)
         return Loss(_checked(user), count, getattr(user, "__name__", "user"))
-    if cfg.chunk_size < 0:
-        raise ConfigError(f"loss.chunk_size = {cfg.chunk_size} must be >= 0 (0: no chunking)")
-    if cfg.chunk_size and cfg.name != "cross_entropy":
-        raise ConfigError(
-            f"loss.chunk_size = {cfg.chunk_size} chunks the built-in cross_entropy only, not loss.name = {cfg.name!r};"
-            " set loss.chunk_size = 0"
-        )
     if cfg.name == "cross_entropy" and cfg.chunk_size:
         return Loss(ChunkedCrossEntropy(cfg.chunk_size, ignore), count_not_ignored, "cross_entropy")
     if cfg.name == "cross_entropy":

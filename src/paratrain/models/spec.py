@@ -67,8 +67,9 @@ class ModelSpec:
         head = getattr(model, self.head_attr, None) if self.head_attr else None
         if not isinstance(head, nn.Linear):
             raise ConfigError(
-                f"loss.chunk_size needs a model that can hand its output layer to the loss (the built-in GPT"
-                f" and model.hf do; {self.name} does not): set loss.chunk_size = 0"
+                f"loss.chunk_size needs the model's plain output layer ({self.name} has"
+                f" {type(head).__name__ if head is not None else 'none'}: the built-in GPT and model.hf have one,"
+                " unless model.lora.modules_to_save wraps it); set loss.chunk_size = 0"
             )
         model.return_hidden = True
         loss_fn.fn.bind(head, loss_parallel=loss_parallel)
