@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import read_metrics, run_ranks
+from tests.dist_utils import plain_sgd, read_metrics, run_ranks
 
 GPT = [
     "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 31}",
@@ -30,10 +30,9 @@ USER_PLAN = [
     " head = 'colwise_gather'}"
 ]
 
-# Plain SGD (no momentum, decay or clipping): a gradient off by a constant factor, which AdamW and
-# clipping hide, changes the weights and the logged grad_norm. tests/toy.py:gpt_scaled_grad is
-# such a layout (x2 on every rank of a multi-process job): the comparison must fail on it.
-SGD = ["optim.name='sgd'", "optim.beta1=0", "optim.weight_decay=0", "optim.grad_clip=0", "optim.lr=0.3"]
+# tests/toy.py:gpt_scaled_grad is a layout whose gradient is off by a constant factor (x2 on every
+# rank of a multi-process job), which plain SGD shows: the comparison must fail on it.
+SGD = plain_sgd(0.3)
 DOUBLED = ["model.factory='tests.toy:gpt_scaled_grad'"]
 
 # vocab_size 31 is split unevenly by tp = 2 and by FSDP.

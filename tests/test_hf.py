@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import read_metrics, run_ranks
+from tests.dist_utils import plain_sgd, read_metrics, run_ranks
 from tests.hf_models import ARCHS, save_tiny
 
 pytest.importorskip("transformers")
@@ -29,14 +29,7 @@ BASE = [
     "run.steps=3",
     "run.progress=false",
     "metrics.plot=false",
-    # Plain SGD: a gradient off by a constant factor shows in the losses (AdamW would hide it).
-    "optim.name='sgd'",
-    "optim.lr=0.5",
-    "optim.beta1=0",
-    "optim.weight_decay=0",
-    "optim.grad_clip=0",
-    "optim.warmup_steps=0",
-    "optim.schedule='constant'",
+    *plain_sgd(0.5),
 ]
 
 

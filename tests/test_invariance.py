@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import read_metrics, run_ranks, train_rank
+from tests.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
 
 TOY = [
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
@@ -89,11 +89,7 @@ def test_mean_of_micro_batch_means_breaks_invariance(tmp_path):
 
 # ----------------------------------------------------------------------------- gradient scale
 
-# AdamW divides each update by the gradient's own running scale and clipping rescales it, so a
-# layout whose gradient is off by a constant factor (a dropped dp factor, a schedule's 1/n left
-# on) trains the same losses under them. Plain SGD (no momentum, decay or clipping) moves the
-# weights by lr x gradient, and the logged grad_norm shows the factor from step 1.
-SGD = ["optim.name='sgd'", "optim.beta1=0", "optim.weight_decay=0", "optim.grad_clip=0", "optim.lr=0.3", "run.steps=4"]
+SGD = [*plain_sgd(0.3), "run.steps=4"]  # a dropped dp factor or a schedule's 1/n left on shows
 FAULT = ["model.factory='tests.toy:gpt_scaled_grad'"]  # x2 on every rank of a multi-process job
 
 

@@ -25,23 +25,13 @@ from paratrain.models import build
 from paratrain.models.hf import weight_files
 from paratrain.models.lora import adapter_base_name, is_adapter_param, trainable_parameters
 from paratrain.preflight import check_run
-from tests.dist_utils import read_metrics, run_ranks
+from tests.dist_utils import plain_sgd, read_metrics, run_ranks
 from tests.hf_models import save_tiny
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-SGD = [
-    "optim.name='sgd'",
-    "optim.lr=2.0",
-    "optim.beta1=0",
-    "optim.weight_decay=0",
-    "optim.grad_clip=0",
-    "optim.warmup_steps=0",
-    "optim.schedule='constant'",
-    "run.progress=false",
-    "metrics.plot=false",
-]
+SGD = [*plain_sgd(2.0), "run.progress=false", "metrics.plot=false"]
 LORA = [
     "model.lora.r=4",
     "model.lora.alpha=8",

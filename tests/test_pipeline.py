@@ -13,7 +13,7 @@ from torch import nn
 from paratrain.config import ConfigError, load_config
 from paratrain.distributed.pipeline_parallel import balanced_split, check_pp_layout, split_stage, stage_ranges
 from paratrain.models.gpt import build_gpt
-from tests.dist_utils import paratrain_cli, read_metrics, run_ranks
+from tests.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks
 
 TOY = [
     "model.args={n_layer = 4, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
@@ -162,8 +162,7 @@ def test_pp2_every_schedule_matches_reference(tmp_path, reference):
         torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
-# Plain SGD: AdamW cancels a constant factor on the gradient, SGD and the logged grad_norm do not.
-SGD = ["optim.name='sgd'", "optim.beta1=0", "optim.weight_decay=0", "optim.grad_clip=0", "optim.lr=0.3"]
+SGD = plain_sgd(0.3)
 
 
 def _grad_norms(out_dir) -> list[float]:

@@ -30,6 +30,7 @@ from tests.dist_utils import (
     child_pids,
     kill_tree,
     paratrain_cli,
+    plain_sgd,
     read_metrics,
     run_ranks,
     train_rank,
@@ -37,8 +38,7 @@ from tests.dist_utils import (
 )
 from tests.test_checkpoint import GPT_ARGS, TOY, checkpoint_tensors
 
-# Plain SGD: a gradient off by a constant factor changes the losses (AdamW would hide it).
-SGD = ["optim.name='sgd'", "optim.beta1=0.0", "optim.lr=0.5", "optim.weight_decay=0.0", "optim.grad_clip=0.0"]
+SGD = plain_sgd(0.5)
 
 
 def run(out: str, world: int, extra: list[str] = ()) -> list[dict]:

@@ -23,23 +23,13 @@ from paratrain.data.packing import attention_square, document_mask, pack_best_fi
 from paratrain.data.prepare import prepare
 from paratrain.data.tokens import build_tokens
 from paratrain.launch.eval_worker import eval_checkpoint
-from tests.dist_utils import read_metrics
+from tests.dist_utils import plain_sgd, read_metrics
 from tests.hf_models import save_tiny
 from tests.sft_data import CHATML_PLAIN, VOCAB, prompt_rows, save_chat_tokenizer, stdlib_conversations, write_jsonl
 
 pytest.importorskip("transformers")
 
-SGD = [
-    "optim.name='sgd'",
-    "optim.lr=0.1",
-    "optim.beta1=0",
-    "optim.weight_decay=0",
-    "optim.grad_clip=0",
-    "optim.warmup_steps=0",
-    "optim.schedule='constant'",
-    "run.progress=false",
-    "metrics.plot=false",
-]
+SGD = [*plain_sgd(0.1), "run.progress=false", "metrics.plot=false"]
 
 
 @pytest.fixture(scope="module")
