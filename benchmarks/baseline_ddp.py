@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.config import load_config
-from paratrain.data import build_dataset
+from paratrain.data.datasets import build_dataset
 from paratrain.models import build_model
 
 

@@ -57,7 +57,7 @@ def worker(rank: int, variant: str, port: int, steps: int, q) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from paratrain.config import load_config
-    from paratrain.data import build_dataset
+    from paratrain.data.datasets import build_dataset
     from paratrain.distributed.grad_compression import CountingGroup
     from paratrain.distributed.hang import HangWatch
     from paratrain.models import build_model

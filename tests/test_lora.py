@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import paratrain
 from paratrain.config import ConfigError, load_config
-from paratrain.data import build_dataset
+from paratrain.data.datasets import build_dataset
 from paratrain.models import build
 from paratrain.models.hf import weight_files
 from paratrain.models.lora import adapter_base_name, is_adapter_param, trainable_parameters

@@ -130,6 +130,93 @@ def test_trackers_log_every_row_read_back(tracked_run, monkeypatch):
     assert {e.step: e.value for e in acc.Scalars("train/loss")} == pytest.approx(losses, rel=1e-6)
 
 
+def test_trackers_continue_the_run_they_are_given(tmp_path, monkeypatch):
+    """The trackers alone (no training): MLflow reopens the run id, TensorBoard purges the steps
+    after the resume step, so steps 1-4, a resume at 3 and step 4 again make one curve."""
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from paratrain.config import MetricsConfig
+    from paratrain.observability.trackers import build_trackers
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    cfg = MetricsConfig(mlflow=f"file:{tmp_path / 'mlruns'}", tensorboard=True)
+    config = {"run": {"steps": 4}}
+    first = build_trackers(cfg, out_dir=str(tmp_path), config=config)
+    for step in (1, 2, 3, 4):
+        for t in first:
+            t.log({"step": step, "loss": 1.0 / step})
+    for t in first:
+        t.finish(None)  # a crash: no summary
+    ids = {t.name: t.run_id for t in first if t.run_id}
+    assert set(ids) == {"mlflow"}
+    second = build_trackers(cfg, out_dir=str(tmp_path), config={"run": {"steps": 5}}, resume=ids, start_step=3)
+    for t in second:
+        t.log({"step": 4, "loss": 0.25})
+        t.finish({"final_loss": 0.25})
+
+    client = MlflowClient(tracking_uri=cfg.mlflow)
+    (run,) = client.search_runs([client.get_experiment_by_name("paratrain").experiment_id])
+    assert run.info.run_id == ids["mlflow"] and run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4, 4]
+    assert run.data.params["run.steps"] == "4" and run.data.tags["resumed/3/run.steps"] == "5"
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3)), (4, 0.25)]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
+    """Four steps with a checkpoint at 3, then a resume at world 2 that redoes step 4: one W&B run
+    id, one MLflow run, TensorBoard's step 4 once (the first run's was purged); the values are
+    those of metrics.jsonl (the redone step is exact)."""
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))  # spawned ranks inherit it
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = str(tmp_path / "run")
+    common = [
+        *TOY,
+        f"run.out_dir='{out}'",
+        "metrics.wandb=true",
+        "metrics.wandb_mode='offline'",
+        f"metrics.mlflow='file:{tmp_path / 'mlruns'}'",
+        "metrics.tensorboard=true",
+        "checkpoint.interval=3",
+        "checkpoint.at_end=false",
+    ]
+    run_ranks(train_rank, 1, common)
+    run_ranks(train_rank, 2, [*common, "checkpoint.resume='latest'"])
+    losses = {r["step"]: r["loss"] for r in read_metrics(out)}
+    assert sorted(losses) == [1, 2, 3, 4]
+
+    runs = sorted(glob.glob(str(tmp_path / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb")))
+    assert len(runs) == 2 and len({os.path.basename(r) for r in runs}) == 1, runs  # run-ID.wandb twice
+    steps = []
+    for run_file in runs:
+        for rec in wandb_records(run_file):
+            if rec.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                steps.append(items["_step"])
+                assert items["loss"] == pytest.approx(losses[items["_step"]], rel=1e-6)
+    assert steps == [1, 2, 3, 4, 4]
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file:{tmp_path / 'mlruns'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("paratrain").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["checkpoint.resume"] == ""  # a param cannot change
+    assert run.data.tags["resumed/3/checkpoint.resume"] == "latest" and run.data.tags["resumed_from_step"] == "3"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 4]
+    assert all(m.value == pytest.approx(losses[m.step], rel=1e-6) for m in history)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(out, "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
+
+
 def test_memory_and_straggler_in_rows(tracked_run):
     rows = tracked_run["rows"]
     assert all(r["memory_gib"] > 0.05 for r in rows)  # a Python process with torch: > 50 MiB RSS

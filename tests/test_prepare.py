@@ -6,6 +6,8 @@ import gzip
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import sysconfig
 
 import numpy as np
@@ -15,7 +17,7 @@ from paratrain.cli import main as cli_main
 from paratrain.config import ConfigError
 from paratrain.data import prepare as prep
 from paratrain.data.prepare import load_tokenizer, prepare, split_of
-from tests.dist_utils import paratrain_cli
+from tests.dist_utils import REPO, paratrain_cli
 
 
 def stdlib_texts(n: int, size: int = 3000) -> list[str]:
@@ -189,6 +191,18 @@ def test_bad_input_exit_2_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert os.path.isfile(tmp_path / "other" / "meta.json")  # the refused corpus is untouched
+
+
+def test_prepare_of_text_never_imports_torch(tmp_path):
+    """`paratrain prepare` of text needs neither torch nor the trainer (about 4 s of CPU to import):
+    the CLI imports each subcommand's modules when it runs (cli.py's docstring)."""
+    src = write_corpus(tmp_path / "src", stdlib_texts(8))
+    code = (
+        "import sys; from paratrain.cli import main;"
+        f" rc = main(['prepare', {src!r}, '--out', {str(tmp_path / 'o')!r}, '--tokenizer', 'bytes']);"
+        " sys.exit(3 if 'torch' in sys.modules else rc)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 
 def test_cli_prepare_subprocess(tmp_path):

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import default_collate
 
 from paratrain.config import ConfigError, DataConfig, ModelConfig, load_config
-from paratrain.data import build_dataset, build_val_dataset
 from paratrain.data import prepare as prep
+from paratrain.data.datasets import build_dataset, build_val_dataset
 from paratrain.data.loader import StepLoader, StepSampler, build_loader
 from paratrain.data.sampler import GlobalBatchSampler
 from paratrain.data.tokens import (

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paratrain.config import ConfigError, DataConfig, load_config
-from paratrain.data import build_dataset, build_val_dataset
+from paratrain.data.datasets import build_dataset, build_val_dataset
 from paratrain.data.stdlib_bytes import stdlib_corpus
 from paratrain.distributed.process_group import free_port
 from tests.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank

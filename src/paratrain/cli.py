@@ -1,7 +1,8 @@
 """The `paratrain` command: a thin layer over the library, one ``cmd_*`` function per subcommand.
 
-(Importing it costs no more than importing the package: ``paratrain/__init__`` loads the trainer
-and torch anyway, so the subcommands' modules are imported at the top.)
+Each subcommand imports what it needs when it runs, and only the invoked subcommand's arguments
+are built, so a command that needs no torch (``prepare``, ``config``, ``report``) starts without
+loading it (about 4 s of CPU on this project's machines; benchmarks/prepare_throughput.py).
 
 Bad input exits with code 2 and one line naming the problem and the fix, never a traceback.
 """
@@ -14,11 +15,6 @@ import os
 import sys
 import tempfile
 
-from paratrain.batch.auto import estimate_without_group, find_micro_batch
-from paratrain.batch.measure import replica_dims
-from paratrain.batch.search import nothing_fits_error
-from paratrain.checkpoint import export_safetensors, read_model_weights
-from paratrain.checkpoint.manifest import CONFIG_FILE
 from paratrain.config import (
     Config,
     ConfigError,
@@ -29,22 +25,6 @@ from paratrain.config import (
     resume_overrides,
     to_toml,
 )
-from paratrain.data.prepare import prepare
-from paratrain.distributed import rendezvous
-from paratrain.distributed.process_group import resolve_device
-from paratrain.generate import chat_reply, generate_text
-from paratrain.hardware import env as env_command
-from paratrain.hardware.bench_comm import add_bench_arguments, validate_bench_args, worker_args
-from paratrain.hardware.bench_compute import add_compute_arguments, compute_main
-from paratrain.hardware.env import env_main, env_worker_args
-from paratrain.launch.agent import LaunchSpec, launch
-from paratrain.launch.eval_worker import check_eval_args
-from paratrain.models.hf import export_hf
-from paratrain.observability.report import write_report
-from paratrain.observability.trackers import check_trackers
-from paratrain.plan import cli_plan
-from paratrain.preflight import check_run
-from paratrain.verify import verify
 
 
 class NodesAction(argparse.Action):
@@ -91,6 +71,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
 
 def launch_spec(args: argparse.Namespace):
 
+    from paratrain.launch.agent import LaunchSpec  # lazy: see the module docstring
+
     spec = LaunchSpec(
         args.nproc_per_node,
         args.nnodes,
@@ -114,6 +96,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+
+    from paratrain.launch.agent import launch  # lazy: see the module docstring
+    from paratrain.observability.trackers import check_trackers  # lazy: see the module docstring
+    from paratrain.preflight import check_run  # lazy: see the module docstring
 
     spec = launch_spec(args)
     if args.resume is not None:  # the flag sets checkpoint.resume (a TOML string literal)
@@ -151,6 +137,10 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from paratrain.launch.agent import launch  # lazy: see the module docstring
+    from paratrain.launch.eval_worker import check_eval_args  # lazy: see the module docstring
+    from paratrain.preflight import check_run  # lazy: see the module docstring
+
     spec = launch_spec(args)
     cfg = load_config(args.config, args.overrides)
     check_run(cfg, spec.world_size)
@@ -195,6 +185,8 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
 
+    from paratrain.verify import verify  # lazy: see the module docstring
+
     return verify(
         args.config, args.overrides, spec=launch_spec(args), steps=args.steps, tol=args.tol, out_dir=args.out_dir
     )
@@ -216,6 +208,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from paratrain.generate import chat_reply, generate_text  # lazy: see the module docstring
+
     if args.chat is not None:
         print(
             chat_reply(
@@ -294,6 +288,8 @@ def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
 
+    from paratrain.data.prepare import prepare  # lazy: see the module docstring
+
     meta = prepare(
         args.inputs,
         out_dir=args.out,
@@ -332,6 +328,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from paratrain.checkpoint import export_safetensors  # lazy: see the module docstring
+
     if bool(args.to) == bool(args.hf):
         raise ConfigError("paratrain export needs exactly one of --to FILE (safetensors) or --hf DIR (transformers)")
     if args.hf:
@@ -346,6 +344,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def export_hf_dir(checkpoint: str, out_dir: str) -> int:
     """A checkpoint of a ``model.hf`` run -> a directory ``from_pretrained`` loads (docs/huggingface.md)."""
+    from paratrain.checkpoint import read_model_weights  # lazy: see the module docstring
+    from paratrain.checkpoint.manifest import CONFIG_FILE  # lazy: see the module docstring
+    from paratrain.models.hf import export_hf  # lazy: see the module docstring
+
     weights, manifest, path = read_model_weights(checkpoint)
     cfg = load_config(os.path.join(path, CONFIG_FILE))  # the run's resolved config, saved with the checkpoint
     if not cfg.model.hf:
@@ -373,6 +375,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def add_bench_commands(p: argparse.ArgumentParser) -> None:
     """``paratrain bench comm|compute``: two commands of their own under ``bench``."""
+    from paratrain.hardware.bench_comm import add_bench_arguments  # lazy: see the module docstring
+    from paratrain.hardware.bench_compute import add_compute_arguments  # lazy: see the module docstring
+
     bench = p.add_subparsers(dest="bench", required=True)
     p = bench.add_parser("comm", help="collective bandwidth on the job's processes (checked results, slow links)")
     add_launch_arguments(p)
@@ -385,6 +390,9 @@ def add_bench_commands(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench_comm(args: argparse.Namespace) -> int:
 
+    from paratrain.hardware.bench_comm import validate_bench_args, worker_args  # lazy: see the module docstring
+    from paratrain.launch.agent import launch  # lazy: see the module docstring
+
     spec = launch_spec(args)
     validate_bench_args(args)  # refuse bad options before any process starts
     return launch(spec, "paratrain.hardware.bench_comm", worker_args(args))
@@ -392,11 +400,15 @@ def cmd_bench_comm(args: argparse.Namespace) -> int:
 
 def cmd_bench_compute(args: argparse.Namespace) -> int:
 
+    from paratrain.hardware.bench_compute import compute_main  # lazy: see the module docstring
+
     return compute_main(args)
 
 
 def add_rendezvous_commands(p: argparse.ArgumentParser) -> None:
     """``paratrain rendezvous serve``: the rendezvous store as a process of its own."""
+    from paratrain.distributed import rendezvous  # lazy: see the module docstring
+
     sub = p.add_subparsers(dest="rendezvous", required=True)
     p = sub.add_parser(
         "serve",
@@ -419,17 +431,24 @@ def add_rendezvous_commands(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_rendezvous_serve(args: argparse.Namespace) -> int:
+    from paratrain.distributed import rendezvous  # lazy: see the module docstring
+
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: expected a port within 0..65535")
     return rendezvous.serve(args.port, args.bind, ready=lambda line: print(line, flush=True))
 
 
 def add_env_arguments(p: argparse.ArgumentParser) -> None:
+    from paratrain.hardware import env as env_command  # lazy: see the module docstring
+
     add_launch_arguments(p)
     env_command.add_env_arguments(p)
 
 
 def cmd_env(args: argparse.Namespace) -> int:
+
+    from paratrain.hardware.env import env_main, env_worker_args  # lazy: see the module docstring
+    from paratrain.launch.agent import launch  # lazy: see the module docstring
 
     spec = launch_spec(args)
     if spec.world_size == 1:
@@ -471,6 +490,11 @@ def cmd_find_batch(args: argparse.Namespace) -> int:
 
 def cli_find_batch(cfg: Config, *, world_size: int, local_processes: int, estimate: bool, as_json: bool) -> int:
     """`paratrain find-batch`: real trials on a local CUDA device, else the fake-tensor estimate."""
+    from paratrain.batch.auto import estimate_without_group, find_micro_batch  # lazy: see the module docstring
+    from paratrain.batch.measure import replica_dims  # lazy: see the module docstring
+    from paratrain.batch.search import nothing_fits_error  # lazy: see the module docstring
+    from paratrain.distributed.process_group import resolve_device  # lazy: see the module docstring
+    from paratrain.preflight import check_run  # lazy: see the module docstring
 
     dims, _ = check_run(cfg, world_size)
     device = resolve_device(cfg.dist, 0)
@@ -497,6 +521,8 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from paratrain.observability.report import write_report  # lazy: see the module docstring
+
     info = write_report(args.run_dirs, out=args.out, png=args.png)
     print(f"report of {info['runs']} run(s) written to {args.out}" + (f" and {args.png}" if args.png else ""))
     return 0
@@ -521,6 +547,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from paratrain.plan import cli_plan  # lazy: see the module docstring
+
     return cli_plan(
         load_config(args.config, args.overrides),
         nproc_per_node=args.nproc_per_node,
@@ -582,14 +610,17 @@ COMMANDS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``command`` only that subcommand's arguments are built (the others are
+    listed with their help, so ``paratrain --help`` still shows them all)."""
     parser = argparse.ArgumentParser(
         prog="paratrain", description="Train any PyTorch model on many processes, GPUs and machines."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_, add_arguments, run in COMMANDS:
         p = sub.add_parser(name, help=help_)
-        add_arguments(p)
+        if command is None or command == name:
+            add_arguments(p)
         if run is not None:
             p.set_defaults(func=run)
     return parser
@@ -597,7 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)  # inside: an option's own check (--nnodes) raises ConfigError
+        argv = sys.argv[1:] if argv is None else argv
+        command = argv[0] if argv and not argv[0].startswith("-") else ""  # "": none (`paratrain --help`)
+        args = build_parser(command).parse_args(argv)  # inside: an option's own check (--nnodes) raises ConfigError
         return args.func(args)
     except ConfigError as e:
         print(f"paratrain: error: {e}", file=sys.stderr)

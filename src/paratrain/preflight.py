@@ -15,7 +15,7 @@ from torch import nn
 
 from paratrain.batch.plan import BatchPlan, plan_batch
 from paratrain.config import Config, ConfigError
-from paratrain.data import dataset_builder
+from paratrain.data.datasets import dataset_builder
 from paratrain.data.packing import IGNORE_INDEX
 from paratrain.data.tokens import resolve_model_vocab, resolve_packing, tokens_meta
 from paratrain.distributed.grad_compression import check_compression

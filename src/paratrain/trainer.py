@@ -27,11 +27,12 @@ from paratrain.batch.plan import BatchPlan, replan_batch
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.checkpoint.export import save_full_weights
 from paratrain.config import Config, to_dict, to_toml
-from paratrain.data import build_dataset, build_val_dataset
+from paratrain.data.datasets import build_dataset, build_val_dataset
 from paratrain.data.loader import StepLoader
 from paratrain.data.sampler import GlobalBatchSampler
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
+from paratrain.distributed.json_collectives import broadcast_json
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
@@ -67,6 +68,8 @@ class TrainState:
     grad_noise: dict = field(default_factory=dict)  # the noise-scale averages of batch.adaptive
     # [step, world_size] each time the run (re)started at a new world size (elastic --nnodes MIN:MAX)
     world_sizes: list = field(default_factory=list)
+    # tracker name -> its run id (W&B, MLflow), so that a resumed run continues those runs
+    tracker_runs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -356,12 +359,22 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         os.makedirs(cfg.run.out_dir, exist_ok=True)
         with open(os.path.join(cfg.run.out_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
+    trackers = (
+        build_trackers(
+            cfg.metrics, out_dir=cfg.run.out_dir, config=to_dict(cfg), resume=state.tracker_runs, start_step=state.step
+        )
+        if ctx.is_main
+        else ()
+    )
+    if cfg.metrics.wandb or cfg.metrics.mlflow:  # every rank's checkpointed TrainState holds rank 0's run ids
+        runs = {t.name: t.run_id for t in trackers if t.run_id}
+        state.tracker_runs = broadcast_json(runs, device=ctx.device) if ctx.world_size > 1 else runs
     writer = MetricsWriter(
         cfg.run.out_dir,
         enabled=ctx.is_main,
         total_steps=cfg.run.steps,
         progress=cfg.run.progress,
-        trackers=build_trackers(cfg.metrics, out_dir=cfg.run.out_dir, config=to_dict(cfg)) if ctx.is_main else (),
+        trackers=trackers,
         start_step=state.step,
     )
     return Run(

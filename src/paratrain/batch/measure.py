@@ -19,7 +19,7 @@ from torch import nn
 from paratrain.batch.plan import plan_batch
 from paratrain.batch.search import GIB, Trial
 from paratrain.config import Config, ConfigError
-from paratrain.data import build_dataset
+from paratrain.data.datasets import build_dataset
 from paratrain.data.sampler import load_batches
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize

@@ -19,7 +19,7 @@ import torch
 
 from paratrain.checkpoint import Checkpointer, DataclassState, ModelState
 from paratrain.config import Config, ConfigError, load_config, to_toml
-from paratrain.data import build_val_dataset
+from paratrain.data.datasets import build_val_dataset
 from paratrain.distributed.process_group import close_distributed, init_distributed, run_then_exit
 from paratrain.evaluate import Evaluator
 from paratrain.launch.worker import stop_with_launcher

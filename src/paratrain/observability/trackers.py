@@ -5,6 +5,12 @@ Rank 0 builds them before the first step (``build_trackers``), so a tracker that
 not a crash at step 1000. Each tracker gets the resolved config once (``start``), every metrics
 row (``log``) and the summary (``finish``). Lists in a row (per-rank times) are logged as one
 scalar per rank, ``rank_step_time_s/1``.
+
+A resumed run continues its tracker runs: each tracker's run id is kept in the checkpoint
+(``TrainState.tracker_runs``) and handed back to ``start``, so a run restarted five times is one
+curve, not five. The steps after the checkpoint are computed again with the same values (the
+run is exact); TensorBoard drops its events after the checkpoint's step (``purge_step``), W&B
+ignores steps it already has, MLflow records the redone steps a second time with the same values.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ class Tracker:
     """The interface: start once, log each row, finish with the summary."""
 
     name = "tracker"
+    run_id: str | None = None  # what ``start`` continues after a resume (None: nothing to keep)
 
-    def start(self, config: dict) -> None:
-        pass
+    def start(self, config: dict, *, resume_id: str | None = None, start_step: int = 0) -> None:
+        """Start a run, or continue run ``resume_id`` from after ``start_step``; sets ``run_id``."""
 
     def log(self, row: dict) -> None:
         raise NotImplementedError
@@ -56,19 +63,26 @@ class TensorBoardTracker(Tracker):
                 f"metrics.tensorboard = true needs the tensorboard package ({e}); "
                 "pip install 'paratrain[tensorboard]' or set metrics.tensorboard = false"
             )
-        self.writer = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+        self.summary_writer = SummaryWriter
+        self.log_dir = _writable_dir(os.path.join(out_dir, "tensorboard"), "metrics.tensorboard")
+        self.writer = None
 
-    def start(self, config: dict) -> None:
+    def start(self, config: dict, *, resume_id: str | None = None, start_step: int = 0) -> None:
         import json
 
-        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
+        # The log directory is the run: after a resume from step N, TensorBoard discards the events
+        # the first run wrote past N (purge_step), which are about to be logged again.
+        self.writer = self.summary_writer(self.log_dir, purge_step=start_step + 1 if start_step else None)
+        if not start_step:
+            self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
 
     def log(self, row: dict) -> None:
         for k, v in scalars(row).items():
             self.writer.add_scalar(f"train/{k}", v, row["step"])
 
     def finish(self, summary: dict | None) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 class WandbTracker(Tracker):
@@ -95,16 +109,26 @@ class WandbTracker(Tracker):
         )
         self.run = None
 
-    def start(self, config: dict) -> None:
+    def start(self, config: dict, *, resume_id: str | None = None, start_step: int = 0) -> None:
         try:
             # init_timeout bounds the wait on the service (and on the server when online).
-            self.run = self.wandb.init(config=config, settings=self.wandb.Settings(init_timeout=60), **self.kwargs)
+            self.run = self.wandb.init(
+                config=config,
+                settings=self.wandb.Settings(init_timeout=60),
+                # A resume continues the run of that id (or makes it, if the first never synced).
+                id=resume_id,
+                resume="allow" if resume_id else None,
+                **self.kwargs,
+            )
         except Exception as e:  # noqa: BLE001 - wandb raises many kinds; all mean "cannot start"
             raise ConfigError(
                 f"metrics.wandb: wandb.init failed in mode '{self.mode}' ({type(e).__name__}: {_first_sentence(e)});"
                 " set metrics.wandb_mode = 'offline' or metrics.wandb = false"
             )
-        log.info("wandb: run %s (%s) in %s", self.run.name, self.mode, self.run.dir)
+        self.run_id = self.run.id
+        log.info(
+            "wandb: run %s %s(%s) in %s", self.run.name, "continued " if resume_id else "", self.mode, self.run.dir
+        )
 
     def log(self, row: dict) -> None:
         self.run.log(scalars(row), step=row["step"])
@@ -139,14 +163,25 @@ class MlflowTracker(Tracker):
         self.run_name = cfg.wandb_run_name or os.path.basename(os.path.abspath(out_dir))
         self.run = None
 
-    def start(self, config: dict) -> None:
+    def start(self, config: dict, *, resume_id: str | None = None, start_step: int = 0) -> None:
         try:
             self.mlflow.set_tracking_uri(self.uri)
             self.mlflow.set_experiment(self.experiment)
-            self.run = self.mlflow.start_run(run_name=self.run_name)
+            self.run = self._continue(resume_id) if resume_id else None
+            logged = dict(self.run.data.params) if self.run else {}
+            self.run = self.run or self.mlflow.start_run(run_name=self.run_name)
+            self.run_id = self.run.info.run_id
             flat = {f"{sec}.{k}": v for sec, sub in config.items() for k, v in sub.items()}
-            # MLflow caps a param value at 6000 characters and a batch at 100 params.
-            items = [(k, str(v)[:6000]) for k, v in flat.items()]
+            # MLflow caps a param value at 6000 characters and a batch at 100 params. A param
+            # cannot change value: a resumed run logs only those it lacks (checkpoint.resume, say).
+            items = [(k, str(v)[:6000]) for k, v in flat.items() if k not in logged]
+            if start_step:  # what changed at the resume (a param cannot): tags "resumed/STEP/KEY"
+                changed = {
+                    f"resumed/{start_step}/{k}": str(v)[:5000]
+                    for k, v in flat.items()
+                    if logged.get(k, str(v)[:6000]) != str(v)[:6000]
+                }
+                self.mlflow.set_tags({"resumed_from_step": start_step, **changed})
             for i in range(0, len(items), 100):
                 self.mlflow.log_params(dict(items[i : i + 100]))
         except Exception as e:  # noqa: BLE001 - bad URI, server down, permissions
@@ -154,6 +189,14 @@ class MlflowTracker(Tracker):
                 f"metrics.mlflow = {self.uri!r} cannot start a run ({type(e).__name__}: {_first_sentence(e)});"
                 " use a reachable tracking URI such as 'file:/path/mlruns', or ''"
             )
+
+    def _continue(self, run_id: str):
+        """The run ``run_id`` reopened, or None (a new run) when this store does not have it."""
+        try:
+            return self.mlflow.start_run(run_id=run_id)
+        except Exception as e:  # noqa: BLE001 - MlflowException: no such run in this store
+            log.warning("mlflow: run %s cannot be continued (%s); starting a new run", run_id, _first_sentence(e))
+            return None
 
     def log(self, row: dict) -> None:
         # synchronous=False: MLflow queues the write on its own thread (a file store writes one
@@ -209,12 +252,18 @@ def check_trackers(cfg: MetricsConfig, *, out_dir: str) -> list[Tracker]:
     return trackers
 
 
-def build_trackers(cfg: MetricsConfig, *, out_dir: str, config: dict) -> list[Tracker]:
-    """Create and start every configured tracker (rank 0 only), or raise ConfigError naming the one that failed."""
+def build_trackers(
+    cfg: MetricsConfig, *, out_dir: str, config: dict, resume: dict | None = None, start_step: int = 0
+) -> list[Tracker]:
+    """Create and start every configured tracker (rank 0 only), or raise ConfigError naming the one that failed.
+
+    ``resume``: tracker name -> run id of the run being resumed (``TrainState.tracker_runs``),
+    ``start_step`` its step: those runs are continued.
+    """
     trackers = check_trackers(cfg, out_dir=out_dir)
     try:
         for t in trackers:
-            t.start(config)
+            t.start(config, resume_id=(resume or {}).get(t.name), start_step=start_step)
     except ConfigError:
         for t in trackers:
             try:

@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from paratrain.batch.auto import fake_process_group
 from paratrain.batch.measure import StepRunner, estimate_peak, replica_dims
 from paratrain.config import Config
-from paratrain.data import build_dataset
+from paratrain.data.datasets import build_dataset
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import SCHEDULES, pp_microbatches, stage_ranges
 from paratrain.models import spec_of
