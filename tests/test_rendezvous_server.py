@@ -163,3 +163,16 @@ def test_served_job_survives_a_server_restart_then_a_node_loss(tmp_path, want):
         for p in [*nodes, server]:
             kill_tree(p.pid)
             p.communicate()
+
+
+def test_importing_the_rendezvous_module_first_registers_its_handler_quietly():
+    """`paratrain rendezvous serve` imports it before anything else: torch's rendezvous package then
+    loads the entry point while the module is half imported. No warning, and the handler works."""
+    code = (
+        "import paratrain.distributed.rendezvous\n"
+        "from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as r\n"
+        "assert 'paratrain' in r._registry  # torch keeps no public lookup\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")])}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert res.returncode == 0 and "Exception while registering" not in res.stderr, res.stderr[-2000:]

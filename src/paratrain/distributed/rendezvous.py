@@ -46,6 +46,18 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
+
+def handler_creator():
+    """The ``torchrun.handlers`` entry point: torch elastic calls it for the creator to register.
+
+    Defined above the torch imports: importing torch's rendezvous package loads the entry points,
+    this one included, while this module is still being imported (when it is imported first, as
+    by ``paratrain rendezvous serve``); so it must exist by then, and the creator it returns looks
+    ``create_handler`` up only when called.
+    """
+    return lambda params: create_handler(params)
+
+
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.api import (
@@ -368,11 +380,6 @@ def create_handler(params: RendezvousParameters) -> ParatrainRendezvousHandler:
     handler.bind_addr = params.get("bind_addr", "") or params.local_addr or "127.0.0.1"
     handler.backend = backend
     return handler
-
-
-def handler_creator():
-    """The ``torchrun.handlers`` entry point: torch elastic calls it for the creator to register."""
-    return create_handler
 
 
 def register() -> None:
