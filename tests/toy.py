@@ -129,6 +129,41 @@ def gpt_sigterm_at(sigterm_at_forward: int = 0, sigterm_rank: int = 1, **gpt_arg
     return model
 
 
+def gpt_chaos(chaos_dir: str = "", forward_sleep_s: float = 0.2, **gpt_args) -> nn.Module:
+    """``gpt_slow`` plus two faults benchmarks/chaos.py injects from outside through files in
+    ``chaos_dir``, each taken (deleted) by the rank it names: ``hang-rank{R}`` makes rank R's next
+    forward sleep an hour (its peers time out), ``enospc-rank{R}`` makes rank R's next checkpoint
+    write fail with ENOSPC (the disk is full on that node only)."""
+    import errno
+    import os
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def take(kind: str) -> bool:
+        try:
+            os.remove(os.path.join(chaos_dir, f"{kind}-rank{os.environ.get('RANK', '0')}"))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def maybe_hang(module, args):
+        if take("hang"):
+            time.sleep(3600)
+
+    write_data = FileSystemWriter.write_data
+
+    def full(self, plan, planner):
+        if take("enospc"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = full
+    model = gpt_slow(forward_sleep_s, **gpt_args)
+    model.register_forward_pre_hook(maybe_hang)
+    return model
+
+
 def gpt_slow(forward_sleep_s: float = 0.2, **gpt_args) -> nn.Module:
     """The built-in GPT, each forward slowed by ``forward_sleep_s`` (the math is unchanged), so a
     test can signal a run mid-way."""

@@ -309,6 +309,9 @@ class ParatrainRendezvousHandler(DynamicRendezvousHandler):
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
         while True:
             try:
+                if not getattr(self, "_joined_once", False):
+                    self._reopen_a_finished_launch()
+                self._joined_once = True
                 return super().next_rendezvous()
             except RendezvousConnectionError as exc:
                 if time.monotonic() >= deadline:
@@ -317,6 +320,36 @@ class ParatrainRendezvousHandler(DynamicRendezvousHandler):
                         " start the rendezvous server again (or the node that hosts it) and resume the job"
                     ) from exc
                 time.sleep(1.0)
+
+    def _reopen_a_finished_launch(self) -> None:
+        """A new launch of a job reopens the rendezvous its previous launch closed.
+
+        torch's agents close the rendezvous when their workers are done, and a closed rendezvous
+        refuses every later node (RendezvousClosedError). On a store of the job's own node that
+        store went away with the job; on a long-lived ``rendezvous serve`` it stays, so the job's
+        next launch (requeued after a preemption, or started again to go on) could never meet
+        there. So a launcher's *first* join reopens a closed rendezvous as a new round with no
+        one in it; joins after that (workers restarted within this launch) keep torch's rule.
+        Nothing but the resume differs: a launch of a job that had finished resumes its final
+        checkpoint and stops at once.
+        """
+        holder = self._state_holder
+        holder.sync()
+        state = holder.state
+        if not state.closed:
+            return
+        log.warning(
+            "the rendezvous of this job was closed by its previous launch (finished or preempted); opening round %d",
+            state.round + 1,
+        )
+        state.round += 1
+        state.complete, state.deadline, state.closed = False, None, False
+        state.participants.clear()
+        state.wait_list.clear()
+        state.redundancy_list.clear()
+        state.last_heartbeats.clear()
+        holder.mark_dirty()
+        holder.sync()  # compare-and-set: a node that reopened it first wins, and this one sees it open
 
 
 def _create_store(params: RendezvousParameters, host: str, port: int) -> tuple[dist.TCPStore, bool]:

@@ -276,7 +276,8 @@ def _launch(spec: LaunchSpec, module: str, module_args: list[str], *, reports: s
         return EXIT_NOW
     except RendezvousError as e:
         # e.g. a node with the wrong job secret: one line, no traceback.
-        print(f"paratrain: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        # Some carry no message (RendezvousClosedError): their type is the line then.
+        print(f"paratrain: error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
         return 1
     except ChildFailedError as e:
         print(f"paratrain: error: {failure_summary(e.failures)}", file=sys.stderr)
