@@ -183,7 +183,7 @@ def recovered(out: str, since: float, *, world_size: int | None = None, timeout:
         if done:
             new = {e["event"]: e for e in events if e["pid"] == done[0]["pid"]}
             failed = [e["time"] for e in events if e["event"] == "worker_failed"]
-            starts = [e["t"] for e in events if e["event"] == "worker_start" and e.get("t")]
+            starts = [e["time"] for e in events if e["event"] == "worker_start"]  # the process creation
             return {
                 "detection": min(failed) - since if failed else None,
                 "restart": min(starts) - since if starts else None,
@@ -250,7 +250,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="the fault schedule's seed (default 0)")
     p.add_argument("--faults", type=int, default=4, help="faults to inject (default 4)")
     p.add_argument("--sleep", type=float, default=0.3, help="seconds each forward is slowed by (default 0.3)")
-    p.add_argument("--schedule", default="", help="comma-separated faults instead of a drawn schedule (e.g. preempt,hang)")
+    p.add_argument(
+        "--schedule", default="", help="comma-separated faults instead of a drawn schedule (e.g. preempt,hang)"
+    )
     p.add_argument("--out", default="", help="where the job writes (default: a temporary folder)")
     args = p.parse_args()
     if args.faults < 1:

@@ -420,12 +420,14 @@ def preflight(argv: list[str]) -> int:
         nodes, procs = getattr(args, "nnodes", 1), getattr(args, "nproc_per_node", 1)
         check_run(cfg, nodes * procs)
     if args.command in ("train", "bench", "env"):
-        real = cli.launch
-        cli.launch = lambda *a, **k: 0  # stop where the processes would start
+        from paratrain.launch import agent  # the CLI imports launch from there when a command runs
+
+        real = agent.launch
+        agent.launch = lambda *a, **k: 0  # stop where the processes would start
         try:
             return args.func(args)
         finally:
-            cli.launch = real
+            agent.launch = real
     if hasattr(args, "nproc_per_node") and hasattr(args, "rdzv_endpoint"):
         cli.launch_spec(args)
     return 0

@@ -162,7 +162,12 @@ def test_trackers_continue_the_run_they_are_given(tmp_path, monkeypatch):
     assert run.data.params["run.steps"] == "4" and run.data.tags["resumed/3/run.steps"] == "5"
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3)), (4, 0.25)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (1, 1.0),
+        (2, 0.5),
+        (3, pytest.approx(1 / 3)),
+        (4, 0.25),
+    ]
 
 
 @pytest.mark.slow
