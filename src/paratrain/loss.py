@@ -7,6 +7,7 @@ micro-batches and ranks first), so every loss also counts items from the target 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -144,3 +145,35 @@ class ChunkedCrossEntropy:
         if isinstance(logits, DTensor) and not self.loss_parallel:
             logits = logits.full_tensor()
         return F.cross_entropy(logits.float(), t, ignore_index=self.ignore_index, reduction="sum")
+
+
+@dataclass
+class RouterStats:
+    """What a mixture-of-experts layer's router leaves after a forward (models/gpt/moe.py).
+
+    ``aux_sum``: the weighted auxiliary loss *summed* over this forward's sequences (with its
+    graph), so the step divides the global sum by the global sequence count as it divides the
+    language-model loss by the global item count; ``tokens_per_expert``: (n_experts,) counts of
+    this forward's top-k assignments.
+    """
+
+    aux_sum: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
+
+def router_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules that leave RouterStats (``router_stats`` attribute), in module order; also
+    through a DDP wrapper."""
+    return [m for m in model.modules() if hasattr(m, "router_stats")]
+
+
+def take_router_stats(layers) -> list[RouterStats]:
+    """The RouterStats of the forward just run, one per router layer (of :func:`router_layers`),
+    cleared so that a layer which did not run this time is caught instead of counted twice."""
+    out = []
+    for m in layers:
+        if m.router_stats is None:
+            raise RuntimeError(f"{type(m).__name__} left no router_stats in this forward")
+        out.append(m.router_stats)
+        m.router_stats = None
+    return out

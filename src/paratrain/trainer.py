@@ -37,7 +37,7 @@ from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.evaluate import Evaluator, eval_due
-from paratrain.loss import Loss, build_loss
+from paratrain.loss import Loss, build_loss, router_layers
 from paratrain.models import build, spec_of
 from paratrain.models.hf import export_hf
 from paratrain.models.lora import apply_lora, trainable_parameters
@@ -248,7 +248,23 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
     if comm_bytes is not None:
         row["comm_bytes"] = comm_bytes
     row.update(run.precision.metrics())
+    if result.aux_loss is not None:
+        row.update(router_metrics(result))
     return row
+
+
+def router_metrics(result: StepResult) -> dict:
+    """Mixture of experts: the auxiliary loss (not in ``loss``) and the global batch's tokens per
+    expert (top-k assignments), their min and max over layers and experts, and the imbalance, the
+    largest max/mean of any MoE layer (1: perfectly balanced)."""
+    counts = torch.tensor(result.tokens_per_expert, dtype=torch.float64)
+    imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).max()
+    return {
+        "aux_loss": result.aux_loss,
+        "expert_tokens_min": int(counts.min()),
+        "expert_tokens_max": int(counts.max()),
+        "expert_imbalance": float(imbalance),
+    }
 
 
 def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: EventLog) -> Run:
@@ -465,6 +481,7 @@ def build_parallel(
         # every tp peer too; the tp ranks after the first add zeros instead of a copy of the loss.
         loss_group=dims.group("pp_dp") if dims.tp == 1 else dist.group.WORLD,
         adds_loss=dims.local_rank_in("tp") == 0,
+        router_layers=tuple(router_layers(model)),  # mixture of experts (docs/moe.md)
     )
 
     return model, step_ctx, compression
