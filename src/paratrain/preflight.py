@@ -23,6 +23,7 @@ from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout
 from paratrain.distributed.pipeline_parallel import check_pp_layout, check_untied
 from paratrain.models import build, model_builder, spec_of
+from paratrain.models.gpt.moe import MoEConfig
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
 from paratrain.precision import check_precision
@@ -191,6 +192,7 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
 def check_moe_combinations(cfg: Config, dims: ParallelDims) -> None:
     """The built-in GPT's mixture of experts (docs/moe.md) runs with DDP, FSDP2 and accumulation;
     the rest is refused until it is built and tested against one process."""
+    MoEConfig.from_args(cfg.model.args["moe"])  # its own values, before any process starts
     for key, on in (
         (f"parallel.tp = {dims.tp}", dims.tp > 1),
         (f"parallel.pp = {dims.pp}", dims.pp > 1),
