@@ -81,6 +81,25 @@ def test_moe_forward_and_balance_loss_equal_the_per_token_reference(kw):
     assert int(stats[0].tokens_per_expert.sum()) == 3 * 5 * moe.cfg.top_k
 
 
+def test_balance_loss_is_transformers_switch_loss_per_sequence_over_top_k():
+    """Anchor to code we did not write: transformers' load_balancing_loss_func (Switch eqs. 4-6,
+    f and P over all the rows it is given) on one sequence is top_k x ours; on a batch, ours is
+    its per-sequence value summed over the sequences, which its batch-level value is not."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    moe = make_moe()
+    e, k, w = moe.cfg.n_experts, moe.cfg.top_k, moe.cfg.aux_loss_weight
+    x = torch.randn(3, 7, D)
+    moe(x)
+    ours = take_router_stats([moe])[0].aux_sum.detach()
+    with torch.no_grad():
+        logits = x @ moe.router.weight.t()  # (B, T, E)
+    per_sequence = [load_balancing_loss_func((row,), e, k) for row in logits]
+    torch.testing.assert_close(ours, w / k * sum(per_sequence), rtol=1e-5, atol=0)
+    batch_level = load_balancing_loss_func((logits.reshape(-1, e),), e, k)
+    assert abs(float(w / k * 3 * batch_level - ours)) > 1e-4  # a different function of the batch
+
+
 def test_moe_output_and_loss_do_not_depend_on_how_sequences_are_grouped():
     """What the exactness rests on: split a batch of sequences anywhere, each token's output is
     the same and the balance-loss sums add up to the whole batch's, gradients included."""
