@@ -264,3 +264,25 @@ def test_moe_layouts_at_world_4_equal_one_process(tmp_path, moe_reference):
             assert_same_moe_run(got, moe_reference["ref"])
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
+
+
+def test_moe_accumulation_on_one_process_equals_one_micro_batch(tmp_path):
+    """Fast: the step adds each micro-batch's auxiliary sum over the global sequence count and
+    logs it: four micro-batches of 2 give one micro-batch of 8's losses, grad_norm and counts."""
+    two = ["run.steps=1"]
+    runs = moe_runs(tmp_path, 1, {"mb8": ["batch.micro_batch_size=8", *two], "mb2": ["batch.micro_batch_size=2", *two]})
+    assert runs["mb8"]["aux_loss"][0] > 0
+    assert_same_moe_run(runs["mb2"], runs["mb8"])
+
+
+@pytest.mark.slow
+def test_moe_resumes_at_another_layout(tmp_path):
+    """A checkpoint of one process at step 2 resumed by FSDP2 on 2 ranks: steps 3-4 as uninterrupted."""
+    ckpt = ["run.steps=4", "checkpoint.interval=2", "checkpoint.keep=0"]
+    ref = moe_runs(tmp_path / "w1", 1, {"ref": ["batch.micro_batch_size=8", *ckpt]})["ref"]
+    src = tmp_path / "w1" / "ref" / "checkpoints" / "step-2"
+    resume = [*ckpt, f"checkpoint.resume='{src}'", "parallel.dp_shard=2", "batch.micro_batch_size=2"]
+    got = moe_runs(tmp_path / "w2", 2, {"resumed": resume})["resumed"]
+    for key in ("loss", "aux_loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key][2:]), rtol=1e-5, atol=0)
+    assert got["tokens"] == ref["tokens"][2:]

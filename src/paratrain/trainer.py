@@ -26,7 +26,7 @@ from paratrain.batch.lr_scaling import LRScaling
 from paratrain.batch.plan import BatchPlan, replan_batch
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.checkpoint.export import save_full_weights
-from paratrain.config import Config, to_dict, to_toml
+from paratrain.config import Config, ConfigError, to_dict, to_toml
 from paratrain.data import build_dataset, build_val_dataset
 from paratrain.data.loader import StepLoader
 from paratrain.data.sampler import GlobalBatchSampler
@@ -453,6 +453,12 @@ def build_parallel(
         supported=spec.loss_parallel,
     )
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
+    routers = tuple(router_layers(model))  # mixture of experts (docs/moe.md); a user model's too
+    if routers and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError(
+            "a model with router layers (mixture of experts) with parallel.tp or parallel.pp > 1 is not"
+            " supported yet; use parallel.dp_replicate / parallel.dp_shard"
+        )
     model = parallelize(
         model,
         dims,
@@ -481,7 +487,7 @@ def build_parallel(
         # every tp peer too; the tp ranks after the first add zeros instead of a copy of the loss.
         loss_group=dims.group("pp_dp") if dims.tp == 1 else dist.group.WORLD,
         adds_loss=dims.local_rank_in("tp") == 0,
-        router_layers=tuple(router_layers(model)),  # mixture of experts (docs/moe.md)
+        router_layers=routers,
     )
 
     return model, step_ctx, compression
