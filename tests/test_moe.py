@@ -266,6 +266,35 @@ def test_moe_layouts_at_world_4_equal_one_process(tmp_path, moe_reference):
             raise AssertionError(f"{name}: {e}") from None
 
 
+def test_the_step_adds_the_aux_loss_over_the_global_sequence_count():
+    """Fast, the step alone: four micro-batches of 2 sequences give one micro-batch of 8's loss,
+    aux_loss, grad_norm and tokens per expert, and the aux term is really differentiated."""
+    from paratrain.config import LossConfig
+    from paratrain.loss import build_loss
+    from paratrain.step import StepContext, train_step
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 32, (8, 9))
+    results = {}
+    for micro, weight in ((8, 0.1), (2, 0.1), (8, 0.0)):
+        torch.manual_seed(0)
+        args = dict(n_layer=2, n_head=2, d_model=D, block_size=8, vocab_size=32)
+        model = build_gpt(**args, moe={"n_experts": 4, "top_k": 2, "aux_loss_weight": weight})
+        ctx = StepContext(
+            loss_fn=build_loss(LossConfig()), device=torch.device("cpu"), router_layers=tuple(router_layers(model))
+        )
+        batches = [(c[:, :-1], c[:, 1:]) for c in x.split(micro)]
+        results[micro, weight] = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, ctx)
+    ref, acc, unweighted = results[8, 0.1], results[2, 0.1], results[8, 0.0]
+    assert ref.aux_loss > 0 and unweighted.aux_loss == 0
+    torch.testing.assert_close(acc.aux_loss, ref.aux_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(acc.loss, ref.loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(acc.grad_norm, ref.grad_norm, rtol=1e-5, atol=0)
+    assert acc.tokens_per_expert == ref.tokens_per_expert and sum(ref.tokens_per_expert[0]) == 8 * 8 * 2
+    assert unweighted.loss == ref.loss and abs(unweighted.grad_norm - ref.grad_norm) > 1e-6
+
+
+@pytest.mark.slow
 def test_moe_accumulation_on_one_process_equals_one_micro_batch(tmp_path):
     """Fast: the step adds each micro-batch's auxiliary sum over the global sequence count and
     logs it: four micro-batches of 2 give one micro-batch of 8's losses, grad_norm and counts."""
