@@ -220,6 +220,12 @@ class RouterTotals:
         self.counts = counts if self.counts is None else self.counts + counts
         return aux * self.aux_scale
 
+    def clear(self) -> None:
+        """Drop what activation checkpointing's recompute left in the layers during backward
+        (its graph would hold a micro-batch's activations until the next forward)."""
+        for m in self.layers:
+            m.router_stats = None
+
     def totals(self) -> torch.Tensor | None:
         if not self.layers:
             return None
@@ -260,6 +266,8 @@ def forward_backward(
             aux = router.take() if router is not None else None
             objective = s * scale if aux is None else s * scale + aux
             precision.scale(objective).backward()  # fp16: times the GradScaler's loss scale
+        if router is not None:
+            router.clear()
         if after_backward is not None:
             after_backward(k)
         loss_sum += _plain(s).detach().double()
