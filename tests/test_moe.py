@@ -122,6 +122,19 @@ def test_moe_output_and_loss_do_not_depend_on_how_sequences_are_grouped():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_memory_estimates_route_balanced_without_values():
+    """paratrain plan / find-batch run the model on fake or meta tensors, which have no values to
+    route by: each expert then gets an equal share of the (token, slot) pairs, each pair once."""
+    from paratrain.models.gpt.moe import _balanced
+
+    pairs = [p for e in range(3) for p in zip(*(t.tolist() for t in _balanced(e, 7, 2, 3, "cpu")))]
+    assert sorted(pairs) == [(t, s) for t in range(7) for s in range(2)]
+    with torch.device("meta"):
+        moe = make_moe()
+        out = moe(torch.randn(2, 5, D))
+    assert out.shape == (2, 5, D) and out.device.type == "meta"
+
+
 def test_a_gpt_with_moe_every_second_block():
     model = build_gpt(n_layer=4, n_head=2, d_model=D, block_size=8, vocab_size=32, moe={"n_experts": 4, "every": 2})
     assert [type(b.mlp).__name__ for b in model.layers.values()] == ["MLP", "MoE", "MLP", "MoE"]

@@ -29,12 +29,14 @@ size and the accumulation: not exact.)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from paratrain.config import ConfigError
 from paratrain.loss import RouterStats
@@ -123,16 +125,22 @@ class MoE(nn.Module):
         flat = x.reshape(-1, d)
         # The router in float32 also under autocast: a top-k decided in bf16 flips on ties that
         # float32 separates.
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        meta = x.device.type == "meta"  # (autocast does not know the meta device)
+        with contextlib.nullcontext() if meta else torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(flat.float(), self.router.weight.float())
         probs, weights, experts = route(logits, top_k=self.cfg.top_k, norm_topk=self.cfg.norm_topk)
         out = self.combine(flat, weights, experts)
         for shared in self.shared_experts:
             out = out + shared(flat).float()
+        counts = (
+            experts.new_zeros(self.cfg.n_experts)  # bincount's size depends on the values
+            if _estimating(experts)
+            else torch.bincount(experts.reshape(-1), minlength=self.cfg.n_experts)
+        )
         self.router_stats = RouterStats(
             aux_sum=self.cfg.aux_loss_weight
             * sequence_balance_loss(probs.view(b, t, -1), experts.view(b, t, -1), self.cfg.n_experts).sum(),
-            tokens_per_expert=torch.bincount(experts.reshape(-1), minlength=self.cfg.n_experts).detach(),
+            tokens_per_expert=counts.detach(),
         )
         return out.to(x.dtype).view(b, t, d)
 
@@ -140,13 +148,31 @@ class MoE(nn.Module):
         """Each token's k expert outputs, weighted, summed in slot order in float32: (N, d)."""
         n, k = experts.shape
         slots = flat.new_zeros((n, k, flat.shape[-1]), dtype=torch.float32)
+        estimating = _estimating(experts)
         for e, expert in enumerate(self.experts):
             # Every expert runs, on no rows at all if need be: its parameters stay in the graph,
             # so DDP and FSDP see a gradient (zeros) for each of them at every step.
-            token, slot = (experts == e).nonzero(as_tuple=True)
+            token, slot = (
+                _balanced(e, n, k, self.cfg.n_experts, experts.device)
+                if estimating
+                else ((experts == e).nonzero(as_tuple=True))
+            )
             y = expert(flat[token]).float() * weights[token, slot].unsqueeze(-1)
             slots = slots.index_put((token, slot), y)  # each (token, slot) chose one expert
         out = slots[:, 0]
         for j in range(1, k):  # fixed order: slot 0 (the most probable) first
             out = out + slots[:, j]
         return out
+
+
+def _estimating(t: torch.Tensor) -> bool:
+    """Fake or meta tensors (``paratrain plan``'s and find-batch's memory estimate): no values to route by."""
+    return t.device.type == "meta" or is_fake(t)
+
+
+def _balanced(e: int, n: int, k: int, n_experts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e's share of the n x k (token, slot) pairs under perfectly balanced routing: the
+    shapes a memory estimate runs with (routing needs values that fake tensors do not have)."""
+    per = -(-n * k // n_experts)
+    pairs = torch.arange(e * per, min((e + 1) * per, n * k), device=device)
+    return pairs // k, pairs % k
