@@ -177,3 +177,50 @@ def take_router_stats(layers) -> list[RouterStats]:
         out.append(m.router_stats)
         m.router_stats = None
     return out
+
+
+class RouterTotals:
+    """The mixture-of-experts side of one training step (step.py; StepContext.router_layers,
+    nothing without them).
+
+    Each micro-batch's auxiliary-loss sum joins its backward times ``aux_scale = dp / global
+    sequences`` (the same dp round trip as the language-model loss's ``dp / items``), so the
+    gradient is that of ``sum over the global batch's sequences / their count`` on every layout;
+    its value and the tokens per expert ride the step's one reduce (``totals``).
+    """
+
+    def __init__(self, layers: tuple, *, aux_scale: float, device: torch.device):
+        self.layers, self.aux_scale = layers, aux_scale
+        self.aux = torch.zeros((), device=device, dtype=torch.float64)
+        self.counts: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor | None:
+        """This forward's auxiliary-loss sum (with its graph, times aux_scale), its stats kept."""
+        if not self.layers:
+            return None
+        stats = take_router_stats(self.layers)
+        aux = stats[0].aux_sum
+        for s in stats[1:]:  # in layer order
+            aux = aux + s.aux_sum
+        self.aux += aux.detach().double()
+        counts = torch.stack([s.tokens_per_expert.double() for s in stats])
+        self.counts = counts if self.counts is None else self.counts + counts
+        return aux * self.aux_scale
+
+    def clear(self) -> None:
+        """Drop what activation checkpointing's recompute left in the layers during backward
+        (its graph would hold a micro-batch's activations until the next forward)."""
+        for m in self.layers:
+            m.router_stats = None
+
+    def totals(self) -> torch.Tensor | None:
+        if not self.layers:
+            return None
+        return torch.cat([self.aux.reshape(1), self.counts.reshape(-1)])
+
+    def read(self, reduced: list[float], *, sequences: int) -> tuple[float | None, list[list[int]] | None]:
+        if not self.layers:
+            return None, None
+        n = len(self.layers)
+        counts = torch.tensor(reduced[1:]).view(n, -1)
+        return reduced[0] / sequences, counts.long().tolist()

@@ -31,7 +31,7 @@ from paratrain.distributed.data_parallel import maybe_no_sync
 from paratrain.distributed.grad_norm import clip_grad_norm_
 from paratrain.distributed.pipeline_parallel import PipelineModel, pipeline_forward, pipeline_forward_backward
 from paratrain.distributed.tensor_parallel import maybe_loss_parallel
-from paratrain.loss import Loss, take_router_stats
+from paratrain.loss import Loss, RouterTotals
 from paratrain.precision import Precision
 
 
@@ -158,9 +158,7 @@ def train_step(
     # of two in practice, which makes the round trip exact in floating point.
     scale = ctx.dp / items
     router = RouterTotals(ctx.router_layers, aux_scale=ctx.dp / sequences, device=ctx.device)
-    if isinstance(
-        model, PipelineModel
-    ):  # (preflight refuses router layers with a pipeline)  # the schedule runs forward and backward
+    if isinstance(model, PipelineModel):  # the schedule runs forward and backward (no router layers: preflight)
         loss_sum, returned = pipeline_forward_backward(
             model,
             batches,
@@ -191,52 +189,6 @@ def train_step(
     return StepResult(
         loss_total / items, items, float(grad_norm), tokens, stops > 0, square, aux_loss, tokens_per_expert
     )
-
-
-class RouterTotals:
-    """The mixture-of-experts side of one step (StepContext.router_layers; nothing without them).
-
-    Each micro-batch's auxiliary-loss sum joins its backward times ``aux_scale = dp / global
-    sequences`` (the same dp round trip as the language-model loss's ``dp / items``), so the
-    gradient is that of ``sum over the global batch's sequences / their count`` on every layout;
-    its value and the tokens per expert ride the step's one reduce (``totals``).
-    """
-
-    def __init__(self, layers: tuple, *, aux_scale: float, device: torch.device):
-        self.layers, self.aux_scale = layers, aux_scale
-        self.aux = torch.zeros((), device=device, dtype=torch.float64)
-        self.counts: torch.Tensor | None = None
-
-    def take(self) -> torch.Tensor | None:
-        """This forward's auxiliary-loss sum (with its graph, times aux_scale), its stats kept."""
-        if not self.layers:
-            return None
-        stats = take_router_stats(self.layers)
-        aux = stats[0].aux_sum
-        for s in stats[1:]:  # in layer order
-            aux = aux + s.aux_sum
-        self.aux += aux.detach().double()
-        counts = torch.stack([s.tokens_per_expert.double() for s in stats])
-        self.counts = counts if self.counts is None else self.counts + counts
-        return aux * self.aux_scale
-
-    def clear(self) -> None:
-        """Drop what activation checkpointing's recompute left in the layers during backward
-        (its graph would hold a micro-batch's activations until the next forward)."""
-        for m in self.layers:
-            m.router_stats = None
-
-    def totals(self) -> torch.Tensor | None:
-        if not self.layers:
-            return None
-        return torch.cat([self.aux.reshape(1), self.counts.reshape(-1)])
-
-    def read(self, reduced: list[float], *, sequences: int) -> tuple[float | None, list[list[int]] | None]:
-        if not self.layers:
-            return None, None
-        n = len(self.layers)
-        counts = torch.tensor(reduced[1:]).view(n, -1)
-        return reduced[0] / sequences, counts.long().tolist()
 
 
 def forward_backward(
