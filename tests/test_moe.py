@@ -122,6 +122,16 @@ def test_moe_output_and_loss_do_not_depend_on_how_sequences_are_grouped():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_flops_per_token_count_the_active_experts_only():
+    """MFU's FLOPs: top_k = 1 of 4 experts is the dense GPT plus the router (d_model x n_experts per layer)."""
+    from paratrain.models.gpt.model import gpt_flops
+
+    args = dict(n_layer=2, n_head=2, d_model=D, block_size=8, vocab_size=32)
+    dense = gpt_flops(build_gpt(**args))(8)
+    moe = gpt_flops(build_gpt(**args, moe={"n_experts": 4, "top_k": 1}))(8)
+    assert moe - dense == 6 * 2 * D * 4
+
+
 def test_memory_estimates_route_balanced_without_values():
     """paratrain plan / find-batch run the model on fake or meta tensors, which have no values to
     route by: each expert then gets an equal share of the (token, slot) pairs, each pair once."""
