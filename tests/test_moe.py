@@ -351,3 +351,16 @@ def test_hf_mixture_of_experts_is_refused_in_one_line(tmp_path, arch):
     cfg = paratrain.load_config(None, [f"model.hf='{path}'", "data.factory='tests.toy:toy_lm'"])
     with pytest.raises(ConfigError, match="is a mixture of experts .4 experts., which model.hf does not support yet"):
         check_run(cfg, 1)
+
+
+def test_router_metrics_of_a_step():
+    from paratrain.step import StepResult
+    from paratrain.trainer import router_metrics
+
+    result = StepResult(3.0, 10, 1.0, 10, aux_loss=0.25, tokens_per_expert=[[2, 6], [4, 4]])
+    assert router_metrics(result) == {
+        "aux_loss": 0.25,
+        "expert_tokens_min": 2,
+        "expert_tokens_max": 6,
+        "expert_imbalance": 1.5,  # the worst layer's max / mean: 6 / 4
+    }
