@@ -98,7 +98,7 @@ class ModelConfig:
     factory: str = opt("", "User model as 'package.module:function'; called with [model.args] as keyword arguments.")
     args: dict = opt(
         {},
-        "Keyword arguments for the model builder (e.g. n_layer, d_model for gpt); with hf, fields of its config.json to override (e.g. num_hidden_layers).",
+        "Keyword arguments for the model builder (e.g. n_layer, d_model for gpt; moe = {n_experts, top_k, ...} for its mixture of experts, docs/moe.md); with hf, fields of its config.json to override (e.g. num_hidden_layers).",
     )
     hf: str = opt(
         "",

@@ -7,6 +7,7 @@ micro-batches and ranks first), so every loss also counts items from the target 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -144,3 +145,82 @@ class ChunkedCrossEntropy:
         if isinstance(logits, DTensor) and not self.loss_parallel:
             logits = logits.full_tensor()
         return F.cross_entropy(logits.float(), t, ignore_index=self.ignore_index, reduction="sum")
+
+
+@dataclass
+class RouterStats:
+    """What a mixture-of-experts layer's router leaves after a forward (models/gpt/moe.py).
+
+    ``aux_sum``: the weighted auxiliary loss *summed* over this forward's sequences (with its
+    graph), so the step divides the global sum by the global sequence count as it divides the
+    language-model loss by the global item count; ``tokens_per_expert``: (n_experts,) counts of
+    this forward's top-k assignments.
+    """
+
+    aux_sum: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
+
+def router_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules that leave RouterStats (``router_stats`` attribute), in module order; also
+    through a DDP wrapper."""
+    return [m for m in model.modules() if hasattr(m, "router_stats")]
+
+
+def take_router_stats(layers) -> list[RouterStats]:
+    """The RouterStats of the forward just run, one per router layer (of :func:`router_layers`),
+    cleared so that a layer which did not run this time is caught instead of counted twice."""
+    out = []
+    for m in layers:
+        if m.router_stats is None:
+            raise RuntimeError(f"{type(m).__name__} left no router_stats in this forward")
+        out.append(m.router_stats)
+        m.router_stats = None
+    return out
+
+
+class RouterTotals:
+    """The mixture-of-experts side of one training step (step.py; StepContext.router_layers,
+    nothing without them).
+
+    Each micro-batch's auxiliary-loss sum joins its backward times ``aux_scale = dp / global
+    sequences`` (the same dp round trip as the language-model loss's ``dp / items``), so the
+    gradient is that of ``sum over the global batch's sequences / their count`` on every layout;
+    its value and the tokens per expert ride the step's one reduce (``totals``).
+    """
+
+    def __init__(self, layers: tuple, *, aux_scale: float, device: torch.device):
+        self.layers, self.aux_scale = layers, aux_scale
+        self.aux = torch.zeros((), device=device, dtype=torch.float64)
+        self.counts: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor | None:
+        """This forward's auxiliary-loss sum (with its graph, times aux_scale), its stats kept."""
+        if not self.layers:
+            return None
+        stats = take_router_stats(self.layers)
+        aux = stats[0].aux_sum
+        for s in stats[1:]:  # in layer order
+            aux = aux + s.aux_sum
+        self.aux += aux.detach().double()
+        counts = torch.stack([s.tokens_per_expert.double() for s in stats])
+        self.counts = counts if self.counts is None else self.counts + counts
+        return aux * self.aux_scale
+
+    def clear(self) -> None:
+        """Drop what activation checkpointing's recompute left in the layers during backward
+        (its graph would hold a micro-batch's activations until the next forward)."""
+        for m in self.layers:
+            m.router_stats = None
+
+    def totals(self) -> torch.Tensor | None:
+        if not self.layers:
+            return None
+        return torch.cat([self.aux.reshape(1), self.counts.reshape(-1)])
+
+    def read(self, reduced: list[float], *, sequences: int) -> tuple[float | None, list[list[int]] | None]:
+        if not self.layers:
+            return None, None
+        n = len(self.layers)
+        counts = torch.tensor(reduced[1:]).view(n, -1)
+        return reduced[0] / sequences, counts.long().tolist()

@@ -23,6 +23,7 @@ from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout
 from paratrain.distributed.pipeline_parallel import check_pp_layout, check_untied
 from paratrain.models import build, model_builder, spec_of
+from paratrain.models.gpt.moe import MoEConfig
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
 from paratrain.precision import check_precision
@@ -178,12 +179,29 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
                     f"model.lora with parallel.{degree} = {value} is not supported yet; train the adapters with"
                     f" parallel.dp_replicate or parallel.dp_shard and parallel.{degree} = 1"
                 )
+    if cfg.model.args.get("moe") is not None and not (cfg.model.hf or cfg.model.factory):
+        check_moe_combinations(cfg, dims)
     if dims.pp > 1:
         if cfg.batch.micro_batch_size == "auto":
             raise ConfigError(
                 "batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
                 " set batch.micro_batch_size to a number with parallel.pp > 1"
             )
+
+
+def check_moe_combinations(cfg: Config, dims: ParallelDims) -> None:
+    """The built-in GPT's mixture of experts (docs/moe.md) runs with DDP, FSDP2 and accumulation;
+    the rest is refused until it is built and tested against one process."""
+    MoEConfig.from_args(cfg.model.args["moe"])  # its own values, before any process starts
+    for key, on in (
+        (f"parallel.tp = {dims.tp}", dims.tp > 1),
+        (f"parallel.pp = {dims.pp}", dims.pp > 1),
+        ("train.compile = true", cfg.train.compile),
+        ("batch.adaptive = true", cfg.batch.adaptive),
+        ("optim.lr_scaling = 'adascale'", cfg.optim.lr_scaling == "adascale"),
+    ):
+        if on:
+            raise ConfigError(f"model.args.moe with {key} is not supported yet; turn it off (see docs/moe.md)")
 
 
 def check_packing(cfg: Config, dims: ParallelDims) -> None:

@@ -31,7 +31,7 @@ from paratrain.distributed.data_parallel import maybe_no_sync
 from paratrain.distributed.grad_norm import clip_grad_norm_
 from paratrain.distributed.pipeline_parallel import PipelineModel, pipeline_forward, pipeline_forward_backward
 from paratrain.distributed.tensor_parallel import maybe_loss_parallel
-from paratrain.loss import Loss
+from paratrain.loss import Loss, RouterTotals
 from paratrain.precision import Precision
 
 
@@ -62,6 +62,9 @@ class StepContext:
     # False on tensor-parallel ranks other than the first when loss_group spans tp: their loss is
     # a copy of the first one's, so they add zeros (exact) and only their stop flag counts.
     adds_loss: bool = True
+    # Mixture-of-experts layers (loss.router_layers of the model): their auxiliary loss joins the
+    # differentiated loss, divided by the global sequence count; their stats are logged.
+    router_layers: tuple[nn.Module, ...] = ()
 
     @property
     def amp(self) -> Precision:
@@ -78,6 +81,10 @@ class StepResult:
     # Packed documents (data/packing.py): the sum of their squared lengths, what their attention
     # covers; None for other inputs, whose rows attend over their whole length.
     attention_square: int | None = None
+    # Mixture of experts (StepContext.router_layers): the auxiliary loss (mean over the global
+    # batch's sequences, weight included) and the global tokens per expert, (layers, experts).
+    aux_loss: float | None = None
+    tokens_per_expert: list[list[int]] | None = None
 
 
 def to_device(obj, device: torch.device):
@@ -101,22 +108,32 @@ def count_tokens(inputs) -> int:
     return len(inputs)
 
 
+def count_sequences(inputs) -> int:
+    """Rows of a micro-batch (a packed row of documents counts one): what a sequence-wise
+    auxiliary loss is averaged over."""
+    return inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)
+
+
 def count_global_items(
     batches: list[tuple], *, loss_fn: Loss, dp_group: dist.ProcessGroup | None
-) -> tuple[int, int, int | None]:
-    """Target items, input tokens and packed documents' attention square (None when the inputs
-    are not packed) of the whole global batch, from the targets alone, before any backward.
-    Counted on the CPU so this small all-reduce never waits for the device."""
+) -> tuple[int, int, int | None, int]:
+    """Target items, input tokens, packed documents' attention square (None when the inputs
+    are not packed) and sequences of the whole global batch, from the targets alone, before any
+    backward. Counted on the CPU so this small all-reduce never waits for the device."""
     local_items = torch.stack([loss_fn.count(t) for _, t in batches]).sum()
     squares = [attention_square(x) for x, _ in batches]
-    local = [float(sum(count_tokens(x) for x, _ in batches)), float(sum(q or 0 for q in squares))]
+    local = [
+        float(sum(count_tokens(x) for x, _ in batches)),
+        float(sum(q or 0 for q in squares)),
+        float(sum(count_sequences(x) for x, _ in batches)),
+    ]
     counts = torch.cat([local_items.reshape(1), torch.tensor(local, dtype=torch.float64)])
     if dp_group is not None:
         dist.all_reduce(counts, group=dp_group)
-    items, tokens, square = (int(c) for c in counts.tolist())
+    items, tokens, square, sequences = (int(c) for c in counts.tolist())
     if items == 0:
         raise ConfigError("a global batch has no target items (every target is loss.ignore_index); check the data")
-    return items, tokens, (square if squares[0] is not None else None)
+    return items, tokens, (square if squares[0] is not None else None), sequences
 
 
 def train_step(
@@ -135,12 +152,13 @@ def train_step(
     the step's reduce (this rank got SIGTERM: preemption.py); ``StepResult.stop`` says whether
     any rank's was set.
     """
-    items, tokens, square = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
+    items, tokens, square, sequences = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
     # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
     # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
     # of two in practice, which makes the round trip exact in floating point.
     scale = ctx.dp / items
-    if isinstance(model, PipelineModel):  # the schedule runs forward and backward
+    router = RouterTotals(ctx.router_layers, aux_scale=ctx.dp / sequences, device=ctx.device)
+    if isinstance(model, PipelineModel):  # the schedule runs forward and backward (no router layers: preflight)
         loss_sum, returned = pipeline_forward_backward(
             model,
             batches,
@@ -152,25 +170,35 @@ def train_step(
         )
         pp_group = model.pp_group
     else:
-        loss_sum, returned = forward_backward(model, batches, ctx, scale=scale, after_backward=after_backward)
+        loss_sum, returned = forward_backward(
+            model, batches, ctx, scale=scale, after_backward=after_backward, router=router
+        )
         pp_group = None
     grad_norm = finish_step(model, optimizer, ctx, pp_group=pp_group)
     stop = bool(stop_flag()) if stop_flag is not None else False
-    loss_total, returned_total, stops = reduce_totals(
-        loss_sum, returned, ctx=ctx, pp_group=pp_group, stop=stop
-    ).tolist()
+    totals = reduce_totals(loss_sum, returned, ctx=ctx, pp_group=pp_group, stop=stop, extra=router.totals()).tolist()
+    loss_total, returned_total, stops = totals[:3]
     check_count(returned_total, items)
+    aux_loss, tokens_per_expert = router.read(totals[3:], sequences=sequences)
     # The norm is read only now, after the reduce's read has waited for the device: on a GPU that
     # wait is the step's only one for plain-tensor models (the norm's read used to wait before the
     # optimiser step was queued; with clipping on under FSDP, TP or pipelining the clip
     # coefficient is still read in distributed/grad_norm.py); this one copies a value already
     # computed. The same tensor as before: exact.
     # (One joint read via torch.cat adds three tensor ops and showed no gain: preempt_overhead.py.)
-    return StepResult(loss_total / items, items, float(grad_norm), tokens, stops > 0, square)
+    return StepResult(
+        loss_total / items, items, float(grad_norm), tokens, stops > 0, square, aux_loss, tokens_per_expert
+    )
 
 
 def forward_backward(
-    model: nn.Module, batches: list[tuple], ctx: StepContext, *, scale: float, after_backward=None
+    model: nn.Module,
+    batches: list[tuple],
+    ctx: StepContext,
+    *,
+    scale: float,
+    after_backward=None,
+    router: RouterTotals | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain micro-batch loop: this rank's ``(loss_sum, returned_count)`` as float64 tensors."""
     precision = ctx.amp  # --- mixed precision (paratrain.precision)
@@ -187,7 +215,11 @@ def forward_backward(
         ):
             with precision.autocast():  # forward under autocast; backward follows its dtypes
                 s, c = ctx.loss_fn(model(inputs), target)
-            precision.scale(s * scale).backward()  # fp16: times the GradScaler's loss scale
+            aux = router.take() if router is not None else None
+            objective = s * scale if aux is None else s * scale + aux
+            precision.scale(objective).backward()  # fp16: times the GradScaler's loss scale
+        if router is not None:
+            router.clear()
         if after_backward is not None:
             after_backward(k)
         loss_sum += _plain(s).detach().double()
@@ -209,7 +241,13 @@ def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepCon
 
 
 def reduce_totals(
-    loss_sum: torch.Tensor, returned: torch.Tensor, *, ctx: StepContext, pp_group, stop: bool = False
+    loss_sum: torch.Tensor,
+    returned: torch.Tensor,
+    *,
+    ctx: StepContext,
+    pp_group,
+    stop: bool = False,
+    extra: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[loss_sum, returned_count, stop]`` summed over the step's ranks: one tensor, one reduce,
     left on the device for the caller's one host read (then :func:`check_count`).
@@ -221,6 +259,8 @@ def reduce_totals(
     if not ctx.adds_loss:
         loss_sum, returned = torch.zeros_like(loss_sum), torch.zeros_like(returned)
     totals = torch.stack([loss_sum, returned, torch.full_like(returned, float(stop))])
+    if extra is not None:  # more float64 sums (the routers' stats) in the same reduce
+        totals = torch.cat([totals, extra if ctx.adds_loss else torch.zeros_like(extra)])
     groups = [ctx.loss_group] if ctx.loss_group is not None else [pp_group, ctx.dp_group]
     for group in groups:
         if group is not None:
@@ -251,7 +291,7 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
 
     Shares the step's counting and checking; the mean is ``loss_sum / items``.
     """
-    items, _, _ = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
+    items, _, _, _ = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
     if isinstance(model, PipelineModel):
         loss_sum, returned = pipeline_forward(
             model,

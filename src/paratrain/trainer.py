@@ -26,7 +26,7 @@ from paratrain.batch.lr_scaling import LRScaling
 from paratrain.batch.plan import BatchPlan, replan_batch
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.checkpoint.export import save_full_weights
-from paratrain.config import Config, to_dict, to_toml
+from paratrain.config import Config, ConfigError, to_dict, to_toml
 from paratrain.data.datasets import build_dataset, build_val_dataset
 from paratrain.data.loader import StepLoader
 from paratrain.data.sampler import GlobalBatchSampler
@@ -38,7 +38,7 @@ from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.evaluate import Evaluator, eval_due
-from paratrain.loss import Loss, build_loss
+from paratrain.loss import Loss, build_loss, router_layers
 from paratrain.models import build, spec_of
 from paratrain.models.hf import export_hf
 from paratrain.models.lora import apply_lora, trainable_parameters
@@ -251,7 +251,23 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
     if comm_bytes is not None:
         row["comm_bytes"] = comm_bytes
     row.update(run.precision.metrics())
+    if result.aux_loss is not None:
+        row.update(router_metrics(result))
     return row
+
+
+def router_metrics(result: StepResult) -> dict:
+    """Mixture of experts: the auxiliary loss (not in ``loss``) and the global batch's tokens per
+    expert (top-k assignments), their min and max over layers and experts, and the imbalance, the
+    largest max/mean of any MoE layer (1: perfectly balanced)."""
+    counts = torch.tensor(result.tokens_per_expert, dtype=torch.float64)
+    imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).max()
+    return {
+        "aux_loss": result.aux_loss,
+        "expert_tokens_min": int(counts.min()),
+        "expert_tokens_max": int(counts.max()),
+        "expert_imbalance": float(imbalance),
+    }
 
 
 def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: EventLog) -> Run:
@@ -450,6 +466,12 @@ def build_parallel(
         supported=spec.loss_parallel,
     )
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
+    routers = tuple(router_layers(model))  # mixture of experts (docs/moe.md); a user model's too
+    if routers and (dims.tp > 1 or dims.pp > 1):
+        raise ConfigError(
+            "a model with router layers (mixture of experts) with parallel.tp or parallel.pp > 1 is not"
+            " supported yet; use parallel.dp_replicate / parallel.dp_shard"
+        )
     model = parallelize(
         model,
         dims,
@@ -478,6 +500,7 @@ def build_parallel(
         # every tp peer too; the tp ranks after the first add zeros instead of a copy of the loss.
         loss_group=dims.group("pp_dp") if dims.tp == 1 else dist.group.WORLD,
         adds_loss=dims.local_rank_in("tp") == 0,
+        router_layers=routers,
     )
 
     return model, step_ctx, compression

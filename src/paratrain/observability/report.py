@@ -69,6 +69,9 @@ def plot_runs(runs: list[dict]) -> bytes:
         ("memory_gib", "step", "memory (GiB, max over ranks)"),
         ("global_batch_size", "step", "global batch size"),
         ("rank_step_time_s", "step", "per-rank step time (s)"),
+        # Mixture of experts (docs/moe.md).
+        ("aux_loss", "step", "MoE auxiliary loss"),
+        ("expert_imbalance", "step", "MoE tokens per expert: max / mean"),
     ]
     panels = [p for p in panels if any(p[0] in r for run in runs for r in run["rows"])]
     cols = 2

@@ -20,6 +20,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from paratrain.config import ConfigError
 from paratrain.data.packing import document_block_mask, document_mask, split_packed
+from paratrain.models.gpt.moe import MoE, MoEConfig
 
 
 @dataclass
@@ -36,10 +37,15 @@ class GPTConfig:
     # with a block mask that skips the blocks no document fills; trains on GPU only: torch 2.13
     # has no FlexAttention backward on CPU).
     attention: str = "sdpa"
+    # Mixture of experts (models/gpt/moe.py, docs/moe.md): a table {n_experts, top_k,
+    # n_shared_experts, every, aux_loss_weight, norm_topk}; None: every block's MLP is dense.
+    moe: MoEConfig | dict | None = None
 
     def __post_init__(self):
         if self.attention not in ("sdpa", "flex"):
             raise ConfigError(f"model.args.attention = {self.attention!r} is unknown; use 'sdpa' or 'flex'")
+        if isinstance(self.moe, dict) or (self.moe is not None and not isinstance(self.moe, MoEConfig)):
+            self.moe = MoEConfig.from_args(self.moe)
 
 
 class Attention(nn.Module):
@@ -95,12 +101,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, moe: bool = False):
         super().__init__()
         self.attn_norm = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg.moe, cfg.d_model, lambda: MLP(cfg)) if moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), mask)
@@ -116,7 +122,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.layers = nn.ModuleDict(
+            {str(i): Block(cfg, moe=cfg.moe is not None and cfg.moe.is_moe_block(i)) for i in range(cfg.n_layer)}
+        )
         self.norm = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
@@ -201,6 +209,10 @@ def gpt_flops(model: GPT):
     """``f(seq_len) -> training FLOPs per token`` of a whole (not yet split) GPT."""
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     matmul = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        # A token runs top_k of the n_experts routed experts: the others' weights are not active.
+        expert = sum(p.numel() for p in moe.experts[0].parameters())
+        matmul -= (moe.cfg.n_experts - moe.cfg.top_k) * expert
     cfg = model.cfg
     return lambda seq_len: gpt_flops_per_token(
         matmul_params=matmul, n_layer=cfg.n_layer, d_model=cfg.d_model, seq_len=seq_len

@@ -28,6 +28,9 @@ from paratrain.config import ConfigError
 from paratrain.data.packing import split_packed
 
 CONFIG_FILE = "config.json"
+# The config fields that give a transformers model's routed-expert count (Qwen-MoE and OLMoE,
+# Mixtral, DeepSeek).
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def check_hf_dir(path: str, key: str = "model.hf") -> str:
@@ -62,6 +65,14 @@ def load_hf_config(path: str, overrides: dict, key: str = "model.hf"):
         raise ConfigError(
             f"{key} = {path!r}: model_type {config.model_type!r} is not a causal language model in transformers'"
             " AutoModelForCausalLM; pass a decoder LM's directory"
+        )
+    experts = next((getattr(config, k) for k in MOE_KEYS if getattr(config, k, None)), None)
+    if experts:
+        # transformers 5 holds the experts fused but saves them per expert, and adds its router's
+        # auxiliary loss itself: neither is wired into paratrain yet (docs/moe.md), so refuse.
+        raise ConfigError(
+            f"{key} = {path!r}: {config.model_type} is a mixture of experts ({experts} experts), which model.hf"
+            " does not support yet; train the built-in GPT with model.args.moe (docs/moe.md)"
         )
     for name, value in overrides.items():
         if not hasattr(config, name):
