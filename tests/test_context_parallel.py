@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.distributed.context_parallel import global_indices, shard_sequence, unshard_sequence
-from tests.dist_utils import run_ranks
+from tests.dist_utils import plain_sgd, read_metrics, run_ranks
 
 B, H, T, D = 2, 2, 24, 8  # T divisible by 2 x 4
 
@@ -77,7 +77,7 @@ def test_split_is_head_tail_and_inverts():
     assert torch.equal(global_indices(4, cp=4, rank=1), parts[1])
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp):
     cases = [(0, False), (1, True), (2, True)]
     per_rank = run_ranks(_ring_rank, cp, cases)
@@ -87,3 +87,65 @@ def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp):
         for name, w, parts in zip(("out", "dq", "dk", "dv"), want, zip(*(r[c] for r in per_rank)), strict=True):
             got = unshard_sequence([torch.from_numpy(p) for p in parts], dim=2)
             torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5, msg=lambda m, n=name, s=seed: f"{n} seed {s}: {m}")
+
+
+def test_empty_chunk_pairs_are_skipped_and_the_work_is_even():
+    """Causal, cp = 2 (4 chunks): of the 16 (query chunk, key chunk) pairs the 10 with the key
+    chunk at or before the query chunk are computed, 5 on each rank (the head-tail balance)."""
+    from paratrain.distributed.context_parallel import _pairs
+
+    cp, t = 2, 8
+    per_rank = []
+    for rank in range(cp):
+        q_idx = global_indices(t, cp=cp, rank=rank)
+        start = torch.zeros(1, t, dtype=torch.long)
+        per_rank.append(sum(len(list(_pairs(q_idx, start, global_indices(t, cp=cp, rank=s)))) for s in range(cp)))
+    assert per_rank == [5, 5]
+
+
+# ----------------------------------------------------------------------------- the GPT at cp > 1
+
+TOY = [
+    "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
+    "data.factory='tests.toy:toy_lm'",
+    "data.args={n = 64, seq_len = 16, vocab = 32}",
+    "batch.global_batch_size=4",
+    "run.steps=3",
+    "run.progress=false",
+    "metrics.plot=false",
+    "checkpoint.interval=0",
+    *plain_sgd(0.3),
+]
+
+
+def _norms_and_losses(out_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = read_metrics(out_dir)
+    return torch.tensor([r["loss"] for r in rows]), torch.tensor([r["grad_norm"] for r in rows])
+
+
+def _train_many(runs: dict[str, list[str]]) -> None:
+    import torch.distributed as dist
+
+    import paratrain
+
+    dist.init_process_group("gloo")
+    try:
+        for overrides in runs.values():
+            paratrain.train(paratrain.load_config(None, overrides))
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_same(got, want, name):
+    for what, g, w in zip(("loss", "grad_norm"), got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=0, msg=lambda m, n=name, x=what: f"{n} {x}: {m}")
+
+
+def test_gpt_at_cp2_equals_one_process(tmp_path):
+    """Causal GPT, cp = 2 at world 2 (FSDP2 over the cp ranks): losses and grad_norm of one process."""
+    import paratrain
+
+    ref = str(tmp_path / "ref")
+    paratrain.train(paratrain.load_config(None, [*TOY, f"run.out_dir='{ref}'"]))
+    run_ranks(_train_many, 2, {"cp2": [*TOY, "parallel.cp=2", f"run.out_dir='{tmp_path / 'cp2'}'"]})
+    _assert_same(_norms_and_losses(str(tmp_path / "cp2")), _norms_and_losses(ref), "cp2")

@@ -208,6 +208,10 @@ class ParallelConfig:
     )
     tp: int = opt(1, "Tensor-parallel degree.")
     pp: int = opt(1, "Pipeline-parallel degree.")
+    cp: int = opt(
+        1,
+        "Context-parallel degree: each sequence split over cp ranks (head-tail chunks), attention by ring attention; built-in GPT, block_size divisible by 2 x cp (docs/context-parallel.md).",
+    )
     # --- sharded data parallel, tensor parallel, activation checkpointing (issue 3) ---
     reshard_after_forward: bool = opt(
         True,

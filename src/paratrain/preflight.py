@@ -23,6 +23,7 @@ from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout
 from paratrain.distributed.pipeline_parallel import check_pp_layout, check_untied
 from paratrain.models import build, model_builder, spec_of
+from paratrain.models.gpt.model import GPTConfig
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
 from paratrain.precision import check_precision
@@ -56,6 +57,7 @@ def check_run(
     )
     check_feature_combinations(cfg, dims)
     check_packing(cfg, dims)
+    check_cp(cfg, dims)
     check_eval(cfg, dims, plan)
     if dims.tp > 1 or dims.pp > 1:
         meta_model, spec = model_on_meta(cfg, model, spec)
@@ -203,6 +205,42 @@ def check_packing(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError(
             f"data.args.packing = {packing!r} feeds (batch, 2, T) token and position ids, which the built-in GPT and"
             " model.hf read; a model.factory model does not (yet): use one of those"
+        )
+
+
+def check_cp(cfg: Config, dims: ParallelDims) -> None:
+    """Context parallel (docs/context-parallel.md): what this version runs, and the row length."""
+    if dims.cp == 1:
+        return
+    refused = [
+        (dims.tp > 1, "parallel.tp > 1"),
+        (dims.pp > 1, "parallel.pp > 1"),
+        (dims.dp_replicate > 1, "parallel.dp_replicate > 1"),
+        (bool(cfg.model.hf), "model.hf"),
+        (bool(cfg.model.factory), "model.factory"),
+        (cfg.model.args.get("attention", "sdpa") != "sdpa", "model.args.attention = 'flex'"),
+        (bool(cfg.model.args.get("dropout", 0.0)), "model.args.dropout > 0"),
+        (cfg.parallel.activation_checkpointing != "none", "parallel.activation_checkpointing"),
+        (cfg.train.compile, "train.compile"),
+        (cfg.comm.compression != "none", "comm.compression"),
+        (
+            cfg.batch.adaptive or cfg.optim.lr_scaling == "adascale",
+            "the gradient-noise probe (batch.adaptive, adascale)",
+        ),
+        (cfg.batch.micro_batch_size == "auto", "batch.micro_batch_size = 'auto'"),
+        (cfg.data.args.get("packing") == "padded", "data.args.packing = 'padded'"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"parallel.cp with {what} is not supported yet; set parallel.cp = 1 or drop {what}")
+    block = cfg.data.args.get("block_size", cfg.model.args.get("block_size", GPTConfig.block_size))
+    m = 2 * dims.cp
+    if isinstance(block, int) and block % m:
+        low = block - block % m
+        sizes = f"{low} or {low + m}" if low else f"{m}"
+        raise ConfigError(
+            f"data.args.block_size = {block} is not divisible by 2 x parallel.cp = {m} (each row is split into"
+            f" {m} chunks); use block_size {sizes}"
         )
 
 

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.config import ConfigError
 from paratrain.data.packing import attention_square, count_input_tokens, split_packed
+from paratrain.distributed.context_parallel import shard_sequence
 from paratrain.distributed.data_parallel import maybe_no_sync
 from paratrain.distributed.grad_norm import clip_grad_norm_
 from paratrain.distributed.pipeline_parallel import PipelineModel, pipeline_forward, pipeline_forward_backward
@@ -62,6 +63,10 @@ class StepContext:
     # False on tensor-parallel ranks other than the first when loss_group spans tp: their loss is
     # a copy of the first one's, so they add zeros (exact) and only their stop flag counts.
     adds_loss: bool = True
+    # Context parallel (distributed/context_parallel.py): this rank keeps its part (cp_rank of cp)
+    # of every row of the micro-batches it loads, the same ones as its cp peers.
+    cp: int = 1
+    cp_rank: int = 0
 
     @property
     def amp(self) -> Precision:
@@ -138,8 +143,9 @@ def train_step(
     items, tokens, square = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
     # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
     # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
-    # of two in practice, which makes the round trip exact in floating point.
-    scale = ctx.dp / items
+    # of two in practice, which makes the round trip exact in floating point. With context
+    # parallel FSDP2 averages over the dp x cp ranks (each holding part of the rows): the same.
+    scale = ctx.dp * ctx.cp / items
     if isinstance(model, PipelineModel):  # the schedule runs forward and backward
         loss_sum, returned = pipeline_forward_backward(
             model,
@@ -178,7 +184,7 @@ def forward_backward(
     returned = torch.zeros((), device=ctx.device, dtype=torch.float64)
     last = len(batches) - 1
     for k, (inputs, target) in enumerate(batches):
-        inputs, target = to_device(inputs, ctx.device), to_device(target, ctx.device)
+        inputs, target = cp_local_batch(to_device(inputs, ctx.device), to_device(target, ctx.device), ctx)
         # Gradients are reduced once, in the backward of the last micro-batch (DDP, ZeRO-2-like
         # FSDP), or every micro-batch into 1/N shards (ZeRO-3-like FSDP: sync_each_micro_batch).
         with (
@@ -238,6 +244,33 @@ def check_count(returned_total: float, items: int) -> None:
         )
 
 
+def cp_local_batch(inputs, target, ctx: StepContext):
+    """The one place a micro-batch is cut for context parallel: this rank's two chunks
+    (distributed/context_parallel.py, head-tail) of every row's token ids, position ids and
+    targets, after the step counted the whole rows' items. The input becomes packed (B, 2, T/cp)
+    (data/packing.py) with the rows' global positions, so the position embedding and the
+    attention's masks see where each token really is; plain rows get positions 0..T-1 (one
+    document: causal)."""
+    if ctx.cp == 1:
+        return inputs, target
+    ids, positions = split_packed(inputs)
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+        raise ConfigError("parallel.cp > 1 needs token-id inputs (batch, sequence); set parallel.cp = 1")
+    t = ids.shape[-1]
+    if t % (2 * ctx.cp):
+        raise ConfigError(
+            f"parallel.cp = {ctx.cp} splits each row into {2 * ctx.cp} chunks but a row has {t} tokens;"
+            f" use rows of a multiple of {2 * ctx.cp} tokens (data.args.block_size)"
+        )
+    if positions is None:
+        positions = torch.arange(t, device=ids.device).expand_as(ids)
+    packed = torch.stack([ids, positions], dim=1)
+    return (
+        shard_sequence(packed, dim=-1, cp=ctx.cp, rank=ctx.cp_rank),
+        shard_sequence(target, dim=-1, cp=ctx.cp, rank=ctx.cp_rank),
+    )
+
+
 def stage_inputs(inputs) -> tuple[torch.Tensor, dict]:
     """A pipeline's first-stage input and the keywords for every stage: packed documents
     (data/packing.py) send their token ids to the first stage and their positions to all."""
@@ -266,7 +299,7 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
         loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
         returned = torch.zeros((), device=ctx.device, dtype=torch.float64)
         for inputs, target in batches:
-            inputs, target = to_device(inputs, ctx.device), to_device(target, ctx.device)
+            inputs, target = cp_local_batch(to_device(inputs, ctx.device), to_device(target, ctx.device), ctx)
             with maybe_loss_parallel(ctx.loss_parallel), ctx.amp.autocast():
                 s, c = ctx.loss_fn(model(inputs), target)
             loss_sum += _plain(s).double()

@@ -29,18 +29,24 @@ key/value chunks go around the ring again with their gradient accumulators, whic
 the chunk's owner after the last step.
 
 torch 2.13's own ``torch.distributed.tensor.experimental.context_parallel`` is not used: it
-replaces only the CUDA SDPA kernels (flash, memory-efficient, cuDNN), so on CPU the attention
-falls through to the plain kernel on the local chunk (wrong), and it refuses an attention mask
-(``attn_bias is not supported yet``); its document masks go through FlexAttention, which has no
-backward on CPU. Written on ``torch.distributed`` point-to-point, this one runs on gloo and NCCL.
+replaces only the CUDA SDPA kernels (flash, memory-efficient, cuDNN). Checked here at world 2 on
+gloo, plain causal SDPA under it raises ``NotImplementedError: Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered``. It also refuses an attention mask (``attn_bias is not supported yet``), and its
+document masks go through FlexAttention, which has no backward on CPU. This module is written on
+``torch.distributed`` point-to-point instead, which runs on gloo and NCCL alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from paratrain.config import ConfigError
 
 # --- the split ------------------------------------------------------------------------------
 
@@ -234,3 +240,25 @@ class RingAttention:
 
     def __call__(self, q, k, v, *, positions=None, scale=None):
         return ring_attention(q, k, v, group=self.group, positions=positions, scale=scale)
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, install: Callable[[nn.Module, Callable], None] | None) -> None:
+    """Give ``model``'s attention the ring attention over ``cp_mesh`` (in place).
+
+    ``install(model, attention_fn)`` is the model's own hook (``ModelSpec.cp_attention``; this
+    package knows no model): the model then calls ``attention_fn(q, k, v, positions=...)``
+    instead of its attention over the local positions.
+
+    Gradients: the cp ranks of one data-parallel rank hold the same parameters and each computes
+    the gradient of its own tokens, so their gradients must be summed. FSDP2 over ``dp_shard x
+    cp`` flattened does that and also shards the parameters over the cp ranks, which they would
+    otherwise each hold whole (torchtitan's choice; DDP over ``dp_replicate x cp`` would keep a
+    full copy per cp rank). FSDP2 averages over all dp x cp ranks, so the step scales its loss by
+    ``dp x cp / items`` (step.py) to turn that mean into the sum of the global mean's gradient.
+    """
+    if install is None:
+        raise ConfigError(
+            "parallel.cp > 1 needs a model whose attention can run the ring (the built-in GPT);"
+            " set parallel.cp = 1 for this model"
+        )
+    install(model, RingAttention(cp_mesh))
