@@ -9,12 +9,15 @@ rescale, a chunk pair skipped wrongly or query positions not offset per chunk ea
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from paratrain.distributed.context_parallel import global_indices, shard_sequence, unshard_sequence
 from tests.dist_utils import plain_sgd, read_metrics, run_ranks
+from tests.test_sft import _gpt, gpt_reference, sft  # noqa: F401 - the SFT data path's fixtures
 
 B, H, T, D = 2, 2, 24, 8  # T divisible by 2 x 4
 
@@ -149,3 +152,64 @@ def test_gpt_at_cp2_equals_one_process(tmp_path):
     paratrain.train(paratrain.load_config(None, [*TOY, f"run.out_dir='{ref}'"]))
     run_ranks(_train_many, 2, {"cp2": [*TOY, "parallel.cp=2", f"run.out_dir='{tmp_path / 'cp2'}'"]})
     _assert_same(_norms_and_losses(str(tmp_path / "cp2")), _norms_and_losses(ref), "cp2")
+
+
+@pytest.mark.slow
+def test_gpt_at_cp4_and_cp2_x_dp_shard2_equal_one_process(tmp_path, sft, gpt_reference):  # noqa: F811
+    """World 4: the causal GPT at cp = 4; packed documents (the SFT data path: a document mask
+    per chunk pair, positions restarting per document) at cp = 4 and at cp = 2 x dp_shard = 2."""
+    import paratrain
+
+    ref = str(tmp_path / "ref")
+    paratrain.train(paratrain.load_config(None, [*TOY, f"run.out_dir='{ref}'"]))
+    runs = {
+        "toy_cp4": [*TOY, "parallel.cp=4", f"run.out_dir='{tmp_path / 'toy_cp4'}'"],
+        "sft_cp4": _gpt(sft, "sft_cp4", "parallel.cp=4", "batch.micro_batch_size=4"),
+        "sft_cp2_fsdp2": _gpt(sft, "sft_cp2_fsdp2", "parallel.cp=2", "parallel.dp_shard=2", "batch.micro_batch_size=2"),
+    }
+    run_ranks(_train_many, 4, runs, timeout=600)
+    _assert_same(_norms_and_losses(str(tmp_path / "toy_cp4")), _norms_and_losses(ref), "toy_cp4")
+    for name in ("sft_cp4", "sft_cp2_fsdp2"):
+        _assert_same(_norms_and_losses(os.path.join(sft["root"], name)), gpt_reference, name)
+
+
+@pytest.mark.slow
+def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
+    """Packed documents at cp = 2 (world 2), with accumulation."""
+    run_ranks(_train_many, 2, {"sft_cp2": _gpt(sft, "sft_cp2", "parallel.cp=2", "batch.micro_batch_size=4")})
+    _assert_same(_norms_and_losses(os.path.join(sft["root"], "sft_cp2")), gpt_reference, "sft_cp2")
+
+
+# ----------------------------------------------------------------------------- refused layouts
+
+
+@pytest.mark.parametrize(
+    "extra,world,message",
+    [
+        (["model.args={block_size = 18}", "data.args={block_size = 18}"], 2, "use block_size 16 or 20"),
+        (["parallel.tp=2"], 4, "parallel.cp with parallel.tp > 1 is not supported yet"),
+        (["parallel.pp=2"], 4, "parallel.cp with parallel.pp > 1 is not supported yet"),
+        (["parallel.dp_replicate=2"], 4, "parallel.cp with parallel.dp_replicate > 1 is not supported yet"),
+        (["parallel.activation_checkpointing='full'"], 2, "not supported yet"),
+        (["model.args={attention = 'flex'}"], 2, "model.args.attention = 'flex'"),
+    ],
+)
+def test_layouts_cp_cannot_run_are_refused_in_one_line(extra, world, message):
+    from paratrain.config import ConfigError, load_config
+    from paratrain.preflight import check_run
+
+    cfg = load_config(None, ["parallel.cp=2", *extra])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as e:
+        check_run(cfg, world)
+    assert "\n" not in str(e.value)
+
+
+def test_cp_counts_in_the_world_size():
+    from paratrain.config import ConfigError, ParallelConfig
+    from paratrain.distributed.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_config(ParallelConfig(cp=2, dp_shard=-1), 4)
+    assert (dims.dp_shard, dims.cp, dims.dp, dims.fsdp_enabled) == (2, 2, 2, True)
+    assert ParallelDims.from_config(ParallelConfig(cp=2), 2).dp == 1
+    with pytest.raises(ConfigError, match="x cp 2"):
+        ParallelDims.from_config(ParallelConfig(cp=2, dp_replicate=1), 4)
