@@ -213,3 +213,26 @@ def test_cp_counts_in_the_world_size():
     assert ParallelDims.from_config(ParallelConfig(cp=2), 2).dp == 1
     with pytest.raises(ConfigError, match="x cp 2"):
         ParallelDims.from_config(ParallelConfig(cp=2, dp_replicate=1), 4)
+
+
+# ----------------------------------------------------------------------------- model.hf at cp > 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+def test_hf_llama_at_cp_equals_transformers_on_each_conversation_alone(sft, cp):  # noqa: F811
+    """A tiny Llama (grouped-query attention, RoPE) through transformers' AttentionInterface at
+    cp = 2 and 4, packed conversations: one SGD step's loss and grad_norm equal plain transformers
+    run on each conversation alone (tests/test_sft.py's reference), within 1e-5."""
+    from paratrain.data.tokens import build_tokens
+    from tests.test_sft import _config, reference
+
+    ref_loss, ref_items, ref_norm = reference(sft, sft["convs"])
+    rows = len(build_tokens(sft["train"], block_size=512))
+    name = f"hf_cp{cp}"
+    over = _config(sft, sft["train"], name, f"batch.global_batch_size={rows}", "run.steps=1", f"parallel.cp={cp}")
+    run_ranks(_train_many, cp, {name: [*over, f"batch.micro_batch_size={rows}"]})
+    (row,) = read_metrics(os.path.join(sft["root"], name))
+    assert row["trainable_tokens"] == ref_items
+    torch.testing.assert_close(row["loss"], ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(row["grad_norm"], ref_norm, rtol=1e-5, atol=0)

@@ -216,7 +216,6 @@ def check_cp(cfg: Config, dims: ParallelDims) -> None:
         (dims.tp > 1, "parallel.tp > 1"),
         (dims.pp > 1, "parallel.pp > 1"),
         (dims.dp_replicate > 1, "parallel.dp_replicate > 1"),
-        (bool(cfg.model.hf), "model.hf"),
         (bool(cfg.model.factory), "model.factory"),
         (cfg.model.args.get("attention", "sdpa") != "sdpa", "model.args.attention = 'flex'"),
         (bool(cfg.model.args.get("dropout", 0.0)), "model.args.dropout > 0"),
