@@ -175,9 +175,16 @@ def test_gpt_at_cp4_and_cp2_x_dp_shard2_equal_one_process(tmp_path, sft, gpt_ref
 
 @pytest.mark.slow
 def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
-    """Packed documents at cp = 2 (world 2), with accumulation."""
-    run_ranks(_train_many, 2, {"sft_cp2": _gpt(sft, "sft_cp2", "parallel.cp=2", "batch.micro_batch_size=4")})
-    _assert_same(_norms_and_losses(os.path.join(sft["root"], "sft_cp2")), gpt_reference, "sft_cp2")
+    """Packed documents at cp = 2 (world 2), with accumulation; and with activation checkpointing
+    (full and selective), whose recomputation runs the ring again."""
+    runs = {
+        "sft_cp2": ["batch.micro_batch_size=4"],
+        "sft_cp2_ac_full": ["parallel.activation_checkpointing='full'", "batch.micro_batch_size=8"],
+        "sft_cp2_ac_sel": ["parallel.activation_checkpointing='selective'", "batch.micro_batch_size=8"],
+    }
+    run_ranks(_train_many, 2, {name: _gpt(sft, name, "parallel.cp=2", *extra) for name, extra in runs.items()})
+    for name in runs:
+        _assert_same(_norms_and_losses(os.path.join(sft["root"], name)), gpt_reference, name)
 
 
 # ----------------------------------------------------------------------------- refused layouts
@@ -190,7 +197,7 @@ def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
         (["parallel.tp=2"], 4, "parallel.cp with parallel.tp > 1 is not supported yet"),
         (["parallel.pp=2"], 4, "parallel.cp with parallel.pp > 1 is not supported yet"),
         (["parallel.dp_replicate=2"], 4, "parallel.cp with parallel.dp_replicate > 1 is not supported yet"),
-        (["parallel.activation_checkpointing='full'"], 2, "not supported yet"),
+        (["train.compile=true"], 2, "not supported yet"),
         (["model.args={attention = 'flex'}"], 2, "model.args.attention = 'flex'"),
     ],
 )
