@@ -154,8 +154,11 @@ def test_gpt_at_cp2_equals_one_process(tmp_path):
     _assert_same(_norms_and_losses(str(tmp_path / "cp2")), _norms_and_losses(ref), "cp2")
 
 
+PP = ["parallel.pp_schedule='1f1b'", "batch.micro_batch_size=4", "parallel.pp_microbatches=2"]
+
+
 @pytest.mark.slow
-def test_gpt_at_cp4_and_cp2_x_dp_shard2_equal_one_process(tmp_path, sft, gpt_reference):  # noqa: F811
+def test_gpt_at_cp4_and_composed_layouts_equal_one_process(tmp_path, sft, gpt_reference):  # noqa: F811
     """World 4: the causal GPT at cp = 4; packed documents (the SFT data path: a document mask
     per chunk pair, positions restarting per document) at cp = 4 and at cp = 2 x dp_shard = 2."""
     import paratrain
@@ -164,12 +167,16 @@ def test_gpt_at_cp4_and_cp2_x_dp_shard2_equal_one_process(tmp_path, sft, gpt_ref
     paratrain.train(paratrain.load_config(None, [*TOY, f"run.out_dir='{ref}'"]))
     runs = {
         "toy_cp4": [*TOY, "parallel.cp=4", f"run.out_dir='{tmp_path / 'toy_cp4'}'"],
+        "toy_cp2_tp2": [*TOY, "parallel.cp=2", "parallel.tp=2", f"run.out_dir='{tmp_path / 'toy_cp2_tp2'}'"],
+        "toy_cp2_pp2": [*TOY, "parallel.cp=2", "parallel.pp=2", *PP, f"run.out_dir='{tmp_path / 'toy_cp2_pp2'}'"],
+        "sft_cp2_pp2": _gpt(sft, "sft_cp2_pp2", "parallel.cp=2", "parallel.pp=2", *PP),
         "sft_cp4": _gpt(sft, "sft_cp4", "parallel.cp=4", "batch.micro_batch_size=4"),
         "sft_cp2_fsdp2": _gpt(sft, "sft_cp2_fsdp2", "parallel.cp=2", "parallel.dp_shard=2", "batch.micro_batch_size=2"),
     }
     run_ranks(_train_many, 4, runs, timeout=600)
-    _assert_same(_norms_and_losses(str(tmp_path / "toy_cp4")), _norms_and_losses(ref), "toy_cp4")
-    for name in ("sft_cp4", "sft_cp2_fsdp2"):
+    for name in ("toy_cp4", "toy_cp2_tp2", "toy_cp2_pp2"):
+        _assert_same(_norms_and_losses(str(tmp_path / name)), _norms_and_losses(ref), name)
+    for name in ("sft_cp4", "sft_cp2_fsdp2", "sft_cp2_pp2"):
         _assert_same(_norms_and_losses(os.path.join(sft["root"], name)), gpt_reference, name)
 
 
@@ -194,8 +201,8 @@ def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
     "extra,world,message",
     [
         (["model.args={block_size = 18}", "data.args={block_size = 18}"], 2, "use block_size 16 or 20"),
-        (["parallel.tp=2"], 4, "parallel.cp with parallel.tp > 1 is not supported yet"),
-        (["parallel.pp=2"], 4, "parallel.cp with parallel.pp > 1 is not supported yet"),
+        (["parallel.tp=2", "parallel.sequence_parallel=true"], 4, "parallel.cp with parallel.sequence_parallel is not"),
+        (["model.hf='tests'", "parallel.pp=2"], 4, "parallel.cp with model.hf and parallel.tp or pp > 1"),
         (["parallel.dp_replicate=2"], 4, "parallel.cp with parallel.dp_replicate > 1 is not supported yet"),
         (["train.compile=true"], 2, "not supported yet"),
         (["model.args={attention = 'flex'}"], 2, "model.args.attention = 'flex'"),

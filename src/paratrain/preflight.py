@@ -213,8 +213,8 @@ def check_cp(cfg: Config, dims: ParallelDims) -> None:
     if dims.cp == 1:
         return
     refused = [
-        (dims.tp > 1, "parallel.tp > 1"),
-        (dims.pp > 1, "parallel.pp > 1"),
+        (cfg.parallel.sequence_parallel, "parallel.sequence_parallel"),
+        (bool(cfg.model.hf) and (dims.tp > 1 or dims.pp > 1), "model.hf and parallel.tp or pp > 1"),
         (dims.dp_replicate > 1, "parallel.dp_replicate > 1"),
         (bool(cfg.model.factory), "model.factory"),
         (cfg.model.args.get("attention", "sdpa") != "sdpa", "model.args.attention = 'flex'"),

@@ -141,6 +141,7 @@ def train_step(
     any rank's was set.
     """
     items, tokens, square = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
+    batches = [cp_local_batch(x, t, ctx) for x, t in batches]  # context parallel: after the count
     # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
     # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
     # of two in practice, which makes the round trip exact in floating point. With context
@@ -184,7 +185,7 @@ def forward_backward(
     returned = torch.zeros((), device=ctx.device, dtype=torch.float64)
     last = len(batches) - 1
     for k, (inputs, target) in enumerate(batches):
-        inputs, target = cp_local_batch(to_device(inputs, ctx.device), to_device(target, ctx.device), ctx)
+        inputs, target = to_device(inputs, ctx.device), to_device(target, ctx.device)
         # Gradients are reduced once, in the backward of the last micro-batch (DDP, ZeRO-2-like
         # FSDP), or every micro-batch into 1/N shards (ZeRO-3-like FSDP: sync_each_micro_batch).
         with (
@@ -245,9 +246,9 @@ def check_count(returned_total: float, items: int) -> None:
 
 
 def cp_local_batch(inputs, target, ctx: StepContext):
-    """The one place a micro-batch is cut for context parallel: this rank's two chunks
-    (distributed/context_parallel.py, head-tail) of every row's token ids, position ids and
-    targets, after the step counted the whole rows' items. The input becomes packed (B, 2, T/cp)
+    """The one place a micro-batch is cut for context parallel (plain and pipeline steps, eval):
+    this rank's two chunks (distributed/context_parallel.py, head-tail) of every row's token ids,
+    position ids and targets, after the step counted the whole rows' items. The input becomes packed (B, 2, T/cp)
     (data/packing.py) with the rows' global positions, so the position embedding and the
     attention's masks see where each token really is; plain rows get positions 0..T-1 (one
     document: causal)."""
@@ -285,6 +286,7 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
     Shares the step's counting and checking; the mean is ``loss_sum / items``.
     """
     items, _, _ = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
+    batches = [cp_local_batch(x, t, ctx) for x, t in batches]
     if isinstance(model, PipelineModel):
         loss_sum, returned = pipeline_forward(
             model,
@@ -299,7 +301,7 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
         loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
         returned = torch.zeros((), device=ctx.device, dtype=torch.float64)
         for inputs, target in batches:
-            inputs, target = cp_local_batch(to_device(inputs, ctx.device), to_device(target, ctx.device), ctx)
+            inputs, target = to_device(inputs, ctx.device), to_device(target, ctx.device)
             with maybe_loss_parallel(ctx.loss_parallel), ctx.amp.autocast():
                 s, c = ctx.loss_fn(model(inputs), target)
             loss_sum += _plain(s).double()

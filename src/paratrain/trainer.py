@@ -464,8 +464,7 @@ def build_parallel(
         sync_each_micro_batch=cfg.parallel.reshard_after_forward,
         # With tp > 1 the step's reduce spans the world, so the SIGTERM flag it carries reaches
         # every tp peer too; the tp ranks after the first add zeros instead of a copy of the loss.
-        # (cp > 1: each cp rank holds part of every row, so the loss sums over dp x cp.)
-        loss_group=dims.group("dp_cp") if dims.cp > 1 else dims.group("pp_dp") if dims.tp == 1 else dist.group.WORLD,
+        loss_group=dims.group("pp_dp") if dims.tp == 1 else dist.group.WORLD,
         adds_loss=dims.local_rank_in("tp") == 0,
         cp=dims.cp,
         cp_rank=dims.local_rank_in("cp"),

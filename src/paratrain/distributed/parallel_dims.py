@@ -94,7 +94,9 @@ class ParallelDims:
         if self.cp > 1:
             # FSDP2 shards over dp_shard x cp and the loss is reduced over them (docs/context-parallel.md).
             self.__dict__["_dp_cp_mesh"] = mesh[(*dp_names, "cp")]._flatten("dp_cp") if dp_names else mesh["cp"]
-        if self.pp > 1 and dp_names:
+            if self.pp > 1:
+                self.__dict__["_pp_dp_mesh"] = mesh[("pp", *dp_names, "cp")]._flatten("pp_dp_cp")
+        elif self.pp > 1 and dp_names:
             # The step's one reduce of [loss sum, item count] spans the pipeline and dp ranks.
             self.__dict__["_pp_dp_mesh"] = mesh[("pp", *dp_names)]._flatten("pp_dp")
         return mesh
@@ -106,7 +108,7 @@ class ParallelDims:
     #   ddp: "dp_replicate"; tp: "tp"; pp: "pp";
     #   cp: the context-parallel ring; dp_cp: dp x cp flattened, where FSDP2 shards and the loss is
     #     reduced when cp > 1 (the cp ranks of one dp rank hold parts of the same rows);
-    #   pp_dp: pp x dp flattened, the step's reduce of the loss sum and item count (only the
+    #   pp_dp: pp x dp (x cp) flattened, the step's reduce of the loss sum and item count (only the
     #     last pipeline stage holds the loss; ranks of one TP group compute the same one).
     ROLES = {"data": "dp", "loss": "dp"}
 
@@ -130,8 +132,10 @@ class ParallelDims:
             if not names or self.mesh is None:
                 return None
             return self.mesh[names if len(names) > 1 else names[0]]
+        if role == "pp_dp" and self.cp > 1 and self.pp == 1:
+            return self.submesh("dp_cp")
         if role == "pp_dp":
-            if self.pp == 1 or self.dp == 1:
+            if self.cp == 1 and (self.pp == 1 or self.dp == 1):
                 return self.submesh("pp" if self.dp == 1 else "dp")
             self.mesh  # built on first use, the flattened pp x dp mesh with it
             return self.__dict__["_pp_dp_mesh"]

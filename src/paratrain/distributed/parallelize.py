@@ -112,6 +112,7 @@ def parallelize(
                 loss_parallel=loss_parallel,
                 blocks_attr=blocks_attr,
                 model_plan=model_plan,
+                cp_attention=cp_attention,
             ),
             blocks_attr=blocks_attr,
         )
