@@ -202,7 +202,6 @@ def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
     [
         (["model.args={block_size = 18}", "data.args={block_size = 18}"], 2, "use block_size 16 or 20"),
         (["parallel.tp=2", "parallel.sequence_parallel=true"], 4, "parallel.cp with parallel.sequence_parallel is not"),
-        (["model.hf='tests'", "parallel.pp=2"], 4, "parallel.cp with model.hf and parallel.tp or pp > 1"),
         (["parallel.dp_replicate=2"], 4, "parallel.cp with parallel.dp_replicate > 1 is not supported yet"),
         (["train.compile=true"], 2, "not supported yet"),
         (["model.args={attention = 'flex'}"], 2, "model.args.attention = 'flex'"),
@@ -216,6 +215,17 @@ def test_layouts_cp_cannot_run_are_refused_in_one_line(extra, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as e:
         check_run(cfg, world)
     assert "\n" not in str(e.value)
+
+
+def test_hf_model_with_cp_and_pp_is_refused(tmp_path):
+    from paratrain.config import ConfigError, load_config
+    from paratrain.preflight import check_run
+    from tests.hf_models import save_tiny
+
+    path = save_tiny("llama", str(tmp_path / "llama"), weights=False)
+    cfg = load_config(None, ["parallel.cp=2", "parallel.pp=2", f"model.hf='{path}'", "data.args={block_size = 32}"])
+    with pytest.raises(ConfigError, match="parallel.cp with model.hf and parallel.tp or pp > 1 is not supported yet"):
+        check_run(cfg, 4)
 
 
 def test_cp_counts_in_the_world_size():
