@@ -260,3 +260,11 @@ def test_hf_llama_at_cp_equals_transformers_on_each_conversation_alone(sft, cp):
     assert row["trainable_tokens"] == ref_items
     torch.testing.assert_close(row["loss"], ref_loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(row["grad_norm"], ref_norm, rtol=1e-5, atol=0)
+
+
+def test_plan_refuses_cp_in_one_line():
+    from paratrain.config import ConfigError, load_config
+    from paratrain.plan.planner import plan
+
+    with pytest.raises(ConfigError, match="parallel.cp with paratrain plan is not supported yet"):
+        plan(load_config(None, ["parallel.cp=2"]), world_size=2, nproc_per_node=2, profile=None)
