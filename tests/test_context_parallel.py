@@ -268,3 +268,42 @@ def test_plan_refuses_cp_in_one_line():
 
     with pytest.raises(ConfigError, match="parallel.cp with paratrain plan is not supported yet"):
         plan(load_config(None, ["parallel.cp=2"]), world_size=2, nproc_per_node=2, profile=None)
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_across_cp_degrees(tmp_path):
+    """cp is a layout: a cp = 2 run's step-3 checkpoint (FSDP2 shards over the cp ranks) resumes
+    in one process, and one process's resumes at cp = 2; steps 4-6 are the uninterrupted run's."""
+    import paratrain
+    from tests.test_checkpoint import TOY as CKPT_TOY
+
+    base = [*CKPT_TOY, *plain_sgd(0.5)]
+
+    def train_here(name: str, *extra: str) -> list[dict]:
+        paratrain.train(paratrain.load_config(None, [*base, f"run.out_dir='{tmp_path / name}'", *extra]))
+        return read_metrics(str(tmp_path / name))
+
+    want = train_here("one")
+    one_ckpt = tmp_path / "one" / "checkpoints" / "step-3"
+    runs = {
+        "cp2": [*base, "parallel.cp=2", f"run.out_dir='{tmp_path / 'cp2'}'"],
+        "one_to_cp2": [
+            *base,
+            "parallel.cp=2",
+            f"run.out_dir='{tmp_path / 'one_to_cp2'}'",
+            f"checkpoint.resume='{one_ckpt}'",
+        ],
+    }
+    run_ranks(_train_many, 2, runs)
+    cp2_to_one = train_here("cp2_to_one", f"checkpoint.resume='{tmp_path / 'cp2' / 'checkpoints' / 'step-3'}'")
+    for name, rows, expected in (
+        ("cp2", read_metrics(str(tmp_path / "cp2")), want),
+        ("one_to_cp2", read_metrics(str(tmp_path / "one_to_cp2")), want[3:]),
+        ("cp2_to_one", cp2_to_one, want[3:]),
+    ):
+        assert [r["step"] for r in rows] == [r["step"] for r in expected], name
+        _assert_same(
+            (torch.tensor([r["loss"] for r in rows]), torch.tensor([r["grad_norm"] for r in rows])),
+            (torch.tensor([r["loss"] for r in expected]), torch.tensor([r["grad_norm"] for r in expected])),
+            name,
+        )
