@@ -35,12 +35,12 @@ ARGS = dict(n_layer=2, n_head=4, d_model=64, vocab_size=256)
 def rank_run(seq: int, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     import paratrain.distributed.context_parallel as cpmod
     from paratrain.distributed.context_parallel import RingAttention, shard_sequence
     from paratrain.models.gpt.model import build_gpt
     from paratrain.models.gpt.parallel import gpt_cp_attention
-    from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
