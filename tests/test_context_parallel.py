@@ -167,6 +167,7 @@ def test_gpt_at_cp4_and_composed_layouts_equal_one_process(tmp_path, sft, gpt_re
     paratrain.train(paratrain.load_config(None, [*TOY, f"run.out_dir='{ref}'"]))
     runs = {
         "toy_cp4": [*TOY, "parallel.cp=4", f"run.out_dir='{tmp_path / 'toy_cp4'}'"],
+        "toy_cp2_hsdp": [*TOY, "parallel.cp=2", f"run.out_dir='{tmp_path / 'toy_cp2_hsdp'}'"],  # dp_replicate 2
         "toy_cp2_tp2": [*TOY, "parallel.cp=2", "parallel.tp=2", f"run.out_dir='{tmp_path / 'toy_cp2_tp2'}'"],
         "toy_cp2_pp2": [*TOY, "parallel.cp=2", "parallel.pp=2", *PP, f"run.out_dir='{tmp_path / 'toy_cp2_pp2'}'"],
         "sft_cp2_pp2": _gpt(sft, "sft_cp2_pp2", "parallel.cp=2", "parallel.pp=2", *PP),
@@ -174,7 +175,7 @@ def test_gpt_at_cp4_and_composed_layouts_equal_one_process(tmp_path, sft, gpt_re
         "sft_cp2_fsdp2": _gpt(sft, "sft_cp2_fsdp2", "parallel.cp=2", "parallel.dp_shard=2", "batch.micro_batch_size=2"),
     }
     run_ranks(_train_many, 4, runs, timeout=600)
-    for name in ("toy_cp4", "toy_cp2_tp2", "toy_cp2_pp2"):
+    for name in ("toy_cp4", "toy_cp2_hsdp", "toy_cp2_tp2", "toy_cp2_pp2"):
         _assert_same(_norms_and_losses(str(tmp_path / name)), _norms_and_losses(ref), name)
     for name in ("sft_cp4", "sft_cp2_fsdp2", "sft_cp2_pp2"):
         _assert_same(_norms_and_losses(os.path.join(sft["root"], name)), gpt_reference, name)
@@ -202,7 +203,7 @@ def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
     [
         (["model.args={block_size = 18}", "data.args={block_size = 18}"], 2, "use block_size 16 or 20"),
         (["parallel.tp=2", "parallel.sequence_parallel=true"], 4, "parallel.cp with parallel.sequence_parallel is not"),
-        (["parallel.dp_replicate=2"], 4, "parallel.cp with parallel.dp_replicate > 1 is not supported yet"),
+        (["parallel.dp_replicate=2", "parallel.dp_shard=2"], 8, "parallel.dp_replicate and parallel.dp_shard > 1"),
         (["train.compile=true"], 2, "not supported yet"),
         (["model.args={attention = 'flex'}"], 2, "model.args.attention = 'flex'"),
     ],

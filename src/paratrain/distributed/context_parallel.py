@@ -253,7 +253,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, install: Callable[[nn.Mod
     the gradient of its own tokens, so their gradients must be summed. FSDP2 over ``dp_shard x
     cp`` flattened does that and also shards the parameters over the cp ranks, which they would
     otherwise each hold whole (torchtitan's choice; DDP over ``dp_replicate x cp`` would keep a
-    full copy per cp rank). FSDP2 averages over all dp x cp ranks, so the step scales its loss by
+    full copy per cp rank). With dp_replicate > 1 it is HSDP on (dp_replicate, cp). FSDP2 averages
+    over all dp x cp ranks, so the step scales its loss by
     ``dp x cp / items`` (step.py) to turn that mean into the sum of the global mean's gradient.
     """
     if install is None:

@@ -122,6 +122,8 @@ class ParallelDims:
         """The sub-mesh of one role ('data', 'loss', 'dp', 'fsdp', 'dp_replicate', 'dp_shard', 'tp',
         'pp'); None when that role has a single rank."""
         role = self.ROLES.get(role, role)
+        if role == "fsdp" and self.cp > 1 and self.dp_replicate > 1:
+            return self.mesh[("dp_replicate", "cp")]  # HSDP: replicated over dp_replicate, sharded over cp
         if role == "dp_cp" or (role == "fsdp" and self.cp > 1):
             if self.cp == 1:
                 return self.submesh("dp")
