@@ -19,7 +19,7 @@ from paratrain.distributed.context_parallel import global_indices, shard_sequenc
 from tests.dist_utils import plain_sgd, read_metrics, run_ranks
 from tests.test_sft import _gpt, gpt_reference, sft  # noqa: F401 - the SFT data path's fixtures
 
-B, H, T, D = 2, 2, 24, 8  # T divisible by 2 x 4
+B, H, T, D = 2, 4, 24, 8  # T divisible by 2 x 4, H by 4 (all-to-all)
 
 
 def _case(seed: int, packed: bool):
@@ -55,16 +55,17 @@ def _reference(q, k, v, dout, mask):
 def _ring_rank(cases):
     import torch.distributed as dist
 
-    from paratrain.distributed.context_parallel import ring_attention
+    from paratrain.distributed.context_parallel import alltoall_attention, ring_attention
 
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
     results = []
-    for seed, packed in cases:
+    for seed, packed, kind in cases:
+        attention = ring_attention if kind == "ring" else alltoall_attention
         q, k, v, dout, positions, _ = _case(seed, packed)
         local = [shard_sequence(t, dim=2, cp=cp, rank=rank).requires_grad_() for t in (q, k, v)]
         pos = None if positions is None else shard_sequence(positions, dim=1, cp=cp, rank=rank)
-        out = ring_attention(*local, group=dist.group.WORLD, positions=pos)
+        out = attention(*local, group=dist.group.WORLD, positions=pos)
         out.backward(shard_sequence(dout, dim=2, cp=cp, rank=rank))
         # numpy: a tensor would cross the queue as shared memory the exiting rank takes with it
         results.append([t.numpy() for t in (out.detach(), *(t.grad for t in local))])
@@ -82,14 +83,17 @@ def test_split_is_head_tail_and_inverts():
 
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp):
-    cases = [(0, False), (1, True), (2, True)]
+    """Ring and all-to-all, causal and two sets of packed documents: output and q/k/v gradients."""
+    cases = [(s, packed, kind) for kind in ("ring", "alltoall") for s, packed in ((0, False), (1, True), (2, True))]
     per_rank = run_ranks(_ring_rank, cp, cases)
-    for c, (seed, packed) in enumerate(cases):
+    for c, (seed, packed, kind) in enumerate(cases):
         q, k, v, dout, _, mask = _case(seed, packed)
         want = _reference(q, k, v, dout, mask)
         for name, w, parts in zip(("out", "dq", "dk", "dv"), want, zip(*(r[c] for r in per_rank)), strict=True):
             got = unshard_sequence([torch.from_numpy(p) for p in parts], dim=2)
-            torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5, msg=lambda m, n=name, s=seed: f"{n} seed {s}: {m}")
+            torch.testing.assert_close(
+                got, w, rtol=1e-5, atol=1e-5, msg=lambda m, n=name, s=seed, a=kind: f"{a} {n} seed {s}: {m}"
+            )
 
 
 def test_empty_chunk_pairs_are_skipped_and_the_work_is_even():
@@ -172,12 +176,13 @@ def test_gpt_at_cp4_and_composed_layouts_equal_one_process(tmp_path, sft, gpt_re
         "toy_cp2_pp2": [*TOY, "parallel.cp=2", "parallel.pp=2", *PP, f"run.out_dir='{tmp_path / 'toy_cp2_pp2'}'"],
         "sft_cp2_pp2": _gpt(sft, "sft_cp2_pp2", "parallel.cp=2", "parallel.pp=2", *PP),
         "sft_cp4": _gpt(sft, "sft_cp4", "parallel.cp=4", "batch.micro_batch_size=4"),
+        "sft_cp4_a2a": _gpt(sft, "sft_cp4_a2a", "parallel.cp=4", "parallel.cp_attention='alltoall'"),
         "sft_cp2_fsdp2": _gpt(sft, "sft_cp2_fsdp2", "parallel.cp=2", "parallel.dp_shard=2", "batch.micro_batch_size=2"),
     }
     run_ranks(_train_many, 4, runs, timeout=600)
     for name in ("toy_cp4", "toy_cp2_hsdp", "toy_cp2_tp2", "toy_cp2_pp2"):
         _assert_same(_norms_and_losses(str(tmp_path / name)), _norms_and_losses(ref), name)
-    for name in ("sft_cp4", "sft_cp2_fsdp2", "sft_cp2_pp2"):
+    for name in ("sft_cp4", "sft_cp4_a2a", "sft_cp2_fsdp2", "sft_cp2_pp2"):
         _assert_same(_norms_and_losses(os.path.join(sft["root"], name)), gpt_reference, name)
 
 
@@ -206,6 +211,7 @@ def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
         (["parallel.dp_replicate=2", "parallel.dp_shard=2"], 8, "parallel.dp_replicate and parallel.dp_shard > 1"),
         (["train.compile=true"], 2, "not supported yet"),
         (["model.args={attention = 'flex'}"], 2, "model.args.attention = 'flex'"),
+        (["parallel.cp_attention='alltoall'", "model.args={n_head = 3, d_model = 48}"], 2, "n_head = 3 over cp x tp"),
     ],
 )
 def test_layouts_cp_cannot_run_are_refused_in_one_line(extra, world, message):
@@ -247,20 +253,28 @@ def test_cp_counts_in_the_world_size():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_hf_llama_at_cp_equals_transformers_on_each_conversation_alone(sft, cp):  # noqa: F811
     """A tiny Llama (grouped-query attention, RoPE) through transformers' AttentionInterface at
-    cp = 2 and 4, packed conversations: one SGD step's loss and grad_norm equal plain transformers
+    cp = 2 and 4, ring and all-to-all, packed conversations: one SGD step's loss and grad_norm equal plain transformers
     run on each conversation alone (tests/test_sft.py's reference), within 1e-5."""
     from paratrain.data.tokens import build_tokens
     from tests.test_sft import _config, reference
 
     ref_loss, ref_items, ref_norm = reference(sft, sft["convs"])
     rows = len(build_tokens(sft["train"], block_size=512))
-    name = f"hf_cp{cp}"
-    over = _config(sft, sft["train"], name, f"batch.global_batch_size={rows}", "run.steps=1", f"parallel.cp={cp}")
-    run_ranks(_train_many, cp, {name: [*over, f"batch.micro_batch_size={rows}"]})
-    (row,) = read_metrics(os.path.join(sft["root"], name))
-    assert row["trainable_tokens"] == ref_items
-    torch.testing.assert_close(row["loss"], ref_loss, rtol=1e-5, atol=0)
-    torch.testing.assert_close(row["grad_norm"], ref_norm, rtol=1e-5, atol=0)
+    runs = {
+        f"hf_cp{cp}_{kind}": [
+            *_config(sft, sft["train"], f"hf_cp{cp}_{kind}", f"batch.global_batch_size={rows}", "run.steps=1"),
+            f"parallel.cp={cp}",
+            f"parallel.cp_attention='{kind}'",
+            f"batch.micro_batch_size={rows}",
+        ]
+        for kind in ("ring", "alltoall")
+    }
+    run_ranks(_train_many, cp, runs)
+    for name in runs:
+        (row,) = read_metrics(os.path.join(sft["root"], name))
+        assert row["trainable_tokens"] == ref_items
+        torch.testing.assert_close(row["loss"], ref_loss, rtol=1e-5, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(row["grad_norm"], ref_norm, rtol=1e-5, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_plan_refuses_cp_in_one_line():

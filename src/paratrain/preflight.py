@@ -231,6 +231,17 @@ def check_cp(cfg: Config, dims: ParallelDims) -> None:
     for bad, what in refused:
         if bad:
             raise ConfigError(f"parallel.cp with {what} is not supported yet; set parallel.cp = 1 or drop {what}")
+    heads = cfg.model.args.get("n_head", GPTConfig.n_head)  # the built-in GPT's (model.hf: checked at start)
+    if (
+        cfg.parallel.cp_attention == "alltoall"
+        and not cfg.model.hf
+        and isinstance(heads, int)
+        and heads % (dims.cp * dims.tp)
+    ):
+        raise ConfigError(
+            f"parallel.cp_attention = 'alltoall' splits model.args.n_head = {heads} over cp x tp = {dims.cp * dims.tp}"
+            " ranks; use a cp that divides the heads per tp rank or parallel.cp_attention = 'ring'"
+        )
     block = cfg.data.args.get("block_size", cfg.model.args.get("block_size", GPTConfig.block_size))
     m = 2 * dims.cp
     if isinstance(block, int) and block % m:

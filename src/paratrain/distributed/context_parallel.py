@@ -43,6 +43,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -242,8 +243,78 @@ class RingAttention:
         return ring_attention(q, k, v, group=self.group, positions=positions, scale=scale)
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, install: Callable[[nn.Module, Callable], None] | None) -> None:
-    """Give ``model``'s attention the ring attention over ``cp_mesh`` (in place).
+# --- all-to-all (Ulysses) ---------------------------------------------------------------------
+
+
+def alltoall_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    positions: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The same result as :func:`ring_attention` by all-to-all (DeepSpeed-Ulysses, Jacobs et al.
+    2023): each rank trades its sequence part of every head for the whole sequence of ``H / cp``
+    heads, runs plain SDPA over the whole sequence with the whole mask, and trades back. Exact
+    (one SDPA per head, as without cp); needs the head count divisible by cp. Two all-to-alls of
+    q/k/v/out per layer forward (and two in backward), against the ring's ``cp - 1`` K/V hops."""
+    from torch.distributed.nn.functional import all_to_all_single  # differentiable
+
+    cp = dist.get_world_size(group)
+    b, h, t, d = q.shape
+    if h % cp:
+        raise ConfigError(
+            f"parallel.cp_attention = 'alltoall' splits the {h} attention heads over cp = {cp} ranks;"
+            " use a cp that divides the heads or parallel.cp_attention = 'ring'"
+        )
+    # Global index of each token of the rank-ordered whole sequence, and the order that sorts it.
+    order = torch.cat([global_indices(t, cp=cp, rank=r, device=q.device) for r in range(cp)])
+    natural = torch.argsort(order)
+
+    def to_heads(x):  # (B, H, t, D), my tokens of all heads -> (B, H/cp, T, D), all tokens of my heads
+        x = x.reshape(b, cp, h // cp, t, d).transpose(0, 1).contiguous()
+        x = all_to_all_single(torch.empty_like(x), x, group=group)  # dim 0: the source rank
+        return x.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)[:, :, natural]
+
+    def to_tokens(x):  # the inverse of to_heads
+        x = x[:, :, order].reshape(b, h // cp, cp, t, d).permute(2, 0, 1, 3, 4).contiguous()
+        x = all_to_all_single(torch.empty_like(x), x, group=group)  # dim 0: the head group
+        return x.transpose(0, 1).reshape(b, h, t, d)
+
+    qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
+    if positions is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        parts = [torch.empty_like(positions) for _ in range(cp)]
+        dist.all_gather(parts, positions.contiguous(), group=group)
+        pos = torch.cat(parts, dim=-1)[:, natural]
+        j = torch.arange(cp * t, device=q.device)
+        start = j - pos.clamp(min=0)  # the same rule as the ring's and data.packing.document_mask
+        mask = (j.view(1, 1, -1) >= start.unsqueeze(-1)) & (j.view(1, 1, -1) <= j.view(1, -1, 1))
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(1), scale=scale)
+    return to_tokens(out)
+
+
+class AllToAllAttention(RingAttention):
+    """``fn(q, k, v, positions=None)`` by all-to-all (``parallel.cp_attention = "alltoall"``)."""
+
+    def __call__(self, q, k, v, *, positions=None, scale=None):
+        return alltoall_attention(q, k, v, group=self.group, positions=positions, scale=scale)
+
+
+ATTENTIONS = {"ring": RingAttention, "alltoall": AllToAllAttention}
+
+
+def apply_cp(
+    model: nn.Module,
+    cp_mesh: DeviceMesh,
+    *,
+    install: Callable[[nn.Module, Callable], None] | None,
+    attention: str = "ring",
+) -> None:
+    """Give ``model``'s attention the ring (or all-to-all) attention over ``cp_mesh`` (in place).
 
     ``install(model, attention_fn)`` is the model's own hook (``ModelSpec.cp_attention``; this
     package knows no model): the model then calls ``attention_fn(q, k, v, positions=...)``
@@ -262,4 +333,4 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, install: Callable[[nn.Mod
             "parallel.cp > 1 needs a model whose attention can run the ring (the built-in GPT);"
             " set parallel.cp = 1 for this model"
         )
-    install(model, RingAttention(cp_mesh))
+    install(model, ATTENTIONS[attention](cp_mesh))

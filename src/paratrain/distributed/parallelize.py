@@ -142,7 +142,7 @@ def parallelize(
 
     # 2b. Context parallel: the attention modules get the ring attention over the cp mesh.
     if dims.cp > 1:
-        apply_cp(model, dims.submesh("cp"), install=cp_attention)
+        apply_cp(model, dims.submesh("cp"), install=cp_attention, attention=cfg.cp_attention)
 
     # 3. Activation checkpointing, per block, with the TP hooks inside the recomputed region.
     apply_ac(model, mode=cfg.activation_checkpointing, blocks_attr=blocks_attr)
