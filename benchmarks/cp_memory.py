@@ -10,7 +10,10 @@ Per rank it reports
   per attention layer: forward ``(cp - 1) x 2 x B H (T/cp) D`` elements (K and V), backward
   ``(cp - 1) x 4 x B H (T/cp) D`` (K, V and their gradients) ``+ 2 x B H (T/cp) D`` (the gradients'
   last hop home), float32;
-- the forward + backward time (median of ``--repeats``) and whether the loss equals cp = 1's.
+- the forward + backward time (median of ``--repeats``) and whether the loss equals cp = 1's;
+- the same for ``parallel.cp_attention = "alltoall"`` (its traffic by the formula only: ``8 x
+  (cp - 1) / cp x B H (T/cp) D`` elements per layer, q, k, v and out forward and their gradients
+  backward).
 
     PYTHONPATH=src:. python benchmarks/cp_memory.py [--seq 1024] [--repeats 3]
 
@@ -32,13 +35,13 @@ sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]
 ARGS = dict(n_layer=2, n_head=4, d_model=64, vocab_size=256)
 
 
-def rank_run(seq: int, repeats: int) -> dict:
+def rank_run(seq: int, repeats: int, kind: str) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import paratrain.distributed.context_parallel as cpmod
-    from paratrain.distributed.context_parallel import RingAttention, shard_sequence
+    from paratrain.distributed.context_parallel import ATTENTIONS, shard_sequence
     from paratrain.models.gpt.model import build_gpt
     from paratrain.models.gpt.parallel import gpt_cp_attention
 
@@ -49,7 +52,7 @@ def rank_run(seq: int, repeats: int) -> dict:
     ids = torch.randint(0, ARGS["vocab_size"], (1, seq + 1), generator=torch.Generator().manual_seed(1))
     x, y = ids[:, :-1], ids[:, 1:]
     if cp > 1:
-        gpt_cp_attention(model, RingAttention(init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))))
+        gpt_cp_attention(model, ATTENTIONS[kind](init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))))
         pos = torch.arange(seq).unsqueeze(0)
         x = shard_sequence(torch.stack([x, pos], dim=1), dim=-1, cp=cp, rank=rank)
         y = shard_sequence(y, dim=-1, cp=cp, rank=rank)
@@ -97,10 +100,12 @@ def rank_run(seq: int, repeats: int) -> dict:
     }
 
 
-def formula_bytes(seq: int, cp: int) -> int:
+def formula_bytes(seq: int, cp: int, kind: str) -> int:
     if cp == 1:
         return 0
     local = 1 * ARGS["d_model"] * (seq // cp)  # B x H x (T/cp) x D elements, H x D = d_model
+    if kind == "alltoall":  # q, k, v, out forward and their gradients backward, (cp-1)/cp of each leaves
+        return int(4 * ARGS["n_layer"] * 8 * local * (cp - 1) / cp)
     per_layer = (cp - 1) * 2 * local + (cp - 1) * 4 * local + 2 * local
     return 4 * ARGS["n_layer"] * per_layer
 
@@ -114,17 +119,19 @@ def main() -> None:
     a = p.parse_args()
     print(f"GPT {ARGS}, one row of {a.seq} tokens, float32, gloo on CPU")
     print(
-        f"{'cp':>3} {'saved MiB/rank':>15} {'vs cp=1':>8} {'sent MiB/rank':>14} {'formula':>8} {'fwd+bwd s':>10} {'loss rel diff':>14}"
+        f"{'cp':>3} {'attention':>9} {'saved MiB/rank':>15} {'vs cp=1':>8} {'sent MiB/rank':>14} {'formula':>8}"
+        f" {'fwd+bwd s':>10} {'loss rel diff':>14}"
     )
     base = None
-    for cp in (1, 2, 4):
-        res = run_ranks(rank_run, cp, a.seq, a.repeats, timeout=900)
+    for cp, kind in ((1, "-"), (2, "ring"), (2, "alltoall"), (4, "ring"), (4, "alltoall")):
+        res = run_ranks(rank_run, cp, a.seq, a.repeats, kind, timeout=900)
         saved = max(r["saved_bytes"] for r in res)
-        sent = max(r["sent_bytes"] for r in res)
+        sent = max(r["sent_bytes"] for r in res)  # counted at the ring's exchange only
         base = base or (saved, res[0]["loss"])
         print(
-            f"{cp:>3} {saved / 2**20:>15.2f} {saved / base[0]:>8.3f} {sent / 2**20:>14.2f}"
-            f" {formula_bytes(a.seq, cp) / 2**20:>8.2f} {statistics.median(r['time_s'] for r in res):>10.3f}"
+            f"{cp:>3} {kind:>9} {saved / 2**20:>15.2f} {saved / base[0]:>8.3f}"
+            f" {(f'{sent / 2**20:.2f}' if kind != 'alltoall' else '-'):>14}"
+            f" {formula_bytes(a.seq, cp, kind) / 2**20:>8.2f} {statistics.median(r['time_s'] for r in res):>10.3f}"
             f" {abs(res[0]['loss'] - base[1]) / abs(base[1]):>14.2e}"
         )
 

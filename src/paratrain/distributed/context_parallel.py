@@ -258,9 +258,13 @@ def alltoall_attention(
     """The same result as :func:`ring_attention` by all-to-all (DeepSpeed-Ulysses, Jacobs et al.
     2023): each rank trades its sequence part of every head for the whole sequence of ``H / cp``
     heads, runs plain SDPA over the whole sequence with the whole mask, and trades back. Exact
-    (one SDPA per head, as without cp); needs the head count divisible by cp. Two all-to-alls of
-    q/k/v/out per layer forward (and two in backward), against the ring's ``cp - 1`` K/V hops."""
-    from torch.distributed.nn.functional import all_to_all_single  # differentiable
+    (one SDPA per head, as without cp); needs the head count divisible by cp. Four all-to-alls per
+    layer forward (q, k, v, out) and four in backward, against the ring's ``cp - 1`` K/V hops; but
+    packed documents' mask is built whole, ``T x T`` per row (the ring's per chunk pair)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    def all_to_all(x):  # differentiable; dim 0 split evenly over the ranks
+        return wait_tensor(all_to_all_single_autograd(x, None, None, group))
 
     cp = dist.get_world_size(group)
     b, h, t, d = q.shape
@@ -275,23 +279,26 @@ def alltoall_attention(
 
     def to_heads(x):  # (B, H, t, D), my tokens of all heads -> (B, H/cp, T, D), all tokens of my heads
         x = x.reshape(b, cp, h // cp, t, d).transpose(0, 1).contiguous()
-        x = all_to_all_single(torch.empty_like(x), x, group=group)  # dim 0: the source rank
+        x = all_to_all(x)  # dim 0: the source rank
         return x.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)[:, :, natural]
 
     def to_tokens(x):  # the inverse of to_heads
         x = x[:, :, order].reshape(b, h // cp, cp, t, d).permute(2, 0, 1, 3, 4).contiguous()
-        x = all_to_all_single(torch.empty_like(x), x, group=group)  # dim 0: the head group
+        x = all_to_all(x)  # dim 0: the head group
         return x.transpose(0, 1).reshape(b, h, t, d)
 
     qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
+    if positions is not None:
+        parts = [torch.empty_like(positions) for _ in range(cp)]
+        dist.all_gather(parts, positions.contiguous(), group=group)
+        positions = torch.cat(parts, dim=-1)[:, natural]
+        j = torch.arange(cp * t, device=q.device)
+        if torch.equal(positions, j.expand_as(positions)):
+            positions = None  # one document per row: plain causal, SDPA's kernel without a mask
     if positions is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
-        parts = [torch.empty_like(positions) for _ in range(cp)]
-        dist.all_gather(parts, positions.contiguous(), group=group)
-        pos = torch.cat(parts, dim=-1)[:, natural]
-        j = torch.arange(cp * t, device=q.device)
-        start = j - pos.clamp(min=0)  # the same rule as the ring's and data.packing.document_mask
+        start = j - positions.clamp(min=0)  # the same rule as the ring's and data.packing.document_mask
         mask = (j.view(1, 1, -1) >= start.unsqueeze(-1)) & (j.view(1, 1, -1) <= j.view(1, -1, 1))
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(1), scale=scale)
     return to_tokens(out)
