@@ -248,10 +248,10 @@ def check_count(returned_total: float, items: int) -> None:
 def cp_local_batch(inputs, target, ctx: StepContext):
     """The one place a micro-batch is cut for context parallel (plain and pipeline steps, eval):
     this rank's two chunks (distributed/context_parallel.py, head-tail) of every row's token ids,
-    position ids and targets, after the step counted the whole rows' items. The input becomes packed (B, 2, T/cp)
-    (data/packing.py) with the rows' global positions, so the position embedding and the
-    attention's masks see where each token really is; plain rows get positions 0..T-1 (one
-    document: causal)."""
+    position ids and targets, after the step counted the whole rows' items. The input becomes
+    packed (B, 2, T/cp) (data/packing.py) with the rows' global positions, so the position
+    embedding and the attention's masks see where each token really is; plain rows get positions
+    0..T-1 (one document: causal)."""
     if ctx.cp == 1:
         return inputs, target
     ids, positions = split_packed(inputs)

@@ -1,9 +1,9 @@
 """ParallelDims: the parallel degrees, their validation, and the named DeviceMesh (built lazily).
 
-Mesh dimensions are ordered outermost to innermost ``pp, dp_replicate, dp_shard, cp, tp`` so that
-tensor parallelism, the most communication-hungry, gets neighbouring ranks (same node), and
-context parallelism's ring the next nearest, as in torchtitan. Only degrees above 1 become mesh dimensions; the data-parallel ranks of all kinds
-are flattened into one ``dp`` sub-mesh, the one that loads distinct data and reduces the loss.
+Mesh dimensions are ordered outermost to innermost ``pp, dp_replicate, dp_shard, cp, tp`` so
+that tensor parallelism, the most communication-hungry, gets neighbouring ranks (same node), and
+context parallelism's ring the next nearest, as in torchtitan. Only degrees above 1 become mesh
+dimensions; the data-parallel ranks of all kinds are flattened into one ``dp`` sub-mesh, the one that loads distinct data and reduces the loss.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class ParallelDims:
             fixed = (dp_replicate if dp_replicate > 0 else 1) * cfg.tp * cfg.pp * cfg.cp
             if world_size % fixed:
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by dp_replicate x tp {cfg.tp} x pp {cfg.pp} = {fixed}"
+                    f"world size {world_size} is not divisible by dp_replicate x tp {cfg.tp} x pp {cfg.pp}"
+                    f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} = {fixed}"
                     " (parallel.dp_shard = -1 fills the rest); change the degrees or the number of processes"
                 )
             dp_shard, dp_replicate = world_size // fixed, max(dp_replicate, 1)
@@ -45,7 +46,7 @@ class ParallelDims:
             if world_size % others:
                 raise ConfigError(
                     f"world size {world_size} is not divisible by dp_shard {cfg.dp_shard} x tp {cfg.tp} x pp {cfg.pp}"
-                    f" = {others}; change the degrees or the number of processes"
+                    f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} = {others}; change the degrees or the number of processes"
                 )
             dp_replicate = world_size // others
         dims = cls(dp_replicate, dp_shard, cfg.tp, cfg.pp, world_size, cp=cfg.cp)
