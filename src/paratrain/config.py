@@ -208,6 +208,14 @@ class ParallelConfig:
     )
     tp: int = opt(1, "Tensor-parallel degree.")
     pp: int = opt(1, "Pipeline-parallel degree.")
+    cp: int = opt(
+        1,
+        "Context-parallel degree: each sequence split over cp ranks (head-tail chunks); built-in GPT and model.hf, block_size divisible by 2 x cp (docs/context-parallel.md).",
+    )
+    cp_attention: Literal["ring", "alltoall"] = opt(
+        "ring",
+        "Context parallel's attention: 'ring' (K/V chunks passed around the cp ranks, any head count) or 'alltoall' (Ulysses: heads traded for the sequence; needs the heads divisible by cp x tp).",
+    )
     # --- sharded data parallel, tensor parallel, activation checkpointing (issue 3) ---
     reshard_after_forward: bool = opt(
         True,

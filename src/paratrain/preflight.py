@@ -23,6 +23,7 @@ from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout
 from paratrain.distributed.pipeline_parallel import check_pp_layout, check_untied
 from paratrain.models import build, model_builder, spec_of
+from paratrain.models.gpt.model import GPTConfig
 from paratrain.models.gpt.moe import MoEConfig
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
@@ -57,6 +58,7 @@ def check_run(
     )
     check_feature_combinations(cfg, dims)
     check_packing(cfg, dims)
+    check_cp(cfg, dims)
     check_eval(cfg, dims, plan)
     if dims.tp > 1 or dims.pp > 1:
         meta_model, spec = model_on_meta(cfg, model, spec)
@@ -221,6 +223,53 @@ def check_packing(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError(
             f"data.args.packing = {packing!r} feeds (batch, 2, T) token and position ids, which the built-in GPT and"
             " model.hf read; a model.factory model does not (yet): use one of those"
+        )
+
+
+def check_cp(cfg: Config, dims: ParallelDims) -> None:
+    """Context parallel (docs/context-parallel.md): what this version runs, and the row length."""
+    if dims.cp == 1:
+        return
+    refused = [
+        (cfg.parallel.sequence_parallel, "parallel.sequence_parallel"),
+        (bool(cfg.model.hf) and (dims.tp > 1 or dims.pp > 1), "model.hf and parallel.tp or pp > 1"),
+        (dims.dp_replicate > 1 and dims.dp_shard > 1, "both parallel.dp_replicate and parallel.dp_shard > 1"),
+        (bool(cfg.model.factory), "model.factory"),
+        (cfg.model.args.get("attention", "sdpa") != "sdpa", "model.args.attention = 'flex'"),
+        (bool(cfg.model.args.get("dropout", 0.0)), "model.args.dropout > 0"),
+        (cfg.train.compile, "train.compile"),
+        (cfg.comm.compression != "none", "comm.compression"),
+        (
+            cfg.batch.adaptive or cfg.optim.lr_scaling == "adascale",
+            "the gradient-noise probe (batch.adaptive, adascale)",
+        ),
+        (cfg.batch.micro_batch_size == "auto", "batch.micro_batch_size = 'auto'"),
+        (cfg.data.args.get("packing") == "padded", "data.args.packing = 'padded'"),
+        # A rank holds part of each sequence: the sequence-wise balance loss needs a cp reduce first.
+        (bool(cfg.model.args.get("moe")), "model.args.moe (mixture of experts)"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"parallel.cp with {what} is not supported yet; set parallel.cp = 1 or drop {what}")
+    heads = cfg.model.args.get("n_head", GPTConfig.n_head)  # the built-in GPT's (model.hf: checked at start)
+    if (
+        cfg.parallel.cp_attention == "alltoall"
+        and not cfg.model.hf
+        and isinstance(heads, int)
+        and heads % (dims.cp * dims.tp)
+    ):
+        raise ConfigError(
+            f"parallel.cp_attention = 'alltoall' splits model.args.n_head = {heads} over cp x tp = {dims.cp * dims.tp}"
+            " ranks; use a cp that divides the heads per tp rank or parallel.cp_attention = 'ring'"
+        )
+    block = cfg.data.args.get("block_size", cfg.model.args.get("block_size", GPTConfig.block_size))
+    m = 2 * dims.cp
+    if isinstance(block, int) and block % m:
+        low = block - block % m
+        sizes = f"{low} or {low + m}" if low else f"{m}"
+        raise ConfigError(
+            f"data.args.block_size = {block} is not divisible by 2 x parallel.cp = {m} (each row is split into"
+            f" {m} chunks); use block_size {sizes}"
         )
 
 

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.config import ConfigError
 from paratrain.data.packing import attention_square, count_input_tokens, split_packed
+from paratrain.distributed.context_parallel import shard_sequence
 from paratrain.distributed.data_parallel import maybe_no_sync
 from paratrain.distributed.grad_norm import clip_grad_norm_
 from paratrain.distributed.pipeline_parallel import PipelineModel, pipeline_forward, pipeline_forward_backward
@@ -65,6 +66,10 @@ class StepContext:
     # Mixture-of-experts layers (loss.router_layers of the model): their auxiliary loss joins the
     # differentiated loss, divided by the global sequence count; their stats are logged.
     router_layers: tuple[nn.Module, ...] = ()
+    # Context parallel (distributed/context_parallel.py): this rank keeps its part (cp_rank of cp)
+    # of every row of the micro-batches it loads, the same ones as its cp peers.
+    cp: int = 1
+    cp_rank: int = 0
 
     @property
     def amp(self) -> Precision:
@@ -153,10 +158,14 @@ def train_step(
     any rank's was set.
     """
     items, tokens, square, sequences = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
+    batches = [cp_local_batch(x, t, ctx) for x, t in batches]  # context parallel: after the count
     # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
     # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
-    # of two in practice, which makes the round trip exact in floating point.
-    scale = ctx.dp / items
+    # of two in practice, which makes the round trip exact in floating point. With context
+    # parallel FSDP2 averages over the dp x cp ranks (each holding part of the rows): the same.
+    scale = ctx.dp * ctx.cp / items
+    # Mixture of experts under context parallel is refused (preflight): a rank holds part of each
+    # sequence, so the sequence-wise balance loss would need a reduce over cp first.
     router = RouterTotals(ctx.router_layers, aux_scale=ctx.dp / sequences, device=ctx.device)
     if isinstance(model, PipelineModel):  # the schedule runs forward and backward (no router layers: preflight)
         loss_sum, returned = pipeline_forward_backward(
@@ -278,6 +287,33 @@ def check_count(returned_total: float, items: int) -> None:
         )
 
 
+def cp_local_batch(inputs, target, ctx: StepContext):
+    """The one place a micro-batch is cut for context parallel (plain and pipeline steps, eval):
+    this rank's two chunks (distributed/context_parallel.py, head-tail) of every row's token ids,
+    position ids and targets, after the step counted the whole rows' items. The input becomes
+    packed (B, 2, T/cp) (data/packing.py) with the rows' global positions, so the position
+    embedding and the attention's masks see where each token really is; plain rows get positions
+    0..T-1 (one document: causal)."""
+    if ctx.cp == 1:
+        return inputs, target
+    ids, positions = split_packed(inputs)
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+        raise ConfigError("parallel.cp > 1 needs token-id inputs (batch, sequence); set parallel.cp = 1")
+    t = ids.shape[-1]
+    if t % (2 * ctx.cp):
+        raise ConfigError(
+            f"parallel.cp = {ctx.cp} splits each row into {2 * ctx.cp} chunks but a row has {t} tokens;"
+            f" use rows of a multiple of {2 * ctx.cp} tokens (data.args.block_size)"
+        )
+    if positions is None:
+        positions = torch.arange(t, device=ids.device).expand_as(ids)
+    packed = torch.stack([ids, positions], dim=1)
+    return (
+        shard_sequence(packed, dim=-1, cp=ctx.cp, rank=ctx.cp_rank),
+        shard_sequence(target, dim=-1, cp=ctx.cp, rank=ctx.cp_rank),
+    )
+
+
 def stage_inputs(inputs) -> tuple[torch.Tensor, dict]:
     """A pipeline's first-stage input and the keywords for every stage: packed documents
     (data/packing.py) send their token ids to the first stage and their positions to all."""
@@ -292,6 +328,7 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
     Shares the step's counting and checking; the mean is ``loss_sum / items``.
     """
     items, _, _, _ = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
+    batches = [cp_local_batch(x, t, ctx) for x, t in batches]
     if isinstance(model, PipelineModel):
         loss_sum, returned = pipeline_forward(
             model,

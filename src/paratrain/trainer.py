@@ -297,7 +297,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         log.info("lora: %d trainable parameters (%.3f%%), the rest frozen", trainable, 100 * trainable / n_params)
 
     # Communication and hardware: precision, MFU, the parallelisms, gradient compression.
-    precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.dp_shard > 1)
+    precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.fsdp_enabled)
     flops_per_token = spec.flops_per_token(model)  # from the whole model, before any split
     peak_flops, peak_source = resolve_peak_flops(cfg.hardware, device=ctx.device, dtype=cfg.precision.dtype)
     log.info(
@@ -433,7 +433,7 @@ def build_parallel_with_weights(
     (ModelSpec.materialize: a model built on the meta device, such as a ``model.hf`` with weights).
     Plain DDP broadcasts rank 0's parameters when it wraps the model, so there they are read
     before. Training and ``paratrain eval`` (whose checkpoint then overwrites them) both call this."""
-    ddp_wraps = dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.tp == 1
+    ddp_wraps = dims.dp_replicate > 1 and not dims.fsdp_enabled and dims.tp == 1
     if spec.materialize is not None and ddp_wraps:
         spec.materialize(model, device=device)
     model, step_ctx, compression = build_parallel(cfg, dims, model, spec=spec, device=device, **kwargs)
@@ -484,6 +484,7 @@ def build_parallel(
         blocks_attr=spec.blocks_attr,
         model_plan=spec.tp_plan,
         loss_owns_head=loss_fn.owns_head,
+        cp_attention=spec.cp_attention,
     )
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
     step_ctx = StepContext(
@@ -501,6 +502,8 @@ def build_parallel(
         loss_group=dims.group("pp_dp") if dims.tp == 1 else dist.group.WORLD,
         adds_loss=dims.local_rank_in("tp") == 0,
         router_layers=routers,
+        cp=dims.cp,
+        cp_rank=dims.local_rank_in("cp"),
     )
 
     return model, step_ctx, compression

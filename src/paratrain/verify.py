@@ -71,6 +71,7 @@ def reference_overrides() -> list[str]:
         "parallel.dp_shard=1",
         "parallel.tp=1",
         "parallel.pp=1",
+        "parallel.cp=1",
         "parallel.sequence_parallel=false",
         "parallel.cpu_offload=false",
     ]

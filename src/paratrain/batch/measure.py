@@ -167,7 +167,7 @@ class StepRunner:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, iterations: int | None = None
     ) -> None:
         # The step's own mixed precision: autocast changes the activations' dtype, so the memory.
-        precision = build_precision(self.cfg.precision, device=self.device, fsdp_enabled=self.dims.dp_shard > 1)
+        precision = build_precision(self.cfg.precision, device=self.device, fsdp_enabled=self.dims.fsdp_enabled)
         model.train()
         for _ in range(self.iterations if iterations is None else iterations):
             train_step(

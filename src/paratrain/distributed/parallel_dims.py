@@ -1,9 +1,9 @@
 """ParallelDims: the parallel degrees, their validation, and the named DeviceMesh (built lazily).
 
-Mesh dimensions are ordered outermost to innermost ``pp, dp_replicate, dp_shard, tp`` so that
-tensor parallelism, the most communication-hungry, gets neighbouring ranks (same node), as in
-torchtitan. Only degrees above 1 become mesh dimensions; the data-parallel ranks of all kinds
-are flattened into one ``dp`` sub-mesh, the one that loads distinct data and reduces the loss.
+Mesh dimensions are ordered outermost to innermost ``pp, dp_replicate, dp_shard, cp, tp`` so
+that tensor parallelism, the most communication-hungry, gets neighbouring ranks (same node), and
+context parallelism's ring the next nearest, as in torchtitan. Only degrees above 1 become mesh
+dimensions; the data-parallel ranks of all kinds are flattened into one ``dp`` sub-mesh, the one that loads distinct data and reduces the loss.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paratrain.config import ConfigError, ParallelConfig
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -27,36 +27,39 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    cp: int = 1  # context parallel (distributed/context_parallel.py)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         dp_shard, dp_replicate = cfg.dp_shard, cfg.dp_replicate
         if dp_shard == -1:  # sharding fills the world (elastic jobs: any node count)
-            fixed = (dp_replicate if dp_replicate > 0 else 1) * cfg.tp * cfg.pp
+            fixed = (dp_replicate if dp_replicate > 0 else 1) * cfg.tp * cfg.pp * cfg.cp
             if world_size % fixed:
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by dp_replicate x tp {cfg.tp} x pp {cfg.pp} = {fixed}"
+                    f"world size {world_size} is not divisible by dp_replicate x tp {cfg.tp} x pp {cfg.pp}"
+                    f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} = {fixed}"
                     " (parallel.dp_shard = -1 fills the rest); change the degrees or the number of processes"
                 )
             dp_shard, dp_replicate = world_size // fixed, max(dp_replicate, 1)
-        others = dp_shard * cfg.tp * cfg.pp
+        others = dp_shard * cfg.tp * cfg.pp * cfg.cp
         if dp_replicate == -1:
             if world_size % others:
                 raise ConfigError(
                     f"world size {world_size} is not divisible by dp_shard {cfg.dp_shard} x tp {cfg.tp} x pp {cfg.pp}"
-                    f" = {others}; change the degrees or the number of processes"
+                    f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} = {others}; change the degrees or the number of processes"
                 )
             dp_replicate = world_size // others
-        dims = cls(dp_replicate, dp_shard, cfg.tp, cfg.pp, world_size)
+        dims = cls(dp_replicate, dp_shard, cfg.tp, cfg.pp, world_size, cp=cfg.cp)
         dims.validate()
         return dims
 
     def validate(self) -> None:
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
         if product != self.world_size:
+            cp = f" x cp {self.cp}" if self.cp > 1 else ""
             raise ConfigError(
                 f"parallel degrees dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}"
-                f" x pp {self.pp} = {product} != world size {self.world_size}; make the product equal the"
+                f" x pp {self.pp}{cp} = {product} != world size {self.world_size}; make the product equal the"
                 f" number of processes (parallel.dp_replicate = -1 fills it)"
             )
 
@@ -64,8 +67,14 @@ class ParallelDims:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def fsdp_enabled(self) -> bool:
+        # With cp > 1 FSDP2 shards over dp_shard x cp, also when dp_shard is 1 (torchtitan's choice).
+        return self.dp_shard > 1 or self.cp > 1
+
     def degrees(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in MESH_ORDER}
+        # cp only when used: layouts written before it (metrics, checkpoints) keep their keys.
+        return {name: getattr(self, name) for name in MESH_ORDER if name != "cp" or self.cp > 1}
 
     def describe(self) -> str:
         return " x ".join(f"{k} {v}" for k, v in self.degrees().items()) + f" = world {self.world_size}"
@@ -83,7 +92,12 @@ class ParallelDims:
         if len(dp_names) == 2:
             # Keep the flattened mesh: slicing a flattened dim back out of the root is deprecated.
             self.__dict__["_dp_mesh"] = mesh[dp_names]._flatten("dp")
-        if self.pp > 1 and dp_names:
+        if self.cp > 1:
+            # FSDP2 shards over dp_shard x cp and the loss is reduced over them (docs/context-parallel.md).
+            self.__dict__["_dp_cp_mesh"] = mesh[(*dp_names, "cp")]._flatten("dp_cp") if dp_names else mesh["cp"]
+            if self.pp > 1:
+                self.__dict__["_pp_dp_mesh"] = mesh[("pp", *dp_names, "cp")]._flatten("pp_dp_cp")
+        elif self.pp > 1 and dp_names:
             # The step's one reduce of [loss sum, item count] spans the pipeline and dp ranks.
             self.__dict__["_pp_dp_mesh"] = mesh[("pp", *dp_names)]._flatten("pp_dp")
         return mesh
@@ -93,7 +107,9 @@ class ParallelDims:
     #     TP or PP group share their dp coordinate, so they load the same batch);
     #   fsdp: "dp_shard", or ("dp_replicate", "dp_shard") for HSDP;
     #   ddp: "dp_replicate"; tp: "tp"; pp: "pp";
-    #   pp_dp: pp x dp flattened, the step's reduce of the loss sum and item count (only the
+    #   cp: the context-parallel ring; dp_cp: dp x cp flattened, where FSDP2 shards and the loss is
+    #     reduced when cp > 1 (the cp ranks of one dp rank hold parts of the same rows);
+    #   pp_dp: pp x dp (x cp) flattened, the step's reduce of the loss sum and item count (only the
     #     last pipeline stage holds the loss; ranks of one TP group compute the same one).
     ROLES = {"data": "dp", "loss": "dp"}
 
@@ -107,13 +123,22 @@ class ParallelDims:
         """The sub-mesh of one role ('data', 'loss', 'dp', 'fsdp', 'dp_replicate', 'dp_shard', 'tp',
         'pp'); None when that role has a single rank."""
         role = self.ROLES.get(role, role)
+        if role == "fsdp" and self.cp > 1 and self.dp_replicate > 1:
+            return self.mesh[("dp_replicate", "cp")]  # HSDP: replicated over dp_replicate, sharded over cp
+        if role == "dp_cp" or (role == "fsdp" and self.cp > 1):
+            if self.cp == 1:
+                return self.submesh("dp")
+            self.mesh  # built on first use, the flattened dp x cp mesh with it
+            return self.__dict__["_dp_cp_mesh"]
         if role == "fsdp":
             names = self.fsdp_dims()
             if not names or self.mesh is None:
                 return None
             return self.mesh[names if len(names) > 1 else names[0]]
+        if role == "pp_dp" and self.cp > 1 and self.pp == 1:
+            return self.submesh("dp_cp")
         if role == "pp_dp":
-            if self.pp == 1 or self.dp == 1:
+            if self.cp == 1 and (self.pp == 1 or self.dp == 1):
                 return self.submesh("pp" if self.dp == 1 else "dp")
             self.mesh  # built on first use, the flattened pp x dp mesh with it
             return self.__dict__["_pp_dp_mesh"]

@@ -6,7 +6,9 @@ Order (as torchtitan composes them; each step says why it comes where it does):
    stage's own module, as if it were a whole model.
 2. tensor parallel (``apply_tp``): it replaces parameters by DTensors sharded over the ``tp``
    mesh and installs the layout hooks; every later wrapper must see those final parameters and
-   the module names the plan refers to (wrappers rename modules).
+   the module names the plan refers to (wrappers rename modules). Then context parallel
+   (``apply_cp``): it gives the attention modules the ring attention, before AC and compile wrap
+   them, so that both replay and trace the ring.
 3. activation checkpointing (``apply_ac``): wraps each block *with* its TP hooks inside, so the
    recomputation replays the TP collectives too; it must come before FSDP so that FSDP's
    per-block unit is the checkpointed block (its all-gather runs again in the recomputation).
@@ -14,6 +16,7 @@ Order (as torchtitan composes them; each step says why it comes where it does):
    checkpointed blocks; before FSDP so that FSDP's hooks stay outside the compiled regions.
 5. FSDP / HSDP (``apply_fsdp``): shards whatever parameters the steps above left, on the
    ``dp_shard`` (or ``dp_replicate x dp_shard``) mesh; with TP its parameters become 2-D DTensors.
+   With ``cp > 1`` on ``dp_shard x cp`` flattened (see distributed/context_parallel.py).
 6. DDP (``apply_ddp``): last, as it wraps the finished module and buckets its gradients; used
    for ``dp_replicate`` alone (with ``dp_shard > 1`` FSDP2's HSDP does the replication, with
    ``tp > 1`` torch's FSDP2-based ``replicate``, as DDP cannot hold DTensor parameters).
@@ -31,6 +34,7 @@ from paratrain.config import CommConfig, ConfigError, ParallelConfig, PrecisionC
 from paratrain.distributed.activation_checkpoint import apply_ac
 from paratrain.distributed.blocks import BLOCKS_ATTR
 from paratrain.distributed.compile import apply_compile
+from paratrain.distributed.context_parallel import apply_cp
 from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import apply_pp, is_pipeline_stage
@@ -74,6 +78,7 @@ def parallelize(
     blocks_attr: str = BLOCKS_ATTR,
     model_plan: Callable[..., dict] | None = None,
     loss_owns_head: bool = False,
+    cp_attention: Callable[..., None] | None = None,
 ) -> nn.Module:
     """Move ``model`` to ``device`` and apply the parallelisms its layout asks for, in order.
 
@@ -84,7 +89,7 @@ def parallelize(
     ``blocks_attr``/``model_plan`` are the model's ModelSpec pieces (models/spec.py): where its
     blocks are, its own tensor-parallel plan. ``loss_owns_head``: the loss runs the output layer
     after the forward (loss.chunk_size), so FSDP2 keeps the root's parameters gathered until
-    the backward.
+    the backward. ``cp_attention``: the spec's installer of a context-parallel attention.
     """
     comm, precision = comm or CommConfig(), precision or PrecisionConfig()
     # 1. Pipeline split, still on the CPU (only this rank's stages reach the device): each stage
@@ -107,6 +112,7 @@ def parallelize(
                 loss_parallel=loss_parallel,
                 blocks_attr=blocks_attr,
                 model_plan=model_plan,
+                cp_attention=cp_attention,
             ),
             blocks_attr=blocks_attr,
         )
@@ -134,6 +140,10 @@ def parallelize(
             model_plan=model_plan,
         )
 
+    # 2b. Context parallel: the attention modules get the ring attention over the cp mesh.
+    if dims.cp > 1:
+        apply_cp(model, dims.submesh("cp"), install=cp_attention, attention=cfg.cp_attention)
+
     # 3. Activation checkpointing, per block, with the TP hooks inside the recomputed region.
     apply_ac(model, mode=cfg.activation_checkpointing, blocks_attr=blocks_attr)
 
@@ -141,8 +151,9 @@ def parallelize(
     if compile_enabled:
         apply_compile(model, device=device, blocks_attr=blocks_attr)
 
-    # 5. Sharded data parallel (ZeRO via FSDP2; HSDP when dp_replicate > 1 too).
-    if dims.dp_shard > 1:
+    # 5. Sharded data parallel (ZeRO via FSDP2; HSDP when dp_replicate > 1 too; over dp_shard x cp
+    #    when cp > 1, the "fsdp" sub-mesh).
+    if dims.fsdp_enabled:
         apply_fsdp(
             model,
             dims.submesh("fsdp"),

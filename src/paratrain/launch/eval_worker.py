@@ -48,7 +48,7 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
         eval_plan = check_eval(cfg, dims, plan)
         torch.manual_seed(cfg.run.seed)
         model, spec = build(cfg.model)
-        precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.dp_shard > 1)
+        precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.fsdp_enabled)
         model, step_ctx, _ = build_parallel_with_weights(
             cfg,
             dims,

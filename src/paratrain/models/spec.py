@@ -20,7 +20,10 @@ it receives the spec's pieces as arguments. A spec says
   fills it after the parallelisms (each rank its own shards; e.g. pretrained HF weights);
 - ``head_attr``: its output layer (an ``nn.Linear``), which a chunked cross-entropy
   (``loss.chunk_size``) runs itself; the model then returns its last hidden states when its
-  ``return_hidden`` attribute is True (None: the model has no such switch).
+  ``return_hidden`` attribute is True (None: the model has no such switch);
+- ``cp_attention(model, attention_fn)``: installs a context-parallel attention
+  (distributed/context_parallel.py ``apply_cp``) that the model's attention then calls as
+  ``attention_fn(q, k, v, positions=...)`` (None: the model cannot run ``parallel.cp > 1``).
 
 A user model gets a spec from its factory (``model.factory`` may return a ModelSpec instead of a
 module) or from the documented conventions: blocks in ``model.layers``, the plan from
@@ -57,6 +60,7 @@ class ModelSpec:
     context_length: Callable[[dict], int | None] | None = None
     materialize: Callable[..., object] | None = None
     head_attr: str | None = None
+    cp_attention: Callable[[nn.Module, Callable], None] | None = None
 
     def hand_head_to(self, model: nn.Module, loss_fn, *, loss_parallel: bool) -> None:
         """Give the output layer to a loss that runs it (loss.py ``ChunkedCrossEntropy``), before

@@ -49,6 +49,10 @@ class GPTConfig:
 
 
 class Attention(nn.Module):
+    # Context parallel: ``fn(q, k, v, positions=...)`` over the whole sequence from this rank's
+    # part of it (distributed/context_parallel.py, installed by parallel.py's gpt_cp_attention).
+    cp_attention = None
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.d_model // cfg.n_head
@@ -63,10 +67,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         """``mask``: packed documents' boolean attention mask or FlexAttention BlockMask
-        (data/packing.py); None: causal."""
+        (data/packing.py); None: causal. Under context parallel: the position ids (B, T)."""
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        if isinstance(mask, BlockMask):
+        if self.cp_attention is not None:
+            if self.dropout and self.training:
+                raise ConfigError("parallel.cp > 1 has no attention dropout; set model.args.dropout = 0")
+            y = self.cp_attention(q, k, v, positions=mask)
+        elif isinstance(mask, BlockMask):
             if self.dropout and self.training:
                 raise ConfigError("model.args.attention = 'flex' has no attention dropout; set model.args.dropout = 0")
             if torch.is_grad_enabled() and x.device.type == "cpu":
@@ -116,6 +124,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     # True: forward stops before lm_head, whose logits a chunked loss makes itself (loss.py).
     return_hidden = False
+    cp_attention = None  # set with each block's (Attention.cp_attention)
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -151,7 +160,9 @@ class GPT(nn.Module):
         """
         if positions is None:
             idx, positions = split_packed(idx)
-        if positions is None:
+        if self.cp_attention is not None:
+            mask = positions  # the ring builds its masks per chunk pair from the global positions
+        elif positions is None:
             mask = None
         elif self.cfg.attention == "flex":
             mask = document_block_mask(positions)

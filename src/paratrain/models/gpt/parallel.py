@@ -83,6 +83,16 @@ def check_gpt_layout(args: dict, *, tp: int, sequence_parallel: bool) -> None:
             )
 
 
+def gpt_cp_attention(model: nn.Module, attention_fn) -> None:
+    """Context parallel (distributed/context_parallel.py ``apply_cp``): every block's attention
+    calls ``attention_fn``, and the model passes it the position ids instead of a mask."""
+    if getattr(getattr(model, "cfg", None), "attention", "sdpa") == "flex":
+        raise ConfigError("parallel.cp with model.args.attention = 'flex' is not supported yet; use 'sdpa'")
+    model.cp_attention = attention_fn
+    for block in model.layers.values():
+        block.attn.cp_attention = attention_fn
+
+
 def gpt_context_length(args: dict) -> int:
     return args.get("block_size", GPTConfig.block_size)
 
@@ -97,4 +107,5 @@ GPT_SPEC = ModelSpec(
     loss_parallel=True,
     context_length=gpt_context_length,
     head_attr="lm_head",
+    cp_attention=gpt_cp_attention,
 )

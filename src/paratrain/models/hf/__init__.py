@@ -14,7 +14,7 @@ from torch import nn
 
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
-from paratrain.models.hf.parallel import check_hf_layout, hf_tp_plan
+from paratrain.models.hf.parallel import check_hf_layout, hf_cp_attention, hf_tp_plan
 from paratrain.models.hf.weights import load_into, save_hf, weight_files
 from paratrain.models.lora import apply_lora
 from paratrain.models.spec import ModelSpec
@@ -62,6 +62,7 @@ def hf_spec(cfg: ModelConfig) -> ModelSpec:
         context_length=lambda args: getattr(load_hf_config(cfg.hf, args), "max_position_embeddings", None),
         materialize=materialize if load else None,
         head_attr="lm_head",
+        cp_attention=hf_cp_attention,
     )
 
 

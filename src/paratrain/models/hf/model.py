@@ -104,6 +104,9 @@ class HFCausalLM(nn.Module):
 
     # True: forward stops before lm_head, whose logits a chunked loss makes itself (loss.py).
     return_hidden = False
+    # Context parallel: the ring attention (models/hf/parallel.py hf_cp_attention); it builds its
+    # own masks per chunk pair, so the forward makes none.
+    cp_attention = None
     # Tensors the checkpoint does not hold, made at build time, by checkpoint name (LoRA's
     # adapters of a meta model, models/lora.py): the loader copies each rank's part of them in.
     built_tensors: dict = {}
@@ -198,7 +201,9 @@ class HFCausalLM(nn.Module):
             module = getattr(self, name)
             if module is not None:
                 x = module(x)
-        if positions is None:
+        if self.cp_attention is not None:  # the step gives global positions (step.cp_local_batch)
+            masks, position_ids = {"full_attention": None}, positions.clamp(min=0)
+        elif positions is None:
             position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
             masks = self._masks(x, position_ids)
         else:

@@ -109,3 +109,37 @@ def check_hf_layout(config, *, tp: int) -> None:
             raise ConfigError(
                 f"parallel.tp = {tp} does not divide {key} = {value} of model.hf ({why}); use a tp that divides {value}"
             )
+
+
+# --- context parallel (distributed/context_parallel.py, docs/context-parallel.md) ---------------
+
+CP_ATTENTION = "paratrain_ring"
+
+
+def _ring_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """An attention function in transformers' ``AttentionInterface`` signature: the ring attention
+    (``module.cp_attention``, set by :func:`hf_cp_attention`) over the whole sequence, its
+    document masks from the ``position_ids`` the decoder layers pass every attention (global,
+    restarting at 0 per packed document). Returns ``(B, T, heads, head_dim)`` and no weights."""
+    if dropout:
+        raise ConfigError("parallel.cp > 1 has no attention dropout; set model.args.attention_dropout = 0")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads (repeat_kv)
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    out = module.cp_attention(query, key, value, positions=kwargs.get("position_ids"), scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def hf_cp_attention(model: nn.Module, attention_fn) -> None:
+    """Context parallel for an ``HFCausalLM``: its layers' attention runs through a function
+    registered with transformers' ``AttentionInterface`` (no module is patched). The function is
+    stateless; each attention module carries the ring (its cp group) as ``cp_attention``."""
+    from transformers import AttentionInterface
+
+    if "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
+        raise ConfigError("parallel.cp with sliding-window attention layers is not supported yet; set parallel.cp = 1")
+    AttentionInterface.register(CP_ATTENTION, _ring_attention_forward)
+    model.config._attn_implementation = CP_ATTENTION
+    model.cp_attention = attention_fn
+    for layer in model.layers.values():
+        layer.self_attn.cp_attention = attention_fn
