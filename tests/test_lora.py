@@ -194,3 +194,100 @@ def test_ddp_and_fsdp2_give_the_one_process_lora_losses(tmp_path):
                 torch.testing.assert_close(value, ref_final[key], rtol=tol, atol=1e-6)
             else:  # frozen: bitwise the one-process run's, which kept its initial values
                 assert torch.equal(value, ref_final[key]), f"{name}: base weight {key} differs"
+
+
+# ----------------------------------------------------------------------------- adapter-only checkpoints
+
+
+def _checkpoint_keys(path: str) -> list[str]:
+    from paratrain.checkpoint import load_metadata
+
+    return sorted(load_metadata(path).state_dict_metadata)
+
+
+def test_lora_checkpoint_holds_adapters_and_resumes_on_its_base_only(tmp_path):
+    """A LoRA checkpoint holds the adapters, their optimiser state and the run state, with the base's
+    hash in the manifest; resumed, the run continues bitwise; on another base it is refused (one line,
+    both hashes) and nothing is written."""
+    import json
+
+    from paratrain.models.hf.weights import file_tensors
+    from paratrain.models.lora import weights_sha256
+
+    hf_dir = save_tiny("llama", str(tmp_path / "llama"))
+    other = save_tiny("llama", str(tmp_path / "other"), seed=1)
+    # AdamW (the default): the optimiser has state to save.
+    run = [f"model.hf='{hf_dir}'", *LORA, *DATA, "batch.global_batch_size=8", "run.steps=4", *SGD[-2:]]
+    a = str(tmp_path / "a")
+    paratrain.train(load_config(None, [*run, f"run.out_dir='{a}'", "checkpoint.interval=2", "checkpoint.keep=0"]))
+    ckpt = f"{a}/checkpoints/step-2"
+    keys = _checkpoint_keys(ckpt)
+    model_keys = [k for k in keys if k.startswith("model.")]
+    optim_keys = [k for k in keys if k.startswith("optim.state.")]
+    assert model_keys and all(is_adapter_param(k) for k in model_keys), model_keys
+    assert optim_keys and all(is_adapter_param(k) for k in optim_keys), optim_keys
+    assert any(k.startswith("train_state.") for k in keys)
+    with open(f"{ckpt}/manifest.json") as f:
+        base = json.load(f)["base"]
+    assert base["sha256"] == weights_sha256(file_tensors(weight_files(hf_dir))), base
+
+    b = str(tmp_path / "b")
+    paratrain.train(load_config(None, [*run, f"run.out_dir='{b}'", f"checkpoint.resume='{ckpt}'"]))
+    ref, resumed = read_metrics(a), read_metrics(b)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in resumed] == [r[key] for r in ref[2:]], key
+
+    before = {n: os.path.getmtime(f"{ckpt}/{n}") for n in os.listdir(ckpt)}
+    c = str(tmp_path / "c")
+    with pytest.raises(ConfigError) as e:
+        paratrain.train(
+            load_config(None, [*run, f"model.hf='{other}'", f"run.out_dir='{c}'", f"checkpoint.resume='{ckpt}'"])
+        )
+    line = str(e.value)
+    theirs = weights_sha256(file_tensors(weight_files(other)))
+    assert "\n" not in line and base["sha256"] in line and theirs in line, line
+    assert {n: os.path.getmtime(f"{ckpt}/{n}") for n in os.listdir(ckpt)} == before
+    assert not os.path.exists(f"{c}/metrics.jsonl") and not os.path.exists(f"{c}/checkpoints")
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_resumes_across_ddp_fsdp2_and_world_sizes(tmp_path):
+    """An adapter-only checkpoint written by DDP resumes under FSDP2 and back, and at world 1: steps
+    3 and 4 give the uninterrupted one-process run's losses and grad_norm (1e-4). SGD with momentum,
+    so the optimiser state (the adapters' momentum buffers) is resharded too."""
+    from tests.test_hf import train_layouts
+
+    root = str(tmp_path)
+    save_tiny("llama", f"{root}/llama")
+    run = [
+        f"model.hf='{root}/llama'",
+        *LORA,
+        *DATA,
+        "batch.global_batch_size=8",
+        "run.steps=4",
+        *SGD,
+        "optim.beta1=0.9",
+        "checkpoint.keep=0",
+    ]
+    ddp, fsdp = ["parallel.dp_replicate=2", "batch.micro_batch_size=2"], ["parallel.dp_shard=2"]
+    step2 = "checkpoints/step-2"
+    paratrain.train(load_config(None, [*run, f"run.out_dir='{root}/ref'"]))
+    world2 = {
+        "ddp": [*run, *ddp, "checkpoint.interval=2"],
+        "fsdp": [*run, *fsdp, "checkpoint.interval=2"],
+        "fsdp_from_ddp": [*run, *fsdp, f"checkpoint.resume='{root}/ddp/{step2}'"],
+        "ddp_from_fsdp": [*run, *ddp, f"checkpoint.resume='{root}/fsdp/{step2}'"],
+    }
+    run_ranks(train_layouts, 2, world2, root, timeout=900)
+    paratrain.train(
+        load_config(None, [*run, f"run.out_dir='{root}/one_from_fsdp'", f"checkpoint.resume='{root}/fsdp/{step2}'"])
+    )
+    ref = read_metrics(f"{root}/ref")[2:]
+    for name in ("fsdp_from_ddp", "ddp_from_fsdp", "one_from_fsdp"):
+        rows = read_metrics(f"{root}/{name}")
+        assert [r["step"] for r in rows] == [3, 4], name
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(
+                [r[key] for r in rows], [r[key] for r in ref], rtol=1e-4, atol=0, msg=lambda m: f"{name} {key}: {m}"
+            )

@@ -38,9 +38,9 @@ from paratrain.distributed.process_group import DistContext, close_distributed, 
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.evaluate import Evaluator, eval_due
 from paratrain.loss import Loss, build_loss
-from paratrain.models import build, spec_of
+from paratrain.models import build, lora_base, spec_of
 from paratrain.models.hf import export_hf
-from paratrain.models.lora import apply_lora, trainable_parameters
+from paratrain.models.lora import apply_lora, is_adapter_param, trainable_parameters
 from paratrain.models.spec import ModelSpec
 from paratrain.observability.events import EventLog, process_start_time
 from paratrain.observability.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
@@ -273,9 +273,11 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     log.info("paratrain: world %d on %s | %s", ctx.world_size, ctx.device, dims.describe())
     log.info("batch: %s (per rank %d)", plan.describe(), plan.per_rank_batch_size)
     log.info("model: %.2fM parameters | data: %s", n_params / 1e6, json.dumps(data_info))
+    base = None  # a LoRA run's frozen base, hashed whole before any parallelism (its checkpoints hold adapters only)
     if cfg.model.lora.enabled:
         trainable, _ = trainable_parameters(model)
         log.info("lora: %d trainable parameters (%.3f%%), the rest frozen", trainable, 100 * trainable / n_params)
+        base = lora_base(cfg.model, model) if ctx.is_main else None
 
     # Communication and hardware: precision, MFU, the parallelisms, gradient compression.
     precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.dp_shard > 1)
@@ -333,6 +335,8 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         world_size=ctx.world_size,
         device=ctx.device,
         stateful={"grad_scaler": precision.scaler, "powersgd": compression.checkpoint},
+        base=base,
+        model_keys=is_adapter_param if cfg.model.lora.enabled else None,
     )
     preemption = Preemption(grace_s=cfg.checkpoint.preempt_grace_s)
     t0 = time.perf_counter()

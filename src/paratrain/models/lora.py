@@ -21,7 +21,9 @@ names back to the base model's (``q_proj.base_layer.weight`` -> ``q_proj.weight`
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -42,6 +44,25 @@ def adapter_base_name(name: str) -> str:
 def is_adapter_param(name: str) -> bool:
     """Whether ``name`` is a parameter LoRA trains (an adapter, or a modules_to_save copy)."""
     return ".lora_" in f".{name}" or ".modules_to_save." in f".{name}"
+
+
+def weights_sha256(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over each tensor's name, dtype, shape and bytes, in the order given (callers sort by
+    name): the identity of a LoRA run's frozen base, written into its checkpoints' manifests."""
+    h = hashlib.sha256()
+    for name, t in tensors:
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def frozen_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The frozen parameters of an adapted model under the base model's names, sorted by name."""
+    return sorted(
+        ((adapter_base_name(n), p) for n, p in model.named_parameters() if not p.requires_grad),
+        key=lambda item: item[0],
+    )
 
 
 def import_peft():
