@@ -291,3 +291,86 @@ def test_lora_checkpoint_resumes_across_ddp_fsdp2_and_world_sizes(tmp_path):
             torch.testing.assert_close(
                 [r[key] for r in rows], [r[key] for r in ref], rtol=1e-4, atol=0, msg=lambda m: f"{name} {key}: {m}"
             )
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def test_export_peft_and_merged_give_paratrains_logits(tmp_path, capsys):
+    """``export --peft``: PEFT's own PeftModel.from_pretrained loads the directory with no missing or
+    unexpected adapter key and gives paratrain's logits (1e-5); ``--hf --merge``: transformers'
+    from_pretrained gives them within 1e-4. --peft/--merge of a checkpoint without adapters, and
+    --hf alone of one with adapters, are one line each (exit 2)."""
+    import dataclasses
+    import warnings
+
+    from peft import PeftModel
+    from peft.utils import set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from paratrain.cli import main as cli_main
+    from paratrain.config import LoraConfig
+    from paratrain.models import build_model
+
+    hf_dir = save_tiny("llama", str(tmp_path / "llama"))
+    out = str(tmp_path / "run")
+    over = [f"model.hf='{hf_dir}'", *LORA, *DATA, "batch.global_batch_size=16", "run.steps=3", "checkpoint.at_end=true"]
+    cfg = load_config(None, [*over, *SGD, f"run.out_dir='{out}'"])
+    paratrain.train(cfg)
+    ckpt = f"{out}/checkpoints/step-3"
+
+    # paratrain's own forward of the trained model (its final weights, adapters included)
+    torch.manual_seed(cfg.run.seed)
+    model, spec = build(cfg.model)
+    spec.materialize(model, device=torch.device("cpu"))
+    model.load_state_dict(load_file(f"{out}/model.safetensors"))
+    ds = build_dataset(cfg.data)
+    x = torch.stack([ds[i][0] for i in range(len(ds))])
+    with torch.no_grad():
+        ours = model(x)
+
+    assert cli_main(["export", ckpt, "--peft", str(tmp_path / "peft")]) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir), str(tmp_path / "peft"))
+    assert not [w for w in caught if "keys" in str(w.message)], [str(w.message) for w in caught]
+    result = set_peft_model_state_dict(peft_model, load_file(str(tmp_path / "peft/adapter_model.safetensors")))
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert not [k for k in result.missing_keys if is_adapter_param(k)], result.missing_keys
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=x).logits, ours, rtol=1e-5, atol=1e-5)
+
+    assert cli_main(["export", ckpt, "--hf", str(tmp_path / "merged"), "--merge"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert not any("lora" in n or "modules_to_save" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=x).logits, ours, rtol=1e-4, atol=1e-4)
+
+    # The GPT: PEFT wraps the plain module; its base is the seed's init.
+    gpt = ["model.args={n_layer = 1, n_head = 2, d_model = 16, vocab_size = 128, block_size = 16}", *DATA]
+    gpt_lora = ["model.lora.target_modules='all-linear'", "model.lora.modules_to_save=['norm']"]
+    gcfg = load_config(None, [*gpt, *gpt_lora, "run.steps=2", "checkpoint.at_end=true", *SGD, f"run.out_dir='{out}g'"])
+    paratrain.train(gcfg)
+    assert cli_main(["export", f"{out}g/checkpoints/step-2", "--peft", str(tmp_path / "gpeft")]) == 0
+    ours = build_model(gcfg.model)
+    ours.load_state_dict(load_file(f"{out}g/model.safetensors"))
+    torch.manual_seed(gcfg.run.seed)
+    base = build_model(dataclasses.replace(gcfg.model, lora=LoraConfig()))
+    peft_gpt = PeftModel.from_pretrained(base, str(tmp_path / "gpeft"))
+    with torch.no_grad():
+        torch.testing.assert_close(peft_gpt(x), ours(x), rtol=1e-5, atol=1e-5)
+
+    full = str(tmp_path / "full")
+    paratrain.train(load_config(None, [*gpt, "run.steps=1", "checkpoint.at_end=true", *SGD, f"run.out_dir='{full}'"]))
+    capsys.readouterr()
+    for argv, needle in (
+        (["--peft", str(tmp_path / "x")], "is not of a LoRA run"),
+        (["--hf", str(tmp_path / "x"), "--merge"], "is not of a LoRA run"),
+        (["--to", str(tmp_path / "x.safetensors"), "--merge"], "--merge goes with --hf DIR"),
+    ):
+        assert cli_main(["export", f"{full}/checkpoints/step-1", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err, err
+    assert cli_main(["export", ckpt, "--hf", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds LoRA adapters only" in err and "--merge" in err and "\n" not in err, err

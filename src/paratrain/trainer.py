@@ -520,7 +520,9 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
         if cfg.model.hf and ctx.is_main and not cfg.model.lora.enabled:  # the transformers format too
             export_hf(sd, model_cfg=cfg.model, out_dir=os.path.join(out_dir, "hf"))
         elif cfg.model.hf and ctx.is_main:
-            log.info("lora: weights with their adapters in model.safetensors; no hf/ export of a LoRA run yet")
+            log.info(
+                "lora: weights with their adapters in model.safetensors; paratrain export CKPT --peft/--hf --merge"
+            )
     run.writer.finish(summary)  # trackers get the summary and close
     if ctx.is_main:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:

@@ -92,4 +92,14 @@ def spec_of(cfg: ModelConfig, model: nn.Module | None = None) -> ModelSpec:
     return default_spec(cfg.factory, model_builder(cfg)[0])
 
 
-__all__ = ["GPT", "GPTConfig", "ModelSpec", "build", "build_gpt", "build_model", "lora_base", "spec_of", "BUILTIN_MODELS"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "ModelSpec",
+    "build",
+    "build_gpt",
+    "build_model",
+    "lora_base",
+    "spec_of",
+    "BUILTIN_MODELS",
+]
