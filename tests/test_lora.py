@@ -374,3 +374,61 @@ def test_export_peft_and_merged_give_paratrains_logits(tmp_path, capsys):
     assert cli_main(["export", ckpt, "--hf", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds LoRA adapters only" in err and "--merge" in err and "\n" not in err, err
+
+
+# ----------------------------------------------------------------------------- plan and find-batch
+
+
+def test_plan_and_find_batch_know_frozen_weights_hold_no_gradient_nor_optimiser_state():
+    """The planner's state bound is below full fine-tuning's by exactly the frozen weights' gradient
+    and AdamW moments (12 bytes each) less the adapters' own (16 bytes each); the fake-tensor
+    estimate of find-batch --estimate and plan by about that (the adapters' activations take a
+    little back); the cost model's gradient reduction and optimiser step shrink to the trained share."""
+    import dataclasses
+
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.plan import get_profile
+    from paratrain.plan.cost import ModelStats, step_cost
+    from paratrain.plan.enumerate import Layout, meta_model
+    from paratrain.plan.memory import MemoryModel, estimate_layout_peak
+
+    torch.set_num_threads(1)
+    base = [
+        "model.args={n_layer = 2, n_head = 4, d_model = 64, vocab_size = 256, block_size = 16}",
+        "data.factory='tests.toy:toy_lm'",
+        "data.args={n = 16, seq_len = 16, vocab = 256}",
+        "batch.global_batch_size=2",
+        "batch.micro_batch_size=2",
+    ]
+    full = load_config(None, base)
+    lora = load_config(None, [*base, "model.lora.target_modules=['q_proj', 'v_proj']", "model.lora.r=4"])
+    model = meta_model(lora)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert 0 < trained < frozen / 20
+    expected = 12 * frozen - 16 * trained
+
+    for layout in (Layout(1, 1, 1, 1, 2), Layout(1, 1, 1, 2, 1)):  # whole, and a pipeline rank's blocks
+        bound_full = MemoryModel(full, model=meta_model(full)).lower_bound(layout)
+        bound_lora = MemoryModel(lora, model=model).lower_bound(layout)
+        if layout.pp == 1:
+            assert bound_full - bound_lora == expected
+        else:
+            assert bound_lora < bound_full / 2
+
+    dims = ParallelDims(1, 1, 1, 1, 1)
+    gap = estimate_layout_peak(full, dims, 2) - estimate_layout_peak(lora, dims, 2)
+    assert 0.9 * expected < gap <= expected, (gap, expected)
+
+    hw = get_profile("h100-sxm")
+    full, lora = (
+        dataclasses.replace(c, batch=dataclasses.replace(c.batch, global_batch_size=16)) for c in (full, lora)
+    )
+    stats_full, stats_lora = ModelStats.of(meta_model(full), full), ModelStats.of(model, lora)
+    assert stats_lora.trained == pytest.approx(trained / (trained + frozen))
+    for layout, term in ((Layout(8, 1, 1, 1, 1), "dp_grad_reduce"), (Layout(1, 8, 1, 1, 1), "fsdp_comm")):
+        c_full = step_cost(layout, cfg=full, stats=stats_full, hw=hw, ranks_per_node=8).terms
+        c_lora = step_cost(layout, cfg=lora, stats=stats_lora, hw=hw, ranks_per_node=8).terms
+        assert c_lora[term] < c_full[term], term
+        share = max(stats_lora.trained, stats_lora.trained_tensors)
+        assert c_lora["optimizer"] <= c_full["optimizer"] * share * 1.05, (c_lora["optimizer"], c_full["optimizer"])

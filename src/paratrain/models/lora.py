@@ -21,12 +21,14 @@ names back to the base model's (``q_proj.base_layer.weight`` -> ``q_proj.weight`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from paratrain.config import ConfigError, LoraConfig
 
@@ -115,8 +117,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, exclude: tuple[str, ...] = 
     """
     peft = import_peft()
     config = peft_lora_config(cfg, exclude=exclude)
+    fake = any(is_fake(p) for p in model.parameters())
     try:
-        peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        with _adapters_stay_where_made() if fake else contextlib.nullcontext():
+            peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:
         if "not found in the base model" in str(e) or "No modules were targeted" in str(e):
             raise ConfigError(
@@ -137,6 +141,21 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, exclude: tuple[str, ...] = 
     if not trainable:
         raise ConfigError(f"model.lora.target_modules = {cfg.target_modules!r} gave no trainable adapter")
     return _initial_adapters(model, config) if any(p.is_meta for p in model.parameters()) else {}
+
+
+@contextlib.contextmanager
+def _adapters_stay_where_made():
+    """PEFT moves each new adapter to its base layer's device and dtype with ``Module.to``, which
+    cannot convert fake parameters (torch 2.13 swaps a tensor subclass on conversion and refuses
+    one with a weakref, as FakeTensorMode's are). Under the memory estimate's fake mode
+    (batch/measure.py, plan/memory.py) the adapters are made on the base's fake device already:
+    ``Module.to`` is a no-op while PEFT injects them."""
+    original = nn.Module.to
+    nn.Module.to = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        nn.Module.to = original
 
 
 def _is_saved(module: nn.Module) -> bool:
