@@ -139,12 +139,16 @@ def test_bad_lora_input_is_one_line(tmp_path):
         "model.lora.modules_to_save names 'head', which matches no module",
         build_it=True,
     )
-    for degree in ("tp", "pp"):
-        refused(
-            ["model.lora.target_modules='all-linear'", f"parallel.{degree}=2"],
-            f"model.lora with parallel.{degree} = 2 is not supported yet",
-            world=2,
-        )
+    refused(
+        ["model.lora.target_modules='all-linear'", "parallel.pp=2"],
+        "model.lora with parallel.pp = 2 is not supported yet",
+        world=2,
+    )
+    refused(
+        ["model.lora.target_modules='all-linear'", "parallel.tp=2", "parallel.sequence_parallel=true"],
+        "model.lora with parallel.sequence_parallel = true is not supported yet",
+        world=2,
+    )
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -432,3 +436,106 @@ def test_plan_and_find_batch_know_frozen_weights_hold_no_gradient_nor_optimiser_
         assert c_lora[term] < c_full[term], term
         share = max(stats_lora.trained, stats_lora.trained_tensors)
         assert c_lora["optimizer"] <= c_full["optimizer"] * share * 1.05, (c_lora["optimizer"], c_full["optimizer"])
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+@pytest.mark.slow
+def test_tensor_parallel_lora_gives_the_one_process_losses(tmp_path):
+    """parallel.tp = 2: the adapters split to follow their base layer (colwise base: B colwise, A
+    replicated; rowwise base: A rowwise, B replicated); losses and grad_norm (plain SGD) within 1e-4
+    of one process, base weights bitwise the one-process run's, for a Llama and the GPT."""
+    from tests.test_hf import train_layouts
+
+    root = str(tmp_path)
+    save_tiny("llama", f"{root}/llama")
+    common = [*DATA, "batch.global_batch_size=8", "run.steps=3", *SGD]
+    runs = {
+        "llama": [
+            *common,
+            f"model.hf='{root}/llama'",
+            "model.lora.r=4",
+            "model.lora.alpha=8",
+            "model.lora.target_modules=['q_proj', 'v_proj', 'o_proj', 'mlp.*_proj']",
+        ],
+        "gpt": [
+            *common,
+            "model.args={n_layer = 2, n_head = 4, d_model = 32, vocab_size = 128, block_size = 16}",
+            "model.lora.target_modules='all-linear'",
+            "model.lora.modules_to_save=['norm']",
+        ],
+    }
+    for name, over in runs.items():
+        paratrain.train(load_config(None, [*over, f"run.out_dir='{root}/{name}_ref'"]))
+    world2 = {f"{n}_tp": [*o, "parallel.tp=2"] for n, o in runs.items()}
+    run_ranks(train_layouts, 2, world2, root, timeout=900)
+    for run in world2:
+        name = run.split("_")[0]
+        ref, rows = read_metrics(f"{root}/{name}_ref"), read_metrics(f"{root}/{run}")
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(
+                [r[key] for r in rows], [r[key] for r in ref], rtol=1e-4, atol=0, msg=lambda m: f"{run} {key}: {m}"
+            )
+        final, ref_final = (load_file(f"{root}/{k}/model.safetensors") for k in (run, f"{name}_ref"))
+        assert final.keys() == ref_final.keys()
+        for key, value in final.items():
+            if is_adapter_param(key):
+                torch.testing.assert_close(value, ref_final[key], rtol=1e-4, atol=1e-6)
+            else:
+                assert torch.equal(value, ref_final[key]), f"{name}: base weight {key} differs"
+
+
+def test_tensor_parallel_plan_splits_each_adapter_like_its_base():
+    """The GPT's Megatron plan around PEFT's wrappers: the base layer keeps its style; a colwise
+    base's B is colwise (A replicated), a rowwise base's A rowwise (B replicated); modules_to_save's
+    two copies take the wrapper's style."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from paratrain.distributed.tensor_parallel import styles_around_adapters
+    from paratrain.models.gpt.parallel import gpt_tp_plan
+
+    cfg = load_config(
+        None,
+        [
+            "model.args={n_layer = 1, n_head = 2, d_model = 16}",
+            "model.lora.target_modules='all-linear'",
+            "model.lora.modules_to_save=['norm']",
+        ],
+    )
+    model, _ = build(cfg.model)
+    styles = styles_around_adapters(model, gpt_tp_plan(model, sequence_parallel=True, loss_parallel=False))
+    p = "layers.0."
+    assert type(styles[p + "attn.q_proj.base_layer"]) is ColwiseParallel
+    assert type(styles[p + "attn.q_proj.lora_B.default"]) is ColwiseParallel
+    assert p + "attn.q_proj.lora_A.default" not in styles and p + "attn.q_proj" not in styles
+    rowwise = styles[p + "attn.o_proj.lora_A.default"]
+    assert (
+        type(rowwise) is RowwiseParallel
+        and rowwise.output_layouts == styles[p + "attn.o_proj.base_layer"].output_layouts
+    )
+    assert p + "attn.o_proj.lora_B.default" not in styles
+    assert type(styles["norm.original_module"]) is SequenceParallel
+    assert type(styles["norm.modules_to_save.default"]) is SequenceParallel
+
+
+@pytest.mark.slow
+def test_fsdp2_x_tensor_parallel_lora_gives_the_one_process_losses(tmp_path):
+    """dp_shard = 2 x tp = 2 at world 4 (the GPT): losses and grad_norm within 1e-4 of one process."""
+    from tests.test_hf import train_layouts
+
+    root = str(tmp_path)
+    gpt = [
+        *DATA,
+        "batch.global_batch_size=8",
+        "run.steps=3",
+        *SGD,
+        "model.args={n_layer = 2, n_head = 4, d_model = 32, vocab_size = 128, block_size = 16}",
+        "model.lora.target_modules='all-linear'",
+        "model.lora.modules_to_save=['norm']",
+    ]
+    paratrain.train(load_config(None, [*gpt, f"run.out_dir='{root}/ref'"]))
+    run_ranks(train_layouts, 4, {"fsdp_tp": [*gpt, "parallel.dp_shard=2", "parallel.tp=2"]}, root, timeout=900)
+    ref, rows = read_metrics(f"{root}/ref"), read_metrics(f"{root}/fsdp_tp")
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in rows], [r[key] for r in ref], rtol=1e-4, atol=0, msg=key)
