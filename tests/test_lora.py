@@ -140,11 +140,6 @@ def test_bad_lora_input_is_one_line(tmp_path):
         build_it=True,
     )
     refused(
-        ["model.lora.target_modules='all-linear'", "parallel.pp=2"],
-        "model.lora with parallel.pp = 2 is not supported yet",
-        world=2,
-    )
-    refused(
         ["model.lora.target_modules='all-linear'", "parallel.tp=2", "parallel.sequence_parallel=true"],
         "model.lora with parallel.sequence_parallel = true is not supported yet",
         world=2,
@@ -539,3 +534,48 @@ def test_fsdp2_x_tensor_parallel_lora_gives_the_one_process_losses(tmp_path):
     ref, rows = read_metrics(f"{root}/ref"), read_metrics(f"{root}/fsdp_tp")
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close([r[key] for r in rows], [r[key] for r in ref], rtol=1e-4, atol=0, msg=key)
+
+
+# ----------------------------------------------------------------------------- pipeline parallel
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_lora_gives_the_one_process_losses(tmp_path):
+    """pp = 2 (1F1B, 2 pipeline micro-batches): the adapters stay with their layers (the split keeps
+    the module tree), a Llama's lm_head copy (modules_to_save) on the last stage; losses and
+    grad_norm within 1e-4 of one process, base weights bitwise the one-process run's."""
+    from tests.test_hf import train_layouts
+
+    root = str(tmp_path)
+    save_tiny("llama", f"{root}/llama")
+    common = [*DATA, "batch.global_batch_size=8", "run.steps=3", *SGD]
+    runs = {
+        "llama": [
+            *common,
+            f"model.hf='{root}/llama'",
+            "model.lora.r=4",
+            "model.lora.target_modules=['q_proj', 'v_proj', 'o_proj', 'mlp.*_proj']",
+            "model.lora.modules_to_save=['lm_head']",
+        ],
+        "gpt": [
+            *common,
+            "model.args={n_layer = 2, n_head = 4, d_model = 32, vocab_size = 128, block_size = 16}",
+            "model.lora.target_modules='all-linear'",
+            "model.lora.modules_to_save=['norm']",
+        ],
+    }
+    for name, over in runs.items():
+        paratrain.train(load_config(None, [*over, f"run.out_dir='{root}/{name}_ref'"]))
+    world2 = {f"{n}_pp": [*o, "parallel.pp=2", "batch.micro_batch_size=4"] for n, o in runs.items()}
+    run_ranks(train_layouts, 2, world2, root, timeout=900)
+    for name in runs:
+        ref, rows = read_metrics(f"{root}/{name}_ref"), read_metrics(f"{root}/{name}_pp")
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(
+                [r[key] for r in rows], [r[key] for r in ref], rtol=1e-4, atol=0, msg=lambda m: f"{name} {key}: {m}"
+            )
+        final, ref_final = (load_file(f"{root}/{name}_{k}/model.safetensors") for k in ("pp", "ref"))
+        assert final.keys() == ref_final.keys()
+        for key, value in final.items():
+            if not is_adapter_param(key):
+                assert torch.equal(value, ref_final[key]), f"{name}: base weight {key} differs"

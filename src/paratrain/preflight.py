@@ -172,11 +172,6 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
     lora = cfg.model.lora
     if lora.enabled:
         import_peft()
-        if dims.pp > 1:
-            raise ConfigError(
-                f"model.lora with parallel.pp = {dims.pp} is not supported yet; train the adapters with"
-                " parallel.dp_replicate, parallel.dp_shard or parallel.tp and parallel.pp = 1"
-            )
         if dims.tp > 1 and cfg.parallel.sequence_parallel:
             # Under sequence parallel a block's linear layers see DTensor inputs, which the
             # replicated half of an adapter (a plain module) cannot take (docs/lora.md).
