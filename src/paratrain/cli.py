@@ -325,13 +325,24 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hf", metavar="DIR", help="output directory in transformers format (runs with model.hf): from_pretrained(DIR)"
     )
+    p.add_argument(
+        "--peft", metavar="DIR", help="a LoRA run's adapters as a PEFT directory: PeftModel.from_pretrained(base, DIR)"
+    )
+    p.add_argument("--merge", action="store_true", help="with --hf: a LoRA run's adapters merged into the base")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from paratrain.checkpoint import export_safetensors  # lazy: see the module docstring
 
-    if bool(args.to) == bool(args.hf):
-        raise ConfigError("paratrain export needs exactly one of --to FILE (safetensors) or --hf DIR (transformers)")
+    if sum(map(bool, (args.to, args.hf, args.peft))) != 1:
+        raise ConfigError(
+            "paratrain export needs exactly one of --to FILE (safetensors), --hf DIR (transformers) or --peft DIR"
+            " (a LoRA run's adapters)"
+        )
+    if args.merge and not args.hf:
+        raise ConfigError("export --merge goes with --hf DIR (the merged model in transformers format)")
+    if args.peft or args.merge:
+        return export_lora(args.checkpoint, peft=args.peft, merged=args.hf)
     if args.hf:
         return export_hf_dir(args.checkpoint, args.hf)
     info = export_safetensors(args.checkpoint, args.to)
@@ -339,6 +350,34 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"exported {info['tensors']} tensors ({info['parameters'] / 1e6:.2f}M parameters) of step"
         f" {info['step']} from {info['path']} to {args.to}"
     )
+    return 0
+
+
+def export_lora(checkpoint: str, *, peft: str | None, merged: str | None) -> int:
+    """A LoRA checkpoint's adapters -> a PEFT adapter directory, or merged into the base (docs/lora.md)."""
+    from paratrain.checkpoint import read_model_weights  # lazy: see the module docstring
+    from paratrain.checkpoint.manifest import CONFIG_FILE  # lazy: see the module docstring
+    from paratrain.models.lora_export import adapters_of, export_merged, export_peft  # lazy: see the module docstring
+
+    weights, manifest, path = read_model_weights(checkpoint)
+    cfg = load_config(os.path.join(path, CONFIG_FILE))
+    flag = "--peft" if peft else "--merge"
+    if not cfg.model.lora.enabled:
+        raise ConfigError(
+            f"export {flag}: checkpoint {path} is not of a LoRA run (no [model.lora] in its config.toml);"
+            " export it with --to FILE or --hf DIR"
+        )
+    adapters = adapters_of(weights, path=path, flag=flag)
+    if peft:
+        n = export_peft(adapters, model_cfg=cfg.model, out_dir=peft)
+        print(f"exported {n} adapter tensors of step {manifest['step']} from {path} to {peft} (PEFT adapter)")
+        return 0
+    if not cfg.model.hf:
+        raise ConfigError(
+            f"export --merge: checkpoint {path} is not of a model.hf run; export its adapters with --peft DIR"
+        )
+    export_merged(adapters, model_cfg=cfg.model, out_dir=merged, base=manifest.get("base"))
+    print(f"exported the base with {len(adapters)} adapter tensors of step {manifest['step']} merged to {merged}")
     return 0
 
 
@@ -350,6 +389,11 @@ def export_hf_dir(checkpoint: str, out_dir: str) -> int:
 
     weights, manifest, path = read_model_weights(checkpoint)
     cfg = load_config(os.path.join(path, CONFIG_FILE))  # the run's resolved config, saved with the checkpoint
+    if cfg.model.lora.enabled:
+        raise ConfigError(
+            f"checkpoint {path} holds LoRA adapters only, not the full model: export --hf DIR --merge writes the"
+            " base with the adapters merged in, --peft DIR the adapters"
+        )
     if not cfg.model.hf:
         raise ConfigError(
             f"checkpoint {path} is not of a model.hf run (no transformers config to export with); use --to FILE"

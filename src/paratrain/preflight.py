@@ -175,12 +175,13 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
     lora = cfg.model.lora
     if lora.enabled:
         import_peft()
-        for degree, value in (("tp", dims.tp), ("pp", dims.pp)):
-            if value > 1:
-                raise ConfigError(
-                    f"model.lora with parallel.{degree} = {value} is not supported yet; train the adapters with"
-                    f" parallel.dp_replicate or parallel.dp_shard and parallel.{degree} = 1"
-                )
+        if dims.tp > 1 and cfg.parallel.sequence_parallel:
+            # Under sequence parallel a block's linear layers see DTensor inputs, which the
+            # replicated half of an adapter (a plain module) cannot take (docs/lora.md).
+            raise ConfigError(
+                "model.lora with parallel.sequence_parallel = true is not supported yet; set"
+                " parallel.sequence_parallel = false (tensor parallel itself is supported)"
+            )
     if cfg.model.args.get("moe") is not None and not (cfg.model.hf or cfg.model.factory):
         check_moe_combinations(cfg, dims)
     if dims.pp > 1:

@@ -39,9 +39,9 @@ from paratrain.distributed.process_group import DistContext, close_distributed, 
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.evaluate import Evaluator, eval_due
 from paratrain.loss import Loss, build_loss, router_layers
-from paratrain.models import build, spec_of
+from paratrain.models import build, lora_base, spec_of
 from paratrain.models.hf import export_hf
-from paratrain.models.lora import apply_lora, trainable_parameters
+from paratrain.models.lora import apply_lora, is_adapter_param, trainable_parameters
 from paratrain.models.spec import ModelSpec
 from paratrain.observability.events import EventLog, process_start_time
 from paratrain.observability.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
@@ -292,9 +292,11 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     log.info("paratrain: world %d on %s | %s", ctx.world_size, ctx.device, dims.describe())
     log.info("batch: %s (per rank %d)", plan.describe(), plan.per_rank_batch_size)
     log.info("model: %.2fM parameters | data: %s", n_params / 1e6, json.dumps(data_info))
+    base = None  # a LoRA run's frozen base, hashed whole before any parallelism (its checkpoints hold adapters only)
     if cfg.model.lora.enabled:
         trainable, _ = trainable_parameters(model)
         log.info("lora: %d trainable parameters (%.3f%%), the rest frozen", trainable, 100 * trainable / n_params)
+        base = lora_base(cfg.model, model) if ctx.is_main else None
 
     # Communication and hardware: precision, MFU, the parallelisms, gradient compression.
     precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.fsdp_enabled)
@@ -352,6 +354,8 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         world_size=ctx.world_size,
         device=ctx.device,
         stateful={"grad_scaler": precision.scaler, "powersgd": compression.checkpoint},
+        base=base,
+        model_keys=is_adapter_param if cfg.model.lora.enabled else None,
     )
     preemption = Preemption(grace_s=cfg.checkpoint.preempt_grace_s)
     t0 = time.perf_counter()
@@ -555,7 +559,9 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
         if cfg.model.hf and ctx.is_main and not cfg.model.lora.enabled:  # the transformers format too
             export_hf(sd, model_cfg=cfg.model, out_dir=os.path.join(out_dir, "hf"))
         elif cfg.model.hf and ctx.is_main:
-            log.info("lora: weights with their adapters in model.safetensors; no hf/ export of a LoRA run yet")
+            log.info(
+                "lora: weights with their adapters in model.safetensors; paratrain export CKPT --peft/--hf --merge"
+            )
     run.writer.finish(summary)  # trackers get the summary and close
     if ctx.is_main:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:

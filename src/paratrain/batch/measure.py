@@ -211,6 +211,12 @@ except ImportError:  # pragma: no cover - torch too old for the estimator
 
 if MemTracker is not None:
 
+    class _NoHook:
+        def remove(self) -> None:
+            pass
+
+    _NO_HOOK = _NoHook()
+
     class _StepMemTracker(MemTracker):
         """MemTracker that allows the root module to run several forwards per step.
 
@@ -225,6 +231,14 @@ if MemTracker is not None:
                 if set(self._mod_tracker.parents) - {name} == {"Global"}:
                     self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            # Frozen parameters (LoRA's base, docs/lora.md) get no gradient, and torch refuses a
+            # gradient hook on them: mark them hooked already, with handles that remove nothing.
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                    self._param_to_grad_hook_handles[p] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def peak(self) -> tuple[int, int]:
             """(peak total bytes, gradient bytes at that moment), the largest device."""

@@ -92,8 +92,12 @@ class Checkpointer:
         world_size: int,
         device: torch.device,
         timeout_s: float,
+        base: dict | None = None,
     ):
         self.cfg = cfg
+        # A LoRA run's frozen base ({"sha256", "of"}, rank 0): written into each manifest, and a
+        # checkpoint of adapters trained on another base is refused on resume.
+        self.base = base
         self.root = cfg.dir or os.path.join(out_dir, "checkpoints")
         self.config_toml = config_toml
         self.stateful = {k: v for k, v in stateful.items() if v is not None}
@@ -184,6 +188,7 @@ class Checkpointer:
             "layout": self.layout,
             "torch_version": torch.__version__,
             "time": time.time(),
+            **({"base": self.base} if self.base else {}),
         }
         asynchronous = self.cfg.async_save and not sync
         if asynchronous:
@@ -328,6 +333,7 @@ class Checkpointer:
                     path = resolve_checkpoint(fallback, self.root)
                 choice[0] = {"path": path}
                 if path is not None:
+                    self._check_base(path)
                     self._warn_newer(path)
             except ConfigError as e:
                 choice[0] = {"error": str(e)}
@@ -394,6 +400,20 @@ class Checkpointer:
             self.state.step,
             getattr(self.state, "consumed_samples", -1),
         )
+
+    def _check_base(self, path: str) -> None:
+        """Adapters trained on one base are meaningless on another: refuse, naming both hashes."""
+        if not self.base:
+            return
+        with open(os.path.join(path, MANIFEST)) as f:
+            saved = json.load(f).get("base") or {}
+        if saved.get("sha256") not in (None, self.base["sha256"]):
+            raise ConfigError(
+                f"checkpoint {path} holds adapters trained on base weights sha256 {saved['sha256']}"
+                f" ({saved.get('of', '?')}), but this run's base is sha256 {self.base['sha256']} ({self.base['of']});"
+                " resume with the base it was trained on (its config.toml is in the checkpoint folder) or start a"
+                " new run.out_dir"
+            )
 
     def _warn_newer(self, path: str) -> None:
         """Complete checkpoints newer than the one resumed belong to another trajectory."""
@@ -527,18 +547,22 @@ def build_checkpointer(
     world_size: int,
     device: torch.device,
     stateful: dict | None = None,
+    base: dict | None = None,
+    model_keys=None,
 ) -> Checkpointer:
     """The Checkpointer of a run (``cfg`` is the whole resolved Config, saved with each checkpoint).
 
     ``stateful``: more objects whose state is the same on every rank (e.g. fp16's GradScaler: its
-    overflow check follows the all-reduced gradients); None values are skipped.
+    overflow check follows the all-reduced gradients); None values are skipped. A LoRA run passes
+    ``model_keys`` (the model entries that train: only those are saved) and ``base`` (its frozen
+    base's hash, for the manifest and the check on resume).
     """
     return Checkpointer(
         cfg.checkpoint,
         out_dir=cfg.run.out_dir,
         config_toml=to_toml(cfg),
         stateful={
-            "model": ModelState(model),
+            "model": ModelState(model, keep=model_keys),
             "optim": OptimizerState(model, optimizer),
             "scheduler": scheduler,
             "train_state": DataclassState(state),
@@ -550,4 +574,5 @@ def build_checkpointer(
         world_size=world_size,
         device=device,
         timeout_s=cfg.dist.timeout_s,
+        base=base,
     )

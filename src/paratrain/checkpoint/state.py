@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -74,20 +75,25 @@ def _own_names(sd: dict, model: torch.nn.Module) -> tuple[dict, dict[str, str]]:
 class ModelState(Stateful):
     """The model through DCP's get/set_model_state_dict: names without DDP's ``module.`` prefix
     (nor a pipeline's ``parts.K.``), DTensor shards described by their global shape, so any layout
-    loads into any other."""
+    loads into any other.
 
-    def __init__(self, model: torch.nn.Module):
+    ``keep``: saves only the entries whose name it accepts and loads them into a model whose other
+    entries are already set (a LoRA run: the adapters; its frozen base is read as at start).
+    """
+
+    def __init__(self, model: torch.nn.Module, keep: Callable[[str], bool] | None = None):
         self.model = model
+        self.keep = keep
         self._back: dict[str, str] = {}
 
     def state_dict(self) -> dict:
         sd, self._back = _own_names(get_model_state_dict(self.model), self.model)
-        return sd
+        return {k: v for k, v in sd.items() if self.keep(k)} if self.keep else sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         if self._back:
             state_dict = {self._back[k]: v for k, v in state_dict.items()}
-        set_model_state_dict(self.model, state_dict)
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=self.keep is None))
 
 
 # Flattened (``state.<name>.<key>``, ``param_groups.<name>.<key>``): every value is keyed by a

@@ -98,6 +98,63 @@ def plan_from_table(
     return plan
 
 
+def styles_around_adapters(model: nn.Module, styles: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The plan of a model whose planned linear layers PEFT wrapped in LoRA adapters (docs/lora.md).
+
+    A LoRA layer computes ``base_layer(x) + lora_B(lora_A(x)) * scale``; the plan names the
+    wrapper, whose own parameters live in ``base_layer``, ``lora_A.default``, ``lora_B.default``.
+    The base layer keeps its style and the adapter is split so that its output is laid out like
+    the base's, with no collective of its own beyond the base's kind:
+
+    - colwise base (output features split): ``lora_B`` colwise with the base's input and output
+      layouts, ``lora_A`` replicated (r x in is small; its gradient is all-reduced by ``lora_B``'s
+      input, as a colwise layer's input gradient is);
+    - rowwise base (input features split): ``lora_A`` rowwise with the base's layouts (its r-wide
+      output all-reduced, or reduce-scattered over the sequence), ``lora_B`` replicated.
+
+    ``modules_to_save`` copies (PEFT's ModulesToSaveWrapper: ``original_module`` and
+    ``modules_to_save.default``) both take the wrapper's style. Other entries stay as they are.
+    """
+    modules = dict(model.named_modules())
+    out: dict[str, ParallelStyle] = {}
+    for fqn, style in styles.items():
+        module = modules.get(fqn)
+        if module is not None and hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+            out[f"{fqn}.base_layer"] = style
+            for adapter in module.lora_A:
+                out.update(_adapter_styles(f"{fqn}", adapter, style, fqn))
+        elif module is not None and hasattr(module, "original_module") and hasattr(module, "modules_to_save"):
+            out[f"{fqn}.original_module"] = style
+            for adapter in module.modules_to_save:
+                out[f"{fqn}.modules_to_save.{adapter}"] = style
+        else:
+            out[fqn] = style
+    return out
+
+
+def _adapter_styles(fqn: str, adapter: str, style: ParallelStyle, key: str) -> dict[str, ParallelStyle]:
+    if type(style) is ColwiseParallel:
+        return {
+            f"{fqn}.lora_B.{adapter}": ColwiseParallel(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
+        }
+    if type(style) is RowwiseParallel:
+        return {
+            f"{fqn}.lora_A.{adapter}": RowwiseParallel(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
+        }
+    raise ConfigError(
+        f"model.lora: {key} has tensor-parallel style {type(style).__name__}, which LoRA adapters cannot follow"
+        " yet (colwise or rowwise only); leave it out of model.lora.target_modules or set parallel.tp = 1"
+    )
+
+
 def _check_sequence_divisible(tp: int):
     def hook(module, args):
         x = args[0] if args else None
@@ -170,7 +227,7 @@ def apply_tp(
             f"parallel.tp = {mesh.size()} needs a plan for {type(model).__name__}; set a"
             " [parallel.tp_plan] table or parallel.tp_plan_factory (see the README)"
         )
-    parallelize_module(model, mesh, styles)
+    parallelize_module(model, mesh, styles_around_adapters(model, styles))
     _keep_gradients_sharded(model)
     if sequence_parallel:
         model.register_forward_pre_hook(_check_sequence_divisible(mesh.size()))

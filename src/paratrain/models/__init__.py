@@ -15,8 +15,9 @@ from torch import nn
 
 from paratrain.config import ConfigError, ModelConfig, check_kwargs, resolve_callable
 from paratrain.models.gpt import GPT, GPT_SPEC, GPTConfig, build_gpt
-from paratrain.models.hf import HFCausalLM, build_hf, hf_spec
-from paratrain.models.lora import apply_lora
+from paratrain.models.hf import HFCausalLM, build_hf, hf_spec, weight_files
+from paratrain.models.hf.weights import file_tensors
+from paratrain.models.lora import apply_lora, frozen_tensors, weights_sha256
 from paratrain.models.spec import ModelSpec, default_spec
 
 BUILTIN_SPECS: dict[str, ModelSpec] = {"gpt": GPT_SPEC}
@@ -66,6 +67,17 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return build(cfg)[0]
 
 
+def lora_base(cfg: ModelConfig, model: nn.Module) -> dict:
+    """The identity of a LoRA run's frozen base, for its checkpoints' manifests (docs/lora.md): a
+    sha256 of the full base tensors in name order, the same whatever the layout. A model whose
+    weights are still to be read (``model.hf`` with weights, built on meta) is hashed from its
+    safetensors files' tensors; any other from its frozen parameters as built, before any
+    parallelism (the seed's init)."""
+    if cfg.hf and any(p.is_meta for p in model.parameters()):
+        return {"sha256": weights_sha256(file_tensors(weight_files(cfg.hf))), "of": f"the tensors of {cfg.hf}"}
+    return {"sha256": weights_sha256(frozen_tensors(model)), "of": "the frozen parameters as built from the seed"}
+
+
 def spec_of(cfg: ModelConfig, model: nn.Module | None = None) -> ModelSpec:
     """The spec of a model passed to ``paratrain.train(model=...)``, or of the config's built-in
     model, without building anything (a factory's spec needs :func:`build`)."""
@@ -80,4 +92,14 @@ def spec_of(cfg: ModelConfig, model: nn.Module | None = None) -> ModelSpec:
     return default_spec(cfg.factory, model_builder(cfg)[0])
 
 
-__all__ = ["GPT", "GPTConfig", "ModelSpec", "build", "build_gpt", "build_model", "spec_of", "BUILTIN_MODELS"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "ModelSpec",
+    "build",
+    "build_gpt",
+    "build_model",
+    "lora_base",
+    "spec_of",
+    "BUILTIN_MODELS",
+]

@@ -21,10 +21,14 @@ names back to the base model's (``q_proj.base_layer.weight`` -> ``q_proj.weight`
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from paratrain.config import ConfigError, LoraConfig
 
@@ -42,6 +46,25 @@ def adapter_base_name(name: str) -> str:
 def is_adapter_param(name: str) -> bool:
     """Whether ``name`` is a parameter LoRA trains (an adapter, or a modules_to_save copy)."""
     return ".lora_" in f".{name}" or ".modules_to_save." in f".{name}"
+
+
+def weights_sha256(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over each tensor's name, dtype, shape and bytes, in the order given (callers sort by
+    name): the identity of a LoRA run's frozen base, written into its checkpoints' manifests."""
+    h = hashlib.sha256()
+    for name, t in tensors:
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def frozen_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The frozen parameters of an adapted model under the base model's names, sorted by name."""
+    return sorted(
+        ((adapter_base_name(n), p) for n, p in model.named_parameters() if not p.requires_grad),
+        key=lambda item: item[0],
+    )
 
 
 def import_peft():
@@ -94,8 +117,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, exclude: tuple[str, ...] = 
     """
     peft = import_peft()
     config = peft_lora_config(cfg, exclude=exclude)
+    fake = any(is_fake(p) for p in model.parameters())
     try:
-        peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        with _adapters_stay_where_made() if fake else contextlib.nullcontext():
+            peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:
         if "not found in the base model" in str(e) or "No modules were targeted" in str(e):
             raise ConfigError(
@@ -116,6 +141,21 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, exclude: tuple[str, ...] = 
     if not trainable:
         raise ConfigError(f"model.lora.target_modules = {cfg.target_modules!r} gave no trainable adapter")
     return _initial_adapters(model, config) if any(p.is_meta for p in model.parameters()) else {}
+
+
+@contextlib.contextmanager
+def _adapters_stay_where_made():
+    """PEFT moves each new adapter to its base layer's device and dtype with ``Module.to``, which
+    cannot convert fake parameters (torch 2.13 swaps a tensor subclass on conversion and refuses
+    one with a weakref, as FakeTensorMode's are). Under the memory estimate's fake mode
+    (batch/measure.py, plan/memory.py) the adapters are made on the base's fake device already:
+    ``Module.to`` is a no-op while PEFT injects them."""
+    original = nn.Module.to
+    nn.Module.to = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        nn.Module.to = original
 
 
 def _is_saved(module: nn.Module) -> bool:

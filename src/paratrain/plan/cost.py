@@ -37,6 +37,10 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
   (p-1)/(n+p-1)), ``/v`` for interleaved 1F1B and looped BFS (Narayanan et al. 2021), a further
   third for ZB-1P (interleaved_zb, Qi et al. 2024 report about a third of 1F1B's), and a sixth
   of 1F1B's for the V schedules (zbv, dualpipev: near zero once n >= 2p).
+- A LoRA run (docs/lora.md): frozen weights are gathered like the others but have no gradient to
+  reduce nor optimiser state to update, so the reduce-scatter, DDP's all-reduce and the optimiser
+  step scale with the trained share of parameters (``ModelStats.trained``). The backward's FLOPs
+  are counted as for full training (a frozen linear layer skips its weight gradient: an upper bound).
 - ``pp_p2p``: sends of activations and their gradients between stages, 2 per chunk and micro-batch.
 - ``optimizer``: AdamW is memory-bound: read parameter, gradient and two moments, write three
   (28 bytes per fp32 parameter) plus the gradient-norm read (4), over memory bandwidth (SGD: 24
@@ -121,6 +125,11 @@ class ModelStats:
     tensors: int = 0
     block_tensors: int = 0
     blocks_attr: str = BLOCKS_ATTR
+    # The share of parameters (and of parameter tensors) that train: below 1 with LoRA's frozen
+    # base (docs/lora.md), whose weights are gathered by FSDP but have no gradient to reduce and no
+    # optimiser state to update. Spread evenly over the blocks (LoRA adapts every block alike).
+    trained: float = 1.0
+    trained_tensors: float = 1.0
     _ranks: dict = field(default_factory=dict)
 
     @classmethod
@@ -165,6 +174,8 @@ class ModelStats:
             tensors,
             block_tensors,
             blocks_attr=spec.blocks_attr,
+            trained=sum(p.numel() for p in model.parameters() if p.requires_grad) / max(1, total),
+            trained_tensors=sum(p.requires_grad for p in model.parameters()) / max(1, tensors),
         )
 
     def busiest_rank(self, pp: int, v: int, style: str, cfg: Config) -> tuple[float, int, float]:
@@ -454,11 +465,12 @@ def fsdp_comm_term(r: _Rank, busy_compute: float) -> float:
         ag = hw.collective_s("all_gather", params * gather_bytes, layout.dp_shard, inter=inter)
         rs = 0.0
         if scatter:
-            rs = hw.collective_s("reduce_scatter", params * r.reduce_bytes, layout.dp_shard, inter=inter)
+            grads = params * stats.trained  # frozen parameters are gathered, never reduced
+            rs = hw.collective_s("reduce_scatter", grads * r.reduce_bytes, layout.dp_shard, inter=inter)
             if layout.dp_replicate > 1:
                 inter_r = crosses_nodes(layout.tp * layout.dp_shard, layout.dp_replicate, r.ranks_per_node)
                 rs += hw.collective_s(
-                    "all_reduce", params * r.reduce_bytes / layout.dp_shard, layout.dp_replicate, inter=inter_r
+                    "all_reduce", grads * r.reduce_bytes / layout.dp_shard, layout.dp_replicate, inter=inter_r
                 )
         return ag, rs
 
@@ -483,7 +495,7 @@ def dp_comm_term(r: _Rank, compute: float, recompute: float) -> float:
     if layout.dp_shard > 1 or layout.dp_replicate <= 1:
         return 0.0
     inter = crosses_nodes(layout.tp * layout.dp_shard, layout.dp_replicate, r.ranks_per_node)
-    grad_bytes = r.shard_params * r.reduce_bytes
+    grad_bytes = r.shard_params * r.stats.trained * r.reduce_bytes  # DDP reduces trained parameters only
     ar = r.hw.collective_s("all_reduce", grad_bytes, layout.dp_replicate, inter=inter)
     last_backward = (compute * 2 / 3 + recompute) / max(1, r.n_micro)
     last_bucket = min(1.0, r.cfg.comm.bucket_mb * 2**20 / max(1.0, grad_bytes))
@@ -519,9 +531,12 @@ def optimizer_term(r: _Rank) -> float:
     time per parameter tensor (norm, clipping, AdamW; more on DTensors under FSDP or TP). A
     pipeline rank holds its blocks' tensors and, as for the parameters, half the others."""
     layout, stats, hw = r.layout, r.stats, r.hw
-    t = r.shard_params / layout.dp_shard * optimizer_bytes_per_param(r.cfg) / (hw.hbm_gbps * 1e9 * r.share)
+    # The optimiser holds the trained parameters only (a LoRA run's adapters).
+    trained = r.shard_params * stats.trained
+    t = trained / layout.dp_shard * optimizer_bytes_per_param(r.cfg) / (hw.hbm_gbps * 1e9 * r.share)
     others = stats.tensors - stats.block_tensors * len(stats.block_params)
     rank_tensors = stats.tensors if layout.pp == 1 else stats.block_tensors * r.rank_blocks + others / 2
+    rank_tensors *= stats.trained_tensors
     sharded = layout.dp_shard > 1 or layout.tp > 1
     per_tensor = hw.dtensor_optimizer_tensor_overhead_s if sharded else hw.optimizer_tensor_overhead_s
     return t + rank_tensors * per_tensor / r.share

@@ -218,8 +218,8 @@ class MemoryModel:
         """fp32 parameters, gradients and optimiser state of the model cut to ``blocks`` blocks, split
         tp x dp_shard ways (the bound of :meth:`lower_bound`)."""
         sizes = self._block_sizes()
-        params = sum(p.numel() for p in self.model.parameters()) - sum(sizes[blocks:])
-        return self._per_param() * params / (layout.tp * layout.dp_shard)
+        held = self._state_bytes(self.model.parameters()) - sum(sizes[blocks:])
+        return held / (layout.tp * layout.dp_shard)
 
     def _remember(self, layout: Layout, *, m: int, accumulate: bool) -> None:
         """Keep what an estimated layout holds beyond its states (1 and 2 blocks) at micro-batch ``m``."""
@@ -248,9 +248,13 @@ class MemoryModel:
             return bound
         return int(bound + max(0.0, rest[known[-1]]))
 
-    def _per_param(self) -> int:
+    def _state_bytes(self, params) -> int:
+        """fp32 bytes of ``params`` and, for those that train, their gradients and optimiser state
+        (AdamW's two moments, SGD's momentum buffer). A frozen parameter (LoRA's base, docs/lora.md)
+        has neither: 4 bytes against 8 + 8 under AdamW."""
         o = self.cfg.optim
-        return 8 + (8 if o.name == "adamw" else (4 if o.beta1 > 0 else 0))
+        per_trained = 8 + (8 if o.name == "adamw" else (4 if o.beta1 > 0 else 0))
+        return sum(p.numel() * (per_trained if p.requires_grad else 4) for p in params)
 
     def lower_bound(self, layout: Layout) -> int:
         """Bytes every step certainly holds on the busiest rank: fp32 parameters, gradients and
@@ -259,17 +263,17 @@ class MemoryModel:
         large model: replicas that cannot hold the model)."""
         if self.model is None:
             return 0
-        per_param = self._per_param()
         if layout.pp == 1:
-            params = sum(p.numel() for p in self.model.parameters())
+            held = self._state_bytes(self.model.parameters())
         else:
             sizes = self._block_sizes()
-            params = max(sum(sizes[i] for i in self._rank_blocks(layout, r)) for r in range(layout.pp))
-        return int(per_param * params / (layout.tp * layout.dp_shard))
+            held = max(sum(sizes[i] for i in self._rank_blocks(layout, r)) for r in range(layout.pp))
+        return int(held / (layout.tp * layout.dp_shard))
 
     def _block_sizes(self) -> list[int]:
+        """Each block's state bytes (:meth:`_state_bytes`)."""
         if self._sizes is None:
-            self._sizes = [sum(p.numel() for p in b.parameters()) for _, b in self.spec.blocks(self.model)]
+            self._sizes = [self._state_bytes(b.parameters()) for _, b in self.spec.blocks(self.model)]
         return self._sizes
 
     def peak(self, layout: Layout) -> RankMemory:

@@ -57,6 +57,16 @@ def weight_files(path: str) -> dict[str, str]:
     return names
 
 
+def file_tensors(files: dict[str, str]):
+    """``(name, tensor)`` of every tensor of an HF directory's weight files, sorted by name, one at a
+    time (safetensors maps the files: at most one tensor is in memory)."""
+    handles: dict[str, object] = {}
+    for name in sorted(files):
+        if files[name] not in handles:
+            handles[files[name]] = safe_open(files[name], "pt")
+        yield name, handles[files[name]].get_tensor(name)
+
+
 def _local_slice(p: torch.Tensor) -> tuple[slice, ...] | None:
     """This rank's region of parameter ``p`` in the full tensor (None: the whole of it)."""
     if not isinstance(p, DTensor):
