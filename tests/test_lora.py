@@ -150,8 +150,9 @@ def test_bad_lora_input_is_one_line(tmp_path):
 
 
 def _runs(root: str) -> tuple[dict, dict]:
-    """One-process references and their world-2 layouts: a Llama with weights, and the GPT."""
+    """One-process references and their world-2 layouts: a Llama and a Qwen2 with weights, and the GPT."""
     llama = [f"model.hf='{root}/llama'", *LORA]
+    qwen2 = [f"model.hf='{root}/qwen2'", *LORA]
     gpt = [
         "model.args={n_layer = 2, n_head = 4, d_model = 32, vocab_size = 128, block_size = 16}",
         "model.lora.target_modules='all-linear'",
@@ -159,7 +160,7 @@ def _runs(root: str) -> tuple[dict, dict]:
     ]
     common = [*DATA, "batch.global_batch_size=8", "run.steps=3", *SGD]
     world1, world2 = {}, {}
-    for name, model in (("llama", llama), ("gpt", gpt)):
+    for name, model in (("llama", llama), ("qwen2", qwen2), ("gpt", gpt)):
         world1[f"{name}_ref"] = [*common, *model, "batch.micro_batch_size=8"]
         world2[f"{name}_ddp"] = [*common, *model, "parallel.dp_replicate=2", "batch.micro_batch_size=2"]
         world2[f"{name}_fsdp"] = [*common, *model, "parallel.dp_shard=2", "batch.micro_batch_size=2"]
@@ -174,6 +175,7 @@ def test_ddp_and_fsdp2_give_the_one_process_lora_losses(tmp_path):
 
     root = str(tmp_path)
     save_tiny("llama", f"{root}/llama")
+    save_tiny("qwen2", f"{root}/qwen2")  # q/k/v with biases
     world1, world2 = _runs(root)
     for name, over in world1.items():
         paratrain.train(load_config(None, [*over, f"run.out_dir='{root}/{name}'"]))
@@ -440,20 +442,21 @@ def test_plan_and_find_batch_know_frozen_weights_hold_no_gradient_nor_optimiser_
 def test_tensor_parallel_lora_gives_the_one_process_losses(tmp_path):
     """parallel.tp = 2: the adapters split to follow their base layer (colwise base: B colwise, A
     replicated; rowwise base: A rowwise, B replicated); losses and grad_norm (plain SGD) within 1e-4
-    of one process, base weights bitwise the one-process run's, for a Llama and the GPT."""
+    of one process, base weights bitwise the one-process run's, for a Llama, a Qwen2 and the GPT."""
     from tests.test_hf import train_layouts
 
     root = str(tmp_path)
     save_tiny("llama", f"{root}/llama")
+    save_tiny("qwen2", f"{root}/qwen2")  # colwise q/k/v with biases
     common = [*DATA, "batch.global_batch_size=8", "run.steps=3", *SGD]
+    hf_lora = [
+        "model.lora.r=4",
+        "model.lora.alpha=8",
+        "model.lora.target_modules=['q_proj', 'v_proj', 'o_proj', 'mlp.*_proj']",
+    ]
     runs = {
-        "llama": [
-            *common,
-            f"model.hf='{root}/llama'",
-            "model.lora.r=4",
-            "model.lora.alpha=8",
-            "model.lora.target_modules=['q_proj', 'v_proj', 'o_proj', 'mlp.*_proj']",
-        ],
+        "llama": [*common, f"model.hf='{root}/llama'", *hf_lora],
+        "qwen2": [*common, f"model.hf='{root}/qwen2'", *hf_lora],
         "gpt": [
             *common,
             "model.args={n_layer = 2, n_head = 4, d_model = 32, vocab_size = 128, block_size = 16}",
