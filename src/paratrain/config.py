@@ -208,6 +208,10 @@ class ParallelConfig:
     )
     tp: int = opt(1, "Tensor-parallel degree.")
     pp: int = opt(1, "Pipeline-parallel degree.")
+    ep: int = opt(
+        1,
+        "Expert-parallel degree (docs/moe.md): a mixture-of-experts model's experts are split over groups of ep data-parallel ranks (borrowed from dp, which it must divide, as must model.args.moe.n_experts); tokens travel to their experts by all_to_all.",
+    )
     # --- sharded data parallel, tensor parallel, activation checkpointing (issue 3) ---
     reshard_after_forward: bool = opt(
         True,

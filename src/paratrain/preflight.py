@@ -181,6 +181,10 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
                 )
     if cfg.model.args.get("moe") is not None and not (cfg.model.hf or cfg.model.factory):
         check_moe_combinations(cfg, dims)
+    elif dims.ep > 1:
+        raise ConfigError(
+            "parallel.ep > 1 needs the built-in GPT with a mixture of experts (model.args.moe); set parallel.ep = 1"
+        )
     if dims.pp > 1:
         if cfg.batch.micro_batch_size == "auto":
             raise ConfigError(
@@ -192,7 +196,12 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
 def check_moe_combinations(cfg: Config, dims: ParallelDims) -> None:
     """The built-in GPT's mixture of experts (docs/moe.md) runs with DDP, FSDP2 and accumulation;
     the rest is refused until it is built and tested against one process."""
-    MoEConfig.from_args(cfg.model.args["moe"])  # its own values, before any process starts
+    moe = MoEConfig.from_args(cfg.model.args["moe"])  # its own values, before any process starts
+    if moe.n_experts % dims.ep:
+        raise ConfigError(
+            f"parallel.ep = {dims.ep} does not divide model.args.moe.n_experts = {moe.n_experts};"
+            " use an ep that divides both n_experts and dp"
+        )
     for key, on in (
         (f"parallel.tp = {dims.tp}", dims.tp > 1),
         (f"parallel.pp = {dims.pp}", dims.pp > 1),
