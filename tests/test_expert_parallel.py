@@ -16,7 +16,6 @@ from tests.dist_utils import run_ranks
 from tests.test_moe import MOE_GPT, assert_same_moe_run, make_moe, moe_runs
 
 
-
 def _block_at_ep(n_seq: int, seq: int, seed: int) -> dict:
     """One rank of the MoE block at ep = world size on its share of the sequences."""
     import torch.distributed as dist
@@ -42,7 +41,12 @@ def _block_at_ep(n_seq: int, seq: int, seed: int) -> dict:
                 dist.all_reduce(g)
             grads[n] = g.numpy()  # numpy: a tensor would cross the queue as shared memory the rank frees
         assert set(grads) < set(names) and len(local) < len(names)
-        return {"out": out.detach().numpy(), "x_grad": x.grad.numpy(), "grads": grads, "aux": float(moe.router_stats.aux_sum.detach())}
+        return {
+            "out": out.detach().numpy(),
+            "x_grad": x.grad.numpy(),
+            "grads": grads,
+            "aux": float(moe.router_stats.aux_sum.detach()),
+        }
     finally:
         dist.destroy_process_group()
 
@@ -71,7 +75,9 @@ def test_block_at_ep_2_equals_the_block_at_ep_1():
     seen = set()
     for r in ranks:
         for n, g in r["grads"].items():
-            torch.testing.assert_close(torch.from_numpy(g), dict(moe.named_parameters())[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+            torch.testing.assert_close(
+                torch.from_numpy(g), dict(moe.named_parameters())[n].grad, rtol=1e-5, atol=1e-6, msg=n
+            )
             seen.add(n)
     assert seen == {n for n, _ in moe.named_parameters()}  # every expert is held by one of the ranks
 
@@ -160,6 +166,10 @@ def test_ep_2_checkpoint_resumes_at_ep_1_and_ep_4(tmp_path):
     for name, run in got.items():
         for key in ("loss", "aux_loss", "grad_norm"):
             torch.testing.assert_close(
-                torch.tensor(run[key]), torch.tensor(ref[key][2:]), rtol=1e-5, atol=0, msg=lambda m: f"{name} {key}: {m}"
+                torch.tensor(run[key]),
+                torch.tensor(ref[key][2:]),
+                rtol=1e-5,
+                atol=0,
+                msg=lambda m: f"{name} {key}: {m}",
             )
         assert run["tokens"] == ref["tokens"][2:]

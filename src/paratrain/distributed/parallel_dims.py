@@ -61,14 +61,15 @@ class ParallelDims:
                 f" x pp {self.pp} = {product} != world size {self.world_size}; make the product equal the"
                 f" number of processes (parallel.dp_replicate = -1 fills it)"
             )
-
         if not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
             raise ConfigError(
                 f"parallel.ep = {self.ep} must divide the data-parallel degree dp_replicate x dp_shard = {self.dp}"
                 " (expert-parallel ranks are borrowed from dp); use an ep that divides it"
             )
         if self.ep > 1 and (self.tp > 1 or self.pp > 1):
-            raise ConfigError("parallel.ep > 1 with parallel.tp or parallel.pp > 1 is not supported yet; set parallel.ep = 1")
+            raise ConfigError(
+                "parallel.ep > 1 with parallel.tp or parallel.pp > 1 is not supported yet; set parallel.ep = 1"
+            )
 
     @property
     def dp(self) -> int:

@@ -31,8 +31,8 @@ from paratrain.config import CommConfig, ConfigError, ParallelConfig, PrecisionC
 from paratrain.distributed.activation_checkpoint import apply_ac
 from paratrain.distributed.blocks import BLOCKS_ATTR
 from paratrain.distributed.compile import apply_compile
-from paratrain.distributed.expert_parallel import ExpertGroup, apply_ep
 from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
+from paratrain.distributed.expert_parallel import ExpertGroup, apply_ep
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import apply_pp, is_pipeline_stage
 from paratrain.distributed.tensor_parallel import STYLE_NAMES, apply_tp
