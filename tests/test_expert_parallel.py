@@ -91,6 +91,10 @@ def test_block_at_ep_2_equals_the_block_at_ep_1():
             "parallel.ep = 4 does not divide model.args.moe.n_experts = 6",
         ),
         (["parallel.ep=0"], "parallel.ep = 0 must divide"),
+        (
+            ["parallel.dp_shard=4", "parallel.ep=2", "precision.dtype='bf16'"],
+            "precision.dtype = 'bf16' is not supported yet",
+        ),
     ],
 )
 def test_bad_ep_is_one_line(overrides, match):
@@ -138,6 +142,8 @@ def test_ep_at_world_2_equals_one_process(tmp_path, reference):
     runs = {
         "ep2_ddp_acc2": ["parallel.ep=2", "batch.micro_batch_size=2"],
         "ep2_fsdp": ["parallel.ep=2", "parallel.dp_shard=2", "batch.micro_batch_size=4"],
+        # The recomputation replays the all_to_alls, in the same order on both ranks.
+        "ep2_ddp_ac": ["parallel.ep=2", "batch.micro_batch_size=4", "parallel.activation_checkpointing='full'"],
     }
     _check(moe_runs(tmp_path, 2, runs), reference)
 

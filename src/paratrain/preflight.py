@@ -202,6 +202,12 @@ def check_moe_combinations(cfg: Config, dims: ParallelDims) -> None:
             f"parallel.ep = {dims.ep} does not divide model.args.moe.n_experts = {moe.n_experts};"
             " use an ep that divides both n_experts and dp"
         )
+    if dims.ep > 1 and dims.dp_shard > 1 and cfg.precision.dtype != "fp32":
+        # FSDP2's mixed precision casts the weights it shards, not the expert weights it ignores.
+        raise ConfigError(
+            f"parallel.ep > 1 with parallel.dp_shard > 1 and precision.dtype = {cfg.precision.dtype!r} is not"
+            " supported yet; use DDP (parallel.dp_shard = 1) or precision.dtype = 'fp32'"
+        )
     for key, on in (
         (f"parallel.tp = {dims.tp}", dims.tp > 1),
         (f"parallel.pp = {dims.pp}", dims.pp > 1),

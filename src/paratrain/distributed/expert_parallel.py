@@ -154,7 +154,7 @@ def gather_expert_weights(model: nn.Module, sd: dict) -> dict:
     """``sd`` (a full state dict) with every expert of the ep group, under the names ep = 1 uses
     (each rank holds some; the model's own names already are the global ones): a collective of
     the ep group, for the full-weights export."""
-    local = {n.removeprefix("module."): p for n, p in model.named_parameters() if hasattr(p, EP_ATTR)}
+    local = {_plain_name(n): p for n, p in model.named_parameters() if hasattr(p, EP_ATTR)}
     if not local:
         return sd
     ep: ExpertGroup = getattr(next(iter(local.values())), EP_ATTR)
@@ -164,3 +164,10 @@ def gather_expert_weights(model: nn.Module, sd: dict) -> dict:
     for part in parts:
         merged.update(part)
     return merged
+
+
+def _plain_name(name: str) -> str:
+    """A parameter's name without the wrappers' modules (DDP's ``module.``, activation
+    checkpointing's and compile's), as get_model_state_dict names it."""
+    name = name.removeprefix("module.")
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
