@@ -8,6 +8,8 @@ grad_norm, tokens per expert, final weights), and a checkpoint of ep = 2 resumed
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -164,6 +166,16 @@ def test_ep_2_checkpoint_resumes_at_ep_1_and_ep_4(tmp_path):
     ckpt = ["run.steps=4", "checkpoint.interval=2", "checkpoint.keep=0"]
     ref = moe_runs(tmp_path / "w2", 2, {"ref": ["parallel.ep=2", "batch.micro_batch_size=4", *ckpt]})["ref"]
     src = tmp_path / "w2" / "ref" / "checkpoints" / "step-2"
+    # The full expert set, under the names of ep = 1 (each key written by a rank that holds it).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    held = {
+        re.sub(r"^.*?(layers\.\d+\.mlp\.experts\.\d+\..*)$", r"\1", k)
+        for k in keys
+        if k.startswith("model.") and ".experts." in k
+    }
+    assert held == {k for k in ref["params"] if ".experts." in k}
     resume = [*ckpt, f"checkpoint.resume='{src}'"]
     got = {
         "ep1": moe_runs(tmp_path / "w1", 1, {"r": [*resume, "batch.micro_batch_size=8"]})["r"],
@@ -179,3 +191,16 @@ def test_ep_2_checkpoint_resumes_at_ep_1_and_ep_4(tmp_path):
                 msg=lambda m: f"{name} {key}: {m}",
             )
         assert run["tokens"] == ref["tokens"][2:]
+
+
+@pytest.mark.slow
+def test_ep_2_adamw_checkpoint_resumes_at_ep_1(tmp_path):
+    """AdamW's per-expert state is saved by the ranks holding the experts and loaded by one
+    process: without it the resumed updates (and losses) would differ."""
+    adamw = ["optim.name='adamw'", "optim.beta1=0.9", "optim.grad_clip=1.0", "optim.lr=0.01"]
+    ckpt = ["run.steps=4", "checkpoint.interval=2", "checkpoint.keep=0", *adamw]
+    ref = moe_runs(tmp_path / "w2", 2, {"ref": ["parallel.ep=2", "batch.micro_batch_size=4", *ckpt]})["ref"]
+    src = tmp_path / "w2" / "ref" / "checkpoints" / "step-2"
+    got = moe_runs(tmp_path / "w1", 1, {"r": [*ckpt, f"checkpoint.resume='{src}'", "batch.micro_batch_size=8"]})["r"]
+    for key in ("loss", "aux_loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key][2:]), rtol=1e-5, atol=0)
