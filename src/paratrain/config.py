@@ -216,6 +216,10 @@ class ParallelConfig:
         "ring",
         "Context parallel's attention: 'ring' (K/V chunks passed around the cp ranks, any head count) or 'alltoall' (Ulysses: heads traded for the sequence; needs the heads divisible by cp x tp).",
     )
+    ep: int = opt(
+        1,
+        "Expert-parallel degree (docs/moe.md): a mixture-of-experts model's experts are split over groups of ep data-parallel ranks (borrowed from dp, which it must divide, as must model.args.moe.n_experts); tokens travel to their experts by all_to_all.",
+    )
     # --- sharded data parallel, tensor parallel, activation checkpointing (issue 3) ---
     reshard_after_forward: bool = opt(
         True,

@@ -184,6 +184,10 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
             )
     if cfg.model.args.get("moe") is not None and not (cfg.model.hf or cfg.model.factory):
         check_moe_combinations(cfg, dims)
+    elif dims.ep > 1:
+        raise ConfigError(
+            "parallel.ep > 1 needs the built-in GPT with a mixture of experts (model.args.moe); set parallel.ep = 1"
+        )
     if dims.pp > 1:
         if cfg.batch.micro_batch_size == "auto":
             raise ConfigError(
@@ -195,7 +199,18 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
 def check_moe_combinations(cfg: Config, dims: ParallelDims) -> None:
     """The built-in GPT's mixture of experts (docs/moe.md) runs with DDP, FSDP2 and accumulation;
     the rest is refused until it is built and tested against one process."""
-    MoEConfig.from_args(cfg.model.args["moe"])  # its own values, before any process starts
+    moe = MoEConfig.from_args(cfg.model.args["moe"])  # its own values, before any process starts
+    if moe.n_experts % dims.ep:
+        raise ConfigError(
+            f"parallel.ep = {dims.ep} does not divide model.args.moe.n_experts = {moe.n_experts};"
+            " use an ep that divides both n_experts and dp"
+        )
+    if dims.ep > 1 and dims.dp_shard > 1 and cfg.precision.dtype != "fp32":
+        # FSDP2's mixed precision casts the weights it shards, not the expert weights it ignores.
+        raise ConfigError(
+            f"parallel.ep > 1 with parallel.dp_shard > 1 and precision.dtype = {cfg.precision.dtype!r} is not"
+            " supported yet; use DDP (parallel.dp_shard = 1) or precision.dtype = 'fp32'"
+        )
     for key, on in (
         (f"parallel.tp = {dims.tp}", dims.tp > 1),
         (f"parallel.pp = {dims.pp}", dims.pp > 1),

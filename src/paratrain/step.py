@@ -29,6 +29,7 @@ from paratrain.config import ConfigError
 from paratrain.data.packing import attention_square, count_input_tokens, split_packed
 from paratrain.distributed.context_parallel import shard_sequence
 from paratrain.distributed.data_parallel import maybe_no_sync
+from paratrain.distributed.expert_parallel import reduce_expert_grads
 from paratrain.distributed.grad_norm import clip_grad_norm_
 from paratrain.distributed.pipeline_parallel import PipelineModel, pipeline_forward, pipeline_forward_backward
 from paratrain.distributed.tensor_parallel import maybe_loss_parallel
@@ -240,6 +241,7 @@ def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepCon
     """Unscale (fp16), clip by the whole model's gradient norm, step, zero the gradients; returns
     the norm as a 0-dim tensor (not read on the host here: the step reads it after its reduce)."""
     precision = ctx.amp
+    reduce_expert_grads(model.parameters())  # expert parallel (a no-op without): before the norm
     precision.unscale_(optimizer)  # fp16: back to true gradients before clipping
     # The norm of the whole model's gradient on every rank, also when gradients are sharded or
     # the model is split into pipeline stages.

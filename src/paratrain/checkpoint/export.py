@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from paratrain.checkpoint.manifest import MANIFEST, resolve_checkpoint
 from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_reader
 from paratrain.config import ConfigError
+from paratrain.distributed.expert_parallel import gather_expert_weights
 from paratrain.distributed.pipeline_parallel import PipelineModel
 
 log = logging.getLogger("paratrain")
@@ -68,6 +69,7 @@ def save_full_weights(model: nn.Module, path: str, *, is_main: bool) -> dict | N
         sd = model.full_state_dict()
     else:
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = gather_expert_weights(model, sd)  # expert parallel: each ep rank holds some experts
     if is_main:
         # Tied weights (e.g. an HF model's embedding and lm_head) come out as one tensor under
         # two names; safetensors refuses shared memory, so the later names get a copy.

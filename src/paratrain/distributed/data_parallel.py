@@ -36,10 +36,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_of
+from paratrain.distributed.expert_parallel import EP_ATTR
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, device: torch.device, bucket_mb: float) -> DDP:
-    """Wrap ``model`` in DDP over ``mesh`` (a 1-D data-parallel mesh)."""
+    """Wrap ``model`` in DDP over ``mesh`` (a 1-D data-parallel mesh). Expert-parallel weights
+    (distributed/expert_parallel.py) are left out: they differ between ranks of an ep group."""
+    ignored = [name for name, p in model.named_parameters() if hasattr(p, EP_ATTR)]
+    if ignored:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DDP(
         model,
         process_group=mesh.get_group(),
@@ -76,6 +81,9 @@ def apply_fsdp(
     # shards already live in host memory and the policy only changes where the optimiser runs.
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else OffloadPolicy()
     common = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload)
+    # Expert-parallel weights differ between the ranks of an ep group: FSDP2 leaves them alone
+    # (expert_parallel.reduce_expert_grads reduces their gradients).
+    common["ignored_params"] = {p for p in model.parameters() if hasattr(p, EP_ATTR)} or None
     blocks = blocks_of(model, blocks_attr)
     for i, (_, block) in enumerate(blocks):
         # The last block's parameters would be gathered again at once by the backward that

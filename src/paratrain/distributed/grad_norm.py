@@ -17,18 +17,28 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from paratrain.distributed.expert_parallel import EP_ATTR, ExpertGroup, expert_norm_power
+
 
 def global_grad_norm(params, *, norm_type: float = 2.0) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    params = [p for p in params if p.grad is not None]
+    if not params:
         return torch.zeros(())
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
+    experts: dict[ExpertGroup, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        g = p.grad
+        if (ep := getattr(p, EP_ATTR, None)) is not None:
+            experts[ep].append(g)  # expert parallel: each ep rank holds different experts
+            continue
         groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
     parts = []
     for mesh, gs in groups.items():
         n = torch.nn.utils.get_total_norm(gs, norm_type=norm_type)
         parts.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    for ep, gs in experts.items():
+        n = expert_norm_power(gs, ep, norm_type)
+        parts.append(n if math.isinf(norm_type) else n ** (1.0 / norm_type))
     device = parts[0].device
     parts = torch.stack([p.to(device=device, dtype=torch.float32) for p in parts])
     if math.isinf(norm_type):
@@ -45,7 +55,7 @@ def clip_grad_norm_(params, max_norm: float, *, norm_type: float = 2.0, pp_group
     the pipeline ranks before clipping (max for the inf norm).
     """
     params = [p for p in params if p.grad is not None]
-    if pp_group is None and not any(isinstance(p.grad, DTensor) for p in params):
+    if pp_group is None and not any(isinstance(p.grad, DTensor) or hasattr(p, EP_ATTR) for p in params):
         # Plain tensors: torch's own (fused, foreach) implementation, as the reference uses it.
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)  # no host sync
     total = global_grad_norm(params, norm_type=norm_type)

@@ -28,6 +28,8 @@ class ParallelDims:
     pp: int
     world_size: int
     cp: int = 1  # context parallel (distributed/context_parallel.py)
+    # Expert parallelism borrows its ranks from dp (not a mesh dimension of its own): see ep_mesh.
+    ep: int = 1
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -49,7 +51,7 @@ class ParallelDims:
                     f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} = {others}; change the degrees or the number of processes"
                 )
             dp_replicate = world_size // others
-        dims = cls(dp_replicate, dp_shard, cfg.tp, cfg.pp, world_size, cp=cfg.cp)
+        dims = cls(dp_replicate, dp_shard, cfg.tp, cfg.pp, world_size, cp=cfg.cp, ep=cfg.ep)
         dims.validate()
         return dims
 
@@ -61,6 +63,15 @@ class ParallelDims:
                 f"parallel degrees dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}"
                 f" x pp {self.pp}{cp} = {product} != world size {self.world_size}; make the product equal the"
                 f" number of processes (parallel.dp_replicate = -1 fills it)"
+            )
+        if not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
+            raise ConfigError(
+                f"parallel.ep = {self.ep} must divide the data-parallel degree dp_replicate x dp_shard = {self.dp}"
+                " (expert-parallel ranks are borrowed from dp); use an ep that divides it"
+            )
+        if self.ep > 1 and (self.tp > 1 or self.pp > 1 or self.cp > 1):
+            raise ConfigError(
+                "parallel.ep > 1 with parallel.tp, pp or cp > 1 is not supported yet; set parallel.ep = 1"
             )
 
     @property
@@ -101,6 +112,22 @@ class ParallelDims:
             # The step's one reduce of [loss sum, item count] spans the pipeline and dp ranks.
             self.__dict__["_pp_dp_mesh"] = mesh[("pp", *dp_names)]._flatten("pp_dp")
         return mesh
+
+    @functools.cached_property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """Expert parallelism's 2-D mesh ``(ep_replicate, ep)`` over the dp ranks (None at ep 1).
+
+        The ep ranks are borrowed from the data-parallel ranks, as torchtitan does: ranks of one
+        ep group load different batches, so sending each token to the rank that holds its expert
+        is useful work, and no rank is spent on experts alone. The ``ep`` dimension is innermost
+        (neighbouring ranks: the all_to_all is the chattiest collective); an expert's weights live
+        on the ``dp / ep`` ranks of its ``ep_replicate`` group, over which its gradient is summed.
+        ep > 1 is refused with tp or pp, so the dp ranks are the world, in rank order.
+        """
+        if self.ep == 1:
+            return None
+        device_type = "cuda" if dist.get_backend() != "gloo" and torch.cuda.is_available() else "cpu"
+        return init_device_mesh(device_type, (self.dp // self.ep, self.ep), mesh_dim_names=("ep_replicate", "ep"))
 
     # The sub-mesh each role uses (mesh dimension names; a tuple is a multi-dimensional mesh):
     #   data loading and loss reduction: "dp" (dp_replicate x dp_shard flattened; ranks of one

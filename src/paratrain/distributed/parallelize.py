@@ -36,6 +36,7 @@ from paratrain.distributed.blocks import BLOCKS_ATTR
 from paratrain.distributed.compile import apply_compile
 from paratrain.distributed.context_parallel import apply_cp
 from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
+from paratrain.distributed.expert_parallel import ExpertGroup, apply_ep
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import apply_pp, is_pipeline_stage
 from paratrain.distributed.tensor_parallel import STYLE_NAMES, apply_tp
@@ -150,6 +151,15 @@ def parallelize(
     # 4. torch.compile, per block: after TP and AC, before the data-parallel wrappers.
     if compile_enabled:
         apply_compile(model, device=device, blocks_attr=blocks_attr)
+
+    # 4b. Expert parallel: keep this rank's experts only, before the data-parallel wrappers,
+    #     which leave those weights out (distributed/expert_parallel.py).
+    if dims.ep > 1:
+        mesh = dims.ep_mesh
+        replicas = mesh["ep_replicate"].get_group() if dims.dp > dims.ep else None
+        ep = ExpertGroup(mesh["ep"].get_group(), mesh["ep"].get_local_rank(), dims.ep, replicas, dims.dp)
+        if not apply_ep(model, ep):
+            raise ConfigError("parallel.ep > 1 needs a mixture-of-experts model (model.args.moe); set parallel.ep = 1")
 
     # 5. Sharded data parallel (ZeRO via FSDP2; HSDP when dp_replicate > 1 too; over dp_shard x cp
     #    when cp > 1, the "fsdp" sub-mesh).

@@ -39,6 +39,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from paratrain.config import ConfigError
+from paratrain.distributed.expert_parallel import ExpertGroup, dispatch
 from paratrain.loss import RouterStats
 
 
@@ -119,6 +120,16 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(make_expert() for _ in range(cfg.n_experts))
         self.shared_experts = nn.ModuleList(make_expert() for _ in range(cfg.n_shared_experts))
         self.router_stats: RouterStats | None = None
+        self.ep: ExpertGroup | None = None  # expert parallel (enable_expert_parallel)
+
+    def enable_expert_parallel(self, ep: ExpertGroup) -> list[nn.Parameter]:
+        """Keep this rank's ``n_experts / ep`` experts only (distributed/expert_parallel.py), under
+        their global indices (``experts.2``, ``experts.3``): the names, hence checkpoints and
+        exports, are those of ep = 1. Returns their parameters. The full model was built (and
+        seeded) first, so each expert has the weights it has at ep = 1."""
+        self.ep = ep
+        self.experts = nn.ModuleDict({str(e): self.experts[e] for e in ep.local_experts(self.cfg.n_experts)})
+        return list(self.experts.parameters())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -147,9 +158,23 @@ class MoE(nn.Module):
     def combine(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each token's k expert outputs, weighted, summed in slot order in float32: (N, d)."""
         n, k = experts.shape
-        slots = flat.new_zeros((n, k, flat.shape[-1]), dtype=torch.float32)
         estimating = _estimating(experts)
-        for e, expert in enumerate(self.experts):
+        if self.ep is not None and not estimating:
+            # Expert parallel: each (token, slot) pair's expert output comes back from the rank
+            # that holds it, in float32, at its own place; weighted and summed exactly as below.
+            y = dispatch(flat, experts, list(self.experts.values()), self.cfg.n_experts, self.ep)
+            slots = y.view(n, k, -1) * weights.unsqueeze(-1)
+            return _sum_slots(slots)
+        slots = flat.new_zeros((n, k, flat.shape[-1]), dtype=torch.float32)
+        # Expert parallel under a memory estimate: this rank's experts, each on the balanced share
+        # of all ep ranks' tokens (no values to route by, no all_to_all).
+        local = (
+            [(e, self.experts[str(e)]) for e in self.ep.local_experts(self.cfg.n_experts)]
+            if self.ep is not None
+            else list(enumerate(self.experts))
+        )
+        repeat = 1 if self.ep is None else self.ep.size
+        for e, expert in local:
             # Every expert runs, on no rows at all if need be: its parameters stay in the graph,
             # so DDP and FSDP see a gradient (zeros) for each of them at every step.
             token, slot = (
@@ -157,12 +182,21 @@ class MoE(nn.Module):
                 if estimating
                 else ((experts == e).nonzero(as_tuple=True))
             )
-            y = expert(flat[token]).float() * weights[token, slot].unsqueeze(-1)
+            if repeat > 1:
+                y = expert(flat[token].repeat(repeat, 1))[: len(token)].float()
+            else:
+                y = expert(flat[token]).float()
+            y = y * weights[token, slot].unsqueeze(-1)
             slots = slots.index_put((token, slot), y)  # each (token, slot) chose one expert
-        out = slots[:, 0]
-        for j in range(1, k):  # fixed order: slot 0 (the most probable) first
-            out = out + slots[:, j]
-        return out
+        return _sum_slots(slots)
+
+
+def _sum_slots(slots: torch.Tensor) -> torch.Tensor:
+    """(N, k, d) float32 -> (N, d): each token's k outputs summed in the fixed slot order."""
+    out = slots[:, 0]
+    for j in range(1, slots.shape[1]):  # fixed order: slot 0 (the most probable) first
+        out = out + slots[:, j]
+    return out
 
 
 def _estimating(t: torch.Tensor) -> bool:
