@@ -12,11 +12,12 @@ the machine's load hit both, and the paired ratio of each round is printed with 
 On CPU, Accelerate joins the process group only with ACCELERATE_USE_CPU=true: the worker checks
 ``accelerator.num_processes == 2`` and fails otherwise (a world-1 comparison would be void).
 
-``--lora`` (docs/lora.md#measured): LoRA fine-tuning, three runs a round in rotating order:
-paratrain with full fine-tuning, paratrain with ``[model.lora]``, and PEFT's ``get_peft_model``
-under Accelerate, with the same LoRA config (``--lora-r``, alpha 2r, dropout 0, q_proj and v_proj), the
+``--lora`` (docs/lora.md#measured): LoRA fine-tuning, four runs a round in rotating order:
+paratrain with full fine-tuning, paratrain with ``[model.lora]``, Accelerate with full
+fine-tuning and PEFT's ``get_peft_model`` under Accelerate, with the same LoRA config (``--lora-r``, alpha 2r, dropout 0, q_proj and v_proj), the
 same global batch and AdamW over the trained parameters only. It prints the paired ratios
-paratrain LoRA / paratrain full and paratrain LoRA / Accelerate + PEFT. Every run is checked to
+LoRA / full of each tool, paratrain LoRA / Accelerate + PEFT and, to tell a LoRA cost from the
+loop's own, paratrain full / Accelerate full. Every run is checked to
 have run at world 2 with the global batch ``--batch`` (paratrain: its metrics rows; Accelerate:
 ``num_processes`` x micro-batch x accumulation). Each round's line carries the load average.
 
@@ -170,12 +171,12 @@ def run_paratrain(model_dir: str, out: str, args, env: dict, lora: bool = False)
     return statistics.median([b - a for a, b in zip(stamps, stamps[1:])][WARMUP:])
 
 
-def run_accelerate(model_dir: str, out: str, args, env: dict) -> float:
+def run_accelerate(model_dir: str, out: str, args, env: dict, lora: bool = False) -> float:
     result = os.path.join(out, "accelerate.json")
     os.makedirs(out, exist_ok=True)
     argv = [__file__, "--worker", "--model-dir", model_dir, "--result", result]
     argv += ["--steps", str(args.steps), "--batch", str(args.batch), "--micro", str(args.micro)]
-    argv += ["--lora", "--lora-r", str(args.lora_r)] if args.lora else []
+    argv += ["--lora", "--lora-r", str(args.lora_r)] if lora else []
     torchrun(argv, {**env, "ACCELERATE_USE_CPU": "true"})
     with open(result) as f:
         got = json.load(f)
@@ -189,12 +190,13 @@ def lora_rounds(model_dir: str, tmp: str, args, env: dict) -> None:
     tools = {
         "paratrain-full": lambda out: run_paratrain(model_dir, out, args, env, lora=False),
         "paratrain-lora": lambda out: run_paratrain(model_dir, out, args, env, lora=True),
-        "accelerate-peft": lambda out: run_accelerate(model_dir, out, args, env),
+        "accelerate-full": lambda out: run_accelerate(model_dir, out, args, env, lora=False),
+        "accelerate-peft": lambda out: run_accelerate(model_dir, out, args, env, lora=True),
     }
     names = list(tools)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
-        order = names[r % 3 :] + names[: r % 3]
+        order = names[r % len(names) :] + names[: r % len(names)]
         load = os.getloadavg()[0]
         for tool in order:
             times[tool].append(tools[tool](os.path.join(tmp, f"{tool}{r}")))
@@ -204,7 +206,9 @@ def lora_rounds(model_dir: str, tmp: str, args, env: dict) -> None:
             flush=True,
         )
     print("median step: " + ", ".join(f"{n} {statistics.median(times[n]) * 1e3:.1f} ms" for n in names))
-    for a, b in (("paratrain-lora", "paratrain-full"), ("paratrain-lora", "accelerate-peft")):
+    pairs = [("paratrain-lora", "paratrain-full"), ("accelerate-peft", "accelerate-full")]
+    pairs += [("paratrain-lora", "accelerate-peft"), ("paratrain-full", "accelerate-full")]
+    for a, b in pairs:
         ratios = paired_ratios(times[a], times[b])
         print(f"paired ratios {a}/{b}: {', '.join(f'{x:.3f}' for x in ratios)}")
         print(summary_line(f"ratio {a}/{b}", ratios))
