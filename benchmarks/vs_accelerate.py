@@ -12,7 +12,17 @@ the machine's load hit both, and the paired ratio of each round is printed with 
 On CPU, Accelerate joins the process group only with ACCELERATE_USE_CPU=true: the worker checks
 ``accelerator.num_processes == 2`` and fails otherwise (a world-1 comparison would be void).
 
+``--lora`` (docs/lora.md#measured): LoRA fine-tuning, four runs a round in rotating order:
+paratrain with full fine-tuning, paratrain with ``[model.lora]``, Accelerate with full
+fine-tuning and PEFT's ``get_peft_model`` under Accelerate, with the same LoRA config (``--lora-r``, alpha 2r, dropout 0, q_proj and v_proj), the
+same global batch and AdamW over the trained parameters only. It prints the paired ratios
+LoRA / full of each tool, paratrain LoRA / Accelerate + PEFT and, to tell a LoRA cost from the
+loop's own, paratrain full / Accelerate full. Every run is checked to
+have run at world 2 with the global batch ``--batch`` (paratrain: its metrics rows; Accelerate:
+``num_processes`` x micro-batch x accumulation). Each round's line carries the load average.
+
     python benchmarks/vs_accelerate.py --rounds 6 --steps 10
+    python benchmarks/vs_accelerate.py --lora --rounds 6 --steps 10
 """
 
 from __future__ import annotations
@@ -29,9 +39,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from paired import summary_line  # noqa: E402 - benchmarks/paired.py, next to this script
+from paired import paired_ratios, summary_line  # noqa: E402 - benchmarks/paired.py, next to this script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LORA_TARGETS = ["q_proj", "v_proj"]
 WARMUP = 2  # steps left out of each run's median (first-step allocations, DDP bucket rebuild)
 
 
@@ -70,7 +81,14 @@ def accelerate_worker(args) -> None:
         raise SystemExit(f"accelerate joined a world of {accelerator.num_processes}, not 2: the comparison is void")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="sdpa")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    if args.lora:  # PEFT's own adapters, the same config as paratrain's [model.lora]
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS)
+        )
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=args.micro, shuffle=True)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     times, t0, micro, done = [], time.perf_counter(), 0, 0
@@ -80,7 +98,7 @@ def accelerate_worker(args) -> None:
                 loss = model(input_ids=x, labels=y, shift_labels=y).loss
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:  # Accelerate's idiom: clip the synced gradient, once per step
-                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                    accelerator.clip_grad_norm_(trained, 1.0)
                 opt.step()
                 opt.zero_grad()
             micro += 1
@@ -92,7 +110,15 @@ def accelerate_worker(args) -> None:
                     break
     if accelerator.is_main_process:
         with open(args.result, "w") as f:
-            json.dump({"step_s": statistics.median(times[WARMUP:]), "world": accelerator.num_processes}, f)
+            json.dump(
+                {
+                    "step_s": statistics.median(times[WARMUP:]),
+                    "world": accelerator.num_processes,
+                    "global_batch": args.micro * accum * accelerator.num_processes,
+                    "trained": sum(p.numel() for p in trained),
+                },
+                f,
+            )
 
 
 def run(cmd: list[str], env: dict) -> None:
@@ -105,7 +131,7 @@ def torchrun(argv: list[str], env: dict) -> None:
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv], env)
 
 
-def run_paratrain(model_dir: str, out: str, args, env: dict) -> float:
+def run_paratrain(model_dir: str, out: str, args, env: dict, lora: bool = False) -> float:
     sets = [
         f"model.hf='{model_dir}'",
         "data.factory='benchmarks.vs_accelerate:dataset'",
@@ -121,28 +147,71 @@ def run_paratrain(model_dir: str, out: str, args, env: dict) -> float:
         "optim.schedule='constant'",
         f"run.out_dir='{out}'",
     ]
+    if lora:
+        sets += [
+            f"model.lora.r={args.lora_r}",
+            f"model.lora.alpha={2 * args.lora_r}",
+            f"model.lora.target_modules={LORA_TARGETS}",
+        ]
     config = os.path.join(os.path.dirname(out), "empty.toml")  # every key comes from --set
     open(config, "w").close()
     cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", "2"]
     cmd += [arg for item in sets for arg in ("--set", item)]
     run(cmd, env)
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        stamps = [json.loads(line)["time"] for line in f]
+        rows = [json.loads(line) for line in f]
+    layout = {(r["world_size"], r["global_batch_size"]) for r in rows}
+    if layout != {(2, args.batch)}:
+        raise SystemExit(
+            f"paratrain ran at (world, global batch) {layout}, not (2, {args.batch}): the comparison is void"
+        )
+    stamps = [r["time"] for r in rows]
     # The whole loop iteration (rows' wall-clock differences), as the Accelerate loop is timed,
     # not the row's step_time_s, which ends before logging and checkpoint checks.
     return statistics.median([b - a for a, b in zip(stamps, stamps[1:])][WARMUP:])
 
 
-def run_accelerate(model_dir: str, out: str, args, env: dict) -> float:
+def run_accelerate(model_dir: str, out: str, args, env: dict, lora: bool = False) -> float:
     result = os.path.join(out, "accelerate.json")
     os.makedirs(out, exist_ok=True)
     argv = [__file__, "--worker", "--model-dir", model_dir, "--result", result]
     argv += ["--steps", str(args.steps), "--batch", str(args.batch), "--micro", str(args.micro)]
+    argv += ["--lora", "--lora-r", str(args.lora_r)] if lora else []
     torchrun(argv, {**env, "ACCELERATE_USE_CPU": "true"})
     with open(result) as f:
         got = json.load(f)
-    assert got["world"] == 2, got
+    if (got["world"], got["global_batch"]) != (2, args.batch):
+        raise SystemExit(f"accelerate ran at {got}, not world 2 with global batch {args.batch}: the comparison is void")
     return got["step_s"]
+
+
+def lora_rounds(model_dir: str, tmp: str, args, env: dict) -> None:
+    """paratrain full, paratrain LoRA and Accelerate + PEFT LoRA, in rotating order each round."""
+    tools = {
+        "paratrain-full": lambda out: run_paratrain(model_dir, out, args, env, lora=False),
+        "paratrain-lora": lambda out: run_paratrain(model_dir, out, args, env, lora=True),
+        "accelerate-full": lambda out: run_accelerate(model_dir, out, args, env, lora=False),
+        "accelerate-peft": lambda out: run_accelerate(model_dir, out, args, env, lora=True),
+    }
+    names = list(tools)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        load = os.getloadavg()[0]
+        for tool in order:
+            times[tool].append(tools[tool](os.path.join(tmp, f"{tool}{r}")))
+        print(
+            f"round {r} (load average {load:.2f} -> {os.getloadavg()[0]:.2f}): "
+            + ", ".join(f"{n} {times[n][-1] * 1e3:.1f} ms/step" for n in names),
+            flush=True,
+        )
+    print("median step: " + ", ".join(f"{n} {statistics.median(times[n]) * 1e3:.1f} ms" for n in names))
+    pairs = [("paratrain-lora", "paratrain-full"), ("accelerate-peft", "accelerate-full")]
+    pairs += [("paratrain-lora", "accelerate-peft"), ("paratrain-full", "accelerate-full")]
+    for a, b in pairs:
+        ratios = paired_ratios(times[a], times[b])
+        print(f"paired ratios {a}/{b}: {', '.join(f'{x:.3f}' for x in ratios)}")
+        print(summary_line(f"ratio {a}/{b}", ratios))
 
 
 def main() -> None:
@@ -153,6 +222,8 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--lora", action="store_true", help="LoRA: paratrain full / LoRA against PEFT + Accelerate")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha = 2r) with --lora")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -163,6 +234,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "llama")
         save_model(model_dir, args)
+        if args.lora:
+            return lora_rounds(model_dir, tmp, args, env)
         ratios, ours, theirs = [], [], []
         for r in range(args.rounds):
             order = ("paratrain", "accelerate") if r % 2 == 0 else ("accelerate", "paratrain")

@@ -1,0 +1,234 @@
+"""Optimiser-state and gradient bytes per rank, LoRA against full fine-tuning on the same model
+(docs/lora.md#measured): a tiny transformers Llama (``model.hf``, tests/hf_models.py) and the
+built-in GPT, at world 1 and world 2 (DDP and FSDP2 ``dp_shard = 2``).
+
+Counted from the real tensors after one AdamW step, as benchmarks/memory.py does for full
+training: on each rank the local part (``DTensor.to_local()``; plain tensors whole) of every
+gradient (before ``zero_grad``) and of every AdamW moment (``exp_avg``, ``exp_avg_sq``; the
+scalar ``step`` counters, 4 bytes per trained tensor, are listed apart). The model is built by
+paratrain's own ``build`` (PEFT's adapters injected by ``[model.lora]``) and laid out by its
+``parallelize``; the optimiser is its ``build_optimizer`` (trained parameters only).
+
+Formula, AdamW in fp32: 8 bytes of state (two moments) + 4 of gradient = 12 bytes per *trained*
+parameter held by the rank: DDP holds all of them, FSDP2 its shard (1/N of each). A frozen base
+weight has neither. So the ratio LoRA / full of (gradient + state) bytes is the ratio of trained
+parameters: (adapter parameters) / (all parameters). The check (exit 1 otherwise): every
+measured figure equals its formula exactly (byte counts, no timing).
+
+    PYTHONPATH=src:. python benchmarks/lora_memory.py [--r 8] [--targets q_proj v_proj]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]
+
+GPT_ARGS = dict(n_layer=4, d_model=128, n_head=4, vocab_size=256, block_size=64)
+LLAMA_ARGS = dict(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=4)
+SEQ = 32
+
+
+def local_numel(t) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).numel()
+
+
+def local_bytes(t) -> int:
+    from torch.distributed.tensor import DTensor
+
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def measure(model_cfg: dict, layout: dict, batch: int) -> dict:
+    """One AdamW step of the model of ``model_cfg`` under ``layout`` on this rank: local counts."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from paratrain.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+    from paratrain.distributed.parallel_dims import ParallelDims
+    from paratrain.distributed.parallelize import parallelize
+    from paratrain.models import build
+    from paratrain.optim import build_optimizer
+
+    vocab = model_cfg.pop("vocab")  # the token ids' range
+    lora = LoraConfig(**model_cfg.pop("lora")) if "lora" in model_cfg else LoraConfig()
+    cfg = ModelConfig(**model_cfg, lora=lora)
+    torch.manual_seed(0)
+    model, spec = build(cfg)
+    psi = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    pcfg = ParallelConfig(**layout)
+    dims = ParallelDims.from_config(pcfg, dist.get_world_size() if dist.is_initialized() else 1)
+    model = parallelize(
+        model,
+        dims,
+        cfg=pcfg,
+        device=torch.device("cpu"),
+        blocks_attr=spec.blocks_attr,
+        model_plan=spec.tp_plan,
+    )
+    opt = build_optimizer(model, OptimConfig())
+    g = torch.Generator().manual_seed(1)  # the same batch on every rank: only memory is measured
+    x = torch.randint(0, vocab, (batch, SEQ), generator=g)
+    logits = model(x)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x.reshape(-1)).backward()
+    params = list(model.parameters())
+    out = {
+        "psi": psi,
+        "trained": trained,
+        "trained_local": sum(local_numel(p) for p in params if p.requires_grad),
+        "frozen_with_grad": sum(1 for p in params if not p.requires_grad and p.grad is not None),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+    }
+    opt.step()
+    states = [s for s in opt.state.values()]
+    out["state"] = sum(local_bytes(s[k]) for s in states for k in ("exp_avg", "exp_avg_sq"))
+    out["step_counters"] = sum(local_bytes(s["step"]) for s in states)
+    out["state_tensors"] = len(states)
+    return out
+
+
+def worker(rank: int, world: int, port: int, cases: dict, batch: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        q.put((rank, {key: measure(dict(model), dict(layout), batch) for key, (model, layout) in cases.items()}))
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(n: int, cases: dict, batch: int) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, n, port, cases, batch, q)) for r in range(n)]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=600) for _ in range(n))
+    for p in procs:
+        p.join(timeout=60)
+    bad = {r: v for r, v in results.items() if isinstance(v, str)}
+    if bad:
+        raise SystemExit(f"lora memory benchmark failed: {bad}")
+    return results
+
+
+def models(tmp: str, r: int, targets: list[str]) -> dict[str, dict]:
+    """Model configs by name: the base (full fine-tuning) and its LoRA twin differ by [model.lora] only."""
+    from tests.hf_models import save_tiny
+
+    llama = save_tiny("llama", os.path.join(tmp, "llama"), weights=False, **LLAMA_ARGS)  # init from the seed
+    lora = dict(r=r, alpha=2 * r, target_modules=list(targets))
+    return {
+        "llama": {"hf": llama, "vocab": LLAMA_ARGS["vocab_size"]},
+        "gpt": {"name": "gpt", "args": dict(GPT_ARGS), "vocab": GPT_ARGS["vocab_size"]},
+        "lora": lora,
+    }
+
+
+def measure_all(worlds: list[int], r: int, targets: list[str], batch: int = 2) -> list[dict]:
+    """One row per (model, world, layout): full and LoRA bytes on rank 0 (and the worst rank)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        m = models(tmp, r, targets)
+        rows = []
+        for n in worlds:
+            layouts = {"single": {}} if n == 1 else {"DDP": {"dp_replicate": n}, "FSDP2": {"dp_shard": n}}
+            cases = {}
+            for name in ("llama", "gpt"):
+                for layout, lay in layouts.items():
+                    cases[(name, layout, "full")] = (m[name], lay)
+                    cases[(name, layout, "lora")] = ({**m[name], "lora": m["lora"]}, lay)
+            results = run_world(n, cases, batch)
+            for name in ("llama", "gpt"):
+                for layout in layouts:
+                    full = [res[(name, layout, "full")] for res in results.values()]
+                    lora = [res[(name, layout, "lora")] for res in results.values()]
+                    rows.append({"model": name, "world": n, "layout": layout, "full": full, "lora": lora})
+        return rows
+
+
+def formula_bytes(rank: dict, n: int, layout: str) -> tuple[int, int]:
+    """(gradient, state) bytes of the formula: 4 and 8 per trained parameter the rank holds."""
+    held = rank["trained"] / (n if layout == "FSDP2" else 1)
+    return int(4 * held), int(8 * held)
+
+
+def check(rows: list[dict]) -> list[str]:
+    """Every rank's measured gradient and moment bytes equal the formula's; no frozen weight has a gradient."""
+    bad = []
+    for row in rows:
+        for kind in ("full", "lora"):
+            for rank, got in enumerate(row[kind]):
+                want = formula_bytes(got, row["world"], row["layout"])
+                where = f"{row['model']} {row['layout']} world {row['world']} rank {rank} {kind}"
+                if (got["grads"], got["state"]) != want:
+                    bad.append(f"{where}: grads+state {got['grads']}+{got['state']} != formula {want[0]}+{want[1]}")
+                if got["frozen_with_grad"]:
+                    bad.append(f"{where}: {got['frozen_with_grad']} frozen parameters got a gradient")
+    return bad
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--r", type=int, default=8)
+    ap.add_argument("--targets", nargs="+", default=["q_proj", "v_proj"])
+    args = ap.parse_args()
+    rows = measure_all(args.worlds, args.r, args.targets)
+    print(
+        f"LoRA r={args.r} on {', '.join(args.targets)} against full fine-tuning; fp32 AdamW; bytes on rank 0"
+        f" (every rank checked). llama: transformers Llama {LLAMA_ARGS}; gpt: {GPT_ARGS}"
+    )
+    print("formula: 4 B gradient + 8 B AdamW moments per trained parameter the rank holds (FSDP2: 1/N of them)")
+    head = (
+        "model",
+        "world",
+        "layout",
+        "trained full",
+        "trained LoRA",
+        "grad B full",
+        "state B full",
+        "grad B LoRA",
+        "state B LoRA",
+        "ratio (grad+state)",
+        "formula ratio",
+        "step counters B full / LoRA",
+    )
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        f, lo = row["full"][0], row["lora"][0]
+        ratio = (lo["grads"] + lo["state"]) / (f["grads"] + f["state"])
+        print(
+            f"| {row['model']} | {row['world']} | {row['layout']} | {f['trained']:,} | {lo['trained']:,}"
+            f" | {f['grads']:,} | {f['state']:,} | {lo['grads']:,} | {lo['state']:,} | {ratio:.5f}"
+            f" | {lo['trained'] / f['trained']:.5f} | {f['step_counters']} / {lo['step_counters']} |"
+        )
+    bad = check(rows)
+    for line in bad:
+        print("FAIL", line)
+    print("check: measured == formula on every rank:", "FAIL" if bad else "ok")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
