@@ -120,12 +120,14 @@ def refusal(tmp_path, *extra: str, nproc: int = 1) -> str:
     comes before the launcher, and no interpreter start per case. test_cli_subprocess_exits_2 there
     covers the console entry point's exit code."""
     import paratrain.cli
+    import paratrain.launch.agent
 
     cfg = tmp_path / "c.toml"
     cfg.write_text("")
     sets = [arg for item in [*BASE, *extra] for arg in ("--set", item)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(paratrain.cli, "launch", lambda *a, **k: pytest.fail("a worker was launched"))
+        # the CLI imports launch from paratrain.launch.agent when a command runs
+        mp.setattr(paratrain.launch.agent, "launch", lambda *a, **k: pytest.fail("a worker was launched"))
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             code = paratrain.cli.main(["train", str(cfg), "--nproc-per-node", str(nproc), *sets])

@@ -90,6 +90,7 @@ def test_plan_reads_blocks_through_the_spec():
     assert spec.blocks_attr == "blocks" and count_blocks(model, spec) == 3
     stats = ModelStats.of(model, cfg, spec=spec)
     assert len(stats.block_params) == 3 and stats.block_tensors == 4 and stats.blocks_attr == "blocks"
-    assert MemoryModel(cfg, model=model, n_blocks=3, spec=spec)._block_sizes() == [2 * (8 * 8 + 8)] * 3
+    # each block: 2 x (8x8 + 8) parameters, 16 bytes each under AdamW (parameter, gradient, two moments)
+    assert MemoryModel(cfg, model=model, n_blocks=3, spec=spec)._block_sizes() == [16 * 2 * (8 * 8 + 8)] * 3
     layouts, _ = enumerate_layouts(cfg, world_size=2, nproc_per_node=2)
     assert any(lay.pp == 2 for lay in layouts)

@@ -344,9 +344,11 @@ def _cli_args(tmp_path, sets):
 def test_cli_refuses_impossible_pp_layouts(tmp_path, capsys, monkeypatch, nproc, sets, needle):
     """`paratrain train` in this process (cli.main): the check runs before the launcher starts."""
     import paratrain.cli
+    import paratrain.launch.agent
     from paratrain.cli import main
 
-    monkeypatch.setattr(paratrain.cli, "launch", lambda *a, **k: pytest.fail("a worker was launched"))
+    # the CLI imports launch from paratrain.launch.agent when a command runs
+    monkeypatch.setattr(paratrain.launch.agent, "launch", lambda *a, **k: pytest.fail("a worker was launched"))
     args = _cli_args(tmp_path, sets)
     args[1:1] = ["--nproc-per-node", str(nproc)]
     assert main(args) == 2
