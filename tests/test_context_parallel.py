@@ -277,14 +277,6 @@ def test_hf_llama_at_cp_equals_transformers_on_each_conversation_alone(sft, cp):
         torch.testing.assert_close(row["grad_norm"], ref_norm, rtol=1e-5, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_plan_refuses_cp_in_one_line():
-    from paratrain.config import ConfigError, load_config
-    from paratrain.plan.planner import plan
-
-    with pytest.raises(ConfigError, match="parallel.cp with paratrain plan is not supported yet"):
-        plan(load_config(None, ["parallel.cp=2"]), world_size=2, nproc_per_node=2, profile=None)
-
-
 @pytest.mark.slow
 def test_checkpoints_resume_across_cp_degrees(tmp_path):
     """cp is a layout: a cp = 2 run's step-3 checkpoint (FSDP2 shards over the cp ranks) resumes
