@@ -186,6 +186,42 @@ def test_gpt_at_cp4_and_composed_layouts_equal_one_process(tmp_path, sft, gpt_re
         _assert_same(_norms_and_losses(os.path.join(sft["root"], name)), gpt_reference, name)
 
 
+@pytest.mark.slow  # world 8 on this machine's two cores
+def test_gpt_at_hsdp_over_dp_shard_and_cp_equals_one_process(tmp_path):
+    """dp_replicate 2 x dp_shard 2 x cp 2 (world 8): HSDP over dp_replicate x (dp_shard x cp), the
+    2-D FSDP2 mesh whose shard dimension is dp_shard x cp flattened; two steps equal one process."""
+    import paratrain
+
+    short = [*TOY, "run.steps=2"]
+    ref = str(tmp_path / "ref")
+    paratrain.train(paratrain.load_config(None, [*short, f"run.out_dir='{ref}'"]))
+    layout = ["parallel.cp=2", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
+    run_ranks(_train_many, 8, {"hsdp": [*short, *layout, f"run.out_dir='{tmp_path / 'hsdp'}'"]}, timeout=600)
+    _assert_same(_norms_and_losses(str(tmp_path / "hsdp")), _norms_and_losses(ref), "hsdp dp_shard x cp")
+
+
+def _hsdp_mesh_rank() -> tuple:
+    import torch.distributed as dist
+
+    from paratrain.distributed.parallel_dims import ParallelDims
+
+    dist.init_process_group("gloo")
+    dims = ParallelDims(2, 2, 1, 1, 8, cp=2)
+    mesh = dims.submesh("fsdp")
+    out = (mesh.mesh_dim_names, tuple(mesh.mesh.shape), mesh.mesh.tolist())
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.slow  # world 8
+def test_hsdp_mesh_shards_over_dp_shard_and_cp():
+    """The FSDP2 mesh at dp_replicate 2 x dp_shard 2 x cp 2: replicas {0..3} and {4..7}, each
+    sharded over its dp_shard x cp ranks (mesh order dp_replicate, dp_shard, cp)."""
+    for names, shape, ranks in run_ranks(_hsdp_mesh_rank, 8):
+        assert names == ("dp_replicate", "dp_shard_cp") and shape == (2, 4)
+        assert ranks == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 @pytest.mark.slow
 def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
     """Packed documents at cp = 2 (world 2), with accumulation; and with activation checkpointing
@@ -208,7 +244,6 @@ def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
     [
         (["model.args={block_size = 18}", "data.args={block_size = 18}"], 2, "use block_size 16 or 20"),
         (["parallel.tp=2", "parallel.sequence_parallel=true"], 4, "parallel.cp with parallel.sequence_parallel is not"),
-        (["parallel.dp_replicate=2", "parallel.dp_shard=2"], 8, "parallel.dp_replicate and parallel.dp_shard > 1"),
         (["train.compile=true"], 2, "not supported yet"),
         (["model.args={attention = 'flex'}"], 2, "model.args.attention = 'flex'"),
         (["parallel.cp_attention='alltoall'", "model.args={n_head = 3, d_model = 48}"], 2, "n_head = 3 over cp x tp"),

@@ -383,8 +383,7 @@ LONG = [
 
 def test_cp_is_enumerated_where_the_row_splits():
     """cp degrees divide the world and split the row into 2 x cp chunks; each cp layout passes the
-    trainer's preflight and its --set lines select it; cp with dp_replicate and dp_shard > 1 is
-    counted as refused (not supported yet), never offered."""
+    trainer's preflight and its --set lines select it."""
     cfg = load_config(DEBUG)  # block_size 32: cp 2 and 4 both split it
     layouts, refused = enumerate_layouts(cfg, world_size=4, nproc_per_node=4)
     cps = {lay.cp for lay in layouts}
@@ -393,7 +392,6 @@ def test_cp_is_enumerated_where_the_row_splits():
     assert lay.world_size == 4 and "c2" in lay.short()
     check_run(lay.apply(cfg), 4)
     assert load_config(DEBUG, lay.set_lines()).parallel == lay.apply(cfg).parallel
-    assert not any(lay.cp > 1 and lay.dp_replicate > 1 and lay.dp_shard > 1 for lay in layouts)
     # block_size 36 = 2 x 18: cp 2 splits it into 4 chunks of 9, cp 4 would need 8 equal chunks.
     odd = load_config(
         DEBUG, ["model.args={n_layer=2, n_head=2, d_model=32, block_size=36}", "data.args={block_size=36}"]
