@@ -200,6 +200,20 @@ def test_gpt_at_hsdp_over_dp_shard_and_cp_equals_one_process(tmp_path):
     _assert_same(_norms_and_losses(str(tmp_path / "hsdp")), _norms_and_losses(ref), "hsdp dp_shard x cp")
 
 
+@pytest.mark.slow  # about 50 s: compiling the blocks in two ranks
+def test_compiled_gpt_at_cp2_equals_one_process(tmp_path):
+    """train.compile with the ring (the blocks compiled, the ring's autograd.Function and its
+    point-to-point calls inside them): two steps at cp = 2 equal one uncompiled process."""
+    import paratrain
+
+    short = [*TOY, "run.steps=2"]
+    ref = str(tmp_path / "ref")
+    paratrain.train(paratrain.load_config(None, [*short, f"run.out_dir='{ref}'"]))
+    run = [*short, "parallel.cp=2", "train.compile=true", f"run.out_dir='{tmp_path / 'compiled'}'"]
+    run_ranks(_train_many, 2, {"compiled": run}, timeout=400)
+    _assert_same(_norms_and_losses(str(tmp_path / "compiled")), _norms_and_losses(ref), "compiled cp2")
+
+
 def _hsdp_mesh_rank() -> tuple:
     import torch.distributed as dist
 
@@ -244,7 +258,6 @@ def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
     [
         (["model.args={block_size = 18}", "data.args={block_size = 18}"], 2, "use block_size 16 or 20"),
         (["parallel.tp=2", "parallel.sequence_parallel=true"], 4, "parallel.cp with parallel.sequence_parallel is not"),
-        (["train.compile=true"], 2, "not supported yet"),
         (["model.args={attention = 'flex'}"], 2, "model.args.attention = 'flex'"),
         (["parallel.cp_attention='alltoall'", "model.args={n_head = 3, d_model = 48}"], 2, "n_head = 3 over cp x tp"),
     ],

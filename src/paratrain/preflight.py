@@ -237,7 +237,6 @@ def check_cp(cfg: Config, dims: ParallelDims) -> None:
         (bool(cfg.model.factory), "model.factory"),
         (cfg.model.args.get("attention", "sdpa") != "sdpa", "model.args.attention = 'flex'"),
         (bool(cfg.model.args.get("dropout", 0.0)), "model.args.dropout > 0"),
-        (cfg.train.compile, "train.compile"),
         (cfg.comm.compression != "none", "comm.compression"),
         (
             cfg.batch.adaptive or cfg.optim.lr_scaling == "adascale",
