@@ -6,8 +6,8 @@ Per rank it reports
 - the bytes autograd saves for backward during the forward (``saved_tensors_hooks``, each storage
   counted once, the weights left out): the activation memory of the step, which should fall
   close to 1/cp;
-- the bytes the ring sends per step (counted at its point-to-point exchange) against the formula
-  per attention layer: forward ``(cp - 1) x 2 x B H (T/cp) D`` elements (K and V), backward
+- the bytes the ring sends per step (counted at its point-to-point exchange) against the plan's
+  formula (``paratrain.plan.cost.ring_bytes``) per attention layer: forward ``(cp - 1) x 2 x B H (T/cp) D`` elements (K and V), backward
   ``(cp - 1) x 4 x B H (T/cp) D`` (K, V and their gradients) ``+ 2 x B H (T/cp) D`` (the gradients'
   last hop home), float32;
 - the forward + backward time (median of ``--repeats``) and whether the loss equals cp = 1's;
@@ -106,8 +106,10 @@ def formula_bytes(seq: int, cp: int, kind: str) -> int:
     local = 1 * ARGS["d_model"] * (seq // cp)  # B x H x (T/cp) x D elements, H x D = d_model
     if kind == "alltoall":  # q, k, v, out forward and their gradients backward, (cp-1)/cp of each leaves
         return int(4 * ARGS["n_layer"] * 8 * local * (cp - 1) / cp)
-    per_layer = (cp - 1) * 2 * local + (cp - 1) * 4 * local + 2 * local
-    return 4 * ARGS["n_layer"] * per_layer
+    from paratrain.plan.cost import ring_bytes  # the plan's formula (its cp_comm term prices these bytes)
+
+    forward, backward = ring_bytes(mb=1, local_seq=seq // cp, width=ARGS["d_model"], cp=cp, act_bytes=4)
+    return ARGS["n_layer"] * (forward + backward)
 
 
 def main() -> None:

@@ -186,6 +186,56 @@ def test_gpt_at_cp4_and_composed_layouts_equal_one_process(tmp_path, sft, gpt_re
         _assert_same(_norms_and_losses(os.path.join(sft["root"], name)), gpt_reference, name)
 
 
+@pytest.mark.slow  # world 8 on this machine's two cores
+def test_gpt_at_hsdp_over_dp_shard_and_cp_equals_one_process(tmp_path):
+    """dp_replicate 2 x dp_shard 2 x cp 2 (world 8): HSDP over dp_replicate x (dp_shard x cp), the
+    2-D FSDP2 mesh whose shard dimension is dp_shard x cp flattened; two steps equal one process."""
+    import paratrain
+
+    short = [*TOY, "run.steps=2"]
+    ref = str(tmp_path / "ref")
+    paratrain.train(paratrain.load_config(None, [*short, f"run.out_dir='{ref}'"]))
+    layout = ["parallel.cp=2", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
+    run_ranks(_train_many, 8, {"hsdp": [*short, *layout, f"run.out_dir='{tmp_path / 'hsdp'}'"]}, timeout=600)
+    _assert_same(_norms_and_losses(str(tmp_path / "hsdp")), _norms_and_losses(ref), "hsdp dp_shard x cp")
+
+
+@pytest.mark.slow  # about 50 s: compiling the blocks in two ranks
+def test_compiled_gpt_at_cp2_equals_one_process(tmp_path):
+    """train.compile with the ring (the blocks compiled, the ring's autograd.Function and its
+    point-to-point calls inside them): two steps at cp = 2 equal one uncompiled process."""
+    import paratrain
+
+    short = [*TOY, "run.steps=2"]
+    ref = str(tmp_path / "ref")
+    paratrain.train(paratrain.load_config(None, [*short, f"run.out_dir='{ref}'"]))
+    run = [*short, "parallel.cp=2", "train.compile=true", f"run.out_dir='{tmp_path / 'compiled'}'"]
+    run_ranks(_train_many, 2, {"compiled": run}, timeout=400)
+    _assert_same(_norms_and_losses(str(tmp_path / "compiled")), _norms_and_losses(ref), "compiled cp2")
+
+
+def _hsdp_mesh_rank() -> tuple:
+    import torch.distributed as dist
+
+    from paratrain.distributed.parallel_dims import ParallelDims
+
+    dist.init_process_group("gloo")
+    dims = ParallelDims(2, 2, 1, 1, 8, cp=2)
+    mesh = dims.submesh("fsdp")
+    out = (mesh.mesh_dim_names, tuple(mesh.mesh.shape), mesh.mesh.tolist())
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.slow  # world 8
+def test_hsdp_mesh_shards_over_dp_shard_and_cp():
+    """The FSDP2 mesh at dp_replicate 2 x dp_shard 2 x cp 2: replicas {0..3} and {4..7}, each
+    sharded over its dp_shard x cp ranks (mesh order dp_replicate, dp_shard, cp)."""
+    for names, shape, ranks in run_ranks(_hsdp_mesh_rank, 8):
+        assert names == ("dp_replicate", "dp_shard_cp") and shape == (2, 4)
+        assert ranks == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 @pytest.mark.slow
 def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
     """Packed documents at cp = 2 (world 2), with accumulation; and with activation checkpointing
@@ -208,8 +258,6 @@ def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
     [
         (["model.args={block_size = 18}", "data.args={block_size = 18}"], 2, "use block_size 16 or 20"),
         (["parallel.tp=2", "parallel.sequence_parallel=true"], 4, "parallel.cp with parallel.sequence_parallel is not"),
-        (["parallel.dp_replicate=2", "parallel.dp_shard=2"], 8, "parallel.dp_replicate and parallel.dp_shard > 1"),
-        (["train.compile=true"], 2, "not supported yet"),
         (["model.args={attention = 'flex'}"], 2, "model.args.attention = 'flex'"),
         (["parallel.cp_attention='alltoall'", "model.args={n_head = 3, d_model = 48}"], 2, "n_head = 3 over cp x tp"),
     ],
@@ -275,14 +323,6 @@ def test_hf_llama_at_cp_equals_transformers_on_each_conversation_alone(sft, cp):
         assert row["trainable_tokens"] == ref_items
         torch.testing.assert_close(row["loss"], ref_loss, rtol=1e-5, atol=0, msg=lambda m, n=name: f"{n}: {m}")
         torch.testing.assert_close(row["grad_norm"], ref_norm, rtol=1e-5, atol=0, msg=lambda m, n=name: f"{n}: {m}")
-
-
-def test_plan_refuses_cp_in_one_line():
-    from paratrain.config import ConfigError, load_config
-    from paratrain.plan.planner import plan
-
-    with pytest.raises(ConfigError, match="parallel.cp with paratrain plan is not supported yet"):
-        plan(load_config(None, ["parallel.cp=2"]), world_size=2, nproc_per_node=2, profile=None)
 
 
 @pytest.mark.slow

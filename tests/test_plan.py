@@ -14,7 +14,7 @@ from paratrain.config import ConfigError, load_config
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.plan import calibrate, get_profile, plan
 from paratrain.plan.cost import ModelStats, gemm_seconds, step_cost
-from paratrain.plan.enumerate import Layout, candidate_layouts, enumerate_layouts, meta_model
+from paratrain.plan.enumerate import Layout, candidate_layouts, cp_degrees, enumerate_layouts, meta_model
 from paratrain.plan.memory import MemoryModel, estimate_layout_peak, in_flight
 from paratrain.plan.planner import nothing_fits_error
 from paratrain.preflight import check_run
@@ -248,7 +248,7 @@ def test_best_layout_at_world_4_trains(tmp_path):
 
 @pytest.mark.slow
 def test_8b_on_64_gpus_plans_and_fits():
-    """The 8B plan's search (about 80-130 s here: docs/plan.md; a time is a figure, never a threshold
+    """The 8B plan's search (about 80-130 s here before cp was enumerated, 369 s after on a loaded machine: docs/plan.md; a time is a figure, never a threshold
     a loaded machine could break) finds fitting layouts and skips no faster one that fits."""
     cfg = load_config(DEBUG, big_gpt())
     memory = MemoryModel(cfg, model=meta_model(cfg), n_blocks=32)
@@ -368,3 +368,129 @@ def test_gpu_check_script_runs_on_cpu():
     out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Spearman of step times over 6 layouts" in out.stdout, out.stdout[-2000:]
+
+
+# ----------------------------------------------------------------------------- context parallel
+
+# A long row on a small model: activations dominate, and one head (tp cannot split it).
+LONG = [
+    "model.args={n_layer=2, n_head=1, d_model=64, block_size=2048}",
+    "data.args={block_size=2048, max_bytes=100000}",
+    "batch.global_batch_size=2",
+    "batch.micro_batch_size=1",
+]
+
+
+def test_cp_is_enumerated_where_the_row_splits():
+    """cp degrees divide the world and split the row into 2 x cp chunks; each cp layout passes the
+    trainer's preflight and its --set lines select it."""
+    cfg = load_config(DEBUG)  # block_size 32: cp 2 and 4 both split it
+    layouts, refused = enumerate_layouts(cfg, world_size=4, nproc_per_node=4)
+    cps = {lay.cp for lay in layouts}
+    assert cps == {1, 2, 4}
+    lay = next(lay for lay in layouts if lay.cp == 2 and lay.dp_shard == 2)
+    assert lay.world_size == 4 and "c2" in lay.short()
+    check_run(lay.apply(cfg), 4)
+    assert load_config(DEBUG, lay.set_lines()).parallel == lay.apply(cfg).parallel
+    # block_size 36 = 2 x 18: cp 2 splits it into 4 chunks of 9, cp 4 would need 8 equal chunks.
+    odd = load_config(
+        DEBUG, ["model.args={n_layer=2, n_head=2, d_model=32, block_size=36}", "data.args={block_size=36}"]
+    )
+    assert {c for _, c in cp_degrees(odd, 4)} == {1, 2}
+
+
+def test_cp_memory_falls_as_one_over_cp():
+    """The predicted peak per rank of a long row at cp = 2 and 4 is close to 1/cp of one process's
+    (activations and the FSDP2 shards over cp both fall as 1/cp)."""
+    cfg = load_config(DEBUG, LONG)
+    model = meta_model(cfg)
+    memory = MemoryModel(cfg, model=model, n_blocks=2)
+    peaks = {cp: memory.peak(Layout(1, 1, 1, 1, 1, cp=cp)).peak_bytes for cp in (1, 2, 4)}
+    for cp in (2, 4):
+        ratio = peaks[cp] / peaks[1]
+        assert 0.9 / cp < ratio < 1.15 / cp, (cp, ratio, peaks)
+    assert memory.lower_bound(Layout(1, 1, 1, 1, 1, cp=2)) == memory.lower_bound(Layout(1, 2, 1, 1, 1))
+
+
+def test_cp_cost_terms():
+    """A cp rank computes 1/cp of the tokens (matmuls and attention alike), pays the ring's hops
+    (all-to-all's when chosen), and its gradients go to FSDP2 over dp_shard x cp."""
+    cfg = load_config(DEBUG, LONG)
+    stats = ModelStats.of(meta_model(cfg), cfg)
+    hw = dataclasses.replace(get_profile("cpu"), cores=8, overlap=0.0)
+
+    def cost(lay, c=cfg):
+        return step_cost(lay, cfg=c, stats=stats, hw=hw, ranks_per_node=8)
+
+    one, two = cost(Layout(1, 1, 1, 1, 1)), cost(Layout(1, 1, 1, 1, 1, cp=2))
+    assert one.terms["cp_comm"] == 0 and two.terms["cp_comm"] > 0
+    torch.testing.assert_close(two.terms["compute"], one.terms["compute"] / 2, rtol=1e-9, atol=0)
+    assert two.terms["fsdp_comm"] > 0 and two.terms["dp_grad_reduce"] == 0  # FSDP2 over the cp ranks
+    # The ring by hand: per layer and micro-batch, cp - 1 forward hops of K and V, cp - 1 backward
+    # hops of K, V, dK, dV (fp32) and one of dK, dV home; 2 micro-batches of 1 row, 2 layers.
+    chunk = 1 * 1024 * 64
+    hop = lambda n: hw.collective_s("send_recv", n, 2, inter=False)  # noqa: E731
+    ring = 2 * 2 * (hop(2 * chunk * 4) + hop(4 * chunk * 4) + hop(2 * chunk * 4))
+    torch.testing.assert_close(two.terms["cp_comm"], ring, rtol=1e-9, atol=0)
+    a2a_cfg = load_config(DEBUG, [*LONG, "parallel.cp_attention='alltoall'"])
+    a2a = cost(Layout(1, 1, 1, 1, 1, cp=2), a2a_cfg).terms["cp_comm"]
+    want = 2 * 2 * 8 * hw.collective_s("all_to_all", chunk * 4, 2, inter=False)
+    torch.testing.assert_close(a2a, want, rtol=1e-9, atol=0)
+
+
+def _ring_bytes_rank(b: int, h: int, t: int, d: int) -> int:
+    import torch.distributed as dist
+
+    import paratrain.distributed.context_parallel as cpmod
+
+    dist.init_process_group("gloo")
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    sent, exchange = [0], cpmod._exchange
+
+    def counting(send, group, **kw):
+        sent[0] += send.numel() * send.element_size()
+        return exchange(send, group, **kw)
+
+    cpmod._exchange = counting
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (cpmod.shard_sequence(torch.randn(b, h, t, d, generator=g), dim=2, cp=cp, rank=rank) for _ in range(3))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    cpmod.ring_attention(q, k, v, group=dist.group.WORLD).sum().backward()
+    dist.destroy_process_group()
+    return sent[0]
+
+
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])  # world 4: about 20 s
+def test_ring_bytes_formula_matches_what_the_ring_sends(cp):
+    """The plan's ring formula against the bytes the ring hands to its point-to-point exchange (one
+    attention layer, forward and backward, float32), on every rank."""
+    from paratrain.plan.cost import ring_bytes
+
+    b, h, t, d = 2, 2, 32, 8
+    fwd, bwd = ring_bytes(mb=b, local_seq=t // cp, width=h * d, cp=cp, act_bytes=4)
+    assert run_ranks(_ring_bytes_rank, cp, b, h, t, d) == [fwd + bwd] * cp
+
+
+@pytest.mark.slow  # about 60 s: every layout of a world of 2 estimated until one fits
+def test_long_row_that_fits_only_at_cp2_is_planned_with_cp2():
+    """A 2048-token row whose every cp = 1 layout at world 2 (data parallel, FSDP, pipeline, any
+    checkpointing) exceeds 11 MiB per rank: `paratrain plan` ranks a cp = 2 layout first and shows cp."""
+    usable_mib = 11.0
+    margin = load_config(DEBUG).batch.memory_margin
+    sets = [a for s in LONG for a in ("--set", s)]
+    r = paratrain_cli(
+        "plan", DEBUG, *sets, "--nproc-per-node", "2", "--hardware", "cpu", "--top", "2", "--json",
+        "--memory-gib", f"{usable_mib / 1024 / (1 - margin):.6f}",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all("parallel.cp=2" in lay["set"] for lay in out["layouts"]), out["layouts"]
+    assert out["refused"].get("peak memory exceeds the usable memory per rank", 0) > 0
+    table = r.stderr.splitlines()
+    first = next(i for i, line in enumerate(table) if "layout" in line and "step_s" in line) + 1
+    assert " c2 " in table[first], table[first]
+    # Without the budget a cp = 1 layout is faster (no ring on the critical path).
+    result = plan(
+        load_config(DEBUG, LONG), world_size=2, nproc_per_node=2, profile=get_profile("cpu"), top=1, progress=False
+    )
+    assert result.layouts[0].layout.cp == 1

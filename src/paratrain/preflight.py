@@ -249,11 +249,9 @@ def check_cp(cfg: Config, dims: ParallelDims) -> None:
     refused = [
         (cfg.parallel.sequence_parallel, "parallel.sequence_parallel"),
         (bool(cfg.model.hf) and (dims.tp > 1 or dims.pp > 1), "model.hf and parallel.tp or pp > 1"),
-        (dims.dp_replicate > 1 and dims.dp_shard > 1, "both parallel.dp_replicate and parallel.dp_shard > 1"),
         (bool(cfg.model.factory), "model.factory"),
         (cfg.model.args.get("attention", "sdpa") != "sdpa", "model.args.attention = 'flex'"),
         (bool(cfg.model.args.get("dropout", 0.0)), "model.args.dropout > 0"),
-        (cfg.train.compile, "train.compile"),
         (cfg.comm.compression != "none", "comm.compression"),
         (
             cfg.batch.adaptive or cfg.optim.lr_scaling == "adascale",

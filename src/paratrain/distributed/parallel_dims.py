@@ -151,7 +151,17 @@ class ParallelDims:
         'pp'); None when that role has a single rank."""
         role = self.ROLES.get(role, role)
         if role == "fsdp" and self.cp > 1 and self.dp_replicate > 1:
-            return self.mesh[("dp_replicate", "cp")]  # HSDP: replicated over dp_replicate, sharded over cp
+            if self.dp_shard == 1:
+                return self.mesh[("dp_replicate", "cp")]  # HSDP: replicated over dp_replicate, sharded over cp
+            if "_hsdp_cp_mesh" not in self.__dict__:
+                # HSDP over dp_replicate x (dp_shard x cp): the flattened dp x cp mesh (dp_replicate
+                # outermost) unflattened into 2-D, as torchtitan's dp_shard_cp (slicing a flattened
+                # dimension back out of the root mesh is deprecated in torch 2.13).
+                self.mesh  # built on first use, the flattened dp x cp mesh with it
+                self.__dict__["_hsdp_cp_mesh"] = self.__dict__["_dp_cp_mesh"]._unflatten(
+                    0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp")
+                )
+            return self.__dict__["_hsdp_cp_mesh"]
         if role == "dp_cp" or (role == "fsdp" and self.cp > 1):
             if self.cp == 1:
                 return self.submesh("dp")

@@ -41,6 +41,17 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
   reduce nor optimiser state to update, so the reduce-scatter, DDP's all-reduce and the optimiser
   step scale with the trained share of parameters (``ModelStats.trained``). The backward's FLOPs
   are counted as for full training (a frozen linear layer skips its weight gradient: an upper bound).
+- ``cp_comm``: context parallel (docs/context-parallel.md), per micro-batch and attention layer.
+  The ring (``parallel.cp_attention = "ring"``) sends the rank's K and V chunks on ``cp - 1``
+  times forward, each hop overlapping the attention of the chunk it holds (up to ``overlap``);
+  its backward sends K, V and their gradient so far ``cp - 1`` times and the gradient home once,
+  in float32, each hop waited before the next pair (exposed): :func:`ring_bytes`, checked against
+  the bytes the ring sends in tests/test_plan.py and benchmarks/cp_memory.py. All-to-all
+  (Ulysses) runs four all-to-alls forward (q, k, v, out) and four backward, on the critical path.
+  A forward recomputed by full checkpointing communicates again. The rank computes ``T / cp``
+  tokens of each row, each attending over the whole row: every other term sees ``1/cp`` of the
+  tokens, attention ``1/cp`` of its ``T x T`` work; the gradients are reduced over
+  ``dp_shard x cp`` (FSDP2 shards over both).
 - ``pp_p2p``: sends of activations and their gradients between stages, 2 per chunk and micro-batch.
 - ``optimizer``: AdamW is memory-bound: read parameter, gradient and two moments, write three
   (28 bytes per fp32 parameter) plus the gradient-norm read (4), over memory bandwidth (SGD: 24
@@ -48,7 +59,7 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
   profile's fixed time per parameter tensor (plain, or DTensor under FSDP and TP), which the CPU
   pays (its AdamW loops over tensors one by one).
 
-Collectives cross nodes when their group does: the mesh is ``pp, dp_replicate, dp_shard, tp``
+Collectives cross nodes when their group does: the mesh is ``pp, dp_replicate, dp_shard, cp, tp``
 outermost to innermost (parallel_dims.py), so a dimension's ranks are ``stride`` apart.
 """
 
@@ -93,6 +104,7 @@ TERMS = (
     "overhead",
     "pointwise",
     "tp_comm",
+    "cp_comm",
     "fsdp_comm",
     "dp_grad_reduce",
     "pp_bubble",
@@ -301,7 +313,8 @@ class _Rank:
     dtype: str
     act_bytes: int
     reduce_bytes: int
-    seq: int
+    seq: int  # the whole row: what each token attends over
+    local_seq: int  # the tokens of a row this rank computes (seq / cp)
     d: int
     per_rank: int
     n_micro: int  # micro-batches (pipeline micro-batches under pp) per step
@@ -315,7 +328,7 @@ class _Rank:
 
     @property
     def tokens(self) -> int:
-        return self.per_rank * self.seq
+        return self.per_rank * self.local_seq
 
     @property
     def shard_params(self) -> float:
@@ -348,6 +361,7 @@ class _Rank:
             act_bytes=DTYPES[dtype].itemsize,
             reduce_bytes=2 if cfg.comm.compression in ("bf16", "fp16") or cfg.precision.reduce_dtype != "fp32" else 4,
             seq=stats.seq_len,
+            local_seq=stats.seq_len // layout.cp,
             d=stats.hidden,
             per_rank=per_rank,
             n_micro=n_micro,
@@ -378,22 +392,72 @@ def compute_terms(r: _Rank) -> tuple[float, float]:
     width = stats.attention_width or r.d
     attention_token = r.rank_blocks * 12.0 * width * r.seq if stats.gemms else 0.0
     linear_flops = r.stage_flops - attention_token
-    slowdown = gemm_slowdown(stats, r.mb * r.seq, layout.tp, hw=hw, rate=r.rate, elem_bytes=r.act_bytes)
+    slowdown = gemm_slowdown(stats, r.mb * r.local_seq, layout.tp, hw=hw, rate=r.rate, elem_bytes=r.act_bytes)
     linear_s = r.tokens * linear_flops / layout.tp / r.rate * slowdown
     block_linear_s = linear_s * (block_flops_rank - attention_token) / max(1.0, linear_flops)
+    attention_s, attention_forward_s = attention_seconds(r)
+    recompute = 0.0
+    if layout.activation_checkpointing == "full":
+        recompute = r.recomputes * (block_linear_s / 3 + attention_forward_s)
+    return linear_s + attention_s, recompute
+
+
+def attention_seconds(r: _Rank) -> tuple[float, float]:
+    """(forward + backward, forward) seconds of the rank's attention. Each of its ``T / cp`` tokens
+    of a row attends over the whole row (the head-tail split evens the causal work over cp ranks)."""
+    stats, hw, layout = r.stats, r.hw, r.layout
+    width = stats.attention_width or r.d
     if hw.attention_efficiency:
         # Causal flash attention computes the lower half of the T x T square: forward 2 x width x T
         # per token (QK^T and PV), backward 2.5x that (it recomputes QK^T: Dao 2023, sec. 3.1).
         att_rate = hw.peak(r.dtype) * hw.attention_efficiency * r.share
         attention_s = r.tokens * r.rank_blocks * 7.0 * width * r.seq / layout.tp / att_rate
-        attention_forward_s = attention_s * 2 / 7
-    else:
-        attention_s = r.tokens * attention_token / layout.tp / r.rate
-        attention_forward_s = attention_s / 3
-    recompute = 0.0
-    if layout.activation_checkpointing == "full":
-        recompute = r.recomputes * (block_linear_s / 3 + attention_forward_s)
-    return linear_s + attention_s, recompute
+        return attention_s, attention_s * 2 / 7
+    attention_token = r.rank_blocks * 12.0 * width * r.seq if stats.gemms else 0.0
+    attention_s = r.tokens * attention_token / layout.tp / r.rate
+    return attention_s, attention_s / 3
+
+
+def ring_bytes(*, mb: int, local_seq: int, width: int, cp: int, act_bytes: int) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends per attention layer and micro-batch in the ring.
+
+    The rank's K (and V) chunks hold ``mb x local_seq x width`` elements (width: heads x head dim
+    on the rank; grouped-query K/V heads are repeated before the ring). Forward
+    (distributed/context_parallel.py ``_RingAttention.forward``): ``cp - 1`` hops of K and V at the
+    compute dtype. Backward: ``cp - 1`` hops of K, V and their gradient so far, then one hop of the
+    gradient home, all float32: ``(4 (cp - 1) + 2)`` chunks. 0 at cp = 1."""
+    if cp <= 1:
+        return 0, 0
+    local = mb * local_seq * width
+    return 2 * (cp - 1) * local * act_bytes, (4 * (cp - 1) + 2) * local * 4
+
+
+def cp_comm_term(r: _Rank) -> float:
+    """Context parallel's exposed communication (module docstring, ``cp_comm``)."""
+    layout, hw = r.layout, r.hw
+    cp = layout.cp
+    if cp <= 1:
+        return 0.0
+    width = (r.stats.attention_width or r.d) // layout.tp
+    inter = crosses_nodes(layout.tp, cp, r.ranks_per_node)
+    forwards = 1 + (r.recomputes if layout.activation_checkpointing == "full" else 0)
+    layers = r.n_micro * r.rank_blocks
+    if r.cfg.parallel.cp_attention == "alltoall":
+        # Ulysses: q, k, v and out forward, their gradients backward; each all-to-all moves the
+        # rank's mb x local_seq x width elements (DeepSpeed-Ulysses, Jacobs et al. 2023, sec. 3.1).
+        a2a = hw.collective_s("all_to_all", r.mb * r.local_seq * width * r.act_bytes, cp, inter=inter)
+        return layers * (4 * forwards + 4) * a2a
+    chunk = r.mb * r.local_seq * width  # elements of the rank's K (or V)
+    hop_fwd = hw.collective_s("send_recv", 2 * chunk * r.act_bytes, 2, inter=inter)  # K, V
+    hop_bwd = hw.collective_s("send_recv", 4 * chunk * 4, 2, inter=inter)  # K, V, dK, dV in fp32
+    hop_home = hw.collective_s("send_recv", 2 * chunk * 4, 2, inter=inter)  # dK, dV
+    # The forward passes a chunk on while attending to it: a hop hides behind one step's attention
+    # (1/cp of the layer's forward attention); the backward waits for each hop before the next pair.
+    _, attention_forward_s = attention_seconds(r)
+    step_attention = attention_forward_s / max(1, layers) / cp
+    forward = (cp - 1) * max(0.0, hop_fwd - hw.overlap * step_attention)
+    backward = (cp - 1) * hop_bwd + hop_home
+    return layers * (forwards * forward + backward)
 
 
 def pointwise_term(r: _Rank) -> float:
@@ -419,7 +483,7 @@ def overhead_term(r: _Rank) -> float:
     recompute_passes = {"none": 0.0, "selective": 0.5, "full": 1.0}[layout.activation_checkpointing] * r.recomputes
     per_pass = (hw.tp_block_overhead_s or hw.block_overhead_s) if layout.tp > 1 else hw.block_overhead_s
     t = r.n_micro * (r.rank_blocks * (3 + recompute_passes) + 2) * per_pass / r.share
-    if layout.dp_shard > 1:
+    if layout.shard > 1:
         units = r.rank_blocks + 1
         collectives = r.n_micro * (2 if layout.reshard_after_forward else 1) + (
             r.n_micro if layout.reshard_after_forward else 1
@@ -434,7 +498,7 @@ def tp_comm_term(r: _Rank) -> float:
     layout = r.layout
     if layout.tp <= 1 or not r.d:
         return 0.0
-    act = r.mb * r.seq * r.d * r.act_bytes
+    act = r.mb * r.local_seq * r.d * r.act_bytes
     per_micro = r.rank_blocks * (4 + (2 * r.recomputes if layout.activation_checkpointing == "full" else 0)) + 2
     inter = crosses_nodes(1, layout.tp, r.ranks_per_node)
     return r.n_micro * per_micro * r.hw.collective_s("all_reduce", act, layout.tp, inter=inter)
@@ -453,25 +517,24 @@ def fsdp_comm_term(r: _Rank, busy_compute: float) -> float:
     collective hides behind a block's compute up to ``overlap`` of it and the rest is exposed.
     """
     layout, hw, stats = r.layout, r.hw, r.stats
-    if layout.dp_shard <= 1:
+    shard = layout.shard  # FSDP2 shards over dp_shard x cp flattened (ranks tp apart)
+    if shard <= 1:
         return 0.0
-    inter = crosses_nodes(layout.tp, layout.dp_shard, r.ranks_per_node)
+    inter = crosses_nodes(layout.tp, shard, r.ranks_per_node)
     block_params = sum(stats.block_params) / max(1, len(stats.block_params)) / layout.tp
     root_params = max(0.0, r.shard_params - block_params * r.rank_blocks)
     gather_bytes = r.act_bytes if r.dtype != "fp32" else 4
 
     def unit_comm(params: float, scatter: bool) -> tuple[float, float]:
         """(all-gather, reduce-scatter [+ HSDP's all-reduce]) seconds of one unit."""
-        ag = hw.collective_s("all_gather", params * gather_bytes, layout.dp_shard, inter=inter)
+        ag = hw.collective_s("all_gather", params * gather_bytes, shard, inter=inter)
         rs = 0.0
         if scatter:
             grads = params * stats.trained  # frozen parameters are gathered, never reduced
-            rs = hw.collective_s("reduce_scatter", grads * r.reduce_bytes, layout.dp_shard, inter=inter)
+            rs = hw.collective_s("reduce_scatter", grads * r.reduce_bytes, shard, inter=inter)
             if layout.dp_replicate > 1:
-                inter_r = crosses_nodes(layout.tp * layout.dp_shard, layout.dp_replicate, r.ranks_per_node)
-                rs += hw.collective_s(
-                    "all_reduce", grads * r.reduce_bytes / layout.dp_shard, layout.dp_replicate, inter=inter_r
-                )
+                inter_r = crosses_nodes(layout.tp * shard, layout.dp_replicate, r.ranks_per_node)
+                rs += hw.collective_s("all_reduce", grads * r.reduce_bytes / shard, layout.dp_replicate, inter=inter_r)
         return ag, rs
 
     per_block = busy_compute / max(1, r.n_micro) / max(1, r.rank_blocks)
@@ -492,7 +555,7 @@ def dp_comm_term(r: _Rank, compute: float, recompute: float) -> float:
     """DDP's gradient all-reduce (no sharding): what the last micro-batch's backward cannot hide,
     and at least the last bucket's share."""
     layout = r.layout
-    if layout.dp_shard > 1 or layout.dp_replicate <= 1:
+    if layout.shard > 1 or layout.dp_replicate <= 1:
         return 0.0
     inter = crosses_nodes(layout.tp * layout.dp_shard, layout.dp_replicate, r.ranks_per_node)
     grad_bytes = r.shard_params * r.stats.trained * r.reduce_bytes  # DDP reduces trained parameters only
@@ -519,9 +582,9 @@ def pipeline_terms(r: _Rank, busy: float) -> tuple[float, float]:
         bubble /= 6
     p2p = 0.0
     if r.d:
-        stride_pp = layout.tp * layout.dp_shard * layout.dp_replicate
+        stride_pp = layout.tp * layout.cp * layout.dp_shard * layout.dp_replicate
         inter = crosses_nodes(stride_pp, p, r.ranks_per_node)
-        send = r.hw.collective_s("send_recv", r.mb * r.seq * r.d * r.act_bytes, 2, inter=inter)
+        send = r.hw.collective_s("send_recv", r.mb * r.local_seq * r.d * r.act_bytes, 2, inter=inter)
         p2p = 2 * v * r.n_micro * send
     return busy * bubble, p2p
 
@@ -533,11 +596,11 @@ def optimizer_term(r: _Rank) -> float:
     layout, stats, hw = r.layout, r.stats, r.hw
     # The optimiser holds the trained parameters only (a LoRA run's adapters).
     trained = r.shard_params * stats.trained
-    t = trained / layout.dp_shard * optimizer_bytes_per_param(r.cfg) / (hw.hbm_gbps * 1e9 * r.share)
+    t = trained / layout.shard * optimizer_bytes_per_param(r.cfg) / (hw.hbm_gbps * 1e9 * r.share)
     others = stats.tensors - stats.block_tensors * len(stats.block_params)
     rank_tensors = stats.tensors if layout.pp == 1 else stats.block_tensors * r.rank_blocks + others / 2
     rank_tensors *= stats.trained_tensors
-    sharded = layout.dp_shard > 1 or layout.tp > 1
+    sharded = layout.shard > 1 or layout.tp > 1
     per_tensor = hw.dtensor_optimizer_tensor_overhead_s if sharded else hw.optimizer_tensor_overhead_s
     return t + rank_tensors * per_tensor / r.share
 
@@ -550,10 +613,11 @@ def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ra
     t["pointwise"] = pointwise_term(r)
     t["overhead"] = overhead_term(r)
     t["tp_comm"] = tp_comm_term(r)
+    t["cp_comm"] = cp_comm_term(r)
     busy_compute = t["compute"] + t["recompute"] + t["overhead"] + t["pointwise"]
     t["fsdp_comm"] = fsdp_comm_term(r, busy_compute)
     t["dp_grad_reduce"] = dp_comm_term(r, t["compute"], t["recompute"])
-    t["pp_bubble"], t["pp_p2p"] = pipeline_terms(r, busy_compute + t["tp_comm"] + t["fsdp_comm"])
+    t["pp_bubble"], t["pp_p2p"] = pipeline_terms(r, busy_compute + t["tp_comm"] + t["cp_comm"] + t["fsdp_comm"])
     t["optimizer"] = optimizer_term(r)
     step = sum(t.values())
     tokens_step = cfg.batch.global_batch_size * r.seq

@@ -38,14 +38,20 @@ class Layout:
     reshard_after_forward: bool = True
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
+    cp: int = 1  # context parallel (docs/context-parallel.md)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard(self) -> int:
+        """The ranks FSDP2 shards over: dp_shard x cp (a cp group's ranks hold the same parameters)."""
+        return self.dp_shard * self.cp
 
     def set_lines(self) -> list[str]:
         """The `--set` lines that select this layout (ready to paste)."""
@@ -54,10 +60,11 @@ class Layout:
             f"parallel.dp_shard={self.dp_shard}",
             f"parallel.tp={self.tp}",
             f"parallel.pp={self.pp}",
+            f"parallel.cp={self.cp}",
             f"batch.micro_batch_size={self.micro_batch_size}",
             f"parallel.activation_checkpointing='{self.activation_checkpointing}'",
         ]
-        if self.dp_shard > 1:
+        if self.shard > 1:
             lines.append(f"parallel.reshard_after_forward={'true' if self.reshard_after_forward else 'false'}")
         if self.pp > 1:
             lines += [
@@ -67,8 +74,9 @@ class Layout:
         return lines
 
     def short(self) -> str:
-        s = f"r{self.dp_replicate} s{self.dp_shard} t{self.tp} p{self.pp} mb{self.micro_batch_size} ac:{self.activation_checkpointing}"
-        if self.dp_shard > 1:
+        cp = f" c{self.cp}" if self.cp > 1 else ""
+        s = f"r{self.dp_replicate} s{self.dp_shard}{cp} t{self.tp} p{self.pp} mb{self.micro_batch_size} ac:{self.activation_checkpointing}"
+        if self.shard > 1:
             s += f" reshard:{'y' if self.reshard_after_forward else 'n'}"
         if self.pp > 1:
             s += f" {self.pp_schedule}x{self.pp_virtual_stages}"
@@ -82,6 +90,7 @@ class Layout:
             dp_shard=self.dp_shard,
             tp=self.tp,
             pp=self.pp,
+            cp=self.cp,
             activation_checkpointing=self.activation_checkpointing,
             reshard_after_forward=self.reshard_after_forward,
             pp_schedule=self.pp_schedule if self.pp > 1 else cfg.parallel.pp_schedule,
@@ -121,20 +130,30 @@ def reason_of(err: ConfigError) -> str:
     return re.sub(r"\d+", "N", text).strip()
 
 
+def cp_degrees(cfg: Config, world_size: int):
+    """(tp, cp) pairs: cp divides what tp leaves of the world, and the row splits into 2 x cp
+    equal chunks (the head-tail split); other cp degrees are not candidates at all."""
+    block = cfg.data.args.get("block_size") or cfg.model.args.get("block_size")
+    for tp in divisors(world_size):
+        for cp in divisors(world_size // tp):
+            if cp == 1 or (isinstance(block, int) and block % (2 * cp) == 0):
+                yield tp, cp
+
+
 def candidate_layouts(cfg: Config, *, world_size: int, nproc_per_node: int, n_blocks: int | None):
     """Every combination of the layout knobs (before any check)."""
     gbs = cfg.batch.global_batch_size
-    for tp in divisors(world_size):
-        for pp in divisors(world_size // tp):
-            for dp_shard in divisors(world_size // (tp * pp)):
-                dp_replicate = world_size // (tp * pp * dp_shard)
+    for tp, cp in cp_degrees(cfg, world_size):
+        for pp in divisors(world_size // (tp * cp)):
+            for dp_shard in divisors(world_size // (tp * cp * pp)):
+                dp_replicate = world_size // (tp * cp * pp * dp_shard)
                 dp = dp_replicate * dp_shard
                 if gbs % dp:
                     yield None, "batch.global_batch_size = N is not divisible by dp = N"
                     continue
                 for mb in divisors(gbs // dp):
                     for ac in AC_MODES:
-                        for reshard in (True, False) if dp_shard > 1 else (True,):
+                        for reshard in (True, False) if dp_shard * cp > 1 else (True,):
                             scheds = [("1f1b", 1)]
                             if pp > 1:
                                 scheds = []
@@ -146,7 +165,7 @@ def candidate_layouts(cfg: Config, *, world_size: int, nproc_per_node: int, n_bl
                                     )
                                     scheds += [(name, v) for v in vs]
                             for sched, v in scheds:
-                                layout = Layout(dp_replicate, dp_shard, tp, pp, mb, ac, reshard, sched, v)
+                                layout = Layout(dp_replicate, dp_shard, tp, pp, mb, ac, reshard, sched, v, cp)
                                 if tp > nproc_per_node:
                                     # Tensor parallelism puts collectives on every layer's critical path:
                                     # across nodes they would run at network speed (Megatron-LM keeps tp

@@ -29,6 +29,14 @@ for the other ranks) is called in ONE place, :func:`estimate_layout_peak`. What 
   all n; ZB-V keeps ``pp`` and DualPipeV ``pp + 1`` (arXiv:2401.10241, arXiv:2412.19437). The
   stage is estimated with both the embedding and the output layer (an upper bound: every
   stage holds at most one of them), and the rank with the largest total decides.
+- **Context parallel** (``cp > 1``): a rank holds ``T / cp`` tokens of each row (the head-tail
+  split) and FSDP2 shards the states over ``dp_shard x cp``. The estimator runs no ring (its fake
+  process group has no point-to-point), so a cp layout is estimated as the step it matches rank
+  for rank: rows of ``T / cp`` tokens (the model keeps its ``T`` positions) with ``dp_shard x cp``
+  shards. The ring's attention saves what SDPA's flash kernel saves (q, k, v, out, log-sum-exp;
+  the ring's out in float32) and its chunk pairs' scores are transient, so activations scale as
+  ``1/cp``; the K/V chunks in flight (two received chunks of ``T / cp`` tokens per layer at a
+  time) are not counted.
 """
 
 from __future__ import annotations
@@ -131,16 +139,23 @@ class MemoryModel:
         self.estimate = estimate or estimate_layout_peak
         self.cache: dict[tuple, int] = {}
         self.estimates = 0  # calls of the estimator (cache misses)
-        self._dataset = None
+        self._datasets: dict[int, object] = {}
         self._stage_ranges: dict[int, list[range]] = {}
         self._sizes: list[int] | None = None
         self._rest: dict[tuple, dict[int, float]] = {}  # sibling key -> micro-batch -> held beyond states
 
     @property
     def dataset(self):
-        if self._dataset is None:
-            self._dataset = build_dataset(self.cfg.data)
-        return self._dataset
+        return self.dataset_for(1)
+
+    def dataset_for(self, cp: int):
+        """The dataset with rows of ``T / cp`` tokens (a cp rank's part of a row), built once per cp."""
+        if cp not in self._datasets:
+            data = copy.deepcopy(self.cfg.data)
+            if cp > 1:
+                data.args = {**data.args, "block_size": self._seq_len() // cp}
+            self._datasets[cp] = build_dataset(data)
+        return self._datasets[cp]
 
     @staticmethod
     def _key(layout: Layout, *, blocks: int | None, m: int, accumulate: bool, dp_replicate: int) -> tuple:
@@ -152,7 +167,8 @@ class MemoryModel:
             m,
             accumulate,
             layout.activation_checkpointing,
-            layout.reshard_after_forward if layout.dp_shard > 1 else True,
+            layout.reshard_after_forward if layout.shard > 1 else True,
+            layout.cp,
         )
 
     def _one(self, layout: Layout, *, blocks: int | None, m: int, accumulate: bool, dp_replicate: int) -> int:
@@ -162,13 +178,17 @@ class MemoryModel:
             cfg = copy.deepcopy(layout.apply(self.cfg))
             cfg.parallel.pp = 1
             cfg.parallel.dp_replicate = dp_replicate
-            dp = dp_replicate * layout.dp_shard
+            # Context parallel as the step it matches rank for rank (module docstring): rows of
+            # T / cp tokens, FSDP2 over dp_shard x cp.
+            cfg.parallel.cp, shard = 1, layout.shard
+            cfg.parallel.dp_shard = shard
+            dp = dp_replicate * shard
             cfg.batch.global_batch_size = dp * m * (2 if accumulate else 1)
             cfg.batch.micro_batch_size = m
             if blocks is not None:
                 cfg.model.args = {**cfg.model.args, "n_layer": blocks}
-            dims = ParallelDims(dp_replicate, layout.dp_shard, layout.tp, 1, dp * layout.tp)
-            self.cache[key] = int(self.estimate(cfg, dims, m, dataset=self.dataset))
+            dims = ParallelDims(dp_replicate, shard, layout.tp, 1, dp * layout.tp)
+            self.cache[key] = int(self.estimate(cfg, dims, m, dataset=self.dataset_for(layout.cp)))
             self.estimates += 1
         return self.cache[key]
 
@@ -211,15 +231,15 @@ class MemoryModel:
     def _sibling_key(self, layout: Layout) -> tuple:
         # Resharding belongs to the key: without it FSDP keeps every unit's unsharded parameters
         # from forward to backward (38 GiB more per rank on the 8B GPT at 8 x 8).
-        resharded = layout.reshard_after_forward if layout.dp_shard > 1 else True
-        return (layout.tp, layout.activation_checkpointing, resharded)
+        resharded = layout.reshard_after_forward if layout.shard > 1 else True
+        return (layout.tp, layout.cp, layout.activation_checkpointing, resharded)
 
     def _states(self, layout: Layout, blocks: int) -> float:
         """fp32 parameters, gradients and optimiser state of the model cut to ``blocks`` blocks, split
-        tp x dp_shard ways (the bound of :meth:`lower_bound`)."""
+        tp x dp_shard x cp ways (the bound of :meth:`lower_bound`)."""
         sizes = self._block_sizes()
         held = self._state_bytes(self.model.parameters()) - sum(sizes[blocks:])
-        return held / (layout.tp * layout.dp_shard)
+        return held / (layout.tp * layout.shard)
 
     def _remember(self, layout: Layout, *, m: int, accumulate: bool) -> None:
         """Keep what an estimated layout holds beyond its states (1 and 2 blocks) at micro-batch ``m``."""
@@ -258,7 +278,7 @@ class MemoryModel:
 
     def lower_bound(self, layout: Layout) -> int:
         """Bytes every step certainly holds on the busiest rank: fp32 parameters, gradients and
-        optimiser state of its blocks, as if all of them were split over tp x dp_shard. A layout
+        optimiser state of its blocks, as if all of them were split over tp x dp_shard x cp. A layout
         over budget by this bound needs no fake-tensor run (most of the fastest layouts of a
         large model: replicas that cannot hold the model)."""
         if self.model is None:
@@ -268,7 +288,7 @@ class MemoryModel:
         else:
             sizes = self._block_sizes()
             held = max(sum(sizes[i] for i in self._rank_blocks(layout, r)) for r in range(layout.pp))
-        return int(held / (layout.tp * layout.dp_shard))
+        return int(held / (layout.tp * layout.shard))
 
     def _block_sizes(self) -> list[int]:
         """Each block's state bytes (:meth:`_state_bytes`)."""
@@ -310,7 +330,7 @@ class MemoryModel:
         # for the activations it receives (every stage but the first) and one for the gradients
         # it receives (every stage but the last), kept for the schedule's life (stage.py,
         # _prepare_forward_infra / _prepare_backward_infra): measured on CPU, docs/plan.md.
-        boundary = m * self._seq_len() * self._width() * DTYPES[cfg.precision.dtype].itemsize
+        boundary = m * self._seq_len() // layout.cp * self._width() * DTYPES[cfg.precision.dtype].itemsize
         n_stages = layout.pp * v
         out = []
         for rank in range(layout.pp):

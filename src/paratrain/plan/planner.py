@@ -138,8 +138,6 @@ def plan(
     progress: bool = True,
 ) -> PlanResult:
     """Rank the layouts of ``cfg`` at ``world_size``; ``top`` <= 0 estimates every layout."""
-    if cfg.parallel.cp > 1:  # its ring's communication and memory are not in the cost model yet
-        raise ConfigError("parallel.cp with paratrain plan is not supported yet; set parallel.cp = 1 to plan")
     start = time.perf_counter()
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     model, spec = meta_build(cfg)
