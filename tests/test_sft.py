@@ -346,3 +346,39 @@ def test_gpu_sft_check_script_runs_on_cpu():
     assert out.returncode == 0, out.stderr[-2000:]
     for run in ("hf documents, chunk 0", "hf padded, chunk 1024"):
         assert run in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_lora_on_packed_conversations(sft):
+    """LoRA on the fine-tuning path (packed documents, assistant-only loss): the first loss is
+    transformers' own on each conversation alone (B starts at zero, so the adapted model is the
+    base); full activation checkpointing, and FSDP2 with selective checkpointing at world 2, give
+    the one-process losses and grad_norm over two plain SGD steps."""
+    import paratrain
+    from tests.dist_utils import run_ranks
+    from tests.test_hf import train_layouts
+
+    ref_loss, _, _ = reference(sft, sft["convs"])
+    rows = len(build_tokens(sft["train"], block_size=512))
+    lora = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules='all-linear'"]
+    every = [*lora, f"batch.global_batch_size={rows}", "run.steps=1"]  # one batch of every row
+    paratrain.train(load_config(None, _config(sft, sft["train"], "lora_all", *every)))
+    (first,) = read_metrics(os.path.join(sft["root"], "lora_all"))
+    torch.testing.assert_close(first["loss"], ref_loss, rtol=1e-5, atol=0)
+
+    two = [*lora, f"batch.global_batch_size={rows - rows % 2}", "run.steps=2"]  # dp 2 divides it
+    paratrain.train(load_config(None, _config(sft, sft["train"], "lora_ref", *two)))
+    paratrain.train(
+        load_config(None, _config(sft, sft["train"], "lora_ac", *two, "parallel.activation_checkpointing='full'"))
+    )
+    fsdp = _config(
+        sft, sft["train"], "lora_fsdp", *two, "parallel.dp_shard=2", "parallel.activation_checkpointing='selective'"
+    )
+    run_ranks(train_layouts, 2, {"lora_fsdp": fsdp}, sft["root"], timeout=600)
+    ref = read_metrics(os.path.join(sft["root"], "lora_ref"))
+    for name in ("lora_ac", "lora_fsdp"):
+        got = read_metrics(os.path.join(sft["root"], name))
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(
+                [r[key] for r in got], [r[key] for r in ref], rtol=1e-5, atol=0, msg=lambda m: f"{name} {key}: {m}"
+            )
