@@ -68,6 +68,7 @@ def test_train_debug_two_processes_writes_every_output(tmp_path):
     assert gen.stdout.startswith("def ") and len(gen.stdout) > 4
 
 
+@pytest.mark.slow  # > 10 s: make test keeps a margin under 10 minutes
 def test_user_factories_and_mse_train(tmp_path):
     out = tmp_path / "user"
     res = paratrain_cli(

@@ -169,6 +169,7 @@ def test_generate_decodes_with_the_hf_tokenizer(sharded_run):
     assert text == generate_text(out, "def f(x):", max_new_tokens=8, seed=0)  # the seed decides the sample
 
 
+@pytest.mark.slow  # > 10 s: make test keeps a margin under 10 minutes
 def test_a_buffer_the_weights_lack_is_refused_not_trained_on_garbage(tmp_path):
     """Loading weights materialises the model with to_empty: Gemma 3's non-persistent
     embed_scale would keep whatever the memory held. One line, exit 2, instead."""

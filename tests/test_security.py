@@ -261,4 +261,9 @@ def test_launch_arguments_use_the_paratrain_backend_and_one_address():
     with pytest.raises(ConfigError, match="loopback only"):
         LaunchSpec(bind="10.9.8.7").validate()
     rendezvous.register()  # what the launcher and the torchrun.handlers entry point both register
-    assert rendezvous.handler_creator() is rendezvous.create_handler
+    creator = rendezvous.handler_creator()  # defers to create_handler (rendezvous.py says why)
+    real, rendezvous.create_handler = rendezvous.create_handler, lambda params: ("made", params)
+    try:
+        assert creator("params") == ("made", "params")
+    finally:
+        rendezvous.create_handler = real
