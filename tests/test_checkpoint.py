@@ -277,7 +277,7 @@ def test_fp16_loss_scale_survives_resume(tmp_path):
     "src,dst,world",
     [
         pytest.param(["parallel.dp_shard=2"], ["parallel.tp=2"], 2, id="fsdp2-to-tp2", marks=pytest.mark.slow),
-        pytest.param(["parallel.tp=2"], [], 1, id="tp2-to-one-process"),
+        pytest.param(["parallel.tp=2"], [], 1, id="tp2-to-one-process", marks=pytest.mark.slow),  # > 10 s
     ],
 )
 def test_resume_across_parallel_layouts(tmp_path, ref, src, dst, world):

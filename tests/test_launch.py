@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from paratrain.cli import main
 from paratrain.launch.agent import LAUNCHED_ENV, forget_preempted, preempted_code, report_preempted
 from tests.dist_utils import REPO, read_metrics
@@ -24,6 +26,7 @@ def train_here(out: str, *args: str) -> int:
     return main(["train", os.path.join(REPO, "configs", "debug.toml"), *args, *[x for s in sets for x in ("--set", s)]])
 
 
+@pytest.mark.slow  # > 10 s: make test keeps a margin under 10 minutes
 def test_launch_restores_the_environment_and_a_second_launch_works(tmp_path):
     before = dict(os.environ)
     assert train_here(str(tmp_path / "one")) == 0

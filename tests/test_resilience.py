@@ -170,6 +170,7 @@ def test_sigterm_to_the_launcher_saves_and_resume_continues_bitwise(tmp_path, re
     assert [r["grad_norm"] for r in read_metrics(out)] == [r["grad_norm"] for r in ref2]
 
 
+@pytest.mark.slow  # > 10 s: make test keeps a margin under 10 minutes
 def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
     """Only one worker is signalled (one node preempted): the job exits 0 (the default exit code)
     and the checkpoint of the step rank 0 stopped after is complete, which needs every rank's
