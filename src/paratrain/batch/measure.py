@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,13 +25,31 @@ from paratrain.data.sampler import load_batches
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
-from paratrain.loss import build_loss
+from paratrain.loss import build_loss, router_layers
 from paratrain.models import build, spec_of
+from paratrain.models.gpt.moe import MoE
 from paratrain.optim import build_optimizer
 from paratrain.precision import build_precision
 from paratrain.step import StepContext, train_step
 
 log = logging.getLogger("paratrain")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A mixture of experts' shape, as expert parallelism's memory needs it (models/gpt/moe.py)."""
+
+    expert_params: int  # the routed experts of all MoE layers
+    top_k: int
+    d_model: int
+
+
+def moe_shape(model: nn.Module) -> MoEShape | None:
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if not moes:
+        return None
+    experts = sum(p.numel() for m in moes for p in m.experts.parameters())
+    return MoEShape(experts, moes[0].cfg.top_k, moes[0].router.in_features)
 
 
 def guarded(trial: Callable[[int], Trial], *, device: torch.device | None = None) -> Callable[[int], Trial]:
@@ -106,6 +125,7 @@ class StepRunner:
         self.loss_fn = loss if loss is not None and hasattr(loss, "count") else build_loss(cfg.loss, loss)
         self.loss_parallel = False  # decided in build(), from the model's spec
         self.iterations = iterations
+        self.moe: MoEShape | None = None  # a mixture of experts' shape, read in build()
         self.per_rank = plan_batch(
             global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0, dp=dims.dp
         ).per_rank_batch_size
@@ -146,6 +166,7 @@ class StepRunner:
                 supported=spec.loss_parallel,
             )
             spec.hand_head_to(model, self.loss_fn, loss_parallel=self.loss_parallel)  # loss.chunk_size
+            self.moe = moe_shape(model)  # before the wrappers: whole (not sharded) expert weights
             with fake_mode or contextlib.nullcontext():
                 model = parallelize(
                     model,
@@ -183,6 +204,9 @@ class StepRunner:
                     precision=precision,
                     loss_parallel=self.loss_parallel,
                     sync_each_micro_batch=self.cfg.parallel.reshard_after_forward,
+                    # The real step's auxiliary loss of a mixture of experts joins the backward
+                    # (trainer.py): its graph (router probabilities) is part of the activations.
+                    router_layers=tuple(router_layers(model)),
                 ),
             )
 
@@ -198,7 +222,32 @@ class StepRunner:
         if self.full_dims.dp_replicate == 1:
             return 0
         buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if self.full_dims.ep > 1 and self.moe is not None:  # the experts are left out of DDP's buckets
+            buckets -= self.moe.expert_params * 4
         return buckets if self.per_rank // m >= 2 else max(0, buckets - grads_at_peak)
+
+    def expert_parallel_bytes(self, m: int, seq_len: int) -> int:
+        """What expert parallelism changes in one rank's peak against the estimate, which runs the
+        step as at ep = 1 (the fake process group has no ranks to send tokens to; models/gpt/moe.py
+        gives each expert the balanced share of the tokens, the activations of ep > 1 too).
+
+        - States: at ep = 1 every expert is held with the rest, sharded over dp_shard by FSDP2
+          (whole under DDP); at ep > 1 a rank holds ``n_experts / ep`` experts whole, outside
+          FSDP2 (distributed/expert_parallel.py): fp32 weights, gradients and optimiser state of
+          ``1/ep`` of the experts instead of ``1/dp_shard``.
+        - The dispatch's receive buffers, alive together while the last MoE layer combines: the
+          rank's ``tokens x top_k`` (token, slot) rows arriving from the other ranks (float32,
+          models/gpt/moe.py) and their expert outputs coming back (float32).
+        """
+        ep = self.full_dims.ep
+        if ep <= 1 or self.moe is None:
+            return 0
+        o = self.cfg.optim
+        per_param = 8 + (8 if o.name == "adamw" else (4 if o.beta1 > 0 else 0))
+        states = self.moe.expert_params * per_param * (1 / ep - 1 / self.dims.dp_shard)
+        tokens = m * seq_len  # the rank's tokens of one micro-batch
+        buffers = 2 * tokens * self.moe.top_k * self.moe.d_model * 4
+        return int(states + buffers)
 
 
 try:
@@ -283,7 +332,11 @@ def estimate_peak(runner: StepRunner, m: int) -> int:
     with fake, tracker, _FakeScalars():
         runner.run(model, optimizer, batches, iterations=max(1, runner.iterations - 1))
     peak, grads_at_peak = tracker.peak()
-    return peak + runner.ddp_extra_bytes(model, m, grads_at_peak)
+    return (
+        peak
+        + runner.ddp_extra_bytes(model, m, grads_at_peak)
+        + runner.expert_parallel_bytes(m, batches[0][0].shape[-1])
+    )
 
 
 def measure_peak(runner: StepRunner, m: int) -> int:

@@ -75,6 +75,7 @@ from paratrain.distributed.blocks import BLOCKS_ATTR
 from paratrain.distributed.pipeline_parallel import SCHEDULES, pp_microbatches, stage_ranges
 from paratrain.models import spec_of
 from paratrain.models.gpt import GPT
+from paratrain.models.gpt.moe import MoE
 from paratrain.models.spec import ModelSpec
 from paratrain.plan.enumerate import Layout
 from paratrain.plan.profile import Profile
@@ -105,6 +106,7 @@ TERMS = (
     "pointwise",
     "tp_comm",
     "cp_comm",
+    "ep_comm",
     "fsdp_comm",
     "dp_grad_reduce",
     "pp_bubble",
@@ -142,6 +144,13 @@ class ModelStats:
     # optimiser state to update. Spread evenly over the blocks (LoRA adapts every block alike).
     trained: float = 1.0
     trained_tensors: float = 1.0
+    # Mixture of experts (models/gpt/moe.py): the routed experts' parameters of the whole model
+    # (all MoE layers; a rank holds 1/ep of them at ep > 1), the MoE layers and each token's
+    # routed experts (top_k). The FLOPs above count the active experts only (top_k of n_experts).
+    expert_params: int = 0
+    moe_layers: int = 0
+    top_k: int = 0
+    n_experts: int = 0
     _ranks: dict = field(default_factory=dict)
 
     @classmethod
@@ -160,7 +169,14 @@ class ModelStats:
         bp = [sum(p.numel() for p in b.parameters()) for b in blocks]
         gemms, width, pointwise = block_shapes(blocks[0], rope=getattr(model, "has_rope", False))
         attention = 12.0 * (width or d) * seq  # per block (observability/mfu.py, PaLM)
-        bf = [6.0 * n + attention for n in bp]
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        inactive = {id(b): 0 for b in blocks}
+        for b in blocks:
+            for m in (m for m in b.modules() if isinstance(m, MoE)):
+                # A token runs top_k of the n_experts routed experts (gpt_flops counts the same).
+                per_expert = sum(p.numel() for p in m.experts[0].parameters())
+                inactive[id(b)] += (m.cfg.n_experts - m.cfg.top_k) * per_expert
+        bf = [6.0 * (n - inactive[id(b)]) + attention for n, b in zip(bp, blocks)]
         head = getattr(model, "lm_head", None)
         head_flops = 6.0 * sum(p.numel() for p in head.parameters()) if head is not None else 0.0
         if not isinstance(model, GPT):
@@ -188,6 +204,10 @@ class ModelStats:
             blocks_attr=spec.blocks_attr,
             trained=sum(p.numel() for p in model.parameters() if p.requires_grad) / max(1, total),
             trained_tensors=sum(p.requires_grad for p in model.parameters()) / max(1, tensors),
+            expert_params=sum(p.numel() for m in moes for p in m.experts.parameters()),
+            moe_layers=len(moes),
+            top_k=moes[0].cfg.top_k if moes else 0,
+            n_experts=moes[0].cfg.n_experts if moes else 0,
         )
 
     def busiest_rank(self, pp: int, v: int, style: str, cfg: Config) -> tuple[float, int, float]:
@@ -334,6 +354,21 @@ class _Rank:
     def shard_params(self) -> float:
         return self.rank_params / self.layout.tp
 
+    @property
+    def ep(self) -> int:
+        return self.layout.ep or 1
+
+    @property
+    def expert_local(self) -> float:
+        """Expert parameters this rank holds outside DDP / FSDP2: ``1/ep`` of the routed experts at
+        ep > 1 (distributed/expert_parallel.py); 0 at ep = 1, where they are wrapped with the rest."""
+        return self.stats.expert_params / self.ep if self.ep > 1 else 0.0
+
+    @property
+    def dp_params(self) -> float:
+        """The parameters DDP or FSDP2 reduce (and FSDP2 gathers): all but the experts at ep > 1."""
+        return self.shard_params - (self.stats.expert_params / self.layout.tp if self.ep > 1 else 0.0)
+
     @classmethod
     def of(cls, layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ranks_per_node: int) -> _Rank:
         dtype = cfg.precision.dtype
@@ -460,6 +495,51 @@ def cp_comm_term(r: _Rank) -> float:
     return layers * (forwards * forward + backward)
 
 
+def moe_all_to_all_bytes(*, tokens: int, top_k: int, d_model: int, ep: int, elem_bytes: int = 4) -> tuple[float, float]:
+    """(forward, backward) bytes one rank sends to the *other* ep ranks per MoE layer, under
+    balanced routing (distributed/expert_parallel.py ``dispatch``): each of its ``tokens x top_k``
+    (token, slot) pairs goes to its expert's rank and its output comes back (dispatch and combine:
+    2), ``(ep - 1) / ep`` of them to another rank; the backward sends their gradients the other
+    way (as much again). Tokens travel in the residual stream's dtype (float32: layer norms run in
+    float32 under autocast, and FSDP2's bf16 parameters are refused with ep) and outputs in
+    float32, hence ``elem_bytes`` 4 for both. benchmarks/moe_ep.py measures the forward's:
+    4.06 MiB against 4.00 (ep 2) and 5.99 against 6.00 (ep 4), the routing's imbalance."""
+    if ep <= 1:
+        return 0.0, 0.0
+    forward = 2 * tokens * top_k * d_model * elem_bytes * (ep - 1) / ep
+    return forward, forward
+
+
+def ep_comm_term(r: _Rank) -> float:
+    """Expert parallel (docs/moe.md): the token all_to_alls and the experts' gradient all-reduce.
+
+    Per micro-batch and MoE layer, forward: the counts' exchange, the dispatch and the combine;
+    backward: the dispatch's and the combine's gradients; a forward recomputed by full
+    checkpointing exchanges again. None of them overlaps compute (the dispatch waits for the
+    router, the experts for the dispatch): all exposed. Then, once per step after the backward,
+    the local experts' gradients are all-reduced over the ``dp / ep`` ranks holding the same
+    experts (``reduce_expert_grads``, fp32), also exposed. Each all_to_all is priced with
+    nccl-tests' convention (the rank's whole buffer, bus factor ``(ep - 1) / ep``), which sends
+    :func:`moe_all_to_all_bytes` to the other ranks."""
+    layout, hw, stats = r.layout, r.hw, r.stats
+    ep = r.ep
+    if ep <= 1 or not stats.moe_layers:
+        return 0.0
+    stride = layout.tp * layout.cp  # the ep ranks are neighbouring dp ranks (parallel_dims.ep_mesh)
+    inter = crosses_nodes(stride, ep, r.ranks_per_node)
+    pairs = r.mb * r.local_seq * stats.top_k * stats.hidden  # elements of the rank's dispatched tokens
+    dispatch = hw.collective_s("all_to_all", pairs * 4, ep, inter=inter)
+    combine = hw.collective_s("all_to_all", pairs * 4, ep, inter=inter)
+    counts = hw.collective_s("all_to_all", stats.n_experts * 8, ep, inter=inter)
+    forwards = 1 + (r.recomputes if layout.activation_checkpointing == "full" else 0)
+    layers = stats.moe_layers * r.rank_blocks / max(1, len(stats.block_params))
+    a2a = r.n_micro * layers * (forwards * (counts + dispatch + combine) + dispatch + combine)
+    replicas = layout.dp // ep
+    inter_r = crosses_nodes(stride * ep, replicas, r.ranks_per_node)
+    reduce = hw.collective_s("all_reduce", r.expert_local * stats.trained * 4, replicas, inter=inter_r)
+    return a2a + reduce
+
+
 def pointwise_term(r: _Rank) -> float:
     """Seconds of the memory-bound ops (norms, activations, the loss over the vocabulary) at the
     memory bandwidth: forward once, backward about twice (each op's gradient reads its inputs and
@@ -521,8 +601,9 @@ def fsdp_comm_term(r: _Rank, busy_compute: float) -> float:
     if shard <= 1:
         return 0.0
     inter = crosses_nodes(layout.tp, shard, r.ranks_per_node)
-    block_params = sum(stats.block_params) / max(1, len(stats.block_params)) / layout.tp
-    root_params = max(0.0, r.shard_params - block_params * r.rank_blocks)
+    experts_out = stats.expert_params if r.ep > 1 else 0  # expert parallel: not FSDP2's
+    block_params = (sum(stats.block_params) - experts_out) / max(1, len(stats.block_params)) / layout.tp
+    root_params = max(0.0, r.dp_params - block_params * r.rank_blocks)
     gather_bytes = r.act_bytes if r.dtype != "fp32" else 4
 
     def unit_comm(params: float, scatter: bool) -> tuple[float, float]:
@@ -558,7 +639,7 @@ def dp_comm_term(r: _Rank, compute: float, recompute: float) -> float:
     if layout.shard > 1 or layout.dp_replicate <= 1:
         return 0.0
     inter = crosses_nodes(layout.tp * layout.dp_shard, layout.dp_replicate, r.ranks_per_node)
-    grad_bytes = r.shard_params * r.stats.trained * r.reduce_bytes  # DDP reduces trained parameters only
+    grad_bytes = r.dp_params * r.stats.trained * r.reduce_bytes  # DDP reduces trained parameters only
     ar = r.hw.collective_s("all_reduce", grad_bytes, layout.dp_replicate, inter=inter)
     last_backward = (compute * 2 / 3 + recompute) / max(1, r.n_micro)
     last_bucket = min(1.0, r.cfg.comm.bucket_mb * 2**20 / max(1.0, grad_bytes))
@@ -595,8 +676,8 @@ def optimizer_term(r: _Rank) -> float:
     pipeline rank holds its blocks' tensors and, as for the parameters, half the others."""
     layout, stats, hw = r.layout, r.stats, r.hw
     # The optimiser holds the trained parameters only (a LoRA run's adapters).
-    trained = r.shard_params * stats.trained
-    t = trained / layout.shard * optimizer_bytes_per_param(r.cfg) / (hw.hbm_gbps * 1e9 * r.share)
+    trained = (r.dp_params / layout.shard + r.expert_local) * stats.trained
+    t = trained * optimizer_bytes_per_param(r.cfg) / (hw.hbm_gbps * 1e9 * r.share)
     others = stats.tensors - stats.block_tensors * len(stats.block_params)
     rank_tensors = stats.tensors if layout.pp == 1 else stats.block_tensors * r.rank_blocks + others / 2
     rank_tensors *= stats.trained_tensors
@@ -614,10 +695,13 @@ def step_cost(layout: Layout, *, cfg: Config, stats: ModelStats, hw: Profile, ra
     t["overhead"] = overhead_term(r)
     t["tp_comm"] = tp_comm_term(r)
     t["cp_comm"] = cp_comm_term(r)
+    t["ep_comm"] = ep_comm_term(r)
     busy_compute = t["compute"] + t["recompute"] + t["overhead"] + t["pointwise"]
     t["fsdp_comm"] = fsdp_comm_term(r, busy_compute)
     t["dp_grad_reduce"] = dp_comm_term(r, t["compute"], t["recompute"])
-    t["pp_bubble"], t["pp_p2p"] = pipeline_terms(r, busy_compute + t["tp_comm"] + t["cp_comm"] + t["fsdp_comm"])
+    t["pp_bubble"], t["pp_p2p"] = pipeline_terms(
+        r, busy_compute + t["tp_comm"] + t["cp_comm"] + t["ep_comm"] + t["fsdp_comm"]
+    )
     t["optimizer"] = optimizer_term(r)
     step = sum(t.values())
     tokens_step = cfg.batch.global_batch_size * r.seq

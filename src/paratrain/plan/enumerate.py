@@ -10,6 +10,7 @@ before starting a process); a refused candidate is counted under its reason, nev
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from paratrain.batch.plan import divisors
 from paratrain.config import Config, ConfigError
 from paratrain.distributed.pipeline_parallel import SCHEDULES, check_untied
 from paratrain.models import build, spec_of
+from paratrain.models.gpt.moe import MoEConfig
 from paratrain.models.spec import ModelSpec
 from paratrain.preflight import check_run
 
@@ -39,6 +41,9 @@ class Layout:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
     cp: int = 1  # context parallel (docs/context-parallel.md)
+    # Expert parallel (docs/moe.md): None for a model without experts (the key is left as
+    # configured); for a mixture of experts every candidate names its ep, 1 included.
+    ep: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -61,6 +66,7 @@ class Layout:
             f"parallel.tp={self.tp}",
             f"parallel.pp={self.pp}",
             f"parallel.cp={self.cp}",
+            *([f"parallel.ep={self.ep}"] if self.ep is not None else []),
             f"batch.micro_batch_size={self.micro_batch_size}",
             f"parallel.activation_checkpointing='{self.activation_checkpointing}'",
         ]
@@ -75,7 +81,8 @@ class Layout:
 
     def short(self) -> str:
         cp = f" c{self.cp}" if self.cp > 1 else ""
-        s = f"r{self.dp_replicate} s{self.dp_shard}{cp} t{self.tp} p{self.pp} mb{self.micro_batch_size} ac:{self.activation_checkpointing}"
+        ep = f" e{self.ep}" if self.ep is not None else ""
+        s = f"r{self.dp_replicate} s{self.dp_shard}{cp}{ep} t{self.tp} p{self.pp} mb{self.micro_batch_size} ac:{self.activation_checkpointing}"
         if self.shard > 1:
             s += f" reshard:{'y' if self.reshard_after_forward else 'n'}"
         if self.pp > 1:
@@ -91,6 +98,7 @@ class Layout:
             tp=self.tp,
             pp=self.pp,
             cp=self.cp,
+            ep=self.ep if self.ep is not None else cfg.parallel.ep,
             activation_checkpointing=self.activation_checkpointing,
             reshard_after_forward=self.reshard_after_forward,
             pp_schedule=self.pp_schedule if self.pp > 1 else cfg.parallel.pp_schedule,
@@ -140,9 +148,29 @@ def cp_degrees(cfg: Config, world_size: int):
                 yield tp, cp
 
 
+def moe_experts(cfg: Config) -> int | None:
+    """The built-in GPT's routed experts per MoE layer (``model.args.moe``), None without experts.
+    A bad table is left to the preflight, which names the key."""
+    moe = cfg.model.args.get("moe")
+    if moe is None or cfg.model.hf or cfg.model.factory or not isinstance(moe, dict):
+        return None
+    n = moe.get("n_experts", MoEConfig.n_experts)
+    return n if isinstance(n, int) and n >= 1 else None
+
+
+def ep_degrees(n_experts: int | None, dp: int) -> list[int | None]:
+    """Expert-parallel degrees of a layout with ``dp`` data-parallel ranks: ep divides both the
+    experts and dp (its ranks are borrowed from dp, distributed/parallel_dims.py ``ep_mesh``).
+    What else the preflight refuses (ep with tp, pp or cp; FSDP2 with bf16) it refuses per layout."""
+    if n_experts is None:
+        return [None]
+    return [ep for ep in divisors(dp) if n_experts % ep == 0]
+
+
 def candidate_layouts(cfg: Config, *, world_size: int, nproc_per_node: int, n_blocks: int | None):
     """Every combination of the layout knobs (before any check)."""
     gbs = cfg.batch.global_batch_size
+    n_experts = moe_experts(cfg)
     for tp, cp in cp_degrees(cfg, world_size):
         for pp in divisors(world_size // (tp * cp)):
             for dp_shard in divisors(world_size // (tp * cp * pp)):
@@ -151,7 +179,7 @@ def candidate_layouts(cfg: Config, *, world_size: int, nproc_per_node: int, n_bl
                 if gbs % dp:
                     yield None, "batch.global_batch_size = N is not divisible by dp = N"
                     continue
-                for mb in divisors(gbs // dp):
+                for mb, ep in itertools.product(divisors(gbs // dp), ep_degrees(n_experts, dp)):
                     for ac in AC_MODES:
                         for reshard in (True, False) if dp_shard * cp > 1 else (True,):
                             scheds = [("1f1b", 1)]
@@ -165,7 +193,7 @@ def candidate_layouts(cfg: Config, *, world_size: int, nproc_per_node: int, n_bl
                                     )
                                     scheds += [(name, v) for v in vs]
                             for sched, v in scheds:
-                                layout = Layout(dp_replicate, dp_shard, tp, pp, mb, ac, reshard, sched, v, cp)
+                                layout = Layout(dp_replicate, dp_shard, tp, pp, mb, ac, reshard, sched, v, cp, ep)
                                 if tp > nproc_per_node:
                                     # Tensor parallelism puts collectives on every layer's critical path:
                                     # across nodes they would run at network speed (Megatron-LM keeps tp

@@ -60,6 +60,7 @@ from paratrain.data.datasets import build_dataset
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import SCHEDULES, pp_microbatches, stage_ranges
 from paratrain.models import spec_of
+from paratrain.models.gpt.moe import MoE
 from paratrain.models.spec import ModelSpec
 from paratrain.plan.enumerate import Layout
 from paratrain.precision import DTYPES
@@ -142,6 +143,7 @@ class MemoryModel:
         self._datasets: dict[int, object] = {}
         self._stage_ranges: dict[int, list[range]] = {}
         self._sizes: list[int] | None = None
+        self._expert_sizes: list[int] | None = None
         self._rest: dict[tuple, dict[int, float]] = {}  # sibling key -> micro-batch -> held beyond states
 
     @property
@@ -169,6 +171,7 @@ class MemoryModel:
             layout.activation_checkpointing,
             layout.reshard_after_forward if layout.shard > 1 else True,
             layout.cp,
+            layout.ep or 1,
         )
 
     def _one(self, layout: Layout, *, blocks: int | None, m: int, accumulate: bool, dp_replicate: int) -> int:
@@ -187,7 +190,9 @@ class MemoryModel:
             cfg.batch.micro_batch_size = m
             if blocks is not None:
                 cfg.model.args = {**cfg.model.args, "n_layer": blocks}
-            dims = ParallelDims(dp_replicate, shard, layout.tp, 1, dp * layout.tp)
+            # Expert parallel: the estimate runs the experts as at ep = 1 and corrects what a rank
+            # holds (batch/measure.py expert_parallel_bytes), so ep rides in the dims only.
+            dims = ParallelDims(dp_replicate, shard, layout.tp, 1, dp * layout.tp, ep=layout.ep or 1)
             self.cache[key] = int(self.estimate(cfg, dims, m, dataset=self.dataset_for(layout.cp)))
             self.estimates += 1
         return self.cache[key]
@@ -237,8 +242,16 @@ class MemoryModel:
     def _states(self, layout: Layout, blocks: int) -> float:
         """fp32 parameters, gradients and optimiser state of the model cut to ``blocks`` blocks, split
         tp x dp_shard x cp ways (the bound of :meth:`lower_bound`)."""
-        sizes = self._block_sizes()
+        sizes, experts = self._block_sizes(), self._block_expert_sizes()
         held = self._state_bytes(self.model.parameters()) - sum(sizes[blocks:])
+        return self._split(layout, held, sum(experts[:blocks]))
+
+    @staticmethod
+    def _split(layout: Layout, held: float, experts: float) -> float:
+        """State bytes per rank: split tp x dp_shard x cp ways, but at ep > 1 the ``experts`` part
+        ``ep`` ways (a rank holds ``n_experts / ep`` experts whole, outside FSDP2: docs/moe.md)."""
+        if (layout.ep or 1) > 1:
+            return (held - experts) / (layout.tp * layout.shard) + experts / layout.ep
         return held / (layout.tp * layout.shard)
 
     def _remember(self, layout: Layout, *, m: int, accumulate: bool) -> None:
@@ -285,9 +298,9 @@ class MemoryModel:
             return 0
         if layout.pp == 1:
             held = self._state_bytes(self.model.parameters())
-        else:
-            sizes = self._block_sizes()
-            held = max(sum(sizes[i] for i in self._rank_blocks(layout, r)) for r in range(layout.pp))
+            return int(self._split(layout, held, sum(self._block_expert_sizes())))
+        sizes = self._block_sizes()
+        held = max(sum(sizes[i] for i in self._rank_blocks(layout, r)) for r in range(layout.pp))
         return int(held / (layout.tp * layout.shard))
 
     def _block_sizes(self) -> list[int]:
@@ -295,6 +308,15 @@ class MemoryModel:
         if self._sizes is None:
             self._sizes = [self._state_bytes(b.parameters()) for _, b in self.spec.blocks(self.model)]
         return self._sizes
+
+    def _block_expert_sizes(self) -> list[int]:
+        """Each block's routed experts' state bytes (models/gpt/moe.py; 0 for a dense block)."""
+        if self._expert_sizes is None:
+            self._expert_sizes = [
+                self._state_bytes(p for m in b.modules() if isinstance(m, MoE) for p in m.experts.parameters())
+                for _, b in self.spec.blocks(self.model)
+            ]
+        return self._expert_sizes
 
     def peak(self, layout: Layout) -> RankMemory:
         per_rank = self.cfg.batch.global_batch_size // layout.dp
