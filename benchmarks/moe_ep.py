@@ -4,9 +4,10 @@ Each of ``--world`` processes runs one MoE layer (models/gpt/moe.py) on its own 
 tokens, forward + backward, then the experts' gradient reduce a step needs: at ep = 1 the
 all-reduce of every expert over the world (what DDP does for replicated experts), at ep > 1
 distributed/expert_parallel.reduce_expert_grads (the ``world / ep`` ranks holding the same
-experts). Reported per ep: the median step time (of rank 0), the expert weights one rank holds,
-and the bytes each rank's token all_to_alls sent to *other* ranks in one forward (dispatch and
-combine), against the balanced-routing formula
+experts). Reported per ep: the median step time (of rank 0), the expert weights one rank holds
+against the planner's estimate (all experts' weights / ep, plan/memory.py), and the bytes each
+rank's token all_to_alls sent to *other* ranks in one forward (dispatch and combine), against
+the planner's balanced-routing formula (plan/cost.py ``moe_all_to_all_bytes``, the one place)
 
     tokens x top_k x d_model x 4 bytes x 2 directions x (ep - 1) / ep
 
@@ -33,6 +34,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from paratrain.distributed.expert_parallel import ExpertGroup, apply_ep, reduce_expert_grads  # noqa: E402
 from paratrain.models.gpt.model import MLP, GPTConfig  # noqa: E402
 from paratrain.models.gpt.moe import MoE, MoEConfig  # noqa: E402
+from paratrain.plan.cost import moe_all_to_all_bytes  # noqa: E402
 
 
 def rank_main(rank: int, a, port: int, out) -> None:
@@ -58,6 +60,7 @@ def rank_main(rank: int, a, port: int, out) -> None:
         torch.manual_seed(0)
         d = a.d_model
         moe = MoE(MoEConfig(n_experts=a.experts, top_k=a.top_k), d, lambda: MLP(GPTConfig(d_model=d)))
+        estimated = sum(p.numel() for p in moe.experts.parameters()) * 4 / ep  # the planner's rule
         if ep > 1:
             group = ep_groups[rank // ep]
             replicas = rep_groups[rank % ep] if a.world > ep else None
@@ -85,8 +88,8 @@ def rank_main(rank: int, a, port: int, out) -> None:
                 times.append(time.perf_counter() - t0)
             moe.zero_grad(set_to_none=True)
             moe.router_stats = None
-        formula = a.tokens * a.top_k * d * 4 * 2 * (ep - 1) / ep
-        results[ep] = (statistics.median(times), expert_bytes, statistics.mean(fwd_bytes), formula)
+        formula, _ = moe_all_to_all_bytes(tokens=a.tokens, top_k=a.top_k, d_model=d, ep=ep)
+        results[ep] = (statistics.median(times), expert_bytes, estimated, statistics.mean(fwd_bytes), formula)
     if rank == 0:
         out.put(results)
     dist.barrier()
@@ -116,9 +119,15 @@ def main() -> None:
         f"world {a.world}, {a.tokens} tokens/rank, d_model {a.d_model}, {a.experts} experts, top_k {a.top_k},"
         " 1 thread/rank"
     )
-    print(f"  {'ep':>3} {'step ms':>9} {'experts MiB/rank':>17} {'a2a fwd MiB/rank':>17} {'formula MiB':>12}")
-    for ep, (t, mem, sent, formula) in results.items():
-        print(f"  {ep:>3} {t * 1e3:9.1f} {mem / 2**20:17.2f} {sent / 2**20:17.3f} {formula / 2**20:12.3f}")
+    print(
+        f"  {'ep':>3} {'step ms':>9} {'experts MiB/rank':>17} {'plan MiB':>9} {'a2a fwd MiB/rank':>17}"
+        f" {'formula MiB':>12}"
+    )
+    for ep, (t, mem, est, sent, formula) in results.items():
+        print(
+            f"  {ep:>3} {t * 1e3:9.1f} {mem / 2**20:17.2f} {est / 2**20:9.2f} {sent / 2**20:17.3f}"
+            f" {formula / 2**20:12.3f}"
+        )
 
 
 if __name__ == "__main__":

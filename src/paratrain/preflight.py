@@ -259,8 +259,6 @@ def check_cp(cfg: Config, dims: ParallelDims) -> None:
         ),
         (cfg.batch.micro_batch_size == "auto", "batch.micro_batch_size = 'auto'"),
         (cfg.data.args.get("packing") == "padded", "data.args.packing = 'padded'"),
-        # A rank holds part of each sequence: the sequence-wise balance loss needs a cp reduce first.
-        (bool(cfg.model.args.get("moe")), "model.args.moe (mixture of experts)"),
     ]
     for bad, what in refused:
         if bad:

@@ -165,9 +165,10 @@ def train_step(
     # of two in practice, which makes the round trip exact in floating point. With context
     # parallel FSDP2 averages over the dp x cp ranks (each holding part of the rows): the same.
     scale = ctx.dp * ctx.cp / items
-    # Mixture of experts under context parallel is refused (preflight): a rank holds part of each
-    # sequence, so the sequence-wise balance loss would need a reduce over cp first.
-    router = RouterTotals(ctx.router_layers, aux_scale=ctx.dp / sequences, device=ctx.device)
+    # Mixture of experts: under context parallel each cp rank's auxiliary loss is its tokens' share
+    # of its sequences' (models/gpt/moe.py sequence_balance_loss), averaged over dp x cp like the
+    # language-model loss.
+    router = RouterTotals(ctx.router_layers, aux_scale=ctx.dp * ctx.cp / sequences, device=ctx.device)
     if isinstance(model, PipelineModel):  # the schedule runs forward and backward (no router layers: preflight)
         loss_sum, returned = pipeline_forward_backward(
             model,

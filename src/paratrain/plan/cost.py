@@ -52,6 +52,10 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
   tokens of each row, each attending over the whole row: every other term sees ``1/cp`` of the
   tokens, attention ``1/cp`` of its ``T x T`` work; the gradients are reduced over
   ``dp_shard x cp`` (FSDP2 shards over both).
+- ``ep_comm``: expert parallel (docs/moe.md): the token all_to_alls of every MoE layer (counts,
+  dispatch, combine forward; their gradients backward), exposed, and the local experts' gradient
+  all-reduce over the ranks holding them (:func:`ep_comm_term`, :func:`moe_all_to_all_bytes`).
+  At ep > 1 the experts leave DDP's, FSDP2's and the optimiser's shard (``_Rank.dp_params``).
 - ``pp_p2p``: sends of activations and their gradients between stages, 2 per chunk and micro-batch.
 - ``optimizer``: AdamW is memory-bound: read parameter, gradient and two moments, write three
   (28 bytes per fp32 parameter) plus the gradient-norm read (4), over memory bandwidth (SGD: 24

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
@@ -96,14 +97,28 @@ def route(logits: torch.Tensor, *, top_k: int, norm_topk: bool) -> tuple[torch.T
     return probs, weights, experts
 
 
-def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+def sequence_balance_loss(
+    probs: torch.Tensor, experts: torch.Tensor, n_experts: int, *, cp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss of each sequence: probs (B, T, E), experts (B, T, k)
-    -> (B,) ``sum_i f_i P_i`` (f has no gradient: it counts)."""
+    -> (B,) ``sum_i f_i P_i`` (f has no gradient: it counts).
+
+    Context parallel (``cp_group``): the rank holds ``T / cp`` tokens of each sequence. ``f`` needs
+    the whole sequence's counts, so they are summed over the cp ranks first (integers, no
+    gradient); ``P_i`` is a mean over the sequence's tokens, linear in them, so each rank returns
+    its own tokens' share ``sum_i f_i (1/T) sum_{t local} p_{i,t}``, and the cp ranks' shares sum
+    to the sequence's loss. Each share is differentiated on its own rank through its own
+    probabilities only, and the step sums the parameters' gradients over the cp ranks (FSDP2 over
+    dp_shard x cp): the exact gradient, with no autograd through a collective (the values are
+    summed over cp by the step's reduce like the language-model loss)."""
     _, t, k = experts.shape
     chosen = F.one_hot(experts, n_experts).sum(dim=2).float()  # (B, T, E): 1 where routed
-    f = chosen.sum(dim=1) * (n_experts / (k * t))  # (B, E)
-    p = probs.mean(dim=1)  # (B, E)
-    return (f * p).sum(dim=-1)
+    counts = chosen.sum(dim=1)  # (B, E)
+    if cp_group is None:
+        return (counts * (n_experts / (k * t)) * probs.mean(dim=1)).sum(dim=-1)
+    dist.all_reduce(counts, group=cp_group)
+    t *= dist.get_world_size(cp_group)  # the whole sequence's length
+    return (counts * (n_experts / (k * t)) * (probs.sum(dim=1) / t)).sum(dim=-1)
 
 
 class MoE(nn.Module):
@@ -121,6 +136,10 @@ class MoE(nn.Module):
         self.shared_experts = nn.ModuleList(make_expert() for _ in range(cfg.n_shared_experts))
         self.router_stats: RouterStats | None = None
         self.ep: ExpertGroup | None = None  # expert parallel (enable_expert_parallel)
+        # Context parallel: the cp ranks holding the other parts of this rank's sequences
+        # (models/gpt/parallel.py gpt_cp_attention sets it), over which the balance loss's
+        # expert counts are summed (sequence_balance_loss).
+        self.cp_group: dist.ProcessGroup | None = None
 
     def enable_expert_parallel(self, ep: ExpertGroup) -> list[nn.Parameter]:
         """Keep this rank's ``n_experts / ep`` experts only (distributed/expert_parallel.py), under
@@ -150,7 +169,9 @@ class MoE(nn.Module):
         )
         self.router_stats = RouterStats(
             aux_sum=self.cfg.aux_loss_weight
-            * sequence_balance_loss(probs.view(b, t, -1), experts.view(b, t, -1), self.cfg.n_experts).sum(),
+            * sequence_balance_loss(
+                probs.view(b, t, -1), experts.view(b, t, -1), self.cfg.n_experts, cp_group=self.cp_group
+            ).sum(),
             tokens_per_expert=counts.detach(),
         )
         return out.to(x.dtype).view(b, t, d)

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 
 from paratrain.config import ConfigError
 from paratrain.models.gpt.model import GPTConfig, build_gpt, gpt_flops
+from paratrain.models.gpt.moe import MoE
 from paratrain.models.spec import ModelSpec
 
 
@@ -91,6 +92,9 @@ def gpt_cp_attention(model: nn.Module, attention_fn) -> None:
     model.cp_attention = attention_fn
     for block in model.layers.values():
         block.attn.cp_attention = attention_fn
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        # A rank holds part of each sequence: the balance loss sums its expert counts over cp.
+        moe.cp_group = attention_fn.group
 
 
 def gpt_context_length(args: dict) -> int:

@@ -1,0 +1,46 @@
+"""A mixture of experts under context parallel (models/gpt/moe.py ``sequence_balance_loss`` with
+a cp group; docs/moe.md, docs/context-parallel.md): each cp rank holds part of every sequence, so
+the expert counts of the sequence-wise balance loss are summed over the cp ranks and each rank
+differentiates its tokens' share. Whole runs against one process under plain SGD: loss, aux_loss,
+grad_norm, tokens per expert and the final weights (tests/test_moe.py's comparison)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_moe import assert_same_moe_run, moe_runs
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return moe_runs(tmp_path_factory.mktemp("moe_cp_ref"), 1, {"ref": ["batch.micro_batch_size=8"]})["ref"]
+
+
+@pytest.mark.slow  # two launches: 85 s at load 13 on the shared 2 cores (the world-2 MoE tests are slow too)
+def test_moe_gpt_at_cp2_equals_one_process(tmp_path, reference):
+    assert reference["aux_loss"][0] > 0
+    got = moe_runs(tmp_path, 2, {"cp2": ["parallel.cp=2", "batch.micro_batch_size=4"]})["cp2"]
+    assert_same_moe_run(got, reference)
+
+
+@pytest.mark.slow
+def test_moe_gpt_at_cp_composed_at_world_4_equals_one_process(tmp_path, reference):
+    runs = moe_runs(
+        tmp_path,
+        4,
+        {
+            "cp2_dp_shard2": ["parallel.cp=2", "parallel.dp_shard=2", "batch.micro_batch_size=2"],
+            "cp2_dp_replicate2_ac": [
+                "parallel.cp=2",
+                "parallel.dp_replicate=2",
+                "batch.micro_batch_size=2",
+                "parallel.activation_checkpointing='full'",
+            ],
+            "cp4_alltoall": ["parallel.cp=4", "parallel.cp_attention='alltoall'", "batch.micro_batch_size=8"],
+        },
+    )
+    for name, got in runs.items():
+        try:
+            assert_same_moe_run(got, reference)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
