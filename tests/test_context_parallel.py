@@ -272,15 +272,15 @@ def test_layouts_cp_cannot_run_are_refused_in_one_line(extra, world, message):
     assert "\n" not in str(e.value)
 
 
-def test_hf_model_with_cp_and_pp_is_refused(tmp_path):
-    from paratrain.config import ConfigError, load_config
+def test_hf_model_with_cp_and_tp_or_pp_passes_the_preflight(tmp_path):
+    """model.hf at cp x tp and cp x pp are layouts like any other (tested against one process below)."""
+    from paratrain.config import load_config
     from paratrain.preflight import check_run
     from tests.hf_models import save_tiny
 
     path = save_tiny("llama", str(tmp_path / "llama"), weights=False)
-    cfg = load_config(None, ["parallel.cp=2", "parallel.pp=2", f"model.hf='{path}'", "data.args={block_size = 32}"])
-    with pytest.raises(ConfigError, match="parallel.cp with model.hf and parallel.tp or pp > 1 is not supported yet"):
-        check_run(cfg, 4)
+    for extra in (["parallel.pp=2"], ["parallel.tp=2"], ["parallel.tp=2", "parallel.cp_attention='alltoall'"]):
+        check_run(load_config(None, ["parallel.cp=2", *extra, f"model.hf='{path}'", "data.args={block_size = 32}"]), 4)
 
 
 def test_cp_counts_in_the_world_size():
@@ -360,5 +360,61 @@ def test_checkpoints_resume_across_cp_degrees(tmp_path):
         _assert_same(
             (torch.tensor([r["loss"] for r in rows]), torch.tensor([r["grad_norm"] for r in rows])),
             (torch.tensor([r["loss"] for r in expected]), torch.tensor([r["grad_norm"] for r in expected])),
+            name,
+        )
+
+
+HF_TOY = [
+    "data.factory='tests.toy:toy_lm'",
+    "data.args={n = 64, seq_len = 16, vocab = 128}",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "run.steps=3",
+    "run.progress=false",
+    "metrics.plot=false",
+    "checkpoint.interval=0",
+    *plain_sgd(0.5),
+]
+
+
+@pytest.mark.slow  # world 4, tiny Llama: about 2 minutes here
+def test_hf_llama_at_cp2_with_tp2_or_pp2_equals_one_process(tmp_path, sft):  # noqa: F811
+    """model.hf composed at world 4: cp = 2 x tp = 2 (each tp rank's heads through the ring or the
+    all-to-all; grouped-query attention with one key/value head per tp rank) and cp = 2 x pp = 2
+    (1F1B; every stage's attention runs the ring and gets the global positions). Causal rows: three
+    SGD steps equal one process; packed conversations: one step equals plain transformers on each
+    conversation alone (tests/test_sft.py's reference), so the document masks reach every stage."""
+    import paratrain
+    from paratrain.data.tokens import build_tokens
+    from tests.hf_models import save_tiny
+    from tests.test_sft import _config, reference
+
+    model = [*HF_TOY, f"model.hf='{save_tiny('llama', str(tmp_path / 'llama'))}'"]
+    ref = str(tmp_path / "ref")
+    paratrain.train(paratrain.load_config(None, [*model, f"run.out_dir='{ref}'"]))
+    toy = {
+        "cp2_tp2_ring": ["parallel.tp=2"],
+        "cp2_tp2_a2a": ["parallel.tp=2", "parallel.cp_attention='alltoall'"],
+        "cp2_pp2": ["parallel.pp=2", "parallel.pp_schedule='1f1b'"],
+    }
+    runs = {n: [*model, "parallel.cp=2", *x, f"run.out_dir='{tmp_path / n}'"] for n, x in toy.items()}
+    rows = len(build_tokens(sft["train"], block_size=512))
+    packed = {
+        "hf_cp2_pp2_packed": ["parallel.pp=2", "parallel.pp_schedule='1f1b'"],
+        "hf_cp2_tp2_packed": ["parallel.tp=2"],
+    }
+    for name, extra in packed.items():
+        one_step = [f"batch.global_batch_size={rows}", f"batch.micro_batch_size={rows}", "run.steps=1"]
+        runs[name] = [*_config(sft, sft["train"], name, *one_step), "parallel.cp=2", *extra]
+    run_ranks(_train_many, 4, runs, timeout=900)
+    for name in toy:
+        _assert_same(_norms_and_losses(str(tmp_path / name)), _norms_and_losses(ref), f"hf {name}")
+    ref_loss, ref_items, ref_norm = reference(sft, sft["convs"])
+    for name in packed:
+        (row,) = read_metrics(os.path.join(sft["root"], name))
+        assert row["trainable_tokens"] == ref_items
+        _assert_same(
+            (torch.tensor([row["loss"]]), torch.tensor([row["grad_norm"]])),
+            (torch.tensor([ref_loss]), torch.tensor([ref_norm])),
             name,
         )
