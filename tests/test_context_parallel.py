@@ -54,18 +54,20 @@ def _reference(q, k, v, dout, mask):
 
 def _ring_rank(cases):
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
-    from paratrain.distributed.context_parallel import alltoall_attention, ring_attention
+    from paratrain.distributed.context_parallel import ATTENTIONS
 
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     results = []
     for seed, packed, kind in cases:
-        attention = ring_attention if kind == "ring" else alltoall_attention
+        attention = ATTENTIONS[kind](mesh)
         q, k, v, dout, positions, _ = _case(seed, packed)
         local = [shard_sequence(t, dim=2, cp=cp, rank=rank).requires_grad_() for t in (q, k, v)]
         pos = None if positions is None else shard_sequence(positions, dim=1, cp=cp, rank=rank)
-        out = attention(*local, group=dist.group.WORLD, positions=pos)
+        out = attention(*local, positions=pos)
         out.backward(shard_sequence(dout, dim=2, cp=cp, rank=rank))
         # numpy: a tensor would cross the queue as shared memory the exiting rank takes with it
         results.append([t.numpy() for t in (out.detach(), *(t.grad for t in local))])
@@ -83,8 +85,11 @@ def test_split_is_head_tail_and_inverts():
 
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp):
-    """Ring and all-to-all, causal and two sets of packed documents: output and q/k/v gradients."""
-    cases = [(s, packed, kind) for kind in ("ring", "alltoall") for s, packed in ((0, False), (1, True), (2, True))]
+    """Ring, all-to-all and auto (all-to-all for the causal rows, the ring for packed documents),
+    causal and two sets of packed documents: output and q/k/v gradients."""
+    cases = [
+        (s, packed, kind) for kind in ("ring", "alltoall", "auto") for s, packed in ((0, False), (1, True), (2, True))
+    ]
     per_rank = run_ranks(_ring_rank, cp, cases)
     for c, (seed, packed, kind) in enumerate(cases):
         q, k, v, dout, _, mask = _case(seed, packed)
@@ -209,7 +214,8 @@ def test_compiled_gpt_at_cp2_equals_one_process(tmp_path):
     short = [*TOY, "run.steps=2"]
     ref = str(tmp_path / "ref")
     paratrain.train(paratrain.load_config(None, [*short, f"run.out_dir='{ref}'"]))
-    run = [*short, "parallel.cp=2", "train.compile=true", f"run.out_dir='{tmp_path / 'compiled'}'"]
+    run = [*short, "parallel.cp=2", "parallel.cp_attention='ring'", "train.compile=true"]
+    run.append(f"run.out_dir='{tmp_path / 'compiled'}'")
     run_ranks(_train_many, 2, {"compiled": run}, timeout=400)
     _assert_same(_norms_and_losses(str(tmp_path / "compiled")), _norms_and_losses(ref), "compiled cp2")
 
@@ -381,7 +387,8 @@ HF_TOY = [
 def test_hf_llama_at_cp2_with_tp2_or_pp2_equals_one_process(tmp_path, sft):  # noqa: F811
     """model.hf composed at world 4: cp = 2 x tp = 2 (each tp rank's heads through the ring or the
     all-to-all; grouped-query attention with one key/value head per tp rank) and cp = 2 x pp = 2
-    (1F1B; every stage's attention runs the ring and gets the global positions). Causal rows: three
+    (1F1B; every stage's attention runs cp's and gets the global positions; the default 'auto' picks
+    the all-to-all for the causal rows, the ring for packed documents). Causal rows: three
     SGD steps equal one process; packed conversations: one step equals plain transformers on each
     conversation alone (tests/test_sft.py's reference), so the document masks reach every stage."""
     import paratrain
@@ -393,7 +400,7 @@ def test_hf_llama_at_cp2_with_tp2_or_pp2_equals_one_process(tmp_path, sft):  # n
     ref = str(tmp_path / "ref")
     paratrain.train(paratrain.load_config(None, [*model, f"run.out_dir='{ref}'"]))
     toy = {
-        "cp2_tp2_ring": ["parallel.tp=2"],
+        "cp2_tp2_ring": ["parallel.tp=2", "parallel.cp_attention='ring'"],
         "cp2_tp2_a2a": ["parallel.tp=2", "parallel.cp_attention='alltoall'"],
         "cp2_pp2": ["parallel.pp=2", "parallel.pp_schedule='1f1b'"],
     }
