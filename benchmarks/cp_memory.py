@@ -17,6 +17,16 @@ Per rank it reports
 
     PYTHONPATH=src:. python benchmarks/cp_memory.py [--seq 1024] [--repeats 3]
 
+``--budget-mib M`` answers the other question instead: the longest sequence whose saved
+activations fit ``M`` MiB per rank at cp = 1, 2 and 4. The estimate scales cp = 1's bytes per
+token at ``--seq`` (activations grow linearly in T: SDPA and the ring keep q, k, v, the output
+and a log-sum-exp, never the T x T scores) by cp; the measurement searches the length (forward
+only, in steps of 64 tokens: doubling, then bisection) with the same saved-bytes count, the
+largest over the ranks. The transient scores of one chunk pair, ``(T / 2cp)^2`` per head, are not
+saved activations and are not counted.
+
+    PYTHONPATH=src:. python benchmarks/cp_memory.py --budget-mib 32
+
 CPU, gloo, each rank on one thread: the time shows the ring's overhead on this machine, not the
 speed-up of a real accelerator (where each rank would have its own device).
 """
@@ -100,6 +110,83 @@ def rank_run(seq: int, repeats: int, kind: str) -> dict:
     }
 
 
+def saved_bytes_of(model, x) -> int:
+    """Bytes autograd saves for backward in one forward of ``model`` on ``x`` (weights left out)."""
+    import torch
+
+    saved: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(saved.values())
+
+
+def longest_fit(budget: int, max_seq: int, kind: str) -> dict:
+    """The longest sequence (a multiple of 64) whose saved bytes fit ``budget`` on every rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paratrain.distributed.context_parallel import ATTENTIONS, shard_sequence
+    from paratrain.models.gpt.model import build_gpt
+    from paratrain.models.gpt.parallel import gpt_cp_attention
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = build_gpt(**ARGS, block_size=max_seq)
+    if cp > 1:
+        gpt_cp_attention(model, ATTENTIONS[kind](init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))))
+    probes = []
+
+    def fits(seq: int) -> bool:
+        ids = torch.randint(0, ARGS["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(1))
+        if cp > 1:
+            ids = shard_sequence(torch.stack([ids, torch.arange(seq).unsqueeze(0)], dim=1), dim=-1, cp=cp, rank=rank)
+        worst = torch.tensor([saved_bytes_of(model, ids)])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        probes.append((seq, worst.item()))
+        return worst.item() <= budget
+
+    lo, hi = 0, 64
+    while hi <= max_seq and fits(hi):  # doubling
+        lo, hi = hi, 2 * hi
+    hi = min(hi, max_seq + 64)
+    while hi - lo > 64:  # bisection on multiples of 64
+        mid = (lo + hi) // 128 * 64
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    dist.destroy_process_group()
+    return {"seq": lo, "bytes": dict(probes).get(lo, 0), "probes": len(probes)}
+
+
+def budget_table(budget_mib: float, seq: int, max_seq: int) -> None:
+    from tests.dist_utils import run_ranks
+
+    budget = int(budget_mib * 2**20)
+    base = run_ranks(rank_run, 1, seq, 1, "-", timeout=900)[0]["saved_bytes"]
+    per_token = base / seq
+    print(f"cp = 1 saves {per_token / 1024:.2f} KiB per token (at {seq} tokens); budget {budget_mib} MiB per rank")
+    print(
+        f"{'cp':>3} {'attention':>9} {'estimate':>9} {'measured':>9} {'meas/est':>9} {'vs cp=1':>8} {'saved MiB':>10}"
+    )
+    first = None
+    for cp, kind in ((1, "-"), (2, "ring"), (2, "alltoall"), (4, "ring"), (4, "alltoall")):
+        estimate = int(cp * budget / per_token) // 64 * 64
+        (res, *_) = run_ranks(longest_fit, cp, budget, max_seq, kind, timeout=1800)
+        first = first or res["seq"]
+        print(
+            f"{cp:>3} {kind:>9} {estimate:>9} {res['seq']:>9} {res['seq'] / estimate:>9.3f}"
+            f" {res['seq'] / first:>8.2f} {res['bytes'] / 2**20:>10.2f}"
+        )
+
+
 def formula_bytes(seq: int, cp: int, kind: str) -> int:
     if cp == 1:
         return 0
@@ -118,7 +205,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--budget-mib", type=float, default=0, help="search the longest sequence that fits this many MiB")
+    p.add_argument("--max-seq", type=int, default=65536, help="the longest sequence the search tries")
     a = p.parse_args()
+    print(f"load: {os.getloadavg()}")
+    if a.budget_mib:
+        print(f"GPT {ARGS}, one row, float32, saved activations per rank, gloo on CPU")
+        budget_table(a.budget_mib, a.seq, a.max_seq)
+        return
     print(f"GPT {ARGS}, one row of {a.seq} tokens, float32, gloo on CPU")
     print(
         f"{'cp':>3} {'attention':>9} {'saved MiB/rank':>15} {'vs cp=1':>8} {'sent MiB/rank':>14} {'formula':>8}"

@@ -6,6 +6,7 @@
 #   4. benchmarks/gpu_find_batch.py: the real-OOM micro-batch search next to the fake-tensor estimate;
 #   5. benchmarks/gpu_plan.py: the plan's step time and peak memory against real steps of the 124M GPT
 #      for every micro-batch x activation-checkpointing choice (real OOM where the plan says no fit).
+#   6. benchmarks/gpu_cp.py: a 32k-token row at cp = 1 against one rank of a simulated cp = 2, 4, 8, tokens/s.
 # Every part's output goes to $OUT (or ./gpu-out) as well as the terminal.
 #   bash benchmarks/gpu_checks.sh
 set -uo pipefail
@@ -31,4 +32,7 @@ timeout 200 $PY benchmarks/gpu_find_batch.py 2>&1 | tee "$OUT/gpu_find_batch.txt
 
 step "gpu_plan.py: plan's predictions vs real steps, 124M GPT"
 timeout 300 $PY benchmarks/gpu_plan.py 2>&1 | tee "$OUT/gpu_plan.txt" | grep -v "^W[0-9]" | tail -30
+
+step "gpu_cp.py: a 32k-token row at cp = 1 vs one rank of a simulated cp (issue 23)"
+timeout 240 $PY benchmarks/gpu_cp.py 2>&1 | tee "$OUT/gpu_cp.txt" | grep -v "^W[0-9]" | tail -15
 step "done"

@@ -54,18 +54,20 @@ def _reference(q, k, v, dout, mask):
 
 def _ring_rank(cases):
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
-    from paratrain.distributed.context_parallel import alltoall_attention, ring_attention
+    from paratrain.distributed.context_parallel import ATTENTIONS
 
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     results = []
     for seed, packed, kind in cases:
-        attention = ring_attention if kind == "ring" else alltoall_attention
+        attention = ATTENTIONS[kind](mesh)
         q, k, v, dout, positions, _ = _case(seed, packed)
         local = [shard_sequence(t, dim=2, cp=cp, rank=rank).requires_grad_() for t in (q, k, v)]
         pos = None if positions is None else shard_sequence(positions, dim=1, cp=cp, rank=rank)
-        out = attention(*local, group=dist.group.WORLD, positions=pos)
+        out = attention(*local, positions=pos)
         out.backward(shard_sequence(dout, dim=2, cp=cp, rank=rank))
         # numpy: a tensor would cross the queue as shared memory the exiting rank takes with it
         results.append([t.numpy() for t in (out.detach(), *(t.grad for t in local))])
@@ -83,8 +85,11 @@ def test_split_is_head_tail_and_inverts():
 
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp):
-    """Ring and all-to-all, causal and two sets of packed documents: output and q/k/v gradients."""
-    cases = [(s, packed, kind) for kind in ("ring", "alltoall") for s, packed in ((0, False), (1, True), (2, True))]
+    """Ring, all-to-all and auto (all-to-all for the causal rows, the ring for packed documents),
+    causal and two sets of packed documents: output and q/k/v gradients."""
+    cases = [
+        (s, packed, kind) for kind in ("ring", "alltoall", "auto") for s, packed in ((0, False), (1, True), (2, True))
+    ]
     per_rank = run_ranks(_ring_rank, cp, cases)
     for c, (seed, packed, kind) in enumerate(cases):
         q, k, v, dout, _, mask = _case(seed, packed)
@@ -209,7 +214,8 @@ def test_compiled_gpt_at_cp2_equals_one_process(tmp_path):
     short = [*TOY, "run.steps=2"]
     ref = str(tmp_path / "ref")
     paratrain.train(paratrain.load_config(None, [*short, f"run.out_dir='{ref}'"]))
-    run = [*short, "parallel.cp=2", "train.compile=true", f"run.out_dir='{tmp_path / 'compiled'}'"]
+    run = [*short, "parallel.cp=2", "parallel.cp_attention='ring'", "train.compile=true"]
+    run.append(f"run.out_dir='{tmp_path / 'compiled'}'")
     run_ranks(_train_many, 2, {"compiled": run}, timeout=400)
     _assert_same(_norms_and_losses(str(tmp_path / "compiled")), _norms_and_losses(ref), "compiled cp2")
 
@@ -272,15 +278,15 @@ def test_layouts_cp_cannot_run_are_refused_in_one_line(extra, world, message):
     assert "\n" not in str(e.value)
 
 
-def test_hf_model_with_cp_and_pp_is_refused(tmp_path):
-    from paratrain.config import ConfigError, load_config
+def test_hf_model_with_cp_and_tp_or_pp_passes_the_preflight(tmp_path):
+    """model.hf at cp x tp and cp x pp are layouts like any other (tested against one process below)."""
+    from paratrain.config import load_config
     from paratrain.preflight import check_run
     from tests.hf_models import save_tiny
 
     path = save_tiny("llama", str(tmp_path / "llama"), weights=False)
-    cfg = load_config(None, ["parallel.cp=2", "parallel.pp=2", f"model.hf='{path}'", "data.args={block_size = 32}"])
-    with pytest.raises(ConfigError, match="parallel.cp with model.hf and parallel.tp or pp > 1 is not supported yet"):
-        check_run(cfg, 4)
+    for extra in (["parallel.pp=2"], ["parallel.tp=2"], ["parallel.tp=2", "parallel.cp_attention='alltoall'"]):
+        check_run(load_config(None, ["parallel.cp=2", *extra, f"model.hf='{path}'", "data.args={block_size = 32}"]), 4)
 
 
 def test_cp_counts_in_the_world_size():
@@ -360,5 +366,62 @@ def test_checkpoints_resume_across_cp_degrees(tmp_path):
         _assert_same(
             (torch.tensor([r["loss"] for r in rows]), torch.tensor([r["grad_norm"] for r in rows])),
             (torch.tensor([r["loss"] for r in expected]), torch.tensor([r["grad_norm"] for r in expected])),
+            name,
+        )
+
+
+HF_TOY = [
+    "data.factory='tests.toy:toy_lm'",
+    "data.args={n = 64, seq_len = 16, vocab = 128}",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "run.steps=3",
+    "run.progress=false",
+    "metrics.plot=false",
+    "checkpoint.interval=0",
+    *plain_sgd(0.5),
+]
+
+
+@pytest.mark.slow  # world 4, tiny Llama: about 2 minutes here
+def test_hf_llama_at_cp2_with_tp2_or_pp2_equals_one_process(tmp_path, sft):  # noqa: F811
+    """model.hf composed at world 4: cp = 2 x tp = 2 (each tp rank's heads through the ring or the
+    all-to-all; grouped-query attention with one key/value head per tp rank) and cp = 2 x pp = 2
+    (1F1B; every stage's attention runs cp's and gets the global positions; the default 'auto' picks
+    the all-to-all for the causal rows, the ring for packed documents). Causal rows: three
+    SGD steps equal one process; packed conversations: one step equals plain transformers on each
+    conversation alone (tests/test_sft.py's reference), so the document masks reach every stage."""
+    import paratrain
+    from paratrain.data.tokens import build_tokens
+    from tests.hf_models import save_tiny
+    from tests.test_sft import _config, reference
+
+    model = [*HF_TOY, f"model.hf='{save_tiny('llama', str(tmp_path / 'llama'))}'"]
+    ref = str(tmp_path / "ref")
+    paratrain.train(paratrain.load_config(None, [*model, f"run.out_dir='{ref}'"]))
+    toy = {
+        "cp2_tp2_ring": ["parallel.tp=2", "parallel.cp_attention='ring'"],
+        "cp2_tp2_a2a": ["parallel.tp=2", "parallel.cp_attention='alltoall'"],
+        "cp2_pp2": ["parallel.pp=2", "parallel.pp_schedule='1f1b'"],
+    }
+    runs = {n: [*model, "parallel.cp=2", *x, f"run.out_dir='{tmp_path / n}'"] for n, x in toy.items()}
+    rows = len(build_tokens(sft["train"], block_size=512))
+    packed = {
+        "hf_cp2_pp2_packed": ["parallel.pp=2", "parallel.pp_schedule='1f1b'"],
+        "hf_cp2_tp2_packed": ["parallel.tp=2"],
+    }
+    for name, extra in packed.items():
+        one_step = [f"batch.global_batch_size={rows}", f"batch.micro_batch_size={rows}", "run.steps=1"]
+        runs[name] = [*_config(sft, sft["train"], name, *one_step), "parallel.cp=2", *extra]
+    run_ranks(_train_many, 4, runs, timeout=900)
+    for name in toy:
+        _assert_same(_norms_and_losses(str(tmp_path / name)), _norms_and_losses(ref), f"hf {name}")
+    ref_loss, ref_items, ref_norm = reference(sft, sft["convs"])
+    for name in packed:
+        (row,) = read_metrics(os.path.join(sft["root"], name))
+        assert row["trainable_tokens"] == ref_items
+        _assert_same(
+            (torch.tensor([row["loss"]]), torch.tensor([row["grad_norm"]])),
+            (torch.tensor([ref_loss]), torch.tensor([ref_norm])),
             name,
         )

@@ -29,14 +29,19 @@ def test_moe_gpt_at_cp_composed_at_world_4_equals_one_process(tmp_path, referenc
         tmp_path,
         4,
         {
-            "cp2_dp_shard2": ["parallel.cp=2", "parallel.dp_shard=2", "batch.micro_batch_size=2"],
+            "cp2_alltoall_dp_shard2": [
+                "parallel.cp=2",
+                "parallel.cp_attention='alltoall'",  # two heads: one per cp rank
+                "parallel.dp_shard=2",
+                "batch.micro_batch_size=2",
+            ],
             "cp2_dp_replicate2_ac": [
                 "parallel.cp=2",
                 "parallel.dp_replicate=2",
                 "batch.micro_batch_size=2",
                 "parallel.activation_checkpointing='full'",
             ],
-            "cp4_alltoall": ["parallel.cp=4", "parallel.cp_attention='alltoall'", "batch.micro_batch_size=8"],
+            "cp4_ring": ["parallel.cp=4", "batch.micro_batch_size=8"],
         },
     )
     for name, got in runs.items():

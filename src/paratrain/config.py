@@ -212,9 +212,9 @@ class ParallelConfig:
         1,
         "Context-parallel degree: each sequence split over cp ranks (head-tail chunks); built-in GPT and model.hf, block_size divisible by 2 x cp (docs/context-parallel.md).",
     )
-    cp_attention: Literal["ring", "alltoall"] = opt(
-        "ring",
-        "Context parallel's attention: 'ring' (K/V chunks passed around the cp ranks, any head count) or 'alltoall' (Ulysses: heads traded for the sequence; needs the heads divisible by cp x tp).",
+    cp_attention: Literal["auto", "ring", "alltoall"] = opt(
+        "auto",
+        "Context parallel's attention: 'ring' (K/V chunks passed around the cp ranks, any head count), 'alltoall' (Ulysses: heads traded for the sequence; needs the heads divisible by cp x tp) or 'auto' (all-to-all where the heads per tp rank divide by cp and each row is one document, else the ring).",
     )
     ep: int = opt(
         1,

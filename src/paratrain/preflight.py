@@ -248,7 +248,6 @@ def check_cp(cfg: Config, dims: ParallelDims) -> None:
         return
     refused = [
         (cfg.parallel.sequence_parallel, "parallel.sequence_parallel"),
-        (bool(cfg.model.hf) and (dims.tp > 1 or dims.pp > 1), "model.hf and parallel.tp or pp > 1"),
         (bool(cfg.model.factory), "model.factory"),
         (cfg.model.args.get("attention", "sdpa") != "sdpa", "model.args.attention = 'flex'"),
         (bool(cfg.model.args.get("dropout", 0.0)), "model.args.dropout > 0"),

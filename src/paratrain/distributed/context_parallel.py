@@ -311,7 +311,38 @@ class AllToAllAttention(RingAttention):
         return alltoall_attention(q, k, v, group=self.group, positions=positions, scale=scale)
 
 
-ATTENTIONS = {"ring": RingAttention, "alltoall": AllToAllAttention}
+class AutoAttention(RingAttention):
+    """``parallel.cp_attention = "auto"`` (the default): all-to-all where it applies cheaply, the
+    ring elsewhere. All-to-all when this rank's heads divide by cp and every row of the micro-batch
+    is one causal document on every cp rank (so SDPA runs its causal kernel with no mask); the ring
+    when the heads do not divide or documents are packed (the all-to-all would build each row's
+    whole ``T x T`` mask, the ring never does). Both are exact, so the choice changes no number.
+
+    Why all-to-all first: it sends ``8 (cp - 1) / cp`` chunks per layer against the ring's ``6 (cp
+    - 1) + 2`` and runs one fused SDPA instead of the ring's loop over chunk pairs; on CPU it took
+    0.41-0.43 of the ring's step time at cp 2 and 4 (docs/context-parallel.md, measured with
+    benchmarks/cp_ring_vs_alltoall.py). The decision costs one one-element all-reduce over the cp
+    group per layer, which replaces the all-to-all's all-gather of the position ids."""
+
+    def __call__(self, q, k, v, *, positions=None, scale=None):
+        cp = dist.get_world_size(self.group)
+        if q.shape[1] % cp == 0 and _one_document_per_row(positions, self.group):
+            return alltoall_attention(q, k, v, group=self.group, positions=None, scale=scale)
+        return ring_attention(q, k, v, group=self.group, positions=positions, scale=scale)
+
+
+def _one_document_per_row(positions: torch.Tensor | None, group) -> bool:
+    """Whether every cp rank's rows are plain causal (positions = global indices), agreed by all."""
+    if positions is None:
+        return True
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    j = global_indices(positions.shape[-1], cp=cp, rank=rank, device=positions.device)
+    plain = torch.tensor([float(torch.equal(positions, j.expand_as(positions)))], device=positions.device)
+    dist.all_reduce(plain, op=dist.ReduceOp.MIN, group=group)
+    return bool(plain.item())
+
+
+ATTENTIONS = {"ring": RingAttention, "alltoall": AllToAllAttention, "auto": AutoAttention}
 
 
 def apply_cp(
@@ -319,7 +350,7 @@ def apply_cp(
     cp_mesh: DeviceMesh,
     *,
     install: Callable[[nn.Module, Callable], None] | None,
-    attention: str = "ring",
+    attention: str = "auto",
 ) -> None:
     """Give ``model``'s attention the ring (or all-to-all) attention over ``cp_mesh`` (in place).
 
