@@ -15,7 +15,7 @@ from torch import nn
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
 from paratrain.models.hf.parallel import check_hf_layout, hf_cp_attention, hf_tp_plan
-from paratrain.models.hf.weights import load_into, save_hf, weight_files
+from paratrain.models.hf.weights import converted_sources, load_into, save_hf, weight_files
 from paratrain.models.lora import apply_lora
 from paratrain.models.spec import ModelSpec
 
@@ -50,7 +50,10 @@ def hf_spec(cfg: ModelConfig) -> ModelSpec:
     load = hf_weights_enabled(cfg, files)
 
     def materialize(model: nn.Module, *, device) -> int:
-        return load_into(model, files=files, device=device)
+        # Checkpoint names that transformers converts on load (fused experts, renamed modules).
+        with torch.device("meta"):
+            hf_model = causal_lm_from_config(load_hf_config(cfg.hf, cfg.args))
+        return load_into(model, files=files, device=device, converted=converted_sources(files, hf_model))
 
     return ModelSpec(
         name=f"hf:{cfg.hf}",
