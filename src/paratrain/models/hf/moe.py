@@ -24,11 +24,15 @@ What transformers 5 ships for Qwen3-MoE, Mixtral and OLMoE, and what paratrain a
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from paratrain.config import ConfigError
+from paratrain.distributed.expert_parallel import ExpertGroup, dispatch
 from paratrain.loss import RouterStats
 from paratrain.models.gpt.moe import sequence_balance_loss
 
@@ -138,3 +142,51 @@ def check_hf_moe_combinations(cfg, *, tp: int, pp: int, cp: int, ep: int) -> Non
                 f"model.hf = {cfg.model.hf!r} is a mixture of experts ({config.model_type}), which runs with"
                 f" {key} not yet; turn it off (docs/moe.md)"
             )
+
+
+# --- expert parallel: the building block (parallel.ep with model.hf stays refused above) ---------
+#
+# transformers runs a fused experts module through the function its config names in
+# ``ExpertsInterface`` (integrations/moe.py; "eager", "grouped_mm", ...), as it runs attention
+# through ``AttentionInterface``. paratrain registers one more, which sends each (token, slot)
+# pair to the rank holding its expert (distributed/expert_parallel.dispatch) and combines the
+# float32 outputs in slot order, as the GPT's MoE does. What is missing before ``parallel.ep``
+# can be lifted for model.hf (docs/moe.md): loading each rank's experts from the checkpoint
+# (their rows of the fused tensor), and checkpoints, optimiser state and exports of a fused
+# tensor whose rows live on different ranks under one name (DCP would keep one rank's rows).
+
+EP_EXPERTS = "paratrain_ep"
+
+
+def _local_expert(experts: nn.Module, j: int, x: torch.Tensor) -> torch.Tensor:
+    """This rank's expert ``j`` (row j of the local fused tensors) on rows ``x``, with the
+    module's own gating (``_apply_gate``: act(gate) * up, as transformers' functions)."""
+    return F.linear(experts._apply_gate(F.linear(x, experts.gate_up_proj[j])), experts.down_proj[j])
+
+
+def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """An ``ExpertsInterface`` function: (N, H) tokens, (N, k) experts and weights -> (N, H)."""
+    n, k = top_k_index.shape
+    local = [functools.partial(_local_expert, self, j) for j in range(self.gate_up_proj.shape[0])]
+    y = dispatch(hidden_states, top_k_index, local, self.num_experts, self.ep)  # (N k, H) float32
+    slots = y.view(n, k, -1) * top_k_weights.float().unsqueeze(-1)
+    out = slots[:, 0]
+    for j in range(1, k):  # the fixed slot order, in float32
+        out = out + slots[:, j]
+    return out.to(hidden_states.dtype)
+
+
+def enable_expert_parallel(experts: nn.Module, ep: ExpertGroup) -> list[nn.Parameter]:
+    """Keep rows ``[r L, (r + 1) L)`` of the fused expert tensors (``L = experts / ep``) and run the
+    module through :func:`ep_experts_forward`. Returns the local parameters."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    rows = ep.local_experts(experts.num_experts)
+    for name in ("gate_up_proj", "down_proj"):
+        full = getattr(experts, name)
+        local = nn.Parameter(full.detach()[rows.start : rows.stop].clone(), requires_grad=full.requires_grad)
+        setattr(experts, name, local)
+    experts.ep = ep
+    ALL_EXPERTS_FUNCTIONS.register(EP_EXPERTS, ep_experts_forward)
+    experts.config._experts_implementation = EP_EXPERTS
+    return [experts.gate_up_proj, experts.down_proj]
