@@ -14,6 +14,7 @@ from torch import nn
 
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
+from paratrain.models.hf.moe import check_hf_moe_combinations
 from paratrain.models.hf.parallel import check_hf_layout, hf_cp_attention, hf_tp_plan
 from paratrain.models.hf.weights import converted_sources, load_into, save_hf, weight_files
 from paratrain.models.lora import apply_lora
@@ -69,6 +70,12 @@ def hf_spec(cfg: ModelConfig) -> ModelSpec:
     )
 
 
+def check_hf_moe_layout(cfg, *, tp: int, pp: int, cp: int, ep: int) -> None:
+    """A ``model.hf`` mixture of experts with a layout it does not run with: one line (preflight)."""
+    config = load_hf_config(cfg.model.hf, cfg.model.args)
+    check_hf_moe_combinations(config, cfg, tp=tp, pp=pp, cp=cp, ep=ep)
+
+
 def export_hf(state_dict: dict, *, model_cfg: ModelConfig, out_dir: str) -> None:
     """Gathered weights (HFCausalLM names) of a ``model.hf`` run -> a ``from_pretrained`` directory."""
     config = load_hf_config(model_cfg.hf, model_cfg.args)
@@ -77,4 +84,13 @@ def export_hf(state_dict: dict, *, model_cfg: ModelConfig, out_dir: str) -> None
     save_hf(state_dict, config=config, out_dir=out_dir, source_dir=model_cfg.hf, hf_name=names.hf_name)
 
 
-__all__ = ["export_hf", "HFCausalLM", "build_hf", "hf_spec", "load_hf_config", "save_hf", "weight_files"]
+__all__ = [
+    "check_hf_moe_layout",
+    "export_hf",
+    "HFCausalLM",
+    "build_hf",
+    "hf_spec",
+    "load_hf_config",
+    "save_hf",
+    "weight_files",
+]

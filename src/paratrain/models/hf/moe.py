@@ -120,12 +120,10 @@ def _router_stats(gate: nn.Module, args, out) -> None:
     )
 
 
-def check_hf_moe_combinations(cfg, *, tp: int, pp: int, cp: int, ep: int) -> None:
-    """What a ``model.hf`` mixture of experts runs with (DDP, FSDP2, HSDP, accumulation, activation
-    checkpointing), refusing the rest in one line before any process starts (preflight)."""
-    from paratrain.models.hf.model import load_hf_config
-
-    config = load_hf_config(cfg.model.hf, cfg.model.args)
+def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int) -> None:
+    """What a ``model.hf`` mixture of experts (``config``, its transformers config) runs with (DDP,
+    FSDP2, HSDP, accumulation, activation checkpointing), refusing the rest in one line before any
+    process starts (preflight, through models/hf's ``check_hf_layout_of``)."""
     if not is_moe(config):
         return
     for key, on in (
