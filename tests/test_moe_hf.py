@@ -83,6 +83,13 @@ def test_lr0_losses_are_transformers_own_and_the_export_loads_back(tmp_path, arc
     # Not transformers' batch-level value (every token of the forward pooled): that one depends on the micro-batch.
     assert abs(ref["batch_level_aux_loss"] - ref["aux_loss"]) > 1e-4
     assert (row["expert_tokens_min"], row["expert_tokens_max"]) == ref["tokens"]
+    # MFU counts a token's top_k experts, not every expert.
+    from paratrain.models.hf import hf_flops, hf_spec
+
+    model = hf_spec(paratrain.load_config(None, cfg).model).build()
+    every = 6.0 * sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert hf_flops(model)(16) == every - 6.0 * experts / 2  # 4 experts, top 2: half of them idle
     # The export: per-expert names as transformers saves them, and the same model.
     exported = os.path.join(out, "hf")
     with open(os.path.join(exported, "model.safetensors.index.json")) as f:

@@ -14,7 +14,7 @@ from torch import nn
 
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
-from paratrain.models.hf.moe import check_hf_moe_combinations
+from paratrain.models.hf.moe import active_params, check_hf_moe_combinations
 from paratrain.models.hf.parallel import check_hf_layout, hf_cp_attention, hf_tp_plan
 from paratrain.models.hf.weights import converted_sources, load_into, save_hf, weight_files
 from paratrain.models.lora import apply_lora
@@ -67,7 +67,14 @@ def hf_spec(cfg: ModelConfig) -> ModelSpec:
         materialize=materialize if load else None,
         head_attr="lm_head",
         cp_attention=hf_cp_attention,
+        flops_per_token=hf_flops,
     )
+
+
+def hf_flops(model: nn.Module):
+    """6 x the parameters a token goes through (a mixture of experts: its top_k experts only)."""
+    n = active_params(model)
+    return lambda seq_len: 6.0 * n
 
 
 def check_hf_moe_layout(cfg, *, tp: int, pp: int, cp: int, ep: int) -> None:

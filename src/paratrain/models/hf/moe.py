@@ -80,6 +80,17 @@ def sparse_blocks(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def active_params(model: nn.Module) -> int:
+    """Parameters a token goes through: all of them but the ``num_experts - top_k`` routed experts
+    of each sparse block it does not choose (the FLOPs per token and MFU count these)."""
+    n = sum(p.numel() for p in model.parameters())
+    for block in sparse_blocks(model):
+        experts = block.experts
+        per_expert = (experts.gate_up_proj.numel() + experts.down_proj.numel()) // experts.gate_up_proj.shape[0]
+        n -= (experts.num_experts - block.gate.top_k) * per_expert
+    return n
+
+
 def aux_loss_weight(config, n_layers: int) -> float:
     """The weight of each layer's per-sequence DeepSeek-V3 term (the module docstring says why)."""
     if not getattr(config, "output_router_logits", False):
