@@ -28,6 +28,8 @@ REFUSED_ARCHS = {
     "gemma3": dict(model_type="gemma3_text", head_dim=8, **COMMON),
     # A mixture of experts model.hf does not support (docs/moe.md).
     "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, **COMMON),
+    # OLMoE: its config has no base_model_pp_plan, which HFCausalLM needs.
+    "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, pad_token_id=1, eos_token_id=2, **COMMON),
 }
 # Mixtures of experts (tests/test_moe_hf.py): Qwen3-MoE (every second layer sparse, tied
 # embeddings) and Mixtral (every layer sparse; checkpoints name the block block_sparse_moe and

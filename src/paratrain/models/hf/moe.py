@@ -1,6 +1,6 @@
 """transformers' mixture-of-experts decoders under ``model.hf`` (docs/moe.md, docs/huggingface.md).
 
-What transformers 5 ships for Qwen3-MoE, Mixtral and OLMoE, and what paratrain adds:
+What transformers 5 ships for Qwen3-MoE and Mixtral, and what paratrain adds:
 
 - Each sparse block (``layer.mlp``) holds a router ``gate`` (``*TopKRouter``: a linear layer,
   softmax in float32, top-k, optionally renormalised; it returns ``(logits, weights, experts)``)
@@ -40,7 +40,8 @@ from paratrain.models.gpt.moe import sequence_balance_loss
 # Mixtral, DeepSeek).
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # The architectures whose sparse block, router and fused experts are checked here (tests/test_moe_hf.py).
-SUPPORTED = ("qwen3_moe", "mixtral", "olmoe")
+# OLMoE has the same blocks but its config no base_model_pp_plan, which HFCausalLM reads.
+SUPPORTED = ("qwen3_moe", "mixtral")
 
 
 def n_experts(config) -> int | None:
