@@ -26,9 +26,26 @@ ARCHS = {
 # (embed_tokens.embed_scale) the weights do not hold, which loading refuses.
 REFUSED_ARCHS = {
     "gemma3": dict(model_type="gemma3_text", head_dim=8, **COMMON),
-    # A mixture of experts: model.hf refuses it (docs/moe.md).
-    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=8, num_experts=4, num_experts_per_tok=2, **COMMON),
-    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **COMMON),
+    # A mixture of experts model.hf does not support (docs/moe.md).
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, **COMMON),
+    # OLMoE: its config has no base_model_pp_plan, which HFCausalLM needs.
+    "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, pad_token_id=1, eos_token_id=2, **COMMON),
+}
+# Mixtures of experts (tests/test_moe_hf.py): Qwen3-MoE (every second layer sparse, tied
+# embeddings) and Mixtral (every layer sparse; checkpoints name the block block_sparse_moe and
+# the experts w1/w2/w3). The router's balance loss is on (output_router_logits), weighted 0.5.
+MOE = dict(output_router_logits=True, router_aux_loss_coef=0.5, num_experts_per_tok=2, **COMMON)
+MOE_ARCHS = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        head_dim=8,
+        num_experts=4,
+        moe_intermediate_size=16,
+        decoder_sparse_step=2,
+        tie_word_embeddings=True,
+        **MOE,
+    ),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, **MOE),
 }
 
 
@@ -37,7 +54,7 @@ def save_tiny(
 ) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    args = {**(ARCHS | REFUSED_ARCHS)[arch], **overrides}
+    args = {**(ARCHS | REFUSED_ARCHS | MOE_ARCHS)[arch], **overrides}
     config = AutoConfig.for_model(args.pop("model_type"), **args)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

@@ -340,19 +340,6 @@ def test_moe_resumes_at_another_layout(tmp_path):
     assert got["tokens"] == ref["tokens"][2:]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_hf_mixture_of_experts_is_refused_in_one_line(tmp_path, arch):
-    pytest.importorskip("transformers")
-    import paratrain
-    from paratrain.preflight import check_run
-    from tests.hf_models import save_tiny
-
-    path = save_tiny(arch, str(tmp_path / arch), weights=False)
-    cfg = paratrain.load_config(None, [f"model.hf='{path}'", "data.factory='tests.toy:toy_lm'"])
-    with pytest.raises(ConfigError, match="is a mixture of experts .4 experts., which model.hf does not support yet"):
-        check_run(cfg, 1)
-
-
 def test_router_metrics_of_a_step():
     from paratrain.step import StepResult
     from paratrain.trainer import router_metrics

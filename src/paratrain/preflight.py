@@ -25,6 +25,7 @@ from paratrain.distributed.pipeline_parallel import check_pp_layout, check_untie
 from paratrain.models import build, model_builder, spec_of
 from paratrain.models.gpt.model import GPTConfig
 from paratrain.models.gpt.moe import MoEConfig
+from paratrain.models.hf import check_hf_moe_layout
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
 from paratrain.precision import check_precision
@@ -182,6 +183,8 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
                 "model.lora with parallel.sequence_parallel = true is not supported yet; set"
                 " parallel.sequence_parallel = false (tensor parallel itself is supported)"
             )
+    if cfg.model.hf:  # a transformers mixture of experts (models/hf/moe.py); nothing for a dense one
+        check_hf_moe_layout(cfg, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep)
     if cfg.model.args.get("moe") is not None and not (cfg.model.hf or cfg.model.factory):
         check_moe_combinations(cfg, dims)
     elif dims.ep > 1:

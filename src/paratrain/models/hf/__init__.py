@@ -14,8 +14,9 @@ from torch import nn
 
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
+from paratrain.models.hf.moe import active_params, check_hf_moe_combinations
 from paratrain.models.hf.parallel import check_hf_layout, hf_cp_attention, hf_tp_plan
-from paratrain.models.hf.weights import load_into, save_hf, weight_files
+from paratrain.models.hf.weights import converted_sources, load_into, save_hf, weight_files
 from paratrain.models.lora import apply_lora
 from paratrain.models.spec import ModelSpec
 
@@ -50,7 +51,10 @@ def hf_spec(cfg: ModelConfig) -> ModelSpec:
     load = hf_weights_enabled(cfg, files)
 
     def materialize(model: nn.Module, *, device) -> int:
-        return load_into(model, files=files, device=device)
+        # Checkpoint names that transformers converts on load (fused experts, renamed modules).
+        with torch.device("meta"):
+            hf_model = causal_lm_from_config(load_hf_config(cfg.hf, cfg.args))
+        return load_into(model, files=files, device=device, converted=converted_sources(files, hf_model))
 
     return ModelSpec(
         name=f"hf:{cfg.hf}",
@@ -63,7 +67,20 @@ def hf_spec(cfg: ModelConfig) -> ModelSpec:
         materialize=materialize if load else None,
         head_attr="lm_head",
         cp_attention=hf_cp_attention,
+        flops_per_token=hf_flops,
     )
+
+
+def hf_flops(model: nn.Module):
+    """6 x the parameters a token goes through (a mixture of experts: its top_k experts only)."""
+    n = active_params(model)
+    return lambda seq_len: 6.0 * n
+
+
+def check_hf_moe_layout(cfg, *, tp: int, pp: int, cp: int, ep: int) -> None:
+    """A ``model.hf`` mixture of experts with a layout it does not run with: one line (preflight)."""
+    config = load_hf_config(cfg.model.hf, cfg.model.args)
+    check_hf_moe_combinations(config, cfg, tp=tp, pp=pp, cp=cp, ep=ep)
 
 
 def export_hf(state_dict: dict, *, model_cfg: ModelConfig, out_dir: str) -> None:
@@ -74,4 +91,13 @@ def export_hf(state_dict: dict, *, model_cfg: ModelConfig, out_dir: str) -> None
     save_hf(state_dict, config=config, out_dir=out_dir, source_dir=model_cfg.hf, hf_name=names.hf_name)
 
 
-__all__ = ["export_hf", "HFCausalLM", "build_hf", "hf_spec", "load_hf_config", "save_hf", "weight_files"]
+__all__ = [
+    "check_hf_moe_layout",
+    "export_hf",
+    "HFCausalLM",
+    "build_hf",
+    "hf_spec",
+    "load_hf_config",
+    "save_hf",
+    "weight_files",
+]

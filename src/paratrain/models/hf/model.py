@@ -26,11 +26,9 @@ from torch import nn
 
 from paratrain.config import ConfigError
 from paratrain.data.packing import split_packed
+from paratrain.models.hf.moe import check_hf_moe, install_router_stats
 
 CONFIG_FILE = "config.json"
-# The config fields that give a transformers model's routed-expert count (Qwen-MoE and OLMoE,
-# Mixtral, DeepSeek).
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def check_hf_dir(path: str, key: str = "model.hf") -> str:
@@ -66,18 +64,11 @@ def load_hf_config(path: str, overrides: dict, key: str = "model.hf"):
             f"{key} = {path!r}: model_type {config.model_type!r} is not a causal language model in transformers'"
             " AutoModelForCausalLM; pass a decoder LM's directory"
         )
-    experts = next((getattr(config, k) for k in MOE_KEYS if getattr(config, k, None)), None)
-    if experts:
-        # transformers 5 holds the experts fused but saves them per expert, and adds its router's
-        # auxiliary loss itself: neither is wired into paratrain yet (docs/moe.md), so refuse.
-        raise ConfigError(
-            f"{key} = {path!r}: {config.model_type} is a mixture of experts ({experts} experts), which model.hf"
-            " does not support yet; train the built-in GPT with model.args.moe (docs/moe.md)"
-        )
     for name, value in overrides.items():
         if not hasattr(config, name):
             raise ConfigError(f"model.args.{name} is not a field of {type(config).__name__}; remove it")
         setattr(config, name, value)
+    check_hf_moe(config, key)  # after [model.args]: they may turn a router option on
     # The decoder loop below calls the attention through masks made for SDPA (None = causal,
     # its fast path); the layer reads the implementation from the config.
     config._attn_implementation = "sdpa"
@@ -152,6 +143,8 @@ class HFCausalLM(nn.Module):
                 rope = type(rope)(config=config)
         self._rope = (rope,)  # a tuple: not a submodule, so no stage split drops it
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        # Mixture of experts (models/hf/moe.py): each router leaves its sequence-wise balance loss.
+        self.n_sparse_blocks = install_router_stats(self)
 
     @property
     def has_rope(self) -> bool:

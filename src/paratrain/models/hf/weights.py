@@ -7,6 +7,15 @@ DTensor, by ``compute_local_shape_and_global_offset``, the same rule DTensor sha
 holds the full model unless its layout does (plain DDP replicates it by design). This is the
 "each rank reads its shards" recipe of torchtitan's HF loader, with safetensors' own lazy reads.
 
+Checkpoints whose names differ from the model's (transformers 5 fuses a mixture of experts'
+per-expert ``experts.0.gate_proj.weight``... into one ``experts.gate_up_proj``, and renames
+Mixtral's ``block_sparse_moe`` to ``mlp``) are read through transformers' own conversion mapping
+(``conversion_mapping.get_model_conversion_mapping``, the renamings and ``WeightConverter``s
+``from_pretrained`` applies): :func:`converted_sources` finds, for each model tensor the files do
+not hold, the checkpoint tensors and converter that make it, and the loader runs that converter
+(all of one tensor's sources are read, then this rank's region is kept: one layer's experts at a
+time in memory). ``save_pretrained`` reverts the same mapping on export.
+
 Export (``save_hf``) writes ``config.json`` and sharded ``*.safetensors`` with their index through
 transformers' own ``save_pretrained``, so the names, tied weights and index are what
 ``from_pretrained`` expects, and copies the tokenizer files of the source directory.
@@ -14,6 +23,8 @@ transformers' own ``save_pretrained``, so the names, tied weights and index are 
 
 from __future__ import annotations
 
+import copy
+import functools
 import glob
 import json
 import os
@@ -67,6 +78,46 @@ def file_tensors(files: dict[str, str]):
         yield name, handles[files[name]].get_tensor(name)
 
 
+def converted_sources(files: dict[str, str], hf_model: nn.Module) -> dict[str, tuple[object, list[tuple]]]:
+    """``{model tensor name: (converter or None, [(source pattern, checkpoint name), ...])}`` for the
+    tensors of ``hf_model`` (a transformers model, meta is fine) that the files hold under other
+    names, by transformers' own mapping for this architecture; the sources in the order
+    ``from_pretrained`` collects them (``dot_natural_key``: expert 10 after expert 9). A converter
+    of None is a plain renaming (one source)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
+
+    transforms = get_model_conversion_mapping(hf_model)
+    if not transforms:
+        return {}
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    targets = set(hf_model.state_dict())
+    out: dict[str, tuple[object, list[tuple]]] = {}
+    for key in sorted(files, key=dot_natural_key):
+        if key in targets:
+            continue
+        name, pattern = rename_source_key(key, renamings, converters)
+        if name not in targets:
+            continue
+        converter = next((c for c in converters if pattern in c.source_patterns), None) if pattern else None
+        out.setdefault(name, (converter, []))[1].append((pattern, key))
+    return out
+
+
+def _read_converted(name: str, converter, sources: list[tuple], handle) -> torch.Tensor:
+    """The whole tensor ``name`` made by transformers' ``converter`` from its checkpoint ``sources``."""
+    conv = copy.deepcopy(converter)  # it collects tensors: one instance per target, as from_pretrained does
+    for pattern, key in sources:
+        conv.add_tensor(name, key, pattern, functools.partial(lambda k: handle(k).get_tensor(k), key))
+    made = conv.convert(name)
+    if name not in made:
+        raise ConfigError(
+            f"model.hf: transformers' conversion made {sorted(made)} for {name!r}; pass a checkpoint it reads"
+        )
+    return made[name]
+
+
 def _local_slice(p: torch.Tensor) -> tuple[slice, ...] | None:
     """This rank's region of parameter ``p`` in the full tensor (None: the whole of it)."""
     if not isinstance(p, DTensor):
@@ -102,14 +153,23 @@ def _parts(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device) -> int:
+def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device, converted: dict | None = None) -> int:
     """Materialise ``model`` (meta parameters, possibly sharded) on ``device`` and fill it from ``files``.
 
-    ``model`` is an HFCausalLM, parallelised or not (a PipelineModel's stages, DDP's ``module``).
-    Returns the number of elements this rank read (its share of the model).
+    ``model`` is an HFCausalLM, parallelised or not (a PipelineModel's stages, DDP's ``module``);
+    ``converted`` (:func:`converted_sources`) says how to make the tensors the files hold under
+    other names. Returns the number of elements this rank read (its share of the model).
     """
     read = 0
     handles: dict[str, object] = {}
+    converted = converted or {}
+
+    def handle(key: str):
+        file = files[key]
+        if file not in handles:
+            handles[file] = safe_open(file, "pt", device="cpu").__enter__()
+        return handles[file]
+
     try:
         for part in _parts(model):
             part = getattr(part, "module", part)  # DDP's wrapper: its module keeps the names
@@ -122,7 +182,9 @@ def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device) 
             # would train on garbage, silently: refuse it (the rotary inv_freq is rebuilt by
             # HFCausalLM itself, outside the module tree).
             lost = [
-                n for n, b in part.named_buffers() if b.is_meta and adapter_base_name(hf_name(_clean(n))) not in files
+                n
+                for n, b in part.named_buffers()
+                if b.is_meta and adapter_base_name(hf_name(_clean(n))) not in {**files, **converted}
             ]
             if lost:
                 raise ConfigError(
@@ -139,17 +201,30 @@ def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device) 
                     (p.to_local() if isinstance(p, DTensor) else p).copy_(value)
                     continue
                 key = adapter_base_name(key)
+                if key not in files and key in converted:
+                    converter, sources = converted[key]
+                    if converter is None:  # a plain renaming: read the source's slice below
+                        key = sources[0][1]
+                    else:
+                        whole = _read_converted(key, converter, sources, handle)
+                        if list(whole.shape) != list(p.shape):
+                            raise ConfigError(
+                                f"model.hf: tensor {key!r} has shape {list(whole.shape)} in the weights but"
+                                f" {list(p.shape)} in the model; remove the [model.args] that change its size"
+                            )
+                        region = _local_slice(p)
+                        value = whole[region] if region is not None else whole
+                        (p.to_local() if isinstance(p, DTensor) else p).copy_(value)
+                        read += value.numel()
+                        continue
                 if key not in files:
                     raise ConfigError(
                         f"model.hf: the weights have no tensor {key!r}; set model.hf_weights = false to train from"
                         " the seed, or pass the directory of the same architecture"
                     )
-                file = files[key]
-                if file not in handles:
-                    handles[file] = safe_open(file, "pt", device="cpu").__enter__()
                 region = _local_slice(p)
                 local = p.to_local() if isinstance(p, DTensor) else p
-                src = handles[file].get_slice(key)
+                src = handle(key).get_slice(key)
                 if list(src.get_shape()) != list(p.shape):
                     raise ConfigError(
                         f"model.hf: tensor {key!r} has shape {src.get_shape()} in the weights but {list(p.shape)} in"
