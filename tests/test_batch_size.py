@@ -490,3 +490,19 @@ def test_adaptive_growth_bounded_and_sampler_exact(tmp_path, world):
     for e in range(math.ceil(len(expected) / n)):
         epoch = expected[e * n : (e + 1) * n]
         assert len(set(epoch)) == len(epoch)
+
+
+def test_estimate_of_a_pretrained_hf_model(tmp_path):
+    """model.hf with weights builds on the meta device for a run (they arrive after the
+    parallelisms); the fake-tensor estimate must build it on the batches' device instead (it once
+    mixed meta and cpu tensors, and `paratrain plan` of any model.hf failed). Its peak holds at
+    least the weights, their gradients and AdamW's two states, and grows with the micro-batch."""
+    from paratrain.batch.measure import estimate_peak
+    from tests.hf_models import save_tiny
+
+    torch.set_num_threads(1)
+    path = save_tiny("llama", str(tmp_path / "llama"))
+    cfg, dims, runner = _runner([f"model.hf='{path}'", "model.args={}"])
+    params = sum(p.numel() for p in runner.build()[0].parameters())
+    one, two = estimate_peak(runner, 1), estimate_peak(runner, 2)
+    assert 16 * params <= one < two, (params, one, two)

@@ -152,9 +152,9 @@ class StepRunner:
             elif fake_mode is not None:
                 # Fake parameters are created on the device: Module.to cannot move them (torch 2.13).
                 with fake_mode, torch.device(self.device):
-                    model, spec = build(self.cfg.model)
+                    model, spec = build(self.cfg.model, meta_enabled=False)
             else:
-                model, spec = build(self.cfg.model)
+                model, spec = build(self.cfg.model, meta_enabled=False)
             # The real step's options (trainer.build_parallel): vocabulary-sharded logits change
             # the activation memory, and ZeRO-3's per-micro-batch sync the gradient memory.
             self.loss_parallel = loss_parallel_enabled(

@@ -41,13 +41,15 @@ def model_builder(cfg: ModelConfig):
     return fn, key
 
 
-def build(cfg: ModelConfig) -> tuple[nn.Module, ModelSpec]:
+def build(cfg: ModelConfig, *, meta_enabled: bool = True) -> tuple[nn.Module, ModelSpec]:
     """Build the model on CPU with its spec; the caller seeds the RNG first so the init is a
     function of the seed. A spec with ``materialize`` (pretrained weights) builds on the meta
-    device: the weights arrive after the parallelisms, each rank reading its own shards."""
+    device: the weights arrive after the parallelisms, each rank reading its own shards.
+    ``meta_enabled=False``: on the current device even then (the memory estimate builds under a
+    fake mode, whose tensors must share the batches' device, and never reads weights)."""
     if cfg.hf:
         spec = hf_spec(cfg)
-        with torch.device("meta") if spec.materialize else contextlib.nullcontext():
+        with torch.device("meta") if spec.materialize and meta_enabled else contextlib.nullcontext():
             return spec.build(), spec
     fn, key = model_builder(cfg)
     made = fn(**cfg.args)

@@ -111,7 +111,7 @@ def estimate_layout_peak(cfg: Config, dims: ParallelDims, micro_batch_size: int,
 
 def truncatable(cfg: Config) -> bool:
     """The built-in GPT: its block count is one argument, so the model can be cut for the estimate."""
-    return not cfg.model.factory and cfg.model.name == "gpt"
+    return not cfg.model.factory and not cfg.model.hf and cfg.model.name == "gpt"
 
 
 @dataclasses.dataclass
