@@ -170,7 +170,8 @@ def test_bad_moe_config_is_one_line(moe, match):
 
 
 @pytest.mark.parametrize(
-    "override,key", [("parallel.tp=2", "parallel.tp = 2"), ("train.compile=true", "train.compile = true")]
+    "override,key",
+    [("optim.lr_scaling='adascale'", "optim.lr_scaling = 'adascale'"), ("train.compile=true", "train.compile = true")],
 )
 def test_moe_refuses_what_is_not_built_yet(override, key):
     import paratrain

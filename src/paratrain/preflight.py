@@ -205,12 +205,6 @@ def check_moe_combinations(cfg: Config, dims: ParallelDims) -> None:
             f"parallel.ep = {dims.ep} does not divide model.args.moe.n_experts = {moe.n_experts};"
             " use an ep that divides both n_experts and dp"
         )
-    if dims.ep > 1 and dims.dp_shard > 1 and cfg.precision.dtype != "fp32":
-        # FSDP2's mixed precision casts the weights it shards, not the expert weights it ignores.
-        raise ConfigError(
-            f"parallel.ep > 1 with parallel.dp_shard > 1 and precision.dtype = {cfg.precision.dtype!r} is not"
-            " supported yet; use DDP (parallel.dp_shard = 1) or precision.dtype = 'fp32'"
-        )
     if dims.pp > 1 and cfg.parallel.pp_schedule in ZERO_BUBBLE:
         # Not tested: their split weight pass would have to find the auxiliary loss's path too.
         raise ConfigError(

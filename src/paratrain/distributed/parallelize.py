@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from paratrain.config import CommConfig, ConfigError, ParallelConfig, PrecisionConfig
 from paratrain.distributed.activation_checkpoint import apply_ac
@@ -36,7 +37,7 @@ from paratrain.distributed.blocks import BLOCKS_ATTR
 from paratrain.distributed.compile import apply_compile
 from paratrain.distributed.context_parallel import apply_cp
 from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
-from paratrain.distributed.expert_parallel import ExpertGroup, apply_ep
+from paratrain.distributed.expert_parallel import ExpertGroup, apply_ep, apply_expert_fsdp
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import apply_pp, is_pipeline_stage
 from paratrain.distributed.tensor_parallel import STYLE_NAMES, apply_tp
@@ -160,6 +161,16 @@ def parallelize(
         ep = ExpertGroup(mesh["ep"].get_group(), mesh["ep"].get_local_rank(), dims.ep, replicas, dims.dp)
         if not apply_ep(model, ep):
             raise ConfigError("parallel.ep > 1 needs a mixture-of-experts model (model.args.moe); set parallel.ep = 1")
+        if dims.fsdp_enabled:
+            # FSDP2 of the experts over what remains of dp (ep_replicate), with the same mixed
+            # precision as the rest; the model's own FSDP2 below then leaves them alone.
+            apply_expert_fsdp(
+                model,
+                mesh["ep_replicate"],
+                mp_policy=build_mp_policy(precision, compression=comm.compression) or MixedPrecisionPolicy(),
+                reshard_after_forward=cfg.reshard_after_forward,
+                divide_factor=dims.dp,
+            )
 
     # 5. Sharded data parallel (ZeRO via FSDP2; HSDP when dp_replicate > 1 too; over dp_shard x cp
     #    when cp > 1, the "fsdp" sub-mesh).
