@@ -62,6 +62,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import ConfigError, ParallelConfig
 from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_container
+from paratrain.distributed.expert_parallel import gather_expert_weights
 from paratrain.distributed.json_collectives import all_gather_json
 from paratrain.loss import RouterTotals, sum_router_stats
 
@@ -403,6 +404,7 @@ class PipelineModel(nn.Module):
             # Not cpu_offload=True: that keeps the tensors on global rank 0 only, and here every
             # pp rank must contribute its stages. Each part is moved to the CPU on its own.
             part_sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+            part_sd = gather_expert_weights(part, part_sd)  # expert parallel: the ep group's experts
             sd.update({k: v.detach().cpu() for k, v in part_sd.items()})
         # Names, shapes and dtypes as JSON, then the tensors themselves: no pickle crosses the
         # transport (gather_object would unpickle each stage's dict; docs/security.md).
