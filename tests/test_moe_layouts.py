@@ -6,7 +6,7 @@ tensor-parallel plan keeping MoE blocks replicated, the router totals of a stage
 preflight). Slow: whole runs under plain SGD against one process (``loss``, ``aux_loss``,
 ``grad_norm``, tokens per expert, the final weights) with pp 2 and tp 2 (with and without
 sequence parallel) at world 2, pp 2 x ep 2 and tp 2 x ep 2 at world 4, and bf16 FSDP2 x ep 2
-against bf16 and fp32 one-process runs.
+against bf16 and fp32 one-process runs, and train.compile = true against eager.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def test_the_gpt_tp_plan_keeps_moe_blocks_replicated():
         (["parallel.pp=2", "parallel.ep=2"], 4),
         (["parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2"], 4),
         (["parallel.dp_shard=2", "parallel.ep=2", "precision.dtype='bf16'"], 2),
+        (["train.compile=true"], 2),
     ],
 )
 def test_moe_layouts_pass_the_preflight(overrides, world):
@@ -187,3 +188,11 @@ def test_fsdp2_bf16_with_ep_equals_one_process_bf16(tmp_path, references):
     # The bf16 run really is a different computation from fp32 (the cast reached the experts'
     # forward, or the weights it updates would be fp32's to the last bit).
     assert got["loss"] != runs["ep2_fsdp"]["loss"]
+
+
+@pytest.mark.slow
+def test_compiled_moe_equals_eager(tmp_path, references):
+    """train.compile = true with MoE (ep = 1; ep > 1 stays refused): the compiled blocks (graph
+    breaks at the data-dependent routing) give eager's losses, gradients and weights."""
+    runs = moe_runs(tmp_path, 1, {"compile": ["batch.micro_batch_size=8", "train.compile=true"]})
+    _check(runs, references["fp32"])
