@@ -94,10 +94,6 @@ def test_block_at_ep_2_equals_the_block_at_ep_1():
         ),
         (["parallel.ep=0"], "parallel.ep = 0 must divide"),
         (["parallel.cp=2", "parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep > 1 with parallel.cp > 1"),
-        (
-            ["parallel.dp_shard=4", "parallel.ep=2", "precision.dtype='fp16'"],
-            "precision.dtype = 'fp16' is not supported yet",
-        ),
     ],
 )
 def test_bad_ep_is_one_line(overrides, match):

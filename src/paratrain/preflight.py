@@ -205,12 +205,6 @@ def check_moe_combinations(cfg: Config, dims: ParallelDims) -> None:
             f"parallel.ep = {dims.ep} does not divide model.args.moe.n_experts = {moe.n_experts};"
             " use an ep that divides both n_experts and dp"
         )
-    if dims.ep > 1 and dims.dp_shard > 1 and cfg.precision.dtype == "fp16":
-        # bf16 is tested (the experts' FSDP2 units get the policy); fp16's loss scaling is not.
-        raise ConfigError(
-            "parallel.ep > 1 with parallel.dp_shard > 1 and precision.dtype = 'fp16' is not supported yet;"
-            " use precision.dtype = 'bf16' or DDP (parallel.dp_shard = 1)"
-        )
     if dims.pp > 1 and cfg.parallel.pp_schedule in ZERO_BUBBLE:
         # Not tested: their split weight pass would have to find the auxiliary loss's path too.
         raise ConfigError(
