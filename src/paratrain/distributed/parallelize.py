@@ -14,6 +14,9 @@ Order (as torchtitan composes them; each step says why it comes where it does):
    per-block unit is the checkpointed block (its all-gather runs again in the recomputation).
 4. compile (``apply_compile``, per block): after TP and AC, so it traces the sharded,
    checkpointed blocks; before FSDP so that FSDP's hooks stay outside the compiled regions.
+   Then expert parallel (``apply_ep``): each rank keeps its experts, before the data-parallel
+   wrappers, which leave them out; with FSDP2 the experts get their own units over the
+   ``ep_replicate`` ranks first (``apply_expert_fsdp``, the same mixed precision).
 5. FSDP / HSDP (``apply_fsdp``): shards whatever parameters the steps above left, on the
    ``dp_shard`` (or ``dp_replicate x dp_shard``) mesh; with TP its parameters become 2-D DTensors.
    With ``cp > 1`` on ``dp_shard x cp`` flattened (see distributed/context_parallel.py).
