@@ -6,7 +6,7 @@ tensor-parallel plan keeping MoE blocks replicated, the router totals of a stage
 preflight). Slow: whole runs under plain SGD against one process (``loss``, ``aux_loss``,
 ``grad_norm``, tokens per expert, the final weights) with pp 2 and tp 2 (with and without
 sequence parallel) at world 2, pp 2 x ep 2 and tp 2 x ep 2 at world 4, and bf16 FSDP2 x ep 2
-against bf16 and fp32 one-process runs, and train.compile = true against eager.
+(dp 2 and 4) against bf16 and fp32 one-process runs, and train.compile = true against eager.
 """
 
 from __future__ import annotations
@@ -179,12 +179,26 @@ def test_fsdp2_bf16_with_ep_equals_one_process_bf16(tmp_path, references):
             "ep2_fsdp": ["parallel.ep=2", "parallel.dp_shard=2", "batch.micro_batch_size=4"],
         },
     )
+    # ep 2 of dp 4: each expert sharded over 2 ranks, its gradient reduce-scattered over them.
+    runs |= moe_runs(
+        tmp_path / "w4",
+        4,
+        {"ep2_fsdp4_bf16": ["parallel.ep=2", "parallel.dp_shard=4", "batch.micro_batch_size=2", BF16]},
+    )
     _check({"ep2_fsdp": runs["ep2_fsdp"]}, references["fp32"])
+    for name in ("ep2_fsdp_bf16", "ep2_fsdp4_bf16"):
+        got = runs[name]
+        for ref, rtol in ((references["bf16"], 2e-3), (references["fp32"], 1e-2)):
+            for key in ("loss", "aux_loss", "grad_norm"):
+                torch.testing.assert_close(
+                    torch.tensor(got[key]),
+                    torch.tensor(ref[key]),
+                    rtol=rtol,
+                    atol=0,
+                    msg=lambda m: f"{name} {key}: {m}",
+                )
+        assert got["tokens"] == references["bf16"]["tokens"], name
     got = runs["ep2_fsdp_bf16"]
-    for ref, rtol in ((references["bf16"], 2e-3), (references["fp32"], 1e-2)):
-        for key in ("loss", "aux_loss", "grad_norm"):
-            torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), rtol=rtol, atol=0)
-    assert got["tokens"] == references["bf16"]["tokens"]
     # The bf16 run really is a different computation from fp32 (the cast reached the experts'
     # forward, or the weights it updates would be fp32's to the last bit).
     assert got["loss"] != runs["ep2_fsdp"]["loss"]

@@ -18,9 +18,9 @@ Reducing over the ep group too would add other experts' gradients, or count toke
 With FSDP2 (``parallel.dp_shard > 1``) the experts are sharded too (:func:`apply_expert_fsdp`):
 FSDP2 of the non-expert weights over all of dp, of each layer's local experts over
 ``ep_replicate`` (what remains of dp once ep is taken), with the same MixedPrecisionPolicy, as
-torchtitan does. FSDP2 then reduces their gradients (a reduce-scatter over ``ep_replicate``,
-divided by ``dp`` instead of its size: ``set_gradient_divide_factor``), and bf16 casts them like
-every other weight.
+torchtitan does. FSDP2 then reduces their gradients (a summing reduce-scatter over
+``ep_replicate``, then divided by ``dp`` instead of its size: ``set_gradient_divide_factor``),
+and bf16 casts them like every other weight.
 
 Exactness. Dispatch (:func:`dispatch`) sends each (token, slot) pair to its expert's rank and
 brings the expert's float32 output back to the same (token, slot) position, so the MoE layer
@@ -152,6 +152,9 @@ def apply_expert_fsdp(
             reshard_after_forward=reshard_after_forward,
         )
         unit[0].set_gradient_divide_factor(float(divide_factor))
+        # Sum, then divide by dp: with a factor other than the mesh size FSDP2 would otherwise
+        # reduce with PREMUL_SUM, which gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with Gloo").
+        unit[0].set_force_sum_reduction_for_comms(True)
         for m in unit:
             for p in m.parameters():  # FSDP2 made new (DTensor) parameters: tag them again
                 setattr(p, EP_ATTR, ep)
