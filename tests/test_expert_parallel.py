@@ -93,10 +93,7 @@ def test_block_at_ep_2_equals_the_block_at_ep_1():
             "parallel.ep = 4 does not divide model.args.moe.n_experts = 6",
         ),
         (["parallel.ep=0"], "parallel.ep = 0 must divide"),
-        (
-            ["parallel.dp_shard=4", "parallel.ep=2", "precision.dtype='bf16'"],
-            "precision.dtype = 'bf16' is not supported yet",
-        ),
+        (["parallel.cp=2", "parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep > 1 with parallel.cp > 1"),
     ],
 )
 def test_bad_ep_is_one_line(overrides, match):

@@ -170,13 +170,17 @@ def test_bad_moe_config_is_one_line(moe, match):
 
 
 @pytest.mark.parametrize(
-    "override,key", [("parallel.tp=2", "parallel.tp = 2"), ("train.compile=true", "train.compile = true")]
+    "override,key",
+    [
+        (["optim.lr_scaling='adascale'"], "optim.lr_scaling = 'adascale'"),
+        (["train.compile=true", "parallel.ep=2"], r"train.compile = true and parallel.ep > 1"),
+    ],
 )
 def test_moe_refuses_what_is_not_built_yet(override, key):
     import paratrain
     from paratrain.preflight import check_run
 
-    cfg = paratrain.load_config(None, [*MOE_GPT, override])
+    cfg = paratrain.load_config(None, [*MOE_GPT, *override])
     with pytest.raises(ConfigError, match=f"model.args.moe with {key} is not supported yet"):
         check_run(cfg, 2)
 

@@ -179,6 +179,24 @@ def take_router_stats(layers) -> list[RouterStats]:
     return out
 
 
+def sum_router_stats(layers) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Take the forward's RouterStats of ``layers``: their auxiliary-loss sum (with its graph, in
+    layer order) and each layer's tokens per expert."""
+    stats = take_router_stats(layers)
+    aux = stats[0].aux_sum
+    for s in stats[1:]:  # in layer order
+        aux = aux + s.aux_sum
+    return aux, [s.tokens_per_expert for s in stats]
+
+
+def router_width(layer: nn.Module) -> int | None:
+    """The number of experts a router layer counts tokens for (None when it does not say)."""
+    for owner, attr in ((getattr(layer, "cfg", None), "n_experts"), (layer, "n_experts"), (layer, "num_experts")):
+        if isinstance(getattr(owner, attr, None), int):
+            return getattr(owner, attr)
+    return None
+
+
 class RouterTotals:
     """The mixture-of-experts side of one training step (step.py; StepContext.router_layers,
     nothing without them).
@@ -187,25 +205,48 @@ class RouterTotals:
     sequences`` (the same dp round trip as the language-model loss's ``dp / items``), so the
     gradient is that of ``sum over the global batch's sequences / their count`` on every layout;
     its value and the tokens per expert ride the step's one reduce (``totals``).
+
+    Under pipeline parallel a rank holds some of the model's router layers: ``slots`` are their
+    positions among all of them and ``shape`` is (all router layers, experts), so the reduce over
+    the stages sums rows that each stage fills for its own layers (zeros elsewhere).
     """
 
-    def __init__(self, layers: tuple, *, aux_scale: float, device: torch.device):
-        self.layers, self.aux_scale = layers, aux_scale
+    def __init__(
+        self,
+        layers: tuple,
+        *,
+        aux_scale: float,
+        device: torch.device,
+        slots: tuple[int, ...] | None = None,
+        shape: tuple[int, int] | None = None,
+    ):
+        self.layers, self.aux_scale, self.device = layers, aux_scale, device
+        self.slot = {id(m): s for m, s in zip(layers, range(len(layers)) if slots is None else slots)}
+        self.shape = shape
         self.aux = torch.zeros((), device=device, dtype=torch.float64)
         self.counts: torch.Tensor | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.layers) or bool(self.shape and self.shape[0])
 
     def take(self) -> torch.Tensor | None:
         """This forward's auxiliary-loss sum (with its graph, times aux_scale), its stats kept."""
         if not self.layers:
             return None
-        stats = take_router_stats(self.layers)
-        aux = stats[0].aux_sum
-        for s in stats[1:]:  # in layer order
-            aux = aux + s.aux_sum
-        self.aux += aux.detach().double()
-        counts = torch.stack([s.tokens_per_expert.double() for s in stats])
-        self.counts = counts if self.counts is None else self.counts + counts
+        aux, counts = sum_router_stats(self.layers)
+        self.add(self.layers, aux, counts)
         return aux * self.aux_scale
+
+    def add(self, layers, aux: torch.Tensor, counts: list[torch.Tensor]) -> None:
+        """Keep one forward's stats of ``layers`` (some of self.layers): see :func:`sum_router_stats`."""
+        self.aux += aux.detach().double()
+        if self.counts is None:
+            self.counts = torch.zeros(
+                self.shape or (len(self.slot), counts[0].numel()), device=self.device, dtype=torch.float64
+            )
+        for m, c in zip(layers, counts):
+            self.counts[self.slot[id(m)]] += c.detach().double()
 
     def clear(self) -> None:
         """Drop what activation checkpointing's recompute left in the layers during backward
@@ -214,13 +255,14 @@ class RouterTotals:
             m.router_stats = None
 
     def totals(self) -> torch.Tensor | None:
-        if not self.layers:
+        if not self.enabled:
             return None
-        return torch.cat([self.aux.reshape(1), self.counts.reshape(-1)])
+        counts = self.counts if self.counts is not None else torch.zeros(self.shape, dtype=torch.float64)
+        return torch.cat([self.aux.reshape(1), counts.to(self.aux.device).reshape(-1)])
 
     def read(self, reduced: list[float], *, sequences: int) -> tuple[float | None, list[list[int]] | None]:
-        if not self.layers:
+        if not self.enabled:
             return None, None
-        n = len(self.layers)
+        n = self.shape[0] if self.shape else len(self.layers)
         counts = torch.tensor(reduced[1:]).view(n, -1)
         return reduced[0] / sequences, counts.long().tolist()

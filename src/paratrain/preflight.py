@@ -21,7 +21,7 @@ from paratrain.data.tokens import resolve_model_vocab, resolve_packing, tokens_m
 from paratrain.distributed.grad_compression import check_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout
-from paratrain.distributed.pipeline_parallel import check_pp_layout, check_untied
+from paratrain.distributed.pipeline_parallel import ZERO_BUBBLE, check_pp_layout, check_untied
 from paratrain.models import build, model_builder, spec_of
 from paratrain.models.gpt.model import GPTConfig
 from paratrain.models.gpt.moe import MoEConfig
@@ -200,24 +200,24 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
 
 
 def check_moe_combinations(cfg: Config, dims: ParallelDims) -> None:
-    """The built-in GPT's mixture of experts (docs/moe.md) runs with DDP, FSDP2 and accumulation;
-    the rest is refused until it is built and tested against one process."""
+    """The built-in GPT's mixture of experts (docs/moe.md) runs with DDP, FSDP2, HSDP, tp, pp and
+    accumulation; the rest is refused until it is built and tested against one process."""
     moe = MoEConfig.from_args(cfg.model.args["moe"])  # its own values, before any process starts
     if moe.n_experts % dims.ep:
         raise ConfigError(
             f"parallel.ep = {dims.ep} does not divide model.args.moe.n_experts = {moe.n_experts};"
             " use an ep that divides both n_experts and dp"
         )
-    if dims.ep > 1 and dims.dp_shard > 1 and cfg.precision.dtype != "fp32":
-        # FSDP2's mixed precision casts the weights it shards, not the expert weights it ignores.
+    if dims.pp > 1 and cfg.parallel.pp_schedule in ZERO_BUBBLE:
+        # Not tested: their split weight pass would have to find the auxiliary loss's path too.
         raise ConfigError(
-            f"parallel.ep > 1 with parallel.dp_shard > 1 and precision.dtype = {cfg.precision.dtype!r} is not"
-            " supported yet; use DDP (parallel.dp_shard = 1) or precision.dtype = 'fp32'"
+            f"model.args.moe with parallel.pp_schedule = '{cfg.parallel.pp_schedule}' is not supported yet;"
+            " use 'gpipe', '1f1b', 'interleaved1f1b' or 'looped_bfs'"
         )
     for key, on in (
-        (f"parallel.tp = {dims.tp}", dims.tp > 1),
-        (f"parallel.pp = {dims.pp}", dims.pp > 1),
-        ("train.compile = true", cfg.train.compile),
+        # ep = 1 is tested (one process, eager's losses); with ep > 1 the compiled blocks (the
+        # all_to_alls inside) did not finish a step in 240 s on the shared CPU machine: untested.
+        ("train.compile = true and parallel.ep > 1", cfg.train.compile and dims.ep > 1),
         ("batch.adaptive = true", cfg.batch.adaptive),
         ("optim.lr_scaling = 'adascale'", cfg.optim.lr_scaling == "adascale"),
     ):

@@ -67,6 +67,10 @@ class StepContext:
     # Mixture-of-experts layers (loss.router_layers of the model): their auxiliary loss joins the
     # differentiated loss, divided by the global sequence count; their stats are logged.
     router_layers: tuple[nn.Module, ...] = ()
+    # Under pipeline parallel (a stage holds some of them): their positions among the whole
+    # model's router layers, and (all router layers, experts) (loss.RouterTotals).
+    router_slots: tuple[int, ...] | None = None
+    router_shape: tuple[int, int] | None = None
     # Context parallel (distributed/context_parallel.py): this rank keeps its part (cp_rank of cp)
     # of every row of the micro-batches it loads, the same ones as its cp peers.
     cp: int = 1
@@ -168,8 +172,14 @@ def train_step(
     # Mixture of experts: under context parallel each cp rank's auxiliary loss is its tokens' share
     # of its sequences' (models/gpt/moe.py sequence_balance_loss), averaged over dp x cp like the
     # language-model loss.
-    router = RouterTotals(ctx.router_layers, aux_scale=ctx.dp * ctx.cp / sequences, device=ctx.device)
-    if isinstance(model, PipelineModel):  # the schedule runs forward and backward (no router layers: preflight)
+    router = RouterTotals(
+        ctx.router_layers,
+        aux_scale=ctx.dp * ctx.cp / sequences,
+        device=ctx.device,
+        slots=ctx.router_slots,
+        shape=ctx.router_shape,
+    )
+    if isinstance(model, PipelineModel):  # the schedule runs forward and backward
         loss_sum, returned = pipeline_forward_backward(
             model,
             batches,
@@ -178,6 +188,7 @@ def train_step(
             device=ctx.device,
             autocast=ctx.amp.autocast(),
             split_inputs=stage_inputs,
+            router=router,
         )
         pp_group = model.pp_group
     else:
@@ -227,6 +238,10 @@ def forward_backward(
             with precision.autocast():  # forward under autocast; backward follows its dtypes
                 s, c = ctx.loss_fn(model(inputs), target)
             aux = router.take() if router is not None else None
+            if aux is not None and isinstance(s, DTensor):
+                # loss_parallel: the loss is a replicated DTensor; the auxiliary loss of MoE layers
+                # (replicated over tp) a plain tensor, the same on every tp rank.
+                aux = DTensor.from_local(aux, s.device_mesh, s.placements, run_check=False)
             objective = s * scale if aux is None else s * scale + aux
             precision.scale(objective).backward()  # fp16: times the GradScaler's loss scale
         if router is not None:

@@ -35,10 +35,11 @@ from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.json_collectives import broadcast_json
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
+from paratrain.distributed.pipeline_parallel import stage_router_layers
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.evaluate import Evaluator, eval_due
-from paratrain.loss import Loss, build_loss, router_layers
+from paratrain.loss import Loss, build_loss, router_layers, router_width
 from paratrain.models import build, lora_base, spec_of
 from paratrain.models.hf import export_hf
 from paratrain.models.lora import apply_lora, is_adapter_param, trainable_parameters
@@ -471,11 +472,18 @@ def build_parallel(
     )
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
     routers = tuple(router_layers(model))  # mixture of experts (docs/moe.md); a user model's too
-    if routers and (dims.tp > 1 or dims.pp > 1):
-        raise ConfigError(
-            "a model with router layers (mixture of experts) with parallel.tp or parallel.pp > 1 is not"
-            " supported yet; use parallel.dp_replicate / parallel.dp_shard"
-        )
+    router_names = [n for n, m in model.named_modules() if hasattr(m, "router_stats")]
+    router_shape = None
+    if routers and dims.pp > 1:
+        # Each stage holds some router layers; the step's reduce needs all of them (their names
+        # and widths, known only before the split).
+        widths = {router_width(m) for m in routers}
+        if len(widths) != 1 or None in widths:
+            raise ConfigError(
+                "a model with router layers (mixture of experts) of unknown or unequal expert counts"
+                " with parallel.pp > 1 is not supported; give every router layer the same n_experts or set parallel.pp = 1"
+            )
+        router_shape = (len(routers), widths.pop())
     model = parallelize(
         model,
         dims,
@@ -491,6 +499,9 @@ def build_parallel(
         cp_attention=spec.cp_attention,
     )
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
+    router_slots = None
+    if router_shape is not None:  # pipeline: the stages' own router layers, found after the split
+        routers, router_slots = stage_router_layers(model, router_names)
     step_ctx = StepContext(
         loss_fn=loss_fn,
         device=device,
@@ -506,6 +517,8 @@ def build_parallel(
         loss_group=dims.group("pp_dp") if dims.tp == 1 else dist.group.WORLD,
         adds_loss=dims.local_rank_in("tp") == 0,
         router_layers=routers,
+        router_slots=router_slots,
+        router_shape=router_shape,
         cp=dims.cp,
         cp_rank=dims.local_rank_in("cp"),
     )

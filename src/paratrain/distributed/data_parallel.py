@@ -102,9 +102,11 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, blocks_attr: str = BL
     parallel): DDP cannot bucket DTensors, so this uses torch's FSDP2-based ``replicate`` (the
     same per-block units and hooks as ``apply_fsdp``, all-reduce instead of reduce-scatter)."""
 
+    # Expert-parallel weights differ between the ranks of an ep group, as in apply_fsdp.
+    ignored = {p for p in model.parameters() if hasattr(p, EP_ATTR)} or None
     for _, block in blocks_of(model, blocks_attr):
-        replicate(block, mesh=mesh)
-    replicate(model, mesh=mesh)
+        replicate(block, mesh=mesh, ignored_params=ignored)
+    replicate(model, mesh=mesh, ignored_params=ignored)
     return model
 
 

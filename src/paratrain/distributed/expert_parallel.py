@@ -15,6 +15,13 @@ for the wrappers' average over dp (step.py), so the exact gradient is that sum o
 contributions divided by dp (torchtitan's ``set_gradient_divide_factor`` for the same reason).
 Reducing over the ep group too would add other experts' gradients, or count tokens twice.
 
+With FSDP2 (``parallel.dp_shard > 1``) the experts are sharded too (:func:`apply_expert_fsdp`):
+FSDP2 of the non-expert weights over all of dp, of each layer's local experts over
+``ep_replicate`` (what remains of dp once ep is taken), with the same MixedPrecisionPolicy, as
+torchtitan does. FSDP2 then reduces their gradients (a summing reduce-scatter over
+``ep_replicate``, then divided by ``dp`` instead of its size: ``set_gradient_divide_factor``),
+and bf16 casts them like every other weight.
+
 Exactness. Dispatch (:func:`dispatch`) sends each (token, slot) pair to its expert's rank and
 brings the expert's float32 output back to the same (token, slot) position, so the MoE layer
 combines in the same fixed slot order in float32 as at ep = 1 (models/gpt/moe.py): only the
@@ -30,9 +37,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 # Set on each expert parameter by apply_ep: its ExpertGroup (the gradient reduce and norm read it).
 EP_ATTR = "_paratrain_expert_group"
+# Set on expert parameters FSDP2 shards over ep_replicate (apply_expert_fsdp): FSDP2 reduces them.
+EP_FSDP_ATTR = "_paratrain_expert_fsdp"
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,55 @@ def apply_ep(model: nn.Module, ep: ExpertGroup) -> list[nn.Parameter]:
     return params
 
 
+def apply_expert_fsdp(
+    model: nn.Module, mesh: DeviceMesh, *, mp_policy, reshard_after_forward: bool, divide_factor: int
+) -> None:
+    """FSDP2 ``fully_shard`` of the local experts of every MoE layer over ``mesh`` (the
+    ``ep_replicate`` ranks, which hold the same experts), one unit per layer, with the policy the
+    other weights get (bf16 casts the experts too). Gradients: the reduce-scatter sums over
+    ``mesh`` and divides by ``divide_factor`` (dp; module docstring). Call after :func:`apply_ep`,
+    before the model's own FSDP2, which then leaves the experts to these units."""
+    for unit in _expert_units(model):
+        ep = getattr(next(iter(unit[0].parameters())), EP_ATTR)
+        # One group for the layer's experts: the MoE calls each expert, never their container,
+        # so each gets FSDP2's hooks and the first one to run gathers them all (every expert runs
+        # at every forward, on no rows if need be).
+        fully_shard(
+            unit if len(unit) > 1 else unit[0],
+            mesh=mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+        unit[0].set_gradient_divide_factor(float(divide_factor))
+        if mesh.size() > 1:
+            # Sum, then divide by dp: with a factor other than the mesh size FSDP2 would reduce
+            # with PREMUL_SUM, which gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with Gloo").
+            # Not on one rank: torch 2.13's foreach_reduce then divides by the factor in its
+            # copy and would divide again after (found by tests/test_moe_layouts.py, 2x off).
+            unit[0].set_force_sum_reduction_for_comms(True)
+        for m in unit:
+            for p in m.parameters():  # FSDP2 made new (DTensor) parameters: tag them again
+                setattr(p, EP_ATTR, ep)
+                setattr(p, EP_FSDP_ATTR, True)
+
+
+def _expert_units(model: nn.Module) -> list[list[nn.Module]]:
+    """The modules holding one layer's experts: the largest modules whose parameters are all
+    expert parameters; a container (ModuleDict/ModuleList, never called itself) gives its children."""
+    units = []
+
+    def visit(m: nn.Module) -> None:
+        params = list(m.parameters())
+        if params and all(hasattr(p, EP_ATTR) for p in params):
+            units.append(list(m.children()) if isinstance(m, (nn.ModuleDict, nn.ModuleList)) else [m])
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    return units
+
+
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if hasattr(p, EP_ATTR)]
 
@@ -129,7 +190,7 @@ def reduce_expert_grads(params) -> None:
     module docstring says why); call once per step, after the last backward, before the norm."""
     for p in params:
         ep: ExpertGroup | None = getattr(p, EP_ATTR, None)
-        if ep is None:
+        if ep is None or hasattr(p, EP_FSDP_ATTR):  # FSDP2 reduced those (apply_expert_fsdp)
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -141,7 +202,10 @@ def reduce_expert_grads(params) -> None:
 def expert_norm_power(grads: list[torch.Tensor], ep: ExpertGroup, norm_type: float) -> torch.Tensor:
     """The ``norm_type``-th power of the norm of all of the ep group's expert gradients (each
     rank holds different experts: a sum over the ep group; the max for the inf norm)."""
-    n = torch.nn.utils.get_total_norm(grads, norm_type=norm_type).double().reshape(())
+    n = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+    if isinstance(n, DTensor):  # sharded over ep_replicate by FSDP2: the norm of the whole experts
+        n = n.full_tensor()
+    n = n.double().reshape(())
     if math.isinf(norm_type):
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ep.group)
         return n
@@ -159,7 +223,10 @@ def gather_expert_weights(model: nn.Module, sd: dict) -> dict:
         return sd
     ep: ExpertGroup = getattr(next(iter(local.values())), EP_ATTR)
     parts: list[dict | None] = [None] * ep.size
-    dist.all_gather_object(parts, {n: p.detach().cpu() for n, p in local.items()}, group=ep.group)
+    # FSDP2-sharded experts (apply_expert_fsdp): whole first, a collective of their ep_replicate
+    # ranks (the same names, in the same order, on each of them).
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in local.items()}
+    dist.all_gather_object(parts, full, group=ep.group)
     merged = dict(sd)
     for part in parts:
         merged.update(part)

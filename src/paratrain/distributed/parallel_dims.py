@@ -69,10 +69,8 @@ class ParallelDims:
                 f"parallel.ep = {self.ep} must divide the data-parallel degree dp_replicate x dp_shard = {self.dp}"
                 " (expert-parallel ranks are borrowed from dp); use an ep that divides it"
             )
-        if self.ep > 1 and (self.tp > 1 or self.pp > 1 or self.cp > 1):
-            raise ConfigError(
-                "parallel.ep > 1 with parallel.tp, pp or cp > 1 is not supported yet; set parallel.ep = 1"
-            )
+        if self.ep > 1 and self.cp > 1:
+            raise ConfigError("parallel.ep > 1 with parallel.cp > 1 is not supported yet; set parallel.ep = 1")
 
     @property
     def dp(self) -> int:
@@ -120,14 +118,16 @@ class ParallelDims:
         The ep ranks are borrowed from the data-parallel ranks, as torchtitan does: ranks of one
         ep group load different batches, so sending each token to the rank that holds its expert
         is useful work, and no rank is spent on experts alone. The ``ep`` dimension is innermost
-        (neighbouring ranks: the all_to_all is the chattiest collective); an expert's weights live
-        on the ``dp / ep`` ranks of its ``ep_replicate`` group, over which its gradient is summed.
-        ep > 1 is refused with tp or pp, so the dp ranks are the world, in rank order.
+        (neighbouring dp ranks: the all_to_all is the chattiest collective); an expert's weights
+        live on the ``dp / ep`` ranks of its ``ep_replicate`` group, over which its gradient is
+        summed. With pp or tp the mesh is this rank's dp sub-mesh unflattened: ep groups never
+        cross a pipeline stage or a tensor-parallel coordinate (each stage holds its own blocks'
+        experts; the tp ranks of a group run the same tokens through the same, replicated experts).
         """
         if self.ep == 1:
             return None
-        device_type = "cuda" if dist.get_backend() != "gloo" and torch.cuda.is_available() else "cpu"
-        return init_device_mesh(device_type, (self.dp // self.ep, self.ep), mesh_dim_names=("ep_replicate", "ep"))
+        # (_unflatten, as for HSDP x cp in submesh: slicing a flattened dimension is deprecated.)
+        return self.submesh("dp")._unflatten(0, (self.dp // self.ep, self.ep), ("ep_replicate", "ep"))
 
     # The sub-mesh each role uses (mesh dimension names; a tuple is a multi-dimensional mesh):
     #   data loading and loss reduction: "dp" (dp_replicate x dp_shard flattened; ranks of one

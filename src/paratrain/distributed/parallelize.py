@@ -14,6 +14,9 @@ Order (as torchtitan composes them; each step says why it comes where it does):
    per-block unit is the checkpointed block (its all-gather runs again in the recomputation).
 4. compile (``apply_compile``, per block): after TP and AC, so it traces the sharded,
    checkpointed blocks; before FSDP so that FSDP's hooks stay outside the compiled regions.
+   Then expert parallel (``apply_ep``): each rank keeps its experts, before the data-parallel
+   wrappers, which leave them out; with FSDP2 the experts get their own units over the
+   ``ep_replicate`` ranks first (``apply_expert_fsdp``, the same mixed precision).
 5. FSDP / HSDP (``apply_fsdp``): shards whatever parameters the steps above left, on the
    ``dp_shard`` (or ``dp_replicate x dp_shard``) mesh; with TP its parameters become 2-D DTensors.
    With ``cp > 1`` on ``dp_shard x cp`` flattened (see distributed/context_parallel.py).
@@ -29,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from paratrain.config import CommConfig, ConfigError, ParallelConfig, PrecisionConfig
 from paratrain.distributed.activation_checkpoint import apply_ac
@@ -36,7 +40,7 @@ from paratrain.distributed.blocks import BLOCKS_ATTR
 from paratrain.distributed.compile import apply_compile
 from paratrain.distributed.context_parallel import apply_cp
 from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
-from paratrain.distributed.expert_parallel import ExpertGroup, apply_ep
+from paratrain.distributed.expert_parallel import ExpertGroup, apply_ep, apply_expert_fsdp
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import apply_pp, is_pipeline_stage
 from paratrain.distributed.tensor_parallel import STYLE_NAMES, apply_tp
@@ -160,6 +164,16 @@ def parallelize(
         ep = ExpertGroup(mesh["ep"].get_group(), mesh["ep"].get_local_rank(), dims.ep, replicas, dims.dp)
         if not apply_ep(model, ep):
             raise ConfigError("parallel.ep > 1 needs a mixture-of-experts model (model.args.moe); set parallel.ep = 1")
+        if dims.fsdp_enabled:
+            # FSDP2 of the experts over what remains of dp (ep_replicate), with the same mixed
+            # precision as the rest; the model's own FSDP2 below then leaves them alone.
+            apply_expert_fsdp(
+                model,
+                mesh["ep_replicate"],
+                mp_policy=build_mp_policy(precision, compression=comm.compression) or MixedPrecisionPolicy(),
+                reshard_after_forward=cfg.reshard_after_forward,
+                divide_factor=dims.dp,
+            )
 
     # 5. Sharded data parallel (ZeRO via FSDP2; HSDP when dp_replicate > 1 too; over dp_shard x cp
     #    when cp > 1, the "fsdp" sub-mesh).

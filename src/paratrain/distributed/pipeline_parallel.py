@@ -62,7 +62,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import ConfigError, ParallelConfig
 from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_container
+from paratrain.distributed.expert_parallel import gather_expert_weights
 from paratrain.distributed.json_collectives import all_gather_json
+from paratrain.loss import RouterTotals, sum_router_stats
 
 log = logging.getLogger("paratrain")
 
@@ -402,6 +404,7 @@ class PipelineModel(nn.Module):
             # Not cpu_offload=True: that keeps the tensors on global rank 0 only, and here every
             # pp rank must contribute its stages. Each part is moved to the CPU on its own.
             part_sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+            part_sd = gather_expert_weights(part, part_sd)  # expert parallel: the ep group's experts
             sd.update({k: v.detach().cpu() for k, v in part_sd.items()})
         # Names, shapes and dtypes as JSON, then the tensors themselves: no pickle crosses the
         # transport (gather_object would unpickle each stage's dict; docs/security.md).
@@ -494,12 +497,15 @@ def pipeline_forward_backward(
     device: torch.device,
     autocast,
     split_inputs: Callable = _no_split,
+    router: RouterTotals | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One schedule run (forward and backward) over this rank's micro-batches ``[(input, target), ...]``.
 
     Returns this rank's ``(loss_sum, returned_count)`` as float64 tensors: the loss's own sums
     and counts on the last stage, zeros on the others. step.py finishes the step (clip, optimiser,
-    the reduce over pp and dp, the count check) as for a plain model.
+    the reduce over pp and dp, the count check) as for a plain model. ``router``: the step's
+    mixture-of-experts totals; each stage's router layers add their auxiliary loss to the
+    stage's backward and their stats to it (:func:`_stage_router_stats`).
     """
     # The rank's whole batch, cut into accum x pp_microbatches pieces by the schedule (the
     # concatenated micro-batches in order, so piece k is a slice of micro-batch k // m).
@@ -520,8 +526,83 @@ def pipeline_forward_backward(
             if isinstance(part, DistributedDataParallel):
                 stack.enter_context(part.no_sync())
         stack.enter_context(autocast)
+        if router is not None and router.layers:
+            stack.enter_context(_stage_router_stats(model, router))
         model.schedule.step(*args, target=target if model.has_last else None, return_outputs=False, **kwargs)
     return _local_sums(model, device)
+
+
+class _AuxLoss(torch.autograd.Function):
+    """A stage's output, unchanged, carrying the stage's auxiliary loss into its backward.
+
+    Only the last stage has a loss to differentiate; an earlier stage's backward starts from the
+    gradient of its output. Attaching ``aux`` to the output makes that backward also run
+    ``aux``'s with gradient 1, as if ``aux`` had been added to the loss (Megatron-LM's
+    ``MoEAuxLossAutoScaler``, megatron/core/transformer/moe/moe_utils.py, does the same for the
+    same reason). ``aux`` arrives already scaled (RouterTotals.aux_scale)."""
+
+    @staticmethod
+    def forward(ctx, output, aux):
+        ctx.save_for_backward(aux)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
+
+
+@contextlib.contextmanager
+def _stage_router_stats(model: PipelineModel, router: RouterTotals):
+    """While the schedule runs: after each forward of a stage holding router layers, take their
+    stats, attach the auxiliary loss to the stage's output (:class:`_AuxLoss`) and keep the
+    stats; then give ``router`` those of the step's own forwards.
+
+    A part's forward, not each router layer's, is hooked: activation checkpointing recomputes
+    the layers (not the part) in backward. torch's schedule also runs each stage once for shape
+    inference on its first step (on placeholder values), so, as for the loss (``_local_sums``),
+    only the last ``n_microbatches`` forwards of each part count."""
+    kept: list[tuple[list[nn.Module], list]] = []
+    handles = []
+    for part in model.parts:
+        inside = {id(m) for m in part.modules()}
+        mine = [m for m in router.layers if id(m) in inside]
+        if not mine:
+            continue
+        seen: list = []
+        kept.append((mine, seen))
+
+        def hook(module, args, output, mine=mine, seen=seen):
+            aux, counts = sum_router_stats(mine)
+            seen.append((aux.detach(), counts))
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return None
+            return _AuxLoss.apply(output, aux * router.aux_scale)
+
+        handles.append(part.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    for mine, seen in kept:
+        for aux, counts in seen[-model.n_microbatches :]:
+            router.add(mine, aux, counts)
+    router.clear()
+
+
+def stage_router_layers(model: PipelineModel, names: list[str]) -> tuple[tuple[nn.Module, ...], tuple[int, ...]]:
+    """This rank's router layers (mixture of experts) and their positions in ``names``, the
+    whole model's router layers' names in order (the stages keep the whole model's names)."""
+    position = {n: i for i, n in enumerate(names)}
+    found = []
+    for i, part in enumerate(model.parts):
+        for name, m in part.named_modules():
+            if hasattr(m, "router_stats"):
+                plain = name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
+                found.append((position[plain.replace("_orig_mod.", "")], m))
+    found.sort(key=lambda x: x[0])
+    return tuple(m for _, m in found), tuple(i for i, _ in found)
 
 
 def pipeline_forward(

@@ -6,6 +6,21 @@ and the MLP's fc_in) and the second ones by input features ("rowwise": o_proj, f
 costs one all-reduce in forward and one in backward per sub-layer. The token embedding is split by
 vocabulary rows, the output layer by vocabulary columns; with ``loss_parallel`` the logits stay
 vocabulary-sharded for the cross-entropy.
+
+Mixture-of-experts blocks (models/gpt/moe.py) keep their router, routed and shared experts
+**replicated over tp**: every tp rank runs the same tokens through the same whole experts. That
+is exact by construction (nothing of the MoE is split, so routing, the slot-order float32
+combine and the balance loss are those of tp = 1), composes with ep unchanged (the tp ranks of
+one ep coordinate exchange the same tokens within their own ep group), and costs no collective
+inside the layer. The price is that the expert compute and weights are not divided by tp: with
+MoE, ep is the dimension that divides the experts (torchtitan also keeps experts out of tp
+unless it asks for "expert tensor parallel"). Gradients are not double-counted: the gradient
+reaching the MoE's output is the full one on every tp rank (the next colwise layer all-reduces
+its input gradient, or, under sequence parallel, the all-gather below is transposed), so each
+tp rank holds the same full gradient of the replicated weights, which the tensor-parallel
+plan never reduces and the gradient norm counts once (plain tensors are not summed over tp).
+Under sequence parallel the MoE takes the whole sequence (all-gather in) and hands back its
+own tp rank's positions (a local slice, no communication).
 """
 
 from __future__ import annotations
@@ -16,6 +31,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -36,8 +52,9 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: boo
         plan["pos_emb"] = RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Shard(0) if sequence_parallel else Replicate()
         )
-    for name in model.layers:
+    for name, block in model.layers.items():
         p = f"layers.{name}."
+        moe = hasattr(block.mlp, "router_stats")  # models/gpt/moe.py's MoE
         if sequence_parallel:
             plan[p + "attn_norm"] = SequenceParallel()
             plan[p + "mlp_norm"] = SequenceParallel()
@@ -46,13 +63,24 @@ def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: boo
             plan[p + "attn"] = PrepareModuleInput(
                 input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
             )
-            plan[p + "mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan[p + "mlp"] = (
+                PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_input=True,  # the replicated MoE runs plain tensors
+                    output_layouts=(Replicate(),),
+                    desired_output_layouts=(Shard(1),),
+                )
+                if moe
+                else PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            )
         # Whole heads per rank: q/k/v split by output features = by heads (n_head % tp == 0).
         for proj in ("q_proj", "k_proj", "v_proj"):
             plan[p + "attn." + proj] = ColwiseParallel()
         plan[p + "attn.o_proj"] = RowwiseParallel(output_layouts=seq)
-        plan[p + "mlp.fc_in"] = ColwiseParallel()
-        plan[p + "mlp.fc_out"] = RowwiseParallel(output_layouts=seq)
+        if not moe:  # a mixture of experts stays replicated over tp (module docstring)
+            plan[p + "mlp.fc_in"] = ColwiseParallel()
+            plan[p + "mlp.fc_out"] = RowwiseParallel(output_layouts=seq)
     if getattr(model, "norm", None) is not None and sequence_parallel:
         plan["norm"] = SequenceParallel()
     if getattr(model, "lm_head", None) is not None:
