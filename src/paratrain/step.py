@@ -358,8 +358,8 @@ def check_count(returned_total: float, items: int, *, static: bool = False) -> N
     if static:
         raise ConfigError(
             f"the loss returned item count {int(returned_total)} but the dataset's items_per_sample gave"
-            f" {items}; some target is loss.ignore_index: remove items_per_sample from the dataset or set"
-            " loss.ignore_index to a value no target takes (e.g. -100)"
+            f" {items}; a dataset that declares items_per_sample must have exactly that many targets per sample,"
+            " none of them loss.ignore_index: fix or remove its items_per_sample"
         )
     raise ConfigError(
         f"the loss returned item count {int(returned_total)} but counting the targets gave"
