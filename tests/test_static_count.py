@@ -114,3 +114,37 @@ def test_which_data_paths_declare_a_static_count():
     assert static_items_per_sample(Stream(items_per_sample=None)) is None
     with pytest.raises(ConfigError, match="items_per_sample"):
         static_items_per_sample(Stream(items_per_sample=0))
+
+
+def _trainer_rank(out_dir: str) -> tuple:
+    import paratrain
+    import paratrain.trainer as T
+
+    seen = []
+    step = T.train_step
+
+    def recording(model, optimizer, batches, ctx, **kwargs):
+        seen.append(ctx.items_per_sample)
+        return step(model, optimizer, batches, ctx, **kwargs)
+
+    T.train_step = recording
+    cfg = paratrain.load_config(
+        None,
+        [
+            f"run.out_dir='{out_dir}'",
+            "run.steps=1",
+            "run.save_model=false",
+            "metrics.plot=false",
+            "model.args={n_layer=1, n_head=2, d_model=16, block_size=16}",
+            "data.args={block_size=16, max_bytes=20000}",
+            "batch.global_batch_size=4",
+        ],
+    )
+    summary = paratrain.train(cfg)
+    return seen, summary["tokens"]
+
+
+def test_the_trainer_hands_the_static_count_to_the_step(tmp_path):
+    # The main job's data path (stdlib_bytes, cross_entropy): the step gets items_per_sample.
+    ((seen, tokens),) = run_ranks(_trainer_rank, 1, str(tmp_path), timeout=120)
+    assert seen == [16] and tokens == 4 * 16
