@@ -2,11 +2,17 @@
 
 ``train_step(model, optimizer, batches, ctx)``: count the global items, run forward/backward
 (the plain micro-batch loop here, or the pipeline schedule of distributed/pipeline_parallel.py),
-then one finish for both: unscale (fp16), clip by the whole model's gradient norm, optimiser step,
-one reduce of ``[loss_sum, returned_count, stop_flag]`` over the pipeline, data-parallel and
-tensor-parallel ranks, and the check of the loss's own count on the reduced numbers, so every
-rank raises the same error together instead of one rank leaving the others in a collective. The
-SIGTERM stop flag (preemption.py) rides that reduce: agreeing on it costs no collective of its own.
+then one finish for both: launch the reduce of ``[loss_sum, returned_count, stop_flag]`` over the
+pipeline, data-parallel and tensor-parallel ranks without waiting for it, unscale (fp16), clip by
+the whole model's gradient norm, optimiser step, then wait for the reduce and check the loss's
+own count on the reduced numbers, so every rank raises the same error together instead of one
+rank leaving the others in a collective. The SIGTERM stop flag (preemption.py) rides that reduce:
+agreeing on it costs no collective of its own.
+
+On a plain data path (``StepContext.items_per_sample``: every sample has that many targets, none
+ignored) the global count is arithmetic and the count needs no collective: the default step then
+has the same collectives as a hand-written DDP loop, the gradient all-reduce and one reduce of the
+loss, and that one overlaps the optimiser step (docs/overhead.md).
 
 The differentiated loss is ``sum of item losses / global item count``, the count gathered over
 all micro-batches and data-parallel ranks *before* the first backward. Averaging micro-batch
@@ -75,6 +81,11 @@ class StepContext:
     # of every row of the micro-batches it loads, the same ones as its cp peers.
     cp: int = 1
     cp_rank: int = 0
+    # The data path's static count (data/datasets.py static_items_per_sample): every sample has
+    # exactly this many target items, so the global count is items_per_sample x the global batch's
+    # rows, known without the count's all-reduce. None: counted and reduced (masked or packed
+    # data, user losses). The reduced count of the loss itself is checked against it every step.
+    items_per_sample: int | None = None
 
     @property
     def amp(self) -> Precision:
@@ -125,11 +136,28 @@ def count_sequences(inputs) -> int:
 
 
 def count_global_items(
-    batches: list[tuple], *, loss_fn: Loss, dp_group: dist.ProcessGroup | None
+    batches: list[tuple],
+    *,
+    loss_fn: Loss,
+    dp_group: dist.ProcessGroup | None,
+    dp: int = 1,
+    items_per_sample: int | None = None,
 ) -> tuple[int, int, int | None, int]:
     """Target items, input tokens, packed documents' attention square (None when the inputs
     are not packed) and sequences of the whole global batch, from the targets alone, before any
-    backward. Counted on the CPU so this small all-reduce never waits for the device."""
+    backward. Counted on the CPU so this small all-reduce never waits for the device.
+
+    ``items_per_sample`` (a static count declared by the data path): no all-reduce at all. Every
+    data-parallel rank holds the same number of rows of the same shape (the sampler's equal rank
+    slices, collated), so the global figures are this rank's times ``dp``: the same numbers on
+    every rank, which the step's :func:`check_count` compares with the loss's own reduced count.
+    """
+    if items_per_sample is not None:
+        rows = sum(count_sequences(x) for x, _ in batches)
+        tokens = sum(count_tokens(x) for x, _ in batches)
+        if rows == 0:
+            raise ConfigError("a global batch has no target items; check the data")
+        return items_per_sample * rows * dp, tokens * dp, None, rows * dp
     local_items = torch.stack([loss_fn.count(t) for _, t in batches]).sum()
     squares = [attention_square(x) for x, _ in batches]
     local = [
@@ -162,7 +190,9 @@ def train_step(
     the step's reduce (this rank got SIGTERM: preemption.py); ``StepResult.stop`` says whether
     any rank's was set.
     """
-    items, tokens, square, sequences = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
+    items, tokens, square, sequences = count_global_items(
+        batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group, dp=ctx.dp, items_per_sample=ctx.items_per_sample
+    )
     batches = [cp_local_batch(x, t, ctx) for x, t in batches]  # context parallel: after the count
     # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
     # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
@@ -196,11 +226,15 @@ def train_step(
             model, batches, ctx, scale=scale, after_backward=after_backward, router=router
         )
         pp_group = None
-    grad_norm = finish_step(model, optimizer, ctx, pp_group=pp_group)
+    # The totals are final once the backward is done: their reduce is launched now and waited for
+    # after the optimiser step, which it overlaps (with DDP the ranks have just met in the
+    # gradient all-reduce, so it hardly waits for anyone either). The stop flag is read here.
     stop = bool(stop_flag()) if stop_flag is not None else False
-    totals = reduce_totals(loss_sum, returned, ctx=ctx, pp_group=pp_group, stop=stop, extra=router.totals()).tolist()
+    pending = launch_totals(loss_sum, returned, ctx=ctx, pp_group=pp_group, stop=stop, extra=router.totals())
+    grad_norm = finish_step(model, optimizer, ctx, pp_group=pp_group)
+    totals = pending.read()
     loss_total, returned_total, stops = totals[:3]
-    check_count(returned_total, items)
+    check_count(returned_total, items, static=ctx.items_per_sample is not None)
     aux_loss, tokens_per_expert = router.read(totals[3:], sequences=sequences)
     # The norm is read only now, after the reduce's read has waited for the device: on a GPU that
     # wait is the step's only one for plain-tensor models (the norm's read used to wait before the
@@ -267,6 +301,57 @@ def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepCon
     return grad_norm
 
 
+@dataclass
+class PendingTotals:
+    """A launched reduce of the step's totals: :meth:`read` waits for it and reads it on the host."""
+
+    totals: torch.Tensor
+    work: dist.Work | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.totals
+
+    def read(self) -> list[float]:
+        return self.wait().tolist()
+
+
+def launch_totals(
+    loss_sum: torch.Tensor,
+    returned: torch.Tensor,
+    *,
+    ctx: StepContext,
+    pp_group,
+    stop: bool = False,
+    extra: torch.Tensor | None = None,
+) -> PendingTotals:
+    """``[loss_sum, returned_count, stop]`` summed over the step's ranks: one tensor, one reduce,
+    launched with ``async_op`` and left on the device for the caller's one host read (then
+    :func:`check_count`).
+
+    (Under pipeline parallel only the last stage has the loss, and with tensor parallel only the
+    first tp rank adds it: the others contribute zeros.) The stop flag is a SUM of 0/1s, as good
+    as a MAX: any rank > 0 stops every rank, after the same step. Every rank launches it at the
+    same point of the step, before the same collectives of the optimiser step (the gradient
+    norm's under FSDP/TP/pipelining, expert parallel's gradient reduce), so the collectives are
+    issued in one order on all ranks, as an asynchronous collective requires.
+    """
+    if not ctx.adds_loss:
+        loss_sum, returned = torch.zeros_like(loss_sum), torch.zeros_like(returned)
+    totals = torch.stack([loss_sum, returned, torch.full_like(returned, float(stop))])
+    if extra is not None:  # more float64 sums (the routers' stats) in the same reduce
+        totals = torch.cat([totals, extra if ctx.adds_loss else torch.zeros_like(extra)])
+    groups = [
+        g for g in ([ctx.loss_group] if ctx.loss_group is not None else [pp_group, ctx.dp_group]) if g is not None
+    ]
+    for group in groups[:-1]:  # two groups (no loss_group): the first reduce before the second
+        dist.all_reduce(totals, group=group)
+    work = dist.all_reduce(totals, group=groups[-1], async_op=True) if groups else None
+    return PendingTotals(totals, work)
+
+
 def reduce_totals(
     loss_sum: torch.Tensor,
     returned: torch.Tensor,
@@ -276,33 +361,26 @@ def reduce_totals(
     stop: bool = False,
     extra: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[loss_sum, returned_count, stop]`` summed over the step's ranks: one tensor, one reduce,
-    left on the device for the caller's one host read (then :func:`check_count`).
-
-    (Under pipeline parallel only the last stage has the loss, and with tensor parallel only the
-    first tp rank adds it: the others contribute zeros.) The stop flag is a SUM of 0/1s, as good
-    as a MAX: any rank > 0 stops every rank, after the same step.
-    """
-    if not ctx.adds_loss:
-        loss_sum, returned = torch.zeros_like(loss_sum), torch.zeros_like(returned)
-    totals = torch.stack([loss_sum, returned, torch.full_like(returned, float(stop))])
-    if extra is not None:  # more float64 sums (the routers' stats) in the same reduce
-        totals = torch.cat([totals, extra if ctx.adds_loss else torch.zeros_like(extra)])
-    groups = [ctx.loss_group] if ctx.loss_group is not None else [pp_group, ctx.dp_group]
-    for group in groups:
-        if group is not None:
-            dist.all_reduce(totals, group=group)
-    return totals
+    """:func:`launch_totals`, waited for (the eval step)."""
+    return launch_totals(loss_sum, returned, ctx=ctx, pp_group=pp_group, stop=stop, extra=extra).wait()
 
 
-def check_count(returned_total: float, items: int) -> None:
+def check_count(returned_total: float, items: int, *, static: bool = False) -> None:
     """The loss's own item count against the pre-backward ``items``, on the reduced numbers, so
-    every rank raises the same error together."""
-    if int(returned_total) != items:
+    every rank raises the same error together. ``static``: ``items`` came from the data path's
+    declared count (StepContext.items_per_sample), not from counting the targets."""
+    if int(returned_total) == items:
+        return
+    if static:
         raise ConfigError(
-            f"the loss returned item count {int(returned_total)} but counting the targets gave"
-            f" {items}; give the loss function a count(target) attribute that matches"
+            f"the loss returned item count {int(returned_total)} but the dataset's items_per_sample gave"
+            f" {items}; a dataset that declares items_per_sample must have exactly that many targets per sample,"
+            " none of them loss.ignore_index: fix or remove its items_per_sample"
         )
+    raise ConfigError(
+        f"the loss returned item count {int(returned_total)} but counting the targets gave"
+        f" {items}; give the loss function a count(target) attribute that matches"
+    )
 
 
 def cp_local_batch(inputs, target, ctx: StepContext):

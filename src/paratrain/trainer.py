@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,8 @@ from paratrain.batch.lr_scaling import LRScaling
 from paratrain.batch.plan import BatchPlan, replan_batch
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.checkpoint.export import save_full_weights
-from paratrain.config import Config, ConfigError, to_dict, to_toml
-from paratrain.data.datasets import build_dataset, build_val_dataset
+from paratrain.config import Config, ConfigError, LossConfig, to_dict, to_toml
+from paratrain.data.datasets import build_dataset, build_val_dataset, static_items_per_sample
 from paratrain.data.loader import StepLoader
 from paratrain.data.sampler import GlobalBatchSampler
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
@@ -208,6 +208,14 @@ def val_pad_target(cfg: Config, *, user_loss: bool) -> int | None:
     return cfg.loss.ignore_index if cfg.loss.name == "cross_entropy" and not user_loss else None
 
 
+def static_item_count(dataset: Dataset, loss_cfg: LossConfig, *, user_loss: bool) -> int | None:
+    """The dataset's static count (data/datasets.py) when the loss counts every target element:
+    the built-in losses, with a negative ignore index for cross-entropy (a class id never is).
+    A user loss counts its own way, so its items are counted and reduced as before."""
+    counts_all = loss_cfg.name == "mse" or (loss_cfg.name == "cross_entropy" and loss_cfg.ignore_index < 0)
+    return static_items_per_sample(dataset) if counts_all and not user_loss else None
+
+
 def finished(cfg: Config, state: TrainState) -> bool:
     return state.step >= cfg.run.steps or 0 < cfg.run.max_samples <= state.consumed_samples
 
@@ -311,6 +319,8 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     model, step_ctx, compression = build_parallel_with_weights(
         cfg, dims, model, spec=spec, device=ctx.device, loss_fn=loss_fn, precision=precision, user_loss=loss is not None
     )
+    # A plain token stream knows its global item count: the step skips the count's all-reduce.
+    step_ctx = replace(step_ctx, items_per_sample=static_item_count(dataset, cfg.loss, user_loss=loss is not None))
 
     optimizer = build_optimizer(model, cfg.optim)
     state = TrainState(global_batch_size=plan.global_batch_size)

@@ -36,6 +36,24 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     return ds
 
 
+def static_items_per_sample(dataset: Dataset) -> int | None:
+    """The data path's static count: a dataset whose every sample has exactly ``items_per_sample``
+    target elements, any of them a class id (so never a negative ignore index), declares it as
+    that attribute (the built-in plain token streams do; masked and packed data do not). The
+    step then knows the global item count without its all-reduce (step.count_global_items) and
+    checks the loss's own count against it. Wrappers (``Subset``, the filled-up validation set)
+    hide it on purpose: their samples need not be the declared ones."""
+    n = getattr(dataset, "items_per_sample", None)
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ConfigError(
+            f"the dataset's items_per_sample = {n!r} must be a positive int (its target elements per sample);"
+            " fix or remove that attribute"
+        )
+    return n
+
+
 def build_val_dataset(
     cfg: DataConfig, samples: int = 0, multiple_of: int = 1, *, pad_target: int | None = None
 ) -> Dataset:

@@ -48,6 +48,7 @@ class StdlibBytes(Dataset):
         train_end = max(0, min(max_bytes, len(raw) - val_bytes))
         raw = raw[:train_end] if split == "train" else raw[train_end : train_end + val_bytes]
         self.block_size = block_size
+        self.items_per_sample = block_size  # every next byte is a target (data/datasets.py static_items_per_sample)
         self.data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
         self.description = {
             "name": "stdlib_bytes",

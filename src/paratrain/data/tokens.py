@@ -130,6 +130,7 @@ class TokenWindows(Dataset):
 
     def __init__(self, path: str, *, block_size: int, split: str = "train", verify: str = "once"):
         self.path, self.block_size, self.split = path, block_size, split
+        self.items_per_sample = block_size  # every next token is a target (data/datasets.py static_items_per_sample)
         self.meta = read_meta(path)
         verify_corpus(path, self.meta, verify)
         self._tokens = ShardedArray(path, self.meta["splits"][split]["files"], self.meta["dtype"])
@@ -188,6 +189,8 @@ class TokenMixture(Dataset):
 
     def __init__(self, parts: list[TokenWindows], weights: list[float], samples: int = 0):
         self.parts, self.weights = parts, weights
+        if len({p.items_per_sample for p in parts}) == 1:  # the static count of its windows
+            self.items_per_sample = parts[0].items_per_sample
         lengths = [len(p) for p in parts]
         self.samples = samples or sum(lengths)
         self._source, self._local = mixture_table(lengths, weights, self.samples)
