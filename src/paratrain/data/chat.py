@@ -43,19 +43,19 @@ _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 def load_chat_tokenizer(path: str, chat_template: str = ""):
     """The transformers tokenizer of a directory (a model's, or one with tokenizer_config.json +
     tokenizer.json), with ``chat_template`` (a file) replacing its own; never a hub download."""
-    try:
-        from transformers import AutoTokenizer  # an optional extra: paratrain[hf]
-    except ImportError:
-        raise ConfigError(
-            "--format chat/prompt needs transformers, which is not installed: pip install 'paratrain[hf]'"
-        )
     if not os.path.isdir(path):
         raise ConfigError(
             f"--tokenizer {path!r}: --format chat/prompt needs a transformers tokenizer directory"
             " (tokenizer_config.json + tokenizer.json, e.g. the model's directory)"
         )
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer_class = _tokenizer_class(path)
+    except ImportError:
+        raise ConfigError(
+            "--format chat/prompt needs transformers, which is not installed: pip install 'paratrain[hf]'"
+        )
+    try:
+        tok = tokenizer_class.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise ConfigError(f"--tokenizer {path!r}: transformers cannot load it ({first})") from None
@@ -71,6 +71,44 @@ def load_chat_tokenizer(path: str, chat_template: str = ""):
             f"--tokenizer {path!r} has no chat_template; pass --chat-template FILE (a Jinja chat template)"
         )
     return tok
+
+
+# tokenizer_config.json's names of transformers' generic tokenizers-library class (v5:
+# PreTrainedTokenizerFast is an alias of TokenizersBackend).
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(path: str):
+    """The class that loads the tokenizer directory ``path``: transformers' ``AutoTokenizer``,
+    or, for a tokenizer-only directory that names the generic backend, that class itself.
+
+    ``AutoTokenizer``'s module imports ``configuration_utils``, which imports torch (through
+    ``modeling_rope_utils``): 1-2 s of CPU before the first row, where ``prepare`` of text imports
+    the tokenizers library alone (issue 21). ``AutoTokenizer`` picks the class from
+    ``tokenizer_config.json`` and, when there is one, the model's ``config.json`` (its model type can
+    override the declared class), or runs the directory's own code (``auto_map``). Only where
+    neither can apply (no ``config.json``, no ``auto_map``) and the declared class is the generic
+    backend does it load ``TokenizersBackend``, with the same result; ``prepare`` saves its
+    tokenizer that way (``hf_tokenizer`` beside the shards), so the workers and training take this
+    path. Everything else goes through ``AutoTokenizer``."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            declared = json.load(f)
+    except (OSError, ValueError):
+        declared = {}
+    generic = (
+        isinstance(declared, dict)
+        and declared.get("tokenizer_class") in _GENERIC_CLASSES
+        and "auto_map" not in declared
+        and not os.path.exists(os.path.join(path, "config.json"))
+    )
+    if generic:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend  # no torch import
+
+        return TokenizersBackend
+    from transformers import AutoTokenizer  # an optional extra: paratrain[hf]
+
+    return AutoTokenizer
 
 
 def has_generation_marks(tok) -> bool:
