@@ -216,7 +216,8 @@ def test_cli_prepare_subprocess(tmp_path):
 def test_prepare_of_chat_never_imports_torch(tmp_path):
     """A tokenizer-only directory naming transformers' generic backend loads without
     ``AutoTokenizer``, whose module imports torch (1-2 s of CPU before the first row, issue 21):
-    `paratrain prepare --format chat` then imports no more than text does, workers included."""
+    `paratrain prepare --format chat` then imports no more than text does. With one worker the
+    worker's tokenizer (prepare's saved copy, hf_tokenizer/) loads in this process too."""
     from tests.sft_data import save_chat_tokenizer, stdlib_conversations, write_jsonl
 
     tok = save_chat_tokenizer(str(tmp_path / "tok"))
@@ -225,7 +226,7 @@ def test_prepare_of_chat_never_imports_torch(tmp_path):
     code = (
         "import sys; from paratrain.cli import main;"
         f" rc = main(['prepare', {rows!r}, '--out', {out!r}, '--tokenizer', {tok!r}, '--format', 'chat',"
-        " '--workers', '2']);"
+        " '--workers', '1']);"
         " sys.exit(3 if 'torch' in sys.modules else rc)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
