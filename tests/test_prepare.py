@@ -245,9 +245,15 @@ def test_chat_tokenizer_is_the_class_autotokenizer_picks(tmp_path):
     model_dir = save_chat_tokenizer(str(tmp_path / "model"))
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump({"model_type": "llama", "vocab_size": 259}, f)
-    assert _tokenizer_class(tok).__name__ == "TokenizersBackend"
+    legacy = save_chat_tokenizer(str(tmp_path / "legacy"))  # the name transformers 4 wrote
+    with open(os.path.join(legacy, "tokenizer_config.json")) as f:
+        declared = json.load(f)
+    with open(os.path.join(legacy, "tokenizer_config.json"), "w") as f:
+        json.dump({**declared, "tokenizer_class": "PreTrainedTokenizerFast"}, f)
     assert _tokenizer_class(model_dir) is AutoTokenizer
-    assert type(load_chat_tokenizer(tok)) is type(AutoTokenizer.from_pretrained(tok))
+    for path in (tok, legacy):
+        assert _tokenizer_class(path).__name__ == "TokenizersBackend"
+        assert type(load_chat_tokenizer(path)) is type(AutoTokenizer.from_pretrained(path))
     rows = write_jsonl(str(tmp_path / "chat.jsonl"), stdlib_conversations(8))
     for name, path in (("a", tok), ("b", model_dir)):
         prepare([rows], out_dir=str(tmp_path / name), tokenizer=path, fmt="chat", val_fraction=0, progress=False)
