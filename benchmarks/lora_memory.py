@@ -21,9 +21,7 @@ measured figure equals its formula exactly (byte counts, no timing).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 
@@ -98,38 +96,22 @@ def measure(model_cfg: dict, layout: dict, batch: int) -> dict:
     return out
 
 
-def worker(rank: int, world: int, port: int, cases: dict, batch: int, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    import torch
+def measure_rank(cases: dict, batch: int) -> dict:
+    """One rank (under tests.dist_utils.run_ranks): every case's bytes on this rank."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        q.put((rank, {key: measure(dict(model), dict(layout), batch) for key, (model, layout) in cases.items()}))
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, f"{type(e).__name__}: {e}"))
-        raise
+        return {key: measure(dict(model), dict(layout), batch) for key, (model, layout) in cases.items()}
     finally:
         dist.destroy_process_group()
 
 
 def run_world(n: int, cases: dict, batch: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, n, port, cases, batch, q)) for r in range(n)]
-    for p in procs:
-        p.start()
-    results = dict(q.get(timeout=600) for _ in range(n))
-    for p in procs:
-        p.join(timeout=60)
-    bad = {r: v for r, v in results.items() if isinstance(v, str)}
-    if bad:
-        raise SystemExit(f"lora memory benchmark failed: {bad}")
-    return results
+    """Every case at world ``n`` (the tests' spawn-and-collect harness): results by rank."""
+    from tests.dist_utils import run_ranks
+
+    return dict(enumerate(run_ranks(measure_rank, n, cases, batch, timeout=600)))
 
 
 def models(tmp: str, r: int, targets: list[str]) -> dict[str, dict]:

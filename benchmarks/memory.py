@@ -21,13 +21,11 @@ Check: the sharded state per rank is within 10% of DDP's / N (exit 1 otherwise).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]  # paratrain, tests.dist_utils
 
 
 def local_bytes(t) -> int:
@@ -72,43 +70,27 @@ def measure(layout: dict, gpt_args: dict, batch: int) -> dict:
     return out
 
 
-def worker(rank: int, world: int, port: int, layouts: dict, gpt_args: dict, batch: int, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    import torch
+def measure_rank(layouts: dict, gpt_args: dict, batch: int) -> dict:
+    """One rank (under tests.dist_utils.run_ranks): every layout's bytes on this rank."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        q.put((rank, {name: measure(layout, gpt_args, batch) for name, layout in layouts.items()}))
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, f"{type(e).__name__}: {e}"))
-        raise
+        return {name: measure(layout, gpt_args, batch) for name, layout in layouts.items()}
     finally:
         dist.destroy_process_group()
 
 
 def run_world(n: int, gpt_args: dict, batch: int) -> dict:
+    """DDP, FSDP2 and TP at world ``n`` (the tests' spawn-and-collect harness): results by rank."""
+    from tests.dist_utils import run_ranks
+
     layouts = {
         "DDP": {"dp_replicate": n},
         f"dp_shard={n}": {"dp_replicate": 1, "dp_shard": n},
         f"tp={n}": {"dp_replicate": 1, "tp": n},
     }
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, n, port, layouts, gpt_args, batch, q)) for r in range(n)]
-    for p in procs:
-        p.start()
-    results = dict(q.get(timeout=600) for _ in range(n))
-    for p in procs:
-        p.join(timeout=60)
-    bad = {r: v for r, v in results.items() if isinstance(v, str)}
-    if bad:
-        raise SystemExit(f"memory benchmark failed: {bad}")
-    return results
+    return dict(enumerate(run_ranks(measure_rank, n, layouts, gpt_args, batch, timeout=600)))
 
 
 def mib(b: float) -> str:

@@ -21,10 +21,11 @@ Printed per run and as medians: MB/s of text, tokens/s, the peak memory of the p
 sum of the PSS of the process and its workers, polled every 0.5 s) and MB per CPU-second (user +
 sys of the process and its workers: the figure a machine shared with other jobs distorts least).
 Then the paired ratios with benchmarks/paired.py's ``summary_line`` (median, 95% CI of the
-geometric mean): prepare / loop wall time, chat / text prepare time per token, N / first workers
-speed-up. Every round also times ``startup``: ``python -m paratrain prepare --help``, the
-interpreter and imports that every prepare run pays before its first document; ``(prepare -
-startup) / loop`` is the ratio of the work after them.
+geometric mean): prepare / loop wall time, chat / text prepare time per token (wall, and
+CPU-seconds of the process and its workers), N / first workers speed-up. Every round also times
+``startup``: ``python -m paratrain prepare --help``, the interpreter and imports that every
+prepare run pays before its first document; ``(prepare - startup) / loop`` is the ratio of the
+work after them.
 
     python benchmarks/prepare_throughput.py [--size-mb 30] [--vocab 16384] [--workers 2] [--runs 4]
         [--compare loop chat] [--tokenizer bpe|bytes]
@@ -344,6 +345,12 @@ def main() -> None:
                 for a, b in zip(results[f"chat {w}"], results[f"prepare {w}"])
             ]
             print(summary_line(f"time per token chat / text (--workers {w})", per_token))
+            # The same in CPU-seconds (the process and its workers): what other jobs distort least.
+            per_token_cpu = [
+                (a["cpu_s"] / a["tokens"]) / (b["cpu_s"] / b["tokens"])
+                for a, b in zip(results[f"chat {w}"], results[f"prepare {w}"])
+            ]
+            print(summary_line(f"CPU per token chat / text (--workers {w})", per_token_cpu))
 
 
 if __name__ == "__main__":

@@ -582,3 +582,66 @@ def test_pipeline_parallel_lora_gives_the_one_process_losses(tmp_path):
         for key, value in final.items():
             if not is_adapter_param(key):
                 assert torch.equal(value, ref_final[key]), f"{name}: base weight {key} differs"
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+def _train_counting_graphs(runs: dict, root: str) -> dict:
+    """tests.test_hf.train_layouts on one rank, returning what dynamo compiled and where it broke
+    (an eager fallback would compare eager with eager)."""
+    from torch._dynamo.utils import counters
+
+    from tests.test_hf import train_layouts
+
+    counters.clear()
+    train_layouts(runs, root)
+    return {"aot_autograd": dict(counters["aot_autograd"]), "graph_break": dict(counters["graph_break"])}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # inductor on 2 shared cores: minutes
+def test_compiled_lora_equals_uncompiled(tmp_path):
+    """train.compile = true with PEFT's adapters inside the compiled blocks (a Llama with weights, the
+    GPT), at world 1 and DDP world 2 (with accumulation): losses and grad_norm (plain SGD) within
+    1e-5 of the uncompiled one-process run, adapters within 1e-5, base weights bitwise; dynamo
+    compiled the blocks through AOTAutograd with no graph break."""
+    from torch._dynamo.utils import counters
+
+    root = str(tmp_path)
+    save_tiny("llama", f"{root}/llama")
+    common = [*DATA, "batch.global_batch_size=8", "run.steps=2", *SGD]
+    models = {
+        "llama": [f"model.hf='{root}/llama'", *LORA],
+        "gpt": [
+            "model.args={n_layer = 2, n_head = 4, d_model = 32, vocab_size = 128, block_size = 16}",
+            "model.lora.target_modules='all-linear'",
+            "model.lora.modules_to_save=['norm']",
+        ],
+    }
+    compiled = {}
+    for name, model in models.items():
+        paratrain.train(load_config(None, [*common, *model, f"run.out_dir='{root}/{name}_ref'"]))
+        counters.clear()
+        over = [*common, *model, "train.compile=true", f"run.out_dir='{root}/{name}_compiled'"]
+        paratrain.train(load_config(None, over))
+        compiled[name] = {"aot_autograd": dict(counters["aot_autograd"]), "graph_break": dict(counters["graph_break"])}
+    ddp = ["parallel.dp_replicate=2", "batch.micro_batch_size=2", "train.compile=true"]
+    world2 = {f"{name}_ddp": [*common, *model, *ddp] for name, model in models.items()}
+    per_rank = run_ranks(_train_counting_graphs, 2, world2, root, timeout=900)
+    for name in models:
+        for run in (f"{name}_compiled", f"{name}_ddp"):
+            counted = compiled[name] if run.endswith("compiled") else per_rank[0]
+            assert counted["aot_autograd"].get("ok", 0) >= 1 and not counted["graph_break"], (run, counted)
+            ref, rows = read_metrics(f"{root}/{name}_ref"), read_metrics(f"{root}/{run}")
+            for key in ("loss", "grad_norm"):
+                torch.testing.assert_close(
+                    [r[key] for r in rows], [r[key] for r in ref], rtol=1e-5, atol=0, msg=lambda m: f"{run} {key}: {m}"
+                )
+            final, ref_final = (load_file(f"{root}/{k}/model.safetensors") for k in (run, f"{name}_ref"))
+            assert final.keys() == ref_final.keys()
+            for key, value in final.items():
+                if is_adapter_param(key):
+                    torch.testing.assert_close(value, ref_final[key], rtol=1e-5, atol=1e-6)
+                else:
+                    assert torch.equal(value, ref_final[key]), f"{run}: base weight {key} differs"

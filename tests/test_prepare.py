@@ -211,3 +211,52 @@ def test_cli_prepare_subprocess(tmp_path):
     assert res.returncode == 0 and "prepared 8 documents" in res.stdout, res.stderr
     res = paratrain_cli("prepare", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--tokenizer", "bytes")
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "no such file" in res.stderr
+
+
+def test_prepare_of_chat_never_imports_torch(tmp_path):
+    """A tokenizer-only directory naming transformers' generic backend loads without
+    ``AutoTokenizer``, whose module imports torch (1-2 s of CPU before the first row, issue 21):
+    `paratrain prepare --format chat` then imports no more than text does. With one worker the
+    worker's tokenizer (prepare's saved copy, hf_tokenizer/) loads in this process too."""
+    from tests.sft_data import save_chat_tokenizer, stdlib_conversations, write_jsonl
+
+    tok = save_chat_tokenizer(str(tmp_path / "tok"))
+    rows = write_jsonl(str(tmp_path / "chat.jsonl"), stdlib_conversations(8))
+    out = str(tmp_path / "o")
+    code = (
+        "import sys; from paratrain.cli import main;"
+        f" rc = main(['prepare', {rows!r}, '--out', {out!r}, '--tokenizer', {tok!r}, '--format', 'chat',"
+        " '--workers', '1']);"
+        " sys.exit(3 if 'torch' in sys.modules else rc)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+    assert os.path.exists(os.path.join(out, "meta.json"))
+
+
+def test_chat_tokenizer_is_the_class_autotokenizer_picks(tmp_path):
+    """Without AutoTokenizer only where it cannot choose otherwise: the same class, and the same
+    bytes as through AutoTokenizer (a model directory: its config.json sends the load there)."""
+    from transformers import AutoTokenizer
+
+    from paratrain.data.chat import _tokenizer_class, load_chat_tokenizer
+    from tests.sft_data import save_chat_tokenizer, stdlib_conversations, write_jsonl
+
+    tok = save_chat_tokenizer(str(tmp_path / "tok"))
+    model_dir = save_chat_tokenizer(str(tmp_path / "model"))
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump({"model_type": "llama", "vocab_size": 259}, f)
+    legacy = save_chat_tokenizer(str(tmp_path / "legacy"))  # the name transformers 4 wrote
+    with open(os.path.join(legacy, "tokenizer_config.json")) as f:
+        declared = json.load(f)
+    with open(os.path.join(legacy, "tokenizer_config.json"), "w") as f:
+        json.dump({**declared, "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    assert _tokenizer_class(model_dir) is AutoTokenizer
+    for path in (tok, legacy):
+        assert _tokenizer_class(path).__name__ == "TokenizersBackend"
+        assert type(load_chat_tokenizer(path)) is type(AutoTokenizer.from_pretrained(path))
+    rows = write_jsonl(str(tmp_path / "chat.jsonl"), stdlib_conversations(8))
+    for name, path in (("a", tok), ("b", model_dir)):
+        prepare([rows], out_dir=str(tmp_path / name), tokenizer=path, fmt="chat", val_fraction=0, progress=False)
+    for shard in ("train-00000.bin", "train-mask-00000.bin", "train-docs-00000.bin"):
+        with open(tmp_path / "a" / shard, "rb") as a, open(tmp_path / "b" / shard, "rb") as b:
+            assert a.read() == b.read(), shard
