@@ -47,6 +47,23 @@ def test_verify_passes_on_sharded_data_parallel(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["parallel.dp_shard=1", "parallel.cp=2"],  # context parallel: rows split over the two ranks
+        ["parallel.ep=2"],  # expert parallel, borrowed from dp_shard 2
+    ],
+    ids=["cp2", "ep2"],
+)
+def test_verify_passes_on_context_and_expert_parallel(tmp_path, sets):
+    """The reference run is one process: no cp, no ep (verify.reference_overrides)."""
+    moe = "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 32, moe = {n_experts = 4}}"
+    r = verify(tmp_path, "", moe, *sets)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verify: OK" in r.stdout
+
+
+@pytest.mark.slow
 def test_verify_fails_naming_a_parameter_when_a_rank_scales_its_gradient(tmp_path):
     # tests/toy.py:gpt_skewed_grad multiplies, on rank 1 only, the gradient leaving block 0.
     r = verify(tmp_path, "", "model.factory='tests.toy:gpt_skewed_grad'")

@@ -72,6 +72,7 @@ def reference_overrides() -> list[str]:
         "parallel.tp=1",
         "parallel.pp=1",
         "parallel.cp=1",
+        "parallel.ep=1",  # borrowed from dp (distributed/expert_parallel.py): one process has none
         "parallel.sequence_parallel=false",
         "parallel.cpu_offload=false",
     ]
