@@ -3,7 +3,7 @@
 Slurm (``--signal``, ``scancel``), Kubernetes (pod deletion, node drain) and cloud spot
 reclaims all send SIGTERM, then SIGKILL after a grace period. A worker that receives it only
 sets a flag. The flag rides the step's own reduce of ``[loss_sum, item_count]`` as a third
-element (step.reduce_totals; a SUM of 0/1 flags is as good as a MAX), over pp x dp, or the
+element (step.launch_totals, read after the backward; a SUM of 0/1 flags is as good as a MAX), over pp x dp, or the
 whole world when tp > 1, so every rank stops after the *same* step even when only one node (or
 one tensor-parallel peer) was signalled, with no collective and no host sync of its own. They
 save a synchronous checkpoint and exit (see docs/resilience.md).
