@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # Set on each expert parameter by apply_ep: its ExpertGroup (the gradient reduce and norm read it).
 EP_ATTR = "_paratrain_expert_group"
@@ -133,15 +134,15 @@ def reduce_expert_grads(params) -> None:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if ep.replicas is not None:
-            dist.all_reduce(p.grad, group=ep.replicas)
+        if ep.replicas is not None:  # a DTensor's (models/hf/moe.py) local rows: its mesh is the ep group
+            dist.all_reduce(_local(p.grad), group=ep.replicas)
         p.grad.div_(ep.dp)
 
 
 def expert_norm_power(grads: list[torch.Tensor], ep: ExpertGroup, norm_type: float) -> torch.Tensor:
     """The ``norm_type``-th power of the norm of all of the ep group's expert gradients (each
     rank holds different experts: a sum over the ep group; the max for the inf norm)."""
-    n = torch.nn.utils.get_total_norm(grads, norm_type=norm_type).double().reshape(())
+    n = torch.nn.utils.get_total_norm([_local(g) for g in grads], norm_type=norm_type).double().reshape(())
     if math.isinf(norm_type):
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ep.group)
         return n
@@ -154,7 +155,10 @@ def gather_expert_weights(model: nn.Module, sd: dict) -> dict:
     """``sd`` (a full state dict) with every expert of the ep group, under the names ep = 1 uses
     (each rank holds some; the model's own names already are the global ones): a collective of
     the ep group, for the full-weights export."""
-    local = {_plain_name(n): p for n, p in model.named_parameters() if hasattr(p, EP_ATTR)}
+    # DTensor experts (models/hf/moe.py) came out of get_model_state_dict whole already.
+    local = {
+        _plain_name(n): p for n, p in model.named_parameters() if hasattr(p, EP_ATTR) and not isinstance(p, DTensor)
+    }
     if not local:
         return sd
     ep: ExpertGroup = getattr(next(iter(local.values())), EP_ATTR)
@@ -164,6 +168,10 @@ def gather_expert_weights(model: nn.Module, sd: dict) -> dict:
     for part in parts:
         merged.update(part)
     return merged
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _plain_name(name: str) -> str:
