@@ -119,6 +119,7 @@ def test_lr0_losses_are_transformers_own_and_the_export_loads_back(tmp_path, arc
             "parallel.ep > 1 with parallel.dp_shard > 1 and precision.dtype = 'bf16' is not supported yet",
         ),
         ("qwen3_moe", ["parallel.cp=2"], "which runs with parallel.cp = 2 not yet"),
+        ("llama", ["parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep = 2 needs a mixture of experts, .* is dense"),
     ],
 )
 def test_unsupported_hf_moe_is_refused_in_one_line(tmp_path, arch, extra, match):
@@ -337,3 +338,21 @@ def test_hf_moe_expert_parallel_equals_one_process_and_resumes_at_ep_1(tmp_path,
     assert got["tokens"] == ref4["tokens"][2:]
     for k in ref4["params"]:
         torch.testing.assert_close(got["params"][k], ref4["params"][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_hf_moe_expert_parallel_at_world_4_equals_one_process(tmp_path, moe_reference):
+    """ep = 2 borrowed from dp = 4 (each expert's rows on 2 ranks: their gradient summed over the
+    ep_replicate group) with DDP, and ep = 4 (one expert per rank) with FSDP2."""
+    src, one = moe_reference
+    runs = moe_runs(
+        tmp_path,
+        4,
+        src,
+        {
+            "ep2_ddp4": ["parallel.dp_replicate=4", "parallel.ep=2", "batch.micro_batch_size=2"],
+            "ep4_fsdp4": ["parallel.dp_shard=4", "parallel.ep=4", "batch.micro_batch_size=2"],
+        },
+    )
+    assert_same_run(runs["ep2_ddp4"], one["ref"], 1e-5)
+    assert_same_run(runs["ep4_fsdp4"], one["ref"], 1e-5)
