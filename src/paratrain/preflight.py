@@ -184,10 +184,10 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
                 " parallel.sequence_parallel = false (tensor parallel itself is supported)"
             )
     if cfg.model.hf:  # a transformers mixture of experts (models/hf/moe.py); nothing for a dense one
-        check_hf_moe_layout(cfg, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep)
+        check_hf_moe_layout(cfg, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_shard=dims.dp_shard)
     if cfg.model.args.get("moe") is not None and not (cfg.model.hf or cfg.model.factory):
         check_moe_combinations(cfg, dims)
-    elif dims.ep > 1:
+    elif dims.ep > 1 and not cfg.model.hf:  # model.hf: its own check above
         raise ConfigError(
             "parallel.ep > 1 needs the built-in GPT with a mixture of experts (model.args.moe); set parallel.ep = 1"
         )

@@ -172,6 +172,10 @@ def _expert_units(model: nn.Module) -> list[list[nn.Module]]:
     def visit(m: nn.Module) -> None:
         params = list(m.parameters())
         if params and all(hasattr(p, EP_ATTR) for p in params):
+            if any(isinstance(p, DTensor) for p in params):
+                # Rows of a DTensor over the ep group (models/hf/moe.py's fused experts): not an
+                # FSDP2 unit; reduce_expert_grads sums their local rows over ep_replicate.
+                return
             units.append(list(m.children()) if isinstance(m, (nn.ModuleDict, nn.ModuleList)) else [m])
             return
         for child in m.children():
@@ -194,16 +198,19 @@ def reduce_expert_grads(params) -> None:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if ep.replicas is not None:
-            dist.all_reduce(p.grad, group=ep.replicas)
+        if ep.replicas is not None:  # a DTensor's (models/hf/moe.py) local rows: its mesh is the ep group
+            dist.all_reduce(_local(p.grad), group=ep.replicas)
         p.grad.div_(ep.dp)
 
 
 def expert_norm_power(grads: list[torch.Tensor], ep: ExpertGroup, norm_type: float) -> torch.Tensor:
     """The ``norm_type``-th power of the norm of all of the ep group's expert gradients (each
     rank holds different experts: a sum over the ep group; the max for the inf norm)."""
+    # Two kinds of expert gradients reach here, never mixed in one model: FSDP2-sharded over
+    # ep_replicate (apply_expert_fsdp: the norm of the whole experts, full_tensor), or a
+    # DTensor's own rows on the ep group's mesh (models/hf/moe.py), which grad_norm passes local.
     n = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-    if isinstance(n, DTensor):  # sharded over ep_replicate by FSDP2: the norm of the whole experts
+    if isinstance(n, DTensor):
         n = n.full_tensor()
     n = n.double().reshape(())
     if math.isinf(norm_type):
@@ -218,7 +225,10 @@ def gather_expert_weights(model: nn.Module, sd: dict) -> dict:
     """``sd`` (a full state dict) with every expert of the ep group, under the names ep = 1 uses
     (each rank holds some; the model's own names already are the global ones): a collective of
     the ep group, for the full-weights export."""
-    local = {_plain_name(n): p for n, p in model.named_parameters() if hasattr(p, EP_ATTR)}
+    # DTensor experts (models/hf/moe.py) came out of get_model_state_dict whole already.
+    local = {
+        _plain_name(n): p for n, p in model.named_parameters() if hasattr(p, EP_ATTR) and not isinstance(p, DTensor)
+    }
     if not local:
         return sd
     ep: ExpertGroup = getattr(next(iter(local.values())), EP_ATTR)
@@ -231,6 +241,10 @@ def gather_expert_weights(model: nn.Module, sd: dict) -> dict:
     for part in parts:
         merged.update(part)
     return merged
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _plain_name(name: str) -> str:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from paratrain.distributed.expert_parallel import EP_ATTR, ExpertGroup, expert_norm_power
+from paratrain.distributed.expert_parallel import EP_ATTR, EP_FSDP_ATTR, ExpertGroup, expert_norm_power
 
 
 def global_grad_norm(params, *, norm_type: float = 2.0) -> torch.Tensor:
@@ -29,7 +29,9 @@ def global_grad_norm(params, *, norm_type: float = 2.0) -> torch.Tensor:
     for p in params:
         g = p.grad
         if (ep := getattr(p, EP_ATTR, None)) is not None:
-            experts[ep].append(g)  # expert parallel: each ep rank holds different experts
+            # Expert parallel: each ep rank holds different experts. A DTensor over the ep group's
+            # rows (models/hf/moe.py) gives its local rows; FSDP2's expert shards stay DTensors.
+            experts[ep].append(g.to_local() if isinstance(g, DTensor) and not hasattr(p, EP_FSDP_ATTR) else g)
             continue
         groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
     parts = []

@@ -77,10 +77,10 @@ def hf_flops(model: nn.Module):
     return lambda seq_len: 6.0 * n
 
 
-def check_hf_moe_layout(cfg, *, tp: int, pp: int, cp: int, ep: int) -> None:
+def check_hf_moe_layout(cfg, *, tp: int, pp: int, cp: int, ep: int, dp_shard: int = 1) -> None:
     """A ``model.hf`` mixture of experts with a layout it does not run with: one line (preflight)."""
     config = load_hf_config(cfg.model.hf, cfg.model.args)
-    check_hf_moe_combinations(config, cfg, tp=tp, pp=pp, cp=cp, ep=ep)
+    check_hf_moe_combinations(config, cfg, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard)
 
 
 def export_hf(state_dict: dict, *, model_cfg: ModelConfig, out_dir: str) -> None:

@@ -27,9 +27,12 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from paratrain.config import ConfigError
 from paratrain.distributed.expert_parallel import ExpertGroup, dispatch
@@ -132,14 +135,29 @@ def _router_stats(gate: nn.Module, args, out) -> None:
     )
 
 
-def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int) -> None:
+def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int, dp_shard: int = 1) -> None:
     """What a ``model.hf`` mixture of experts (``config``, its transformers config) runs with (DDP,
-    FSDP2, HSDP, accumulation, activation checkpointing), refusing the rest in one line before any
-    process starts (preflight, through models/hf's ``check_hf_layout_of``)."""
+    FSDP2, HSDP, accumulation, activation checkpointing, expert parallel), refusing the rest in one
+    line before any process starts (preflight, through models/hf's ``check_hf_layout_of``)."""
     if not is_moe(config):
+        if ep > 1:
+            raise ConfigError(
+                f"parallel.ep = {ep} needs a mixture of experts, and model.hf = {cfg.model.hf!r} is dense"
+                f" ({config.model_type}); set parallel.ep = 1"
+            )
         return
+    if n_experts(config) % ep:
+        raise ConfigError(
+            f"parallel.ep = {ep} does not divide the {n_experts(config)} experts of model.hf = {cfg.model.hf!r};"
+            " use an ep that divides both the experts and dp"
+        )
+    if ep > 1 and dp_shard > 1 and cfg.precision.dtype != "fp32":
+        # FSDP2's mixed precision casts the weights it shards, not the expert weights it ignores.
+        raise ConfigError(
+            f"parallel.ep > 1 with parallel.dp_shard > 1 and precision.dtype = {cfg.precision.dtype!r} is not"
+            " supported yet; use DDP (parallel.dp_shard = 1) or precision.dtype = 'fp32'"
+        )
     for key, on in (
-        (f"parallel.ep = {ep}", ep > 1),  # the fused experts do not go through expert_parallel.dispatch yet
         (f"parallel.tp = {tp}", tp > 1),
         (f"parallel.pp = {pp}", pp > 1),
         (f"parallel.cp = {cp}", cp > 1),  # a rank would hold part of each sequence of the balance loss
@@ -154,30 +172,40 @@ def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int
             )
 
 
-# --- expert parallel: the building block (parallel.ep with model.hf stays refused above) ---------
+# --- expert parallel (parallel.ep) -----------------------------------------------------------
 #
 # transformers runs a fused experts module through the function its config names in
 # ``ExpertsInterface`` (integrations/moe.py; "eager", "grouped_mm", ...), as it runs attention
 # through ``AttentionInterface``. paratrain registers one more, which sends each (token, slot)
 # pair to the rank holding its expert (distributed/expert_parallel.dispatch) and combines the
-# float32 outputs in slot order, as the GPT's MoE does. What is missing before ``parallel.ep``
-# can be lifted for model.hf (docs/moe.md): loading each rank's experts from the checkpoint
-# (their rows of the fused tensor), and checkpoints, optimiser state and exports of a fused
-# tensor whose rows live on different ranks under one name (DCP would keep one rank's rows).
+# float32 outputs in slot order, as the GPT's MoE does.
+#
+# The fused tensors (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)) hold every expert under
+# one name, so each rank's experts are its rows: they become DTensors ``Shard(0)`` over the ep
+# group (rows = experts). Everything that reads parameters by name then sees the global tensor
+# with this rank's region: the loader reads only those rows (weights.py ``_local_slice``), DCP
+# saves each rank's rows and reshards them across ep degrees (ep_replicate ranks save the same
+# chunk, which DCP's save planner deduplicates), and the full-weights export gathers them
+# (``full_tensor``). The forward, the gradient reduce and the norm use the local rows.
 
 EP_EXPERTS = "paratrain_ep"
 
 
-def _local_expert(experts: nn.Module, j: int, x: torch.Tensor) -> torch.Tensor:
+def _local_expert(experts: nn.Module, gate_up: torch.Tensor, down: torch.Tensor, j: int, x: torch.Tensor):
     """This rank's expert ``j`` (row j of the local fused tensors) on rows ``x``, with the
     module's own gating (``_apply_gate``: act(gate) * up, as transformers' functions)."""
-    return F.linear(experts._apply_gate(F.linear(x, experts.gate_up_proj[j])), experts.down_proj[j])
+    return F.linear(experts._apply_gate(F.linear(x, gate_up[j])), down[j])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t  # to_local is differentiable: grads land on the DTensor
 
 
 def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """An ``ExpertsInterface`` function: (N, H) tokens, (N, k) experts and weights -> (N, H)."""
     n, k = top_k_index.shape
-    local = [functools.partial(_local_expert, self, j) for j in range(self.gate_up_proj.shape[0])]
+    gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    local = [functools.partial(_local_expert, self, gate_up, down, j) for j in range(gate_up.shape[0])]
     y = dispatch(hidden_states, top_k_index, local, self.num_experts, self.ep)  # (N k, H) float32
     slots = y.view(n, k, -1) * top_k_weights.float().unsqueeze(-1)
     out = slots[:, 0]
@@ -186,17 +214,36 @@ def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return out.to(hidden_states.dtype)
 
 
+@functools.cache
+def _ep_device_mesh(ep: ExpertGroup) -> DeviceMesh:
+    """The ep group as a 1-D device mesh (the same ranks, the same process group)."""
+    backend = dist.get_backend(ep.group)
+    device_type = "cuda" if backend != "gloo" and torch.cuda.is_available() else "cpu"
+    return DeviceMesh.from_group(ep.group, device_type, mesh_dim_names=("ep",))
+
+
 def enable_expert_parallel(experts: nn.Module, ep: ExpertGroup) -> list[nn.Parameter]:
-    """Keep rows ``[r L, (r + 1) L)`` of the fused expert tensors (``L = experts / ep``) and run the
-    module through :func:`ep_experts_forward`. Returns the local parameters."""
+    """Keep rows ``[r L, (r + 1) L)`` of the fused expert tensors (``L = experts / ep``), as
+    DTensors ``Shard(0)`` over the ep group, and run the module through
+    :func:`ep_experts_forward`. Returns the (DTensor) parameters. A meta model stays on meta
+    (the loader fills each rank's rows)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     rows = ep.local_experts(experts.num_experts)
+    mesh = _ep_device_mesh(ep)
     for name in ("gate_up_proj", "down_proj"):
         full = getattr(experts, name)
-        local = nn.Parameter(full.detach()[rows.start : rows.stop].clone(), requires_grad=full.requires_grad)
-        setattr(experts, name, local)
+        local = full.detach()[rows.start : rows.stop].clone()
+        sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+        setattr(experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
     experts.ep = ep
     ALL_EXPERTS_FUNCTIONS.register(EP_EXPERTS, ep_experts_forward)
     experts.config._experts_implementation = EP_EXPERTS
     return [experts.gate_up_proj, experts.down_proj]
+
+
+def offer_expert_parallel(model: nn.Module) -> None:
+    """Give each sparse block's experts module the ``enable_expert_parallel(ep)`` method that
+    distributed/expert_parallel.apply_ep looks for (the GPT's MoE defines it as a method)."""
+    for block in sparse_blocks(model):
+        block.experts.enable_expert_parallel = functools.partial(enable_expert_parallel, block.experts)

@@ -127,16 +127,25 @@ def _local_slice(p: torch.Tensor) -> tuple[slice, ...] | None:
 
 
 def _to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:
-    """``to_empty`` that keeps shared parameters shared (tied embeddings): it makes new Parameter
-    objects (torch 2.13 swaps tensors on conversion), one per module that held the shared one."""
+    """``to_empty`` that keeps shared parameters shared (tied embeddings) and the parameters'
+    attributes: it makes new Parameter objects (torch 2.13 swaps tensors on conversion), one per
+    module that held the shared one."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    attrs: dict[int, dict] = {}
     for m in module.modules():
         for name, p in m._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), []).append((m, name))
+                attrs[id(p)] = dict(vars(p))
     module.to_empty(device=device)
-    for places in owners.values():
+    for key, places in owners.items():
         first_module, first_name = places[0]
+        # Attributes set on the parameter (expert_parallel.EP_ATTR, which the gradient reduce and
+        # norm read) do not follow it into the new object.
+        new = getattr(first_module, first_name)
+        for name, value in attrs[key].items():
+            if not hasattr(new, name):
+                setattr(new, name, value)
         for m, name in places[1:]:
             setattr(m, name, getattr(first_module, first_name))
 
