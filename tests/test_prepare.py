@@ -260,3 +260,30 @@ def test_chat_tokenizer_is_the_class_autotokenizer_picks(tmp_path):
     for shard in ("train-00000.bin", "train-mask-00000.bin", "train-docs-00000.bin"):
         with open(tmp_path / "a" / shard, "rb") as a, open(tmp_path / "b" / shard, "rb") as b:
             assert a.read() == b.read(), shard
+
+
+def _sigterm_disposition(_chunk):
+    import signal
+
+    return signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_workers_end_when_the_parent_holds_a_flag_only_sigterm_handler(tmp_path):
+    """A process that trained before it prepares (a test session, a notebook) holds paratrain's
+    preemption handler, which only sets a flag. Forked workers inherited it; when the pool's exit
+    finds them blocked on its queue's lock it stops them with SIGTERM, which they then survived,
+    and its join hung (seen once in `make test`). Each worker starts with SIGTERM's default."""
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        got = list(
+            prep.encoded_chunks(
+                iter([1, 2, 3, 4]), workers=2, init=lambda: None, init_args=(), fn=_sigterm_disposition, args=()
+            )
+        )
+        src = write_corpus(tmp_path / "src", stdlib_texts(8))
+        prepare([src], out_dir=str(tmp_path / "out"), workers=2, tokenizer="bpe:300", progress=False)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert got == [True] * 4

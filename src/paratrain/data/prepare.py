@@ -35,6 +35,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -405,6 +406,15 @@ def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
         yield chunk
 
 
+def _worker_init(init, *init_args) -> None:
+    """A forked worker's start: SIGTERM back to its default first. A fork inherits the parent's
+    Python handlers, and the pool's exit terminates idle workers with SIGTERM: a handler that
+    only sets a flag (paratrain's preemption handler, in a process that trained before it
+    prepared, as a test session does) left them alive and the pool's join waiting forever."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    init(*init_args)
+
+
 def encoded_chunks(chunks: Iterator[list], *, workers: int, init, init_args: tuple, fn, args: tuple):
     """``fn(chunk, *args)`` over the chunks, in order, with at most 2 x workers chunks in flight;
     ``init(*init_args)`` builds each worker's tokenizer."""
@@ -418,7 +428,7 @@ def encoded_chunks(chunks: Iterator[list], *, workers: int, init, init_args: tup
     # TOKENIZERS_PARALLELISM=false is set before any use: its thread pool, which does not survive
     # a fork (huggingface/tokenizers#187), never starts.
     ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(workers, initializer=init, initargs=init_args) as pool:
+    with ctx.Pool(workers, initializer=_worker_init, initargs=(init, *init_args)) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(fn, (chunk, *args)))
