@@ -492,6 +492,7 @@ def test_adaptive_growth_bounded_and_sampler_exact(tmp_path, world):
         assert len(set(epoch)) == len(epoch)
 
 
+@pytest.mark.slow  # about 10 s: transformers' model code imported and run twice under the fake mode
 def test_estimate_of_a_pretrained_hf_model(tmp_path):
     """model.hf with weights builds on the meta device for a run (they arrive after the
     parallelisms); the fake-tensor estimate must build it on the batches' device instead (it once

@@ -144,6 +144,7 @@ def _trainer_rank(out_dir: str) -> tuple:
     return seen, summary["tokens"]
 
 
+@pytest.mark.slow  # a whole run in process; the dp 2 step test above is the fast case
 def test_the_trainer_hands_the_static_count_to_the_step(tmp_path):
     # The main job's data path (stdlib_bytes, cross_entropy): the step gets items_per_sample.
     ((seen, tokens),) = run_ranks(_trainer_rank, 1, str(tmp_path), timeout=120)

@@ -225,9 +225,12 @@ def gather_expert_weights(model: nn.Module, sd: dict) -> dict:
     """``sd`` (a full state dict) with every expert of the ep group, under the names ep = 1 uses
     (each rank holds some; the model's own names already are the global ones): a collective of
     the ep group, for the full-weights export."""
-    # DTensor experts (models/hf/moe.py) came out of get_model_state_dict whole already.
+    # DTensor rows over the ep group (models/hf/moe.py) came out of get_model_state_dict whole
+    # already; FSDP2's expert shards (DTensors too, tagged EP_FSDP_ATTR) are gathered below.
     local = {
-        _plain_name(n): p for n, p in model.named_parameters() if hasattr(p, EP_ATTR) and not isinstance(p, DTensor)
+        _plain_name(n): p
+        for n, p in model.named_parameters()
+        if hasattr(p, EP_ATTR) and (hasattr(p, EP_FSDP_ATTR) or not isinstance(p, DTensor))
     }
     if not local:
         return sd
