@@ -21,8 +21,9 @@ from paratrain.data.datasets import build_dataset
 from paratrain.models import build_model
 
 
-def main(config: str, out: str, *overrides: str) -> None:
-    cfg = load_config(config, list(overrides))
+def setup(cfg):
+    """The hand-written set-up (also benchmarks/step_profile.py's): process group, DDP model, data,
+    AdamW, the rank's share of the global batch; returns what the loop needs."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.run.seed)
@@ -36,8 +37,13 @@ def main(config: str, out: str, *overrides: str) -> None:
     )
     per_rank = cfg.batch.global_batch_size // world
     mbs = cfg.batch.micro_batch_size or per_rank
-    accum = per_rank // mbs
     g = torch.Generator().manual_seed(cfg.run.seed)
+    return rank, model, data, opt, per_rank, mbs, per_rank // mbs, g
+
+
+def main(config: str, out: str, *overrides: str) -> None:
+    cfg = load_config(config, list(overrides))
+    rank, model, data, opt, per_rank, mbs, accum, g = setup(cfg)
     times = []
     for step in range(cfg.run.steps):
         t0 = time.perf_counter()

@@ -70,28 +70,12 @@ def baseline(config: str, out: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from baseline_ddp import setup
 
     from paratrain.config import load_config
-    from paratrain.data.datasets import build_dataset
-    from paratrain.models import build_model
 
     cfg = load_config(config, [f"run.steps={WAIT + ACTIVE + 2}"])
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(cfg.run.seed)
-    model = DDP(build_model(cfg.model), bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=True)
-    data = build_dataset(cfg.data)
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        weight_decay=cfg.optim.weight_decay,
-    )
-    per_rank = cfg.batch.global_batch_size // world
-    mbs = cfg.batch.micro_batch_size or per_rank
-    accum = per_rank // mbs
-    g = torch.Generator().manual_seed(cfg.run.seed)
+    rank, model, data, opt, per_rank, mbs, accum, g = setup(cfg)
     phases = {k: [] for k in ("data", "forward_backward", "clip_optimizer", "loss_reduce_read", "total")}
     name_tolist()
     with profiler() as prof:
