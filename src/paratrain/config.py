@@ -182,6 +182,10 @@ class OptimConfig:
     beta1: float = opt(0.9, "AdamW beta1 (SGD momentum).")
     beta2: float = opt(0.95, "AdamW beta2.")
     eps: float = opt(1e-8, "AdamW epsilon.")
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = opt(
+        "auto",
+        "The optimiser's kernels: 'fused' (one kernel over every tensor) or 'foreach' (batched ops), both for plain tensors only (DDP); 'for-loop' (one tensor at a time, any layout); 'auto': fused where every parameter is a plain tensor, else for-loop. foreach equals for-loop bit for bit, fused may differ in the last bit (docs/data-parallel.md).",
+    )
     schedule: Literal["cosine", "linear", "constant"] = opt(
         "cosine", "Decay after warmup: 'cosine', 'linear' or 'constant'."
     )

@@ -116,7 +116,12 @@ class OptimizerState(Stateful):
     def load_state_dict(self, state_dict: dict) -> None:
         if self._back:
             state_dict = {self._back[k]: v for k, v in state_dict.items()}
+        # The kernels (optim.implementation) belong to this run's layout, not to the training state:
+        # a checkpoint of plain tensors (fused) resumed on FSDP2's DTensors must keep the loop.
+        kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=_FLAT)
+        for group, kept in zip(self.optimizer.param_groups, kernels):
+            group.update(kept)
 
 
 class DataclassState(Stateful):
