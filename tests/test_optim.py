@@ -72,3 +72,14 @@ def test_auto_fuses_plain_tensors_and_loops_over_dtensors(tmp_path):
                 build_optimizer(layer, OptimConfig(implementation=impl))
     finally:
         dist.destroy_process_group()
+
+
+def test_preflight_refuses_fused_kernels_on_sharded_layouts():
+    from paratrain.config import ConfigError, load_config
+    from paratrain.preflight import check_run
+
+    base = ["batch.global_batch_size=8", "run.steps=1"]
+    check_run(load_config(None, [*base, "optim.implementation='fused'"]), 2)  # DDP: fine
+    for layout in ("parallel.dp_shard=2", "parallel.tp=2"):
+        with pytest.raises(ConfigError, match="optim.implementation = 'foreach' takes plain tensors only"):
+            check_run(load_config(None, [*base, layout, "optim.implementation='foreach'"]), 2)

@@ -153,6 +153,13 @@ def check_pp_layout_of(
 
 def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
     """Combinations of features this version cannot run exactly: refused, never run wrongly."""
+    impl = cfg.optim.implementation
+    if impl in ("fused", "foreach") and (dims.fsdp_enabled or dims.tp > 1 or (cfg.model.hf and dims.ep > 1)):
+        # optim.py: torch 2.13 runs neither kernel on these layouts' CPU DTensors (mixed lists).
+        raise ConfigError(
+            f"optim.implementation = {impl!r} takes plain tensors only (DDP), and this layout shards parameters"
+            " (FSDP2, tp, cp or ep); set optim.implementation = 'auto' or 'for-loop'"
+        )
     noise = (
         "batch.adaptive = true"
         if cfg.batch.adaptive
