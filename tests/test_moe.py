@@ -13,13 +13,13 @@ import copy
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from paratrain.config import ConfigError
 from paratrain.loss import router_layers, take_router_stats
 from paratrain.models.gpt import build_gpt
 from paratrain.models.gpt.moe import MoE, MoEConfig
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks
+from tests.dist_utils import plain_sgd, run_ranks
+from tests.moe_utils import assert_same_moe_run, read_moe_run
 
 D = 16
 
@@ -215,23 +215,7 @@ def train_many(runs: list[list[str]]) -> None:
 
 def moe_runs(tmp_path, world: int, runs: dict[str, list[str]]) -> dict[str, dict]:
     run_ranks(train_many, world, [[*extra, f"run.out_dir='{tmp_path / name}'"] for name, extra in runs.items()])
-    out = {}
-    for name in runs:
-        rows = read_metrics(str(tmp_path / name))
-        out[name] = {k: [r[k] for r in rows] for k in ("loss", "aux_loss", "grad_norm")}
-        out[name]["tokens"] = [(r["expert_tokens_min"], r["expert_tokens_max"]) for r in rows]
-        out[name]["params"] = load_file(str(tmp_path / name / "model.safetensors"))
-    return out
-
-
-def assert_same_moe_run(got: dict, ref: dict) -> None:
-    for key in ("loss", "aux_loss", "grad_norm"):
-        torch.testing.assert_close(
-            torch.tensor(got[key]), torch.tensor(ref[key]), rtol=1e-5, atol=0, msg=lambda m: f"{key}: {m}"
-        )
-    assert got["tokens"] == ref["tokens"]
-    for k in ref["params"]:
-        torch.testing.assert_close(got["params"][k], ref["params"][k], rtol=1e-5, atol=1e-7, msg=lambda m: f"{k}: {m}")
+    return {name: read_moe_run(tmp_path / name) for name in runs}
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from paratrain.config import ConfigError
 from tests.dist_utils import plain_sgd, read_metrics, run_ranks
 from tests.hf_models import MOE_ARCHS, save_tiny
+from tests.moe_utils import assert_same_moe_run, read_moe_run
 
 pytest.importorskip("transformers")
 
@@ -151,23 +151,7 @@ def moe_runs(tmp_path, world: int, src: str, runs: dict[str, list[str]]) -> dict
     """Train each run (3 steps of plain SGD) on ``world`` gloo ranks; its metrics and final weights."""
     base = [*BASE, f"model.hf='{src}'", "run.steps=3", *plain_sgd(0.5)]  # a run's own run.steps wins (later)
     run_ranks(train_many, world, [[*base, *extra, f"run.out_dir='{tmp_path / name}'"] for name, extra in runs.items()])
-    out = {}
-    for name in runs:
-        rows = read_metrics(str(tmp_path / name))
-        out[name] = {k: [r[k] for r in rows] for k in ("loss", "aux_loss", "grad_norm")}
-        out[name]["tokens"] = [(r["expert_tokens_min"], r["expert_tokens_max"]) for r in rows]
-        out[name]["params"] = load_file(str(tmp_path / name / "model.safetensors"))
-    return out
-
-
-def assert_same_run(got: dict, ref: dict, rtol: float) -> None:
-    for key in ("loss", "aux_loss", "grad_norm"):
-        torch.testing.assert_close(
-            torch.tensor(got[key]), torch.tensor(ref[key]), rtol=rtol, atol=0, msg=lambda m: f"{key}: {m}"
-        )
-    assert got["tokens"] == ref["tokens"]
-    for k in ref["params"]:
-        torch.testing.assert_close(got["params"][k], ref["params"][k], rtol=rtol, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    return {name: read_moe_run(tmp_path / name) for name in runs}
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_ARCHS))
@@ -191,8 +175,8 @@ def test_hf_moe_layouts_at_world_2_equal_one_process(tmp_path, moe_reference):
     # The weights move, the balance loss is trained, and the routing is uneven (so counts can differ).
     assert ref["aux_loss"][0] > 0 and abs(ref["loss"][-1] - ref["loss"][0]) > 1e-3
     assert ref["tokens"][0][0] != ref["tokens"][0][1]
-    assert_same_run(one["acc4"], ref, 1e-5)
-    assert_same_run(one["acc2_ac"], ref, 1e-5)
+    assert_same_moe_run(one["acc4"], ref, rtol=1e-5, atol_params=1e-6)
+    assert_same_moe_run(one["acc2_ac"], ref, rtol=1e-5, atol_params=1e-6)
     runs = moe_runs(
         tmp_path,
         2,
@@ -202,8 +186,8 @@ def test_hf_moe_layouts_at_world_2_equal_one_process(tmp_path, moe_reference):
             "fsdp_acc2": ["parallel.dp_shard=2", "batch.micro_batch_size=2"],
         },
     )
-    assert_same_run(runs["ddp_acc2"], ref, 1e-5)
-    assert_same_run(runs["fsdp_acc2"], ref, 1e-4)
+    assert_same_moe_run(runs["ddp_acc2"], ref, rtol=1e-5, atol_params=1e-6)
+    assert_same_moe_run(runs["fsdp_acc2"], ref, rtol=1e-4, atol_params=1e-6)
 
 
 @pytest.mark.slow
@@ -218,8 +202,8 @@ def test_hf_moe_layouts_at_world_4_equal_one_process(tmp_path, moe_reference):
             "hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "batch.micro_batch_size=1"],
         },
     )
-    assert_same_run(runs["ddp"], one["ref"], 1e-5)
-    assert_same_run(runs["hsdp_2x2"], one["ref"], 1e-4)
+    assert_same_moe_run(runs["ddp"], one["ref"], rtol=1e-5, atol_params=1e-6)
+    assert_same_moe_run(runs["hsdp_2x2"], one["ref"], rtol=1e-4, atol_params=1e-6)
 
 
 @pytest.mark.slow
@@ -329,8 +313,8 @@ def test_hf_moe_expert_parallel_equals_one_process_and_resumes_at_ep_1(tmp_path,
             "ep2_fsdp": ["parallel.dp_shard=2", "parallel.ep=2", "batch.micro_batch_size=4", *ckpt],
         },
     )
-    assert_same_run(runs["ep2_ddp"], one["ref"], 1e-5)
-    assert_same_run(runs["ep2_fsdp"], ref4, 1e-5)
+    assert_same_moe_run(runs["ep2_ddp"], one["ref"], rtol=1e-5, atol_params=1e-6)
+    assert_same_moe_run(runs["ep2_fsdp"], ref4, rtol=1e-5, atol_params=1e-6)
     step2 = tmp_path / "w2" / "ep2_fsdp" / "checkpoints" / "step-2"
     resume = [*ckpt, f"checkpoint.resume='{step2}'", "batch.micro_batch_size=8"]
     got = moe_runs(tmp_path / "w1r", 1, src, {"resumed": resume})["resumed"]
@@ -355,5 +339,5 @@ def test_hf_moe_expert_parallel_at_world_4_equals_one_process(tmp_path, moe_refe
             "ep4_fsdp4": ["parallel.dp_shard=4", "parallel.ep=4", "batch.micro_batch_size=2"],
         },
     )
-    assert_same_run(runs["ep2_ddp4"], one["ref"], 1e-5)
-    assert_same_run(runs["ep4_fsdp4"], one["ref"], 1e-5)
+    assert_same_moe_run(runs["ep2_ddp4"], one["ref"], rtol=1e-5, atol_params=1e-6)
+    assert_same_moe_run(runs["ep4_fsdp4"], one["ref"], rtol=1e-5, atol_params=1e-6)

@@ -27,7 +27,8 @@ from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.loss import build_loss, router_layers
 from paratrain.models import build, spec_of
-from paratrain.models.gpt.moe import MoE
+from paratrain.models.hf.moe import fake_grouped_mm
+from paratrain.models.spec import ModelSpec
 from paratrain.optim import build_optimizer
 from paratrain.precision import build_precision
 from paratrain.step import StepContext, train_step
@@ -37,19 +38,18 @@ log = logging.getLogger("paratrain")
 
 @dataclass(frozen=True)
 class MoEShape:
-    """A mixture of experts' shape, as expert parallelism's memory needs it (models/gpt/moe.py)."""
+    """A mixture of experts' shape, as expert parallelism's memory needs it (models/spec.py ExpertLayer)."""
 
     expert_params: int  # the routed experts of all MoE layers
     top_k: int
     d_model: int
 
 
-def moe_shape(model: nn.Module) -> MoEShape | None:
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
+def moe_shape(model: nn.Module, spec: ModelSpec) -> MoEShape | None:
+    moes = spec.expert_layers(model)
     if not moes:
         return None
-    experts = sum(p.numel() for m in moes for p in m.experts.parameters())
-    return MoEShape(experts, moes[0].cfg.top_k, moes[0].router.in_features)
+    return MoEShape(sum(e.params for e in moes), moes[0].top_k, moes[0].d_model)
 
 
 def guarded(trial: Callable[[int], Trial], *, device: torch.device | None = None) -> Callable[[int], Trial]:
@@ -166,7 +166,7 @@ class StepRunner:
                 supported=spec.loss_parallel,
             )
             spec.hand_head_to(model, self.loss_fn, loss_parallel=self.loss_parallel)  # loss.chunk_size
-            self.moe = moe_shape(model)  # before the wrappers: whole (not sharded) expert weights
+            self.moe = moe_shape(model, spec)  # before the wrappers: whole (not sharded) expert weights
             with fake_mode or contextlib.nullcontext():
                 model = parallelize(
                     model,
@@ -232,9 +232,11 @@ class StepRunner:
         gives each expert the balanced share of the tokens, the activations of ep > 1 too).
 
         - States: at ep = 1 every expert is held with the rest, sharded over dp_shard by FSDP2
-          (whole under DDP); at ep > 1 a rank holds ``n_experts / ep`` experts whole, outside
-          FSDP2 (distributed/expert_parallel.py): fp32 weights, gradients and optimiser state of
-          ``1/ep`` of the experts instead of ``1/dp_shard``.
+          (whole under DDP); at ep > 1 a rank holds ``n_experts / ep`` experts
+          (distributed/expert_parallel.py): whole under DDP, or with FSDP2 sharded over their
+          ``ep_replicate`` group of ``dp / ep`` ranks (``apply_expert_fsdp``), so ``1/dp`` of
+          the experts' fp32 weights, gradients and optimiser state instead of ``1/dp_shard``
+          (the same under plain FSDP2; less under HSDP, whose replicas share them out).
         - The dispatch's receive buffers, alive together while the last MoE layer combines: the
           rank's ``tokens x top_k`` (token, slot) rows arriving from the other ranks (float32,
           models/gpt/moe.py) and their expert outputs coming back (float32).
@@ -244,7 +246,8 @@ class StepRunner:
             return 0
         o = self.cfg.optim
         per_param = 8 + (8 if o.name == "adamw" else (4 if o.beta1 > 0 else 0))
-        states = self.moe.expert_params * per_param * (1 / ep - 1 / self.dims.dp_shard)
+        held = 1 / self.full_dims.dp if self.full_dims.fsdp_enabled else 1 / ep
+        states = self.moe.expert_params * per_param * (held - 1 / self.dims.dp_shard)
         tokens = m * seq_len  # the rank's tokens of one micro-batch
         buffers = 2 * tokens * self.moe.top_k * self.moe.d_model * 4
         return int(states + buffers)
@@ -325,11 +328,11 @@ def estimate_peak(runner: StepRunner, m: int) -> int:
     # real step never holds (+47% at tp 4 with full checkpointing on the main GPT), so the
     # estimate depended on what ran before it. The second iteration, the one tracked, holds the
     # optimiser state as every later step does: its peak is the step's.
-    with fake, _FakeScalars():
+    with fake, _FakeScalars(), fake_grouped_mm():
         runner.run(model, optimizer, batches, iterations=1)
     tracker = _StepMemTracker()
     tracker.track_external(model, optimizer)
-    with fake, tracker, _FakeScalars():
+    with fake, tracker, _FakeScalars(), fake_grouped_mm():
         runner.run(model, optimizer, batches, iterations=max(1, runner.iterations - 1))
     peak, grads_at_peak = tracker.peak()
     return (

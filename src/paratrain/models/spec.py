@@ -23,7 +23,10 @@ it receives the spec's pieces as arguments. A spec says
   ``return_hidden`` attribute is True (None: the model has no such switch);
 - ``cp_attention(model, attention_fn)``: installs a context-parallel attention
   (distributed/context_parallel.py ``apply_cp``) that the model's attention then calls as
-  ``attention_fn(q, k, v, positions=...)`` (None: the model cannot run ``parallel.cp > 1``).
+  ``attention_fn(q, k, v, positions=...)`` (None: the model cannot run ``parallel.cp > 1``);
+- ``expert_layers(module) -> [ExpertLayer]``: the mixture-of-experts layers inside a module (the
+  model or one block), in module order: what the planner and the memory estimate price (the
+  active experts' FLOPs, ``ep``, the experts' memory per rank; none for a dense model).
 
 A user model gets a spec from its factory (``model.factory`` may return a ModelSpec instead of a
 module) or from the documented conventions: blocks in ``model.layers``, the plan from
@@ -39,6 +42,32 @@ from torch import nn
 
 from paratrain.config import ConfigError
 from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_of
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One sparse layer as plan/ and batch/ price it: the module holding its routed experts (all
+    of them, as built), their count, the experts each token runs (``top_k``) and the width of
+    the tokens dispatched to them. Shared experts are not routed: they count as dense weights."""
+
+    experts: nn.Module
+    n_experts: int
+    top_k: int
+    d_model: int
+
+    @property
+    def params(self) -> int:
+        """Parameters of all the routed experts."""
+        return sum(p.numel() for p in self.experts.parameters())
+
+    @property
+    def inactive_params(self) -> int:
+        """Parameters of the ``n_experts - top_k`` routed experts a token does not run."""
+        return self.params // self.n_experts * (self.n_experts - self.top_k)
+
+
+def no_expert_layers(module: nn.Module) -> list[ExpertLayer]:
+    return []
 
 
 def params_flops_per_token(model: nn.Module) -> Callable[[int], float]:
@@ -61,6 +90,7 @@ class ModelSpec:
     materialize: Callable[..., object] | None = None
     head_attr: str | None = None
     cp_attention: Callable[[nn.Module, Callable], None] | None = None
+    expert_layers: Callable[[nn.Module], list[ExpertLayer]] = no_expert_layers
 
     def hand_head_to(self, model: nn.Module, loss_fn, *, loss_parallel: bool) -> None:
         """Give the output layer to a loss that runs it (loss.py ``ChunkedCrossEntropy``), before

@@ -79,7 +79,6 @@ from paratrain.distributed.blocks import BLOCKS_ATTR
 from paratrain.distributed.pipeline_parallel import SCHEDULES, pp_microbatches, stage_ranges
 from paratrain.models import spec_of
 from paratrain.models.gpt import GPT
-from paratrain.models.gpt.moe import MoE
 from paratrain.models.spec import ModelSpec
 from paratrain.plan.enumerate import Layout
 from paratrain.plan.profile import Profile
@@ -148,7 +147,7 @@ class ModelStats:
     # optimiser state to update. Spread evenly over the blocks (LoRA adapts every block alike).
     trained: float = 1.0
     trained_tensors: float = 1.0
-    # Mixture of experts (models/gpt/moe.py): the routed experts' parameters of the whole model
+    # Mixture of experts (models/spec.py ExpertLayer): the routed experts' parameters of the whole model
     # (all MoE layers; a rank holds 1/ep of them at ep > 1), the MoE layers and each token's
     # routed experts (top_k). The FLOPs above count the active experts only (top_k of n_experts).
     expert_params: int = 0
@@ -173,13 +172,10 @@ class ModelStats:
         bp = [sum(p.numel() for p in b.parameters()) for b in blocks]
         gemms, width, pointwise = block_shapes(blocks[0], rope=getattr(model, "has_rope", False))
         attention = 12.0 * (width or d) * seq  # per block (observability/mfu.py, PaLM)
-        moes = [m for m in model.modules() if isinstance(m, MoE)]
-        inactive = {id(b): 0 for b in blocks}
-        for b in blocks:
-            for m in (m for m in b.modules() if isinstance(m, MoE)):
-                # A token runs top_k of the n_experts routed experts (gpt_flops counts the same).
-                per_expert = sum(p.numel() for p in m.experts[0].parameters())
-                inactive[id(b)] += (m.cfg.n_experts - m.cfg.top_k) * per_expert
+        # Mixtures of experts, as the spec describes them (models/spec.py ExpertLayer: the GPT's
+        # and transformers' alike): a token runs top_k of the n_experts routed experts.
+        moes = spec.expert_layers(model)
+        inactive = {id(b): sum(e.inactive_params for e in spec.expert_layers(b)) for b in blocks}
         bf = [6.0 * (n - inactive[id(b)]) + attention for n, b in zip(bp, blocks)]
         head = getattr(model, "lm_head", None)
         head_flops = 6.0 * sum(p.numel() for p in head.parameters()) if head is not None else 0.0
@@ -208,10 +204,10 @@ class ModelStats:
             blocks_attr=spec.blocks_attr,
             trained=sum(p.numel() for p in model.parameters() if p.requires_grad) / max(1, total),
             trained_tensors=sum(p.requires_grad for p in model.parameters()) / max(1, tensors),
-            expert_params=sum(p.numel() for m in moes for p in m.experts.parameters()),
+            expert_params=sum(e.params for e in moes),
             moe_layers=len(moes),
-            top_k=moes[0].cfg.top_k if moes else 0,
-            n_experts=moes[0].cfg.n_experts if moes else 0,
+            top_k=moes[0].top_k if moes else 0,
+            n_experts=moes[0].n_experts if moes else 0,
         )
 
     def busiest_rank(self, pp: int, v: int, style: str, cfg: Config) -> tuple[float, int, float]:

@@ -149,8 +149,9 @@ def cp_degrees(cfg: Config, world_size: int):
 
 
 def moe_experts(cfg: Config) -> int | None:
-    """The built-in GPT's routed experts per MoE layer (``model.args.moe``), None without experts.
-    A bad table is left to the preflight, which names the key."""
+    """The built-in GPT's routed experts per MoE layer (``model.args.moe``), None without experts,
+    read from the config when no model is built (a built model's spec says it for any model:
+    :func:`enumerate_layouts`). A bad table is left to the preflight, which names the key."""
     moe = cfg.model.args.get("moe")
     if moe is None or cfg.model.hf or cfg.model.factory or not isinstance(moe, dict):
         return None
@@ -167,10 +168,13 @@ def ep_degrees(n_experts: int | None, dp: int) -> list[int | None]:
     return [ep for ep in divisors(dp) if n_experts % ep == 0]
 
 
-def candidate_layouts(cfg: Config, *, world_size: int, nproc_per_node: int, n_blocks: int | None):
-    """Every combination of the layout knobs (before any check)."""
+def candidate_layouts(
+    cfg: Config, *, world_size: int, nproc_per_node: int, n_blocks: int | None, n_experts: int | None = None
+):
+    """Every combination of the layout knobs (before any check); ``n_experts``: the routed experts
+    per MoE layer (None: :func:`moe_experts` of the config)."""
     gbs = cfg.batch.global_batch_size
-    n_experts = moe_experts(cfg)
+    n_experts = n_experts if n_experts is not None else moe_experts(cfg)
     for tp, cp in cp_degrees(cfg, world_size):
         for pp in divisors(world_size // (tp * cp)):
             for dp_shard in divisors(world_size // (tp * cp * pp)):
@@ -230,6 +234,8 @@ def enumerate_layouts(
         model, spec = meta_build(cfg)
     spec = spec or spec_of(cfg.model, model)  # the real model's (the stand-in has no plan of its own)
     n_blocks = count_blocks(model, spec)
+    # A mixture of experts as its spec describes it (the GPT's or a model.hf one): ep is enumerated.
+    experts = spec.expert_layers(model) if model is not None else []
     stand_in, untied = None, None
     if n_blocks is not None:
         stand_in = _Blocks(n_blocks, spec.blocks_attr)
@@ -240,7 +246,11 @@ def enumerate_layouts(
     valid, refused = [], Counter()
     verdicts: dict[Layout, str | None] = {}
     for layout, reason in candidate_layouts(
-        cfg, world_size=world_size, nproc_per_node=nproc_per_node, n_blocks=n_blocks
+        cfg,
+        world_size=world_size,
+        nproc_per_node=nproc_per_node,
+        n_blocks=n_blocks,
+        n_experts=experts[0].n_experts if experts else None,
     ):
         if reason is None and layout.pp > 1 and untied:
             reason = untied

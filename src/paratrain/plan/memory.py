@@ -60,7 +60,6 @@ from paratrain.data.datasets import build_dataset
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import SCHEDULES, pp_microbatches, stage_ranges
 from paratrain.models import spec_of
-from paratrain.models.gpt.moe import MoE
 from paratrain.models.spec import ModelSpec
 from paratrain.plan.enumerate import Layout
 from paratrain.precision import DTYPES
@@ -249,9 +248,11 @@ class MemoryModel:
     @staticmethod
     def _split(layout: Layout, held: float, experts: float) -> float:
         """State bytes per rank: split tp x dp_shard x cp ways, but at ep > 1 the ``experts`` part
-        ``ep`` ways (a rank holds ``n_experts / ep`` experts whole, outside FSDP2: docs/moe.md)."""
+        ``ep`` ways (a rank holds ``n_experts / ep`` experts: whole under DDP), and with FSDP2
+        ``dp`` ways (its experts sharded over their ``dp / ep`` ep_replicate ranks: docs/moe.md)."""
         if (layout.ep or 1) > 1:
-            return (held - experts) / (layout.tp * layout.shard) + experts / layout.ep
+            experts_split = layout.dp if layout.shard > 1 else layout.ep
+            return (held - experts) / (layout.tp * layout.shard) + experts / experts_split
         return held / (layout.tp * layout.shard)
 
     def _remember(self, layout: Layout, *, m: int, accumulate: bool) -> None:
@@ -310,10 +311,10 @@ class MemoryModel:
         return self._sizes
 
     def _block_expert_sizes(self) -> list[int]:
-        """Each block's routed experts' state bytes (models/gpt/moe.py; 0 for a dense block)."""
+        """Each block's routed experts' state bytes (the spec's ``expert_layers``; 0 for a dense block)."""
         if self._expert_sizes is None:
             self._expert_sizes = [
-                self._state_bytes(p for m in b.modules() if isinstance(m, MoE) for p in m.experts.parameters())
+                self._state_bytes(p for e in self.spec.expert_layers(b) for p in e.experts.parameters())
                 for _, b in self.spec.blocks(self.model)
             ]
         return self._expert_sizes

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 from paratrain.config import ConfigError
 from paratrain.models.gpt.model import GPTConfig, build_gpt, gpt_flops
 from paratrain.models.gpt.moe import MoE
-from paratrain.models.spec import ModelSpec
+from paratrain.models.spec import ExpertLayer, ModelSpec
 
 
 def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
@@ -129,6 +129,15 @@ def gpt_context_length(args: dict) -> int:
     return args.get("block_size", GPTConfig.block_size)
 
 
+def gpt_expert_layers(module: nn.Module) -> list[ExpertLayer]:
+    """The MoE layers (models/gpt/moe.py) inside ``module``, for the planner."""
+    return [
+        ExpertLayer(m.experts, m.cfg.n_experts, m.cfg.top_k, m.router.in_features)
+        for m in module.modules()
+        if isinstance(m, MoE)
+    ]
+
+
 GPT_SPEC = ModelSpec(
     name="gpt",
     build=build_gpt,
@@ -140,4 +149,5 @@ GPT_SPEC = ModelSpec(
     context_length=gpt_context_length,
     head_attr="lm_head",
     cp_attention=gpt_cp_attention,
+    expert_layers=gpt_expert_layers,
 )

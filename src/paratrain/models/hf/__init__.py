@@ -14,7 +14,7 @@ from torch import nn
 
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
-from paratrain.models.hf.moe import active_params, check_hf_moe_combinations
+from paratrain.models.hf.moe import active_params, check_hf_moe_combinations, expert_layers
 from paratrain.models.hf.parallel import check_hf_layout, hf_cp_attention, hf_tp_plan
 from paratrain.models.hf.weights import converted_sources, load_into, save_hf, weight_files
 from paratrain.models.lora import apply_lora
@@ -68,6 +68,7 @@ def hf_spec(cfg: ModelConfig) -> ModelSpec:
         head_attr="lm_head",
         cp_attention=hf_cp_attention,
         flops_per_token=hf_flops,
+        expert_layers=expert_layers,
     )
 
 

@@ -24,6 +24,7 @@ What transformers 5 ships for Qwen3-MoE and Mixtral, and what paratrain adds:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -38,6 +39,7 @@ from paratrain.config import ConfigError
 from paratrain.distributed.expert_parallel import ExpertGroup, dispatch
 from paratrain.loss import RouterStats
 from paratrain.models.gpt.moe import sequence_balance_loss
+from paratrain.models.spec import ExpertLayer
 
 # The config fields that give a transformers model's routed-expert count (Qwen-MoE and OLMoE,
 # Mixtral, DeepSeek).
@@ -84,6 +86,15 @@ def sparse_blocks(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def expert_layers(module: nn.Module) -> list[ExpertLayer]:
+    """The sparse blocks inside ``module`` as the planner prices them (models/spec.py): the fused
+    experts module (all routed experts), their count, the router's top_k and its input width."""
+    return [
+        ExpertLayer(b.experts, b.experts.num_experts, b.gate.top_k, b.gate.weight.shape[-1])
+        for b in sparse_blocks(module)
+    ]
+
+
 def active_params(model: nn.Module) -> int:
     """Parameters a token goes through: all of them but the ``num_experts - top_k`` routed experts
     of each sparse block it does not choose (the FLOPs per token and MFU count these)."""
@@ -93,6 +104,36 @@ def active_params(model: nn.Module) -> int:
         per_expert = (experts.gate_up_proj.numel() + experts.down_proj.numel()) // experts.gate_up_proj.shape[0]
         n -= (experts.num_experts - block.gate.top_k) * per_expert
     return n
+
+
+@contextlib.contextmanager
+def fake_grouped_mm():
+    """transformers' ``grouped_mm`` experts on fake tensors (the memory estimate, batch/measure.py).
+
+    torch's meta kernel of ``_grouped_mm`` accepts bf16 only (torch 2.13,
+    ``_meta_grouped_mm_common``) where the CPU kernel also takes fp32, so a float32 step raised
+    under FakeTensorMode. transformers' own fallback, the custom op
+    ``transformers::grouped_mm_fallback`` (integrations/moe.py: a fake kernel, and an autograd
+    formula that saves the input and the weight), computes the same product with outputs of the
+    same shapes, and transformers takes it itself where ``grouped_mm`` cannot run (fp32 under
+    torch.compile); here it runs for fake tensors only. The estimate of a Qwen3-MoE step is then
+    as close to the real step's MemTracker peak (+2% at micro-batch 2, +3% at 4) as a dense
+    Llama's (tests/test_plan_moe.py)."""
+    try:
+        from transformers.integrations import moe as hf_moe
+    except ImportError:  # no transformers: no model.hf either
+        yield
+        return
+    original = hf_moe._can_use_grouped_mm
+
+    def can_use(input, weight, offs):
+        return not is_fake(weight) and original(input, weight, offs)
+
+    hf_moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        hf_moe._can_use_grouped_mm = original
 
 
 def aux_loss_weight(config, n_layers: int) -> float:
