@@ -5,11 +5,12 @@ it claims, and the all_to_all bytes it compares against are plan/cost.py's formu
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import pytest
 
-from benchmarks.moe_ep import a2a_formula, layouts, overrides, param_counts
+from benchmarks.moe_ep import a2a_formula, layouts, overrides, param_counts, read_run
 from paratrain.config import load_config
 from paratrain.preflight import check_run
 
@@ -54,3 +55,33 @@ def test_a2a_formula_is_the_planners_per_step():
     assert a2a_formula(a, 2, 2, moe_layers=2) == 2 * 2 * 2 * 1024 * 2 * 128 * 4 / 2 == 4 * 2**20
     assert a2a_formula(a, 4, 1, moe_layers=2) == 0
     assert a2a_formula(a, 4, 4, moe_layers=2) == 2 * 2 * 2 * 512 * 2 * 128 * 4 * 3 / 4
+
+
+def fake_run(out, *, world: int, ep: int, held: int, steps: int = 5) -> None:
+    """A run's files as the trainer and the worker write them (only the fields read)."""
+    os.makedirs(out)
+    with open(os.path.join(out, "config.toml"), "w") as f:
+        f.write(f"[parallel]\nep = {ep}\n[model.args]\nmoe = {{n_experts = 4}}\n")
+    batch = {"dp": world, "micro_batch_size": 8 // world, "accum_steps": 1}
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({"world_size": world, "batch": batch}, f)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        for i in range(steps):  # loop iterations 1 s (warm-up), then 0.5 s
+            row = {"world_size": world, "global_batch_size": 8, "time": i if i < 4 else 3 + 0.5 * (i - 3)}
+            f.write(json.dumps({**row, "aux_loss": 0.1, "loss": 2.0}) + "\n")
+    for r in range(world):
+        with open(os.path.join(out, f"rank{r}.json"), "w") as f:
+            json.dump(
+                {"params": 4, "grads": 4, "optim": 8 * r, "local_experts": [held], "rss_peak": 1, "a2a_bytes": 10}, f
+            )
+
+
+def test_a_run_is_read_only_when_it_ran_as_claimed(tmp_path):
+    a = bench_args()
+    fake_run(tmp_path / "ok", world=2, ep=2, held=2)
+    run = read_run(str(tmp_path / "ok"), a=a, world=2, ep=2, moe=True)
+    assert (run["step_s"], run["state"], run["a2a"]) == (0.5, 16, 2)  # warm-up out; worst rank; per step
+    # The config says ep 2 but every rank kept all 4 experts: ep did not happen.
+    fake_run(tmp_path / "no-ep", world=2, ep=2, held=4)
+    with pytest.raises(SystemExit, match="experts per rank"):
+        read_run(str(tmp_path / "no-ep"), a=a, world=2, ep=2, moe=True)
