@@ -1,6 +1,7 @@
 """benchmarks/moe_ep.py's logic that its figures rest on (no timing, no process started): the dense
 twin has the MoE's active parameters, every layout it launches passes the preflight as the layout
-it claims, and the all_to_all bytes it compares against are plan/cost.py's formula per step."""
+it claims, the all_to_all bytes it compares against are plan/cost.py's formula per step, and a
+run whose own files contradict its layout is refused."""
 
 from __future__ import annotations
 
