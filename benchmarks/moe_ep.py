@@ -1,134 +1,346 @@
-"""Expert parallelism on CPU (gloo): step time, per-rank expert memory and all_to_all bytes vs ep.
+"""Expert parallelism on CPU (gloo), issue 24: step time, memory per rank and all_to_all bytes of
+the MoE GPT at every ep, against a dense GPT with the same active parameters per token.
 
-Each of ``--world`` processes runs one MoE layer (models/gpt/moe.py) on its own ``--tokens``
-tokens, forward + backward, then the experts' gradient reduce a step needs: at ep = 1 the
-all-reduce of every expert over the world (what DDP does for replicated experts), at ep > 1
-distributed/expert_parallel.reduce_expert_grads (the ``world / ep`` ranks holding the same
-experts). Reported per ep: the median step time (of rank 0), the expert weights one rank holds
-against the planner's estimate (all experts' weights / ep, plan/memory.py), and the bytes each
-rank's token all_to_alls sent to *other* ranks in one forward (dispatch and combine), against
-the planner's balanced-routing formula (plan/cost.py ``moe_all_to_all_bytes``, the one place)
+One command, one process tree: for each world (2 and 4) and each round, every layout of that
+world is one ``torchrun`` job of paratrain's own trainer (this file's ``--worker`` mode: the
+trainer's worker with a byte counter and a memory reading added, nothing else changed), the
+layouts in alternating order (reversed every other round), so that each round gives *paired*
+runs: the ratios ep k / ep 1 and MoE / dense of the same round cancel the drift of a shared
+machine (benchmarks/paired.py: median ratio and the 95% t-interval of the geometric mean).
 
-    tokens x top_k x d_model x 4 bytes x 2 directions x (ep - 1) / ep
+Layouts, with DDP for everything but the experts (``parallel.dp_replicate = world``):
+    MoE GPT at ep 1 (the experts replicated, all-reduced by DDP), ep 2, ..., ep = world;
+    dense GPT: same d_model and layers, MLP width ``(top_k + n_shared) x mlp_ratio x d_model``,
+    so the FLOPs per token match (its parameters = the MoE's active ones but the router and
+    ``top_k - 1`` output biases per layer; both counts are printed).
+Same data (the built-in byte corpus), seed, global batch (one micro-batch per rank), steps, AdamW.
 
-(the backward sends as much again). Tokens and outputs travel in float32 here.
+Reported per layout:
+- **step ms**: the median over rounds of each run's median loop iteration (differences of
+  consecutive metrics rows' ``time``, the first ``WARMUP`` steps left out, as dp_overhead.py).
+- **state MiB**: parameters + gradients + AdamW moments held by one rank, the local bytes of the
+  real tensors (``DTensor.to_local()``), read just before the last optimiser step (as
+  benchmarks/memory.py counts them), worst rank. **RSS MiB**: the peak resident set of one rank
+  (``getrusage`` ``ru_maxrss``: torch's libraries, activations and buffers included), worst rank.
+- **a2a MiB**: the bytes one rank's token all_to_alls send to *other* ranks per optimiser step
+  (dispatch and combine, forward and backward, every MoE layer; ``all_to_all_single``'s floating
+  point calls, counted by split size), mean over steps, worst rank, against plan/cost.py's
+  ``moe_all_to_all_bytes`` (balanced routing), the one formula, x 2 (forward + backward) x the
+  MoE layers, at the rank's tokens per step.
+Each run is checked to be what it claims from its own files (``config.toml``, ``summary.json``,
+``metrics.jsonl``): world size, ep, dp, global and micro batch, steps, MoE or dense; exit 1 if not.
 
-    PYTHONPATH=src python benchmarks/moe_ep.py --world 2 [--tokens 2048] [--d-model 256] [--experts 8]
+    PYTHONPATH=src python benchmarks/moe_ep.py [--quick] [--worlds 2 4] [--rounds 5] [--steps 14]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "src"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path[:0] = [os.path.join(REPO, "src"), HERE]
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from paired import paired_ratios, ratio_ci  # noqa: E402
 
-from paratrain.distributed.expert_parallel import ExpertGroup, apply_ep, reduce_expert_grads  # noqa: E402
-from paratrain.models.gpt.model import MLP, GPTConfig  # noqa: E402
-from paratrain.models.gpt.moe import MoE, MoEConfig  # noqa: E402
-from paratrain.plan.cost import moe_all_to_all_bytes  # noqa: E402
+WARMUP = 3  # steps left out of each run's median (first-call allocations, thread pools)
+MIB = 2**20
 
 
-def rank_main(rank: int, a, port: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=a.world)
+# ----- the worker: one rank of one run (under torchrun) ----------------------------------------
+
+
+def worker(argv: list[str]) -> int:
+    """paratrain's worker (launch/worker.py) with two readings added: the bytes every floating
+    point ``all_to_all_single`` sends to other ranks, and the local bytes of parameters, gradients
+    and optimiser state before each optimiser step; written to ``<out_dir>/rank<r>.json``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from paratrain import trainer
+    from paratrain.launch import worker as pt_worker
+    from paratrain.models.gpt.moe import MoE
+
     sent = [0]
     a2a = dist.all_to_all_single
 
     def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
-        if input.is_floating_point() and input_split_sizes is not None:
-            me = dist.get_group_rank(group, rank)
+        if input.is_floating_point() and input_split_sizes is not None:  # the tokens, not the counts
+            me = dist.get_group_rank(group, dist.get_rank())
             row = input[0].numel() * input.element_size() if len(input) else 0
             sent[0] += (sum(input_split_sizes) - input_split_sizes[me]) * row
         return a2a(output, input, output_split_sizes, input_split_sizes, group=group, **kw)
 
-    dist.all_to_all_single = counting
-    results = {}
-    for ep in a.eps:
-        # Every rank creates every group, in the same order (torch.distributed's rule).
-        ep_groups = [dist.new_group(list(range(g * ep, (g + 1) * ep))) for g in range(a.world // ep)]
-        rep_groups = [dist.new_group(list(range(r, a.world, ep))) for r in range(ep)]
-        torch.manual_seed(0)
-        d = a.d_model
-        moe = MoE(MoEConfig(n_experts=a.experts, top_k=a.top_k), d, lambda: MLP(GPTConfig(d_model=d)))
-        estimated = sum(p.numel() for p in moe.experts.parameters()) * 4 / ep  # the planner's rule
-        if ep > 1:
-            group = ep_groups[rank // ep]
-            replicas = rep_groups[rank % ep] if a.world > ep else None
-            ep_info = ExpertGroup(group, rank % ep, ep, replicas, a.world)
-            local = apply_ep(moe, ep_info)
-        else:
-            local = list(moe.experts.parameters())
-        expert_bytes = sum(p.numel() * p.element_size() for p in local)
-        torch.manual_seed(1 + rank)  # each rank its own tokens
-        x = torch.randn(a.tokens // 128, 128, d, requires_grad=True)
-        times, fwd_bytes = [], []
-        for r in range(a.rounds + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            sent[0] = 0
-            y = moe(x)
-            fwd_bytes.append(sent[0])
-            y.square().mean().backward()
-            if ep > 1:
-                reduce_expert_grads(local)
-            else:
-                for p in local:
-                    dist.all_reduce(p.grad)
-            if r:
-                times.append(time.perf_counter() - t0)
-            moe.zero_grad(set_to_none=True)
-            moe.router_stats = None
-        formula, _ = moe_all_to_all_bytes(tokens=a.tokens, top_k=a.top_k, d_model=d, ep=ep)
-        results[ep] = (statistics.median(times), expert_bytes, estimated, statistics.mean(fwd_bytes), formula)
-    if rank == 0:
-        out.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.all_to_all_single = counting  # expert_parallel.py calls it as dist.all_to_all_single
+
+    def local_bytes(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    state = {}
+    build_run = trainer.build_run
+
+    def build_run_counted(cfg, ctx, **kw):
+        run = build_run(cfg, ctx, **kw)
+        params = list(run.model.parameters())
+        state["local_experts"] = sorted({len(m.experts) for m in run.model.modules() if isinstance(m, MoE)})
+
+        def before_step(opt, args, kwargs) -> None:  # gradients exist; zero_grad follows the step
+            state.update(
+                params=sum(local_bytes(p) for p in params),
+                grads=sum(local_bytes(p.grad) for p in params if p.grad is not None),
+                optim=sum(local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)),
+            )
+
+        run.optimizer.register_step_pre_hook(before_step)
+        return run
+
+    trainer.build_run = build_run_counted
+    out_dir = next(o.split("=", 1)[1].strip("'\"") for o in argv if o.startswith("run.out_dir="))
+    rc = pt_worker.main(argv)
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        # ru_maxrss: kilobytes on Linux
+        json.dump(
+            {**state, "a2a_bytes": sent[0], "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f
+        )
+    return rc
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
-    ap.add_argument("--d-model", type=int, default=256)
+# ----- the driver --------------------------------------------------------------------------------
+
+
+def model_args(a, *, moe: bool) -> dict:
+    """The GPT's ``model.args``: the MoE one, or the dense one of the same active FLOPs per token."""
+    args = dict(n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, block_size=a.seq)
+    if moe:
+        args["moe"] = dict(n_experts=a.experts, top_k=a.top_k, n_shared_experts=a.shared, aux_loss_weight=0.01)
+    else:
+        args["mlp_ratio"] = (a.top_k + a.shared) * 4  # 4: the GPT's (and each expert's) mlp_ratio
+    return args
+
+
+def toml_inline(d: dict) -> str:
+    items = ", ".join(f"{k} = {toml_inline(v) if isinstance(v, dict) else json.dumps(v)}" for k, v in d.items())
+    return "{" + items + "}"
+
+
+def param_counts(a) -> dict:
+    """Parameters of the MoE GPT (all; active per token) and of the dense GPT, from built models."""
+    import torch
+
+    from paratrain.models.gpt import build_gpt
+    from paratrain.models.gpt.moe import MoE
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256)  # the byte corpus
+    moe = build_gpt(**common, **model_args(a, moe=True))
+    dense = build_gpt(**common, **model_args(a, moe=False))
+    total = sum(p.numel() for p in moe.parameters())
+    layers = [m for m in moe.modules() if isinstance(m, MoE)]
+    per_expert = sum(p.numel() for p in layers[0].experts[0].parameters())
+    inactive = len(layers) * (a.experts - a.top_k) * per_expert
+    return dict(
+        moe_total=total,
+        moe_active=total - inactive,
+        dense=sum(p.numel() for p in dense.parameters()),
+        moe_layers=len(layers),
+    )
+
+
+def layouts(world: int, a) -> list[tuple[str, int, bool]]:
+    """(name, ep, moe) of one world: every ep dividing world and the experts, then the dense GPT."""
+    eps = [ep for ep in (1, 2, 4, 8) if ep <= world and world % ep == 0 and a.experts % ep == 0]
+    return [(f"moe ep {ep}", ep, True) for ep in eps] + [("dense", 1, False)]
+
+
+def overrides(a, world: int, ep: int, moe: bool, out: str) -> list[str]:
+    return [
+        f"run.out_dir='{out}'",
+        f"run.steps={a.steps}",
+        "run.progress=false",
+        "run.save_model=false",
+        "metrics.plot=false",
+        f"model.args={toml_inline(model_args(a, moe=moe))}",
+        f"data.args={{block_size = {a.seq}, max_bytes = 400000}}",
+        f"batch.global_batch_size={a.batch}",
+        f"batch.micro_batch_size={a.batch // world}",  # one micro-batch per rank: no accumulation
+        f"parallel.dp_replicate={world}",
+        f"parallel.ep={ep}",
+        "optim.warmup_steps=2",
+    ]
+
+
+def launch(world: int, sets: list[str], out: str, *, timeout_s: float = 240, tries: int = 2) -> None:
+    """One torchrun job of this file's worker. A job past ``timeout_s`` (a gloo rendezvous or
+    teardown that never returns, as dp_overhead.py saw) is killed with its process group and run
+    again from a fresh ``out``, said on stderr: a hang is not a timing."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    cmd += [os.path.abspath(__file__), "--worker", os.path.join(REPO, "configs", "debug.toml")]
+    cmd += [x for s in sets for x in ("--set", s)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
+    for attempt in range(1, tries + 1):
+        shutil.rmtree(out, ignore_errors=True)  # never a resume of a killed run
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        try:
+            _, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            print(f"run hung past {timeout_s:.0f} s (try {attempt}/{tries}), killed: {out}", file=sys.stderr)
+            continue
+        if proc.returncode:
+            sys.exit(f"benchmark run failed ({proc.returncode}): {' '.join(cmd)}\n{err[-3000:]}")
+        return
+    sys.exit(f"benchmark run hung {tries} times: {' '.join(cmd)}")
+
+
+def read_run(out: str, *, a, world: int, ep: int, moe: bool) -> dict:
+    """The run's step time, memory and bytes, after checking from its own files that it ran as claimed."""
+    import tomllib
+
+    with open(os.path.join(out, "config.toml"), "rb") as f:
+        cfg = tomllib.load(f)
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]  # noqa: SIM115
+    claims = {
+        "world_size": (summary["world_size"], world),
+        "rows' world_size": ({r["world_size"] for r in rows}, {world}),
+        "parallel.ep": (cfg["parallel"]["ep"], ep),
+        # ep as it ran: the routed experts each rank holds (n_experts / ep), on every rank
+        "experts per rank": ({tuple(r["local_experts"]) for r in ranks}, {(a.experts // ep,) if moe else ()}),
+        "dp": (summary["batch"]["dp"], world),
+        "global batch": ({r["global_batch_size"] for r in rows}, {a.batch}),
+        "micro batch": (summary["batch"]["micro_batch_size"], a.batch // world),
+        "accum": (summary["batch"]["accum_steps"], 1),
+        "steps": (len(rows), a.steps),
+        "moe": ("moe" in cfg["model"]["args"], moe),
+        "aux_loss logged": (all("aux_loss" in r for r in rows), moe),
+    }
+    wrong = {k: v for k, v in claims.items() if v[0] != v[1]}
+    if wrong:
+        sys.exit(f"run in {out} is not what it claims (measured, claimed): {wrong}")
+    stamps = [r["time"] for r in rows]
+    return dict(
+        step_s=statistics.median([b - t for t, b in zip(stamps, stamps[1:])][WARMUP:]),
+        state=max(r["params"] + r["grads"] + r["optim"] for r in ranks),
+        rss=max(r["rss_peak"] for r in ranks),
+        a2a=max(r["a2a_bytes"] for r in ranks) / a.steps,
+        final_loss=rows[-1]["loss"],
+    )
+
+
+def a2a_formula(a, world: int, ep: int, moe_layers: int) -> float:
+    """plan/cost.py's forward + backward bytes per rank and MoE layer, x the layers, per step."""
+    from paratrain.plan.cost import moe_all_to_all_bytes
+
+    fwd, bwd = moe_all_to_all_bytes(tokens=a.batch // world * a.seq, top_k=a.top_k, d_model=a.d_model, ep=ep)
+    return (fwd + bwd) * moe_layers
+
+
+def ci_text(ratios: list[float]) -> str:
+    if len(ratios) < 2:
+        return f"{statistics.median(ratios):.3f}"
+    g, lo, hi = ratio_ci(ratios)
+    return f"{statistics.median(ratios):.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke test: world 2 only, 2 rounds of 5 steps")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rounds", type=int, default=5, help="paired rounds per world")
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--shared", type=int, default=0, help="shared experts")
     a = ap.parse_args()
-    a.eps = [ep for ep in (1, 2, 4, 8) if ep <= a.world and a.world % ep == 0 and a.experts % ep == 0]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(rank_main, args=(a, port, q), nprocs=a.world, start_method="spawn", join=False)
-    results = q.get(timeout=600)
+    if a.quick:
+        a.worlds, a.rounds, a.steps = [2], 2, WARMUP + 2
+    counts = param_counts(a)
     print(
-        f"world {a.world}, {a.tokens} tokens/rank, d_model {a.d_model}, {a.experts} experts, top_k {a.top_k},"
-        " 1 thread/rank"
+        f"GPT n_layer {a.n_layer}, d_model {a.d_model}, seq {a.seq}, global batch {a.batch} x {a.seq} tokens,"
+        f" {a.steps} steps, AdamW, DDP + ep, gloo, 1 thread/rank; MoE: {a.experts} experts, top_k {a.top_k},"
+        f" {a.shared} shared, every block"
     )
     print(
-        f"  {'ep':>3} {'step ms':>9} {'experts MiB/rank':>17} {'plan MiB':>9} {'a2a fwd MiB/rank':>17}"
-        f" {'formula MiB':>12}"
+        f"parameters: MoE {counts['moe_total']:,} (active per token {counts['moe_active']:,}),"
+        f" dense {counts['dense']:,} (MLP width {(a.top_k + a.shared) * 4} x d_model)"
     )
-    for ep, (t, mem, est, sent, formula) in results.items():
-        print(
-            f"  {ep:>3} {t * 1e3:9.1f} {mem / 2**20:17.2f} {est / 2**20:9.2f} {sent / 2**20:17.3f}"
-            f" {formula / 2**20:12.3f}"
-        )
+    print(f"load before: {os.getloadavg()}", flush=True)
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in a.worlds:
+            lays = layouts(world, a)
+            runs = {name: [] for name, _, _ in lays}
+            for i in range(a.rounds):
+                for name, ep, moe in lays if i % 2 == 0 else lays[::-1]:
+                    out = os.path.join(tmp, f"w{world}-{name.replace(' ', '')}-{i}")
+                    t0 = time.time()
+                    launch(world, overrides(a, world, ep, moe, out), out)
+                    runs[name].append(read_run(out, a=a, world=world, ep=ep, moe=moe))
+                    print(
+                        f"  world {world} round {i + 1}/{a.rounds} {name}: {runs[name][-1]['step_s'] * 1e3:.1f} ms/step"
+                        f" ({time.time() - t0:.0f} s)",
+                        flush=True,
+                    )
+            ep1 = [r["step_s"] for r in runs["moe ep 1"]]
+            dense = [r["step_s"] for r in runs["dense"]]
+            print(f"world {world} ({a.rounds} paired rounds)")
+            head = f"  {'layout':<9} {'step ms':>8} {'vs ep 1 [95% CI]':>22} {'vs dense [95% CI]':>22}"
+            print(head + f" {'state MiB':>9} {'RSS MiB':>8} {'a2a MiB':>8} {'formula':>8}")
+            for name, ep, moe in lays:
+                rs = runs[name]
+                t = [r["step_s"] for r in rs]
+                vs1 = ci_text(paired_ratios(t, ep1)) if moe and ep > 1 else "-"
+                vsd = ci_text(paired_ratios(t, dense)) if moe else "-"
+                formula = a2a_formula(a, world, ep, counts["moe_layers"]) if moe else 0.0
+                a2a = statistics.mean(r["a2a"] for r in rs)
+                # The balanced-routing formula within the routing's imbalance (the tokens go where
+                # the router sends them): 10%, and exactly 0 where nothing is exchanged.
+                failed |= abs(a2a - formula) > 0.10 * formula if formula else a2a != 0
+                print(
+                    f"  {name:<9} {statistics.median(t) * 1e3:8.1f} {vs1:>22} {vsd:>22}"
+                    f" {max(r['state'] for r in rs) / MIB:9.2f} {max(r['rss'] for r in rs) / MIB:8.0f}"
+                    f" {a2a / MIB:8.3f} {formula / MIB:8.3f}"
+                )
+    print(
+        "state: params + grads + AdamW moments, local tensor bytes before the last step, worst rank;"
+        " RSS: peak resident set (ru_maxrss), worst rank; a2a: bytes sent to other ranks per step"
+        " (fwd + bwd, all MoE layers), mean over steps, worst rank; ratios: median [95% CI of the"
+        " geometric mean] of paired rounds"
+    )
+    print(f"load after: {os.getloadavg()}")
+    if failed:
+        print("a2a bytes off the formula by more than 10%", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--worker"]:
+        from paratrain.distributed.process_group import run_then_exit
+
+        run_then_exit(lambda: worker(sys.argv[2:]))
+    else:
+        sys.exit(main())
