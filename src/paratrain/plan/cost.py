@@ -502,8 +502,9 @@ def moe_all_to_all_bytes(*, tokens: int, top_k: int, d_model: int, ep: int, elem
     2), ``(ep - 1) / ep`` of them to another rank; the backward sends their gradients the other
     way (as much again). Tokens travel in the residual stream's dtype (float32: layer norms run in
     float32 under autocast, and FSDP2's bf16 parameters are refused with ep) and outputs in
-    float32, hence ``elem_bytes`` 4 for both. benchmarks/moe_ep.py measures the forward's:
-    4.06 MiB against 4.00 (ep 2) and 5.99 against 6.00 (ep 4), the routing's imbalance."""
+    float32, hence ``elem_bytes`` 4 for both. benchmarks/moe_ep.py measures a whole step's
+    (forward and backward, both layers) within the routing's imbalance: 3.998 MiB against 4.000 at
+    ep 2 of world 2, 3.110 against 3.000 at ep 4 of world 4 (docs/moe.md)."""
     if ep <= 1:
         return 0.0, 0.0
     forward = 2 * tokens * top_k * d_model * elem_bytes * (ep - 1) / ep
