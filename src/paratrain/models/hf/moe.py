@@ -137,8 +137,10 @@ def _router_stats(gate: nn.Module, args, out) -> None:
 
 def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int, dp_shard: int = 1) -> None:
     """What a ``model.hf`` mixture of experts (``config``, its transformers config) runs with (DDP,
-    FSDP2, HSDP, accumulation, activation checkpointing, expert parallel), refusing the rest in one
-    line before any process starts (preflight, through models/hf's ``check_hf_layout_of``)."""
+    FSDP2, HSDP, accumulation, activation checkpointing, expert parallel, tensor parallel with the
+    sparse blocks replicated (models/hf/parallel.py), pipeline parallel with each stage's balance
+    loss riding its output (distributed/pipeline_parallel.py ``_AuxLoss``)), refusing the rest in
+    one line before any process starts (preflight, through models/hf's ``check_hf_layout_of``)."""
     if not is_moe(config):
         if ep > 1:
             raise ConfigError(
@@ -158,8 +160,6 @@ def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int
             " supported yet; use DDP (parallel.dp_shard = 1) or precision.dtype = 'fp32'"
         )
     for key, on in (
-        (f"parallel.tp = {tp}", tp > 1),
-        (f"parallel.pp = {pp}", pp > 1),
         (f"parallel.cp = {cp}", cp > 1),  # a rank would hold part of each sequence of the balance loss
         ("train.compile = true", cfg.train.compile),
         ("batch.adaptive = true", cfg.batch.adaptive),
