@@ -60,6 +60,18 @@ def test_hf_moe_tp_and_pp_layouts_pass_the_preflight(tmp_path, overrides, world)
     check_run(paratrain.load_config(None, [*cfg, "batch.micro_batch_size=4", *overrides]), world)
 
 
+def test_hf_moe_with_a_zero_bubble_schedule_is_one_line(tmp_path):
+    import paratrain
+    from paratrain.config import ConfigError
+    from paratrain.preflight import check_run
+
+    src = save_tiny("mixtral", str(tmp_path / "mixtral"), weights=False)
+    cfg = [f"model.hf='{src}'", "data.factory='tests.toy:toy_lm'", "parallel.pp=2", "parallel.pp_schedule='zbv'"]
+    with pytest.raises(ConfigError, match="runs with parallel.pp_schedule = 'zbv' not yet; use 'gpipe'") as e:
+        check_run(paratrain.load_config(None, cfg), 2)
+    assert "\n" not in str(e.value)
+
+
 # ------------------------------------------------------------------------------ slow: whole runs
 
 

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from paratrain.config import ConfigError
 from paratrain.distributed.expert_parallel import ExpertGroup, dispatch
+from paratrain.distributed.pipeline_parallel import ZERO_BUBBLE
 from paratrain.loss import RouterStats
 from paratrain.models.gpt.moe import sequence_balance_loss
 
@@ -158,6 +159,12 @@ def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int
         raise ConfigError(
             f"parallel.ep > 1 with parallel.dp_shard > 1 and precision.dtype = {cfg.precision.dtype!r} is not"
             " supported yet; use DDP (parallel.dp_shard = 1) or precision.dtype = 'fp32'"
+        )
+    if pp > 1 and cfg.parallel.pp_schedule in ZERO_BUBBLE:
+        # As for the GPT's MoE: their split weight pass would have to find the auxiliary loss's path too.
+        raise ConfigError(
+            f"model.hf = {cfg.model.hf!r} is a mixture of experts, which runs with parallel.pp_schedule ="
+            f" '{cfg.parallel.pp_schedule}' not yet; use 'gpipe', '1f1b', 'interleaved1f1b' or 'looped_bfs'"
         )
     for key, on in (
         (f"parallel.cp = {cp}", cp > 1),  # a rank would hold part of each sequence of the balance loss
