@@ -5,8 +5,9 @@ Fast: the pieces (the tp plan built from transformers' ``base_model_tp_plan`` le
 blocks replicated and keeps the attention's and the dense MLPs' entries; the layouts pass the
 preflight). Slow: whole runs of a tiny Qwen3-MoE (one sparse layer of two, embeddings untied here) and
 Mixtral (every layer sparse) under plain SGD against one process (``loss``, ``aux_loss``,
-``grad_norm``, tokens per expert, the final weights): tp 2 with and without accumulation and pp 2
-(1f1b) at world 2, tp 2 x ep 2 x dp 2 and pp 2 x ep 2 at world 4.
+``grad_norm``, tokens per expert, the final weights): tp 2 with and without accumulation, pp 2
+1f1b, and pp 2 gpipe with accumulation and full activation checkpointing at world 2; tp 2 x ep 2
+x DDP 2 and pp 2 x ep 2 x DDP 2 at world 4.
 """
 
 from __future__ import annotations
@@ -108,6 +109,13 @@ def test_hf_moe_with_tp_and_pp_at_world_2_equals_one_process(tmp_path, reference
         "tp2": ["parallel.tp=2", "batch.micro_batch_size=8"],
         "tp2_acc2": ["parallel.tp=2", "batch.micro_batch_size=4"],
         "pp2_1f1b": ["parallel.pp=2", "parallel.pp_schedule='1f1b'", "batch.micro_batch_size=8"],
+        # Full activation checkpointing recomputes the routers in backward: their stats count once.
+        "pp2_gpipe_acc2_ac": [
+            "parallel.pp=2",
+            "parallel.pp_schedule='gpipe'",
+            "batch.micro_batch_size=4",
+            "parallel.activation_checkpointing='full'",
+        ],
     }
     _check(moe_runs(tmp_path, 2, src, runs), ref)
 
