@@ -7,7 +7,7 @@ preflight). Slow: whole runs of a tiny Qwen3-MoE (one sparse layer of two, embed
 Mixtral (every layer sparse) under plain SGD against one process (``loss``, ``aux_loss``,
 ``grad_norm``, tokens per expert, the final weights): tp 2 with and without accumulation, pp 2
 1f1b, and pp 2 gpipe with accumulation and full activation checkpointing at world 2; tp 2 x ep 2
-x DDP 2 and pp 2 x ep 2 x DDP 2 at world 4.
+x DDP 2, tp 2 x ep 2 x FSDP2 2 and pp 2 x ep 2 x DDP 2 at world 4.
 """
 
 from __future__ import annotations
@@ -123,10 +123,12 @@ def test_hf_moe_with_tp_and_pp_at_world_2_equals_one_process(tmp_path, reference
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_hf_moe_with_ep_and_tp_or_pp_at_world_4_equals_one_process(tmp_path, reference):
-    """tp 2 x ep 2 (experts sharded over ep, replicated over tp) with DDP over dp 2, and pp 2 x ep 2."""
+    """tp 2 x ep 2 (experts sharded over ep, replicated over tp) with DDP and with FSDP2 over dp 2
+    (the experts' rows then FSDP2-sharded over nothing: ep = dp), and pp 2 x ep 2 with DDP."""
     src, ref = reference
     runs = {
         "tp2_ep2_dp2": ["parallel.tp=2", "parallel.dp_replicate=2", "parallel.ep=2", "batch.micro_batch_size=4"],
+        "tp2_ep2_fsdp2": ["parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2", "batch.micro_batch_size=4"],
         "pp2_ep2_dp2": ["parallel.pp=2", "parallel.dp_replicate=2", "parallel.ep=2", "batch.micro_batch_size=4"],
     }
     _check(moe_runs(tmp_path, 4, src, runs), ref)
