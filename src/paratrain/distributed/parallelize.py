@@ -162,7 +162,9 @@ def parallelize(
         mesh = dims.ep_mesh
         replicas = mesh["ep_replicate"].get_group() if dims.dp > dims.ep else None
         ep = ExpertGroup(mesh["ep"].get_group(), mesh["ep"].get_local_rank(), dims.ep, replicas, dims.dp)
-        if not apply_ep(model, ep):
+        # Under pp a stage may hold no MoE block (Qwen3-MoE's dense layers): its ep group, the
+        # stage's own dp ranks, then has nothing to exchange, on all of its ranks alike.
+        if not apply_ep(model, ep) and dims.pp == 1:
             raise ConfigError("parallel.ep > 1 needs a mixture-of-experts model (model.args.moe); set parallel.ep = 1")
         if dims.fsdp_enabled:
             # FSDP2 of the experts over what remains of dp (ep_replicate), with the same mixed

@@ -20,6 +20,12 @@ We map those names to torch's DTensor styles here (the same meaning as transform
 
 Embeddings stay replicated (the plans of transformers 5 do not split them), and ``lm_head`` is
 split only when its weight is not tied to the embedding (splitting one would split both).
+
+A mixture of experts' sparse block (models/hf/moe.py) stays **replicated** over tp, as the GPT's
+MoE does (docs/moe.md): the plan's entries for its router and experts (transformers 5's
+``layers.*.mlp.experts`` "moe_tp_experts", "packed_colwise", ...) are left out, so every tp rank
+runs the whole block on the whole (replicated) residual stream. The attention keeps its plan,
+and so do the dense MLPs of a model that mixes both (Qwen3-MoE's ``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from paratrain.config import ConfigError
 from paratrain.distributed.tensor_parallel import plan_from_table
+from paratrain.models.hf.moe import sparse_blocks
 
 
 class ReplicateWithGradAllReduce(ParallelStyle):
@@ -83,13 +90,16 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool
             "parallel.sequence_parallel = true is not supported for model.hf (its plan keeps the residual stream"
             " replicated); set it to false"
         )
-    return plan_from_table(
+    # Mixture of experts: the modules of the sparse blocks (router, fused experts) stay replicated.
+    moe = {id(m) for block in sparse_blocks(model) for m in block.modules()}
+    plan = plan_from_table(
         model,
         hf_plan_table(model),
-        style_of=lambda name, module, key: style_of(name, key),
+        style_of=lambda name, module, key: None if id(module) in moe else style_of(name, key),
         key_of=lambda pattern: f"base_model_tp_plan[{pattern!r}]",
         require_match=False,
     )
+    return {fqn: style for fqn, style in plan.items() if style is not None}
 
 
 def check_hf_layout(config, *, tp: int) -> None:
