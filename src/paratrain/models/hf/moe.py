@@ -113,6 +113,10 @@ def install_router_stats(model: nn.Module) -> int:
         gate = block.gate
         gate.router_stats = None
         gate.aux_loss_weight = weight
+        # Context parallel: the cp ranks holding the other parts of this rank's sequences
+        # (models/hf/parallel.py hf_cp_attention sets it), over which the balance loss's expert
+        # counts are summed (models/gpt/moe.py sequence_balance_loss, as the GPT's MoE does).
+        gate.cp_group = None
         block.register_forward_pre_hook(_note_shape)
         gate.register_forward_hook(_router_stats)
     return len(blocks)
@@ -127,7 +131,7 @@ def _router_stats(gate: nn.Module, args, out) -> None:
     b, t = gate.sequence_shape
     n = logits.shape[-1]
     probs = torch.softmax(logits.float(), dim=-1).view(b, t, n)  # as the router itself computes them
-    per_sequence = sequence_balance_loss(probs, experts.view(b, t, -1), n)
+    per_sequence = sequence_balance_loss(probs, experts.view(b, t, -1), n, cp_group=gate.cp_group)
     estimating = experts.device.type == "meta" or is_fake(experts)  # a memory estimate: no values to count
     counts = experts.new_zeros(n) if estimating else torch.bincount(experts.reshape(-1), minlength=n)
     gate.router_stats = RouterStats(
@@ -137,7 +141,7 @@ def _router_stats(gate: nn.Module, args, out) -> None:
 
 def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int, dp_shard: int = 1) -> None:
     """What a ``model.hf`` mixture of experts (``config``, its transformers config) runs with (DDP,
-    FSDP2, HSDP, accumulation, activation checkpointing, expert parallel), refusing the rest in one
+    FSDP2, HSDP, accumulation, activation checkpointing, expert parallel, context parallel), refusing the rest in one
     line before any process starts (preflight, through models/hf's ``check_hf_layout_of``)."""
     if not is_moe(config):
         if ep > 1:
@@ -160,7 +164,6 @@ def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int
     for key, on in (
         (f"parallel.tp = {tp}", tp > 1),
         (f"parallel.pp = {pp}", pp > 1),
-        (f"parallel.cp = {cp}", cp > 1),  # a rank would hold part of each sequence of the balance loss
         ("train.compile = true", cfg.train.compile),
         ("batch.adaptive = true", cfg.batch.adaptive),
         ("optim.lr_scaling = 'adascale'", cfg.optim.lr_scaling == "adascale"),
