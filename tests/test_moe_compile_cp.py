@@ -5,15 +5,26 @@ sequence-wise balance loss sums the expert counts over the cp ranks and each ran
 its own tokens' share (models/hf/moe.py ``_router_stats``, as models/gpt/moe.py does). Whole runs
 against one process under plain SGD: loss, aux_loss, grad_norm, tokens per expert, final weights
 (tests/test_moe_hf.py's comparison).
+
+``train.compile = true``: the built-in GPT's MoE at ep = 2 and the ``model.hf`` MoE at ep = 1,
+compiled per block with the token dispatch / the experts kept eager (distributed/expert_parallel.py
+``dispatch``, models/hf/moe.py ``keep_experts_eager``), against eager one process: loss,
+aux_loss, grad_norm (and tokens per expert, final weights) within 1e-5, and no graph compiled
+after the first step (dynamo's ``unique_graphs`` counter read after each step), so nothing
+recompiles per step on the routing's data-dependent sizes.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from tests.dist_utils import plain_sgd, read_metrics, run_ranks
 from tests.hf_models import save_tiny
-from tests.test_moe_hf import assert_same_run, moe_runs
+from tests.test_moe import MOE_GPT, assert_same_moe_run
+from tests.test_moe import moe_runs as gpt_moe_runs
+from tests.test_moe_hf import BASE, assert_same_run, moe_runs
 from tests.test_sft import sft  # noqa: F401 - the SFT data path's fixture (packed conversations)
 
 pytest.importorskip("transformers")
@@ -56,7 +67,6 @@ def test_packed_hf_moe_at_cp2_equals_one_process(tmp_path, sft):  # noqa: F811
     each row: the ring's document masks) through a tiny Qwen3-MoE at cp = 2: two SGD steps equal
     one process. A packed row counts as one sequence of the balance loss, split over the cp ranks."""
     from paratrain.data.tokens import build_tokens
-    from tests.dist_utils import read_metrics, run_ranks
     from tests.sft_data import VOCAB
     from tests.test_moe_hf import train_many
     from tests.test_sft import _config
@@ -80,3 +90,97 @@ def test_packed_hf_moe_at_cp2_equals_one_process(tmp_path, sft):  # noqa: F811
             atol=0,
             msg=lambda m, k=key: f"{k}: {m}",
         )
+
+
+# ----------------------------------------------------------------------------- train.compile
+
+
+def train_counting_graphs(runs: list[list[str]]) -> list[list[int]]:
+    """Train each run on this gloo rank; per run, dynamo's count of graphs compiled so far after
+    each step (the trainer's ``train_step`` wrapped in this spawned process only)."""
+    import torch._dynamo
+    import torch.distributed as dist
+
+    import paratrain
+    import paratrain.trainer as trainer
+
+    step, graphs = trainer.train_step, []
+
+    def counted(*args, **kwargs):
+        out = step(*args, **kwargs)
+        graphs[-1].append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        return out
+
+    trainer.train_step = counted
+    dist.init_process_group("gloo")
+    try:
+        for overrides in runs:
+            graphs.append([])
+            paratrain.train(paratrain.load_config(None, overrides))
+    finally:
+        dist.destroy_process_group()
+    return graphs
+
+
+def compiled_runs(tmp_path, world: int, base: list[str], runs: dict[str, list[str]], timeout: float) -> dict:
+    """Each run's metrics and final weights (tests/test_moe_hf.py's ``moe_runs`` form) and every
+    rank's per-step graph counts."""
+    dirs = {name: tmp_path / name for name in runs}
+    graphs = run_ranks(
+        train_counting_graphs,
+        world,
+        [[*base, *extra, f"run.out_dir='{dirs[name]}'"] for name, extra in runs.items()],
+        timeout=timeout,
+    )
+    out = {}
+    for i, name in enumerate(runs):
+        rows = read_metrics(str(dirs[name]))
+        out[name] = {k: [r[k] for r in rows] for k in ("loss", "aux_loss", "grad_norm")}
+        out[name]["tokens"] = [(r["expert_tokens_min"], r["expert_tokens_max"]) for r in rows]
+        out[name]["params"] = load_file(str(dirs[name] / "model.safetensors"))
+        out[name]["graphs"] = [per_rank[i] for per_rank in graphs]
+    return out
+
+
+def assert_compiled_once(graphs: list[list[int]], *, until_step: int = 1) -> None:
+    """Graphs were compiled in the first step and none after step ``until_step`` (every rank)."""
+    for rank, counts in enumerate(graphs):
+        assert len(counts) > until_step, counts
+        assert counts[0] > 0 and counts[-1] == counts[until_step - 1], f"rank {rank}: graphs after each step {counts}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compiled_gpt_moe_at_ep2_equals_eager_one_process(tmp_path):
+    """The GPT's MoE (two MoE blocks, a shared expert) compiled at ep = 2 borrowed from DDP 2:
+    the all_to_all dispatch runs eagerly between the compiled parts of each block."""
+    ref = gpt_moe_runs(tmp_path / "eager", 1, {"ref": ["batch.micro_batch_size=8"]})["ref"]
+    got = compiled_runs(
+        tmp_path,
+        2,
+        MOE_GPT,
+        {"ep2": ["train.compile=true", "parallel.dp_replicate=2", "parallel.ep=2", "batch.micro_batch_size=4"]},
+        timeout=540,
+    )["ep2"]
+    assert_same_moe_run(got, ref)
+    assert_compiled_once(got["graphs"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compiled_hf_moe_equals_eager_one_process(tmp_path, qwen3_moe):
+    """Qwen3-MoE with train.compile = true at ep = 1, one process and DDP 2 (accumulation 2): the
+    blocks compiled, transformers' experts eager inside them."""
+    src, ref = qwen3_moe
+    base = [*BASE, f"model.hf='{src}'", "run.steps=3", *plain_sgd(0.5), "train.compile=true"]
+    one = compiled_runs(tmp_path / "w1", 1, base, {"w1": ["batch.micro_batch_size=8"]}, timeout=270)["w1"]
+    ddp = compiled_runs(
+        tmp_path / "w2", 2, base, {"ddp": ["parallel.dp_replicate=2", "batch.micro_batch_size=2"]}, timeout=270
+    )["ddp"]
+    for name, got in (("one process", one), ("ddp", ddp)):
+        try:
+            assert_same_run(got, ref, 1e-5)
+            # One graph is compiled again at step 2 (graphs after each step: [10, 11, 11]), none after.
+            assert_compiled_once(got["graphs"], until_step=2)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None

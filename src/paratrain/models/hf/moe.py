@@ -141,7 +141,8 @@ def _router_stats(gate: nn.Module, args, out) -> None:
 
 def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int, dp_shard: int = 1) -> None:
     """What a ``model.hf`` mixture of experts (``config``, its transformers config) runs with (DDP,
-    FSDP2, HSDP, accumulation, activation checkpointing, expert parallel, context parallel), refusing the rest in one
+    FSDP2, HSDP, accumulation, activation checkpointing, expert parallel, context parallel,
+    compile), refusing the rest in one
     line before any process starts (preflight, through models/hf's ``check_hf_layout_of``)."""
     if not is_moe(config):
         if ep > 1:
@@ -164,7 +165,6 @@ def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int
     for key, on in (
         (f"parallel.tp = {tp}", tp > 1),
         (f"parallel.pp = {pp}", pp > 1),
-        ("train.compile = true", cfg.train.compile),
         ("batch.adaptive = true", cfg.batch.adaptive),
         ("optim.lr_scaling = 'adascale'", cfg.optim.lr_scaling == "adascale"),
     ):
@@ -243,6 +243,19 @@ def enable_expert_parallel(experts: nn.Module, ep: ExpertGroup) -> list[nn.Param
     ALL_EXPERTS_FUNCTIONS.register(EP_EXPERTS, ep_experts_forward)
     experts.config._experts_implementation = EP_EXPERTS
     return [experts.gate_up_proj, experts.down_proj]
+
+
+def keep_experts_eager(model: nn.Module) -> None:
+    """``train.compile``: each sparse block's experts module runs eagerly inside its compiled
+    block (``torch.compiler.disable``; a no-op without compile). Its work is data-dependent:
+    transformers' eager experts loop over the experts a batch hit (``nonzero``) and gather each
+    one's rows (``torch.where``), and under ``parallel.ep`` the all_to_all's split sizes are read
+    on the host; traced, each is a graph break and a new row count per expert a recompile, every
+    step (the first step compiled for minutes on the shared CPU machine). The router, its balance
+    loss hook, the attention and the norms stay compiled; torchtitan likewise keeps the
+    token dispatch out of the compiled region."""
+    for block in sparse_blocks(model):
+        block.experts.forward = torch.compiler.disable(block.experts.forward)
 
 
 def offer_expert_parallel(model: nn.Module) -> None:
