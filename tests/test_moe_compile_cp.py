@@ -180,7 +180,31 @@ def test_compiled_hf_moe_equals_eager_one_process(tmp_path, qwen3_moe):
     for name, got in (("one process", one), ("ddp", ddp)):
         try:
             assert_same_run(got, ref, 1e-5)
-            # One graph is compiled again at step 2 (graphs after each step: [10, 11, 11]), none after.
+            # Graphs after each step [10, 11, 11]: one more graph at step 2, then none. Not a
+            # recompile (TORCH_LOGS=recompiles names two, both in step 1: the decoder layer's
+            # code seen again with a dense, then a sparse mlp), nor one per step.
             assert_compiled_once(got["graphs"], until_step=2)
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
+
+
+def test_hf_experts_kept_eager_survive_a_deepcopy(tmp_path):
+    """The experts' eager forward (``keep_experts_eager``) is bound to its module: a deepcopy (the
+    pipeline split copies the model) runs the copy's weights, not the original's."""
+    import copy
+
+    from transformers import AutoConfig
+
+    from paratrain.models.hf import causal_lm_from_config
+    from paratrain.models.hf.model import HFCausalLM
+
+    config = AutoConfig.from_pretrained(save_tiny("qwen3_moe", str(tmp_path / "moe"), weights=False))
+    model = HFCausalLM(causal_lm_from_config(config))
+    twin = copy.deepcopy(model)
+    block = next(m for m in twin.modules() if hasattr(m, "gate") and hasattr(m, "experts"))
+    x, index = torch.randn(3, config.hidden_size), torch.tensor([[0, 1], [2, 3], [1, 2]])
+    weights = torch.full((3, 2), 0.5)
+    with torch.no_grad():
+        before = block.experts(x, index, weights)
+        block.experts.down_proj.mul_(2)  # the copy's weights only
+        assert torch.allclose(block.experts(x, index, weights), 2 * before)

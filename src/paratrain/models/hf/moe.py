@@ -25,6 +25,7 @@ What transformers 5 ships for Qwen3-MoE and Mixtral, and what paratrain adds:
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import torch.distributed as dist
@@ -255,7 +256,14 @@ def keep_experts_eager(model: nn.Module) -> None:
     loss hook, the attention and the norms stay compiled; torchtitan likewise keeps the
     token dispatch out of the compiled region."""
     for block in sparse_blocks(model):
-        block.experts.forward = torch.compiler.disable(block.experts.forward)
+        # A method bound to the module, not a closure over its bound forward: a deepcopy (the
+        # pipeline split copies the model) rebinds it to the copy.
+        block.experts.forward = types.MethodType(_eager_experts_forward, block.experts)
+
+
+@torch.compiler.disable
+def _eager_experts_forward(experts: nn.Module, *args, **kwargs):
+    return type(experts).forward(experts, *args, **kwargs)  # the class's: transformers' dispatch
 
 
 def offer_expert_parallel(model: nn.Module) -> None:
