@@ -251,10 +251,10 @@ def keep_experts_eager(model: nn.Module) -> None:
     block (``torch.compiler.disable``; a no-op without compile). Its work is data-dependent:
     transformers' eager experts loop over the experts a batch hit (``nonzero``) and gather each
     one's rows (``torch.where``), and under ``parallel.ep`` the all_to_all's split sizes are read
-    on the host; traced, each is a graph break and a new row count per expert a recompile, every
-    step (the first step compiled for minutes on the shared CPU machine). The router, its balance
-    loss hook, the attention and the norms stay compiled; torchtitan likewise keeps the
-    token dispatch out of the compiled region."""
+    on the host; traced, each is a graph break with data-dependent sizes, and the many small
+    graphs take minutes to compile (Qwen3-MoE's first step was still compiling after 240 s on the
+    shared 2-core CPU machine). The router, its balance-loss hook, the attention and the norms
+    stay compiled; torchtitan likewise keeps the token dispatch out of the compiled region."""
     for block in sparse_blocks(model):
         # A method bound to the module, not a closure over its bound forward: a deepcopy (the
         # pipeline split copies the model) rebinds it to the copy.
