@@ -39,7 +39,7 @@ def qwen3_moe(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)  # the fixture's run_ranks (240 s) and this one's (240 s)
 def test_hf_moe_at_cp2_equals_one_process(tmp_path, qwen3_moe):
     """cp = 2 at world 2 (ring and all-to-all attention), causal rows: the same three SGD steps."""
     src, ref = qwen3_moe
@@ -61,7 +61,7 @@ def test_hf_moe_at_cp2_equals_one_process(tmp_path, qwen3_moe):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)  # two run_ranks of 240 s
 def test_packed_hf_moe_at_cp2_equals_one_process(tmp_path, sft):  # noqa: F811
     """Packed conversations (tests/test_sft.py's corpus, documents restarting their positions in
     each row: the ring's document masks) through a tiny Qwen3-MoE at cp = 2: two SGD steps equal
@@ -150,7 +150,7 @@ def assert_compiled_once(graphs: list[list[int]], *, until_step: int = 1) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(840)  # run_ranks: the eager reference 240 s, the compiled run 540 s
 def test_compiled_gpt_moe_at_ep2_equals_eager_one_process(tmp_path):
     """The GPT's MoE (two MoE blocks, a shared expert) compiled at ep = 2 borrowed from DDP 2:
     the all_to_all dispatch runs eagerly between the compiled parts of each block."""
@@ -167,7 +167,7 @@ def test_compiled_gpt_moe_at_ep2_equals_eager_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(840)  # run_ranks: the fixture's 240 s, then 270 s twice
 def test_compiled_hf_moe_equals_eager_one_process(tmp_path, qwen3_moe):
     """Qwen3-MoE with train.compile = true at ep = 1, one process and DDP 2 (accumulation 2): the
     blocks compiled, transformers' experts eager inside them."""
