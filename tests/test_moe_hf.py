@@ -119,7 +119,7 @@ def test_lr0_losses_are_transformers_own_and_the_export_loads_back(tmp_path, arc
             ["parallel.dp_shard=2", "parallel.ep=2", "precision.dtype='bf16'"],
             "parallel.ep > 1 with parallel.dp_shard > 1 and precision.dtype = 'bf16' is not supported yet",
         ),
-        ("qwen3_moe", ["parallel.cp=2"], "which runs with parallel.cp = 2 not yet"),
+        ("qwen3_moe", ["train.compile=true", "parallel.tp=2"], "runs with train.compile = true with parallel.tp"),
         ("llama", ["parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep = 2 needs a mixture of experts, .* is dense"),
     ],
 )

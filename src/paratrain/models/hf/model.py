@@ -26,7 +26,7 @@ from torch import nn
 
 from paratrain.config import ConfigError
 from paratrain.data.packing import split_packed
-from paratrain.models.hf.moe import check_hf_moe, install_router_stats, offer_expert_parallel
+from paratrain.models.hf.moe import check_hf_moe, install_router_stats, keep_experts_eager, offer_expert_parallel
 
 CONFIG_FILE = "config.json"
 
@@ -146,6 +146,7 @@ class HFCausalLM(nn.Module):
         # Mixture of experts (models/hf/moe.py): each router leaves its sequence-wise balance loss.
         self.n_sparse_blocks = install_router_stats(self)
         offer_expert_parallel(self)  # parallel.ep: distributed/expert_parallel.apply_ep finds it
+        keep_experts_eager(self)  # train.compile: the routed experts stay out of the compiled blocks
 
     @property
     def has_rope(self) -> bool:

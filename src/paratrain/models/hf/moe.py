@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 
 import torch
 import torch.distributed as dist
@@ -155,6 +156,10 @@ def install_router_stats(model: nn.Module) -> int:
         gate = block.gate
         gate.router_stats = None
         gate.aux_loss_weight = weight
+        # Context parallel: the cp ranks holding the other parts of this rank's sequences
+        # (models/hf/parallel.py hf_cp_attention sets it), over which the balance loss's expert
+        # counts are summed (models/gpt/moe.py sequence_balance_loss, as the GPT's MoE does).
+        gate.cp_group = None
         block.register_forward_pre_hook(_note_shape)
         gate.register_forward_hook(_router_stats)
     return len(blocks)
@@ -169,7 +174,7 @@ def _router_stats(gate: nn.Module, args, out) -> None:
     b, t = gate.sequence_shape
     n = logits.shape[-1]
     probs = torch.softmax(logits.float(), dim=-1).view(b, t, n)  # as the router itself computes them
-    per_sequence = sequence_balance_loss(probs, experts.view(b, t, -1), n)
+    per_sequence = sequence_balance_loss(probs, experts.view(b, t, -1), n, cp_group=gate.cp_group)
     estimating = experts.device.type == "meta" or is_fake(experts)  # a memory estimate: no values to count
     counts = experts.new_zeros(n) if estimating else torch.bincount(experts.reshape(-1), minlength=n)
     gate.router_stats = RouterStats(
@@ -181,8 +186,9 @@ def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int
     """What a ``model.hf`` mixture of experts (``config``, its transformers config) runs with (DDP,
     FSDP2, HSDP, accumulation, activation checkpointing, expert parallel, tensor parallel with the
     sparse blocks replicated (models/hf/parallel.py), pipeline parallel with each stage's balance
-    loss riding its output (distributed/pipeline_parallel.py ``_AuxLoss``)), refusing the rest in
-    one line before any process starts (preflight, through models/hf's ``check_hf_layout_of``)."""
+    loss riding its output (distributed/pipeline_parallel.py ``_AuxLoss``), context parallel,
+    compile), refusing the rest in one line before any process starts (preflight, through
+    models/hf's ``check_hf_layout_of``)."""
     if not is_moe(config):
         if ep > 1:
             raise ConfigError(
@@ -208,8 +214,10 @@ def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int
             f" '{cfg.parallel.pp_schedule}' not yet; use 'gpipe', '1f1b', 'interleaved1f1b' or 'looped_bfs'"
         )
     for key, on in (
-        (f"parallel.cp = {cp}", cp > 1),  # a rank would hold part of each sequence of the balance loss
-        ("train.compile = true", cfg.train.compile),
+        # Each is tested with DDP, FSDP2 and ep (tests/test_moe_hf_layouts.py, test_moe_compile_cp.py),
+        # not yet with one another.
+        (f"parallel.cp = {cp} with parallel.tp or parallel.pp > 1", cp > 1 and (tp > 1 or pp > 1)),
+        ("train.compile = true with parallel.tp or parallel.pp > 1", cfg.train.compile and (tp > 1 or pp > 1)),
         ("batch.adaptive = true", cfg.batch.adaptive),
         ("optim.lr_scaling = 'adascale'", cfg.optim.lr_scaling == "adascale"),
     ):
@@ -288,6 +296,26 @@ def enable_expert_parallel(experts: nn.Module, ep: ExpertGroup) -> list[nn.Param
     ALL_EXPERTS_FUNCTIONS.register(EP_EXPERTS, ep_experts_forward)
     experts.config._experts_implementation = EP_EXPERTS
     return [experts.gate_up_proj, experts.down_proj]
+
+
+def keep_experts_eager(model: nn.Module) -> None:
+    """``train.compile``: each sparse block's experts module runs eagerly inside its compiled
+    block (``torch.compiler.disable``; a no-op without compile). Its work is data-dependent:
+    transformers' eager experts loop over the experts a batch hit (``nonzero``) and gather each
+    one's rows (``torch.where``), and under ``parallel.ep`` the all_to_all's split sizes are read
+    on the host; traced, each is a graph break with data-dependent sizes, and the many small
+    graphs take minutes to compile (Qwen3-MoE's first step was still compiling after 240 s on the
+    shared 2-core CPU machine). The router, its balance-loss hook, the attention and the norms
+    stay compiled; torchtitan likewise keeps the token dispatch out of the compiled region."""
+    for block in sparse_blocks(model):
+        # A method bound to the module, not a closure over its bound forward: a deepcopy (the
+        # pipeline split copies the model) rebinds it to the copy.
+        block.experts.forward = types.MethodType(_eager_experts_forward, block.experts)
+
+
+@torch.compiler.disable
+def _eager_experts_forward(experts: nn.Module, *args, **kwargs):
+    return type(experts).forward(experts, *args, **kwargs)  # the class's: transformers' dispatch
 
 
 def offer_expert_parallel(model: nn.Module) -> None:

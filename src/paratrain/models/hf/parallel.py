@@ -153,3 +153,6 @@ def hf_cp_attention(model: nn.Module, attention_fn) -> None:
     model.cp_attention = attention_fn
     for layer in model.layers.values():
         layer.self_attn.cp_attention = attention_fn
+    for block in sparse_blocks(model):
+        # A rank holds part of each sequence: the balance loss sums its expert counts over cp.
+        block.gate.cp_group = attention_fn.group
