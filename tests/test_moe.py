@@ -215,12 +215,15 @@ def train_many(runs: list[list[str]]) -> None:
 
 def moe_runs(tmp_path, world: int, runs: dict[str, list[str]]) -> dict[str, dict]:
     run_ranks(train_many, world, [[*extra, f"run.out_dir='{tmp_path / name}'"] for name, extra in runs.items()])
-    out = {}
-    for name in runs:
-        rows = read_metrics(str(tmp_path / name))
-        out[name] = {k: [r[k] for r in rows] for k in ("loss", "aux_loss", "grad_norm")}
-        out[name]["tokens"] = [(r["expert_tokens_min"], r["expert_tokens_max"]) for r in rows]
-        out[name]["params"] = load_file(str(tmp_path / name / "model.safetensors"))
+    return {name: read_moe_run(str(tmp_path / name)) for name in runs}
+
+
+def read_moe_run(out_dir: str) -> dict:
+    """A finished run's losses, aux_loss, grad_norm, tokens per expert and final weights."""
+    rows = read_metrics(out_dir)
+    out = {k: [r[k] for r in rows] for k in ("loss", "aux_loss", "grad_norm")}
+    out["tokens"] = [(r["expert_tokens_min"], r["expert_tokens_max"]) for r in rows]
+    out["params"] = load_file(f"{out_dir}/model.safetensors")
     return out
 
 
