@@ -326,8 +326,8 @@ class AutoAttention(RingAttention):
 
     Who decides: a cp rank sees only its chunks of a row, and a row can look like one document in
     one rank's chunks and not in another's. The step sees the whole rows before it cuts them
-    (step.cp_local_batch), the same rows on every cp rank, so it decides there once per
-    micro-batch (:func:`one_document_rows`) and hands the decision in through
+    (step.cp_decisions, before step.cp_local_batch), the same rows on every cp rank, so it decides
+    there once per micro-batch (:func:`one_document_rows`) and hands the decision in through
     :func:`maybe_auto_decision`: no collective and no host read per layer. Outside such a context
     (``rows_plain`` None: a forward the step did not run, or a pipeline step whose pipeline
     micro-batches decide differently) the cp ranks agree per layer by a one-element all-reduce."""
