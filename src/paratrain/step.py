@@ -446,7 +446,10 @@ def cp_decisions(model: nn.Module, batches: list[tuple]) -> list[bool] | bool | 
     The plain loop: one decision per micro-batch, which is what each attention call sees. A
     pipeline: the schedule cuts the rank's rows into pipeline micro-batches (``tensor_split``, in
     order) and an attention call sees one of them; the one decision for the whole schedule run is
-    theirs when they all decide alike, else None (undecided: the ranks agree per layer)."""
+    theirs when they all decide alike, else None (undecided: the ranks agree per layer). One per
+    run, not one per pipeline micro-batch: the schedule interleaves their forwards and backwards,
+    and activation checkpointing reruns a forward in its backward, so a setting per pipeline
+    micro-batch could be read by another one."""
     rows = []
     for x, _ in batches:
         _, positions = split_packed(x)
