@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.distributed.context_parallel import global_indices, shard_sequence, unshard_sequence
+from tests.cp_auto import count_auto_rank
 from tests.dist_utils import plain_sgd, read_metrics, run_ranks
 from tests.test_sft import _gpt, gpt_reference, sft  # noqa: F401 - the SFT data path's fixtures
 
@@ -56,15 +57,18 @@ def _ring_rank(cases):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from paratrain.distributed.context_parallel import ATTENTIONS
+    from paratrain.distributed.context_parallel import ATTENTIONS, one_document_rows
 
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     results = []
     for seed, packed, kind in cases:
-        attention = ATTENTIONS[kind](mesh)
+        attention = ATTENTIONS[kind.removesuffix("_decided")](mesh)
         q, k, v, dout, positions, _ = _case(seed, packed)
+        if kind == "auto_decided":  # as the step does: decided from the whole rows, plain ones with positions
+            positions = torch.arange(T).expand(B, T) if positions is None else positions
+            attention.rows_plain = bool(one_document_rows(positions).all())
         local = [shard_sequence(t, dim=2, cp=cp, rank=rank).requires_grad_() for t in (q, k, v)]
         pos = None if positions is None else shard_sequence(positions, dim=1, cp=cp, rank=rank)
         out = attention(*local, positions=pos)
@@ -86,10 +90,10 @@ def test_split_is_head_tail_and_inverts():
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp):
     """Ring, all-to-all and auto (all-to-all for the causal rows, the ring for packed documents),
+    undecided (the cp ranks agree per call) and decided from the whole rows (as the step does),
     causal and two sets of packed documents: output and q/k/v gradients."""
-    cases = [
-        (s, packed, kind) for kind in ("ring", "alltoall", "auto") for s, packed in ((0, False), (1, True), (2, True))
-    ]
+    kinds = ("ring", "alltoall", "auto", "auto_decided")
+    cases = [(s, packed, kind) for kind in kinds for s, packed in ((0, False), (1, True), (2, True))]
     per_rank = run_ranks(_ring_rank, cp, cases)
     for c, (seed, packed, kind) in enumerate(cases):
         q, k, v, dout, _, mask = _case(seed, packed)
@@ -161,6 +165,38 @@ def test_gpt_at_cp2_equals_one_process(tmp_path):
     paratrain.train(paratrain.load_config(None, [*TOY, f"run.out_dir='{ref}'"]))
     run_ranks(_train_many, 2, {"cp2": [*TOY, "parallel.cp=2", f"run.out_dir='{tmp_path / 'cp2'}'"]})
     _assert_same(_norms_and_losses(str(tmp_path / "cp2")), _norms_and_losses(ref), "cp2")
+
+
+def test_auto_attention_is_decided_once_per_micro_batch_without_a_collective(tmp_path):
+    """parallel.cp_attention = 'auto' with position ids at cp = 2: the step decides from the whole
+    rows, so no attention layer all-reduces (a 1-layer and a 2-layer model make the same number of
+    all-reduces per run) and the choice is today's: all-to-all for one-document rows, the ring for
+    packed rows that look like one document on one cp rank only. 2 steps x 2 micro-batches."""
+    base = [
+        "data.factory='tests.cp_auto:position_rows'",
+        "batch.global_batch_size=4",
+        "batch.micro_batch_size=2",
+        "run.steps=2",
+        "run.progress=false",
+        "metrics.plot=false",
+        "checkpoint.interval=0",
+        "parallel.cp=2",
+        *plain_sgd(0.3),
+    ]
+
+    def run(name, layers, packed):
+        model = f"model.args={{n_layer = {layers}, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}}"
+        data = f"data.args={{n = 16, packed = {str(packed).lower()}}}"
+        return [*base, model, data, f"run.out_dir='{tmp_path / name}'"]
+
+    runs = {"plain_1": run("plain_1", 1, False), "packed_2": run("packed_2", 2, True)}
+    for rank, counts in enumerate(run_ranks(count_auto_rank, 2, runs, timeout=100)):
+        plain, packed = counts["plain_1"], counts["packed_2"]
+        calls = 2 * 2  # attention calls per layer: steps x micro-batches, forward
+        assert (plain.get("alltoall_attention"), plain.get("ring_attention")) == (calls, None), (rank, plain)
+        assert (packed.get("ring_attention"), packed.get("alltoall_attention")) == (2 * calls, None), (rank, packed)
+        assert "all_reduce_in_attention" not in plain and "all_reduce_in_attention" not in packed, (rank, counts)
+        assert plain["all_reduce"] == packed["all_reduce"], (rank, counts)  # none per layer
 
 
 PP = ["parallel.pp_schedule='1f1b'", "batch.micro_batch_size=4", "parallel.pp_microbatches=2"]

@@ -23,7 +23,7 @@ gradient-accumulation bug several frameworks shipped in 2024 (see transformers#3
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +33,22 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.config import ConfigError
 from paratrain.data.packing import attention_square, count_input_tokens, split_packed
-from paratrain.distributed.context_parallel import shard_sequence
+from paratrain.distributed.context_parallel import (
+    AutoAttention,
+    auto_attentions,
+    maybe_auto_decision,
+    one_document_rows,
+    shard_sequence,
+)
 from paratrain.distributed.data_parallel import maybe_no_sync
 from paratrain.distributed.expert_parallel import reduce_expert_grads
 from paratrain.distributed.grad_norm import clip_grad_norm_
-from paratrain.distributed.pipeline_parallel import PipelineModel, pipeline_forward, pipeline_forward_backward
+from paratrain.distributed.pipeline_parallel import (
+    PipelineModel,
+    pipeline_forward,
+    pipeline_forward_backward,
+    pp_microbatches,
+)
 from paratrain.distributed.tensor_parallel import maybe_loss_parallel
 from paratrain.loss import Loss, RouterTotals
 from paratrain.precision import Precision
@@ -193,6 +204,8 @@ def train_step(
     items, tokens, square, sequences = count_global_items(
         batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group, dp=ctx.dp, items_per_sample=ctx.items_per_sample
     )
+    autos = auto_attentions(model) if ctx.cp > 1 else []  # cp_attention = "auto": decided here, per micro-batch
+    decisions = cp_decisions(model, batches) if autos else None
     batches = [cp_local_batch(x, t, ctx) for x, t in batches]  # context parallel: after the count
     # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
     # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
@@ -210,20 +223,28 @@ def train_step(
         shape=ctx.router_shape,
     )
     if isinstance(model, PipelineModel):  # the schedule runs forward and backward
-        loss_sum, returned = pipeline_forward_backward(
-            model,
-            batches,
-            scale=scale,
-            loss_fn=ctx.loss_fn,
-            device=ctx.device,
-            autocast=ctx.amp.autocast(),
-            split_inputs=stage_inputs,
-            router=router,
-        )
+        with maybe_auto_decision(autos, decisions):
+            loss_sum, returned = pipeline_forward_backward(
+                model,
+                batches,
+                scale=scale,
+                loss_fn=ctx.loss_fn,
+                device=ctx.device,
+                autocast=ctx.amp.autocast(),
+                split_inputs=stage_inputs,
+                router=router,
+            )
         pp_group = model.pp_group
     else:
         loss_sum, returned = forward_backward(
-            model, batches, ctx, scale=scale, after_backward=after_backward, router=router
+            model,
+            batches,
+            ctx,
+            scale=scale,
+            after_backward=after_backward,
+            router=router,
+            autos=autos,
+            decisions=decisions,
         )
         pp_group = None
     # The totals are final once the backward is done: their reduce is launched now and waited for
@@ -255,8 +276,13 @@ def forward_backward(
     scale: float,
     after_backward=None,
     router: RouterTotals | None = None,
+    autos: Sequence[AutoAttention] = (),
+    decisions: list[bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain micro-batch loop: this rank's ``(loss_sum, returned_count)`` as float64 tensors."""
+    """The plain micro-batch loop: this rank's ``(loss_sum, returned_count)`` as float64 tensors.
+
+    ``autos``: the model's "auto" context-parallel attentions, given each micro-batch's decision
+    (``decisions``, :func:`cp_decisions`) over its forward and backward."""
     precision = ctx.amp  # --- mixed precision (paratrain.precision)
     loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
     returned = torch.zeros((), device=ctx.device, dtype=torch.float64)
@@ -268,6 +294,7 @@ def forward_backward(
         with (
             maybe_no_sync(model, sync=k == last, sync_each_micro_batch=ctx.sync_each_micro_batch),
             maybe_loss_parallel(ctx.loss_parallel),
+            maybe_auto_decision(autos, decisions[k] if decisions else None),
         ):
             with precision.autocast():  # forward under autocast; backward follows its dtypes
                 s, c = ctx.loss_fn(model(inputs), target)
@@ -410,6 +437,42 @@ def cp_local_batch(inputs, target, ctx: StepContext):
     )
 
 
+def cp_decisions(model: nn.Module, batches: list[tuple]) -> list[bool] | bool | None:
+    """``parallel.cp_attention = "auto"``'s decision (distributed/context_parallel.py
+    AutoAttention), from the whole rows before :func:`cp_local_batch` cuts them: whether every row
+    is one causal document. Every cp rank holds the same rows, so they decide alike with no
+    collective. Rows without position ids (a token stream) are one document each: nothing to look at.
+
+    The plain loop: one decision per micro-batch, which is what each attention call sees. A
+    pipeline: the schedule cuts the rank's rows into pipeline micro-batches (``tensor_split``, in
+    order) and an attention call sees one of them; the one decision for the whole schedule run is
+    theirs when they all decide alike, else None (undecided: the ranks agree per layer). One per
+    run, not one per pipeline micro-batch: the schedule interleaves their forwards and backwards,
+    and activation checkpointing reruns a forward in its backward, so a setting per pipeline
+    micro-batch could be read by another one."""
+    rows = []
+    for x, _ in batches:
+        _, positions = split_packed(x)
+        rows.append(None if positions is None else one_document_rows(positions))
+    if not isinstance(model, PipelineModel):
+        return [r is None or bool(r.all()) for r in rows]
+    if all(r is None for r in rows):
+        return True
+    whole = torch.cat(
+        [
+            torch.ones(count_sequences(x), dtype=torch.bool) if r is None else r
+            for r, (x, _) in zip(rows, batches, strict=True)
+        ]
+    )
+    if model.schedule is not None:
+        pieces = model.n_microbatches
+    else:  # the schedule is built in the first step's run (pipeline_parallel.py), with this count
+        m = pp_microbatches(model.cfg, pp=model.pp, micro_batch_size=len(batches[0][1]), accum_steps=len(batches))
+        pieces = m * len(batches)
+    decided = {bool(p.all()) for p in whole.tensor_split(pieces)}
+    return decided.pop() if len(decided) == 1 else None
+
+
 def stage_inputs(inputs) -> tuple[torch.Tensor, dict]:
     """A pipeline's first-stage input and the keywords for every stage: packed documents
     (data/packing.py) send their token ids to the first stage and their positions to all."""
@@ -424,23 +487,30 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
     Shares the step's counting and checking; the mean is ``loss_sum / items``.
     """
     items, _, _, _ = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
+    autos = auto_attentions(model) if ctx.cp > 1 else []
+    decisions = cp_decisions(model, batches) if autos else None
     batches = [cp_local_batch(x, t, ctx) for x, t in batches]
     if isinstance(model, PipelineModel):
-        loss_sum, returned = pipeline_forward(
-            model,
-            batches,
-            loss_fn=ctx.loss_fn,
-            device=ctx.device,
-            autocast=ctx.amp.autocast(),
-            split_inputs=stage_inputs,
-        )
+        with maybe_auto_decision(autos, decisions):
+            loss_sum, returned = pipeline_forward(
+                model,
+                batches,
+                loss_fn=ctx.loss_fn,
+                device=ctx.device,
+                autocast=ctx.amp.autocast(),
+                split_inputs=stage_inputs,
+            )
         pp_group = model.pp_group
     else:
         loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
         returned = torch.zeros((), device=ctx.device, dtype=torch.float64)
-        for inputs, target in batches:
+        for k, (inputs, target) in enumerate(batches):
             inputs, target = to_device(inputs, ctx.device), to_device(target, ctx.device)
-            with maybe_loss_parallel(ctx.loss_parallel), ctx.amp.autocast():
+            with (
+                maybe_loss_parallel(ctx.loss_parallel),
+                ctx.amp.autocast(),
+                maybe_auto_decision(autos, decisions[k] if decisions else None),
+            ):
                 s, c = ctx.loss_fn(model(inputs), target)
             loss_sum += _plain(s).double()
             returned += torch.as_tensor(c, device=ctx.device, dtype=torch.float64)

@@ -39,7 +39,8 @@ document masks go through FlexAttention, which has no backward on CPU. This modu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -314,32 +315,79 @@ class AllToAllAttention(RingAttention):
 class AutoAttention(RingAttention):
     """``parallel.cp_attention = "auto"`` (the default): all-to-all where it applies cheaply, the
     ring elsewhere. All-to-all when this rank's heads divide by cp and every row of the micro-batch
-    is one causal document on every cp rank (so SDPA runs its causal kernel with no mask); the ring
-    when the heads do not divide or documents are packed (the all-to-all would build each row's
-    whole ``T x T`` mask, the ring never does). Both are exact, so the choice changes no number.
+    is one causal document (so SDPA runs its causal kernel with no mask); the ring when the heads
+    do not divide or documents are packed (the all-to-all would build each row's whole ``T x T``
+    mask, the ring never does). Both are exact, so the choice changes no number.
 
     Why all-to-all first: it sends ``8 (cp - 1) / cp`` chunks per layer against the ring's ``6 (cp
     - 1) + 2`` and runs one fused SDPA instead of the ring's loop over chunk pairs; on CPU it took
     0.41-0.43 of the ring's step time at cp 2 and 4 (docs/context-parallel.md, measured with
-    benchmarks/cp_ring_vs_alltoall.py). The decision costs one one-element all-reduce over the cp
-    group per layer, which replaces the all-to-all's all-gather of the position ids."""
+    benchmarks/cp_ring_vs_alltoall.py).
+
+    Who decides: a cp rank sees only its chunks of a row, and a row can look like one document in
+    one rank's chunks and not in another's. The step sees the whole rows before it cuts them
+    (step.cp_decisions, before step.cp_local_batch), the same rows on every cp rank, so it decides
+    there once per micro-batch (:func:`one_document_rows`) and hands the decision in through
+    :func:`maybe_auto_decision`: no collective and no host read per layer. Outside such a context
+    (``rows_plain`` None: a forward the step did not run, or a pipeline step whose pipeline
+    micro-batches decide differently) the cp ranks agree per layer by a one-element all-reduce."""
+
+    # True/False: every row of the micro-batch now running is (not) one causal document, set by
+    # the step from the whole rows (maybe_auto_decision); None: undecided, agreed per layer.
+    rows_plain: bool | None = None
 
     def __call__(self, q, k, v, *, positions=None, scale=None):
         cp = dist.get_world_size(self.group)
-        if q.shape[1] % cp == 0 and _one_document_per_row(positions, self.group):
+        if q.shape[1] % cp == 0 and self._one_document_per_row(positions):
             return alltoall_attention(q, k, v, group=self.group, positions=None, scale=scale)
         return ring_attention(q, k, v, group=self.group, positions=positions, scale=scale)
 
+    def _one_document_per_row(self, positions: torch.Tensor | None) -> bool:
+        if positions is None:
+            return True
+        if self.rows_plain is not None:
+            return self.rows_plain
+        return _agreed_one_document_per_row(positions, self.group)
 
-def _one_document_per_row(positions: torch.Tensor | None, group) -> bool:
-    """Whether every cp rank's rows are plain causal (positions = global indices), agreed by all."""
-    if positions is None:
-        return True
+
+def one_document_rows(positions: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: which rows of whole position ids (B, T), before the cp split, are one causal
+    document (positions 0..T-1): :class:`AutoAttention`'s rule, decided from the whole row."""
+    return (positions == torch.arange(positions.shape[-1], device=positions.device)).all(dim=-1)
+
+
+def _agreed_one_document_per_row(positions: torch.Tensor, group) -> bool:
+    """Whether every cp rank's rows are plain causal (positions = global indices), agreed by all:
+    a one-element all-reduce and a host read (the undecided path of AutoAttention)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     j = global_indices(positions.shape[-1], cp=cp, rank=rank, device=positions.device)
     plain = torch.tensor([float(torch.equal(positions, j.expand_as(positions)))], device=positions.device)
     dist.all_reduce(plain, op=dist.ReduceOp.MIN, group=group)
     return bool(plain.item())
+
+
+def auto_attentions(model: nn.Module) -> list[AutoAttention]:
+    """The "auto" attentions installed in ``model`` (one per model or pipeline stage; the model's
+    ``cp_attention`` hook puts the same one on its attention modules), [] for any other."""
+    found = {id(a): a for m in model.modules() if isinstance(a := getattr(m, "cp_attention", None), AutoAttention)}
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def maybe_auto_decision(attentions: Sequence[AutoAttention], rows_plain: bool | None):
+    """While the micro-batch runs (forward, backward and any recomputation of activation
+    checkpointing): ``attentions`` take ``rows_plain`` as the decision (:class:`AutoAttention`).
+    Nothing to do without "auto" attentions or without a decision (None)."""
+    if not attentions or rows_plain is None:
+        yield
+        return
+    for a in attentions:
+        a.rows_plain = rows_plain
+    try:
+        yield
+    finally:
+        for a in attentions:
+            a.rows_plain = None
 
 
 ATTENTIONS = {"ring": RingAttention, "alltoall": AllToAllAttention, "auto": AutoAttention}
