@@ -116,6 +116,22 @@ def test_which_data_paths_declare_a_static_count():
         static_items_per_sample(Stream(items_per_sample=0))
 
 
+def test_a_tensor_dataset_s_count_is_read_off_its_targets():
+    """TensorDataset(inputs, targets): the count is every target element when none is the ignore
+    index (cross-entropy) or every one counts (mse); counted and reduced otherwise."""
+    from torch.utils.data import TensorDataset
+
+    x, y = torch.zeros(6, 8, dtype=torch.long), torch.ones(6, 8, dtype=torch.long)
+    assert static_item_count(TensorDataset(x, y), LossConfig(), user_loss=False) == 8
+    assert static_item_count(TensorDataset(x, y.float()), LossConfig(name="mse"), user_loss=False) == 8
+    y[3, 2] = -100  # one ignored target: the count varies by sample
+    assert static_item_count(TensorDataset(x, y), LossConfig(), user_loss=False) is None
+    assert static_item_count(TensorDataset(x, y), LossConfig(name="mse"), user_loss=False) == 8
+    assert static_item_count(TensorDataset(x, y.float()), LossConfig(), user_loss=False) is None  # soft targets
+    assert static_item_count(TensorDataset(x, x, y), LossConfig(), user_loss=False) is None
+    assert static_item_count(TensorDataset(x, torch.ones(6, 8, dtype=torch.long)), LossConfig(), user_loss=True) is None
+
+
 def _trainer_rank(out_dir: str) -> tuple:
     import paratrain
     import paratrain.trainer as T

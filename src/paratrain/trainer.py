@@ -27,7 +27,7 @@ from paratrain.batch.plan import BatchPlan, replan_batch
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.checkpoint.export import save_full_weights
 from paratrain.config import Config, ConfigError, LossConfig, to_dict, to_toml
-from paratrain.data.datasets import build_dataset, build_val_dataset, static_items_per_sample
+from paratrain.data.datasets import build_dataset, build_val_dataset, static_items_per_sample, tensor_items_per_sample
 from paratrain.data.loader import StepLoader
 from paratrain.data.sampler import GlobalBatchSampler
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
@@ -213,7 +213,12 @@ def static_item_count(dataset: Dataset, loss_cfg: LossConfig, *, user_loss: bool
     the built-in losses, with a negative ignore index for cross-entropy (a class id never is).
     A user loss counts its own way, so its items are counted and reduced as before."""
     counts_all = loss_cfg.name == "mse" or (loss_cfg.name == "cross_entropy" and loss_cfg.ignore_index < 0)
-    return static_items_per_sample(dataset) if counts_all and not user_loss else None
+    if not counts_all or user_loss:
+        return None
+    declared = static_items_per_sample(dataset)
+    if declared is not None:
+        return declared
+    return tensor_items_per_sample(dataset, ignore_index=None if loss_cfg.name == "mse" else loss_cfg.ignore_index)
 
 
 def finished(cfg: Config, state: TrainState) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, Subset, TensorDataset
 
 from paratrain.config import ConfigError, DataConfig, check_kwargs, resolve_callable
 from paratrain.data.stdlib_bytes import StdlibBytes, build_stdlib_bytes
@@ -52,6 +52,22 @@ def static_items_per_sample(dataset: Dataset) -> int | None:
             " fix or remove that attribute"
         )
     return n
+
+
+def tensor_items_per_sample(dataset: Dataset, *, ignore_index: int | None) -> int | None:
+    """The static count of an in-memory ``TensorDataset(inputs, targets)`` (how most users hand
+    their own tensors over), read off its targets once at start instead of declared: every
+    sample's target elements, when none of them is ``ignore_index`` (cross-entropy, integer class
+    ids) or all of them count (``ignore_index`` None: mse). The step checks the loss's own count
+    against it every step, as for a declared one. None for anything else."""
+    if type(dataset) is not TensorDataset or len(dataset.tensors) != 2:
+        return None
+    targets = dataset.tensors[1]
+    if targets.dim() == 0 or len(targets) == 0:
+        return None
+    if ignore_index is not None and (targets.is_floating_point() or bool((targets == ignore_index).any())):
+        return None
+    return targets[0].numel()
 
 
 def build_val_dataset(
