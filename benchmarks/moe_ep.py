@@ -39,10 +39,7 @@ import argparse
 import json
 import os
 import resource
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path[:0] = [os.path.join(REPO, "src"), HERE]
 
+from dp_overhead import run as run_job  # noqa: E402
 from paired import paired_ratios, ratio_ci  # noqa: E402
 
 WARMUP = 3  # steps left out of each run's median (first-call allocations, thread pools)
@@ -183,29 +181,12 @@ def overrides(a, world: int, ep: int, moe: bool, out: str) -> list[str]:
 
 
 def launch(world: int, sets: list[str], out: str, *, timeout_s: float = 240, tries: int = 2) -> None:
-    """One torchrun job of this file's worker. A job past ``timeout_s`` (a gloo rendezvous or
-    teardown that never returns, as dp_overhead.py saw) is killed with its process group and run
-    again from a fresh ``out``, said on stderr: a hang is not a timing."""
+    """One torchrun job of this file's worker, through dp_overhead.py's runner (a job hung past
+    ``timeout_s`` is killed with its process group and run again from a fresh ``out``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
     cmd += [os.path.abspath(__file__), "--worker", os.path.join(REPO, "configs", "debug.toml")]
     cmd += [x for s in sets for x in ("--set", s)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
-    for attempt in range(1, tries + 1):
-        shutil.rmtree(out, ignore_errors=True)  # never a resume of a killed run
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
-        try:
-            _, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            print(f"run hung past {timeout_s:.0f} s (try {attempt}/{tries}), killed: {out}", file=sys.stderr)
-            continue
-        if proc.returncode:
-            sys.exit(f"benchmark run failed ({proc.returncode}): {' '.join(cmd)}\n{err[-3000:]}")
-        return
-    sys.exit(f"benchmark run hung {tries} times: {' '.join(cmd)}")
+    run_job(cmd, timeout_s=timeout_s, tries=tries, out_dir=out)
 
 
 def read_run(out: str, *, a, world: int, ep: int, moe: bool) -> dict:

@@ -473,19 +473,7 @@ def test_tensor_parallel_lora_gives_the_one_process_losses(tmp_path):
     world2 = {f"{n}_tp": [*o, "parallel.tp=2"] for n, o in runs.items()}
     run_ranks(train_layouts, 2, world2, root, timeout=900)
     for run in world2:
-        name = run.split("_")[0]
-        ref, rows = read_metrics(f"{root}/{name}_ref"), read_metrics(f"{root}/{run}")
-        for key in ("loss", "grad_norm"):
-            torch.testing.assert_close(
-                [r[key] for r in rows], [r[key] for r in ref], rtol=1e-4, atol=0, msg=lambda m: f"{run} {key}: {m}"
-            )
-        final, ref_final = (load_file(f"{root}/{k}/model.safetensors") for k in (run, f"{name}_ref"))
-        assert final.keys() == ref_final.keys()
-        for key, value in final.items():
-            if is_adapter_param(key):
-                torch.testing.assert_close(value, ref_final[key], rtol=1e-4, atol=1e-6)
-            else:
-                assert torch.equal(value, ref_final[key]), f"{name}: base weight {key} differs"
+        assert_same_lora_run(f"{root}/{run}", f"{root}/{run.split('_')[0]}_ref", 1e-4)
 
 
 def test_tensor_parallel_plan_splits_each_adapter_like_its_base():
@@ -588,6 +576,23 @@ def test_pipeline_parallel_lora_gives_the_one_process_losses(tmp_path):
                 assert torch.equal(value, ref_final[key]), f"{name}: base weight {key} differs"
 
 
+def assert_same_lora_run(run_dir: str, ref_dir: str, rtol: float) -> None:
+    """A LoRA run against its reference: losses and grad_norm within ``rtol``, the adapters within
+    ``rtol`` (atol 1e-6), the frozen base weights bit for bit."""
+    ref, rows = read_metrics(ref_dir), read_metrics(run_dir)
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            [r[key] for r in rows], [r[key] for r in ref], rtol=rtol, atol=0, msg=lambda m: f"{run_dir} {key}: {m}"
+        )
+    final, ref_final = (load_file(f"{d}/model.safetensors") for d in (run_dir, ref_dir))
+    assert final.keys() == ref_final.keys()
+    for key, value in final.items():
+        if is_adapter_param(key):
+            torch.testing.assert_close(value, ref_final[key], rtol=rtol, atol=1e-6)
+        else:
+            assert torch.equal(value, ref_final[key]), f"{run_dir}: base weight {key} differs"
+
+
 # ----------------------------------------------------------------------------- compile
 
 
@@ -637,18 +642,7 @@ def test_compiled_lora_equals_uncompiled(tmp_path):
         for run in (f"{name}_compiled", f"{name}_ddp"):
             counted = compiled[name] if run.endswith("compiled") else per_rank[0]
             assert counted["aot_autograd"].get("ok", 0) >= 1 and not counted["graph_break"], (run, counted)
-            ref, rows = read_metrics(f"{root}/{name}_ref"), read_metrics(f"{root}/{run}")
-            for key in ("loss", "grad_norm"):
-                torch.testing.assert_close(
-                    [r[key] for r in rows], [r[key] for r in ref], rtol=1e-5, atol=0, msg=lambda m: f"{run} {key}: {m}"
-                )
-            final, ref_final = (load_file(f"{root}/{k}/model.safetensors") for k in (run, f"{name}_ref"))
-            assert final.keys() == ref_final.keys()
-            for key, value in final.items():
-                if is_adapter_param(key):
-                    torch.testing.assert_close(value, ref_final[key], rtol=1e-5, atol=1e-6)
-                else:
-                    assert torch.equal(value, ref_final[key]), f"{run}: base weight {key} differs"
+            assert_same_lora_run(f"{root}/{run}", f"{root}/{name}_ref", 1e-5)
 
 
 @pytest.mark.slow
@@ -671,17 +665,5 @@ def test_compiled_lora_with_fsdp2_and_tp_equals_uncompiled(tmp_path):
     runs = {name: [*common, *extra, "train.compile=true"] for name, extra in layouts.items()}
     counted = run_ranks(_train_counting_graphs, 2, runs, root, timeout=840)[0]  # under pytest's 900
     assert counted["aot_autograd"].get("ok", 0) >= 1 and not counted["graph_break"], counted
-    ref, ref_final = read_metrics(f"{root}/ref"), load_file(f"{root}/ref/model.safetensors")
     for name in layouts:
-        rows = read_metrics(f"{root}/{name}")
-        for key in ("loss", "grad_norm"):
-            torch.testing.assert_close(
-                [r[key] for r in rows], [r[key] for r in ref], rtol=1e-4, atol=0, msg=lambda m: f"{name} {key}: {m}"
-            )
-        final = load_file(f"{root}/{name}/model.safetensors")
-        assert final.keys() == ref_final.keys()
-        for key, value in final.items():
-            if is_adapter_param(key):
-                torch.testing.assert_close(value, ref_final[key], rtol=1e-4, atol=1e-6)
-            else:
-                assert torch.equal(value, ref_final[key]), f"{name}: base weight {key} differs"
+        assert_same_lora_run(f"{root}/{name}", f"{root}/ref", 1e-4)
