@@ -407,11 +407,14 @@ def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
 
 
 def _worker_init(init, *init_args) -> None:
-    """A forked worker's start: SIGTERM back to its default first. A fork inherits the parent's
-    Python handlers, and the pool's exit terminates idle workers with SIGTERM: a handler that
-    only sets a flag (paratrain's preemption handler, in a process that trained before it
-    prepared, as a test session does) left them alive and the pool's join waiting forever."""
+    """A forked worker's start: SIGTERM back to its default, then unblocked. A fork inherits the
+    parent's Python handlers, and the pool's exit terminates idle workers with SIGTERM: a handler
+    that only sets a flag (paratrain's preemption handler, in a process that trained before it
+    prepared, as a test session does) left them alive and the pool's join waiting forever. The
+    parent forks with SIGTERM blocked, so one that arrives before this line waits, pending, and
+    kills the worker on the unblock instead of reaching the inherited handler (a hang seen in CI)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     init(*init_args)
 
 
@@ -428,7 +431,14 @@ def encoded_chunks(chunks: Iterator[list], *, workers: int, init, init_args: tup
     # TOKENIZERS_PARALLELISM=false is set before any use: its thread pool, which does not survive
     # a fork (huggingface/tokenizers#187), never starts.
     ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(workers, initializer=_worker_init, initargs=(init, *init_args)) as pool:
+    # Workers (and the pool's own threads, which re-fork a worker that dies) inherit this mask;
+    # the parent's SIGTERM, blocked only for the forks, is delivered to its handler right after.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        pool = ctx.Pool(workers, initializer=_worker_init, initargs=(init, *init_args))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    with pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(fn, (chunk, *args)))
@@ -436,6 +446,9 @@ def encoded_chunks(chunks: Iterator[list], *, workers: int, init, init_args: tup
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+        # All results are in: let the workers end on the pool's sentinels rather than SIGTERM.
+        pool.close()
+        pool.join()
 
 
 # --- output ---------------------------------------------------------------------------------------
