@@ -157,6 +157,63 @@ def test_the_two_mask_paths_agree_and_prompt_rows_train_the_completion(sft, tmp_
         assert r["completion"] + "<|im_end|>" in text and r["prompt"] not in text
 
 
+def test_batched_chat_masks_are_transformers_assistant_masks(sft, tmp_path):
+    """prepare encodes conversations in batches and finds the assistant tokens from the
+    characters at each {% generation %} span's edges, not transformers' loop over every token;
+    the ids and masks must be ``apply_chat_template(..., return_assistant_tokens_mask=True)``'s,
+    byte for byte: with multi-byte characters at the edges (one character, several byte tokens),
+    spans that end inside a character, a BPE whose merges cross them, a whitespace-splitting
+    tokenizer (edges in no token), an empty assistant turn and None-valued keys."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from paratrain.data.chat import _encode_batch
+    from tests.sft_data import CHATML
+
+    tricky = [
+        [
+            {"role": "user", "content": "héllo 😀"},
+            {"role": "assistant", "content": "😀é wörld ñ😀", "tool_calls": None},
+        ],
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": " spaced  out "}],
+    ]
+    convs = [c["messages"] for c in sft["convs"][:8]] + tricky
+    texts = [m["content"] for c in convs for m in c]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    for kind in ("bpe", "words"):
+        model = models.BPE(unk_token="<unk>") if kind == "bpe" else models.WordLevel(unk_token="<unk>")
+        raw = Tokenizer(model)
+        if kind == "bpe":
+            raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            trainer = trainers.BpeTrainer(
+                vocab_size=400,
+                special_tokens=["<unk>", *specials],
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            )
+        else:
+            raw.pre_tokenizer = pre_tokenizers.Whitespace()  # spaces are in no token
+            trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", *specials])
+        raw.train_from_iterator(texts, trainer)
+        fast = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+        fast.chat_template = CHATML
+        fast.save_pretrained(str(tmp_path / kind))
+    # The turn's end outside the span, which then ends in the content's last character.
+    content_only = CHATML.replace(
+        "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}",
+        "{% generation %}{{ message['content'] }}{% endgeneration %}{{ '<|im_end|>' }}",
+    )
+    assert content_only != CHATML
+    save_chat_tokenizer(str(tmp_path / "content"), template=content_only)
+    for path in (sft["tok"], *(str(tmp_path / k) for k in ("content", "bpe", "words"))):
+        tok = AutoTokenizer.from_pretrained(path)
+        got = _encode_batch(tok, [(c, 0, "row") for c in convs])
+        for c, (ids, mask) in zip(convs, got):
+            ref = tok.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            assert ids.tolist() == ref["input_ids"], path
+            assert mask.tolist() == ref["assistant_masks"], (path, c)
+
+
 def test_bad_chat_input_is_one_line(sft, tmp_path):
     bad = write_jsonl(str(tmp_path / "bad.jsonl"), [{"messages": [{"role": "tool", "content": "x"}]}])
     with pytest.raises(ConfigError, match="bad.jsonl:1: the chat template rejects this row"):

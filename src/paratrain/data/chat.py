@@ -10,7 +10,9 @@ The loss mask marks the tokens that are *predicted* (targets), as transformers' 
 does: the assistant turns' tokens, their end-of-turn token included. Two ways to find them:
 
 - the template marks them with ``{% generation %}`` ... ``{% endgeneration %}``: transformers'
-  ``return_assistant_tokens_mask=True`` gives the mask;
+  ``return_assistant_tokens_mask=True`` gives the mask (a row alone); batches of rows take the
+  spans from the same transformers renderer and the same overlap rule without its per-token
+  Python loop (``_generation_mask``; equal to it byte for byte, tests/test_sft.py);
 - otherwise the conversation is rendered as growing prefixes: the text before assistant turn
   ``k`` (rendered with ``add_generation_prompt``) and the text up to its end. Both must be prefixes
   of the whole rendering (a template that rewrites earlier turns, e.g. one that drops past
@@ -232,16 +234,11 @@ def _batches(conversations: list):
 
 def _encode_batch(tok, conversations: list[tuple[list[dict], int, str]]) -> list[tuple]:
     if has_generation_marks(tok):
-        out = tok.apply_chat_template(
-            [m for m, _, _ in conversations],
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-            tokenizer_kwargs=NO_ATTENTION_MASK,
-        )
+        texts, spans = _render_with_spans(tok, [m for m, _, _ in conversations])
+        out = tok(texts, add_special_tokens=False, **NO_ATTENTION_MASK)
         encoded = [
-            (np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8))
-            for ids, mask in zip(out["input_ids"], out["assistant_masks"])
+            (ids := np.asarray(row, dtype=np.int64), _generation_mask(enc, len(ids), s))
+            for row, enc, s in zip(out["input_ids"], out.encodings, spans)
         ]
         prompts = [i for i, (_, first, _) in enumerate(conversations) if first]
         for i, n_head in zip(prompts, _head_lengths(tok, [conversations[i] for i in prompts])):
@@ -255,6 +252,43 @@ def _encode_batch(tok, conversations: list[tuple[list[dict], int, str]]) -> list
         _ids_and_span_mask(ids, offsets, spans)
         for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered)
     ]
+
+
+def _render_with_spans(tok, conversations: list[list[dict]]) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """The renderings and the [start, end) characters of each ``{% generation %}`` block: what
+    ``apply_chat_template(..., return_assistant_tokens_mask=True)`` renders, through the same
+    transformers function with the same arguments (its messages without None values, the
+    tokenizer's special tokens as template variables), before it builds the mask."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = [[{k: v for k, v in m.items() if v is not None} for m in c] for c in conversations]
+    return render_jinja_template(
+        conversations=messages,
+        chat_template=tok.get_chat_template(),
+        return_assistant_tokens_mask=True,
+        **tok.special_tokens_map,
+    )
+
+
+def _generation_mask(encoding, n: int, spans: list[tuple[int, int]]) -> np.ndarray:
+    """transformers' assistant mask: the tokens whose characters overlap a span. transformers
+    finds them with a Python loop over every token's offsets (about 5% of a batch's CPU,
+    docs/sft.md); here, per span, from the first token holding its
+    first character (``char_to_token``) to the last token holding its last one: ``char_to_token``
+    gives the first, and a character can span several tokens (the bytes of one character in a
+    byte-level BPE). An empty span, or an edge in no token (a normalizer dropped it), takes
+    transformers' own rule over all the offsets."""
+    mask = np.zeros(n, dtype=np.uint8)
+    for lo, hi in spans:
+        a = encoding.char_to_token(lo) if hi > lo else None
+        b = encoding.char_to_token(hi - 1) if hi > lo else None
+        if a is None or b is None:
+            offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+            return np.any([(offsets[:, 0] < e) & (offsets[:, 1] > s) for s, e in spans], axis=0).astype(np.uint8)
+        while b + 1 < n and (encoding.token_to_chars(b + 1) or (hi, hi))[0] < hi:
+            b += 1
+        mask[a : b + 1] = 1
+    return mask
 
 
 def _head_lengths(tok, conversations: list[tuple[list[dict], int, str]]) -> list[int]:
