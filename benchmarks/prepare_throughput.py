@@ -25,7 +25,9 @@ geometric mean): prepare / loop wall time, chat / text prepare time per token (w
 CPU-seconds of the process and its workers), N / first workers speed-up. Every round also times
 ``startup``: ``python -m paratrain prepare --help``, the interpreter and imports that every
 prepare run pays before its first document; ``(prepare - startup) / loop`` is the ratio of the
-work after them.
+work after them. With ``--compare chat`` it times ``chat-startup`` too (the chat tokenizer's load,
+which imports transformers, about 1 s whatever the corpus) and prints chat / text per token
+after each one's start.
 
     python benchmarks/prepare_throughput.py [--size-mb 30] [--vocab 16384] [--workers 2] [--runs 4]
         [--compare loop chat] [--tokenizer bpe|bytes]
@@ -206,6 +208,13 @@ def timed(cmd: list[str], env: dict) -> dict:
     return {"s": wall, "cpu_s": ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime, "peak_mib": peak / 1024}
 
 
+# What `prepare --format chat` runs before its first document, beyond text's start: paratrain's
+# CLI imports, then the chat tokenizer's load (which imports transformers).
+CHAT_STARTUP = (
+    "import sys, paratrain.cli; from paratrain.data.chat import load_chat_tokenizer; load_chat_tokenizer(sys.argv[1])"
+)
+
+
 def histogram(paths: list[str], dtype: str) -> np.ndarray:
     """How many times each id occurs in the files: the same multiset of tokens, in any order."""
     counts = np.zeros(0, dtype=np.int64)
@@ -292,7 +301,7 @@ def main() -> None:
             os.makedirs(chat_corpus)
             make_corpus(chat_corpus, args.size_mb, conversation)
             chat_tok = save_chat_tokenizer(os.path.join(tmp, "chat_tokenizer"), tokenizer)
-            configs.append(f"chat {max(args.workers)}")
+            configs += [f"chat {max(args.workers)}", "chat-startup"]
         configs.append("startup")
         results: dict[str, list[dict]] = {c: [] for c in configs}
         for r in range(args.runs):
@@ -303,6 +312,11 @@ def main() -> None:
                     res = timed([sys.executable, "-m", "paratrain", "prepare", "--help"], ENV)
                     results[c].append(res)
                     print(f"run {r} startup (`python -m paratrain prepare --help`): {res['s']:.2f} s", flush=True)
+                    continue
+                if kind == "chat-startup":  # and what a chat run adds: transformers' import, the tokenizer's load
+                    res = timed([sys.executable, "-c", CHAT_STARTUP, chat_tok], ENV)
+                    results[c].append(res)
+                    print(f"run {r} chat-startup (load the chat tokenizer): {res['s']:.2f} s", flush=True)
                     continue
                 if kind == "prepare":
                     res = run_prepare(corpus, out, tokenizer, int(w))
@@ -317,8 +331,8 @@ def main() -> None:
                     same_tokens(results[f"prepare {w}"][-1], results["loop"][-1])
         print(f"load average at the end: {load_average()} (at the start: {load_at_start})")
         for c, rs in results.items():
-            if c == "startup":
-                print(f"median of {len(rs)} startup: {statistics.median(x['s'] for x in rs):.2f} s")
+            if c.endswith("startup"):
+                print(f"median of {len(rs)} {c}: {statistics.median(x['s'] for x in rs):.2f} s")
                 continue
             med = {k: statistics.median(x[k] for x in rs) for k in ("s", "cpu_s", "peak_mib")}
             med |= {"tokens": rs[0]["tokens"], "mb": rs[0]["mb"]}
@@ -351,6 +365,15 @@ def main() -> None:
                 for a, b in zip(results[f"chat {w}"], results[f"prepare {w}"])
             ]
             print(summary_line(f"CPU per token chat / text (--workers {w})", per_token_cpu))
+            # Per token after each one's fixed start (chat's includes transformers' import, about
+            # 1 s whatever the corpus): the rate a larger corpus approaches.
+            per_token_after = [
+                ((a["s"] - ca["s"]) / a["tokens"]) / ((b["s"] - st["s"]) / b["tokens"])
+                for a, b, ca, st in zip(
+                    results[f"chat {w}"], results[f"prepare {w}"], results["chat-startup"], results["startup"]
+                )
+            ]
+            print(summary_line(f"time per token after the start, chat / text (--workers {w})", per_token_after))
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def test_the_two_mask_paths_agree_and_prompt_rows_train_the_completion(sft, tmp_
         assert r["completion"] + "<|im_end|>" in text and r["prompt"] not in text
 
 
-def test_batched_chat_masks_are_transformers_assistant_masks(sft, tmp_path):
+def test_batched_chat_masks_are_transformers_assistant_masks(sft, tmp_path, monkeypatch):
     """prepare encodes conversations in batches and finds the assistant tokens from the
     characters at each {% generation %} span's edges, not transformers' loop over every token;
     the ids and masks must be ``apply_chat_template(..., return_assistant_tokens_mask=True)``'s,
@@ -167,7 +167,8 @@ def test_batched_chat_masks_are_transformers_assistant_masks(sft, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from paratrain.data.chat import _encode_batch
+    from paratrain.data import chat
+    from paratrain.data.chat import _encode_batch, _generation_mask, _render_with_spans
     from tests.sft_data import CHATML
 
     tricky = [
@@ -207,11 +208,22 @@ def test_batched_chat_masks_are_transformers_assistant_masks(sft, tmp_path):
     save_chat_tokenizer(str(tmp_path / "content"), template=content_only)
     for path in (sft["tok"], *(str(tmp_path / k) for k in ("content", "bpe", "words"))):
         tok = AutoTokenizer.from_pretrained(path)
+        refs = [
+            tok.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            for c in convs
+        ]
+        # The rule itself (the batch's own check against apply_chat_template would hide a fault).
+        texts, spans = _render_with_spans(tok, convs)
+        out = tok(texts, add_special_tokens=False)
+        for c, ref, row, enc, s in zip(convs, refs, out["input_ids"], out.encodings, spans):
+            assert row == ref["input_ids"], path
+            assert _generation_mask(enc, len(row), s).tolist() == ref["assistant_masks"], (path, c)
         got = _encode_batch(tok, [(c, 0, "row") for c in convs])
-        for c, (ids, mask) in zip(convs, got):
-            ref = tok.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-            assert ids.tolist() == ref["input_ids"], path
-            assert mask.tolist() == ref["assistant_masks"], (path, c)
+        assert [(i.tolist(), m.tolist()) for i, m in got] == [(r["input_ids"], r["assistant_masks"]) for r in refs]
+    # A rule that disagrees with transformers on a batch's first row: the batch is transformers'.
+    monkeypatch.setattr(chat, "_generation_mask", lambda enc, n, spans: np.zeros(n, dtype=np.uint8))
+    got = _encode_batch(tok, [(c, 0, "row") for c in convs])
+    assert [(i.tolist(), m.tolist()) for i, m in got] == [(r["input_ids"], r["assistant_masks"]) for r in refs]
 
 
 def test_bad_chat_input_is_one_line(sft, tmp_path):

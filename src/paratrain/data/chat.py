@@ -180,17 +180,7 @@ def encode_conversation(tok, messages: list[dict], first: int, *, loss_on: str, 
     """(token ids, target mask as uint8) of one conversation; the mask keeps the assistant turns
     from message ``first`` on (see the module docstring)."""
     if has_generation_marks(tok):
-        out = _render(
-            tok,
-            messages,
-            where,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-            tokenizer_kwargs=NO_ATTENTION_MASK,
-        )
-        ids = np.asarray(out["input_ids"], dtype=np.int64)
-        mask = np.asarray(out["assistant_masks"], dtype=np.uint8)
+        ids, mask = _transformers_assistant_mask(tok, messages, where)
         if first:  # a prompt row: the prompt's own assistant turns (few-shot examples) do not train
             mask[: _head_lengths(tok, [(messages, first, where)])[0]] = 0
     else:
@@ -240,6 +230,12 @@ def _encode_batch(tok, conversations: list[tuple[list[dict], int, str]]) -> list
             (ids := np.asarray(row, dtype=np.int64), _generation_mask(enc, len(ids), s))
             for row, enc, s in zip(out["input_ids"], out.encodings, spans)
         ]
+        # Each batch's first row is also encoded by apply_chat_template itself (under 1% of the
+        # batch): should another transformers version render or mask differently, the batch takes
+        # transformers' own masks instead of this copy of its rule.
+        ids, mask = _transformers_assistant_mask(tok, conversations[0][0], conversations[0][2])
+        if not (np.array_equal(ids, encoded[0][0]) and np.array_equal(mask, encoded[0][1])):
+            encoded = [_transformers_assistant_mask(tok, m, where) for m, _, where in conversations]
         prompts = [i for i, (_, first, _) in enumerate(conversations) if first]
         for i, n_head in zip(prompts, _head_lengths(tok, [conversations[i] for i in prompts])):
             encoded[i][1][:n_head] = 0  # a prompt row: the prompt's own assistant turns do not train
@@ -252,6 +248,20 @@ def _encode_batch(tok, conversations: list[tuple[list[dict], int, str]]) -> list
         _ids_and_span_mask(ids, offsets, spans)
         for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered)
     ]
+
+
+def _transformers_assistant_mask(tok, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of one conversation from ``apply_chat_template(..., return_assistant_tokens_mask=True)``."""
+    out = _render(
+        tok,
+        messages,
+        where,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+        tokenizer_kwargs=NO_ATTENTION_MASK,
+    )
+    return np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=np.uint8)
 
 
 def _render_with_spans(tok, conversations: list[list[dict]]) -> tuple[list[str], list[list[tuple[int, int]]]]:
