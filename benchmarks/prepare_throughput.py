@@ -60,10 +60,10 @@ STDLIB_GLOB = os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py")
 EXCLUDE = ["*/site-packages/*", "*/test/*", "*/tests/*"]
 VAL_FRACTION = "0.005"
 LOOP_BATCH = 1024
-# A poll reads /proc of every process and the smaps of the tree, about 10 ms of CPU here: every
-# 0.1 s that took 5% of a 2-core machine away from the runs it measured.
-# The end is seen within POLL_S (it was 0.5 s: wall times came in steps of 0.5 s, about 4% of a
-# run); the memory is polled every PSS_EVERY-th time (0.5 s: a /proc scan costs milliseconds).
+# The end of a run is seen within POLL_S (it was 0.5 s: wall times came in steps of 0.5 s, about
+# 4% of a run). The memory is polled every PSS_EVERY-th time, 0.5 s: a poll reads /proc of every
+# process and the smaps of the tree, about 10 ms of CPU here, and every 0.1 s that took 5% of a
+# 2-core machine away from the runs it measured.
 POLL_S = 0.02
 PSS_EVERY = 25
 

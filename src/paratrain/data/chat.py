@@ -227,7 +227,7 @@ def _encode_batch(tok, conversations: list[tuple[list[dict], int, str]]) -> list
         texts, spans = _render_with_spans(tok, [m for m, _, _ in conversations])
         out = tok(texts, add_special_tokens=False, **NO_ATTENTION_MASK)
         encoded = [
-            (ids := np.asarray(row, dtype=np.int64), _generation_mask(enc, len(ids), s))
+            (np.asarray(row, dtype=np.int64), _generation_mask(enc, len(row), s))
             for row, enc, s in zip(out["input_ids"], out.encodings, spans)
         ]
         # Each batch's first row is also encoded by apply_chat_template itself (under 1% of the
@@ -283,11 +283,10 @@ def _render_with_spans(tok, conversations: list[list[dict]]) -> tuple[list[str],
 def _generation_mask(encoding, n: int, spans: list[tuple[int, int]]) -> np.ndarray:
     """transformers' assistant mask: the tokens whose characters overlap a span. transformers
     finds them with a Python loop over every token's offsets (about 5% of a batch's CPU,
-    docs/sft.md); here, per span, from the first token holding its
-    first character (``char_to_token``) to the last token holding its last one: ``char_to_token``
-    gives the first, and a character can span several tokens (the bytes of one character in a
-    byte-level BPE). An empty span, or an edge in no token (a normalizer dropped it), takes
-    transformers' own rule over all the offsets."""
+    docs/sft.md); here, per span, from the first token holding its first character
+    (``char_to_token`` gives the first) to the last token holding its last one (a character can
+    span several tokens: the bytes of one character in a byte-level BPE). An empty span, or an
+    edge in no token (a normalizer dropped it), takes transformers' own rule over all offsets."""
     mask = np.zeros(n, dtype=np.uint8)
     for lo, hi in spans:
         a = encoding.char_to_token(lo) if hi > lo else None
