@@ -248,13 +248,15 @@ def test_best_layout_at_world_4_trains(tmp_path):
 
 @pytest.mark.slow
 def test_8b_on_64_gpus_plans_and_fits():
-    """The 8B plan's search (about 80-130 s here before cp was enumerated, 369 s after on a loaded machine: docs/plan.md; a time is a figure, never a threshold
-    a loaded machine could break) finds fitting layouts and skips no faster one that fits."""
+    """The 8B plan's search finds fitting layouts and skips no faster one that fits. The two best
+    (62 fake-tensor runs, 72 s on the idle machine), not docs/plan.md's five (142 runs, 196 s):
+    the search still goes on past the first fit, at a third of the slow tier's longest test (a
+    time is a figure, never a threshold a loaded machine could break)."""
     cfg = load_config(DEBUG, big_gpt())
     memory = MemoryModel(cfg, model=meta_model(cfg), n_blocks=32)
     hw = get_profile("h100-sxm")
-    result = plan(cfg, world_size=64, nproc_per_node=8, profile=hw, top=5, memory=memory, progress=False)
-    assert len(result.layouts) == 5
+    result = plan(cfg, world_size=64, nproc_per_node=8, profile=hw, top=2, memory=memory, progress=False)
+    assert len(result.layouts) == 2
     for p in result.layouts:
         assert p.memory.peak_bytes <= result.usable_bytes <= 80 * GIB
     # No shortcut skipped a faster layout that fits: HSDP (8 replicas of FSDP over 8) at micro-batch 1
