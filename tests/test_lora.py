@@ -167,6 +167,24 @@ def _runs(root: str) -> tuple[dict, dict]:
     return world1, world2
 
 
+def assert_same_lora_run(run_dir: str, ref_dir: str, rtol: float) -> None:
+    """A LoRA run against its reference: losses and grad_norm within ``rtol``, the adapters within
+    ``rtol`` (atol 1e-6), the frozen base weights bit for bit (the one-process run kept their
+    initial values)."""
+    ref, rows = read_metrics(ref_dir), read_metrics(run_dir)
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            [r[key] for r in rows], [r[key] for r in ref], rtol=rtol, atol=0, msg=lambda m: f"{run_dir} {key}: {m}"
+        )
+    final, ref_final = (load_file(f"{d}/model.safetensors") for d in (run_dir, ref_dir))
+    assert final.keys() == ref_final.keys()
+    for key, value in final.items():
+        if is_adapter_param(key):
+            torch.testing.assert_close(value, ref_final[key], rtol=rtol, atol=1e-6)
+        else:
+            assert torch.equal(value, ref_final[key]), f"{run_dir}: base weight {key} differs"
+
+
 @pytest.mark.slow
 def test_ddp_and_fsdp2_give_the_one_process_lora_losses(tmp_path):
     """DDP (with accumulation) and FSDP2 at world 2: losses and grad_norm within 1e-5 / 1e-4 of one
@@ -181,20 +199,7 @@ def test_ddp_and_fsdp2_give_the_one_process_lora_losses(tmp_path):
         paratrain.train(load_config(None, [*over, f"run.out_dir='{root}/{name}'"]))
     run_ranks(train_layouts, 2, world2, root, timeout=900)
     for name in world2:
-        ref = read_metrics(f"{root}/{name.split('_')[0]}_ref")
-        rows = read_metrics(f"{root}/{name}")
-        tol = 1e-4 if "fsdp" in name else 1e-5
-        for key in ("loss", "grad_norm"):
-            torch.testing.assert_close(
-                [r[key] for r in rows], [r[key] for r in ref], rtol=tol, atol=0, msg=lambda m: f"{name} {key}: {m}"
-            )
-        final, ref_final = (load_file(f"{root}/{n}/model.safetensors") for n in (name, f"{name.split('_')[0]}_ref"))
-        assert final.keys() == ref_final.keys()
-        for key, value in final.items():
-            if is_adapter_param(key):
-                torch.testing.assert_close(value, ref_final[key], rtol=tol, atol=1e-6)
-            else:  # frozen: bitwise the one-process run's, which kept its initial values
-                assert torch.equal(value, ref_final[key]), f"{name}: base weight {key} differs"
+        assert_same_lora_run(f"{root}/{name}", f"{root}/{name.split('_')[0]}_ref", 1e-4 if "fsdp" in name else 1e-5)
 
 
 # ----------------------------------------------------------------------------- adapter-only checkpoints
@@ -564,33 +569,7 @@ def test_pipeline_parallel_lora_gives_the_one_process_losses(tmp_path):
     world2 = {f"{n}_pp": [*o, "parallel.pp=2", "batch.micro_batch_size=4"] for n, o in runs.items()}
     run_ranks(train_layouts, 2, world2, root, timeout=900)
     for name in runs:
-        ref, rows = read_metrics(f"{root}/{name}_ref"), read_metrics(f"{root}/{name}_pp")
-        for key in ("loss", "grad_norm"):
-            torch.testing.assert_close(
-                [r[key] for r in rows], [r[key] for r in ref], rtol=1e-4, atol=0, msg=lambda m: f"{name} {key}: {m}"
-            )
-        final, ref_final = (load_file(f"{root}/{name}_{k}/model.safetensors") for k in ("pp", "ref"))
-        assert final.keys() == ref_final.keys()
-        for key, value in final.items():
-            if not is_adapter_param(key):
-                assert torch.equal(value, ref_final[key]), f"{name}: base weight {key} differs"
-
-
-def assert_same_lora_run(run_dir: str, ref_dir: str, rtol: float) -> None:
-    """A LoRA run against its reference: losses and grad_norm within ``rtol``, the adapters within
-    ``rtol`` (atol 1e-6), the frozen base weights bit for bit."""
-    ref, rows = read_metrics(ref_dir), read_metrics(run_dir)
-    for key in ("loss", "grad_norm"):
-        torch.testing.assert_close(
-            [r[key] for r in rows], [r[key] for r in ref], rtol=rtol, atol=0, msg=lambda m: f"{run_dir} {key}: {m}"
-        )
-    final, ref_final = (load_file(f"{d}/model.safetensors") for d in (run_dir, ref_dir))
-    assert final.keys() == ref_final.keys()
-    for key, value in final.items():
-        if is_adapter_param(key):
-            torch.testing.assert_close(value, ref_final[key], rtol=rtol, atol=1e-6)
-        else:
-            assert torch.equal(value, ref_final[key]), f"{run_dir}: base weight {key} differs"
+        assert_same_lora_run(f"{root}/{name}_pp", f"{root}/{name}_ref", 1e-4)
 
 
 # ----------------------------------------------------------------------------- compile

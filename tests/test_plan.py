@@ -248,9 +248,9 @@ def test_best_layout_at_world_4_trains(tmp_path):
 
 @pytest.mark.slow
 def test_8b_on_64_gpus_plans_and_fits():
-    """The 8B plan's search finds fitting layouts and skips no faster one that fits. The two best
-    (62 fake-tensor runs, 72 s on the idle machine), not docs/plan.md's five (142 runs, 196 s):
-    the search still goes on past the first fit, at a third of the slow tier's longest test (a
+    """The 8B plan's search finds fitting layouts and skips no faster one that fits. It asks for
+    the two best (62 fake-tensor runs, 72 s on the idle machine), not docs/plan.md's five (142
+    runs, 196 s): the search still goes on past the first fit, in about a third of the time (a
     time is a figure, never a threshold a loaded machine could break)."""
     cfg = load_config(DEBUG, big_gpt())
     memory = MemoryModel(cfg, model=meta_model(cfg), n_blocks=32)
