@@ -19,6 +19,7 @@ from paratrain.config import ConfigError, add_resume_argument, add_set_argument,
 from paratrain.distributed.hang import CollectiveTimeout
 from paratrain.distributed.process_group import run_then_exit
 from paratrain.launch.agent import forget_preempted, report_preempted
+from paratrain.observability.metrics import MetricsWriteError
 from paratrain.trainer import train
 
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         record_failure(str(e), exit_code=2)
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
-    except (CollectiveTimeout, CheckpointSaveError) as e:  # already explained: no traceback
+    except (CollectiveTimeout, CheckpointSaveError, MetricsWriteError) as e:  # already explained: no traceback
         record_failure(str(e), exit_code=1)
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,8 +46,12 @@ class MetricsWriter:
         self._line_every = 0
         if not enabled:
             return
-        os.makedirs(out_dir, exist_ok=True)
-        self._file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if start_step else "w")
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            self._file = open(self.path, "a" if start_step else "w")
+        except OSError as e:
+            raise _write_error(self.path, "opening", e) from None
         self.total_steps = total_steps
         self._t_start, self._start_step = time.perf_counter(), start_step
         # A bar on a terminal; in a log file (CI, batch jobs) about twenty plain lines instead of
@@ -69,8 +74,11 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.rows.append(row)
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        except OSError as e:  # a torn row is dropped by truncate_metrics when the run resumes
+            raise _write_error(self.path, f"writing step {row['step']} to", e) from None
         if self._bar is not None:  # tqdm shows the ETA itself
             self._bar.set_postfix(progress_fields(row), refresh=False)
             self._bar.update(1)
@@ -99,7 +107,8 @@ class MetricsWriter:
     def close(self) -> None:
         for h in (self._bar, self._file):
             if h is not None:
-                h.close()
+                with contextlib.suppress(OSError):  # a full disk was reported by log_step
+                    h.close()
         self._bar = self._file = None
 
 
@@ -171,20 +180,43 @@ def plot_metrics(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+class MetricsWriteError(RuntimeError):
+    """metrics.jsonl could not be written (a full or read-only disk): one line naming the file and
+    what to free, exit code 1, as a checkpoint that cannot be written (CheckpointSaveError)."""
+
+
+def _write_error(path: str, what: str, e: OSError) -> MetricsWriteError:
+    folder = os.path.dirname(os.path.abspath(path))
+    return MetricsWriteError(
+        f"{what} {path} failed ({e.strerror or e}); free space on the disk of {folder} (df -h {folder})"
+        " or fix its permissions, then resume (--resume)"
+    )
+
+
 def truncate_metrics(out_dir: str, step: int) -> None:
-    """Drop metrics.jsonl rows after ``step`` (written after the checkpoint, before a failure)."""
+    """Drop metrics.jsonl rows after ``step`` (written after the checkpoint, before a failure).
+
+    In place: the file is cut at the end of the last row kept, which takes no new space, so a
+    resume onto a full disk gets this far (no temporary copy to write and leave behind).
+    """
     path = os.path.join(out_dir, "metrics.jsonl")
+    with contextlib.suppress(OSError):
+        os.remove(path + ".tmp")  # left by paratrain versions that rewrote the file through a copy
     if not os.path.isfile(path):
         return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-            except (ValueError, KeyError, TypeError):
-                break  # a torn last line
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    try:
+        with open(path, "r+b") as f:
+            end, newline = 0, True
+            for line in f:
+                try:
+                    if json.loads(line)["step"] > step:
+                        break
+                except (ValueError, KeyError, TypeError):
+                    break  # a torn last line
+                end, newline = end + len(line), line.endswith(b"\n")
+            f.truncate(end)
+            if not newline:  # the last row kept was complete but its newline was not written
+                f.seek(end)
+                f.write(b"\n")
+    except OSError as e:
+        raise _write_error(path, f"cutting the rows after step {step} from", e) from None

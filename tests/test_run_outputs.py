@@ -1,0 +1,91 @@
+"""Run outputs on a full or unwritable disk: one line naming the file and what to free, nothing partial."""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import json
+import os
+
+import pytest
+
+from paratrain.observability import metrics
+from paratrain.observability.metrics import MetricsWriteError, MetricsWriter, truncate_metrics
+
+
+def _rows(path, steps) -> None:
+    with open(path, "w") as f:
+        for s in steps:
+            f.write(json.dumps({"step": s, "loss": 1.0}) + "\n")
+
+
+def _full_disk(monkeypatch) -> None:
+    """Every open that would create or grow a file fails as on a full disk (ENOSPC)."""
+    real = builtins.open
+
+    def full(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+        return real(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(metrics, "open", full, raising=False)
+
+
+def test_resume_truncates_metrics_on_a_full_disk_in_place(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    _rows(path, range(1, 8))
+    with open(path, "a") as f:
+        f.write('{"step": 8, "lo')  # torn by the failure
+    _full_disk(monkeypatch)
+    truncate_metrics(str(tmp_path), 4)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # no metrics.jsonl.tmp
+
+
+def test_truncate_keeps_a_last_row_without_its_newline_and_drops_an_old_tmp(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}')
+    (tmp_path / "metrics.jsonl.tmp").write_text("left by an older version")
+    truncate_metrics(str(tmp_path), 5)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
+
+
+def test_an_unwritable_metrics_file_is_one_line_naming_it(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    _rows(path, [1, 2, 3])
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(metrics, "open", refuse, raising=False)
+    with pytest.raises(MetricsWriteError) as e:
+        truncate_metrics(str(tmp_path), 2)
+    line = str(e.value)
+    assert "\n" not in line and str(path) in line and "free space" in line and "--resume" in line, line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_step_row_onto_a_full_disk_is_one_line(tmp_path):
+    os.symlink("/dev/full", tmp_path / "metrics.jsonl")  # every write: ENOSPC
+    writer = MetricsWriter(str(tmp_path), enabled=True, total_steps=5, progress=False, start_step=2)
+    with pytest.raises(MetricsWriteError) as e:
+        writer.log_step({"step": 3, "loss": 1.0})
+    writer.close()  # the failed flush is not raised again
+    assert "writing step 3" in str(e.value) and "metrics.jsonl" in str(e.value) and "df -h" in str(e.value)
+
+
+def test_the_worker_prints_one_line_and_exits_1_for_a_full_disk(tmp_path, monkeypatch, capsys):
+    from paratrain.launch import worker
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[run]\nout_dir = "{tmp_path}"\n')
+
+    def train(cfg):
+        raise MetricsWriteError(f"writing step 3 to {tmp_path}/metrics.jsonl failed (No space left on device)")
+
+    monkeypatch.setattr(worker, "train", train)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    assert worker.main([str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left" in err and "Traceback" not in err, err
