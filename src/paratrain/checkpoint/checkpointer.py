@@ -27,6 +27,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import tomllib
@@ -222,12 +223,28 @@ class Checkpointer:
     def _prepare(self, path: str) -> None:
         """Rank 0: a fresh step-N folder holding the resolved config."""
         if os.path.lexists(path):
-            if os.path.isfile(os.path.join(path, MANIFEST)) and self._owner(path) != self.run_id:
-                # A complete checkpoint of another run (or one whose manifest cannot be read): never
-                # delete what this run did not write; keep it under another name.
+            manifest = _read_manifest(path)
+            if os.path.isfile(os.path.join(path, MANIFEST)) and (manifest or {}).get("run_id") != self.run_id:
+                # A complete checkpoint of another run, or one whose manifest cannot be read (it
+                # may be anyone's): never delete it here; keep it under another name. _prune
+                # deletes a damaged one once it is older than every checkpoint kept.
                 aside = f"{path}.replaced-{int(time.time())}"
                 os.replace(path, aside)
-                log.warning("warning: %s belongs to another run; moved it to %s", path, aside)
+                if manifest is None:
+                    log.warning(
+                        "warning: %s is damaged (its %s cannot be read); moved it to %s, which checkpoint.keep"
+                        " prunes with the older checkpoints",
+                        path,
+                        MANIFEST,
+                        aside,
+                    )
+                else:
+                    log.warning(
+                        "warning: %s belongs to another run (run_id %s); moved it to %s",
+                        path,
+                        manifest.get("run_id"),
+                        aside,
+                    )
             else:  # a partial folder left by a killed attempt at this step, or our own
                 shutil.rmtree(path)
         os.makedirs(path)
@@ -260,11 +277,7 @@ class Checkpointer:
         )
 
     def _owner(self, path: str) -> str | None:
-        try:
-            with open(os.path.join(path, MANIFEST)) as f:
-                return json.load(f).get("run_id")
-        except (OSError, ValueError, AttributeError):
-            return None
+        return (_read_manifest(path) or {}).get("run_id")
 
     def _finalize(self, fut, path: str, info: dict) -> None:
         """Rank 0, after DCP wrote every shard and .metadata: manifest last, then prune."""
@@ -288,6 +301,13 @@ class Checkpointer:
             if p not in keep and s < oldest_kept:
                 complete_p = os.path.isfile(os.path.join(p, MANIFEST))
                 if (complete_p and self._owner(p) == self.run_id) or (not complete_p and p in self._written):
+                    shutil.rmtree(p, ignore_errors=True)
+        for s, p in _replaced(self.root):
+            # Folders _prepare moved aside: this run's own, or damaged ones (an unreadable manifest:
+            # nothing can resume from them) go with the checkpoints of their step; another run's stay.
+            if s < oldest_kept:
+                manifest = _read_manifest(p)
+                if manifest is None or manifest.get("run_id") == self.run_id:
                     shutil.rmtree(p, ignore_errors=True)
 
     def wait(self) -> None:
@@ -448,6 +468,30 @@ class Checkpointer:
                 path,
                 ", ".join(changed),
             )
+
+
+def _read_manifest(path: str) -> dict | None:
+    """The manifest of a checkpoint folder as a dict; None when it is missing, empty or not a JSON object."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+_REPLACED_DIR = re.compile(r"^step-(\d+)\.replaced-\d+$")
+
+
+def _replaced(root: str) -> list[tuple[int, str]]:
+    """(step, path) of the ``step-N.replaced-<time>`` folders under root."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(
+        (int(m.group(1)), os.path.join(root, name))
+        for name in os.listdir(root)
+        if (m := _REPLACED_DIR.match(name)) and os.path.isdir(os.path.join(root, name))
+    )
 
 
 def _has(keys, name: str) -> bool:

@@ -1,0 +1,79 @@
+"""Checkpoint folders on one rank, no process group: what a damaged manifest is called, and what
+``checkpoint.keep`` prunes of the folders moved aside (step-N.replaced-*)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from paratrain.checkpoint.checkpointer import Checkpointer
+from paratrain.checkpoint.manifest import MANIFEST, find_latest
+from paratrain.checkpoint.state import DataclassState, ModelState
+from paratrain.config import CheckpointConfig
+
+
+@dataclasses.dataclass
+class _State:
+    step: int = 0
+
+
+def _checkpointer(root, *, keep: int = 2) -> Checkpointer:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    state = _State()
+    return Checkpointer(
+        CheckpointConfig(dir=str(root), keep=keep),
+        out_dir=str(root),
+        config_toml="",
+        stateful={"model": ModelState(model), "train_state": DataclassState(state)},
+        train_state=state,
+        layout={},
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        timeout_s=30,
+    )
+
+
+def _save(ck: Checkpointer, step: int) -> None:
+    ck.state.step = step
+    ck.save(step)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_emptied_manifest_is_called_damaged_and_pruned_by_keep(tmp_path, caplog):
+    ck = _checkpointer(tmp_path, keep=2)
+    _save(ck, 1)
+    _save(ck, 2)
+    open(tmp_path / "step-2" / MANIFEST, "w").close()  # emptied (a full disk, a bad copy)
+    caplog.set_level(logging.WARNING, logger="paratrain")
+    assert find_latest(str(tmp_path)) == str(tmp_path / "step-1")  # skipped on resume, with a line
+    _save(ck, 2)  # the run reaches step 2 again
+    moved = [r.getMessage() for r in caplog.records if "moved it to" in r.getMessage()]
+    assert len(moved) == 1 and "is damaged" in moved[0] and "another run" not in moved[0], moved
+    aside = [n for n in os.listdir(tmp_path) if n.startswith("step-2.replaced-")]
+    assert len(aside) == 1
+    _save(ck, 3)
+    _save(ck, 4)  # keep = 2: step-3 and step-4 stay; step-2 and what was moved aside from it go
+    assert sorted(os.listdir(tmp_path)) == ["step-3", "step-4"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_another_runs_checkpoint_is_moved_aside_and_never_pruned(tmp_path, caplog):
+    other = _checkpointer(tmp_path, keep=2)
+    _save(other, 2)
+    ck = _checkpointer(tmp_path, keep=1)
+    caplog.set_level(logging.WARNING, logger="paratrain")
+    _save(ck, 2)
+    moved = [r.getMessage() for r in caplog.records if "moved it to" in r.getMessage()]
+    assert len(moved) == 1 and f"another run (run_id {other.run_id})" in moved[0], moved
+    _save(ck, 3)
+    names = sorted(os.listdir(tmp_path))
+    assert names[0].startswith("step-2.replaced-") and names[1:] == ["step-3"], names
+    with open(tmp_path / names[0] / MANIFEST) as f:
+        assert json.load(f)["run_id"] == other.run_id
