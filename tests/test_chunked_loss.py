@@ -78,6 +78,8 @@ LAYOUTS = {
     4: {
         "gpt_chunk_fsdp_tp": ["parallel.dp_shard=2", "parallel.tp=2", "batch.micro_batch_size=2"],
         "gpt_chunk_ddp_tp": ["parallel.dp_replicate=2", "parallel.tp=2", "batch.micro_batch_size=2"],
+        # The stage holding the output layer must keep it gathered under FSDP2 for the loss.
+        "gpt_chunk_pp_fsdp": ["parallel.pp=2", "parallel.dp_shard=2", "batch.micro_batch_size=2"],
         "gpt_chunk_pp_tp": [
             "parallel.pp=2",
             "parallel.tp=2",

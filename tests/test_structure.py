@@ -107,7 +107,7 @@ LAYERS = (
     ("config", "preemption"),
     ("loss", "optim", "precision"),
     ("distributed", "data"),
-    ("models", "checkpoint", "hardware", "step"),
+    ("models", "checkpoint", "hardware", "step", "support"),
     ("observability",),
     ("batch", "generate"),
     ("preflight", "evaluate"),

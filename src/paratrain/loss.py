@@ -88,6 +88,12 @@ def _checked(user: Callable) -> Callable:
     return call
 
 
+def _data_parallel_shards(weight: DTensor) -> tuple[str, ...]:
+    """The mesh dimensions other than ``tp`` over which ``weight`` is sharded (FSDP2's)."""
+    names = weight.device_mesh.mesh_dim_names or ()
+    return tuple(n for n, p in zip(names, weight.placements) if n != "tp" and p.is_shard())
+
+
 class ChunkedCrossEntropy:
     """The cross-entropy of the output layer's logits, ``chunk`` positions at a time.
 
@@ -124,6 +130,16 @@ class ChunkedCrossEntropy:
                 "loss.chunk_size > 0 but no output layer was handed to the loss (ModelSpec.hand_head_to)"
             )
         weight, bias = self.head.weight, self.head.bias
+        if isinstance(weight, DTensor) and (dims := _data_parallel_shards(weight)):
+            # A weight sharded over data-parallel ranks is an FSDP2 shard: its root was resharded
+            # after the forward (parallelize's loss_owns_head not applied). Read as if it were a
+            # tensor-parallel weight it gives plausible, wrong logits, and gradients that skip
+            # FSDP2's reduce-scatter: refuse it instead.
+            raise RuntimeError(
+                f"loss.chunk_size > 0: the output layer's weight is still sharded by FSDP2 over {dims}"
+                " when the loss reads it; its FSDP2 root must keep it gathered after the forward"
+                " (parallelize(..., loss_owns_head=True))"
+            )
         if isinstance(weight, DTensor):
             whole = [Replicate()] * weight.device_mesh.ndim
             if isinstance(hidden, DTensor):

@@ -21,7 +21,7 @@ from paratrain.data.tokens import resolve_model_vocab, resolve_packing, tokens_m
 from paratrain.distributed.grad_compression import check_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout
-from paratrain.distributed.pipeline_parallel import ZERO_BUBBLE, check_pp_layout, check_untied
+from paratrain.distributed.pipeline_parallel import check_pp_layout, check_untied
 from paratrain.models import build, model_builder, spec_of
 from paratrain.models.gpt.model import GPTConfig
 from paratrain.models.gpt.moe import MoEConfig
@@ -29,6 +29,7 @@ from paratrain.models.hf import check_hf_moe_layout
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
 from paratrain.precision import check_precision
+from paratrain.support import check_support
 
 log = logging.getLogger("paratrain")
 
@@ -152,81 +153,20 @@ def check_pp_layout_of(
 
 
 def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
-    """Combinations of features this version cannot run exactly: refused, never run wrongly."""
-    impl = cfg.optim.implementation
-    if impl in ("fused", "foreach") and (dims.fsdp_enabled or dims.tp > 1 or (cfg.model.hf and dims.ep > 1)):
-        # optim.py: torch 2.13 runs neither kernel on these layouts' CPU DTensors (mixed lists).
-        raise ConfigError(
-            f"optim.implementation = {impl!r} takes plain tensors only (DDP), and this layout shards parameters"
-            " (FSDP2, tp, cp or ep); set optim.implementation = 'auto' or 'for-loop'"
-        )
-    noise = (
-        "batch.adaptive = true"
-        if cfg.batch.adaptive
-        else ("optim.lr_scaling = 'adascale'" if cfg.optim.lr_scaling == "adascale" else "")
-    )
-    if noise:
-        # The gradient-noise probe reads each rank's gradient after its first micro-batch.
-        if dims.pp > 1:
-            raise ConfigError(
-                f"{noise} cannot measure the gradient noise across pipeline stages; set parallel.pp = 1 or turn it off"
-            )
-        if dims.dp_shard > 1:
-            raise ConfigError(
-                f"{noise} needs each rank's own gradient, which FSDP2 (parallel.dp_shard ="
-                f" {dims.dp_shard}) reduce-scatters or keeps unsharded; use parallel.dp_replicate"
-            )
-        if cfg.precision.dtype == "fp16":
-            raise ConfigError(
-                f"{noise} with precision.dtype = 'fp16' would read loss-scaled gradients; use precision.dtype = 'bf16'"
-            )
-    lora = cfg.model.lora
-    if lora.enabled:
+    """Combinations of features this version cannot run exactly: refused, never run wrongly
+    (the table of support.py), then the checks of one component's own values."""
+    check_support(cfg, dims)
+    if cfg.model.lora.enabled:
         import_peft()
-        if dims.tp > 1 and cfg.parallel.sequence_parallel:
-            # Under sequence parallel a block's linear layers see DTensor inputs, which the
-            # replicated half of an adapter (a plain module) cannot take (docs/lora.md).
-            raise ConfigError(
-                "model.lora with parallel.sequence_parallel = true is not supported yet; set"
-                " parallel.sequence_parallel = false (tensor parallel itself is supported)"
-            )
     if cfg.model.hf:  # a transformers mixture of experts (models/hf/moe.py); nothing for a dense one
         check_hf_moe_layout(cfg, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_shard=dims.dp_shard)
     if cfg.model.args.get("moe") is not None and not (cfg.model.hf or cfg.model.factory):
-        check_moe_combinations(cfg, dims)
-    elif dims.ep > 1 and not cfg.model.hf:  # model.hf: its own check above
-        raise ConfigError(
-            "parallel.ep > 1 needs the built-in GPT with a mixture of experts (model.args.moe); set parallel.ep = 1"
-        )
-    if dims.pp > 1:
-        if cfg.batch.micro_batch_size == "auto":
+        moe = MoEConfig.from_args(cfg.model.args["moe"])  # its own values, before any process starts
+        if moe.n_experts % dims.ep:
             raise ConfigError(
-                "batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
-                " set batch.micro_batch_size to a number with parallel.pp > 1"
+                f"parallel.ep = {dims.ep} does not divide model.args.moe.n_experts = {moe.n_experts};"
+                " use an ep that divides both n_experts and dp"
             )
-
-
-def check_moe_combinations(cfg: Config, dims: ParallelDims) -> None:
-    """The built-in GPT's mixture of experts (docs/moe.md) runs with DDP, FSDP2, HSDP, tp, pp and
-    accumulation; the rest is refused until it is built and tested against one process."""
-    moe = MoEConfig.from_args(cfg.model.args["moe"])  # its own values, before any process starts
-    if moe.n_experts % dims.ep:
-        raise ConfigError(
-            f"parallel.ep = {dims.ep} does not divide model.args.moe.n_experts = {moe.n_experts};"
-            " use an ep that divides both n_experts and dp"
-        )
-    if dims.pp > 1 and cfg.parallel.pp_schedule in ZERO_BUBBLE:
-        # Not tested: their split weight pass would have to find the auxiliary loss's path too.
-        raise ConfigError(
-            f"model.args.moe with parallel.pp_schedule = '{cfg.parallel.pp_schedule}' is not supported yet;"
-            " use 'gpipe', '1f1b', 'interleaved1f1b' or 'looped_bfs'"
-        )
-    for key, on in (
-        ("batch.adaptive = true", cfg.batch.adaptive),
-        ("optim.lr_scaling = 'adascale'", cfg.optim.lr_scaling == "adascale"),
-    ):
-        if on:
-            raise ConfigError(f"model.args.moe with {key} is not supported yet; turn it off (see docs/moe.md)")
 
 
 def check_packing(cfg: Config, dims: ParallelDims) -> None:
@@ -253,22 +193,6 @@ def check_cp(cfg: Config, dims: ParallelDims) -> None:
     """Context parallel (docs/context-parallel.md): what this version runs, and the row length."""
     if dims.cp == 1:
         return
-    refused = [
-        (cfg.parallel.sequence_parallel, "parallel.sequence_parallel"),
-        (bool(cfg.model.factory), "model.factory"),
-        (cfg.model.args.get("attention", "sdpa") != "sdpa", "model.args.attention = 'flex'"),
-        (bool(cfg.model.args.get("dropout", 0.0)), "model.args.dropout > 0"),
-        (cfg.comm.compression != "none", "comm.compression"),
-        (
-            cfg.batch.adaptive or cfg.optim.lr_scaling == "adascale",
-            "the gradient-noise probe (batch.adaptive, adascale)",
-        ),
-        (cfg.batch.micro_batch_size == "auto", "batch.micro_batch_size = 'auto'"),
-        (cfg.data.args.get("packing") == "padded", "data.args.packing = 'padded'"),
-    ]
-    for bad, what in refused:
-        if bad:
-            raise ConfigError(f"parallel.cp with {what} is not supported yet; set parallel.cp = 1 or drop {what}")
     heads = cfg.model.args.get("n_head", GPTConfig.n_head)  # the built-in GPT's (model.hf: checked at start)
     if (
         cfg.parallel.cp_attention == "alltoall"

@@ -96,6 +96,10 @@ def parallelize(
     after the forward (loss.chunk_size), so FSDP2 keeps the root's parameters gathered until
     the backward. ``cp_attention``: the spec's installer of a context-parallel attention.
     """
+    # Every option, as given: a pipeline stage is parallelized exactly as a whole model would be
+    # (e.g. the stage that holds the output layer keeps it gathered for a loss that reads it
+    # after the forward, loss_owns_head), with no keyword list to keep in step by hand.
+    options = {k: v for k, v in locals().items() if k not in ("model", "dims")}
     comm, precision = comm or CommConfig(), precision or PrecisionConfig()
     # 1. Pipeline split, still on the CPU (only this rank's stages reach the device): each stage
     #    then goes through steps 2-6 like a whole model (this function again), before the
@@ -106,19 +110,7 @@ def parallelize(
             dims.submesh("pp"),
             cfg=cfg,
             device=device,
-            parallelize_stage=lambda stage: parallelize(
-                stage,
-                dims,
-                cfg=cfg,
-                device=device,
-                comm=comm,
-                precision=precision,
-                compile_enabled=compile_enabled,
-                loss_parallel=loss_parallel,
-                blocks_attr=blocks_attr,
-                model_plan=model_plan,
-                cp_attention=cp_attention,
-            ),
+            parallelize_stage=lambda stage: parallelize(stage, dims, **options),
             blocks_attr=blocks_attr,
         )
     # Only move what is elsewhere: Module.to cannot swap the fake tensors of the memory

@@ -1,0 +1,327 @@
+"""What composes with what: the features a layout can combine, and the combinations refused.
+
+One declarative table instead of checks spread over the code. ``FEATURES`` names each feature a
+user can turn on, how to tell that a config has it, and the settings that turn it on (its
+levels), which is all the combination sweep needs (tests/sweep.py): a feature declared here is
+swept against one process in every pair with the others. ``REFUSALS`` lists the combinations
+this version cannot run exactly; ``check_support`` (called by preflight.check_run before any
+process starts) raises the first one that a config meets as one line naming the fix, and
+``docs/support.md`` is rendered from the same table (``render_support``, checked by the docs
+test). A check of one component's own values (a degree that does not divide, a bad schedule
+name) stays with that component; only combinations of features live here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from paratrain.config import Config, ConfigError
+from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.pipeline_parallel import ZERO_BUBBLE
+
+Check = Callable[[Config, ParallelDims], bool]
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A feature a layout can turn on.
+
+    ``on``: whether a config (with its resolved degrees) has it. ``levels``: settings that turn
+    it on, by name (``--set`` overrides of a small GPT on a 4-rank world at most); the sweep
+    picks one level per feature, or leaves the feature off. ``math``: the feature changes what
+    is computed (a model or data option, not a layout), so the sweep's one-process reference
+    has it too. ``tolerance``: the relative difference from one process the feature is allowed
+    (float rounding of a reduction in another order; bf16 rounding for the bf16 ones).
+    """
+
+    name: str
+    doc: str
+    on: Check
+    levels: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    math: bool = False
+    tolerance: float = 1e-4
+
+
+def _noise_probe(cfg: Config) -> bool:
+    return cfg.batch.adaptive or cfg.optim.lr_scaling == "adascale"
+
+
+def _gpt_moe(cfg: Config) -> bool:
+    return cfg.model.args.get("moe") is not None and not (cfg.model.hf or cfg.model.factory)
+
+
+FEATURES: dict[str, Feature] = {
+    f.name: f
+    for f in (
+        Feature(
+            "dp_replicate",
+            "replicated data parallel (DDP; HSDP's outer dimension with dp_shard)",
+            lambda c, d: d.dp_replicate > 1,
+            {"2": ("parallel.dp_replicate=2",)},
+            tolerance=1e-5,
+        ),
+        Feature(
+            "dp_shard",
+            "sharded data parallel (FSDP2)",
+            lambda c, d: d.dp_shard > 1,
+            {"2": ("parallel.dp_shard=2",)},
+        ),
+        Feature(
+            "tp",
+            "tensor parallel (DTensor), with or without sequence parallel",
+            lambda c, d: d.tp > 1,
+            {"2": ("parallel.tp=2",), "2+sp": ("parallel.tp=2", "parallel.sequence_parallel=true")},
+        ),
+        Feature(
+            "pp",
+            "pipeline parallel, by schedule",
+            lambda c, d: d.pp > 1,
+            {
+                "1f1b": ("parallel.pp=2", "parallel.pp_schedule='1f1b'"),
+                "gpipe": ("parallel.pp=2", "parallel.pp_schedule='gpipe'"),
+                "interleaved1f1b": ("parallel.pp=2", "parallel.pp_schedule='interleaved1f1b'"),
+                "zbv": ("parallel.pp=2", "parallel.pp_schedule='zbv'"),
+            },
+        ),
+        Feature(
+            "cp",
+            "context parallel, by attention",
+            lambda c, d: d.cp > 1,
+            {
+                "ring": ("parallel.cp=2", "parallel.cp_attention='ring'"),
+                "alltoall": ("parallel.cp=2", "parallel.cp_attention='alltoall'"),
+            },
+        ),
+        Feature(
+            "ep",
+            "expert parallel (needs a mixture of experts)",
+            lambda c, d: d.ep > 1,
+            {"2": ("parallel.ep=2",)},
+        ),
+        Feature(
+            "moe",
+            "the built-in GPT's mixture of experts",
+            lambda c, d: _gpt_moe(c),
+            {"4x2": ("model.args.moe={n_experts = 4, top_k = 2}",)},
+            math=True,
+        ),
+        Feature(
+            "accumulation",
+            "gradient accumulation (micro-batches of one sample)",
+            lambda c, d: (
+                c.batch.micro_batch_size != "auto"
+                and c.batch.global_batch_size // max(d.dp, 1) > c.batch.micro_batch_size
+            ),
+            {"mbs1": ("batch.micro_batch_size=1",)},
+        ),
+        Feature(
+            "activation_checkpointing",
+            "activation checkpointing",
+            lambda c, d: c.parallel.activation_checkpointing != "none",
+            {m: (f"parallel.activation_checkpointing='{m}'",) for m in ("full", "selective")},
+        ),
+        Feature(
+            "compile",
+            "torch.compile of each block",
+            lambda c, d: c.train.compile,
+            {"on": ("train.compile=true",)},
+        ),
+        Feature(
+            "chunked_loss",
+            "the chunked cross-entropy (loss.chunk_size)",
+            lambda c, d: c.loss.chunk_size > 0,
+            {"16": ("loss.chunk_size=16",)},
+        ),
+        Feature(
+            "loss_parallel",
+            "the loss on vocabulary-sharded logits (needs tp)",
+            lambda c, d: c.parallel.loss_parallel and d.tp > 1,
+            {"on": ("parallel.loss_parallel=true",)},
+        ),
+        Feature(
+            "packing",
+            "packed documents (block-diagonal attention) or one document per row",
+            lambda c, d: c.data.args.get("packing", "stream") != "stream",
+            {p: (f"data.args.packing='{p}'",) for p in ("documents", "padded")},
+            math=True,
+        ),
+        Feature(
+            "lora",
+            "LoRA adapters",
+            lambda c, d: c.model.lora.enabled,
+            {"qv": ("model.lora.target_modules=['q_proj', 'v_proj']",)},
+            math=True,
+        ),
+        Feature(
+            "bf16",
+            "bf16 mixed precision",
+            lambda c, d: c.precision.dtype == "bf16",
+            {"on": ("precision.dtype='bf16'",)},
+            math=True,
+            tolerance=2e-2,
+        ),
+        Feature(
+            "compression",
+            "bf16 gradient compression",
+            lambda c, d: c.comm.compression != "none",
+            {"bf16": ("comm.compression='bf16'",)},
+            tolerance=2e-2,
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A combination this version does not run: ``features`` together, ``when`` a config meets
+    it, ``message`` the one line that names it and the fix, ``doc`` the reason for the docs."""
+
+    features: tuple[str, ...]
+    when: Check
+    message: Callable[[Config, ParallelDims], str]
+    doc: str
+
+
+def _probe_name(cfg: Config) -> str:
+    return "batch.adaptive = true" if cfg.batch.adaptive else "optim.lr_scaling = 'adascale'"
+
+
+def _cp_refusal(name: str, what: str, when: Callable[[Config], bool]) -> Refusal:
+    return Refusal(
+        ("cp", name),
+        lambda c, d: d.cp > 1 and when(c),
+        lambda c, d: f"parallel.cp with {what} is not supported yet; set parallel.cp = 1 or drop {what}",
+        "not built into the context-parallel attention yet (docs/context-parallel.md)",
+    )
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        ("fused_optimizer", "dp_shard", "tp", "ep"),
+        # optim.py: torch 2.13 runs neither kernel on these layouts' CPU DTensors (mixed lists).
+        lambda c, d: (
+            c.optim.implementation in ("fused", "foreach")
+            and (d.fsdp_enabled or d.tp > 1 or (bool(c.model.hf) and d.ep > 1))
+        ),
+        lambda c, d: (
+            f"optim.implementation = {c.optim.implementation!r} takes plain tensors only (DDP), and this"
+            " layout shards parameters (FSDP2, tp, cp or ep); set optim.implementation = 'auto' or 'for-loop'"
+        ),
+        "torch 2.13 runs neither kernel on CPU DTensors; `auto` or `for-loop` does",
+    ),
+    # The gradient-noise probe reads each rank's gradient after its first micro-batch.
+    Refusal(
+        ("noise_probe", "pp"),
+        lambda c, d: _noise_probe(c) and d.pp > 1,
+        lambda c, d: (
+            f"{_probe_name(c)} cannot measure the gradient noise across pipeline stages;"
+            " set parallel.pp = 1 or turn it off"
+        ),
+        "the gradient-noise probe reads each rank's own gradient after its first micro-batch, which a stage does not hold",
+    ),
+    Refusal(
+        ("noise_probe", "dp_shard"),
+        lambda c, d: _noise_probe(c) and d.dp_shard > 1,
+        lambda c, d: (
+            f"{_probe_name(c)} needs each rank's own gradient, which FSDP2 (parallel.dp_shard ="
+            f" {d.dp_shard}) reduce-scatters or keeps unsharded; use parallel.dp_replicate"
+        ),
+        "FSDP2 reduce-scatters each rank's gradient; DDP keeps it",
+    ),
+    Refusal(
+        ("noise_probe", "fp16"),
+        lambda c, d: _noise_probe(c) and c.precision.dtype == "fp16",
+        lambda c, d: (
+            f"{_probe_name(c)} with precision.dtype = 'fp16' would read loss-scaled gradients;"
+            " use precision.dtype = 'bf16'"
+        ),
+        "the probe would read loss-scaled gradients",
+    ),
+    # Under sequence parallel a block's linear layers see DTensor inputs, which the replicated
+    # half of an adapter (a plain module) cannot take (docs/lora.md).
+    Refusal(
+        ("lora", "tp+sp"),
+        lambda c, d: c.model.lora.enabled and d.tp > 1 and c.parallel.sequence_parallel,
+        lambda c, d: (
+            "model.lora with parallel.sequence_parallel = true is not supported yet; set"
+            " parallel.sequence_parallel = false (tensor parallel itself is supported)"
+        ),
+        "an adapter's replicated half cannot take sequence-parallel DTensor inputs (docs/lora.md)",
+    ),
+    Refusal(
+        ("ep", "no moe"),
+        lambda c, d: d.ep > 1 and not c.model.hf and not _gpt_moe(c),
+        lambda c, d: (
+            "parallel.ep > 1 needs the built-in GPT with a mixture of experts (model.args.moe); set parallel.ep = 1"
+        ),
+        "expert parallel shards experts; a dense model has none (model.hf checks its own, models/hf/moe.py)",
+    ),
+    Refusal(
+        ("pp", "auto micro-batch"),
+        lambda c, d: d.pp > 1 and c.batch.micro_batch_size == "auto",
+        lambda c, d: (
+            "batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
+            " set batch.micro_batch_size to a number with parallel.pp > 1"
+        ),
+        "the memory estimate does not model a pipeline step yet",
+    ),
+    # Not tested: the split weight pass of these schedules would have to find the auxiliary
+    # loss's path too.
+    Refusal(
+        ("moe", "pp zero-bubble"),
+        lambda c, d: _gpt_moe(c) and d.pp > 1 and c.parallel.pp_schedule in ZERO_BUBBLE,
+        lambda c, d: (
+            f"model.args.moe with parallel.pp_schedule = '{c.parallel.pp_schedule}' is not supported"
+            " yet; use 'gpipe', '1f1b', 'interleaved1f1b' or 'looped_bfs'"
+        ),
+        "the split weight pass would have to follow the auxiliary loss's path too; not tested",
+    ),
+    Refusal(
+        ("moe", "noise_probe"),
+        lambda c, d: _gpt_moe(c) and _noise_probe(c),
+        lambda c, d: f"model.args.moe with {_probe_name(c)} is not supported yet; turn it off (see docs/moe.md)",
+        "not tested together (docs/moe.md)",
+    ),
+    _cp_refusal("tp+sp", "parallel.sequence_parallel", lambda c: c.parallel.sequence_parallel),
+    _cp_refusal("model.factory", "model.factory", lambda c: bool(c.model.factory)),
+    _cp_refusal(
+        "flex attention", "model.args.attention = 'flex'", lambda c: c.model.args.get("attention", "sdpa") != "sdpa"
+    ),
+    _cp_refusal("dropout", "model.args.dropout > 0", lambda c: bool(c.model.args.get("dropout", 0.0))),
+    _cp_refusal("compression", "comm.compression", lambda c: c.comm.compression != "none"),
+    _cp_refusal("noise_probe", "the gradient-noise probe (batch.adaptive, adascale)", _noise_probe),
+    _cp_refusal("auto micro-batch", "batch.micro_batch_size = 'auto'", lambda c: c.batch.micro_batch_size == "auto"),
+    _cp_refusal("packing padded", "data.args.packing = 'padded'", lambda c: c.data.args.get("packing") == "padded"),
+)
+
+
+def check_support(cfg: Config, dims: ParallelDims) -> None:
+    """Raise the first refused combination ``cfg`` meets (ConfigError, one line with the fix)."""
+    for refusal in REFUSALS:
+        if refusal.when(cfg, dims):
+            raise ConfigError(refusal.message(cfg, dims))
+
+
+def render_support() -> str:
+    """docs/support.md: the features and the refused combinations, from the tables above."""
+    lines = [
+        "# What composes with what",
+        "",
+        "<!-- Rendered from src/paratrain/support.py (render_support); tests/test_docs.py checks it. -->",
+        "",
+        "Every feature below composes with every other one unless a row of the second table refuses",
+        "the combination: `paratrain train` then exits with code 2 and the one line shown, before any",
+        "process starts. The combination sweep (`tests/test_sweep.py`, [combinations.md](combinations.md))",
+        "runs every pair of these features against one process.",
+        "",
+        "| feature | what it is | levels swept | tolerance against one process |",
+        "|---|---|---|---|",
+    ]
+    for f in FEATURES.values():
+        levels = ", ".join(f"`{name}`" for name in f.levels)
+        lines.append(f"| `{f.name}` | {f.doc} | {levels} | {f.tolerance:g} |")
+    lines += ["", "| refused together | why |", "|---|---|"]
+    for r in REFUSALS:
+        lines.append(f"| {' + '.join(r.features)} | {r.doc} |")
+    return "\n".join(lines) + "\n"
