@@ -193,18 +193,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("out_dir", help="run.out_dir of a finished run")
-    p.add_argument("--prompt", default="def ")
+    p.add_argument("out_dir", help="run.out_dir of a finished run (the built-in GPT, or model.hf: full or LoRA)")
+    p.add_argument("--prompt", default="def ", help="text to continue (default %(default)r)")
     p.add_argument(
         "--chat",
         default=None,
         metavar="MESSAGE",
-        help="one user turn through the run's chat template; prints the reply",
+        help="one user turn through the run's chat template; prints the reply (instead of --prompt)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample at most (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default %(default)s)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -320,15 +320,35 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a step-N checkpoint folder (or a checkpoints folder: its newest)")
+    p.add_argument(
+        "checkpoint",
+        metavar="SOURCE",
+        help="a step-N checkpoint folder, a checkpoints folder (its newest), or a finished run's run.out_dir (its"
+        " final model.safetensors)",
+    )
     p.add_argument("--to", metavar="FILE", help="output .safetensors file")
     p.add_argument(
         "--hf", metavar="DIR", help="output directory in transformers format (runs with model.hf): from_pretrained(DIR)"
     )
     p.add_argument(
-        "--peft", metavar="DIR", help="a LoRA run's adapters as a PEFT directory: PeftModel.from_pretrained(base, DIR)"
+        "--peft",
+        metavar="DIR",
+        help="a LoRA run's adapters as a PEFT directory: PeftModel.from_pretrained(base, DIR), or"
+        " AutoPeftModelForCausalLM.from_pretrained(DIR) for model.hf runs",
     )
     p.add_argument("--merge", action="store_true", help="with --hf: a LoRA run's adapters merged into the base")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file or directory")
+
+
+def refuse_overwrite(path: str, flag: str, *, overwrite: bool) -> None:
+    """One line, before anything is read or written, for an output that exists (a file, or a
+    directory with anything in it) unless ``--overwrite``: an export never replaces a model unasked."""
+    if overwrite or not os.path.exists(path):
+        return
+    if os.path.isdir(path) and not os.listdir(path):
+        return  # an empty directory holds nothing to lose
+    kind = "directory" if os.path.isdir(path) else "file"
+    raise ConfigError(f"{flag} {path}: the {kind} exists; pick a new path, or pass --overwrite to replace it")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -341,6 +361,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     if args.merge and not args.hf:
         raise ConfigError("export --merge goes with --hf DIR (the merged model in transformers format)")
+    flag, out = next((f, v) for f, v in (("--to", args.to), ("--hf", args.hf), ("--peft", args.peft)) if v)
+    if os.path.abspath(out) == os.path.abspath(args.checkpoint):
+        raise ConfigError(f"{flag} {out} is the folder being exported; pick another path")
+    refuse_overwrite(out, flag, overwrite=args.overwrite)
+    if args.to and os.path.isdir(args.to):
+        raise ConfigError(f"--to {args.to} is a directory; pass a .safetensors file path")
     if args.peft or args.merge:
         return export_lora(args.checkpoint, peft=args.peft, merged=args.hf)
     if args.hf:
@@ -354,17 +380,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def export_lora(checkpoint: str, *, peft: str | None, merged: str | None) -> int:
-    """A LoRA checkpoint's adapters -> a PEFT adapter directory, or merged into the base (docs/lora.md)."""
-    from paratrain.checkpoint import read_model_weights  # lazy: see the module docstring
-    from paratrain.checkpoint.manifest import CONFIG_FILE  # lazy: see the module docstring
+    """A LoRA checkpoint's (or run's) adapters -> a PEFT adapter directory, or merged into the base (docs/lora.md)."""
+    from paratrain.checkpoint.export import read_export_source  # lazy: see the module docstring
     from paratrain.models.lora_export import adapters_of, export_merged, export_peft  # lazy: see the module docstring
 
-    weights, manifest, path = read_model_weights(checkpoint)
-    cfg = load_config(os.path.join(path, CONFIG_FILE))
+    weights, manifest, path, config_file = read_export_source(checkpoint)
+    cfg = load_config(config_file)
     flag = "--peft" if peft else "--merge"
     if not cfg.model.lora.enabled:
         raise ConfigError(
-            f"export {flag}: checkpoint {path} is not of a LoRA run (no [model.lora] in its config.toml);"
+            f"export {flag}: {path} is not of a LoRA run (no [model.lora] in its config.toml);"
             " export it with --to FILE or --hf DIR"
         )
     adapters = adapters_of(weights, path=path, flag=flag)
@@ -373,31 +398,31 @@ def export_lora(checkpoint: str, *, peft: str | None, merged: str | None) -> int
         print(f"exported {n} adapter tensors of step {manifest['step']} from {path} to {peft} (PEFT adapter)")
         return 0
     if not cfg.model.hf:
-        raise ConfigError(
-            f"export --merge: checkpoint {path} is not of a model.hf run; export its adapters with --peft DIR"
-        )
-    export_merged(adapters, model_cfg=cfg.model, out_dir=merged, base=manifest.get("base"))
+        raise ConfigError(f"export --merge: {path} is not of a model.hf run; export its adapters with --peft DIR")
+    # A run's final weights hold the very base it trained on: merged into that, no hash to check.
+    base = {k: v for k, v in weights.items() if k not in adapters} if "files" not in manifest else None
+    export_merged(adapters, model_cfg=cfg.model, out_dir=merged, base=manifest.get("base"), base_weights=base)
     print(f"exported the base with {len(adapters)} adapter tensors of step {manifest['step']} merged to {merged}")
     return 0
 
 
 def export_hf_dir(checkpoint: str, out_dir: str) -> int:
-    """A checkpoint of a ``model.hf`` run -> a directory ``from_pretrained`` loads (docs/huggingface.md)."""
-    from paratrain.checkpoint import read_model_weights  # lazy: see the module docstring
-    from paratrain.checkpoint.manifest import CONFIG_FILE  # lazy: see the module docstring
+    """A checkpoint (or a finished run) of a ``model.hf`` run -> a directory ``from_pretrained`` loads (docs/huggingface.md)."""
+    from paratrain.checkpoint.export import read_export_source  # lazy: see the module docstring
     from paratrain.models.hf import export_hf  # lazy: see the module docstring
 
-    weights, manifest, path = read_model_weights(checkpoint)
-    cfg = load_config(os.path.join(path, CONFIG_FILE))  # the run's resolved config, saved with the checkpoint
+    weights, manifest, path, config_file = read_export_source(checkpoint)
+    cfg = load_config(config_file)  # the run's resolved config, saved with the checkpoint
     if cfg.model.lora.enabled:
+        what = (
+            "checkpoint {} holds LoRA adapters only, not the full model" if "files" in manifest else "{} is a LoRA run"
+        )
         raise ConfigError(
-            f"checkpoint {path} holds LoRA adapters only, not the full model: export --hf DIR --merge writes the"
-            " base with the adapters merged in, --peft DIR the adapters"
+            what.format(path) + ": export --hf DIR --merge writes the base with the adapters merged in, --peft DIR"
+            " the adapters"
         )
     if not cfg.model.hf:
-        raise ConfigError(
-            f"checkpoint {path} is not of a model.hf run (no transformers config to export with); use --to FILE"
-        )
+        raise ConfigError(f"{path} is not of a model.hf run (no transformers config to export with); use --to FILE")
     export_hf(weights, model_cfg=cfg.model, out_dir=out_dir)
     print(f"exported {len(weights)} tensors of step {manifest['step']} from {path} to {out_dir} (transformers format)")
     return 0
@@ -640,7 +665,7 @@ COMMANDS = (
         cmd_find_batch,
     ),
     ("plan", "rank the layouts of a config on a cluster: predicted step time and memory", add_plan_arguments, cmd_plan),
-    ("generate", "sample text from a trained byte-level GPT", add_generate_arguments, cmd_generate),
+    ("generate", "sample text or a chat reply from a trained run", add_generate_arguments, cmd_generate),
     (
         "report",
         "one self-contained HTML page comparing runs (plots, layouts, config diff)",

@@ -5,6 +5,11 @@ corpus was prepared with (its ``tokenizer.json``, found through the run's config
 ``--chat MESSAGE`` renders one user turn through the chat template of a conversation corpus
 (``paratrain prepare --format chat`` keeps the transformers tokenizer beside the shards) and
 prints the reply, up to the template's end of turn.
+
+A ``model.hf`` run samples with transformers' own ``generate`` and a transformers tokenizer (the
+chat corpus's, else the model.hf directory's): full fine-tuning from ``out_dir/hf``, a LoRA run
+from its ``model.safetensors`` loaded into the transformers model with PEFT's adapters injected
+as training had them (``load_hf_run``).
 """
 
 from __future__ import annotations
@@ -40,15 +45,15 @@ def _load_run(out_dir: str):
 def generate_text(
     out_dir: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0
 ) -> str:
-    if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):  # a model.hf run: its own format and tokenizer
-        return generate_hf(
-            os.path.join(out_dir, "hf"),
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
+    if _is_hf_run(out_dir):  # a model.hf run (full or LoRA): transformers' own generate and tokenizer
+        cfg = _run_config(out_dir)
+        tok = _hf_tokenizer(out_dir, cfg, chat=False)
+        model = load_hf_run(out_dir, cfg)
+        ids = tok(prompt or tok.bos_token or " ", return_tensors="pt").input_ids
+        out = _sample_hf(
+            model, tok, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
         )
+        return tok.decode(out[0], skip_special_tokens=True)
     model, cfg = _load_run(out_dir)
     meta = tokens_meta(cfg.data)
     vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
@@ -58,8 +63,10 @@ def generate_text(
     else:
         tok, ids = None, list(prompt.encode("utf-8")) or [10]
     if not hasattr(model, "generate") or (meta is None and vocab != 256):
+        what = f"model.factory = {cfg.model.factory!r}" if cfg.model.factory else f"model.name = {cfg.model.name!r}"
         raise ConfigError(
-            "generate needs the built-in GPT (model.name = 'gpt') on bytes (vocab_size 256) or on data.name = 'tokens'"
+            f"generate: the run {out_dir!r} trained {what}, which has no generate(); paratrain samples from the"
+            " built-in GPT (on bytes or a prepared corpus) and from model.hf runs; load model.safetensors yourself"
         )
     idx = torch.tensor([ids], dtype=torch.long)
     out = model.generate(
@@ -74,26 +81,21 @@ def chat_reply(
     out_dir: str, message: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0
 ) -> str:
     """One reply of a fine-tuned run to ``message`` (a user turn) through its corpus's chat template."""
-    model, cfg = (
-        (None, load_config(os.path.join(out_dir, "config.toml"))) if _is_hf_run(out_dir) else _load_run(out_dir)
-    )
-    tok = _chat_tokenizer(out_dir, cfg)
+    hf = _is_hf_run(out_dir)
+    model, cfg = (None, _run_config(out_dir)) if hf else _load_run(out_dir)
+    tok = _hf_tokenizer(out_dir, cfg, chat=True)
     ids = tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else list(ids)
     idx = torch.tensor([ids], dtype=torch.long)
-    if model is None:
-        from transformers import AutoModelForCausalLM  # an optional extra: paratrain[hf]
-
-        hf = AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf")).eval()
-        torch.manual_seed(seed)
-        out = hf.generate(
+    if hf:
+        out = _sample_hf(
+            load_hf_run(out_dir, cfg),
+            tok,
             idx,
             max_new_tokens=max_new_tokens,
-            do_sample=True,
             temperature=temperature,
             top_k=top_k,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+            seed=seed,
         )
     else:
         out = model.generate(
@@ -105,44 +107,91 @@ def chat_reply(
     return tok.decode(reply, skip_special_tokens=True)
 
 
+def _run_config(out_dir: str):
+    path = os.path.join(out_dir, "config.toml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"'{path}' not found; pass the run.out_dir of a finished `paratrain train` run")
+    return load_config(path)
+
+
 def _is_hf_run(out_dir: str) -> bool:
-    return os.path.isfile(os.path.join(out_dir, "hf", "config.json"))
+    """A model.hf run: its transformers directory (full fine-tuning) or its config says so (LoRA)."""
+    if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):
+        return True
+    path = os.path.join(out_dir, "config.toml")
+    return os.path.isfile(path) and bool(load_config(path).model.hf)
 
 
-def _chat_tokenizer(out_dir: str, cfg):
-    try:
-        from transformers import AutoTokenizer  # an optional extra: paratrain[hf]
-    except ImportError:
-        raise ConfigError("generate --chat needs transformers: pip install 'paratrain[hf]'") from None
-    meta = tokens_meta(cfg.data)
-    corpus_tok = (meta or {}).get("tokenizer", {}).get("transformers_dir")
-    for path in ([os.path.join(meta["path"], corpus_tok)] if corpus_tok else []) + [os.path.join(out_dir, "hf")]:
-        if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-            tok = AutoTokenizer.from_pretrained(path)
-            if tok.chat_template:
-                return tok
-    raise ConfigError(
-        f"generate --chat: the run {out_dir!r} has no chat template (neither its corpus, prepared with --format chat,"
-        " nor its model.hf directory has one); use --prompt"
-    )
+def load_hf_run(out_dir: str, cfg) -> torch.nn.Module:
+    """The trained transformers model of a ``model.hf`` run, ready for ``generate``.
+
+    Full fine-tuning wrote ``out_dir/hf`` (from_pretrained reads it); a LoRA run wrote its weights,
+    adapters included, to ``model.safetensors`` under paratrain's names: the model is built on the
+    CPU as training built it (PEFT's adapters injected into the transformers model) and loaded
+    through the wrapper that shares its modules, so transformers' ``generate`` runs the adapters.
+    """
+    from transformers import AutoModelForCausalLM  # an optional extra: paratrain[hf]
+
+    from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
+    from paratrain.models.hf.weights import quiet_progress
+    from paratrain.models.lora import apply_lora
+
+    if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):
+        with quiet_progress():
+            return AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf")).eval()
+    weights = os.path.join(out_dir, "model.safetensors")
+    if not os.path.isfile(weights):
+        raise ConfigError(
+            f"'{weights}' not found; the run {out_dir!r} saved no final weights (run.save_model = false, or it"
+            " did not finish): train it to the end, or export a checkpoint with paratrain export"
+        )
+    hf_model = causal_lm_from_config(load_hf_config(cfg.model.hf, cfg.model.args))
+    if cfg.model.lora.enabled:
+        apply_lora(hf_model, cfg.model.lora)
+    HFCausalLM(hf_model).load_state_dict(load_file(weights))
+    hf_model.config.use_cache = True  # training turned the cache off; sampling wants it
+    return hf_model.eval()
 
 
-def generate_hf(path: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
-    """Sample with transformers' own generate and the tokenizer files the run's source directory had."""
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer  # an optional extra: paratrain[hf]
-    except ImportError:
-        raise ConfigError("generating from a model.hf run needs transformers: pip install 'paratrain[hf]'") from None
-
-    if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-        raise ConfigError(f"{path} has no tokenizer files (the model.hf directory had none); add them to decode text")
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    ids = tok(prompt or tok.bos_token or " ", return_tensors="pt").input_ids
+def _sample_hf(model, tok, ids, *, max_new_tokens: int, temperature: float, top_k: int, seed: int):
     torch.manual_seed(seed)
     # Token 0 is a real token in many vocabularies: pad with the tokenizer's own pad (or end) token.
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    out = model.generate(
-        ids, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=top_k, pad_token_id=pad
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_k=top_k,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=pad,
+        )
+
+
+def _hf_tokenizer(out_dir: str, cfg, *, chat: bool):
+    """The run's transformers tokenizer: its chat corpus's, else its model.hf directory's, else the
+    one ``out_dir/hf`` was written with; with ``chat``, the first that has a chat template."""
+    try:
+        from transformers import AutoTokenizer  # an optional extra: paratrain[hf]
+    except ImportError:
+        raise ConfigError("generate needs transformers for this run: pip install 'paratrain[hf]'") from None
+    meta = tokens_meta(cfg.data)
+    corpus_tok = (meta or {}).get("tokenizer", {}).get("transformers_dir")
+    paths = [os.path.join(meta["path"], corpus_tok)] if corpus_tok else []
+    paths += [p for p in (cfg.model.hf, os.path.join(out_dir, "hf")) if p]
+    for path in paths:
+        if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+            tok = AutoTokenizer.from_pretrained(path)
+            if tok.chat_template or not chat:
+                return tok
+    if chat:
+        raise ConfigError(
+            f"generate --chat: the run {out_dir!r} has no chat template (neither its corpus, prepared with"
+            " --format chat, nor its model.hf directory has one); use --prompt"
+        )
+    raise ConfigError(
+        f"generate: the run {out_dir!r} has no transformers tokenizer to encode the prompt (its model.hf"
+        f" directory {cfg.model.hf!r} has no tokenizer files); add them to that directory"
     )
-    return tok.decode(out[0], skip_special_tokens=True)

@@ -561,6 +561,17 @@ def resumed_plan(
     return plan
 
 
+def save_lora_adapter(sd: dict, cfg: Config, out_dir: str) -> None:
+    """A LoRA run's result as PEFT's adapter directory (``out_dir/adapter``), beside the full
+    weights in model.safetensors, so that what the last line names is there (docs/lora.md)."""
+    from paratrain.models.lora_export import export_peft  # peft: only LoRA runs import it
+
+    adapter = os.path.join(out_dir, "adapter")
+    export_peft({k: v for k, v in sd.items() if is_adapter_param(k)}, model_cfg=cfg.model, out_dir=adapter)
+    merge = f"; merged into the base: paratrain export {out_dir} --hf DIR --merge" if cfg.model.hf else ""
+    log.info("lora: the adapters in %s (PEFT: PeftModel.from_pretrained(base, DIR))%s", adapter, merge)
+
+
 def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
     """Summary, plot and final weights; returns the summary."""
     out_dir, ctx, plan = cfg.run.out_dir, run.ctx, run.plan
@@ -586,10 +597,8 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
         sd = save_full_weights(run.model, os.path.join(out_dir, "model.safetensors"), is_main=ctx.is_main)
         if cfg.model.hf and ctx.is_main and not cfg.model.lora.enabled:  # the transformers format too
             export_hf(sd, model_cfg=cfg.model, out_dir=os.path.join(out_dir, "hf"))
-        elif cfg.model.hf and ctx.is_main:
-            log.info(
-                "lora: weights with their adapters in model.safetensors; paratrain export CKPT --peft/--hf --merge"
-            )
+        elif cfg.model.lora.enabled and ctx.is_main:
+            save_lora_adapter(sd, cfg, out_dir)
     run.writer.finish(summary)  # trackers get the summary and close
     if ctx.is_main:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
@@ -603,6 +612,14 @@ def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
                 summary["first_loss"],
                 summary["final_loss"],
                 summary["median_tokens_per_s"],
+                out_dir,
+            )
+        else:  # resumed at or past run.steps: nothing to train, said rather than silent
+            log.info(
+                "done: 0 steps (resumed at step %d, run.steps = %d: nothing left; raise run.steps to train on);"
+                " outputs in %s",
+                run.state.step,
+                cfg.run.steps,
                 out_dir,
             )
     return summary

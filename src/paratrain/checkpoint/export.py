@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -41,13 +43,50 @@ def read_model_weights(checkpoint: str) -> tuple[dict[str, torch.Tensor], dict, 
     }
     if not weights:
         raise ConfigError(f"checkpoint {path} holds no model tensors; pass a checkpoint written by paratrain train")
-    dcp.load({"model": weights}, storage_reader=safe_reader(path), planner=safe_planner(), no_dist=True)
+    with warnings.catch_warnings():  # no_dist is the intent here, which torch warns about anyway
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load({"model": weights}, storage_reader=safe_reader(path), planner=safe_planner(), no_dist=True)
     return weights, manifest, path
 
 
+RUN_WEIGHTS = "model.safetensors"  # a finished run's final weights (trainer.finish)
+
+
+def read_export_source(source: str) -> tuple[dict[str, torch.Tensor], dict, str, str]:
+    """(model weights, manifest, path, the config.toml that wrote them) of what ``paratrain export``
+    is given: a step-N checkpoint, a checkpoints folder (its newest), or a finished run's
+    ``run.out_dir`` (its final ``model.safetensors``; a ``step`` read from its metrics). A folder
+    that holds none of them is one line naming what the run saved, not a damaged checkpoint."""
+    from safetensors.torch import load_file
+
+    from paratrain.checkpoint.manifest import CONFIG_FILE, list_checkpoints
+
+    if not os.path.isdir(source):
+        raise ConfigError(f"{source}: no such folder; pass a step-N checkpoint folder or a finished run's run.out_dir")
+    is_checkpoint = os.path.isfile(os.path.join(source, MANIFEST)) or list_checkpoints(source)
+    run_weights, run_config = os.path.join(source, RUN_WEIGHTS), os.path.join(source, "config.toml")
+    if not is_checkpoint and os.path.isfile(run_weights) and os.path.isfile(run_config):
+        step = 0
+        metrics = os.path.join(source, "metrics.jsonl")
+        if os.path.isfile(metrics):
+            with open(metrics) as f:
+                rows = [line for line in f if line.strip()]
+            step = json.loads(rows[-1]).get("step", 0) if rows else 0
+        return load_file(run_weights), {"step": step}, source, run_config
+    if not is_checkpoint and not re.fullmatch(r"step-\d+", os.path.basename(os.path.normpath(source))):
+        # Not a step-N folder cut short (that one is named as incomplete below): a run that saved nothing.
+        raise ConfigError(
+            f"{source} holds no checkpoint (no {MANIFEST}, no step-N folder) and no final {RUN_WEIGHTS}: the"
+            " run saved neither (checkpoint.interval and checkpoint.at_end off, run.save_model = false, or it"
+            " has not finished); pass a step-N folder, or the run.out_dir of a finished run"
+        )
+    weights, manifest, path = read_model_weights(source)
+    return weights, manifest, path, os.path.join(path, CONFIG_FILE)
+
+
 def export_safetensors(checkpoint: str, to: str) -> dict:
-    """Consolidate a checkpoint's model weights (any layout) into one safetensors file."""
-    weights, manifest, path = read_model_weights(checkpoint)
+    """Consolidate a checkpoint's (or a finished run's) model weights (any layout) into one safetensors file."""
+    weights, manifest, path, _ = read_export_source(checkpoint)
     os.makedirs(os.path.dirname(os.path.abspath(to)), exist_ok=True)
     save_file(
         {k: v.contiguous() for k, v in weights.items()},

@@ -25,6 +25,7 @@ from paratrain.evaluate import Evaluator
 from paratrain.launch.worker import stop_with_launcher
 from paratrain.loss import build_loss
 from paratrain.models import build
+from paratrain.models.lora import is_adapter_param
 from paratrain.observability.metrics import setup_logging
 from paratrain.precision import build_precision
 from paratrain.preflight import check_eval, check_run
@@ -95,7 +96,11 @@ def resume_model(cfg: Config, checkpoint: str, *, model, dims, ctx) -> int:
         cfg.checkpoint,
         out_dir=cfg.run.out_dir,
         config_toml=to_toml(cfg),
-        stateful={"model": ModelState(model), "train_state": DataclassState(state)},
+        # A LoRA run's checkpoints hold its adapters only; the base is the one built and loaded above.
+        stateful={
+            "model": ModelState(model, keep=is_adapter_param if cfg.model.lora.enabled else None),
+            "train_state": DataclassState(state),
+        },
         train_state=state,
         layout=dims.degrees(),
         rank=ctx.rank,
@@ -103,6 +108,8 @@ def resume_model(cfg: Config, checkpoint: str, *, model, dims, ctx) -> int:
         device=ctx.device,
         timeout_s=cfg.dist.timeout_s,
     )
+    # Evaluating reads a checkpoint and continues no trajectory: newer checkpoints are not at risk.
+    ckpt._warn_newer = lambda path: None
     try:
         step = ckpt.resume(checkpoint)
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import torch
 from safetensors.torch import save_file
@@ -29,7 +30,14 @@ from paratrain.models import build
 from paratrain.models.hf import HFCausalLM
 from paratrain.models.hf.model import causal_lm_from_config, load_hf_config
 from paratrain.models.hf.weights import file_tensors, save_hf, weight_files
-from paratrain.models.lora import ADAPTER, import_peft, is_adapter_param, peft_lora_config, weights_sha256
+from paratrain.models.lora import (
+    ADAPTER,
+    adapter_base_name,
+    import_peft,
+    is_adapter_param,
+    peft_lora_config,
+    weights_sha256,
+)
 
 PEFT_PREFIX = "base_model.model."  # a PeftModel's name for the model it wraps
 
@@ -62,7 +70,9 @@ def peft_model_of(model_cfg: ModelConfig, adapters: dict[str, torch.Tensor], *, 
                 f"export --merge: the weights of {model_cfg.hf!r} do not fit its model: missing {missing[:3]},"
                 f" unexpected {unexpected[:3]}"
             )
-    peft_model = peft.get_peft_model(base, peft_lora_config(model_cfg.lora, exclude=exclude), adapter_name=ADAPTER)
+    with warnings.catch_warnings():  # transformers 5 deprecates a name PEFT still reads: not the user's concern
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = peft.get_peft_model(base, peft_lora_config(model_cfg.lora, exclude=exclude), adapter_name=ADAPTER)
     sd = {PEFT_PREFIX + name_of(k): v for k, v in adapters.items()}
     expected = {n for n, p in peft_model.named_parameters() if p.requires_grad}
     if set(sd) != expected:  # the checkpoint's adapters are not this config's: say which
@@ -99,7 +109,12 @@ def export_peft(adapters: dict[str, torch.Tensor], *, model_cfg: ModelConfig, ou
         metadata={"format": "pt"},
     )
     config = peft_model.peft_config[ADAPTER]
-    config.base_model_name_or_path = model_cfg.hf or None
+    if model_cfg.hf:
+        # What PEFT writes for a transformers causal LM, so that AutoPeftModelForCausalLM.from_pretrained(DIR)
+        # finds its class and its base: the task, and the base directory as an absolute path (the config's
+        # may be relative to wherever training ran).
+        config.task_type = "CAUSAL_LM"
+        config.base_model_name_or_path = os.path.abspath(model_cfg.hf) if os.path.isdir(model_cfg.hf) else model_cfg.hf
     config.inference_mode = True
     config.save_pretrained(out_dir)
     return len(saved)
@@ -107,17 +122,28 @@ def export_peft(adapters: dict[str, torch.Tensor], *, model_cfg: ModelConfig, ou
 
 @torch.no_grad()
 def export_merged(
-    adapters: dict[str, torch.Tensor], *, model_cfg: ModelConfig, out_dir: str, base: dict | None = None
+    adapters: dict[str, torch.Tensor],
+    *,
+    model_cfg: ModelConfig,
+    out_dir: str,
+    base: dict | None = None,
+    base_weights: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """The base weights of model.hf with the adapters merged in by PEFT, as a transformers directory;
-    ``base``: the checkpoint manifest's hash of the base it trained on, checked against the files."""
-    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict  # optional: paratrain[lora]
-
+    ``base``: the checkpoint manifest's hash of the base it trained on, checked against the files.
+    ``base_weights``: the frozen weights under paratrain's names (a finished run's model.safetensors
+    holds the very base it trained on, also one made from the seed): merged into those instead."""
+    if base_weights is not None:
+        with torch.device("meta"):
+            names = HFCausalLM(causal_lm_from_config(load_hf_config(model_cfg.hf, model_cfg.args)))
+        hf_base = {names.hf_name(adapter_base_name(k)): v for k, v in base_weights.items()}
+        return _merge_and_save(adapters, hf_base, model_cfg=model_cfg, out_dir=out_dir)
     files = weight_files(model_cfg.hf)
     if not files:
         raise ConfigError(
             f"export --merge: {model_cfg.hf!r} has no safetensors weights to merge the adapters into (the run"
-            " trained on a base made from its seed); export the adapters with --peft DIR"
+            " trained on a base made from its seed); export the run.out_dir of the finished run (its"
+            " model.safetensors holds that base), or the adapters with --peft DIR"
         )
     here = weights_sha256(file_tensors(files)) if base else None
     if base and here != base.get("sha256"):
@@ -126,7 +152,13 @@ def export_merged(
             f" (sha256 {here} here, {base.get('sha256')} in the checkpoint's manifest);"
             " restore that base or export the adapters with --peft DIR"
         )
-    peft_model, sd = peft_model_of(model_cfg, adapters, base_weights=dict(file_tensors(files)))
+    return _merge_and_save(adapters, dict(file_tensors(files)), model_cfg=model_cfg, out_dir=out_dir)
+
+
+def _merge_and_save(adapters, hf_base: dict, *, model_cfg: ModelConfig, out_dir: str) -> nn.Module:
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict  # optional: paratrain[lora]
+
+    peft_model, sd = peft_model_of(model_cfg, adapters, base_weights=hf_base)
     result = set_peft_model_state_dict(
         peft_model, get_peft_model_state_dict(peft_model, state_dict=sd, adapter_name=ADAPTER), adapter_name=ADAPTER
     )

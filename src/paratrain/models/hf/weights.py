@@ -23,6 +23,7 @@ transformers' own ``save_pretrained``, so the names, tied weights and index are 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import glob
@@ -250,6 +251,21 @@ def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device, 
     return read
 
 
+@contextlib.contextmanager
+def quiet_progress():
+    """transformers' progress bars ("Writing model shards", "Loading weights") off: a command's
+    output is its own one-line result."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def save_hf(
     state_dict: dict[str, torch.Tensor], *, config, out_dir: str, source_dir: str, hf_name, max_shard_size: str = "2GB"
 ) -> None:
@@ -270,7 +286,8 @@ def save_hf(
         )
     os.makedirs(out_dir, exist_ok=True)
     hf.config._attn_implementation = None
-    hf.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    with quiet_progress():
+        hf.save_pretrained(out_dir, max_shard_size=max_shard_size)
     _ensure_index(out_dir)
     for name in TOKENIZER_FILES:
         src = os.path.join(source_dir, name)
