@@ -277,6 +277,10 @@ class DistConfig:
     )
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "Device; 'auto' is cuda when available.")
     timeout_s: float = opt(600.0, "Collective timeout in seconds.")
+    cpu_threads: int = opt(
+        0,
+        "Intra-op CPU threads of each process (torch.set_num_threads); 0 = 1 per process when the job has more than one process, torch's default (one per core) for a one-process job. The same on every node whatever its number of processes; OMP_NUM_THREADS does not change it (docs/configuration.md).",
+    )
 
 
 @dataclass
@@ -609,6 +613,7 @@ def validate(cfg: Config) -> None:
             f" {cfg.batch.global_batch_size} (validation runs in global batches); round it"
         )
     positive("dist.timeout_s", cfg.dist.timeout_s)
+    positive("dist.cpu_threads", cfg.dist.cpu_threads, allow_zero=True)
     positive("comm.bucket_mb", cfg.comm.bucket_mb)
     positive("comm.powersgd_rank", cfg.comm.powersgd_rank)
     positive("comm.powersgd_start_step", cfg.comm.powersgd_start_step, allow_zero=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -251,6 +252,10 @@ def _launch(spec: LaunchSpec, module: str, module_args: list[str], *, reports: s
     from torch.distributed.run import get_args_parser, run
 
     bind, restore_env = prepare_node(spec)
+    if spec.nproc_per_node > 1:
+        # What torchrun would set (with a banner): the workers set their threads from the config
+        # (worker.cpu_threads, dist.cpu_threads), the same on every node shape.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     if spec.max_restarts > 0 or spec.max_nnodes > spec.nnodes:
         # pytorch#135712: on torch 2.13 restarted workers often hang in init_process_group when
         # they share the agent's rendezvous TCP store; a store of their own avoids it.
@@ -266,6 +271,8 @@ def _launch(spec: LaunchSpec, module: str, module_args: list[str], *, reports: s
             raise SignalException("SIGTERM before the workers started", sigval=signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, forward_sigterm)
+    quiet = _TorchFailureEcho()
+    quiet.install()
     os.environ[LAUNCHED_ENV] = reports
     if spec.max_nnodes > spec.nnodes:
         os.environ[ELASTIC_ENV] = "1"  # every (re)start resumes the newest checkpoint (resume_spec)
@@ -286,9 +293,33 @@ def _launch(spec: LaunchSpec, module: str, module_args: list[str], *, reports: s
         # The cause decides: a bad config (2) stays 2 even when the agent then ends the others.
         return 2 if _exit_code(first_failure(e.failures)[1]) == 2 else 1
     finally:
+        quiet.remove()
         signal.signal(signal.SIGTERM, previous)
         restore_env()  # the agent's job secret (the environment is restored by launch)
     return 0
+
+
+class _TorchFailureEcho(logging.Filter):
+    """Drops torch elastic's own lines about a failure the launcher reports in its one line.
+
+    When a worker fails, torch's process context logs ``failed (exitcode: N) local_rank: ...``
+    and ``Sending process PID closing signal SIGTERM`` for each worker it ends; the launcher's
+    line (failure_summary) names the first failure, its exit code or signal, its own error line
+    and how many workers stopped after it. Everything else torch logs (a worker that would not
+    exit, a restart of the worker group) still shows.
+    """
+
+    LOGGER = "torch.distributed.elastic.multiprocessing.api"
+    ECHOES = ("failed (exitcode:", "Closing process ", "Sending process ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.ECHOES))
+
+    def install(self) -> None:
+        logging.getLogger(self.LOGGER).addFilter(self)
+
+    def remove(self) -> None:
+        logging.getLogger(self.LOGGER).removeFilter(self)
 
 
 def first_failure(failures: dict) -> tuple[int, object]:

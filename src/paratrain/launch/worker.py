@@ -14,11 +14,13 @@ import sys
 import threading
 import time
 
+import torch
+
 from paratrain.checkpoint import CheckpointSaveError
 from paratrain.config import ConfigError, add_resume_argument, add_set_argument, load_config, resume_overrides
 from paratrain.distributed.hang import CollectiveTimeout
 from paratrain.distributed.process_group import run_then_exit
-from paratrain.launch.agent import forget_preempted, report_preempted
+from paratrain.launch.agent import LAUNCHED_ENV, forget_preempted, report_preempted
 from paratrain.observability.metrics import MetricsWriteError
 from paratrain.trainer import train
 
@@ -31,17 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, [*args.overrides, *resume_overrides(args.resume)])
+        threads = cpu_threads(cfg.dist.cpu_threads, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        if threads:
+            torch.set_num_threads(threads)
         forget_preempted()  # an earlier attempt's report (torchrun restarts) is not this one's
         summary = train(cfg)
         if summary.get("preempted_at_step") is not None and not report_preempted(cfg.checkpoint.exit_code_on_preempt):
             return cfg.checkpoint.exit_code_on_preempt  # plain torchrun: the workers' code is the job's
     except ConfigError as e:
-        record_failure(str(e), exit_code=2)
-        print(f"paratrain: error: {e}", file=sys.stderr)
+        report_failure(str(e), exit_code=2)
         return 2
     except (CollectiveTimeout, CheckpointSaveError, MetricsWriteError) as e:  # already explained: no traceback
-        record_failure(str(e), exit_code=1)
-        print(f"paratrain: error: {e}", file=sys.stderr)
+        report_failure(str(e), exit_code=1)
         return 1
     except Exception as e:
         record_failure(f"{type(e).__name__}: {e}", exit_code=1)
@@ -49,7 +52,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def record_failure(line: str, *, exit_code: int) -> None:
+def cpu_threads(setting: int, *, world_size: int) -> int | None:
+    """The intra-op CPU threads of each process of a job: ``dist.cpu_threads`` when set, else 1
+    when the job has more than one process and None (torch's default, one per core) for one.
+
+    A function of the config and the job's world size only, never of the node's shape: torchrun
+    sets ``OMP_NUM_THREADS=1`` only on a node of more than one process, so two one-process nodes
+    ran with more threads than one two-process node, and CPU matmuls split over another number
+    of threads round differently (1.45e-4 relative by step 200 of the debug config, issue 39).
+    """
+    if setting > 0:
+        return setting
+    return 1 if world_size > 1 else None
+
+
+def report_failure(line: str, *, exit_code: int) -> None:
+    """Print ``paratrain: error: LINE`` unless paratrain's launcher will print it for us.
+
+    Under ``paratrain train`` the launcher prints one line naming the first failure, read from
+    the record this leaves (record_failure); the worker's own copy would make two of the same
+    line. It still prints when there is no launcher (plain torchrun, a test), when the record
+    could not be written, and when torch elastic will restart the workers after this attempt
+    (the launcher prints only at the end, and the cause of a restart must be seen).
+    """
+    recorded = record_failure(line, exit_code=exit_code)
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
+    if not (recorded and os.environ.get(LAUNCHED_ENV) and restarts_left <= 0):
+        print(f"paratrain: error: {line}", file=sys.stderr)
+
+
+def record_failure(line: str, *, exit_code: int) -> bool:
     """Leave this worker's error line and the moment it failed where torch elastic's agent reads it.
 
     torchrun gives each worker an error file (``TORCHELASTIC_ERROR_FILE``) and the agent hands its
@@ -61,7 +95,7 @@ def record_failure(line: str, *, exit_code: int) -> None:
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     now = time.time()
     first_line = (line.strip().splitlines() or [""])[0][:1000]
     data = {
@@ -72,7 +106,8 @@ def record_failure(line: str, *, exit_code: int) -> None:
         with open(path, "w") as f:
             json.dump(data, f)
     except OSError:  # reporting must never hide the error itself
-        pass
+        return False
+    return True
 
 
 def stop_with_launcher(poll_s: float = 1.0) -> None:
