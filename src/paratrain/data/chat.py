@@ -26,6 +26,7 @@ A ``prompt`` row trains on its completion only.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -45,6 +46,8 @@ _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # 150-conversation batch: 1.88 s with it, 1.63 s without, 1.60 s for tokenizers' encode_batch of
 # the same text, as prepare of text does; min of 5, 2 shared cores).
 NO_ATTENTION_MASK = {"return_attention_mask": False}
+log = logging.getLogger("paratrain")
+_fell_back: list[bool] = []  # the batched mask disagreed with transformers' (logged once)
 
 
 def load_chat_tokenizer(path: str, chat_template: str = ""):
@@ -235,6 +238,12 @@ def _encode_batch(tok, conversations: list[tuple[list[dict], int, str]]) -> list
         # transformers' own masks instead of this copy of its rule.
         ids, mask = _transformers_assistant_mask(tok, conversations[0][0], conversations[0][2])
         if not (np.array_equal(ids, encoded[0][0]) and np.array_equal(mask, encoded[0][1])):
+            if not _fell_back:  # once per process: the masks stay right, prepare is slower
+                _fell_back.append(True)
+                log.warning(
+                    "warning: the batched assistant mask differs from transformers' for this tokenizer and"
+                    " template; prepare takes transformers' own masks (the same result, slower)"
+                )
             encoded = [_transformers_assistant_mask(tok, m, where) for m, _, where in conversations]
         prompts = [i for i, (_, first, _) in enumerate(conversations) if first]
         for i, n_head in zip(prompts, _head_lengths(tok, [conversations[i] for i in prompts])):
