@@ -56,6 +56,12 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
         help="rendezvous settings, e.g. last_call_timeout=30,join_timeout=600 (docs/resilience.md)",
     )
     p.add_argument(
+        "--rdzv-id",
+        default="",
+        metavar="ID",
+        help="the job's id on a shared rendezvous server, the same on every node (default: from its config)",
+    )
+    p.add_argument(
         "--job-secret-file",
         default="",
         metavar="FILE",
@@ -83,6 +89,7 @@ def launch_spec(args: argparse.Namespace):
         bind=args.bind,
         max_nnodes=getattr(args, "max_nnodes", args.nnodes),
         rdzv_conf=getattr(args, "rdzv_conf", ""),
+        rdzv_id=getattr(args, "rdzv_id", ""),
     )
     spec.validate()
     return spec
@@ -120,7 +127,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_trackers(cfg.metrics, out_dir=cfg.run.out_dir)  # and a tracker that could not start
     module_args = [args.config] + [a for o in args.overrides for a in ("--set", o)]
     # After a preemption the workers leave checkpoint.exit_code_on_preempt to their node's launcher.
-    return launch(spec, "paratrain.launch.worker", module_args)
+    return launch(spec, "paratrain.launch.worker", module_args, job=cfg)
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:

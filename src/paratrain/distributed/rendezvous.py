@@ -35,7 +35,9 @@ join: ``num_nodes_waiting`` answers 0), and a node that needs a new round retrie
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import logging
 import os
 import pickle
@@ -188,10 +190,19 @@ class ParatrainRendezvousBackend(RendezvousBackend):
         secret: str,
         endpoint: str,
         reconnect: Callable[[], dist.Store] | None = None,
+        job: str = "",
     ) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._store, self._secret, self._endpoint = store, secret, endpoint
+        # Which job this node belongs to (job_fingerprint of its config; "" when not known):
+        # written into each state so that a node refused by the HMAC can tell a node of its own job
+        # with another secret from another job that uses the same rendezvous id.
+        self._job = job
+        # The newest (round, version) verified here: every state written carries the version of
+        # the state it replaces plus one (compare-and-set makes that history linear), so an older
+        # one read back is a replay (or a restarted server given an older state) and is refused.
+        self._seen: tuple[int, int] = (-1, -1)
         self._reconnect = reconnect  # a new client of the store (None: this node hosts it)
         self._down_since: float | None = None  # when the store became unreachable (logged once)
         self._key = "paratrain.rendezvous." + run_id
@@ -208,7 +219,8 @@ class ParatrainRendezvousBackend(RendezvousBackend):
         return self._decode(self._call("get", self._key))
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
-        value = sign(self._secret, self._key, encode_state(_loads_local_state(state)))
+        body = {"job": self._job, "version": self._seen[1] + 1, "state": encode_state(_loads_local_state(state))}
+        value = sign(self._secret, self._key, body)
         if token is not None and not isinstance(token, bytes):
             result = self.get_state()
             return None if result is None else (*result, False)
@@ -257,20 +269,39 @@ class ParatrainRendezvousBackend(RendezvousBackend):
         if raw == self._last_raw:
             return self._last_good, raw
         try:
-            bits = pickle.dumps(decode_state(verify(self._secret, self._key, raw)))
+            body = verify(self._secret, self._key, raw)
+            if (
+                not isinstance(body, dict)
+                or set(body) != {"job", "version", "state"}
+                or type(body["version"]) is not int
+            ):
+                raise ValueError("not a paratrain rendezvous value")
+            state, version = decode_state(body["state"]), body["version"]
         except (TamperedValue, ValueError, TypeError, KeyError) as exc:
             bad = exc
         else:
-            self._last_good, self._last_raw = bits, raw
-            return bits, raw
+            if (state.round, version) >= self._seen:
+                self._seen = (state.round, version)
+                bits = pickle.dumps(state)
+                self._last_good, self._last_raw = bits, raw
+                return bits, raw
+            if raw not in self._refused:
+                self._refused.add(raw)
+                log.error(
+                    "paratrain: refused a rendezvous state at %s (key %s) older than the one this node has seen"
+                    " (round %d version %d, seen round %d version %d): replayed by someone who reaches the port,"
+                    " or a restarted server given an older state; keeping the last verified state",
+                    self._endpoint,
+                    self._key,
+                    state.round,
+                    version,
+                    *self._seen,
+                )
+            return self._last_good, raw  # as token: our next compare-and-set replaces it
         if self._last_good is None:
             # Never saw a state signed with our secret: this node is the odd one out (or the store
             # was written by someone else first). Joining would mean trusting an unverified state.
-            raise RendezvousStateError(
-                f"refused to join the rendezvous at {self._endpoint}: its state (key {self._key})"
-                f" fails the job-secret check ({type(bad).__name__}); give every node the same"
-                f" {SECRET_ENV} or --job-secret-file"
-            )
+            raise RendezvousStateError(self._refusal(raw, bad))
         if raw not in self._refused:
             self._refused.add(raw)
             log.error(
@@ -281,6 +312,62 @@ class ParatrainRendezvousBackend(RendezvousBackend):
             )
         # The forged value as token: our next compare-and-set replaces it with a signed state.
         return self._last_good, raw
+
+    def _refusal(self, raw: bytes, bad: Exception) -> str:
+        """Why a node that has verified nothing yet will not join: the line says which case it is.
+
+        The ``job`` field of a value that fails the check is read, never trusted: it only picks
+        the message (what is refused does not change).
+        """
+        where = f"the rendezvous {self._key.removeprefix('paratrain.rendezvous.')!r} at {self._endpoint}"
+        job = _claimed_job(raw)
+        if self._job and job and job != self._job:
+            return (
+                f"refused to join {where}: another job (another config) uses that rendezvous id there;"
+                " give each job its own --rdzv-id"
+            )
+        if self._job and job == self._job:
+            return (
+                f"refused to join {where}: a node of this job signed its state with another job secret; give"
+                f" every node the same {SECRET_ENV} or --job-secret-file (another job with the same config"
+                " and its own secret: give it its own --rdzv-id)"
+            )
+        return (
+            f"refused to join {where}: its state fails the job-secret check ({type(bad).__name__}): a node"
+            f" with another secret, or another job with this --rdzv-id; give every node the same {SECRET_ENV}"
+            " or --job-secret-file, and each job its own --rdzv-id"
+        )
+
+
+def _claimed_job(raw: bytes) -> str:
+    """The ``job`` a value says it belongs to ("" if it says nothing readable); unverified."""
+    try:
+        obj = json.loads(raw.decode("utf-8", "replace").partition(":")[2])
+    except ValueError:
+        return ""
+    job = obj.get("job") if isinstance(obj, dict) else None
+    return job if isinstance(job, str) else ""
+
+
+# What defines a run's math (checkpointer.config_changes): the same on every node of a job,
+# whatever its node-local paths (run.out_dir may differ between machines without a shared disk).
+JOB_KEYS = ("model", "data", "loss", "optim", "batch.global_batch_size", "run.seed", "run.steps")
+
+
+def job_fingerprint(config: dict) -> str:
+    """A training job's identity on a shared rendezvous server: a hash of what defines its math
+    (``JOB_KEYS`` of the resolved config as a dict). Two jobs that differ in any of it (another
+    model, data, learning rate, seed...) never share a default rendezvous id."""
+    picked = {}
+    for key in JOB_KEYS:
+        section, _, name = key.partition(".")
+        picked[key] = config.get(section, {}).get(name) if name else config.get(section)
+    return hashlib.sha256(json.dumps(picked, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def default_rdzv_id(job: str) -> str:
+    """The rendezvous id of a multi-node job without ``--rdzv-id``: its job's ("none" if unknown)."""
+    return f"job-{job}" if job else "none"
 
 
 class ParatrainRendezvousHandler(DynamicRendezvousHandler):
@@ -392,7 +479,9 @@ def create_handler(params: RendezvousParameters) -> ParatrainRendezvousHandler:
     store, hosting = _create_store(params, host, port)
     reconnect = None if hosting else _client(host, store.port, params.get_as_int("read_timeout", 60))
     endpoint = f"{host}:{store.port}"
-    backend = ParatrainRendezvousBackend(store, params.run_id, secret=secret, endpoint=endpoint, reconnect=reconnect)
+    backend = ParatrainRendezvousBackend(
+        store, params.run_id, secret=secret, endpoint=endpoint, reconnect=reconnect, job=params.get("job", "")
+    )
     timeout = RendezvousTimeout(
         *(
             None if params.get_as_int(k + "_timeout") is None else timedelta(seconds=params.get_as_int(k + "_timeout"))
@@ -425,13 +514,68 @@ def register() -> None:
 
 # --- the standalone server ---------------------------------------------------------------------
 
+_PREFIX = "paratrain.rendezvous."
+_MAX_LOGGED_VALUE = 1 << 20  # larger values are no state a node wrote: not read
+
+
+class JobLog:
+    """What ``rendezvous serve`` says about the jobs it holds: a line per change of a job's nodes.
+
+    The server has no job secret, so it reads each job's state as it claims to be (the JSON
+    after the HMAC, unverified): the log is for the operator, the nodes decide on verified states.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, frozenset, bool]] = {}
+
+    def poll(self, store: dist.Store) -> list[str]:
+        lines = []
+        try:
+            keys = [k for k in store.list_keys() if k.startswith(_PREFIX)]
+        except (RuntimeError, ValueError, AttributeError):
+            return lines
+        for key in sorted(keys):
+            now = _claimed_state(store, key)
+            if now is None:
+                continue
+            job, (round_, nodes, closed) = key.removeprefix(_PREFIX), now
+            before = self._seen.get(job)
+            self._seen[job] = now
+            if before is None and not nodes and not closed:
+                lines.append(f"paratrain rendezvous: job {job}: waiting for nodes")
+                continue
+            old_round, old_nodes, old_closed = before or (round_, frozenset(), False)
+            joined, left = sorted(nodes - old_nodes), sorted(old_nodes - nodes)
+            count = f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
+            if joined:
+                lines.append(f"paratrain rendezvous: job {job}: round {round_}: {', '.join(joined)} joined ({count})")
+            if left:
+                lines.append(f"paratrain rendezvous: job {job}: round {round_}: {', '.join(left)} left ({count})")
+            if closed and not old_closed:
+                lines.append(f"paratrain rendezvous: job {job}: closed by its nodes (finished or stopped)")
+        return lines
+
+
+def _claimed_state(store: dist.Store, key: str) -> tuple[int, frozenset, bool] | None:
+    """(round, participants as "addr pid N", closed) that a state under ``key`` claims; None if unreadable."""
+    try:
+        raw = store.get(key)
+        if len(raw) > _MAX_LOGGED_VALUE or raw == _SENTINEL.encode():
+            return None
+        state = decode_state(json.loads(raw.decode("utf-8", "replace").partition(":")[2])["state"])
+    except (RuntimeError, ValueError, TypeError, KeyError):
+        return None
+    nodes = frozenset(f"{n.addr} pid {n.pid}" for n in state.participants)
+    return state.round, nodes, state.closed
+
 
 def serve(port: int = DEFAULT_PORT, bind: str = "", *, ready: Callable[[str], None] = print) -> int:
     """``paratrain rendezvous serve``: host the rendezvous store until SIGTERM/SIGINT; returns 0.
 
     A plain TCPStore: the nodes sign and verify every value (the job secret never reaches it),
-    so one server can serve several jobs (each its own ``--rdzv-id``/run id key). ``bind`` "":
-    the address this machine's host name resolves to (never every interface unless asked: 0.0.0.0)."""
+    so one server can serve several jobs (each its own ``--rdzv-id``/run id key); it prints a line
+    when a job's nodes join or leave (:class:`JobLog`). ``bind`` "": the address this machine's
+    host name resolves to (never every interface unless asked: 0.0.0.0)."""
     bind = bind or socket.gethostname()
     try:
         addr = _resolve(bind)
@@ -460,8 +604,10 @@ def serve(port: int = DEFAULT_PORT, bind: str = "", *, ready: Callable[[str], No
         ready(
             f"paratrain rendezvous: serving on {host}:{port} (nodes: --rdzv-endpoint HOST:{port} --rdzv-conf is_host=false)"
         )
+        jobs = JobLog()
         while not stop.wait(1.0):
-            pass
+            for line in jobs.poll(store):
+                ready(line)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

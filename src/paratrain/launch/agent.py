@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from paratrain.checkpoint.checkpointer import ELASTIC_ENV
-from paratrain.config import ConfigError
+from paratrain.config import Config, ConfigError, to_dict
 from paratrain.distributed import rendezvous
 from paratrain.distributed.store_auth import BIND_ENV, SECRET_ENV, interface_of, load_secret, new_secret, route_source
 from paratrain.preemption import EXIT_NOW, forward_to_children
@@ -87,6 +88,7 @@ RDZV_KEYS = (
     "is_host",  # false on every node: the endpoint is a `paratrain rendezvous serve`, no node hosts it
 )
 _BOOLS = ("true", "false", "1", "0", "yes", "no")
+_RDZV_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class LaunchSpec:
     bind: str = ""  # address this node listens on (multi-node); "" = the one that reaches the rendezvous
     max_nnodes: int = 0  # elastic (--nnodes MIN:MAX): MAX; 0 = nnodes (a fixed node count)
     rdzv_conf: str = ""  # more rendezvous settings, "key=value,..." (timeouts: docs/resilience.md)
+    rdzv_id: str = ""  # the job's key on the rendezvous store; "" = rendezvous.default_rdzv_id (from the config)
 
     @property
     def world_size(self) -> int:
@@ -128,6 +131,10 @@ class LaunchSpec:
                 raise ConfigError(f"--rdzv-conf {self.rdzv_conf}: is_host={value} is not true or false")
         if self.max_restarts < 0:
             raise ConfigError("--max-restarts must be >= 0")
+        if self.rdzv_id and not _RDZV_ID.fullmatch(self.rdzv_id):
+            raise ConfigError(
+                f"--rdzv-id {self.rdzv_id!r}: use 1 to 64 letters, digits, '.', '_' or '-' (e.g. the scheduler's job id)"
+            )
         if self.nnodes == 1 and self.bind and self.bind not in ("127.0.0.1", "::1", "localhost"):
             raise ConfigError(f"--bind {self.bind}: a one-node job listens on loopback only; drop --bind")
 
@@ -165,7 +172,10 @@ def check_endpoint(endpoint: str) -> None:
         )
 
 
-def torchrun_args(spec: LaunchSpec, module: str, module_args: list[str], *, bind: str = "127.0.0.1") -> list[str]:
+def torchrun_args(
+    spec: LaunchSpec, module: str, module_args: list[str], *, bind: str = "127.0.0.1", job: Config | None = None
+) -> list[str]:
+    """torchrun's arguments; ``job``: a training job's config (its rendezvous id and identity, multi-node)."""
     args = [
         "--nproc-per-node",
         str(spec.nproc_per_node),
@@ -176,15 +186,18 @@ def torchrun_args(spec: LaunchSpec, module: str, module_args: list[str], *, bind
     ]
     # The paratrain backend (distributed/rendezvous.py): torch's dynamic rendezvous with JSON +
     # HMAC state instead of c10d's pickle, and stores bound to `bind` instead of all interfaces.
-    conf = ",".join(filter(None, [f"bind_addr={bind}", spec.rdzv_conf]))
+    fingerprint = rendezvous.job_fingerprint(to_dict(job)) if job is not None else ""
+    conf = ",".join(filter(None, [f"bind_addr={bind}", fingerprint and f"job={fingerprint}", spec.rdzv_conf]))
     if spec.rdzv_endpoint and spec.node_rank != 0 and "is_host" not in spec.rdzv_conf:
         # Who hosts the rendezvous store is decided, not raced: the node with --node-rank 0 (on
         # the endpoint's machine); the others are clients. `is_host=false` everywhere: a server.
         conf += ",is_host=false"
     args += ["--rdzv-backend", rendezvous.NAME, "--local-addr", bind, "--rdzv-conf", conf]
     if spec.rdzv_endpoint:
-        # Ranks follow arrival order, --node-rank is only a hint to the rendezvous.
+        # Ranks follow arrival order, --node-rank is only a hint to the rendezvous. The id is the
+        # job's key on the store: one server serves many jobs, each under its own id.
         args += ["--rdzv-endpoint", spec.rdzv_endpoint, "--node-rank", str(spec.node_rank)]
+        args += ["--rdzv-id", spec.rdzv_id or rendezvous.default_rdzv_id(fingerprint)]
     else:
         # What --standalone does (a rendezvous on a free local port), on loopback only.
         args += ["--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", str(uuid.uuid4())]
@@ -225,9 +238,11 @@ def prepare_node(spec: LaunchSpec) -> tuple[str, Callable[[], None]]:
     return bind, restore
 
 
-def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
+def launch(spec: LaunchSpec, module: str, module_args: list[str], *, job: Config | None = None) -> int:
     """Run ``python -m module module_args`` on ``spec``'s processes; returns the exit code
     (``checkpoint.exit_code_on_preempt`` when the workers stopped on SIGTERM with a checkpoint).
+    ``job``: a training job's config, which gives a multi-node job its rendezvous id (unless
+    ``spec.rdzv_id``) and tells its nodes apart from another job's on a shared server.
 
     The caller's environment is restored afterwards: torchrun's ``run()`` sets variables in this
     process for its workers (TORCHELASTIC_SIGNALS_TO_HANDLE, OMP_NUM_THREADS), and so does this
@@ -237,7 +252,7 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
     saved_env = dict(os.environ)
     reports = tempfile.mkdtemp(prefix="paratrain-launch-")  # this node's workers report a preemption here
     try:
-        code = _launch(spec, module, module_args, reports=reports)
+        code = _launch(spec, module, module_args, reports=reports, job=job)
         preempted = preempted_code(reports)
         return preempted if code == 0 and preempted is not None else code
     finally:
@@ -245,7 +260,7 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str]) -> int:
         restore_environ(saved_env)
 
 
-def _launch(spec: LaunchSpec, module: str, module_args: list[str], *, reports: str) -> int:
+def _launch(spec: LaunchSpec, module: str, module_args: list[str], *, reports: str, job: Config | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -260,7 +275,7 @@ def _launch(spec: LaunchSpec, module: str, module_args: list[str], *, reports: s
         # pytorch#135712: on torch 2.13 restarted workers often hang in init_process_group when
         # they share the agent's rendezvous TCP store; a store of their own avoids it.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    args = get_args_parser().parse_args(torchrun_args(spec, module, module_args, bind=bind))
+    args = get_args_parser().parse_args(torchrun_args(spec, module, module_args, bind=bind, job=job))
     terms = []
 
     def forward_sigterm(signum, frame) -> None:

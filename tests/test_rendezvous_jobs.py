@@ -1,0 +1,187 @@
+"""Many jobs on one rendezvous server: each its own id, replayed or unsigned states refused, and
+the two refusals a joining node can meet (another secret, another job) told apart.
+
+Loopback and in-process stores only (a HashStore, or a TCPStore on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from paratrain import cli
+from paratrain.config import ConfigError, load_config
+from paratrain.distributed import rendezvous
+from paratrain.distributed.store_auth import sign
+from paratrain.launch.agent import LaunchSpec, torchrun_args
+
+KEY = "paratrain.rendezvous.job"
+A, B = _NodeDesc("node-a", 11, 0), _NodeDesc("node-b", 12, 0)
+
+
+def _state(round_: int, *, participants=(), waiting=()) -> _RendezvousState:
+    s = _RendezvousState()
+    s.round = round_
+    s.participants = {n: r for r, n in enumerate(participants)}
+    s.wait_list = set(waiting)
+    return s
+
+
+def _backend(store, secret: str = "s", job: str = "j1", run_id: str = "job"):
+    return rendezvous.ParatrainRendezvousBackend(store, run_id, secret=secret, endpoint="127.0.0.1:1", job=job)
+
+
+def test_an_unsigned_json_state_is_refused(caplog):
+    """JSON is what the nodes write, so an unsigned JSON state is the forgery closest to a real one."""
+    store = dist.HashStore()
+    node = _backend(store)
+    bits, token, ok = node.set_state(pickle.dumps(_state(1, participants=[A])))
+    assert ok
+    forged = _state(7, participants=[A, B])
+    for value in (
+        json.dumps({"job": "j1", "version": 99, "state": rendezvous.encode_state(forged)}),  # our body, no HMAC
+        json.dumps(rendezvous.encode_state(forged)),  # the bare state
+        "0" * 64 + ":" + json.dumps({"job": "j1", "version": 99, "state": rendezvous.encode_state(forged)}),
+    ):
+        store.set(KEY, value)
+        with pytest.raises(RendezvousStateError, match="refused to join"):
+            _backend(store).get_state()  # a node that has verified nothing does not join on it
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="paratrain"):
+            got, token = node.get_state()  # a running node keeps its last verified state
+        assert pickle.loads(got).round == 1 and "without the job secret" in caplog.text, value
+    _, _, ok = node.set_state(pickle.dumps(_state(1, participants=[A])), token)
+    assert ok and pickle.loads(_backend(store).get_state()[0]).round == 1  # replaced by a signed state
+
+
+def test_a_replayed_state_is_refused_in_one_line(caplog):
+    """An earlier validly signed state (round 1, with a wait list) written back after round 2."""
+    store = dist.HashStore()
+    a, b = _backend(store), _backend(store)
+    _, token, ok = a.set_state(pickle.dumps(_state(1, participants=[A], waiting=[B])))
+    assert ok
+    old = store.get(KEY)
+    _, token, ok = a.set_state(pickle.dumps(_state(1, participants=[A, B])), token)  # same round, newer
+    assert ok
+    _, token, ok = a.set_state(pickle.dumps(_state(2, participants=[A, B])), token)
+    assert ok and pickle.loads(b.get_state()[0]).round == 2
+    newer = store.get(KEY)
+    for replay in (old, newer):  # an older round, and after the next write the same round's older version
+        store.set(KEY, replay)
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="paratrain"):
+            got, token = b.get_state()
+            b.get_state()  # said once per value
+        if replay is old:
+            assert pickle.loads(got).round == 2
+            lines = caplog.text.strip().splitlines()
+            assert len(lines) == 1 and "older than the one this node has seen" in lines[0], lines
+            assert "round 1 version 0, seen round 2 version 2" in lines[0], lines[0]
+            _, _, ok = b.set_state(pickle.dumps(_state(2, participants=[A, B])), token)  # the keep-alive
+            assert ok and pickle.loads(a.get_state()[0]).round == 2  # a moved on to version 3
+        else:
+            assert "older than the one this node has seen" in caplog.text and "version 2, seen round 2 version 3" in (
+                caplog.text
+            )
+
+
+def test_another_secret_and_another_job_are_two_different_lines():
+    store = dist.HashStore()
+    _backend(store, secret="s1", job="j1").set_state(pickle.dumps(_state(1, participants=[A])))
+    with pytest.raises(RendezvousStateError) as same_job:
+        _backend(store, secret="s2", job="j1").get_state()
+    with pytest.raises(RendezvousStateError) as other_job:
+        _backend(store, secret="s2", job="j2").get_state()
+    same, other = str(same_job.value), str(other_job.value)
+    assert "\n" not in same and "\n" not in other
+    assert "a node of this job signed its state with another job secret" in same, same
+    assert "PARATRAIN_JOB_SECRET or --job-secret-file" in same
+    assert "another job (another config) uses that rendezvous id there" in other, other
+    assert "give each job its own --rdzv-id" in other
+    # A value that says nothing readable: the line names both causes.
+    store.set(KEY, "garbage")
+    with pytest.raises(RendezvousStateError, match="a node with another secret, or another job with this --rdzv-id"):
+        _backend(store, secret="s2", job="j1").get_state()
+
+
+def test_each_job_gets_its_own_rendezvous_id(tmp_path):
+    """The default id comes from what defines the job's math: the nodes of a job share it even
+    with node-local out_dirs, and two jobs that differ in anything of it never do."""
+
+    def rdzv(*sets: str, **kw) -> tuple[str, str]:
+        spec = LaunchSpec(nnodes=2, rdzv_endpoint="127.0.0.1:29400", **kw)
+        spec.validate()
+        a = torchrun_args(spec, "m", [], job=load_config("configs/debug.toml", list(sets)))
+        return a[a.index("--rdzv-id") + 1], a[a.index("--rdzv-conf") + 1]
+
+    node0, conf = rdzv(f"run.out_dir='{tmp_path / 'node0'}'")
+    node1, _ = rdzv(f"run.out_dir='{tmp_path / 'node1'}'")
+    assert node0 == node1 and node0.startswith("job-") and f"job={node0.removeprefix('job-')}" in conf
+    others = {
+        rdzv(s)[0] for s in ("optim.lr=0.01", "run.seed=1", "batch.global_batch_size=16", "data.args.max_bytes=1")
+    }
+    assert len(others) == 4 and node0 not in others
+    assert rdzv(rdzv_id="team-7")[0] == "team-7"
+    with pytest.raises(ConfigError, match="--rdzv-id 'a b': use 1 to 64 letters"):
+        LaunchSpec(nnodes=2, rdzv_endpoint="127.0.0.1:29400", rdzv_id="a b").validate()
+
+
+def test_bad_rdzv_id_is_one_line_exit_2(tmp_path, capsys):
+    config = tmp_path / "c.toml"
+    config.write_text("")
+    argv = ["train", str(config), "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x/y"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("paratrain: error: --rdzv-id 'x/y'"), err
+
+
+def test_the_server_logs_joins_and_leaves_per_job():
+    """In-process `rendezvous serve`: two jobs write their states through loopback clients."""
+    lines: list[str] = []
+
+    def jobs(port: int) -> None:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        one = _backend(client, secret="s1", job="j1", run_id="job-one")
+        two = _backend(client, secret="s2", job="j2", run_id="job-two")
+        _, t1, _ = one.set_state(pickle.dumps(_state(1, participants=[A, B])))
+        two.set_state(pickle.dumps(_state(1, participants=[A])))
+        time.sleep(1.6)
+        one.set_state(pickle.dumps(_state(1, participants=[B])), t1)
+        time.sleep(1.6)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def ready(line: str) -> None:
+        lines.append(line)
+        if len(lines) == 1:
+            port = int(line.split("127.0.0.1:")[1].split()[0])
+            threading.Thread(target=jobs, args=(port,), daemon=True).start()
+
+    assert rendezvous.serve(0, "127.0.0.1", ready=ready) == 0
+    body = [line.removeprefix("paratrain rendezvous: ") for line in lines[1:-1]]
+    assert sorted(body) == sorted(
+        [
+            "job job-one: round 1: node-a pid 11, node-b pid 12 joined (2 nodes)",
+            "job job-two: round 1: node-a pid 11 joined (1 node)",
+            "job job-one: round 1: node-a pid 11 left (1 node)",
+        ]
+    ), lines
+    assert body[-1] == "job job-one: round 1: node-a pid 11 left (1 node)"
+
+
+def test_the_server_log_skips_what_is_not_a_state():
+    store = dist.HashStore()
+    store.set(KEY, "x" * 100)
+    store.set("paratrain.rendezvous.big", "y" * (rendezvous._MAX_LOGGED_VALUE + 1))
+    store.set("torch.rendezvous.job.1/MASTER_ADDR", "10.0.0.1")
+    assert rendezvous.JobLog().poll(store) == []
+    store.set(KEY, sign("s", KEY, {"job": "", "version": 0, "state": rendezvous.encode_state(_state(1))}))
+    assert rendezvous.JobLog().poll(store) == ["paratrain rendezvous: job job: waiting for nodes"]
