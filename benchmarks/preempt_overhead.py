@@ -5,8 +5,8 @@ alternates, three versions of the end of a step:
 
 - ``loss only``: 0.2's reduce of ``[loss_sum, item_count]`` and its read, then the read of the
   gradient norm, without any preemption check;
-- ``now``: what ``step.train_step`` does now: ``reduce_totals`` with the stop flag as a third
-  element, its read, ``check_count``, then the gradient norm's read;
+- ``now``: what ``step.train_step`` does now: ``launch_totals`` of the loss objective's sums
+  with the stop flag as a third element, its read, ``check_count``, then the gradient norm's read;
 - ``joint read``: ``now`` with the totals and the norm read in one ``.tolist()`` (torch.cat),
   the variant not taken (three more tensor ops per step);
 - ``0.2``: ``loss only`` plus the separate one-float ``all_reduce(MAX)`` on a gloo group of its
@@ -41,14 +41,19 @@ def rank_main(rounds: int, checks: int) -> list[dict[str, float]]:
 
     from paratrain.config import LossConfig
     from paratrain.loss import build_loss
-    from paratrain.step import StepContext, check_count, reduce_totals
+    from paratrain.objectives import ItemLoss
+    from paratrain.objectives.items import check_count
+    from paratrain.step import StepContext, launch_totals
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    ctx = StepContext(loss_fn=build_loss(LossConfig()), device=torch.device("cpu"), loss_group=dist.group.WORLD)
+    loss = ItemLoss(build_loss(LossConfig()))
+    ctx = StepContext(objectives=(loss,), device=torch.device("cpu"), loss_group=dist.group.WORLD)
     flag_group = dist.new_group(backend="gloo")  # 0.2's Preemption group
     loss_sum = torch.tensor(1.5, dtype=torch.float64)
     returned = torch.tensor(1.0, dtype=torch.float64)
+    loss.start(scale=1.0, device=ctx.device)
+    loss.add(loss_sum, returned)
     grad_norm = torch.tensor(0.75)
 
     def loss_only() -> None:
@@ -58,12 +63,12 @@ def rank_main(rounds: int, checks: int) -> list[dict[str, float]]:
         float(grad_norm)
 
     def now() -> None:
-        values = reduce_totals(loss_sum, returned, ctx=ctx, pp_group=None, stop=False).tolist()
+        (values,), _ = launch_totals(ctx.objectives, ctx=ctx, pp_group=None, stop=False).read()
         check_count(values[1], world)
         float(grad_norm)
 
     def joint_read() -> None:
-        totals = reduce_totals(loss_sum, returned, ctx=ctx, pp_group=None, stop=False)
+        totals = launch_totals(ctx.objectives, ctx=ctx, pp_group=None, stop=False).wait()
         values = torch.cat([totals, grad_norm.reshape(1).to(totals)]).tolist()
         check_count(values[1], world)
 

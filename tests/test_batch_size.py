@@ -68,6 +68,7 @@ def _real_ddp_peaks(sizes):
     from paratrain.distributed.parallelize import parallelize
     from paratrain.distributed.process_group import close_distributed, init_distributed
     from paratrain.models import build_model
+    from paratrain.objectives import build_objectives
     from paratrain.optim import build_optimizer
     from paratrain.preflight import check_run
     from paratrain.step import StepContext, train_step
@@ -91,7 +92,7 @@ def _real_ddp_peaks(sizes):
                         opt,
                         batches,
                         StepContext(
-                            loss_fn=runner.loss_fn,
+                            objectives=build_objectives(runner.loss_fn),
                             dp=2,
                             dp_group=dims.group("dp"),
                             grad_clip=1.0,
@@ -381,6 +382,7 @@ def test_probe_gives_the_first_micro_batch_gradient():
     from paratrain.batch.plan import plan_batch
     from paratrain.config import BatchConfig, LossConfig
     from paratrain.loss import build_loss
+    from paratrain.objectives import build_objectives
     from paratrain.step import StepContext, train_step
     from tests.toy import mlp, regression
 
@@ -405,7 +407,7 @@ def test_probe_gives_the_first_micro_batch_gradient():
         model,
         opt,
         batches,
-        StepContext(loss_fn=loss_fn, device=torch.device("cpu")),
+        StepContext(objectives=build_objectives(loss_fn), device=torch.device("cpu")),
         after_backward=adapter.probe(model, batches[0], loss_fn),
     )
     small = float(adapter._probe_sq) * (result.items / (1 * adapter._probe_items)) ** 2

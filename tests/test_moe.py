@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from paratrain.config import ConfigError
-from paratrain.loss import router_layers, take_router_stats
 from paratrain.models.gpt import build_gpt
 from paratrain.models.gpt.moe import MoE, MoEConfig
+from paratrain.objectives.moe import router_layers, take_router_stats
 from tests.dist_utils import plain_sgd, run_ranks
 from tests.moe_utils import assert_same_moe_run, read_moe_run
 
@@ -281,6 +281,7 @@ def test_the_step_adds_the_aux_loss_over_the_global_sequence_count():
     aux_loss, grad_norm and tokens per expert, and the aux term is really differentiated."""
     from paratrain.config import LossConfig
     from paratrain.loss import build_loss
+    from paratrain.objectives import build_objectives
     from paratrain.step import StepContext, train_step
 
     torch.manual_seed(0)
@@ -290,17 +291,16 @@ def test_the_step_adds_the_aux_loss_over_the_global_sequence_count():
         torch.manual_seed(0)
         args = dict(n_layer=2, n_head=2, d_model=D, block_size=8, vocab_size=32)
         model = build_gpt(**args, moe={"n_experts": 4, "top_k": 2, "aux_loss_weight": weight})
-        ctx = StepContext(
-            loss_fn=build_loss(LossConfig()), device=torch.device("cpu"), router_layers=tuple(router_layers(model))
-        )
+        ctx = StepContext(objectives=build_objectives(build_loss(LossConfig()), model), device=torch.device("cpu"))
         batches = [(c[:, :-1], c[:, 1:]) for c in x.split(micro)]
         results[micro, weight] = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, ctx)
     ref, acc, unweighted = results[8, 0.1], results[2, 0.1], results[8, 0.0]
-    assert ref.aux_loss > 0 and unweighted.aux_loss == 0
-    torch.testing.assert_close(acc.aux_loss, ref.aux_loss, rtol=1e-6, atol=0)
+    assert ref.extras["aux_loss"] > 0 and unweighted.extras["aux_loss"] == 0
+    torch.testing.assert_close(acc.extras["aux_loss"], ref.extras["aux_loss"], rtol=1e-6, atol=0)
     torch.testing.assert_close(acc.loss, ref.loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(acc.grad_norm, ref.grad_norm, rtol=1e-5, atol=0)
-    assert acc.tokens_per_expert == ref.tokens_per_expert and sum(ref.tokens_per_expert[0]) == 8 * 8 * 2
+    tokens = ref.extras["tokens_per_expert"]
+    assert acc.extras["tokens_per_expert"] == tokens and sum(tokens[0]) == 8 * 8 * 2
     assert unweighted.loss == ref.loss and abs(unweighted.grad_norm - ref.grad_norm) > 1e-6
 
 
@@ -328,11 +328,12 @@ def test_moe_resumes_at_another_layout(tmp_path):
 
 
 def test_router_metrics_of_a_step():
+    from paratrain.objectives import BalanceLoss
     from paratrain.step import StepResult
-    from paratrain.trainer import router_metrics
 
-    result = StepResult(3.0, 10, 1.0, 10, aux_loss=0.25, tokens_per_expert=[[2, 6], [4, 4]])
-    assert router_metrics(result) == {
+    extras = {"aux_loss": 0.25, "tokens_per_expert": [[2, 6], [4, 4]]}
+    result = StepResult(loss=3.0, items=10, grad_norm=1.0, tokens=10, extras=extras)
+    assert BalanceLoss(()).metrics(result.extras) == {
         "aux_loss": 0.25,
         "expert_tokens_min": 2,
         "expert_tokens_max": 6,

@@ -42,20 +42,35 @@ def test_a_stage_aux_loss_joins_the_backward_of_its_output():
 def test_router_totals_of_a_stage_fill_their_own_rows():
     """Under pp a rank's router layers fill their rows of (all layers, experts); the step's
     reduce over the stages sums the rows (a stage with no MoE block contributes zeros)."""
-    from paratrain.loss import RouterStats, RouterTotals
+    from paratrain.objectives.moe import BalanceLoss, RouterStats
 
     class Layer(torch.nn.Module):
         router_stats = None
 
+    class Stages:  # a PipelineModel's parts: this rank's stage holds layers 1 and 3 of 4
+        def __init__(self, *parts):
+            self.parts = parts
+
+    names = ["h.0.moe", "h.1.moe", "h.2.moe", "h.3.moe"]
     a, b = Layer(), Layer()
-    totals = RouterTotals((a, b), aux_scale=0.5, device=torch.device("cpu"), slots=(1, 3), shape=(4, 2))
+    stage = torch.nn.Module()
+    stage.h = torch.nn.ModuleDict({"1": torch.nn.Module(), "3": torch.nn.Module()})
+    stage.h["1"].moe, stage.h["3"].moe = a, b
+    totals = BalanceLoss([Layer() for _ in names], names=names, shape=(4, 2))
+    totals.bind(Stages(stage))
+    totals.start(scale=0.5, device=torch.device("cpu"))
     for m, (c0, c1) in ((a, (1, 2)), (b, (3, 4))):
         m.router_stats = RouterStats(aux_sum=torch.tensor(float(c0)), tokens_per_expert=torch.tensor([c0, c1]))
-    assert float(totals.take()) == pytest.approx(0.5 * 4)
-    assert totals.totals().tolist() == [4, 0, 0, 1, 2, 0, 0, 3, 4]
-    empty = RouterTotals((), aux_scale=1.0, device=torch.device("cpu"), slots=(), shape=(4, 2))
-    assert empty.take() is None and empty.totals().tolist() == [0.0] * 9
-    assert empty.read([6.0, *range(8)], sequences=3) == (2.0, [[0, 1], [2, 3], [4, 5], [6, 7]])
+    assert float(totals.loss(None, None)) == pytest.approx(0.5 * 4)
+    assert totals.sums().tolist() == [4, 0, 0, 1, 2, 0, 0, 3, 4]
+    empty = BalanceLoss([Layer() for _ in names], names=names, shape=(4, 2))
+    empty.bind(Stages(torch.nn.Linear(1, 1)))
+    empty.start(scale=1.0, device=torch.device("cpu"))
+    assert empty.loss(None, None) is None and empty.sums().tolist() == [0.0] * 9
+    assert empty.read([6.0, *range(8)], units=3) == {
+        "aux_loss": 2.0,
+        "tokens_per_expert": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    }
 
 
 def test_the_gpt_tp_plan_keeps_moe_blocks_replicated():

@@ -1,4 +1,4 @@
-"""The data path's static item count (StepContext.items_per_sample): no count all-reduce.
+"""The data path's static item count (ItemLoss.items_per_sample): no count all-reduce.
 
 A plain token stream declares ``items_per_sample`` (data/datasets.py); the step then computes
 the global item count as arithmetic instead of counting and reducing it before the backward.
@@ -23,7 +23,8 @@ from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.process_group import close_distributed, init_distributed
 from paratrain.loss import build_loss
 from paratrain.models.gpt import GPT_SPEC, build_gpt
-from paratrain.step import StepContext, count_global_items, train_step
+from paratrain.objectives import BalanceLoss, ItemLoss
+from paratrain.step import GlobalCount, StepContext, count_global_items, train_step
 from paratrain.trainer import static_item_count
 from tests.dist_utils import run_ranks
 
@@ -57,9 +58,10 @@ def _rank(steps: int = 2) -> dict:
         cfg = ParallelConfig(dp_replicate=2)
         dims = ParallelDims.from_config(cfg, ctx.world_size)
         loss_fn = build_loss(LossConfig())
-        counted = StepContext(loss_fn=loss_fn, device=ctx.device, dp=dims.dp, dp_group=dims.group("dp"))
-        static = replace(counted, items_per_sample=SEQ)
-        wrong = replace(counted, items_per_sample=SEQ + 1)  # the fault: a wrong declaration
+        counted = StepContext(objectives=(ItemLoss(loss_fn),), device=ctx.device, dp=dims.dp, dp_group=dims.group("dp"))
+        static = replace(counted, objectives=(ItemLoss(loss_fn, items_per_sample=SEQ),))
+        # the fault: a wrong declaration
+        wrong = replace(counted, objectives=(ItemLoss(loss_fn, items_per_sample=SEQ + 1),))
         data = Stream()
         out = {"counted": [], "static": [], "wrong": [], "error": None}
         for name, step_ctx in (("counted", counted), ("static", static), ("wrong", wrong)):
@@ -72,12 +74,12 @@ def _rank(steps: int = 2) -> dict:
                 mine = rank_slice(list(range(s * 8, s * 8 + 8)), dp_rank=dims.local_rank_in("dp"), dp=dims.dp)
                 batches = load_batches(data, mine, 2)  # 2 micro-batches of 2 rows per rank
                 if s == 0 and name != "wrong":
+                    # The loss's items and, through an objective whose unit is a row, the rows.
                     out[f"{name}_counts"] = count_global_items(
                         batches,
-                        loss_fn=loss_fn,
+                        objectives=(*step_ctx.objectives, BalanceLoss(())),
                         dp_group=step_ctx.dp_group,
                         dp=step_ctx.dp,
-                        items_per_sample=step_ctx.items_per_sample,
                     )
                 try:
                     r = train_step(model, opt, batches, step_ctx)
@@ -94,7 +96,7 @@ def test_static_count_is_the_counted_one_and_a_wrong_one_is_caught():
     ranks = run_ranks(_rank, 2, timeout=120)
     for r in ranks:
         # 8 rows of 16 targets: the arithmetic count is the reduced one, tokens and rows too.
-        assert r["static_counts"] == r["counted_counts"] == (8 * SEQ, 8 * SEQ, None, 8)
+        assert r["static_counts"] == r["counted_counts"] == GlobalCount((8 * SEQ, 8), 8 * SEQ, None)
         assert len(r["static"]) == 2 and r["static"] == r["counted"]  # bitwise: same losses and norms
         # The wrong declaration: the loss's own reduced count disagrees, on every rank at step 1.
         assert r["error"] is not None and r["error"][:2] == ("wrong", 0), r["error"]

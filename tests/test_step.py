@@ -16,6 +16,7 @@ from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.process_group import close_distributed, init_distributed
 from paratrain.loss import build_loss
 from paratrain.models.gpt import GPT_SPEC, build_gpt
+from paratrain.objectives import build_objectives
 from paratrain.step import StepContext, eval_step
 from tests.dist_utils import run_ranks
 from tests.toy import toy_lm
@@ -45,7 +46,10 @@ def _eval_rank(pp: int, dp: int, micro: int) -> tuple[float, int]:
         data = toy_lm(n=16, seq_len=16, vocab=32)
         mine = rank_slice(list(range(16)), dp_rank=dims.local_rank_in("dp"), dp=dims.dp)
         step_ctx = StepContext(
-            loss_fn=build_loss(LossConfig()), device=ctx.device, dp=dims.dp, dp_group=dims.group("dp")
+            objectives=build_objectives(build_loss(LossConfig())),
+            device=ctx.device,
+            dp=dims.dp,
+            dp_group=dims.group("dp"),
         )
         return eval_step(model, load_batches(data, mine, micro), step_ctx)
     finally:
@@ -58,7 +62,7 @@ def test_eval_step_matches_the_reference_on_one_process():
     model = build_gpt(**GPT_ARGS)
     batches = load_batches(toy_lm(n=16, seq_len=16, vocab=32), list(range(16)), 4)  # 4 micro-batches
     loss_sum, items = eval_step(
-        model, batches, StepContext(loss_fn=build_loss(LossConfig()), device=torch.device("cpu"))
+        model, batches, StepContext(objectives=build_objectives(build_loss(LossConfig())), device=torch.device("cpu"))
     )
     assert items == want_items
     torch.testing.assert_close(loss_sum, want_sum, rtol=1e-6, atol=0)

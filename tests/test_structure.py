@@ -106,6 +106,7 @@ def test_the_cycle_finder_finds_a_cycle():
 LAYERS = (
     ("config", "preemption"),
     ("loss", "optim", "precision"),
+    ("objectives",),
     ("distributed", "data"),
     ("models", "checkpoint", "hardware", "step", "support"),
     ("observability",),

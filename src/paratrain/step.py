@@ -1,30 +1,33 @@
 """THE training step (plain and pipeline share its finish) and the eval step.
 
-``train_step(model, optimizer, batches, ctx)``: count the global items, run forward/backward
-(the plain micro-batch loop here, or the pipeline schedule of distributed/pipeline_parallel.py),
-then one finish for both: launch the reduce of ``[loss_sum, returned_count, stop_flag]`` over the
-pipeline, data-parallel and tensor-parallel ranks without waiting for it, unscale (fp16), clip by
-the whole model's gradient norm, optimiser step, then wait for the reduce and check the loss's
-own count on the reduced numbers, so every rank raises the same error together instead of one
-rank leaving the others in a collective. The SIGTERM stop flag (preemption.py) rides that reduce:
-agreeing on it costs no collective of its own.
+``train_step(model, optimizer, batches, ctx)`` reads like this docstring: **count** the global
+batch's units before any backward, **forward/backward** (the plain micro-batch loop here, or the
+pipeline schedule of distributed/pipeline_parallel.py), launch the **reduce** of the step's sums
+over the pipeline, data-parallel and tensor-parallel ranks without waiting for it, unscale
+(fp16), **clip** by the whole model's gradient norm, optimiser **step**, then wait for the reduce
+and read it. Every rank reads the same reduced numbers, so a check on them (the loss's own
+count) raises on every rank together instead of leaving the others in a collective. The
+SIGTERM stop flag (preemption.py) rides that reduce: agreeing on it costs no collective of its own.
 
-On a plain data path (``StepContext.items_per_sample``: every sample has that many targets, none
-ignored) the global count is arithmetic and the count needs no collective: the default step then
-has the same collectives as a hand-written DDP loop, the gradient all-reduce and one reduce of the
-loss, and that one overlaps the optimiser step (docs/overhead.md).
+What a step computes is its **objectives** (paratrain/objectives: the loss, the balance loss of
+a mixture of experts, ...; docs/structure.md). Each is ``sum over the global batch's units /
+their global count``, the count gathered over all micro-batches and data-parallel ranks *before*
+the first backward. Averaging micro-batch means instead weights a micro-batch with few items as
+much as one with many: that was the gradient-accumulation bug several frameworks shipped in 2024
+(see transformers#34191). The step knows nothing of any objective but that interface.
 
-The differentiated loss is ``sum of item losses / global item count``, the count gathered over
-all micro-batches and data-parallel ranks *before* the first backward. Averaging micro-batch
-means instead weights a micro-batch with few items as much as one with many: that was the
-gradient-accumulation bug several frameworks shipped in 2024 (see transformers#34191).
+When every objective knows its count from the rows' shapes (``Objective.static_count``: the
+data path's static item count, every sample has that many targets, none ignored) the count is
+arithmetic and needs no collective: the default step then has the same collectives as a
+hand-written DDP loop, the gradient all-reduce and one reduce of the loss, and that one overlaps
+the optimiser step (docs/overhead.md).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -50,7 +53,8 @@ from paratrain.distributed.pipeline_parallel import (
     pp_microbatches,
 )
 from paratrain.distributed.tensor_parallel import maybe_loss_parallel
-from paratrain.loss import Loss, RouterTotals
+from paratrain.objectives import Objective
+from paratrain.objectives.items import check_count
 from paratrain.precision import Precision
 
 
@@ -58,14 +62,16 @@ from paratrain.precision import Precision
 class StepContext:
     """What a step needs besides the model, optimiser and batches (the same every step).
 
-    ``loss_parallel``: the logits are vocabulary-sharded DTensors (tensor parallel), the loss runs
-    under torch's loss_parallel. ``sync_each_micro_batch``: the FSDP2 ZeRO-3 sync policy (see
-    distributed/data_parallel.py); otherwise gradients are reduced on the last micro-batch only.
-    Ranks of one tensor-parallel or pipeline group get the same batches; the loss is reduced over
-    ``loss_group``, or ``dp_group`` (and the pipeline group) when that is None.
+    ``objectives``: what the step computes (paratrain/objectives, ``build_objectives``); the
+    first is the loss whose mean is ``StepResult.loss``. ``loss_parallel``: the logits are
+    vocabulary-sharded DTensors (tensor parallel), the loss runs under torch's loss_parallel.
+    ``sync_each_micro_batch``: the FSDP2 ZeRO-3 sync policy (see distributed/data_parallel.py);
+    otherwise gradients are reduced on the last micro-batch only. Ranks of one tensor-parallel
+    or pipeline group get the same batches; the sums are reduced over ``loss_group``, or
+    ``dp_group`` (and the pipeline group) when that is None.
     """
 
-    loss_fn: Loss
+    objectives: tuple[Objective, ...]
     device: torch.device
     dp: int = 1
     dp_group: dist.ProcessGroup | None = None
@@ -73,37 +79,30 @@ class StepContext:
     precision: Precision | None = None
     loss_parallel: bool = False
     sync_each_micro_batch: bool = False
-    # The one reduce of [loss sum, item count, stop flag]: pp x dp flattened (ParallelDims.group
-    # ("pp_dp")), or the whole world when tp > 1, so that a SIGTERM reaching only a tensor-parallel
-    # peer still stops every rank at the same step. None: the pipeline group (if any) then
-    # dp_group, two reduces with the same sums.
+    # The one reduce of [loss sum, item count, stop flag, other objectives' sums]: pp x dp
+    # flattened (ParallelDims.group("pp_dp")), or the whole world when tp > 1, so that a SIGTERM
+    # reaching only a tensor-parallel peer still stops every rank at the same step. None: the
+    # pipeline group (if any) then dp_group, two reduces with the same sums.
     loss_group: dist.ProcessGroup | None = None
-    # False on tensor-parallel ranks other than the first when loss_group spans tp: their loss is
-    # a copy of the first one's, so they add zeros (exact) and only their stop flag counts.
+    # False on tensor-parallel ranks other than the first when loss_group spans tp: their sums
+    # are copies of the first one's, so they add zeros (exact) and only their stop flag counts.
     adds_loss: bool = True
-    # Mixture-of-experts layers (loss.router_layers of the model): their auxiliary loss joins the
-    # differentiated loss, divided by the global sequence count; their stats are logged.
-    router_layers: tuple[nn.Module, ...] = ()
-    # Under pipeline parallel (a stage holds some of them): their positions among the whole
-    # model's router layers, and (all router layers, experts) (loss.RouterTotals).
-    router_slots: tuple[int, ...] | None = None
-    router_shape: tuple[int, int] | None = None
     # Context parallel (distributed/context_parallel.py): this rank keeps its part (cp_rank of cp)
     # of every row of the micro-batches it loads, the same ones as its cp peers.
     cp: int = 1
     cp_rank: int = 0
-    # The data path's static count (data/datasets.py static_items_per_sample): every sample has
-    # exactly this many target items, so the global count is items_per_sample x the global batch's
-    # rows, known without the count's all-reduce. None: counted and reduced (masked or packed
-    # data, user losses). The reduced count of the loss itself is checked against it every step.
-    items_per_sample: int | None = None
 
     @property
     def amp(self) -> Precision:
         return self.precision or Precision(device=self.device)
 
+    @property
+    def loss_fn(self):
+        """The loss objective's ``(sum, count)`` function (the gradient-noise probe runs it)."""
+        return self.objectives[0].loss_fn
 
-@dataclass
+
+@dataclass(kw_only=True)
 class StepResult:
     loss: float  # mean over the global batch's items
     items: int  # global count of target items
@@ -113,10 +112,24 @@ class StepResult:
     # Packed documents (data/packing.py): the sum of their squared lengths, what their attention
     # covers; None for other inputs, whose rows attend over their whole length.
     attention_square: int | None = None
-    # Mixture of experts (StepContext.router_layers): the auxiliary loss (mean over the global
-    # batch's sequences, weight included) and the global tokens per expert, (layers, experts).
-    aux_loss: float | None = None
-    tokens_per_expert: list[list[int]] | None = None
+    # What the other objectives read from the reduce (Objective.read), e.g. a mixture of
+    # experts' aux_loss and tokens_per_expert; their metrics.jsonl columns: Objective.metrics.
+    extras: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GlobalCount:
+    """The whole global batch, counted before any backward: each objective's units (in the
+    objectives' order: the first is the loss's items), input tokens, and packed documents'
+    attention square (None when the inputs are not packed)."""
+
+    units: tuple[int, ...]
+    tokens: int
+    attention_square: int | None = None
+
+    @property
+    def items(self) -> int:
+        return self.units[0]
 
 
 def to_device(obj, device: torch.device):
@@ -141,48 +154,58 @@ def count_tokens(inputs) -> int:
 
 
 def count_sequences(inputs) -> int:
-    """Rows of a micro-batch (a packed row of documents counts one): what a sequence-wise
-    auxiliary loss is averaged over."""
+    """Rows of a micro-batch (a packed row of documents counts one)."""
     return inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)
 
 
 def count_global_items(
     batches: list[tuple],
     *,
-    loss_fn: Loss,
+    objectives: Sequence[Objective],
     dp_group: dist.ProcessGroup | None,
     dp: int = 1,
-    items_per_sample: int | None = None,
-) -> tuple[int, int, int | None, int]:
-    """Target items, input tokens, packed documents' attention square (None when the inputs
-    are not packed) and sequences of the whole global batch, from the targets alone, before any
-    backward. Counted on the CPU so this small all-reduce never waits for the device.
+    static: bool = True,
+) -> GlobalCount:
+    """Every objective's units, the input tokens and the packed documents' attention square of
+    the whole global batch, from the rows and targets alone, before any backward. Counted on the
+    CPU so this small all-reduce never waits for the device.
 
-    ``items_per_sample`` (a static count declared by the data path): no all-reduce at all. Every
-    data-parallel rank holds the same number of rows of the same shape (the sampler's equal rank
-    slices, collated), so the global figures are this rank's times ``dp``: the same numbers on
-    every rank, which the step's :func:`check_count` compares with the loss's own reduced count.
+    When every objective knows its count from the rows' shapes (``static_count``; ``static``
+    False: the eval step, whose validation data the training data path's declaration does not
+    cover): no all-reduce at all. Every data-parallel rank holds the same number of rows of the
+    same shape (the sampler's equal rank slices, collated), so the global figures are this
+    rank's times ``dp``: the same numbers on every rank, which the loss objective's ``read``
+    compares with the loss's own reduced count.
     """
-    if items_per_sample is not None:
-        rows = sum(count_sequences(x) for x, _ in batches)
-        tokens = sum(count_tokens(x) for x, _ in batches)
-        if rows == 0:
+    known = [[o.static_count(x) for x, _ in batches] for o in objectives] if static else None
+    if known is not None and all(c is not None for per in known for c in per):
+        units = tuple(sum(per) * dp for per in known)
+        if units[0] == 0:
             raise ConfigError("a global batch has no target items; check the data")
-        return items_per_sample * rows * dp, tokens * dp, None, rows * dp
-    local_items = torch.stack([loss_fn.count(t) for _, t in batches]).sum()
-    squares = [attention_square(x) for x, _ in batches]
-    local = [
-        float(sum(count_tokens(x) for x, _ in batches)),
-        float(sum(q or 0 for q in squares)),
-        float(sum(count_sequences(x) for x, _ in batches)),
+        return GlobalCount(units, sum(count_tokens(x) for x, _ in batches) * dp)
+    local_units = [
+        torch.stack([torch.as_tensor(o.count(x, t), dtype=torch.float64) for x, t in batches]).sum() for o in objectives
     ]
-    counts = torch.cat([local_items.reshape(1), torch.tensor(local, dtype=torch.float64)])
+    squares = [attention_square(x) for x, _ in batches]
+    local = [float(sum(count_tokens(x) for x, _ in batches)), float(sum(q or 0 for q in squares))]
+    counts = torch.cat([torch.stack(local_units), torch.tensor(local, dtype=torch.float64)])
     if dp_group is not None:
         dist.all_reduce(counts, group=dp_group)
-    items, tokens, square, sequences = (int(c) for c in counts.tolist())
-    if items == 0:
+    *units, tokens, square = (int(c) for c in counts.tolist())
+    if units[0] == 0:
         raise ConfigError("a global batch has no target items (every target is loss.ignore_index); check the data")
-    return items, tokens, (square if squares[0] is not None else None), sequences
+    return GlobalCount(tuple(units), tokens, square if squares[0] is not None else None)
+
+
+def prepare_batches(model: nn.Module, batches: list[tuple], ctx: StepContext, objectives, *, static: bool = True):
+    """What the train and eval steps share before their loops: the count over whole rows, then
+    context parallel's "auto" decisions (from the whole rows too) and its cut of every row.
+    Returns ``(count, batches, autos, decisions)``."""
+    count = count_global_items(batches, objectives=objectives, dp_group=ctx.dp_group, dp=ctx.dp, static=static)
+    autos = auto_attentions(model) if ctx.cp > 1 else []  # cp_attention = "auto": decided here, per micro-batch
+    decisions = cp_decisions(model, batches) if autos else None
+    batches = [cp_local_batch(x, t, ctx) for x, t in batches]  # context parallel: after the count
+    return count, batches, autos, decisions
 
 
 def train_step(
@@ -201,70 +224,52 @@ def train_step(
     the step's reduce (this rank got SIGTERM: preemption.py); ``StepResult.stop`` says whether
     any rank's was set.
     """
-    items, tokens, square, sequences = count_global_items(
-        batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group, dp=ctx.dp, items_per_sample=ctx.items_per_sample
-    )
-    autos = auto_attentions(model) if ctx.cp > 1 else []  # cp_attention = "auto": decided here, per micro-batch
-    decisions = cp_decisions(model, batches) if autos else None
-    batches = [cp_local_batch(x, t, ctx) for x, t in batches]  # context parallel: after the count
-    # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean back
-    # into the sum over ranks, so the gradient is d(global sum)/d(theta) / items. dp is a power
-    # of two in practice, which makes the round trip exact in floating point. With context
-    # parallel FSDP2 averages over the dp x cp ranks (each holding part of the rows): the same.
-    scale = ctx.dp * ctx.cp / items
-    # Mixture of experts: under context parallel each cp rank's auxiliary loss is its tokens' share
-    # of its sequences' (models/gpt/moe.py sequence_balance_loss), averaged over dp x cp like the
-    # language-model loss.
-    router = RouterTotals(
-        ctx.router_layers,
-        aux_scale=ctx.dp * ctx.cp / sequences,
-        device=ctx.device,
-        slots=ctx.router_slots,
-        shape=ctx.router_shape,
-    )
+    objectives = ctx.objectives
+    count, batches, autos, decisions = prepare_batches(model, batches, ctx, objectives)
+    for objective, units in zip(objectives, count.units, strict=True):
+        # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean
+        # back into the sum over ranks, so the gradient is d(global sum)/d(theta) / units. dp is
+        # a power of two in practice, which makes the round trip exact in floating point. With
+        # context parallel FSDP2 averages over the dp x cp ranks (each holding part of the rows).
+        objective.start(scale=ctx.dp * ctx.cp / units, device=ctx.device)
+        objective.before_micro_batches(model, batches)
     if isinstance(model, PipelineModel):  # the schedule runs forward and backward
         with maybe_auto_decision(autos, decisions):
-            loss_sum, returned = pipeline_forward_backward(
+            pipeline_forward_backward(
                 model,
                 batches,
-                scale=scale,
-                loss_fn=ctx.loss_fn,
+                objectives=objectives,
                 device=ctx.device,
                 autocast=ctx.amp.autocast(),
                 split_inputs=stage_inputs,
-                router=router,
             )
         pp_group = model.pp_group
     else:
-        loss_sum, returned = forward_backward(
-            model,
-            batches,
-            ctx,
-            scale=scale,
-            after_backward=after_backward,
-            router=router,
-            autos=autos,
-            decisions=decisions,
-        )
+        forward_backward(model, batches, ctx, after_backward=after_backward, autos=autos, decisions=decisions)
         pp_group = None
-    # The totals are final once the backward is done: their reduce is launched now and waited for
+    # The sums are final once the backward is done: their reduce is launched now and waited for
     # after the optimiser step, which it overlaps (with DDP the ranks have just met in the
     # gradient all-reduce, so it hardly waits for anyone either). The stop flag is read here.
     stop = bool(stop_flag()) if stop_flag is not None else False
-    pending = launch_totals(loss_sum, returned, ctx=ctx, pp_group=pp_group, stop=stop, extra=router.totals())
+    pending = launch_totals(objectives, ctx=ctx, pp_group=pp_group, stop=stop)
     grad_norm = finish_step(model, optimizer, ctx, pp_group=pp_group)
-    totals = pending.read()
-    loss_total, returned_total, stops = totals[:3]
-    check_count(returned_total, items, static=ctx.items_per_sample is not None)
-    aux_loss, tokens_per_expert = router.read(totals[3:], sequences=sequences)
-    # The norm is read only now, after the reduce's read has waited for the device: on a GPU that
-    # wait is the step's only one for plain-tensor models (the norm's read used to wait before the
-    # optimiser step was queued; with clipping on under FSDP, TP or pipelining the clip
-    # coefficient is still read in distributed/grad_norm.py); this one copies a value already
-    # computed. The same tensor as before: exact.
-    # (One joint read via torch.cat adds three tensor ops and showed no gain: preempt_overhead.py.)
+    # The norm is read only after the reduce's read has waited for the device: on a GPU that
+    # wait is the step's only one for plain-tensor models (with clipping on under FSDP, TP or
+    # pipelining the clip coefficient is still read in distributed/grad_norm.py); this one copies
+    # a value already computed. (One joint read via torch.cat adds three tensor ops and showed
+    # no gain: preempt_overhead.py.)
+    parts, stops = pending.read()
+    values = {}
+    for objective, part, units in zip(objectives, parts, count.units, strict=True):
+        values.update(objective.read(part, units=units))
     return StepResult(
-        loss_total / items, items, float(grad_norm), tokens, stops > 0, square, aux_loss, tokens_per_expert
+        loss=values.pop("loss"),
+        items=count.items,
+        grad_norm=float(grad_norm),
+        tokens=count.tokens,
+        stop=stops > 0,
+        attention_square=count.attention_square,
+        extras=values,
     )
 
 
@@ -273,19 +278,15 @@ def forward_backward(
     batches: list[tuple],
     ctx: StepContext,
     *,
-    scale: float,
     after_backward=None,
-    router: RouterTotals | None = None,
     autos: Sequence[AutoAttention] = (),
     decisions: list[bool] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain micro-batch loop: this rank's ``(loss_sum, returned_count)`` as float64 tensors.
+) -> None:
+    """The plain micro-batch loop: each micro-batch's objectives' terms, summed, differentiated.
 
     ``autos``: the model's "auto" context-parallel attentions, given each micro-batch's decision
     (``decisions``, :func:`cp_decisions`) over its forward and backward."""
     precision = ctx.amp  # --- mixed precision (paratrain.precision)
-    loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
-    returned = torch.zeros((), device=ctx.device, dtype=torch.float64)
     last = len(batches) - 1
     for k, (inputs, target) in enumerate(batches):
         inputs, target = to_device(inputs, ctx.device), to_device(target, ctx.device)
@@ -297,21 +298,30 @@ def forward_backward(
             maybe_auto_decision(autos, decisions[k] if decisions else None),
         ):
             with precision.autocast():  # forward under autocast; backward follows its dtypes
-                s, c = ctx.loss_fn(model(inputs), target)
-            aux = router.take() if router is not None else None
-            if aux is not None and isinstance(s, DTensor):
-                # loss_parallel: the loss is a replicated DTensor; the auxiliary loss of MoE layers
-                # (replicated over tp) a plain tensor, the same on every tp rank.
-                aux = DTensor.from_local(aux, s.device_mesh, s.placements, run_check=False)
-            objective = s * scale if aux is None else s * scale + aux
-            precision.scale(objective).backward()  # fp16: times the GradScaler's loss scale
-        if router is not None:
-            router.clear()
+                output = model(inputs)
+                terms = [objective.loss(output, target) for objective in ctx.objectives]
+            precision.scale(add_terms(terms)).backward()  # fp16: times the GradScaler's loss scale
+        for objective in ctx.objectives:
+            objective.end_micro_batch()
         if after_backward is not None:
             after_backward(k)
-        loss_sum += _plain(s).detach().double()
-        returned += torch.as_tensor(c, device=ctx.device, dtype=torch.float64)
-    return loss_sum, returned
+
+
+def add_terms(terms: list[torch.Tensor | None]) -> torch.Tensor:
+    """The objectives' terms of one micro-batch, summed in order. Under loss_parallel the loss is
+    a replicated DTensor and another term (a mixture of experts' auxiliary loss, replicated over
+    tp) a plain tensor, the same on every tp rank: it joins as a DTensor of the same placements."""
+    total = None
+    for term in terms:
+        if term is None:
+            continue
+        if total is None:
+            total = term
+            continue
+        if isinstance(total, DTensor) and not isinstance(term, DTensor):
+            term = DTensor.from_local(term, total.device_mesh, total.placements, run_check=False)
+        total = total + term
+    return total
 
 
 def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepContext, *, pp_group) -> torch.Tensor:
@@ -330,10 +340,11 @@ def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepCon
 
 @dataclass
 class PendingTotals:
-    """A launched reduce of the step's totals: :meth:`read` waits for it and reads it on the host."""
+    """A launched reduce of the step's sums: :meth:`read` waits for it and reads it on the host."""
 
     totals: torch.Tensor
     work: dist.Work | None = None
+    sizes: tuple[int, ...] = (2,)  # each objective's sums; the stop flag follows the first's
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -341,73 +352,42 @@ class PendingTotals:
             self.work = None
         return self.totals
 
-    def read(self) -> list[float]:
-        return self.wait().tolist()
+    def read(self) -> tuple[list[list[float]], float]:
+        """Each objective's reduced sums and the reduced stop flag."""
+        values = self.wait().tolist()
+        first = self.sizes[0]
+        parts, at = [values[:first]], first + 1
+        for n in self.sizes[1:]:
+            parts.append(values[at : at + n])
+            at += n
+        return parts, values[first]
 
 
-def launch_totals(
-    loss_sum: torch.Tensor,
-    returned: torch.Tensor,
-    *,
-    ctx: StepContext,
-    pp_group,
-    stop: bool = False,
-    extra: torch.Tensor | None = None,
-) -> PendingTotals:
-    """``[loss_sum, returned_count, stop]`` summed over the step's ranks: one tensor, one reduce,
-    launched with ``async_op`` and left on the device for the caller's one host read (then
-    :func:`check_count`).
+def launch_totals(objectives: Sequence[Objective], *, ctx: StepContext, pp_group, stop: bool = False) -> PendingTotals:
+    """``[loss objective's sums, stop, other objectives' sums]`` summed over the step's ranks:
+    one tensor, one reduce, launched with ``async_op`` and left on the device for the caller's
+    one host read (:meth:`PendingTotals.read`).
 
     (Under pipeline parallel only the last stage has the loss, and with tensor parallel only the
-    first tp rank adds it: the others contribute zeros.) The stop flag is a SUM of 0/1s, as good
-    as a MAX: any rank > 0 stops every rank, after the same step. Every rank launches it at the
-    same point of the step, before the same collectives of the optimiser step (the gradient
+    first tp rank adds its sums: the others contribute zeros.) The stop flag is a SUM of 0/1s, as
+    good as a MAX: any rank > 0 stops every rank, after the same step. Every rank launches it at
+    the same point of the step, before the same collectives of the optimiser step (the gradient
     norm's under FSDP/TP/pipelining, expert parallel's gradient reduce), so the collectives are
     issued in one order on all ranks, as an asynchronous collective requires.
     """
+    sums = [o.sums() for o in objectives]
+    sums = [torch.zeros(0, device=sums[0].device, dtype=torch.float64) if s is None else s for s in sums]
     if not ctx.adds_loss:
-        loss_sum, returned = torch.zeros_like(loss_sum), torch.zeros_like(returned)
-    totals = torch.stack([loss_sum, returned, torch.full_like(returned, float(stop))])
-    if extra is not None:  # more float64 sums (the routers' stats) in the same reduce
-        totals = torch.cat([totals, extra if ctx.adds_loss else torch.zeros_like(extra)])
+        sums = [torch.zeros_like(s) for s in sums]
+    flag = torch.full_like(sums[0][:1], float(stop))
+    totals = torch.cat([sums[0], flag, *sums[1:]])
     groups = [
         g for g in ([ctx.loss_group] if ctx.loss_group is not None else [pp_group, ctx.dp_group]) if g is not None
     ]
     for group in groups[:-1]:  # two groups (no loss_group): the first reduce before the second
         dist.all_reduce(totals, group=group)
     work = dist.all_reduce(totals, group=groups[-1], async_op=True) if groups else None
-    return PendingTotals(totals, work)
-
-
-def reduce_totals(
-    loss_sum: torch.Tensor,
-    returned: torch.Tensor,
-    *,
-    ctx: StepContext,
-    pp_group,
-    stop: bool = False,
-    extra: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`launch_totals`, waited for (the eval step)."""
-    return launch_totals(loss_sum, returned, ctx=ctx, pp_group=pp_group, stop=stop, extra=extra).wait()
-
-
-def check_count(returned_total: float, items: int, *, static: bool = False) -> None:
-    """The loss's own item count against the pre-backward ``items``, on the reduced numbers, so
-    every rank raises the same error together. ``static``: ``items`` came from the data path's
-    declared count (StepContext.items_per_sample), not from counting the targets."""
-    if int(returned_total) == items:
-        return
-    if static:
-        raise ConfigError(
-            f"the loss returned item count {int(returned_total)} but the dataset's items_per_sample gave"
-            f" {items}; a dataset that declares items_per_sample must have exactly that many targets per sample,"
-            " none of them loss.ignore_index: fix or remove its items_per_sample"
-        )
-    raise ConfigError(
-        f"the loss returned item count {int(returned_total)} but counting the targets gave"
-        f" {items}; give the loss function a count(target) attribute that matches"
-    )
+    return PendingTotals(totals, work, tuple(s.numel() for s in sums))
 
 
 def cp_local_batch(inputs, target, ctx: StepContext):
@@ -482,28 +462,19 @@ def stage_inputs(inputs) -> tuple[torch.Tensor, dict]:
 
 @torch.no_grad()
 def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple[float, int]:
-    """The loss sum and item count of a global batch, forward only, summed over all ranks.
-
-    Shares the step's counting and checking; the mean is ``loss_sum / items``.
+    """The loss objective's sum and item count of a global batch, forward only, summed over all
+    ranks. Shares the step's count, context-parallel cut and check; the mean is ``loss_sum / items``.
     """
-    items, _, _, _ = count_global_items(batches, loss_fn=ctx.loss_fn, dp_group=ctx.dp_group)
-    autos = auto_attentions(model) if ctx.cp > 1 else []
-    decisions = cp_decisions(model, batches) if autos else None
-    batches = [cp_local_batch(x, t, ctx) for x, t in batches]
+    loss = ctx.objectives[0]
+    count, batches, autos, decisions = prepare_batches(model, batches, ctx, (loss,), static=False)
+    loss.start(scale=1.0, device=ctx.device)
     if isinstance(model, PipelineModel):
         with maybe_auto_decision(autos, decisions):
-            loss_sum, returned = pipeline_forward(
-                model,
-                batches,
-                loss_fn=ctx.loss_fn,
-                device=ctx.device,
-                autocast=ctx.amp.autocast(),
-                split_inputs=stage_inputs,
+            pipeline_forward(
+                model, batches, loss=loss, device=ctx.device, autocast=ctx.amp.autocast(), split_inputs=stage_inputs
             )
         pp_group = model.pp_group
     else:
-        loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
-        returned = torch.zeros((), device=ctx.device, dtype=torch.float64)
         for k, (inputs, target) in enumerate(batches):
             inputs, target = to_device(inputs, ctx.device), to_device(target, ctx.device)
             with (
@@ -511,15 +482,9 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
                 ctx.amp.autocast(),
                 maybe_auto_decision(autos, decisions[k] if decisions else None),
             ):
-                s, c = ctx.loss_fn(model(inputs), target)
-            loss_sum += _plain(s).double()
-            returned += torch.as_tensor(c, device=ctx.device, dtype=torch.float64)
+                loss.loss(model(inputs), target)
+            loss.end_micro_batch()
         pp_group = None
-    loss_total, returned_total, _ = reduce_totals(loss_sum, returned, ctx=ctx, pp_group=pp_group).tolist()
-    check_count(returned_total, items)
-    return loss_total, items
-
-
-def _plain(s: torch.Tensor) -> torch.Tensor:
-    # loss_parallel: a replicated scalar DTensor
-    return s.full_tensor() if isinstance(s, DTensor) else s
+    ((loss_total, returned_total),), _ = launch_totals((loss,), ctx=ctx, pp_group=pp_group).read()
+    check_count(returned_total, count.items)
+    return loss_total, count.items

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from paratrain.batch.lr_scaling import LRScaling
 from paratrain.batch.plan import BatchPlan, replan_batch
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.checkpoint.export import save_full_weights
-from paratrain.config import Config, ConfigError, LossConfig, to_dict, to_toml
+from paratrain.config import Config, LossConfig, to_dict, to_toml
 from paratrain.data.datasets import build_dataset, build_val_dataset, static_items_per_sample, tensor_items_per_sample
 from paratrain.data.loader import StepLoader
 from paratrain.data.sampler import GlobalBatchSampler
@@ -35,15 +35,15 @@ from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.json_collectives import broadcast_json
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
-from paratrain.distributed.pipeline_parallel import stage_router_layers
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.evaluate import Evaluator, eval_due
-from paratrain.loss import Loss, build_loss, router_layers, router_width
+from paratrain.loss import Loss, build_loss
 from paratrain.models import build, lora_base, spec_of
 from paratrain.models.hf import export_hf
 from paratrain.models.lora import apply_lora, is_adapter_param, trainable_parameters
 from paratrain.models.spec import ModelSpec
+from paratrain.objectives import build_objectives
 from paratrain.observability.events import EventLog, process_start_time
 from paratrain.observability.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
 from paratrain.observability.mfu import mfu, resolve_peak_flops, seq_len_of
@@ -265,23 +265,9 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
     if comm_bytes is not None:
         row["comm_bytes"] = comm_bytes
     row.update(run.precision.metrics())
-    if result.aux_loss is not None:
-        row.update(router_metrics(result))
+    for objective in run.step_ctx.objectives:  # e.g. a mixture of experts' aux_loss, tokens per expert
+        row.update(objective.metrics(result.extras))
     return row
-
-
-def router_metrics(result: StepResult) -> dict:
-    """Mixture of experts: the auxiliary loss (not in ``loss``) and the global batch's tokens per
-    expert (top-k assignments), their min and max over layers and experts, and the imbalance, the
-    largest max/mean of any MoE layer (1: perfectly balanced)."""
-    counts = torch.tensor(result.tokens_per_expert, dtype=torch.float64)
-    imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-12)).max()
-    return {
-        "aux_loss": result.aux_loss,
-        "expert_tokens_min": int(counts.min()),
-        "expert_tokens_max": int(counts.max()),
-        "expert_imbalance": float(imbalance),
-    }
 
 
 def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: EventLog) -> Run:
@@ -321,11 +307,19 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         cfg.precision.dtype,
         f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})",
     )
-    model, step_ctx, compression = build_parallel_with_weights(
-        cfg, dims, model, spec=spec, device=ctx.device, loss_fn=loss_fn, precision=precision, user_loss=loss is not None
-    )
     # A plain token stream knows its global item count: the step skips the count's all-reduce.
-    step_ctx = replace(step_ctx, items_per_sample=static_item_count(dataset, cfg.loss, user_loss=loss is not None))
+    items_per_sample = static_item_count(dataset, cfg.loss, user_loss=loss is not None)
+    model, step_ctx, compression = build_parallel_with_weights(
+        cfg,
+        dims,
+        model,
+        spec=spec,
+        device=ctx.device,
+        loss_fn=loss_fn,
+        precision=precision,
+        user_loss=loss is not None,
+        items_per_sample=items_per_sample,
+    )
 
     optimizer = build_optimizer(model, cfg.optim)
     state = TrainState(global_batch_size=plan.global_batch_size)
@@ -474,8 +468,11 @@ def build_parallel(
     loss_fn: Loss,
     precision: Precision,
     user_loss: bool,
+    items_per_sample: int | None = None,
 ) -> tuple[nn.Module, StepContext, GradCompression]:
-    """Apply the parallelisms (distributed/parallelize.py) with the model's spec; the step's context."""
+    """Apply the parallelisms (distributed/parallelize.py) with the model's spec; the step's
+    context with its objectives (paratrain/objectives), built from the whole model before the
+    parallelisms and bound to what they made. ``items_per_sample``: the data path's static count."""
     # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits (not under
     # pipeline parallel: the schedule's loss runs on plain, gathered logits).
     loss_parallel = loss_parallel_enabled(
@@ -486,19 +483,7 @@ def build_parallel(
         supported=spec.loss_parallel,
     )
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
-    routers = tuple(router_layers(model))  # mixture of experts (docs/moe.md); a user model's too
-    router_names = [n for n, m in model.named_modules() if hasattr(m, "router_stats")]
-    router_shape = None
-    if routers and dims.pp > 1:
-        # Each stage holds some router layers; the step's reduce needs all of them (their names
-        # and widths, known only before the split).
-        widths = {router_width(m) for m in routers}
-        if len(widths) != 1 or None in widths:
-            raise ConfigError(
-                "a model with router layers (mixture of experts) of unknown or unequal expert counts"
-                " with parallel.pp > 1 is not supported; give every router layer the same n_experts or set parallel.pp = 1"
-            )
-        router_shape = (len(routers), widths.pop())
+    objectives = build_objectives(loss_fn, model, items_per_sample=items_per_sample, pipeline=dims.pp > 1)
     model = parallelize(
         model,
         dims,
@@ -514,11 +499,10 @@ def build_parallel(
         cp_attention=spec.cp_attention,
     )
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
-    router_slots = None
-    if router_shape is not None:  # pipeline: the stages' own router layers, found after the split
-        routers, router_slots = stage_router_layers(model, router_names)
+    for objective in objectives:  # a pipeline rank holds some of the model's modules
+        objective.bind(model)
     step_ctx = StepContext(
-        loss_fn=loss_fn,
+        objectives=objectives,
         device=device,
         dp=dims.dp,
         dp_group=dims.group("dp"),
@@ -531,9 +515,6 @@ def build_parallel(
         # every tp peer too; the tp ranks after the first add zeros instead of a copy of the loss.
         loss_group=dims.group("pp_dp") if dims.tp == 1 else dist.group.WORLD,
         adds_loss=dims.local_rank_in("tp") == 0,
-        router_layers=routers,
-        router_slots=router_slots,
-        router_shape=router_shape,
         cp=dims.cp,
         cp_rank=dims.local_rank_in("cp"),
     )

@@ -25,10 +25,11 @@ from paratrain.data.sampler import load_batches
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
-from paratrain.loss import build_loss, router_layers
+from paratrain.loss import build_loss
 from paratrain.models import build, spec_of
 from paratrain.models.hf.moe import fake_grouped_mm
 from paratrain.models.spec import ModelSpec
+from paratrain.objectives import build_objectives
 from paratrain.optim import build_optimizer
 from paratrain.precision import build_precision
 from paratrain.step import StepContext, train_step
@@ -196,7 +197,10 @@ class StepRunner:
                 optimizer,
                 batches,
                 StepContext(
-                    loss_fn=self.loss_fn,
+                    # The real step's objectives (trainer.py): a mixture of experts' auxiliary
+                    # loss joins the backward, its graph (router probabilities) is part of the
+                    # activations.
+                    objectives=build_objectives(self.loss_fn, model),
                     dp=self.dims.dp,
                     dp_group=self.dims.group("dp"),
                     grad_clip=self.cfg.optim.grad_clip,
@@ -204,9 +208,6 @@ class StepRunner:
                     precision=precision,
                     loss_parallel=self.loss_parallel,
                     sync_each_micro_batch=self.cfg.parallel.reshard_after_forward,
-                    # The real step's auxiliary loss of a mixture of experts joins the backward
-                    # (trainer.py): its graph (router probabilities) is part of the activations.
-                    router_layers=tuple(router_layers(model)),
                 ),
             )
 

@@ -48,7 +48,7 @@ import contextlib
 import copy
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,6 @@ from paratrain.config import ConfigError, ParallelConfig
 from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_container
 from paratrain.distributed.expert_parallel import gather_expert_weights
 from paratrain.distributed.json_collectives import all_gather_json
-from paratrain.loss import RouterTotals, sum_router_stats
 
 log = logging.getLogger("paratrain")
 
@@ -492,29 +491,36 @@ def pipeline_forward_backward(
     model: PipelineModel,
     batches: list[tuple],
     *,
-    scale: float,
-    loss_fn: Callable,
+    objectives: Sequence,
     device: torch.device,
     autocast,
     split_inputs: Callable = _no_split,
-    router: RouterTotals | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> None:
     """One schedule run (forward and backward) over this rank's micro-batches ``[(input, target), ...]``.
 
-    Returns this rank's ``(loss_sum, returned_count)`` as float64 tensors: the loss's own sums
-    and counts on the last stage, zeros on the others. step.py finishes the step (clip, optimiser,
-    the reduce over pp and dp, the count check) as for a plain model. ``router``: the step's
-    mixture-of-experts totals; each stage's router layers add their auxiliary loss to the
-    stage's backward and their stats to it (:func:`_stage_router_stats`).
+    ``objectives`` (paratrain/objectives, already started for the step): the first one's
+    ``loss_fn`` is the schedule's loss on the last stage, times its ``scale``, and its sums (the
+    loss's own sums and counts on the last stage, zeros on the others) are handed to it
+    (``add``); step.py finishes the step (clip, optimiser, the reduce over pp and dp, the
+    count check) as for a plain model. An objective whose sum is left by modules of the model
+    (``take``, the routers of a mixture of experts) is taken after each forward of a stage that
+    holds some of them and joins that stage's backward (:func:`_stage_terms`).
     """
+    loss, others = objectives[0], objectives[1:]
+    for o in others:
+        if not hasattr(o, "take"):
+            raise ConfigError(
+                f"the objective {o.name!r} is not computed from modules of the model, which parallel.pp > 1"
+                " needs for every objective but the loss; set parallel.pp = 1"
+            )
     # The rank's whole batch, cut into accum x pp_microbatches pieces by the schedule (the
     # concatenated micro-batches in order, so piece k is a slice of micro-batch k // m).
     inputs = torch.cat([x for x, _ in batches]).to(device)
     target = torch.cat([t for _, t in batches]).to(device)
     if model.schedule is None:
-        model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=loss_fn)
+        model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=loss.loss_fn)
     scaled = model.loss
-    scaled.scale, scaled.sums, scaled.counts = scale, [], []
+    scaled.scale, scaled.sums, scaled.counts = loss.scale, [], []
     args, kwargs = _stage_inputs(model, inputs, split_inputs)
     with contextlib.ExitStack() as stack:
         # The schedule reduces DDP gradients itself, in the last backward, through an explicit
@@ -526,10 +532,11 @@ def pipeline_forward_backward(
             if isinstance(part, DistributedDataParallel):
                 stack.enter_context(part.no_sync())
         stack.enter_context(autocast)
-        if router is not None and router.layers:
-            stack.enter_context(_stage_router_stats(model, router))
+        for o in others:
+            if o.modules:
+                stack.enter_context(_stage_terms(model, o))
         model.schedule.step(*args, target=target if model.has_last else None, return_outputs=False, **kwargs)
-    return _local_sums(model, device)
+    loss.add(*_local_sums(model, device))
 
 
 class _AuxLoss(torch.autograd.Function):
@@ -539,7 +546,7 @@ class _AuxLoss(torch.autograd.Function):
     gradient of its output. Attaching ``aux`` to the output makes that backward also run
     ``aux``'s with gradient 1, as if ``aux`` had been added to the loss (Megatron-LM's
     ``MoEAuxLossAutoScaler``, megatron/core/transformer/moe/moe_utils.py, does the same for the
-    same reason). ``aux`` arrives already scaled (RouterTotals.aux_scale)."""
+    same reason). ``aux`` arrives already scaled (the objective's ``scale``)."""
 
     @staticmethod
     def forward(ctx, output, aux):
@@ -553,31 +560,32 @@ class _AuxLoss(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _stage_router_stats(model: PipelineModel, router: RouterTotals):
-    """While the schedule runs: after each forward of a stage holding router layers, take their
-    stats, attach the auxiliary loss to the stage's output (:class:`_AuxLoss`) and keep the
-    stats; then give ``router`` those of the step's own forwards.
+def _stage_terms(model: PipelineModel, objective):
+    """While the schedule runs: after each forward of a stage holding some of ``objective``'s
+    modules, take their sum and stats (``objective.take``), attach the sum times the objective's
+    scale to the stage's output (:class:`_AuxLoss`) and keep the stats; then give ``objective``
+    those of the step's own forwards (``objective.add``).
 
-    A part's forward, not each router layer's, is hooked: activation checkpointing recomputes
-    the layers (not the part) in backward. torch's schedule also runs each stage once for shape
+    A part's forward, not each module's, is hooked: activation checkpointing recomputes the
+    layers (not the part) in backward. torch's schedule also runs each stage once for shape
     inference on its first step (on placeholder values), so, as for the loss (``_local_sums``),
     only the last ``n_microbatches`` forwards of each part count."""
     kept: list[tuple[list[nn.Module], list]] = []
     handles = []
     for part in model.parts:
         inside = {id(m) for m in part.modules()}
-        mine = [m for m in router.layers if id(m) in inside]
+        mine = [m for m in objective.modules if id(m) in inside]
         if not mine:
             continue
         seen: list = []
         kept.append((mine, seen))
 
         def hook(module, args, output, mine=mine, seen=seen):
-            aux, counts = sum_router_stats(mine)
-            seen.append((aux.detach(), counts))
+            aux, stats = objective.take(mine)
+            seen.append((aux.detach(), stats))
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
-            return _AuxLoss.apply(output, aux * router.aux_scale)
+            return _AuxLoss.apply(output, aux * objective.scale)
 
         handles.append(part.register_forward_hook(hook))
     try:
@@ -586,46 +594,32 @@ def _stage_router_stats(model: PipelineModel, router: RouterTotals):
         for h in handles:
             h.remove()
     for mine, seen in kept:
-        for aux, counts in seen[-model.n_microbatches :]:
-            router.add(mine, aux, counts)
-    router.clear()
-
-
-def stage_router_layers(model: PipelineModel, names: list[str]) -> tuple[tuple[nn.Module, ...], tuple[int, ...]]:
-    """This rank's router layers (mixture of experts) and their positions in ``names``, the
-    whole model's router layers' names in order (the stages keep the whole model's names)."""
-    position = {n: i for i, n in enumerate(names)}
-    found = []
-    for i, part in enumerate(model.parts):
-        for name, m in part.named_modules():
-            if hasattr(m, "router_stats"):
-                plain = name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
-                found.append((position[plain.replace("_orig_mod.", "")], m))
-    found.sort(key=lambda x: x[0])
-    return tuple(m for _, m in found), tuple(i for i, _ in found)
+        for aux, stats in seen[-model.n_microbatches :]:
+            objective.add(mine, aux, stats)
+    objective.end_micro_batch()
 
 
 def pipeline_forward(
     model: PipelineModel,
     batches: list[tuple],
     *,
-    loss_fn: Callable,
+    loss,
     device: torch.device,
     autocast,
     split_inputs: Callable = _no_split,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> None:
     """Forward only through the schedule (``eval()``, torch >= 2.9, running only the forward
-    actions, see :func:`_forward_actions_only`): ``(loss_sum, count)`` as above."""
+    actions, see :func:`_forward_actions_only`): the loss objective's sums as above."""
     inputs = torch.cat([x for x, _ in batches]).to(device)
     target = torch.cat([t for _, t in batches]).to(device)
     if model.schedule is None:
-        model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=loss_fn)
+        model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=loss.loss_fn)
     scaled = model.loss
     scaled.sums, scaled.counts = [], []
     args, kwargs = _stage_inputs(model, inputs, split_inputs)
     with autocast, torch.no_grad(), _forward_actions_only(model.schedule):
         model.schedule.eval(*args, target=target if model.has_last else None, **kwargs)
-    return _local_sums(model, device)
+    loss.add(*_local_sums(model, device))
 
 
 # The actions of torch's lowered (compute + comm) schedule that a forward-only run keeps, by

@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from paratrain.config import ConfigError
 from paratrain.distributed.expert_parallel import ExpertGroup, dispatch
-from paratrain.loss import RouterStats
+from paratrain.objectives.moe import RouterStats
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class MoE(nn.Module):
     """Router + ``n_experts`` routed experts (+ shared experts), each an MLP made by ``make_expert``.
 
     After each forward, ``router_stats`` holds this call's balance-loss sum and tokens per expert
-    (paratrain.loss.RouterStats); the training step takes it (loss.take_router_stats).
+    (paratrain.objectives.moe.RouterStats); the step's BalanceLoss objective takes it.
     """
 
     def __init__(self, cfg: MoEConfig, d_model: int, make_expert: Callable[[], nn.Module]):

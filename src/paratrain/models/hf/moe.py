@@ -14,7 +14,7 @@ What transformers 5 ships for Qwen3-MoE and Mixtral, and what paratrain adds:
   all the tokens of one forward call, pooled over layers. That depends on which sequences share a
   micro-batch, so it changes with the micro-batch size, accumulation and dp. paratrain instead
   computes it **per sequence** and per layer, with the GPT's machinery (models/gpt/moe.py
-  ``sequence_balance_loss``, loss.RouterStats, the step's division by the global sequence count),
+  ``sequence_balance_loss``, objectives.moe.RouterStats, the step's division by the global sequence count),
   scaled so that on one sequence and one MoE layer it *is* transformers' value: DeepSeek-V3's
   ``sum_i f_i P_i`` is 1 when balanced, Switch's is ``top_k``, so each term is multiplied by
   ``top_k``, and the layers are averaged (``/ n_moe_layers``) where transformers pools them.
@@ -39,9 +39,9 @@ from torch.distributed.tensor import DTensor, Shard
 from paratrain.config import ConfigError
 from paratrain.distributed.expert_parallel import ExpertGroup, dispatch
 from paratrain.distributed.pipeline_parallel import ZERO_BUBBLE
-from paratrain.loss import RouterStats
 from paratrain.models.gpt.moe import sequence_balance_loss
 from paratrain.models.spec import ExpertLayer
+from paratrain.objectives.moe import RouterStats
 
 # The config fields that give a transformers model's routed-expert count (Qwen-MoE and OLMoE,
 # Mixtral, DeepSeek).
@@ -147,7 +147,7 @@ def aux_loss_weight(config, n_layers: int) -> float:
 
 def install_router_stats(model: nn.Module) -> int:
     """Make each sparse block's router leave a ``RouterStats`` (its ``router_stats``, which the
-    step finds through loss.router_layers) after every forward. Hooks, no module is replaced:
+    step's BalanceLoss finds through objectives.moe.router_layers) after every forward. Hooks, no module is replaced:
     the block's pre-hook notes (batch, tokens) (the router sees the flattened tokens) and the
     router's hook computes the stats from what it returned. Returns the number of blocks."""
     blocks = sparse_blocks(model)

@@ -1,0 +1,84 @@
+"""Objectives: what a training step computes, plugged into the one step (step.py).
+
+The step is a small core: count, forward/backward, reduce, clip, step. Everything it
+differentiates and logs besides that comes from its objectives, each one term of the loss::
+
+    term = (sum over the global batch's units of a per-unit loss) / (global count of units)
+
+A *unit* is what the normaliser counts (a target token, a sample, a sequence, later a pair, a
+group of samples, the whole global batch). The count is formed over the whole global batch
+before the first backward (architecture: "never average micro-batch means"), in the step's one
+count: every objective's units ride one small all-reduce with the step's token count, or none
+at all when every objective can say its count from the shapes alone (:meth:`Objective.static_count`).
+
+An objective's life (objectives/base.py; ``count``, ``start``, ``loss`` are required, the other
+hooks have defaults that do nothing):
+
+0. ``bind(model)`` once, with the parallelised model (a pipeline rank holds some modules).
+1. ``count(inputs, target)`` per micro-batch, before any forward (whole rows: before context
+   parallel cuts them); ``static_count(inputs)`` when the count needs no collective.
+2. ``start(scale=..., device=...)`` with ``scale = dp x cp / units`` (DDP and FSDP average
+   gradients over the ranks: times ``dp x cp`` turns that back into the sum), then
+   ``before_micro_batches(model, batches)``: an optional phase over this rank's whole global
+   batch before the loop (a cached or two-pass objective's first pass, a generation phase).
+3. Per micro-batch ``loss(output, target)``: its sum with its graph, times ``scale``, which the
+   step adds to the micro-batch's backward; ``end_micro_batch()`` once that backward is done.
+4. ``sums()``: float64 sums that ride the step's one reduce of the loss (no collective of their
+   own), e.g. the loss sum and its own count, router statistics.
+5. ``read(reduced, units=...)``: values from the reduced sums (and checks, raised on every rank
+   alike because every rank has the same reduced numbers); ``metrics(values)``: metrics.jsonl
+   columns.
+
+The first objective of a step is *the* loss: its ``read`` gives ``loss``, the logged mean, and
+its sums come first in the reduce. The others add terms and values (``StepResult.extras``). Objectives are stateful per step (``start`` resets them) and built once
+per run (:func:`build_objectives`).
+
+Under pipeline parallel (distributed/pipeline_parallel.py) the schedule runs the micro-batches:
+the first objective's ``loss_fn`` is the schedule's loss on the last stage and the schedule's
+sums come back through ``add``; an objective whose sum is left by modules of the model
+(``modules``, the MoE routers) is taken after the forward of the stage that holds them
+(``take``/``add``) and joins that stage's backward. An objective of another kind is refused
+under pipeline parallel.
+
+Where a new objective plugs in (none of these is built yet; docs/structure.md):
+
+- keyed dropout: no term of its own; its masks are keyed by (seed, step, global sample index),
+  which ``before_micro_batches`` can hand to the model for the global batch's rows.
+- BatchNorm groups of ``G`` samples: unit = group, ``count`` = rows / G, a group never straddles
+  a micro-batch (refused in ``before_micro_batches`` when it would).
+- a gradient-cache contrastive loss (in-batch negatives over the whole global batch): unit = the
+  global batch's samples; ``before_micro_batches`` embeds every row without a graph and gathers
+  the embeddings (its one collective), ``loss`` re-embeds a micro-batch with its graph against
+  the cached ones.
+- DPO pairs: unit = pair, ``count`` = rows / 2 with both sides of a pair in one micro-batch;
+  the reference log-probabilities in ``before_micro_batches``.
+- GRPO: unit = a group of completions of one prompt; ``before_micro_batches`` is the generation
+  phase (sampling keyed by the sample), ``sums``/``read`` carry the rewards' statistics.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from paratrain.loss import Loss
+from paratrain.objectives.base import Objective
+from paratrain.objectives.items import ItemLoss
+from paratrain.objectives.moe import BalanceLoss
+
+
+def build_objectives(
+    loss_fn: Loss, model: nn.Module | None = None, *, items_per_sample: int | None = None, pipeline: bool = False
+) -> tuple:
+    """A run's objectives: the loss (the built-in token or item loss, a user's ``(sum, count)``
+    loss or the chunked cross-entropy, :class:`ItemLoss`), then the balance loss of a mixture of
+    experts when ``model`` has router layers (:class:`BalanceLoss`, built from the whole model,
+    before any parallelism: under ``pipeline`` a stage holds some of its layers, and the stages'
+    layers are bound after the split, ``BalanceLoss.bind``)."""
+    objectives: list = [ItemLoss(loss_fn, items_per_sample=items_per_sample)]
+    balance = BalanceLoss.of(model, pipeline=pipeline) if model is not None else None
+    if balance is not None:
+        objectives.append(balance)
+    return tuple(objectives)
+
+
+__all__ = ["BalanceLoss", "ItemLoss", "Objective", "build_objectives"]

@@ -1,0 +1,82 @@
+"""The objective interface. The package docstring (objectives/__init__.py) says when the step
+calls each hook; docs/structure.md has the examples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+class Objective:
+    """One term of a step's loss, ``sum over the global batch's units / their global count``.
+
+    A subclass gives :meth:`count`, :meth:`start` and :meth:`loss` (and most often :meth:`sums`
+    and :meth:`read`); the other hooks do nothing by default. An objective whose micro-batch sum is left by modules of the
+    model (the routers of a mixture of experts) also has ``take(modules)`` and
+    ``add(modules, sum, stats)``, which a pipeline stage calls for the modules it holds.
+    """
+
+    name = "objective"
+    unit = "item"  # what count() counts, in words (docs, errors)
+    # Modules whose forward leaves this objective's micro-batch sum; () for a loss of the output.
+    modules: tuple[nn.Module, ...] = ()
+
+    # --- 1. the count, before any forward
+
+    def count(self, inputs, target) -> torch.Tensor | float:
+        """This micro-batch's units (a number or a 0-dim tensor), from its whole rows on the
+        host: the step sums them over micro-batches and ranks before the first backward."""
+        raise NotImplementedError
+
+    def static_count(self, inputs) -> int | None:
+        """The same units known from the rows' shapes alone, or None. When every objective of
+        the step knows its count so, the count needs no collective (each data-parallel rank holds
+        as many rows of the same shape: the global count is this rank's times dp)."""
+        return None
+
+    # --- 2. optional phase over the whole global batch
+
+    def before_micro_batches(self, model: nn.Module, batches: Sequence[tuple]) -> None:
+        """Before the micro-batch loop, with this rank's whole global batch (whole rows, on the
+        host): a first pass (cached or two-pass objectives), a generation phase. Its collectives,
+        if any, are its own and must be issued alike on every rank."""
+
+    # --- 3. the micro-batches
+
+    def bind(self, model: nn.Module) -> None:
+        """Once, with the model the step runs (after the parallelisms: a pipeline rank holds
+        only some of the modules)."""
+
+    def start(self, *, scale: float, device: torch.device) -> None:
+        """A new step: the sums are zero; each micro-batch term is times ``scale`` (``dp x cp /
+        units``: DDP and FSDP average gradients over the ranks, times dp x cp makes that the sum)."""
+        raise NotImplementedError
+
+    def loss(self, output, target) -> torch.Tensor | None:
+        """This micro-batch's term, with its graph, times ``scale``, which the step adds to the
+        micro-batch's backward (None: nothing to add). Runs under the step's autocast, after
+        the model's forward."""
+        raise NotImplementedError
+
+    def end_micro_batch(self) -> None:
+        """After the micro-batch (its backward, in training): keep what it summed."""
+
+    # --- 4. the reduce
+
+    def sums(self) -> torch.Tensor | None:
+        """1-d float64 sums that ride the step's one reduce (None: none). The same length on
+        every rank and every step of a run."""
+        return None
+
+    # --- 5. metrics
+
+    def read(self, reduced: list[float], *, units: int) -> dict:
+        """Values from this objective's reduced ``sums`` (``StepResult.extras``, the same on
+        every rank, so a check raised here is raised by every rank together)."""
+        return {}
+
+    def metrics(self, values: dict) -> dict:
+        """metrics.jsonl columns from the step's ``extras``."""
+        return {}
