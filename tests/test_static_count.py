@@ -142,7 +142,7 @@ def _trainer_rank(out_dir: str) -> tuple:
     step = T.train_step
 
     def recording(model, optimizer, batches, ctx, **kwargs):
-        seen.append(ctx.items_per_sample)
+        seen.append(ctx.objectives[0].items_per_sample)
         return step(model, optimizer, batches, ctx, **kwargs)
 
     T.train_step = recording
@@ -164,6 +164,6 @@ def _trainer_rank(out_dir: str) -> tuple:
 
 @pytest.mark.slow  # a whole run in process; the dp 2 step test above is the fast case
 def test_the_trainer_hands_the_static_count_to_the_step(tmp_path):
-    # The main job's data path (stdlib_bytes, cross_entropy): the step gets items_per_sample.
+    # The main job's data path (stdlib_bytes, cross_entropy): the step's loss gets items_per_sample.
     ((seen, tokens),) = run_ranks(_trainer_rank, 1, str(tmp_path), timeout=120)
     assert seen == [16] and tokens == 4 * 16
