@@ -141,3 +141,172 @@ def test_a_lora_checkpoint_evaluates_with_its_own_config(chat, lora_run):
     logged = {r["step"]: r for r in map(json.loads, open(os.path.join(lora_run, "metrics.jsonl")))}
     assert result["step"] == 2
     assert result["val_loss"] == pytest.approx(logged[2]["val_loss"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- nothing replaced unasked
+
+
+def _train_cli(out: str, *args: str, launched: list) -> int:
+    """`paratrain train configs/debug.toml` through the CLI up to the launcher (which records instead)."""
+    import paratrain.launch.agent
+
+    sets = ["--set", f"run.out_dir='{out}'"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paratrain.launch.agent, "launch", lambda *a, **k: launched.append(a) or 0)
+        return cli_main(["train", "configs/debug.toml", *args, *sets])
+
+
+def test_train_into_a_used_out_dir_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-4").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "model.safetensors").write_bytes(b"old weights")
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    launched: list = []
+    assert _train_cli(str(out), launched=launched) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds another run (metrics.jsonl, model.safetensors, checkpoints)" in err and "--overwrite" in err, err
+    assert "\n" not in err and not launched
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing touched
+    assert _train_cli(str(out), "--resume", launched=launched) == 0 and len(launched) == 1
+    assert (out / "metrics.jsonl").exists()  # resuming keeps the run
+    assert _train_cli(str(out), "--overwrite", launched=launched) == 0 and len(launched) == 2
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert not (out / "model.safetensors").exists()
+    assert _train_cli(str(out), launched=launched) == 0  # an empty folder is not a run
+
+
+def test_an_unwritable_out_dir_is_one_line_before_any_process(capsys):
+    """Before: a worker's traceback and exit 1. (No folder can be made in /proc, even by root.)"""
+    launched: list = []
+    assert _train_cli("/proc/paratrain-test/run", launched=launched) == 2
+    err = capsys.readouterr().err.strip()
+    assert "run.out_dir = '/proc/paratrain-test/run' cannot be written (" in err, err
+    assert "\n" not in err and not launched, err
+
+
+def test_export_never_replaces_a_file_or_model_unasked(chat, lora_run, tmp_path, capsys):
+    """--to onto a file, --hf into a model directory, --peft into an adapter: refused, the target
+    untouched; --overwrite replaces it."""
+    target = tmp_path / "weights.safetensors"
+    target.write_bytes(b"precious")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for argv, path in (
+        (["--to", str(target)], target),
+        (["--hf", str(model), "--merge"], model / "config.json"),
+        (["--peft", str(model)], model / "config.json"),
+    ):
+        capsys.readouterr()
+        assert cli_main(["export", lora_run, *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "exists" in err and "--overwrite" in err and "\n" not in err, err
+        assert path.read_bytes() in (b"precious", b"{}")
+    assert cli_main(["export", lora_run, "--to", str(target), "--overwrite"]) == 0
+    assert target.stat().st_size > 1000
+    assert cli_main(["export", lora_run, "--hf", str(model), "--merge", "--overwrite"]) == 0
+    assert json.load(open(model / "config.json"))["model_type"] == "llama"
+
+
+# ----------------------------------------------------------------------------- preparing
+
+
+def test_prepare_again_from_another_folder_is_the_same_corpus(chat, tmp_path, monkeypatch):
+    """Without --chat-template the fingerprint records none (it recorded the current directory, so
+    the same command run from elsewhere was refused as 'a different corpus')."""
+    from paratrain.data.prepare import prepare
+
+    out = str(tmp_path / "corpus")
+    for cwd in (tmp_path, chat["root"]):
+        monkeypatch.chdir(cwd)
+        meta = prepare([chat["rows"]], out_dir=out, tokenizer=chat["model"], fmt="chat", progress=False)
+    assert meta["fingerprint"]["chat_template"] == ""
+
+
+def test_sharegpt_rows_are_mapped_and_skips_are_counted_per_reason(chat, tmp_path, capsys):
+    """ShareGPT's conversations of {from, value} with human/gpt/system roles give the tokens of the
+    same conversations as messages; rows with nothing to train are counted per reason."""
+    from paratrain.data.prepare import prepare
+    from tests.sft_data import write_jsonl
+
+    convs = stdlib_conversations(6)
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    share = [
+        {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in c["messages"]]} for c in convs
+    ]
+    mixed = [{"messages": [{"role": names[m["role"]], "content": m["content"]} for m in c["messages"]]} for c in convs]
+    no_reply = {"conversations": [{"from": "human", "value": "Hello?"}]}
+    metas = {}
+    for name, rows in (("messages", convs), ("sharegpt", [*share, no_reply]), ("roles", mixed)):
+        path = write_jsonl(str(tmp_path / f"{name}.jsonl"), rows)
+        metas[name] = prepare([path], out_dir=str(tmp_path / name), tokenizer=chat["model"], fmt="auto", progress=False)
+    for name in ("sharegpt", "roles"):
+        for s in ("train", "val"):
+            assert metas[name]["splits"][s]["tokens"] == metas["messages"]["splits"][s]["tokens"]
+            assert metas[name]["splits"][s]["trainable_tokens"] == metas["messages"]["splits"][s]["trainable_tokens"]
+    assert metas["sharegpt"]["skipped_by_reason"] == {"no assistant turn (roles user)": 1}
+    long = {"messages": [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "ok"}]}
+    path = write_jsonl(str(tmp_path / "cut.jsonl"), [*convs, no_reply, long])
+    capsys.readouterr()
+    argv = ["prepare", path, "--format", "chat", "--tokenizer", chat["model"], "--out", str(tmp_path / "cut")]
+    assert cli_main([*argv, "--max-length", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "2 skipped (1 no assistant turn (roles user), 1 cut by --max-length before its first target)" in out, out
+
+
+# ----------------------------------------------------------------------------- the whole journey
+
+
+@pytest.mark.slow  # about 80 s: every command is a process of its own, training on two
+def test_the_lora_journey_through_the_cli(chat, tmp_path):
+    """prepare, train LoRA on 2 processes with the shipped configs/sft.toml, eval of the run's
+    newest checkpoint and of an older one, generate --chat, export --peft and --merge of the run:
+    each exits 0 and prints no warning, and PEFT's AutoPeftModelForCausalLM on the adapter gives
+    the merged model's logits."""
+    from tests.dist_utils import paratrain_cli
+
+    data, out = str(tmp_path / "data"), str(tmp_path / "run")
+    sets = [
+        f"model.hf='{chat['model']}'",
+        f"data.args={{path = '{data}', block_size = 512}}",
+        f"run.out_dir='{out}'",
+        "model.lora.target_modules=['q_proj', 'v_proj']",
+        "run.steps=4",
+        "checkpoint.interval=2",
+        "eval.interval=2",
+    ]
+    commands = [
+        [
+            "prepare",
+            chat["rows"],
+            "--format",
+            "chat",
+            "--tokenizer",
+            chat["model"],
+            "--out",
+            data,
+            "--val-fraction",
+            "0.2",
+        ],
+        ["train", "configs/sft.toml", "--nproc-per-node", "2", *[a for s in sets for a in ("--set", s)]],
+        ["eval", f"{out}/config.toml", "--checkpoint", "latest", "--json"],
+        ["eval", f"{out}/config.toml", "--checkpoint", f"{out}/checkpoints/step-2", "--json"],
+        ["generate", out, "--chat", "What is the module os for?", "--max-new-tokens", "8"],
+        ["export", out, "--peft", str(tmp_path / "adapter")],
+        ["export", out, "--hf", str(tmp_path / "merged"), "--merge"],
+    ]
+    results = []
+    for argv in commands:
+        res = paratrain_cli(*argv, timeout=300)
+        assert res.returncode == 0, (argv, res.stderr[-3000:])
+        noise = [line for line in res.stderr.splitlines() if "warn" in line.lower() or "Traceback" in line]
+        assert not noise, (argv, noise)
+        results.append(res)
+    logged = {r["step"]: r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))}
+    for step, res in ((4, results[2]), (2, results[3])):
+        result = json.loads(res.stdout.strip().splitlines()[-1])
+        assert result["step"] == step and result["val_loss"] == pytest.approx(logged[step]["val_loss"], rel=1e-5)
+    assert "lora: the adapters in" in results[1].stderr.splitlines()[-2]
+    peft_logits, merged_logits = _peft_and_merged_logits(str(tmp_path / "adapter"), str(tmp_path / "merged"))
+    torch.testing.assert_close(peft_logits, merged_logits, rtol=1e-5, atol=1e-5)

@@ -100,6 +100,53 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     add_launch_arguments(p)
     add_set_argument(p)
     add_resume_argument(p)
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a run.out_dir that holds another run, removing its outputs (run.overwrite = true)",
+    )
+
+
+# What a run leaves in run.out_dir (trainer.py): a folder with any of them holds a run.
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "model.safetensors", "hf", "adapter")
+
+
+def check_out_dir(cfg: Config, *, one_node: bool) -> None:
+    """Before any process starts: run.out_dir can be written (one line otherwise, not a worker's
+    traceback), and holds no other run unless this one resumes it or run.overwrite says to start
+    over (then the old run's outputs and its checkpoints under out_dir go first). The second check
+    is for one-node jobs: every node of a multi-node job runs this command, and a node that joins
+    an elastic job late finds the job's own outputs there."""
+    import shutil
+
+    out = cfg.run.out_dir
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".paratrain-write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"run.out_dir = {out!r} cannot be written ({e.strerror or e}); pick a folder you can write to"
+        ) from None
+    checkpoints = cfg.checkpoint.dir or os.path.join(out, "checkpoints")
+    found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(out, n))]
+    if os.path.isdir(checkpoints) and any(n.startswith("step-") for n in os.listdir(checkpoints)):
+        found.append(os.path.relpath(checkpoints, out) if not cfg.checkpoint.dir else checkpoints)
+    if not found or cfg.checkpoint.resume or not one_node:
+        return
+    if not cfg.run.overwrite:
+        raise ConfigError(
+            f"run.out_dir = {out!r} holds another run ({', '.join(found)}); continue it with --resume, start over"
+            " there with --overwrite (its outputs and checkpoints are removed), or pick a new run.out_dir"
+        )
+    for name in RUN_OUTPUTS + ("config.toml", "events.jsonl", "metrics.png"):
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+    if not cfg.checkpoint.dir and os.path.isdir(checkpoints):  # a checkpoint.dir of its own is the user's to clear
+        shutil.rmtree(checkpoints)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -116,6 +163,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 " (or omit PATH for the run's newest checkpoint)"
             )
         args.overrides = [*args.overrides, *resume_overrides(args.resume)]
+    if args.overwrite:
+        args.overrides = [*args.overrides, "run.overwrite=true"]
     cfg = load_config(args.config, args.overrides)
     for nodes in range(spec.nnodes, spec.max_nnodes + 1):  # elastic: every world the job may shrink or grow to
         try:
@@ -125,6 +174,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 raise
             raise ConfigError(f"--nnodes {spec.nnodes}:{spec.max_nnodes} at {nodes} node(s): {e}") from None
     check_trackers(cfg.metrics, out_dir=cfg.run.out_dir)  # and a tracker that could not start
+    check_out_dir(cfg, one_node=spec.max_nnodes == 1)  # last: the refusals above leave the folder as it was
     module_args = [args.config] + [a for o in args.overrides for a in ("--set", o)]
     # After a preemption the workers leave checkpoint.exit_code_on_preempt to their node's launcher.
     return launch(spec, "paratrain.launch.worker", module_args, job=cfg)
@@ -314,7 +364,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     train, val = meta["splits"]["train"], meta["splits"]["val"]
     chat = (
         f"; trainable tokens: train {train['trainable_tokens']}, val {val['trainable_tokens']};"
-        f" {meta['truncated_documents']} truncated, {meta['skipped_documents']} skipped (no assistant token)"
+        f" {meta['truncated_documents']} truncated, {meta['skipped_documents']} skipped"
+        + (
+            " (" + ", ".join(f"{n} {why}" for why, n in meta.get("skipped_by_reason", {}).items()) + ")"
+            if meta["skipped_documents"]
+            else ""
+        )
         if meta["loss_mask"]
         else ""
     )

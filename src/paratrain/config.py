@@ -46,6 +46,10 @@ class RunConfig:
     progress: bool = opt(True, "Show a progress bar on rank 0.")
     log_all_ranks: bool = opt(False, "Print log lines from every rank, not only rank 0.")
     save_model: bool = opt(True, "Write the final full weights to out_dir/model.safetensors.")
+    overwrite: bool = opt(
+        False,
+        "Let `paratrain train` start over in an out_dir that holds another run's outputs (metrics, weights, checkpoints), removing them first; otherwise it is refused unless the run resumes (--resume). `paratrain train --overwrite` sets it.",
+    )
 
 
 @dataclass

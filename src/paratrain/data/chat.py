@@ -1,7 +1,8 @@
 """Conversations and prompt/completion pairs as token ids and a loss mask, through transformers.
 
 A row of a ``chat`` corpus holds ``messages = [{role, content}, ...]`` (the OpenAI / Hugging Face
-chat format); a row of a ``prompt`` corpus holds ``prompt`` and ``completion`` (strings, or lists
+chat format) or ShareGPT's ``conversations = [{from, value}, ...]`` (roles human, gpt, system:
+mapped to user, assistant, system); a row of a ``prompt`` corpus holds ``prompt`` and ``completion`` (strings, or lists
 of messages as TRL's conversational prompt-completion rows). Each is rendered by the tokenizer's
 own ``chat_template`` through ``apply_chat_template`` (transformers' code, not ours), and the
 document is exactly that rendering: nothing is appended, the template ends its turns.
@@ -125,26 +126,47 @@ def has_generation_marks(tok) -> bool:
     return bool(_GENERATION.search(tok.chat_template or ""))
 
 
+# ShareGPT's layout (Axolotl's and LlamaFactory's other format): ``conversations = [{from, value}]``
+# with the roles human / gpt / system; mapped to the chat format's roles.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+def _sharegpt(messages: list) -> list:
+    """Messages of either layout as ``{role, content}``: ``{from, value}`` renamed, human/gpt roles mapped."""
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and "role" not in m and "from" in m:
+            m = {"role": m["from"], "content": m.get("value")}
+        if isinstance(m, dict) and m.get("role") in SHAREGPT_ROLES:
+            m = {**m, "role": SHAREGPT_ROLES[m["role"]]}
+        out.append(m)
+    return out
+
+
 def detect_format(row: dict, where: str) -> str:
     """``auto``: the format a row's fields say."""
-    if "messages" in row:
+    if "messages" in row or "conversations" in row:
         return "chat"
     if "prompt" in row and "completion" in row:
         return "prompt"
     if "text" in row:
         return "text"
     raise ConfigError(
-        f"{where}: none of the fields messages, prompt + completion or text; pass --format with the row's format"
+        f"{where}: none of the fields messages (or ShareGPT's conversations), prompt + completion or text; pass"
+        " --format with the row's format"
     )
 
 
 def row_messages(row: dict, fmt: str, where: str) -> tuple[list[dict], int]:
     """(messages, index of the first message whose assistant turns train)."""
     if fmt == "chat":
-        messages = row.get("messages")
+        messages = row.get("messages", row.get("conversations"))
         if not isinstance(messages, list) or not messages:
-            raise ConfigError(f"{where}: no list field 'messages' of {{role, content}}; fix the row or pass --format")
-        return _checked(messages, where), 0
+            raise ConfigError(
+                f"{where}: no list field 'messages' of {{role, content}} (or ShareGPT's 'conversations' of"
+                " {from, value}); fix the row or pass --format"
+            )
+        return _checked(_sharegpt(messages), where), 0
     prompt, completion = row.get("prompt"), row.get("completion")
     if prompt is None or completion is None:
         raise ConfigError(f"{where}: a prompt row needs the fields 'prompt' and 'completion'; fix the row")
@@ -152,7 +174,7 @@ def row_messages(row: dict, fmt: str, where: str) -> tuple[list[dict], int]:
     completion = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
     if not isinstance(prompt, list) or not isinstance(completion, list):
         raise ConfigError(f"{where}: 'prompt' and 'completion' must be strings or lists of messages")
-    return _checked(prompt + completion, where), len(prompt)
+    return _checked(_sharegpt(prompt + completion), where), len(prompt)
 
 
 def _checked(messages: list, where: str) -> list[dict]:

@@ -359,13 +359,17 @@ def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, m
     encoded = encode_conversations(tok, conversations, loss_on=loss_on)  # one tokenizer batch
     if bad_row is not None:
         raise bad_row
-    for (where, row), (ids, mask) in zip(rows, encoded):
+    reasons: dict[str, int] = {}
+    for (where, row), (messages, _, _), (ids, mask) in zip(rows, conversations, encoded):
         key = row_key(row)
         text_bytes += len(key.encode("utf-8", errors="replace"))
-        if max_length and len(ids) > max_length:
+        cut = bool(max_length) and len(ids) > max_length
+        if cut:
             ids, mask, truncated = ids[:max_length], mask[:max_length], truncated + 1
         if not mask[1:].any():  # the first token is never a target: nothing precedes it
             skipped += 1
+            reason = skip_reason(messages, cut=cut)
+            reasons[reason] = reasons.get(reason, 0) + 1
             continue
         split = split_of(key, val_fraction)
         out[split].append(ids.astype(dtype))
@@ -376,9 +380,20 @@ def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, m
         "masks": {s: np.concatenate(v) if v else np.empty(0, np.uint8) for s, v in masks.items()},
         "lengths": lengths,
         "skipped": skipped,
+        "skipped_by_reason": reasons,
         "truncated": truncated,
         "text_bytes": text_bytes,
     }
+
+
+def skip_reason(messages: list[dict], *, cut: bool) -> str:
+    """Why a row has no token to train on, as the summary names it."""
+    if not any(m["role"] == "assistant" for m in messages):
+        roles = sorted({m["role"] for m in messages})
+        return f"no assistant turn (roles {', '.join(roles)})"
+    if cut:
+        return "cut by --max-length before its first target"
+    return "no assistant token (empty turns, or --loss-on)"
 
 
 def _row_chunks(rows: Iterator[tuple[str, dict]]) -> Iterator[list[tuple[str, dict]]]:
@@ -605,7 +620,8 @@ def prepare(
         "eos": eos,
         "exclude": list(exclude),
         "format": fmt,
-        **({"chat_template": os.path.abspath(chat_template), "loss_on": loss_on} if chat else {}),
+        # No --chat-template: the tokenizer's own ("", not the current directory abspath("") would give).
+        **({"chat_template": chat_template and os.path.abspath(chat_template), "loss_on": loss_on} if chat else {}),
         "max_length": max_length,
     }
     _check_out_dir(out_dir, fingerprint)
@@ -630,6 +646,7 @@ def prepare(
     mask_writers = {s: ShardWriter(out_dir, s, "uint8", kind="mask") for s in SPLITS} if chat else {}
     docs, trainable, text_bytes = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), 0
     skipped = truncated = 0
+    skipped_by_reason: dict[str, int] = {}
     bar = tqdm(
         total=_total_bytes(files),
         unit="B",
@@ -651,6 +668,8 @@ def prepare(
             else:
                 trainable[s] += len(result["tokens"][s]) - len(result["lengths"][s])
         skipped += result.get("skipped", 0)
+        for reason, n in result.get("skipped_by_reason", {}).items():
+            skipped_by_reason[reason] = skipped_by_reason.get(reason, 0) + n
         truncated += result.get("truncated", 0)
         text_bytes += result["text_bytes"]
         bar.update(result["text_bytes"])
@@ -686,6 +705,7 @@ def prepare(
         "loss_mask": chat,
         "loss_on": ("completion" if fmt == "prompt" else loss_on) if chat else "all",
         "skipped_documents": skipped,
+        "skipped_by_reason": skipped_by_reason,
         "truncated_documents": truncated,
         "vocab_size": spec.vocab_size,
         "eos_id": spec.eos_id,

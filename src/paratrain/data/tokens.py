@@ -41,8 +41,14 @@ VERIFY_MODES = ("once", "always", "size")
 def read_meta(path: str, key: str = "data.args.path") -> dict:
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
+        where = (
+            ""
+            if os.path.isabs(path)
+            else f" under the current directory {os.getcwd()!r} (relative paths are taken from where paratrain runs, not from the config file's folder)"
+        )
         raise ConfigError(
-            f"{key} = {path!r} holds no prepared corpus (no meta.json); run `paratrain prepare INPUT... --out {path}`"
+            f"{key} = {path!r} holds no prepared corpus{where} (no meta.json); run `paratrain prepare INPUT... --out"
+            f" {path}`, or give the corpus's absolute path"
         )
     try:
         with open(meta_path) as f:

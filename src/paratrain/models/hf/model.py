@@ -34,6 +34,13 @@ CONFIG_FILE = "config.json"
 def check_hf_dir(path: str, key: str = "model.hf") -> str:
     """The directory, or one line saying why it cannot be used (never a hub download)."""
     if not os.path.isdir(path):
+        if not os.path.isabs(path):
+            raise ConfigError(
+                f"{key} = {path!r} is not a local directory (a relative path in a config is taken from where"
+                f" paratrain runs, {os.getcwd()!r}, not from the config file's folder; paratrain never downloads"
+                " from the hub): run from the folder it is relative to, give an absolute path, or download the model"
+                " first (`hf download NAME --local-dir DIR`) and pass that directory"
+            )
         raise ConfigError(
             f"{key} = {path!r} is not a local directory (paratrain never downloads from the hub); download the"
             " model first (e.g. `hf download NAME --local-dir DIR`) and pass that directory"
