@@ -6,6 +6,7 @@ Loopback and in-process stores only (a HashStore, or a TCPStore on 127.0.0.1).""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import signal
@@ -185,3 +186,68 @@ def test_the_server_log_skips_what_is_not_a_state():
     assert rendezvous.JobLog().poll(store) == []
     store.set(KEY, sign("s", KEY, {"job": "", "version": 0, "state": rendezvous.encode_state(_state(1))}))
     assert rendezvous.JobLog().poll(store) == ["paratrain rendezvous: job job: waiting for nodes"]
+
+
+@pytest.mark.timeout(120)
+def test_a_server_down_is_one_line_not_a_flood(capfd, caplog):
+    """A client node while its `rendezvous serve` is down, then back on the same port: one line
+    when lost, one when back; no stream of torch's C++ connect errors and stack traces (each
+    failed connect of a TCPStore client logged 2 errors and 2 traces: 260-390 lines a minute)."""
+    from paratrain.distributed.process_group import free_port
+    from tests.dist_utils import kill_tree
+    from tests.test_rendezvous_server import start_server
+
+    port = free_port()
+    server, _ = start_server(port)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    node = rendezvous.ParatrainRendezvousBackend(
+        client,
+        "job",
+        secret="s",
+        endpoint=f"127.0.0.1:{port}",
+        reconnect=rendezvous._client("127.0.0.1", port, 10),
+        retry_s=1,
+    )
+    try:
+        node.set_state(pickle.dumps(_state(1, participants=[A])))
+        kill_tree(server.pid)
+        server.communicate()
+        capfd.readouterr()
+        caplog.set_level(logging.INFO, logger="paratrain")
+        for _ in range(8):  # the keep-alives of 8 s down
+            with pytest.raises(rendezvous.RendezvousConnectionError):
+                node.get_state()
+        down, ours = capfd.readouterr().err.splitlines(), [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        server, _ = start_server(port)
+        assert pickle.loads(node.get_state()[0]).round == 1  # the last verified state written back
+        back, ours_back = capfd.readouterr().err.splitlines(), [r.getMessage() for r in caplog.records]
+    finally:
+        kill_tree(server.pid)
+        server.communicate()
+    assert len(ours) == 1 and "is unreachable" in ours[0] and "reconnecting every 1 s" in ours[0], down
+    # torch's C++ warns once, on the first op of the dead client (its one trace); nothing after.
+    assert sum(line.startswith("Exception raised from") for line in down) <= 1, "\n".join(down)
+    assert len(down) < 40, "\n".join(down)
+    assert len(ours_back) == 1 and ours_back[0].startswith("paratrain: reconnected to the rendezvous store"), ours_back
+    assert not any(line.startswith("Exception raised from") for line in back), "\n".join(back)
+
+
+def test_torchs_keep_alive_warning_and_exit_barrier_traceback_are_quiet(caplog):
+    rendezvous.register()
+    keep_alive = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    caplog.set_level(logging.WARNING)
+    keep_alive.warning(
+        "The node 'n' has failed to send a keep-alive heartbeat to the rendezvous 'job' due to an error of type"
+        " RendezvousConnectionError."
+    )
+    try:
+        raise dist.DistNetworkError("Broken pipe\nException raised from sendBytes ...\nframe #0: ...")
+    except dist.DistNetworkError:
+        agent.exception("Error waiting on exit barrier. Elapsed: %s seconds", 0.01)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "paratrain: the exit barrier of the rendezvous failed (Broken pipe); this node's workers are done"
+    )
+    assert record.exc_info is None

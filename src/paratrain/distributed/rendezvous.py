@@ -191,6 +191,7 @@ class ParatrainRendezvousBackend(RendezvousBackend):
         endpoint: str,
         reconnect: Callable[[], dist.Store] | None = None,
         job: str = "",
+        retry_s: float | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
@@ -204,6 +205,8 @@ class ParatrainRendezvousBackend(RendezvousBackend):
         # one read back is a replay (or a restarted server given an older state) and is refused.
         self._seen: tuple[int, int] = (-1, -1)
         self._reconnect = reconnect  # a new client of the store (None: this node hosts it)
+        self._broken = False  # the client failed once: it never recovers, the next call reconnects
+        self._retry_s = retry_s  # how often torch's keep-alive calls (and so retries), for the log line
         self._down_since: float | None = None  # when the store became unreachable (logged once)
         self._key = "paratrain.rendezvous." + run_id
         self._last_good: bytes | None = None  # pickled bytes of the last verified state (made here)
@@ -236,19 +239,30 @@ class ParatrainRendezvousBackend(RendezvousBackend):
         return self._store
 
     def _call(self, op: str, *args):
-        try:
-            return getattr(self._store, op)(*args)
-        except (ValueError, RuntimeError, TimeoutError) as exc:
-            error = exc
+        """``op`` on the store; a client that failed is replaced by a new one (at most once per call).
+
+        Quiet while the store is down: one line when it is lost, one when it is back (and the
+        join timeout's error if it never comes back). A failed client is not used again (each op
+        on it had torch's C++ log a warning with a stack trace), and a new one is made only once
+        the port accepts a connection (each failed connect of a TCPStore client logged two
+        errors and two stack traces: 260-390 lines per node for a server down for a minute).
+        """
+        error: BaseException | None = None
+        if not self._broken:
+            try:
+                return getattr(self._store, op)(*args)
+            except (ValueError, RuntimeError, TimeoutError) as exc:
+                error = exc
+                self._broken = self._reconnect is not None
         if self._reconnect is not None:
             try:
                 # A TCPStore client never reconnects by itself: a new one, and on a restarted
                 # (empty) server the last verified state back under the key, before any other op.
                 store = self._reconnect()
                 store.compare_set(self._key, "", self._last_raw or _SENTINEL)
-                self._store = store
+                self._store, self._broken = store, False
                 result = getattr(store, op)(*args)
-            except (ValueError, RuntimeError, TimeoutError) as exc:
+            except (ValueError, RuntimeError, TimeoutError, OSError) as exc:
                 error = exc
             else:
                 # Logged at every reconnect: a server back before this node noticed it was gone
@@ -260,7 +274,13 @@ class ParatrainRendezvousBackend(RendezvousBackend):
         first = str(error).splitlines()[0] if str(error) else type(error).__name__  # no C++ frames
         if self._down_since is None:
             self._down_since = time.monotonic()
-            log.warning("paratrain: the rendezvous store at %s is unreachable (%s)", self._endpoint, first)
+            every = f" every {self._retry_s:g} s" if self._retry_s else ""
+            log.warning(
+                "paratrain: the rendezvous store at %s is unreachable (%s); reconnecting%s, the workers train on",
+                self._endpoint,
+                first,
+                every,
+            )
         raise RendezvousConnectionError(f"the rendezvous store at {self._endpoint} failed: {first}") from error
 
     def _decode(self, raw: bytes) -> tuple[bytes, Token] | None:
@@ -289,8 +309,9 @@ class ParatrainRendezvousBackend(RendezvousBackend):
                 self._refused.add(raw)
                 log.error(
                     "paratrain: refused a rendezvous state at %s (key %s) older than the one this node has seen"
-                    " (round %d version %d, seen round %d version %d): replayed by someone who reaches the port,"
-                    " or a restarted server given an older state; keeping the last verified state",
+                    " (round %d version %d, seen round %d version %d): a peer that reconnected to a restarted"
+                    " server wrote back what it last saw, or a replay by someone who reaches the port; keeping"
+                    " the newer state",
                     self._endpoint,
                     self._key,
                     state.round,
@@ -461,6 +482,9 @@ def _client(host: str, port: int, read_timeout: float) -> Callable[[], dist.TCPS
     """A function that connects a new client (a few seconds to connect, then the read timeout)."""
 
     def connect() -> dist.TCPStore:
+        # A plain socket first: while the server is down it fails silently (OSError), where a
+        # TCPStore client's failed connect logs errors and stack traces from torch's C++.
+        socket.create_connection((host, port), timeout=3).close()
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=3))
         store.set_timeout(timedelta(seconds=read_timeout))
         return store
@@ -474,13 +498,20 @@ def _resolve(host: str) -> str:
 
 def create_handler(params: RendezvousParameters) -> ParatrainRendezvousHandler:
     """The factory torch elastic calls for ``--rdzv-backend paratrain``."""
+    _TorchStoreEcho.install()
     secret = _agent_secret or load_secret(params.get("secret_file", ""), required=True)
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     store, hosting = _create_store(params, host, port)
     reconnect = None if hosting else _client(host, store.port, params.get_as_int("read_timeout", 60))
     endpoint = f"{host}:{store.port}"
     backend = ParatrainRendezvousBackend(
-        store, params.run_id, secret=secret, endpoint=endpoint, reconnect=reconnect, job=params.get("job", "")
+        store,
+        params.run_id,
+        secret=secret,
+        endpoint=endpoint,
+        reconnect=reconnect,
+        job=params.get("job", ""),
+        retry_s=params.get_as_int("keep_alive_interval", 5),
     )
     timeout = RendezvousTimeout(
         *(
@@ -510,6 +541,38 @@ def register() -> None:
         rendezvous_handler_registry.register(NAME, create_handler)
     except ValueError:
         pass  # already registered (same creator)
+    _TorchStoreEcho.install()
+
+
+class _TorchStoreEcho(logging.Filter):
+    """torch elastic's own lines about a rendezvous store that went away, which the backend says
+    once (lost, reconnected): its keep-alive's warning at every interval while the store is
+    unreachable is dropped, and the traceback of an exit barrier on a client of a store that was
+    restarted meanwhile (torch keeps the client it was given at the rendezvous) becomes one line."""
+
+    LOGGERS = (
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+        "torch.distributed.elastic.agent.server.api",
+    )
+
+    @classmethod
+    def install(cls) -> None:
+        """On torch's loggers, once per process (register, and create_handler for plain torchrun)."""
+        for name in cls.LOGGERS:
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, cls) for f in logger.filters):
+                logger.addFilter(cls())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if "failed to send a keep-alive heartbeat" in msg and "RendezvousConnectionError" in msg:
+            return False
+        if msg.startswith("Error waiting on exit barrier") and record.exc_info:
+            exc = record.exc_info[1]
+            cause = (str(exc).splitlines() or [type(exc).__name__])[0] if exc is not None else "?"
+            record.msg = f"paratrain: the exit barrier of the rendezvous failed ({cause}); this node's workers are done"
+            record.args, record.exc_info, record.exc_text = (), None, None
+        return True
 
 
 # --- the standalone server ---------------------------------------------------------------------
