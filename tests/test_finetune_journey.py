@@ -310,3 +310,43 @@ def test_the_lora_journey_through_the_cli(chat, tmp_path):
     assert "lora: the adapters in" in results[1].stderr.splitlines()[-2]
     peft_logits, merged_logits = _peft_and_merged_logits(str(tmp_path / "adapter"), str(tmp_path / "merged"))
     torch.testing.assert_close(peft_logits, merged_logits, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- said, not silent
+
+
+def test_adaptive_batch_compression_and_a_resume_with_nothing_left_are_said(tmp_path, capsys):
+    """batch.adaptive and comm.compression each have a start-up line; a resume at run.steps ends
+    with a `done: 0 steps` line (it printed nothing)."""
+    out = str(tmp_path / "run")
+    tiny = ["model.args={n_layer = 1, n_head = 2, d_model = 16, block_size = 32}", "data.args.max_bytes=20000"]
+    sets = [*tiny, f"run.out_dir='{out}'", "run.steps=2", "run.progress=false", "metrics.plot=false"]
+    extra = ["batch.adaptive=true", "comm.compression='bf16'", "checkpoint.at_end=true"]
+    paratrain.train(load_config("configs/debug.toml", [*sets, *extra]))
+    err = capsys.readouterr().err  # the run's log handler writes to stderr
+    assert "adaptive batch: global batch 8, grown by accumulation up to 64" in err, err
+    assert "comm: gradient compression bf16 (no effect at this layout" in err, err
+    paratrain.train(load_config("configs/debug.toml", [*sets, "checkpoint.resume='latest'"]))
+    err = capsys.readouterr().err
+    assert "done: 0 steps (resumed at step 2, run.steps = 2: nothing left" in err, err
+
+
+def test_config_keys_into_a_reader_that_leaves_is_no_error():
+    """`paratrain config --keys | head -1`: exit 0 and nothing on stderr (was a BrokenPipeError)."""
+    import subprocess
+    import sys
+
+    from tests.dist_utils import REPO
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paratrain", "config", "--keys"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves after one line
+    assert proc.wait(timeout=60) == 0
+    assert proc.stderr.read() == b""

@@ -762,10 +762,17 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:] if argv is None else argv
         command = argv[0] if argv and not argv[0].startswith("-") else ""  # "": none (`paratrain --help`)
         args = build_parser(command).parse_args(argv)  # inside: an option's own check (--nnodes) raises ConfigError
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a reader that left (BrokenPipeError) is handled, not at exit
+        return code
     except ConfigError as e:
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader left (`paratrain config --keys | head`): not an error of ours. Point stdout at
+        # devnull so the interpreter's flush at exit does not raise again (Python's signal docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -321,10 +321,21 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         items_per_sample=items_per_sample,
     )
 
+    if cfg.comm.compression != "none":  # said at start, like every other choice that changes the step
+        log.info("comm: gradient compression %s (%s)", cfg.comm.compression, compression_where(compression, dims))
+
     optimizer = build_optimizer(model, cfg.optim)
     state = TrainState(global_batch_size=plan.global_batch_size)
     lr_scaling = LRScaling(cfg.optim, global_batch_size=plan.global_batch_size, log=log.info)
     adapter = build_batch_adapter(cfg.batch, lr_scaling=cfg.optim.lr_scaling, plan=plan, dp_group=dims.group("dp"))
+    if adapter is not None and cfg.batch.adaptive:
+        log.info(
+            "adaptive batch: global batch %d, grown by accumulation up to %d while the gradient noise scale"
+            " exceeds it (decided every %d steps)",
+            plan.global_batch_size,
+            adapter.max_global,
+            cfg.batch.adapt_every,
+        )
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.run.steps, scale=lr_scaling)
     sampler = GlobalBatchSampler(len(dataset), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     dp_rank = dims.local_rank_in("dp")
@@ -540,6 +551,15 @@ def resumed_plan(
         plan = adapter.start(plan)
 
     return plan
+
+
+def compression_where(compression: GradCompression, dims) -> str:
+    """Where comm.compression acts at this layout, for the start-up line."""
+    if compression.counter is not None:
+        return "a DDP comm hook on the gradient all-reduce"
+    if dims.fsdp_enabled:
+        return "FSDP2's reduce-scatter dtype"
+    return "no effect at this layout: no data-parallel gradient reduce"
 
 
 def save_lora_adapter(sd: dict, cfg: Config, out_dir: str) -> None:
