@@ -251,3 +251,56 @@ def test_torchs_keep_alive_warning_and_exit_barrier_traceback_are_quiet(caplog):
         "paratrain: the exit barrier of the rendezvous failed (Broken pipe); this node's workers are done"
     )
     assert record.exc_info is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_two_jobs_on_one_server_each_survive_a_node_loss(tmp_path):
+    """One `rendezvous serve`, two elastic jobs of two nodes each, with their own secrets and ids
+    (job A's from its config, job B's `--rdzv-id`); a node of each is SIGKILLed after step 3. Both
+    finish alone with their uninterrupted single-process runs' losses, and the server's log names
+    both jobs' joins and leaves."""
+    import subprocess
+    import sys
+
+    from tests.dist_utils import REPO, kill_tree
+    from tests.test_rendezvous_server import SERVED, assert_same_losses, start_server
+    from tests.test_resilience import ELASTIC, SGD, SLOW, TOY, run, wait_for_rows
+
+    jobs = {"a": ([], "secret-of-a", ()), "b": (["run.seed=3"], "secret-of-b", ("--rdzv-id", "team-b"))}
+    want = {j: run(str(tmp_path / f"ref-{j}"), 1, [*extra, "run.steps=8"]) for j, (extra, _, _) in jobs.items()}
+
+    def node(job: str, rank: int, port: int) -> subprocess.Popen:
+        extra, secret, args = jobs[job]
+        sets = [*[a for a in TOY if not a.startswith(("model.", "run.steps"))], *SLOW, "run.steps=8", *SGD]
+        sets += [f"run.out_dir='{tmp_path / job}'", "checkpoint.interval=2", *extra]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]), "OMP_NUM_THREADS": "1"}
+        env["PARATRAIN_JOB_SECRET"] = secret
+        cmd = [sys.executable, "-m", "paratrain", "train", "configs/debug.toml", "--nproc-per-node", "1", *ELASTIC]
+        cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--node-rank", str(rank), *SERVED, *args]
+        cmd += [x for s in sets for x in ("--set", s)]
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+
+    server, port = start_server()
+    nodes = {(j, r): node(j, r, port) for j in jobs for r in (0, 1)}
+    try:
+        for j in jobs:
+            wait_for_rows(str(tmp_path / j), 3, nodes[(j, 0)], timeout=300)
+            kill_tree(nodes[(j, 1)].pid)
+            nodes[(j, 1)].communicate()
+        for j in jobs:
+            _, err = nodes[(j, 0)].communicate(timeout=400)
+            assert nodes[(j, 0)].returncode == 0, err[-4000:]
+            assert_same_losses(str(tmp_path / j), want[j])
+    finally:
+        for p in [*nodes.values(), server]:
+            kill_tree(p.pid)
+        log = server.communicate()[0]
+        for p in nodes.values():
+            p.communicate()
+    lines = log.splitlines()
+    for job in ("team-b", "job-"):  # B's own id, A's from its config
+        assert any(f"job {job}" in line and "joined (2 nodes)" in line for line in lines), log
+        assert any(f"job {job}" in line and " left (1 node)" in line for line in lines), log
