@@ -350,3 +350,25 @@ def test_config_keys_into_a_reader_that_leaves_is_no_error():
     proc.stdout.close()  # the reader leaves after one line
     assert proc.wait(timeout=60) == 0
     assert proc.stderr.read() == b""
+
+
+def test_relative_paths_name_the_folder_they_are_read_from(tmp_path, monkeypatch, capsys):
+    """A relative model.hf or corpus path from elsewhere: one line naming the current directory and
+    that config paths are not read from the config file's folder (it suggested a hub download)."""
+    from tests.dist_utils import REPO
+
+    monkeypatch.chdir(tmp_path)
+    config = os.path.join(REPO, "configs", "sft.toml")
+    for sets, needle in (
+        (
+            [],
+            f"model.hf = 'configs/sft/model' is not a local directory (a relative path in a config is taken from where paratrain runs, {str(tmp_path)!r}, not from the config file's folder",
+        ),
+        (
+            ["--set", f"model.hf='{REPO}/configs/sft/model'"],
+            f"data.args.path = 'data/sft' holds no prepared corpus under the current directory {str(tmp_path)!r} (relative paths are taken from where paratrain runs, not from the config file's folder)",
+        ),
+    ):
+        assert cli_main(["train", config, *sets]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err, err
