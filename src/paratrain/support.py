@@ -33,6 +33,8 @@ class Feature:
     is computed (a model or data option, not a layout), so the sweep's one-process reference
     has it too. ``tolerance``: the relative difference from one process the feature is allowed
     (float rounding of a reduction in another order; bf16 rounding for the bf16 ones).
+    ``triples``: the sweep covers every triple of the features so marked (the parallel degrees,
+    the loss options and the objectives, where interactions hide), not only every pair.
     """
 
     name: str
@@ -41,6 +43,7 @@ class Feature:
     levels: dict[str, tuple[str, ...]] = field(default_factory=dict)
     math: bool = False
     tolerance: float = 1e-4
+    triples: bool = False
 
 
 def _noise_probe(cfg: Config) -> bool:
@@ -60,18 +63,21 @@ FEATURES: dict[str, Feature] = {
             lambda c, d: d.dp_replicate > 1,
             {"2": ("parallel.dp_replicate=2",)},
             tolerance=1e-5,
+            triples=True,
         ),
         Feature(
             "dp_shard",
             "sharded data parallel (FSDP2)",
             lambda c, d: d.dp_shard > 1,
             {"2": ("parallel.dp_shard=2",)},
+            triples=True,
         ),
         Feature(
             "tp",
             "tensor parallel (DTensor), with or without sequence parallel",
             lambda c, d: d.tp > 1,
             {"2": ("parallel.tp=2",), "2+sp": ("parallel.tp=2", "parallel.sequence_parallel=true")},
+            triples=True,
         ),
         Feature(
             "pp",
@@ -83,6 +89,7 @@ FEATURES: dict[str, Feature] = {
                 "interleaved1f1b": ("parallel.pp=2", "parallel.pp_schedule='interleaved1f1b'"),
                 "zbv": ("parallel.pp=2", "parallel.pp_schedule='zbv'"),
             },
+            triples=True,
         ),
         Feature(
             "cp",
@@ -92,12 +99,14 @@ FEATURES: dict[str, Feature] = {
                 "ring": ("parallel.cp=2", "parallel.cp_attention='ring'"),
                 "alltoall": ("parallel.cp=2", "parallel.cp_attention='alltoall'"),
             },
+            triples=True,
         ),
         Feature(
             "ep",
             "expert parallel (needs a mixture of experts)",
             lambda c, d: d.ep > 1,
             {"2": ("parallel.ep=2",)},
+            triples=True,
         ),
         Feature(
             "moe",
@@ -105,6 +114,7 @@ FEATURES: dict[str, Feature] = {
             lambda c, d: _gpt_moe(c),
             {"4x2": ("model.args.moe={n_experts = 4, top_k = 2}",)},
             math=True,
+            triples=True,
         ),
         Feature(
             "accumulation",
@@ -132,12 +142,14 @@ FEATURES: dict[str, Feature] = {
             "the chunked cross-entropy (loss.chunk_size)",
             lambda c, d: c.loss.chunk_size > 0,
             {"16": ("loss.chunk_size=16",)},
+            triples=True,
         ),
         Feature(
             "loss_parallel",
             "the loss on vocabulary-sharded logits (needs tp)",
             lambda c, d: c.parallel.loss_parallel and d.tp > 1,
             {"on": ("parallel.loss_parallel=true",)},
+            triples=True,
         ),
         Feature(
             "packing",
@@ -282,6 +294,18 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c, d: _gpt_moe(c) and _noise_probe(c),
         lambda c, d: f"model.args.moe with {_probe_name(c)} is not supported yet; turn it off (see docs/moe.md)",
         "not tested together (docs/moe.md)",
+    ),
+    # A pipeline stage is built for the shapes of the first step's inputs (torch.distributed.
+    # pipelining infers them once); padded rows take the width of each batch's longest document.
+    Refusal(
+        ("pp", "packing padded"),
+        lambda c, d: d.pp > 1 and c.data.args.get("packing") == "padded",
+        lambda c, d: (
+            "parallel.pp with data.args.packing = 'padded' is not supported: padded rows change"
+            " width every batch, a pipeline stage runs one shape; use data.args.packing = 'documents'"
+            " (the same losses)"
+        ),
+        "pipeline stages run one input shape; padded rows are as wide as each batch's longest document",
     ),
     _cp_refusal("tp+sp", "parallel.sequence_parallel", lambda c: c.parallel.sequence_parallel),
     _cp_refusal("model.factory", "model.factory", lambda c: bool(c.model.factory)),
