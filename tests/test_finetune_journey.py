@@ -76,9 +76,14 @@ def test_a_lora_run_generates_a_reply_quietly(chat, lora_run, capsys):
     """generate --chat and --prompt on a LoRA run of a model.hf: transformers' generate through the
     adapters, no warning; the same seed gives the same reply. (Before: 55 torch warnings, then
     AttributeError: 'HFCausalLM' object has no attribute 'generate'.)"""
+    import warnings
+
     capsys.readouterr()
     args = ["generate", lora_run, "--chat", "What is the module os for?", "--max-new-tokens", "6"]
-    assert cli_main(args) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli_main(args) == 0
+    assert not caught, [str(w.message) for w in caught]
     out, err = capsys.readouterr()
     assert out.strip() is not None and not err, err
     assert cli_main(args) == 0 and capsys.readouterr().out == out  # the seed decides the sample
