@@ -304,3 +304,37 @@ def test_two_jobs_on_one_server_each_survive_a_node_loss(tmp_path):
     for job in ("team-b", "job-"):  # B's own id, A's from its config
         assert any(f"job {job}" in line and "joined (2 nodes)" in line for line in lines), log
         assert any(f"job {job}" in line and " left (1 node)" in line for line in lines), log
+
+
+def test_torchs_own_keys_on_the_rendezvous_store_are_signed():
+    """MASTER_ADDR/MASTER_PORT (and every value torch elastic keeps on the rendezvous store) go
+    through the job secret: unreadable as plain text there, and a value written without the secret
+    is refused in one line (a rendezvous error) instead of pointing the workers elsewhere."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousStoreInfo
+
+    from paratrain.distributed.process_group import free_port
+
+    port = free_port()
+    params = RendezvousParameters(
+        "paratrain", f"127.0.0.1:{port}", "job", 1, 1, is_host="true", bind_addr="127.0.0.1", local_addr="127.0.0.1"
+    )
+    rendezvous.set_agent_secret("s")
+    try:
+        handler = rendezvous.create_handler(params)
+    finally:
+        rendezvous.set_agent_secret(None)
+    store = handler._get_store()
+    info = RendezvousStoreInfo.build(0, store, "127.0.0.1", 4321)
+    assert (info.master_addr, info.master_port) == ("127.0.0.1", 4321)
+    peer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))  # no secret
+    key = "torch.rendezvous.job.0/MASTER_ADDR"
+    assert peer.get(key) != b"127.0.0.1"  # signed: HMAC:JSON, not the bare address
+    store.multi_set(["a", "b"], ["1", b"2"])
+    assert store.multi_get(["a", "b"]) == [b"1", b"2"] and store.add("n", 2) == 2
+    peer.set(key, "10.6.6.6")  # a peer that reaches the port redirects the workers' bootstrap
+    with pytest.raises(RendezvousError) as e:
+        RendezvousStoreInfo.build(1, store, "127.0.0.1")
+    assert "refused the value of torch.rendezvous.job.0/MASTER_ADDR" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(NotImplementedError):
+        store.compare_set("a", "1", "2")

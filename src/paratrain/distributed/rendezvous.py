@@ -80,6 +80,7 @@ from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 from paratrain.config import ConfigError
 from paratrain.distributed.store_auth import (
     SECRET_ENV,
+    SignedStore,
     TamperedValue,
     bound_tcp_store,
     listen_socket,
@@ -237,6 +238,10 @@ class ParatrainRendezvousBackend(RendezvousBackend):
     def store(self) -> dist.Store:
         """The store as now connected (a new client after a reconnect)."""
         return self._store
+
+    @property
+    def secret(self) -> str:
+        return self._secret
 
     def _call(self, op: str, *args):
         """``op`` on the store; a client that failed is replaced by a new one (at most once per call).
@@ -397,13 +402,22 @@ class ParatrainRendezvousHandler(DynamicRendezvousHandler):
 
     bind_addr: str = "127.0.0.1"
     backend: ParatrainRendezvousBackend | None = None
+    _signed: SignedStore | None = None
 
     def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:
         return bound_tcp_store(master_addr, master_port, bind_addr=self.bind_addr, timeout=timedelta(seconds=300))
 
     def _get_store(self) -> dist.Store:
-        # The backend's client: after a reconnect torch's own reference is a broken connection.
-        return self._wrap_store(self.backend.store if self.backend is not None else self._store)
+        """The store torch keeps its own values on (``MASTER_ADDR``/``MASTER_PORT``, each node's
+        rank, the exit barrier), under ``torch.rendezvous.<id>.<round>/``: signed and verified
+        (store_auth.SignedStore), and always the backend's current client (after a reconnect a
+        client kept from before is a broken connection)."""
+        if self.backend is None:
+            return self._wrap_store(self._store)
+        if self._signed is None:  # referenced here for as long as torch's PrefixStore wraps it
+            backend = self.backend
+            self._signed = SignedStore(lambda: backend.store, backend.secret)
+        return self._wrap_store(self._signed)
 
     def num_nodes_waiting(self) -> int:
         # The agent asks every monitor interval while the workers run: an unreachable store
