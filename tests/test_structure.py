@@ -108,7 +108,7 @@ LAYERS = (
     ("loss", "optim", "precision"),
     ("objectives",),
     ("distributed", "data"),
-    ("models", "checkpoint", "hardware", "step", "support"),
+    ("models", "checkpoint", "hardware", "step"),
     ("observability",),
     ("batch", "generate"),
     ("preflight", "evaluate"),

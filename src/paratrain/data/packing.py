@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 PACKINGS = ("documents", "padded", "stream")
-IGNORE_INDEX = -100  # loss.ignore_index must be this for packed corpora (preflight.py)
+IGNORE_INDEX = -100  # loss.ignore_index must be this for packed corpora (preflight/__init__.py)
 
 
 def pack_best_fit(lengths: np.ndarray, capacity: int) -> list[np.ndarray]:

@@ -29,7 +29,7 @@ from paratrain.models.hf import check_hf_moe_layout
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
 from paratrain.precision import check_precision
-from paratrain.support import check_support
+from paratrain.preflight.support import check_support
 
 log = logging.getLogger("paratrain")
 

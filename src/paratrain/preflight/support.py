@@ -332,7 +332,7 @@ def render_support() -> str:
     lines = [
         "# What composes with what",
         "",
-        "<!-- Rendered from src/paratrain/support.py (render_support); tests/test_docs.py checks it. -->",
+        "<!-- Rendered from src/paratrain/preflight/support.py (render_support); tests/test_docs.py checks it. -->",
         "",
         "Every feature below composes with every other one unless a row of the second table refuses",
         "the combination: `paratrain train` then exits with code 2 and the one line shown, before any",
