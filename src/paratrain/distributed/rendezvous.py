@@ -35,6 +35,7 @@ join: ``num_nodes_waiting`` answers 0), and a node that needs a new round retrie
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -80,7 +81,6 @@ from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 from paratrain.config import ConfigError
 from paratrain.distributed.store_auth import (
     SECRET_ENV,
-    SignedStore,
     TamperedValue,
     bound_tcp_store,
     listen_socket,
@@ -175,6 +175,77 @@ def _loads_local_state(bits: bytes) -> _RendezvousState:
     if not isinstance(state, _RendezvousState):
         raise RendezvousStateError("the rendezvous state to write is not a _RendezvousState")
     return state
+
+
+class SignedStore(dist.Store):
+    """A store whose values are signed on the way in and verified on the way out.
+
+    torch elastic keeps values of its own on the rendezvous store (through the handler's
+    ``_get_store``): ``MASTER_ADDR``/``MASTER_PORT`` of the workers' bootstrap, each node's role
+    info and the rank each node is assigned (JSON), the exit barrier's keys. Through this
+    wrapper each such value is ``sign``-ed under the job secret and its full key, and a value
+    that fails the check is refused (:class:`TamperedStoreValue`, one line), never used: a peer
+    that reaches the port cannot point the workers at another address or hand out ranks.
+    Counters (``add``: the exit barrier's arrivals) and the existence of keys (``wait``,
+    ``check``) cannot be signed: a peer can make a barrier end early or wait for its timeout,
+    nothing more.
+
+    ``current`` returns the store to use now (the rendezvous backend's client, which it replaces
+    after a server restart; a client a caller kept from before would stay broken). Keep a
+    Python reference to this object as long as a C++ store (a PrefixStore) wraps it: torch
+    finds the Python methods through it.
+    """
+
+    def __init__(self, current, secret: str):
+        super().__init__()
+        self._current, self._secret = current, secret
+
+    def _seal(self, key: str, value) -> str:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        return sign(self._secret, key, base64.b64encode(data).decode("ascii"))
+
+    def _open(self, key: str, raw) -> bytes:
+        try:
+            return base64.b64decode(verify(self._secret, key, bytes(raw)), validate=True)
+        except (TamperedValue, ValueError, TypeError) as e:
+            raise TamperedStoreValue(
+                f"refused the value of {key} on the rendezvous store: it fails the job-secret check (written by"
+                " someone who reaches the port without the secret, or by a node with another secret)"
+            ) from e
+
+    def set(self, key, value):
+        self._current().set(key, self._seal(key, value))
+
+    def get(self, key):
+        return self._open(key, self._current().get(key))
+
+    def multi_set(self, keys, values):
+        self._current().multi_set(list(keys), [self._seal(k, v) for k, v in zip(keys, values)])
+
+    def multi_get(self, keys):
+        return [self._open(k, v) for k, v in zip(keys, self._current().multi_get(list(keys)))]
+
+    def compare_set(self, key, expected, desired):
+        raise NotImplementedError("compare_set on a SignedStore: sign the state itself (rendezvous.py)")
+
+    def add(self, key, amount):
+        return self._current().add(key, amount)
+
+    def wait(self, keys, *timeout):
+        return self._current().wait(keys, *timeout)
+
+    def check(self, keys):
+        return self._current().check(keys)
+
+    def delete_key(self, key):
+        return self._current().delete_key(key)
+
+    def num_keys(self):
+        return self._current().num_keys()
+
+
+class TamperedStoreValue(TamperedValue, RendezvousStateError):
+    """A signed store value that fails the check: a rendezvous error (the launcher's one line)."""
 
 
 # --- the backend -------------------------------------------------------------------------------
