@@ -9,8 +9,8 @@ as `frame`).
     python benchmarks/rendezvous_outage_log.py [--down 20]
 
 Measured here (2 shared cores, down 20 s): 294-315 lines per node before (209 `frame #N`, one
-connect error with its trace at every keep-alive), 38-58 after (one C++ warning with its trace
-when the dead connection is first used, one at the exit barrier, the job's own lines).
+connect error with its trace at every keep-alive), 20-40 after (one C++ warning with its trace
+when the dead connection is first used, "unreachable" and "reconnected", the job's own lines).
 """
 
 from __future__ import annotations
