@@ -89,3 +89,60 @@ def test_the_worker_prints_one_line_and_exits_1_for_a_full_disk(tmp_path, monkey
     assert worker.main([str(cfg)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left" in err and "Traceback" not in err, err
+
+
+def _row(step: int) -> dict:
+    """A metrics row as the trainer makes it (20 keys), val_loss every 5 steps."""
+    row = {
+        "step": step,
+        "loss": 3.0 / step,
+        "lr": 1e-3,
+        "grad_norm": 0.5 + step * 1e-3,
+        "global_batch_size": 8,
+        "micro_batch_size": 2,
+        "accum_steps": 2,
+        "items": 256,
+        "tokens": 256 + step,
+        "consumed_samples": 8 * step,
+        "epoch": 0,
+        "step_time_s": 0.01 + step * 1e-6,
+        "tokens_per_s": 25600.0 / (1 + step * 1e-4),
+        "samples_per_s": 800.0,
+        "model_flops_per_s": 1.5e9,
+        "memory_gib": 0.25 + step * 1e-5,
+        "memory_rank": 0,
+        "world_size": 2,
+        "time": 1.7e9 + step,
+        "trainable_tokens": 200,
+    }
+    if step % 5 == 0:
+        row["val_loss"] = 2.5 / step
+    return row
+
+
+def test_the_kept_history_summarizes_as_the_rows_do_in_a_twentieth_of_the_memory():
+    import tracemalloc
+
+    from paratrain.observability.metrics import RowHistory, summarize
+
+    rows, history = [], RowHistory()
+    for step in range(1, 41):
+        rows.append(_row(step))
+        history.append(rows[-1])
+    assert summarize(history) == summarize(rows)
+    assert history[4] == {k: rows[4][k] for k in RowHistory.FIELDS}  # val_loss at step 5
+    assert "val_loss" not in history[3] and history[-1]["step"] == 40 and len(history[1:3]) == 2
+
+    def kept(make) -> float:
+        """Bytes kept per step by 2000 steps of ``make``'s container."""
+        tracemalloc.start()
+        before = tracemalloc.take_snapshot()
+        box = make()
+        for step in range(1, 2001):
+            box.append(_row(step))
+        after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        return sum(s.size_diff for s in after.compare_to(before, "filename")) / 2000
+
+    as_list, as_history = kept(list), kept(RowHistory)
+    assert as_list > 500 and as_history < 100, (as_list, as_history)  # about 0.7-0.9 KiB and 60 B a step
