@@ -419,6 +419,11 @@ def preflight(argv: list[str]) -> int:
         cfg = load_config(config, args.overrides)
         nodes, procs = getattr(args, "nnodes", 1), getattr(args, "nproc_per_node", 1)
         check_run(cfg, nodes * procs)
+    if args.command == "train":
+        # A preflight checks the command, not what the page's earlier runs left in its run.out_dir
+        # (a second run there is refused unless --overwrite, docs/configuration.md#outputs; the
+        # check removes nothing: the run's rank 0 does).
+        args.overwrite = True
     if args.command in ("train", "bench", "env"):
         from paratrain.launch import agent  # the CLI imports launch from there when a command runs
 

@@ -176,9 +176,25 @@ def test_train_into_a_used_out_dir_is_refused_unless_resumed_or_overwritten(tmp_
     assert _train_cli(str(out), "--resume", launched=launched) == 0 and len(launched) == 1
     assert (out / "metrics.jsonl").exists()  # resuming keeps the run
     assert _train_cli(str(out), "--overwrite", launched=launched) == 0 and len(launched) == 2
-    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
-    assert not (out / "model.safetensors").exists()
-    assert _train_cli(str(out), launched=launched) == 0  # an empty folder is not a run
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # the run's rank 0 clears, not the check
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _train_cli(str(empty), launched=launched) == 0  # an empty folder is not a run
+
+
+def test_overwrite_starts_over_without_the_old_runs_outputs(tmp_path):
+    """run.overwrite (train --overwrite): the run's rank 0 removes the old run's outputs and its
+    checkpoints before writing its own; its metrics are its own steps only."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-4").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    (out / "adapter").mkdir()
+    tiny = ["model.args={n_layer = 1, n_head = 2, d_model = 16, block_size = 32}", "data.args.max_bytes=20000"]
+    sets = [*tiny, f"run.out_dir='{out}'", "run.steps=1", "run.progress=false", "metrics.plot=false"]
+    paratrain.train(load_config("configs/debug.toml", [*sets, "run.overwrite=true"]))
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1]
+    assert not (out / "checkpoints").exists() and not (out / "adapter").exists()
+    assert (out / "model.safetensors").stat().st_size > 1000
 
 
 def test_an_unwritable_out_dir_is_one_line_before_any_process(capsys):

@@ -107,17 +107,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-# What a run leaves in run.out_dir (trainer.py): a folder with any of them holds a run.
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "model.safetensors", "hf", "adapter")
-
-
 def check_out_dir(cfg: Config, *, one_node: bool) -> None:
     """Before any process starts: run.out_dir can be written (one line otherwise, not a worker's
     traceback), and holds no other run unless this one resumes it or run.overwrite says to start
-    over (then the old run's outputs and its checkpoints under out_dir go first). The second check
-    is for one-node jobs: every node of a multi-node job runs this command, and a node that joins
-    an elastic job late finds the job's own outputs there."""
-    import shutil
+    over (the run's rank 0 then removes the old outputs first: trainer.py, ``clear_run_outputs``;
+    nothing is removed here, so a check that stops before the launch changes nothing). The
+    second check is for one-node jobs: every node of a multi-node job runs this command, and a
+    node that joins an elastic job late finds the job's own outputs there."""
+    from paratrain.checkpoint.export import run_outputs  # lazy: see the module docstring
 
     out = cfg.run.out_dir
     try:
@@ -128,25 +125,14 @@ def check_out_dir(cfg: Config, *, one_node: bool) -> None:
         raise ConfigError(
             f"run.out_dir = {out!r} cannot be written ({e.strerror or e}); pick a folder you can write to"
         ) from None
-    checkpoints = cfg.checkpoint.dir or os.path.join(out, "checkpoints")
-    found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(out, n))]
-    if os.path.isdir(checkpoints) and any(n.startswith("step-") for n in os.listdir(checkpoints)):
-        found.append(os.path.relpath(checkpoints, out) if not cfg.checkpoint.dir else checkpoints)
-    if not found or cfg.checkpoint.resume or not one_node:
+    if cfg.checkpoint.resume or cfg.run.overwrite or not one_node:
         return
-    if not cfg.run.overwrite:
+    found = run_outputs(out, cfg.checkpoint.dir)
+    if found:
         raise ConfigError(
             f"run.out_dir = {out!r} holds another run ({', '.join(found)}); continue it with --resume, start over"
             " there with --overwrite (its outputs and checkpoints are removed), or pick a new run.out_dir"
         )
-    for name in RUN_OUTPUTS + ("config.toml", "events.jsonl", "metrics.png"):
-        path = os.path.join(out, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-    if not cfg.checkpoint.dir and os.path.isdir(checkpoints):  # a checkpoint.dir of its own is the user's to clear
-        shutil.rmtree(checkpoints)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

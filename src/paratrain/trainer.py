@@ -25,7 +25,7 @@ from paratrain.batch.auto import resolve_auto_micro_batch
 from paratrain.batch.lr_scaling import LRScaling
 from paratrain.batch.plan import BatchPlan, replan_batch
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
-from paratrain.checkpoint.export import save_full_weights
+from paratrain.checkpoint.export import clear_run_outputs, save_full_weights
 from paratrain.config import Config, LossConfig, to_dict, to_toml
 from paratrain.data.datasets import build_dataset, build_val_dataset, static_items_per_sample, tensor_items_per_sample
 from paratrain.data.loader import StepLoader
@@ -397,6 +397,8 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         state.world_sizes = [*state.world_sizes, [state.step, ctx.world_size]]
 
     if ctx.is_main:
+        if cfg.run.overwrite and resumed_from is None:  # `train --overwrite`: the old run goes first
+            clear_run_outputs(cfg.run.out_dir, cfg.checkpoint.dir)
         os.makedirs(cfg.run.out_dir, exist_ok=True)
         with open(os.path.join(cfg.run.out_dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
