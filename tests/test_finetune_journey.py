@@ -393,3 +393,24 @@ def test_relative_paths_name_the_folder_they_are_read_from(tmp_path, monkeypatch
         assert cli_main(["train", config, *sets]) == 2
         err = capsys.readouterr().err.strip()
         assert needle in err and "\n" not in err, err
+
+
+def test_generate_of_a_run_it_cannot_decode_names_why(tmp_path, capsys):
+    """A GPT trained on a data.factory of another vocabulary: one line naming the vocabulary and the
+    data, not 'needs data.name = tokens' of a run that may have it."""
+    out = str(tmp_path / "run")
+    sets = [
+        "model.args={n_layer = 1, n_head = 2, d_model = 16, block_size = 16, vocab_size = 128}",
+        "data.factory='tests.toy:toy_lm'",
+        "data.args={n = 8, seq_len = 16, vocab = 128}",
+        f"run.out_dir='{out}'",
+        "run.steps=1",
+        "run.progress=false",
+        "metrics.plot=false",
+    ]
+    paratrain.train(load_config("configs/debug.toml", sets))
+    capsys.readouterr()
+    assert cli_main(["generate", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "trained a GPT of vocab_size 128 on data.name = 'stdlib_bytes' (a data.factory)" in err, err
+    assert "\n" not in err

@@ -62,11 +62,17 @@ def generate_text(
         ids = tok.encode(prompt) or [tok.eos_id]
     else:
         tok, ids = None, list(prompt.encode("utf-8")) or [10]
-    if not hasattr(model, "generate") or (meta is None and vocab != 256):
+    if not hasattr(model, "generate"):
         what = f"model.factory = {cfg.model.factory!r}" if cfg.model.factory else f"model.name = {cfg.model.name!r}"
         raise ConfigError(
             f"generate: the run {out_dir!r} trained {what}, which has no generate(); paratrain samples from the"
             " built-in GPT (on bytes or a prepared corpus) and from model.hf runs; load model.safetensors yourself"
+        )
+    if meta is None and vocab != 256:
+        raise ConfigError(
+            f"generate: the run {out_dir!r} trained a GPT of vocab_size {vocab} on data.name = {cfg.data.name!r}"
+            f"{' (a data.factory)' if cfg.data.factory else ''}: no tokenizer to encode the prompt with (bytes need"
+            " 256, a prepared corpus keeps its own); decode its model.safetensors with your tokenizer"
         )
     idx = torch.tensor([ids], dtype=torch.long)
     out = model.generate(
