@@ -42,7 +42,7 @@ from paratrain.distributed.context_parallel import apply_cp
 from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from paratrain.distributed.expert_parallel import ExpertGroup, apply_ep, apply_expert_fsdp
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.distributed.pipeline_parallel import apply_pp, is_pipeline_stage
+from paratrain.distributed.pipeline_parallel import ZERO_BUBBLE, apply_pp, is_pipeline_stage
 from paratrain.distributed.tensor_parallel import STYLE_NAMES, apply_tp
 from paratrain.precision import build_mp_policy
 
@@ -146,6 +146,11 @@ def parallelize(
 
     # 4. torch.compile, per block: after TP and AC, before the data-parallel wrappers.
     if compile_enabled:
+        if dims.pp > 1 and cfg.pp_schedule in ZERO_BUBBLE:
+            # Zero-bubble schedules run each backward in two passes (inputs, then weights, with
+            # retain_graph=True), which a compiled backward that donates its saved buffers
+            # refuses; keep the buffers (a little more memory) for this process's compiles.
+            torch._functorch.config.donated_buffer = False
         apply_compile(model, device=device, blocks_attr=blocks_attr)
 
     # 4b. Expert parallel: keep this rank's experts only, before the data-parallel wrappers,

@@ -307,6 +307,17 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         "pipeline stages run one input shape; padded rows are as wide as each batch's longest document",
     ),
+    # Expert dispatch exchanges its split sizes inside the block; torch's selective checkpointing
+    # finds a different sequence of ops when it replays the block and stops the backward.
+    Refusal(
+        ("ep", "activation_checkpointing selective"),
+        lambda c, d: d.ep > 1 and c.parallel.activation_checkpointing == "selective",
+        lambda c, d: (
+            "parallel.activation_checkpointing = 'selective' with parallel.ep > 1 is not supported yet;"
+            " use parallel.activation_checkpointing = 'full' (or 'none')"
+        ),
+        "the expert all-to-all replays differently under torch's selective checkpointing; `full` works",
+    ),
     _cp_refusal("tp+sp", "parallel.sequence_parallel", lambda c: c.parallel.sequence_parallel),
     _cp_refusal("model.factory", "model.factory", lambda c: bool(c.model.factory)),
     _cp_refusal(
