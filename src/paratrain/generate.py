@@ -23,6 +23,7 @@ from paratrain.config import ConfigError, load_config
 from paratrain.data.prepare import load_tokenizer
 from paratrain.data.tokens import resolve_model_vocab, tokens_meta
 from paratrain.models import build_model
+from paratrain.models.lora import apply_lora
 
 
 def load_trained_model(out_dir: str) -> torch.nn.Module:
@@ -138,9 +139,9 @@ def load_hf_run(out_dir: str, cfg) -> torch.nn.Module:
     """
     from transformers import AutoModelForCausalLM  # an optional extra: paratrain[hf]
 
+    # Beside transformers: these modules need the optional extra too, only for model.hf runs.
     from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
-    from paratrain.models.hf.weights import quiet_progress
-    from paratrain.models.lora import apply_lora
+    from paratrain.models.hf.weights import quiet_progress  # transformers too (the same extra)
 
     if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):
         with quiet_progress():

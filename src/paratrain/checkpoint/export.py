@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from paratrain.checkpoint.manifest import MANIFEST, resolve_checkpoint
+from paratrain.checkpoint.manifest import CONFIG_FILE, MANIFEST, list_checkpoints, resolve_checkpoint
 from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_reader
 from paratrain.config import ConfigError
 from paratrain.distributed.expert_parallel import gather_expert_weights
@@ -58,8 +58,6 @@ RUN_FILES = ("config.toml", "metrics.png")
 
 def run_outputs(out_dir: str, checkpoint_dir: str = "") -> list[str]:
     """The outputs of a run found in ``out_dir`` (and its checkpoints), by name; [] for none."""
-    from paratrain.checkpoint.manifest import list_checkpoints
-
     found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(out_dir, n))]
     checkpoints = checkpoint_dir or os.path.join(out_dir, "checkpoints")
     if list_checkpoints(checkpoints):
@@ -87,8 +85,6 @@ def read_export_source(source: str) -> tuple[dict[str, torch.Tensor], dict, str,
     ``run.out_dir`` (its final ``model.safetensors``; a ``step`` read from its metrics). A folder
     that holds none of them is one line naming what the run saved, not a damaged checkpoint."""
     from safetensors.torch import load_file
-
-    from paratrain.checkpoint.manifest import CONFIG_FILE, list_checkpoints
 
     if not os.path.isdir(source):
         raise ConfigError(f"{source}: no such folder; pass a step-N checkpoint folder or a finished run's run.out_dir")
