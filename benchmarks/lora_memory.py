@@ -72,8 +72,7 @@ def measure(model_cfg: dict, layout: dict, batch: int) -> dict:
         dims,
         cfg=pcfg,
         device=torch.device("cpu"),
-        blocks_attr=spec.blocks_attr,
-        model_plan=spec.tp_plan,
+        spec=spec,
     )
     opt = build_optimizer(model, OptimConfig())
     g = torch.Generator().manual_seed(1)  # the same batch on every rank: only memory is measured

@@ -53,7 +53,7 @@ def measure(layout: dict, gpt_args: dict, batch: int) -> dict:
     psi = sum(p.numel() for p in model.parameters())
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
-    model = parallelize(model, dims, cfg=cfg, device=torch.device("cpu"), model_plan=GPT_SPEC.tp_plan)
+    model = parallelize(model, dims, cfg=cfg, device=torch.device("cpu"), spec=GPT_SPEC)
     opt = build_optimizer(model, OptimConfig())
     g = torch.Generator().manual_seed(1)  # the same batch on every rank: only memory is measured
     x = torch.randint(0, gpt_args["vocab_size"], (batch, gpt_args["block_size"]), generator=g)

@@ -66,9 +66,7 @@ def _rank(steps: int = 2) -> dict:
         out = {"counted": [], "static": [], "wrong": [], "error": None}
         for name, step_ctx in (("counted", counted), ("static", static), ("wrong", wrong)):
             torch.manual_seed(0)
-            model = parallelize(
-                build_gpt(**GPT_ARGS), dims, cfg=cfg, device=ctx.device, blocks_attr=GPT_SPEC.blocks_attr
-            )
+            model = parallelize(build_gpt(**GPT_ARGS), dims, cfg=cfg, device=ctx.device, spec=GPT_SPEC)
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
             for s in range(steps):
                 mine = rank_slice(list(range(s * 8, s * 8 + 8)), dp_rank=dims.local_rank_in("dp"), dp=dims.dp)

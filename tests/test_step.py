@@ -42,7 +42,7 @@ def _eval_rank(pp: int, dp: int, micro: int) -> tuple[float, int]:
         model = build_gpt(**GPT_ARGS)
         cfg = ParallelConfig(pp=pp, dp_replicate=dp, pp_schedule="gpipe")
         dims = ParallelDims.from_config(cfg, ctx.world_size)
-        model = parallelize(model, dims, cfg=cfg, device=ctx.device, blocks_attr=GPT_SPEC.blocks_attr)
+        model = parallelize(model, dims, cfg=cfg, device=ctx.device, spec=GPT_SPEC)
         data = toy_lm(n=16, seq_len=16, vocab=32)
         mine = rank_slice(list(range(16)), dp_rank=dims.local_rank_in("dp"), dp=dims.dp)
         step_ctx = StepContext(

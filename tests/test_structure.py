@@ -109,7 +109,7 @@ LAYERS = (
     ("objectives",),
     ("distributed", "data"),
     ("models", "checkpoint", "hardware", "step"),
-    ("observability",),
+    ("observability", "build"),
     ("batch", "generate"),
     ("preflight", "evaluate"),
     ("plan", "trainer"),

@@ -18,10 +18,11 @@ from paratrain.config import ConfigError, LossConfig, resolve_callable
 
 
 class Loss:
-    """``loss(output, target) -> (sum, count)`` and ``loss.count(target) -> count``."""
+    """``loss(output, target) -> (sum, count)`` and ``loss.count(target) -> count``.
+    ``builtin``: one of ours (``loss.name``), not a user's function, which may share its name."""
 
-    def __init__(self, fn: Callable, count: Callable, name: str):
-        self.fn, self._count, self.name = fn, count, name
+    def __init__(self, fn: Callable, count: Callable, name: str, *, builtin: bool = True):
+        self.fn, self._count, self.name, self.builtin = fn, count, name, builtin
 
     def __call__(self, output, target) -> tuple[torch.Tensor, torch.Tensor]:
         return self.fn(output, target)
@@ -54,7 +55,7 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
         # A user loss may say how it counts with a `count(target)` attribute; by default the
         # items are the target elements not equal to loss.ignore_index.
         count = getattr(user, "count", count_not_ignored)
-        return Loss(_checked(user), count, getattr(user, "__name__", "user"))
+        return Loss(_checked(user), count, getattr(user, "__name__", "user"), builtin=False)
     if cfg.name == "cross_entropy" and cfg.chunk_size:
         return Loss(ChunkedCrossEntropy(cfg.chunk_size, ignore), count_not_ignored, "cross_entropy")
     if cfg.name == "cross_entropy":

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -24,26 +23,23 @@ from paratrain.batch.adaptive import BatchAdapter, build_batch_adapter
 from paratrain.batch.auto import resolve_auto_micro_batch
 from paratrain.batch.lr_scaling import LRScaling
 from paratrain.batch.plan import BatchPlan, replan_batch
+from paratrain.build import build_parallel_with_weights
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.checkpoint.export import clear_run_outputs, save_full_weights
 from paratrain.config import Config, LossConfig, to_dict, to_toml
 from paratrain.data.datasets import build_dataset, build_val_dataset, static_items_per_sample, tensor_items_per_sample
 from paratrain.data.loader import StepLoader
 from paratrain.data.sampler import GlobalBatchSampler
-from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
+from paratrain.distributed.grad_compression import GradCompression
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
 from paratrain.distributed.json_collectives import broadcast_json
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
-from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.evaluate import Evaluator, eval_due
-from paratrain.loss import Loss, build_loss
+from paratrain.loss import build_loss
 from paratrain.models import build, lora_base, spec_of
 from paratrain.models.hf import export_hf
 from paratrain.models.lora import apply_lora, is_adapter_param, trainable_parameters
-from paratrain.models.spec import ModelSpec
-from paratrain.objectives import build_objectives
 from paratrain.observability.events import EventLog, process_start_time
 from paratrain.observability.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
 from paratrain.observability.mfu import mfu, resolve_peak_flops, seq_len_of
@@ -317,7 +313,6 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         device=ctx.device,
         loss_fn=loss_fn,
         precision=precision,
-        user_loss=loss is not None,
         items_per_sample=items_per_sample,
     )
 
@@ -451,88 +446,6 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         data_info=data_info,
         resumed_from=resumed_from,
     )
-
-
-def build_parallel_with_weights(
-    cfg: Config, dims: ParallelDims, model: nn.Module, *, spec: ModelSpec, device, **kwargs
-):
-    """:func:`build_parallel`, and the weights that arrive after the parallelisms
-    (ModelSpec.materialize: a model built on the meta device, such as a ``model.hf`` with weights).
-    Plain DDP broadcasts rank 0's parameters when it wraps the model, so there they are read
-    before. Training and ``paratrain eval`` (whose checkpoint then overwrites them) both call this."""
-    ddp_wraps = dims.dp_replicate > 1 and not dims.fsdp_enabled and dims.tp == 1
-    if spec.materialize is not None and ddp_wraps:
-        spec.materialize(model, device=device)
-    model, step_ctx, compression = build_parallel(cfg, dims, model, spec=spec, device=device, **kwargs)
-    if spec.materialize is not None and not ddp_wraps:
-        t0 = time.perf_counter()
-        read = spec.materialize(model, device=device)
-        log.info("weights: %.2fM elements read by this rank in %.2f s", (read or 0) / 1e6, time.perf_counter() - t0)
-    return model, step_ctx, compression
-
-
-def build_parallel(
-    cfg: Config,
-    dims: ParallelDims,
-    model: nn.Module,
-    *,
-    spec: ModelSpec,
-    device: torch.device,
-    loss_fn: Loss,
-    precision: Precision,
-    user_loss: bool,
-    items_per_sample: int | None = None,
-) -> tuple[nn.Module, StepContext, GradCompression]:
-    """Apply the parallelisms (distributed/parallelize.py) with the model's spec; the step's
-    context with its objectives (paratrain/objectives), built from the whole model before the
-    parallelisms and bound to what they made. ``items_per_sample``: the data path's static count."""
-    # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits (not under
-    # pipeline parallel: the schedule's loss runs on plain, gathered logits).
-    loss_parallel = loss_parallel_enabled(
-        tp=dims.tp,
-        requested=cfg.parallel.loss_parallel and dims.pp == 1,
-        builtin_cross_entropy=not user_loss and cfg.loss.name == "cross_entropy",
-        user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory),
-        supported=spec.loss_parallel,
-    )
-    spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
-    objectives = build_objectives(loss_fn, model, items_per_sample=items_per_sample, pipeline=dims.pp > 1)
-    model = parallelize(
-        model,
-        dims,
-        cfg=cfg.parallel,
-        device=device,
-        comm=cfg.comm,
-        precision=cfg.precision,
-        compile_enabled=cfg.train.compile,
-        loss_parallel=loss_parallel,
-        blocks_attr=spec.blocks_attr,
-        model_plan=spec.tp_plan,
-        loss_owns_head=loss_fn.owns_head,
-        cp_attention=spec.cp_attention,
-    )
-    compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
-    for objective in objectives:  # a pipeline rank holds some of the model's modules
-        objective.bind(model)
-    step_ctx = StepContext(
-        objectives=objectives,
-        device=device,
-        dp=dims.dp,
-        dp_group=dims.group("dp"),
-        grad_clip=cfg.optim.grad_clip,
-        precision=precision,
-        loss_parallel=loss_parallel,
-        # FSDP2's gradient sync policy (distributed/data_parallel.py): ZeRO-3 reduces every micro-batch.
-        sync_each_micro_batch=cfg.parallel.reshard_after_forward,
-        # With tp > 1 the step's reduce spans the world, so the SIGTERM flag it carries reaches
-        # every tp peer too; the tp ranks after the first add zeros instead of a copy of the loss.
-        loss_group=dims.group("pp_dp") if dims.tp == 1 else dist.group.WORLD,
-        adds_loss=dims.local_rank_in("tp") == 0,
-        cp=dims.cp,
-        cp_rank=dims.local_rank_in("cp"),
-    )
-
-    return model, step_ctx, compression
 
 
 def resumed_plan(

@@ -19,17 +19,15 @@ from torch import nn
 
 from paratrain.batch.plan import plan_batch
 from paratrain.batch.search import GIB, Trial
+from paratrain.build import build_parallel
 from paratrain.config import Config, ConfigError
 from paratrain.data.datasets import build_dataset
 from paratrain.data.sampler import load_batches
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.distributed.parallelize import parallelize
-from paratrain.distributed.tensor_parallel import loss_parallel_enabled
-from paratrain.loss import build_loss
+from paratrain.loss import Loss, build_loss
 from paratrain.models import build, spec_of
 from paratrain.models.hf.moe import fake_grouped_mm
 from paratrain.models.spec import ModelSpec
-from paratrain.objectives import build_objectives
 from paratrain.optim import build_optimizer
 from paratrain.precision import build_precision
 from paratrain.step import StepContext, train_step
@@ -123,8 +121,8 @@ class StepRunner:
         self.dims = replica_dims(dims)
         self.user_model = model
         self._dataset = dataset
-        self.loss_fn = loss if loss is not None and hasattr(loss, "count") else build_loss(cfg.loss, loss)
-        self.loss_parallel = False  # decided in build(), from the model's spec
+        self.loss_fn = loss if isinstance(loss, Loss) else build_loss(cfg.loss, loss)
+        self.step_ctx: StepContext | None = None  # made in build(), with the model's parallelisms
         self.iterations = iterations
         self.moe: MoEShape | None = None  # a mixture of experts' shape, read in build()
         self.per_rank = plan_batch(
@@ -156,31 +154,22 @@ class StepRunner:
                     model, spec = build(self.cfg.model, meta_enabled=False)
             else:
                 model, spec = build(self.cfg.model, meta_enabled=False)
-            # The real step's options (trainer.build_parallel): vocabulary-sharded logits change
-            # the activation memory, and ZeRO-3's per-micro-batch sync the gradient memory.
-            self.loss_parallel = loss_parallel_enabled(
-                tp=self.dims.tp,
-                requested=self.cfg.parallel.loss_parallel and self.dims.pp == 1,
-                # The built loss of the config (a user's function keeps its own name).
-                builtin_cross_entropy=self.cfg.loss.name == self.loss_fn.name == "cross_entropy",
-                user_plan=bool(self.cfg.parallel.tp_plan or self.cfg.parallel.tp_plan_factory),
-                supported=spec.loss_parallel,
-            )
-            spec.hand_head_to(model, self.loss_fn, loss_parallel=self.loss_parallel)  # loss.chunk_size
             self.moe = moe_shape(model, spec)  # before the wrappers: whole (not sharded) expert weights
+            # The real step's build (build.py, as training runs it): vocabulary-sharded logits
+            # change the activation memory, ZeRO-3's per-micro-batch sync the gradient memory, a
+            # mixture of experts' auxiliary loss (its router probabilities) the activations.
+            # The step's own mixed precision: autocast changes the activations' dtype.
+            precision = build_precision(self.cfg.precision, device=self.device, fsdp_enabled=self.dims.fsdp_enabled)
             with fake_mode or contextlib.nullcontext():
-                model = parallelize(
-                    model,
+                model, self.step_ctx, _ = build_parallel(
+                    self.cfg,
                     self.dims,
-                    cfg=self.cfg.parallel,
+                    model,
+                    spec=spec,
                     device=self.device,
-                    comm=self.cfg.comm,
-                    precision=self.cfg.precision,
+                    loss_fn=self.loss_fn,
+                    precision=precision,
                     compile_enabled=False,
-                    loss_parallel=self.loss_parallel,
-                    blocks_attr=spec.blocks_attr,
-                    model_plan=spec.tp_plan,
-                    loss_owns_head=getattr(self.loss_fn, "owns_head", False),
                 )
                 optimizer = build_optimizer(model, self.cfg.optim)
         return model, optimizer
@@ -188,28 +177,9 @@ class StepRunner:
     def run(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, iterations: int | None = None
     ) -> None:
-        # The step's own mixed precision: autocast changes the activations' dtype, so the memory.
-        precision = build_precision(self.cfg.precision, device=self.device, fsdp_enabled=self.dims.fsdp_enabled)
         model.train()
         for _ in range(self.iterations if iterations is None else iterations):
-            train_step(
-                model,
-                optimizer,
-                batches,
-                StepContext(
-                    # The real step's objectives (trainer.py): a mixture of experts' auxiliary
-                    # loss joins the backward, its graph (router probabilities) is part of the
-                    # activations.
-                    objectives=build_objectives(self.loss_fn, model),
-                    dp=self.dims.dp,
-                    dp_group=self.dims.group("dp"),
-                    grad_clip=self.cfg.optim.grad_clip,
-                    device=self.device,
-                    precision=precision,
-                    loss_parallel=self.loss_parallel,
-                    sync_each_micro_batch=self.cfg.parallel.reshard_after_forward,
-                ),
-            )
+            train_step(model, optimizer, batches, self.step_ctx)
 
     def ddp_extra_bytes(self, model: nn.Module, m: int, grads_at_peak: int) -> int:
         """What DDP adds to one replica's peak: its gradient buckets, one gradient's worth, live all run.

@@ -28,7 +28,6 @@ Order (as torchtitan composes them; each step says why it comes where it does):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -76,31 +75,33 @@ def parallelize(
     *,
     cfg: ParallelConfig,
     device: torch.device,
+    spec=None,
     comm: CommConfig | None = None,
     precision: PrecisionConfig | None = None,
     compile_enabled: bool = False,
     loss_parallel: bool = False,
-    blocks_attr: str = BLOCKS_ATTR,
-    model_plan: Callable[..., dict] | None = None,
     loss_owns_head: bool = False,
-    cp_attention: Callable[..., None] | None = None,
 ) -> nn.Module:
     """Move ``model`` to ``device`` and apply the parallelisms its layout asks for, in order.
 
-    ``loss_parallel``: keep the GPT's logits vocabulary-sharded for the loss (tensor_parallel.
-    loss_parallel_enabled decides it; the step must then run the loss under loss_parallel).
-    ``precision``/``comm`` give FSDP2 its MixedPrecisionPolicy; without FSDP2, autocast in the
-    step does the casting and DDP's communication hooks the compression.
-    ``blocks_attr``/``model_plan`` are the model's ModelSpec pieces (models/spec.py): where its
-    blocks are, its own tensor-parallel plan. ``loss_owns_head``: the loss runs the output layer
-    after the forward (loss.chunk_size), so FSDP2 keeps the root's parameters gathered until
-    the backward. ``cp_attention``: the spec's installer of a context-parallel attention.
+    ``spec``: the model's ModelSpec (models/spec.py, passed in: distributed/ imports no model);
+    this reads its ``blocks_attr`` (where the blocks are), ``tp_plan`` (its own tensor-parallel
+    plan) and ``cp_attention`` (its installer of a context-parallel attention). None: a plain
+    module under the documented conventions (blocks in ``model.layers``, no plan of its own).
+    ``cfg``/``comm``/``precision``: the config's sections; ``precision``/``comm`` give FSDP2 its
+    MixedPrecisionPolicy (without FSDP2, autocast in the step does the casting and DDP's
+    communication hooks the compression). ``loss_parallel``: keep the GPT's logits
+    vocabulary-sharded for the loss (tensor_parallel.loss_parallel_enabled decides it; the step
+    must then run the loss under loss_parallel). ``loss_owns_head``: the loss runs the output
+    layer after the forward (loss.chunk_size), so FSDP2 keeps the root's parameters gathered
+    until the backward.
     """
     # Every option, as given: a pipeline stage is parallelized exactly as a whole model would be
     # (e.g. the stage that holds the output layer keeps it gathered for a loss that reads it
     # after the forward, loss_owns_head), with no keyword list to keep in step by hand.
     options = {k: v for k, v in locals().items() if k not in ("model", "dims")}
     comm, precision = comm or CommConfig(), precision or PrecisionConfig()
+    blocks_attr = spec.blocks_attr if spec is not None else BLOCKS_ATTR
     # 1. Pipeline split, still on the CPU (only this rank's stages reach the device): each stage
     #    then goes through steps 2-6 like a whole model (this function again), before the
     #    PipelineStage wraps it.
@@ -134,12 +135,13 @@ def parallelize(
             plan_factory=cfg.tp_plan_factory,
             sequence_parallel=cfg.sequence_parallel,
             loss_parallel=loss_parallel,
-            model_plan=model_plan,
+            model_plan=spec.tp_plan if spec is not None else None,
         )
 
     # 2b. Context parallel: the attention modules get the ring attention over the cp mesh.
     if dims.cp > 1:
-        apply_cp(model, dims.submesh("cp"), install=cp_attention, attention=cfg.cp_attention)
+        install = spec.cp_attention if spec is not None else None
+        apply_cp(model, dims.submesh("cp"), install=install, attention=cfg.cp_attention)
 
     # 3. Activation checkpointing, per block, with the TP hooks inside the recomputed region.
     apply_ac(model, mode=cfg.activation_checkpointing, blocks_attr=blocks_attr)

@@ -1,7 +1,7 @@
 """`paratrain eval CONFIG --checkpoint PATH`: a checkpoint's validation loss at any world size.
 
 The process torchrun starts (``python -m paratrain.launch.eval_worker CONFIG --checkpoint PATH --result
-FILE``): it builds the model and the layout exactly as training does (trainer.build_parallel),
+FILE``): it builds the model and the layout exactly as training does (build.py build_parallel),
 loads the checkpoint's model weights with the checkpointer (DCP reshards them to this layout:
 any world size and layout, pipeline stages included: a pipeline checkpoint holds the model's own
 names), and evaluates the validation set of the config's [data] and [eval] sections
@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from paratrain.build import build_parallel_with_weights
 from paratrain.checkpoint import Checkpointer, DataclassState, ModelState
 from paratrain.config import Config, ConfigError, load_config, to_toml
 from paratrain.data.datasets import build_val_dataset
@@ -29,7 +30,7 @@ from paratrain.models.lora import is_adapter_param
 from paratrain.observability.metrics import setup_logging
 from paratrain.precision import build_precision
 from paratrain.preflight import check_eval, check_run
-from paratrain.trainer import TrainState, build_parallel_with_weights, val_pad_target
+from paratrain.trainer import TrainState, val_pad_target
 
 
 def check_eval_args(checkpoint: str) -> None:
@@ -58,7 +59,6 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
             device=ctx.device,
             loss_fn=build_loss(cfg.loss, None),
             precision=precision,
-            user_loss=False,
         )
         step = 0 if not checkpoint else resume_model(cfg, checkpoint, model=model, dims=dims, ctx=ctx)
         val_set = build_val_dataset(

@@ -1,0 +1,110 @@
+"""The parallel build: a model's parallelisms and the step's context, made in one place.
+
+Training (trainer.py), ``paratrain eval`` (launch/eval_worker.py) and the memory estimate
+(batch/measure.py) all call :func:`build_parallel`, so the step the estimate prices is the step
+that runs: the same loss-parallel decision, the same output layer handed to a chunked loss, the
+same objectives bound to what the parallelisms made, the same ``StepContext``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.config import Config
+from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
+from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.distributed.parallelize import parallelize
+from paratrain.distributed.tensor_parallel import loss_parallel_enabled
+from paratrain.loss import Loss
+from paratrain.models.spec import ModelSpec
+from paratrain.objectives import build_objectives
+from paratrain.precision import Precision
+from paratrain.step import StepContext
+
+log = logging.getLogger("paratrain")
+
+
+def build_parallel_with_weights(
+    cfg: Config, dims: ParallelDims, model: nn.Module, *, spec: ModelSpec, device: torch.device, **kwargs
+) -> tuple[nn.Module, StepContext, GradCompression]:
+    """:func:`build_parallel`, and the weights that arrive after the parallelisms
+    (ModelSpec.materialize: a model built on the meta device, such as a ``model.hf`` with weights).
+    Plain DDP broadcasts rank 0's parameters when it wraps the model, so there they are read
+    before. Training and ``paratrain eval`` (whose checkpoint then overwrites them) both call this."""
+    ddp_wraps = dims.dp_replicate > 1 and not dims.fsdp_enabled and dims.tp == 1
+    if spec.materialize is not None and ddp_wraps:
+        spec.materialize(model, device=device)
+    model, step_ctx, compression = build_parallel(cfg, dims, model, spec=spec, device=device, **kwargs)
+    if spec.materialize is not None and not ddp_wraps:
+        t0 = time.perf_counter()
+        read = spec.materialize(model, device=device)
+        log.info("weights: %.2fM elements read by this rank in %.2f s", (read or 0) / 1e6, time.perf_counter() - t0)
+    return model, step_ctx, compression
+
+
+def build_parallel(
+    cfg: Config,
+    dims: ParallelDims,
+    model: nn.Module,
+    *,
+    spec: ModelSpec,
+    device: torch.device,
+    loss_fn: Loss,
+    precision: Precision,
+    items_per_sample: int | None = None,
+    compile_enabled: bool | None = None,
+) -> tuple[nn.Module, StepContext, GradCompression]:
+    """Apply the parallelisms (distributed/parallelize.py) with the model's spec; the step's
+    context with its objectives (paratrain/objectives), built from the whole model before the
+    parallelisms and bound to what they made. ``items_per_sample``: the data path's static count.
+    ``compile_enabled``: None follows ``train.compile`` (the memory estimate, on fake tensors,
+    compiles nothing)."""
+    # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits (not under
+    # pipeline parallel: the schedule's loss runs on plain, gathered logits).
+    loss_parallel = loss_parallel_enabled(
+        tp=dims.tp,
+        requested=cfg.parallel.loss_parallel and dims.pp == 1,
+        builtin_cross_entropy=loss_fn.builtin and cfg.loss.name == "cross_entropy",
+        user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory),
+        supported=spec.loss_parallel,
+    )
+    spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
+    objectives = build_objectives(loss_fn, model, items_per_sample=items_per_sample, pipeline=dims.pp > 1)
+    model = parallelize(
+        model,
+        dims,
+        spec=spec,
+        cfg=cfg.parallel,
+        device=device,
+        comm=cfg.comm,
+        precision=cfg.precision,
+        compile_enabled=cfg.train.compile if compile_enabled is None else compile_enabled,
+        loss_parallel=loss_parallel,
+        loss_owns_head=loss_fn.owns_head,
+    )
+    compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
+    for objective in objectives:  # a pipeline rank holds some of the model's modules
+        objective.bind(model)
+    step_ctx = StepContext(
+        objectives=objectives,
+        device=device,
+        dp=dims.dp,
+        dp_group=dims.group("dp"),
+        grad_clip=cfg.optim.grad_clip,
+        precision=precision,
+        loss_parallel=loss_parallel,
+        # FSDP2's gradient sync policy (distributed/data_parallel.py): ZeRO-3 reduces every micro-batch.
+        sync_each_micro_batch=cfg.parallel.reshard_after_forward,
+        # With tp > 1 the step's reduce spans the world, so the SIGTERM flag it carries reaches
+        # every tp peer too; the tp ranks after the first add zeros instead of a copy of the loss.
+        loss_group=dims.group("pp_dp") if dims.tp == 1 else dist.group.WORLD,
+        adds_loss=dims.local_rank_in("tp") == 0,
+        cp=dims.cp,
+        cp_rank=dims.local_rank_in("cp"),
+    )
+    return model, step_ctx, compression
