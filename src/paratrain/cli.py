@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -117,6 +118,12 @@ def check_out_dir(cfg: Config, *, one_node: bool) -> None:
     from paratrain.checkpoint.export import run_outputs  # lazy: see the module docstring
 
     out = cfg.run.out_dir
+    # The folders this check creates are removed after it: a command refused later (a wrong job
+    # secret, another check) leaves nothing behind.
+    created = os.path.abspath(out)
+    while not os.path.exists(os.path.dirname(created)) and os.path.dirname(created) != created:
+        created = os.path.dirname(created)
+    created = None if os.path.exists(created) else created
     try:
         os.makedirs(out, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".paratrain-write-check-"):
@@ -125,6 +132,9 @@ def check_out_dir(cfg: Config, *, one_node: bool) -> None:
         raise ConfigError(
             f"run.out_dir = {out!r} cannot be written ({e.strerror or e}); pick a folder you can write to"
         ) from None
+    finally:
+        if created:
+            shutil.rmtree(created, ignore_errors=True)
     if cfg.checkpoint.resume or cfg.run.overwrite or not one_node:
         return
     found = run_outputs(out, cfg.checkpoint.dir)
