@@ -221,7 +221,9 @@ def build_design(corpus: str, *, seed: int = 0, candidates: int = 40) -> Design:
 
 
 def train_each(runs: dict[str, list[str]], root: str) -> dict:
-    """On each rank: train every run in turn in one process group; (losses, grad_norms) by run."""
+    """On each rank: train every run in turn in one process group; (losses, grad_norms) by run.
+    Rank 0 also records each finished run in ``root/finished.jsonl``, so that after a failure the
+    runs before it are kept and the one that failed is known."""
     import torch.distributed as dist
 
     import paratrain
@@ -236,28 +238,44 @@ def train_each(runs: dict[str, list[str]], root: str) -> dict:
                 with open(os.path.join(out_dir, "metrics.jsonl")) as f:
                     rows = [json.loads(line) for line in f]
                 out[name] = ([r["loss"] for r in rows], [r["grad_norm"] for r in rows])
+                with open(os.path.join(root, "finished.jsonl"), "a") as f:
+                    f.write(json.dumps({name: out[name]}) + "\n")
     finally:
         dist.destroy_process_group()
     return out
 
 
+def _first_error(message: str) -> str:
+    """The line of a failed group's message that names the error (the last ``...Error:`` line)."""
+    lines = [ln.strip() for ln in message.splitlines() if "Error" in ln and ":" in ln and "File " not in ln]
+    return (lines[-1] if lines else message.strip().splitlines()[-1])[:300]
+
+
 def _run_world(world: int, runs: dict[str, list[str]], root: str) -> dict:
-    """Every run of one world size in one process group; when that fails, each run alone, so
-    that one failure is told apart from the rest (its error then stands for its result)."""
+    """Every run of one world size in one process group. When one fails, the runs that finished
+    before it are kept, it stands with its error, and the group starts again after it."""
     from tests.dist_utils import run_ranks
 
-    try:
-        return run_ranks(train_each, world, runs, root, timeout=1200)[0]
-    except AssertionError as e:
-        if len(runs) == 1:
-            raise
-        print(f"world {world}: {str(e)[-2000:]}\nrunning each of its {len(runs)} layouts alone", flush=True)
-    out = {}
-    for name, overrides in runs.items():
+    out: dict = {}
+    todo = dict(runs)
+    while todo:
+        finished = os.path.join(root, "finished.jsonl")
+        if os.path.exists(finished):
+            os.remove(finished)
         try:
-            out.update(run_ranks(train_each, world, {name: overrides}, root, timeout=600)[0])
+            out.update(run_ranks(train_each, world, todo, root, timeout=1800)[0])
+            return out
         except AssertionError as e:
-            out[name] = str(e).strip().splitlines()[-1][:300]
+            done = {}
+            if os.path.exists(finished):
+                with open(finished) as f:
+                    for line in f:
+                        done.update(json.loads(line))
+            out.update(done)
+            failed = next(name for name in todo if name not in done)
+            out[failed] = _first_error(str(e))
+            print(f"world {world}: {failed} failed: {out[failed]}", flush=True)
+            todo = {k: v for k, v in todo.items() if k not in out}
     return out
 
 

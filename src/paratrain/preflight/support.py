@@ -307,6 +307,18 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         "pipeline stages run one input shape; padded rows are as wide as each batch's longest document",
     ),
+    # Sequence parallel splits each row's positions evenly over the tp ranks; a padded row is as
+    # long as its batch's longest document, often not a multiple of tp.
+    Refusal(
+        ("tp+sp", "packing padded"),
+        lambda c, d: d.tp > 1 and c.parallel.sequence_parallel and c.data.args.get("packing") == "padded",
+        lambda c, d: (
+            "parallel.sequence_parallel = true with data.args.packing = 'padded' is not supported:"
+            " padded rows take the width of each batch's longest document, which sequence parallel cannot"
+            " split evenly; use data.args.packing = 'documents' (the same losses)"
+        ),
+        "padded rows have any width; sequence parallel splits it evenly over the tp ranks",
+    ),
     # Expert dispatch exchanges its split sizes inside the block; torch's selective checkpointing
     # finds a different sequence of ops when it replays the block and stops the backward.
     Refusal(
