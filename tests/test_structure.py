@@ -171,6 +171,21 @@ def test_distributed_imports_no_model():
     assert not {(m, t) for m, t in bad if t.startswith("paratrain.models")}
 
 
+def test_preflight_and_plan_import_no_model_of_their_own():
+    """The GPT's facts (heads, context length, experts, its FLOPs count) are its spec's answers
+    (models/gpt/parallel.py GPT_SPEC): preflight/ and plan/ ask the spec, so a new model family
+    needs no edit there."""
+    graph = _graph()
+    bad = {
+        (m, t)
+        for m, ts in graph.items()
+        if m.startswith(("paratrain.preflight", "paratrain.plan"))
+        for t in ts
+        if t.startswith("paratrain.models.gpt")
+    }
+    assert not bad, bad
+
+
 def test_the_trainer_imports_find_batch_never_the_reverse():
     graph = _graph()
     assert "paratrain.trainer" not in {t for m, ts in graph.items() if m.startswith("paratrain.batch") for t in ts}

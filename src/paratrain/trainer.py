@@ -37,9 +37,9 @@ from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.evaluate import Evaluator, eval_due
 from paratrain.loss import build_loss
-from paratrain.models import build, lora_base, spec_of
+from paratrain.models import build, lora_base, spec_of, with_lora
 from paratrain.models.hf import export_hf
-from paratrain.models.lora import apply_lora, is_adapter_param, trainable_parameters
+from paratrain.models.lora import is_adapter_param, trainable_parameters
 from paratrain.observability.events import EventLog, process_start_time
 from paratrain.observability.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
 from paratrain.observability.mfu import mfu, resolve_peak_flops, seq_len_of
@@ -279,8 +279,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     torch.manual_seed(cfg.run.seed)  # the init is a function of the seed, the same on every rank
     if model is not None:
         spec = spec_of(cfg.model, model)
-        if cfg.model.lora.enabled:  # a model passed in gets the adapters build() gives the config's models
-            apply_lora(model, cfg.model.lora, exclude=(spec.head_attr,) if spec.head_attr else ())
+        model = with_lora(model, cfg.model, spec)  # the adapters build() gives the config's models
     else:
         model, spec = build(cfg.model)
     n_params = sum(p.numel() for p in model.parameters())

@@ -12,10 +12,15 @@ it receives the spec's pieces as arguments. A spec says
 - its tensor-parallel plan: ``tp_plan(model, *, sequence_parallel, loss_parallel) ->
   {module name: ParallelStyle}`` (None: the user gives ``[parallel.tp_plan]``);
 - its training FLOPs per token: ``flops_per_token(model) -> f(seq_len)`` (default 6 x params);
+  ``flops_count_attention``: that count includes the attention products (the GPT's, PaLM's
+  count), so the planner takes it whole instead of counting the blocks' matmuls itself;
 - its own layout checks: ``check_layout(args, *, tp, sequence_parallel)`` raising ConfigError
-  before any process starts (e.g. attention heads divisible by tp);
+  before any process starts (e.g. attention heads divisible by tp), and ``check_degrees(args, *,
+  dims, parallel)`` for what its args ask of the cp and ep degrees (e.g. heads split over
+  cp x tp by all-to-all attention, routed experts divisible by ep);
 - whether the built-in cross-entropy may run on vocabulary-sharded logits (``loss_parallel``);
-- its context length from its args (``context_length``), checked against the data's block size;
+- its context length from its args (``context_length``), checked against the data's block size
+  and the row length when the data does not set one;
 - ``materialize(model, *, device)``: when set, the model is built on the meta device and this
   fills it after the parallelisms (each rank its own shards; e.g. pretrained HF weights);
 - ``head_attr``: its output layer (an ``nn.Linear``), which a chunked cross-entropy
@@ -85,12 +90,14 @@ class ModelSpec:
     tp_plan: Callable[..., dict] | None = None
     flops_per_token: Callable[[nn.Module], Callable[[int], float]] = params_flops_per_token
     check_layout: Callable[..., None] | None = None
+    check_degrees: Callable[..., None] | None = None
     loss_parallel: bool = False
     context_length: Callable[[dict], int | None] | None = None
     materialize: Callable[..., object] | None = None
     head_attr: str | None = None
     cp_attention: Callable[[nn.Module, Callable], None] | None = None
     expert_layers: Callable[[nn.Module], list[ExpertLayer]] = no_expert_layers
+    flops_count_attention: bool = False
 
     def hand_head_to(self, model: nn.Module, loss_fn, *, loss_parallel: bool) -> None:
         """Give the output layer to a loss that runs it (loss.py ``ChunkedCrossEntropy``), before

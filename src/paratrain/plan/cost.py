@@ -78,7 +78,6 @@ from paratrain.config import Config
 from paratrain.distributed.blocks import BLOCKS_ATTR
 from paratrain.distributed.pipeline_parallel import SCHEDULES, pp_microbatches, stage_ranges
 from paratrain.models import spec_of
-from paratrain.models.gpt import GPT
 from paratrain.models.spec import ModelSpec
 from paratrain.plan.enumerate import Layout
 from paratrain.plan.profile import Profile
@@ -179,8 +178,8 @@ class ModelStats:
         bf = [6.0 * (n - inactive[id(b)]) + attention for n, b in zip(bp, blocks)]
         head = getattr(model, "lm_head", None)
         head_flops = 6.0 * sum(p.numel() for p in head.parameters()) if head is not None else 0.0
-        if not isinstance(model, GPT):
-            # PaLM's count (observability/mfu.py's for the built-in GPT): matmul parameters and attention;
+        if not spec.flops_count_attention:
+            # PaLM's count (the built-in GPT's own, models/spec.py): matmul parameters and attention;
             # a generic model's 6 x parameters would count the embedding and miss attention.
             fpt = sum(bf) + head_flops
         vocab = getattr(mcfg, "vocab_size", 0)

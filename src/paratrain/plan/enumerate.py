@@ -22,7 +22,6 @@ from paratrain.batch.plan import divisors
 from paratrain.config import Config, ConfigError
 from paratrain.distributed.pipeline_parallel import SCHEDULES, check_untied
 from paratrain.models import build, spec_of
-from paratrain.models.gpt.moe import MoEConfig
 from paratrain.models.spec import ModelSpec
 from paratrain.preflight import check_run
 
@@ -150,13 +149,18 @@ def cp_degrees(cfg: Config, world_size: int):
 
 def moe_experts(cfg: Config) -> int | None:
     """The built-in GPT's routed experts per MoE layer (``model.args.moe``), None without experts,
-    read from the config when no model is built (a built model's spec says it for any model:
-    :func:`enumerate_layouts`). A bad table is left to the preflight, which names the key."""
+    as its spec describes them on the meta device, when no model is at hand (a built model's spec
+    says it for any model: :func:`enumerate_layouts`). A bad table is left to the preflight, which
+    names the key."""
     moe = cfg.model.args.get("moe")
     if moe is None or cfg.model.hf or cfg.model.factory or not isinstance(moe, dict):
         return None
-    n = moe.get("n_experts", MoEConfig.n_experts)
-    return n if isinstance(n, int) and n >= 1 else None
+    try:
+        model, spec = meta_build(cfg)
+    except ConfigError:
+        return None
+    layers = spec.expert_layers(model) if model is not None else []
+    return layers[0].n_experts if layers else None
 
 
 def ep_degrees(n_experts: int | None, dp: int) -> list[int | None]:

@@ -22,9 +22,7 @@ from paratrain.distributed.grad_compression import check_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import check_parallel_layout
 from paratrain.distributed.pipeline_parallel import check_pp_layout, check_untied
-from paratrain.models import build, model_builder, spec_of
-from paratrain.models.gpt.model import GPTConfig
-from paratrain.models.gpt.moe import MoEConfig
+from paratrain.models import build, resolve, spec_of
 from paratrain.models.hf import check_hf_moe_layout
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
@@ -46,7 +44,7 @@ def check_run(
     every command and the written config.toml see the size the model is built with).
     """
     check_paths(cfg)
-    model_builder(cfg.model)
+    resolve(cfg.model)
     dataset_builder(cfg.data)
     resolve_model_vocab(cfg.model, cfg.data)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
@@ -59,8 +57,11 @@ def check_run(
         global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp
     )
     check_feature_combinations(cfg, dims)
+    if dims.cp > 1 or cfg.model.args.get("moe") is not None:  # the model's own checks of cp and ep
+        check_degrees(cfg, dims, spec or spec_of(cfg.model, model))
     check_packing(cfg, dims)
-    check_cp(cfg, dims)
+    if dims.cp > 1:
+        check_cp_rows(cfg, dims, spec or spec_of(cfg.model, model))
     check_eval(cfg, dims, plan)
     if dims.tp > 1 or dims.pp > 1:
         meta_model, spec = model_on_meta(cfg, model, spec)
@@ -160,13 +161,12 @@ def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
         import_peft()
     if cfg.model.hf:  # a transformers mixture of experts (models/hf/moe.py); nothing for a dense one
         check_hf_moe_layout(cfg, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, dp_shard=dims.dp_shard)
-    if cfg.model.args.get("moe") is not None and not (cfg.model.hf or cfg.model.factory):
-        moe = MoEConfig.from_args(cfg.model.args["moe"])  # its own values, before any process starts
-        if moe.n_experts % dims.ep:
-            raise ConfigError(
-                f"parallel.ep = {dims.ep} does not divide model.args.moe.n_experts = {moe.n_experts};"
-                " use an ep that divides both n_experts and dp"
-            )
+
+
+def check_degrees(cfg: Config, dims: ParallelDims, spec: ModelSpec) -> None:
+    """What the model's args ask of the cp and ep degrees: its spec's own check (models/spec.py)."""
+    if spec.check_degrees is not None:
+        spec.check_degrees(cfg.model.args, dims=dims, parallel=cfg.parallel)
 
 
 def check_packing(cfg: Config, dims: ParallelDims) -> None:
@@ -189,22 +189,14 @@ def check_packing(cfg: Config, dims: ParallelDims) -> None:
         )
 
 
-def check_cp(cfg: Config, dims: ParallelDims) -> None:
-    """Context parallel (docs/context-parallel.md): what this version runs, and the row length."""
-    if dims.cp == 1:
-        return
-    heads = cfg.model.args.get("n_head", GPTConfig.n_head)  # the built-in GPT's (model.hf: checked at start)
-    if (
-        cfg.parallel.cp_attention == "alltoall"
-        and not cfg.model.hf
-        and isinstance(heads, int)
-        and heads % (dims.cp * dims.tp)
-    ):
-        raise ConfigError(
-            f"parallel.cp_attention = 'alltoall' splits model.args.n_head = {heads} over cp x tp = {dims.cp * dims.tp}"
-            " ranks; use a cp that divides the heads per tp rank or parallel.cp_attention = 'ring'"
-        )
-    block = cfg.data.args.get("block_size", cfg.model.args.get("block_size", GPTConfig.block_size))
+def check_cp_rows(cfg: Config, dims: ParallelDims, spec: ModelSpec) -> None:
+    """Context parallel (docs/context-parallel.md): each row splits into 2 x cp equal chunks. The
+    row is the data's block size, or the model's context length (its spec) when the data sets none."""
+    block = cfg.data.args.get("block_size")
+    if block is None and spec.context_length is not None:
+        block = spec.context_length(cfg.model.args)
+    if block is None:
+        block = cfg.model.args.get("block_size")
     m = 2 * dims.cp
     if isinstance(block, int) and block % m:
         low = block - block % m

@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 
 from paratrain.config import ConfigError
 from paratrain.models.gpt.model import GPTConfig, build_gpt, gpt_flops
-from paratrain.models.gpt.moe import MoE
+from paratrain.models.gpt.moe import MoE, MoEConfig
 from paratrain.models.spec import ExpertLayer, ModelSpec
 
 
@@ -112,6 +112,24 @@ def check_gpt_layout(args: dict, *, tp: int, sequence_parallel: bool) -> None:
             )
 
 
+def check_gpt_degrees(args: dict, *, dims, parallel) -> None:
+    """What the GPT's args ask of the cp and ep degrees (runs before launch): all-to-all context
+    parallel splits the heads over cp x tp; expert parallel splits the routed experts over ep."""
+    heads = args.get("n_head", GPTConfig.n_head)
+    if dims.cp > 1 and parallel.cp_attention == "alltoall" and isinstance(heads, int) and heads % (dims.cp * dims.tp):
+        raise ConfigError(
+            f"parallel.cp_attention = 'alltoall' splits model.args.n_head = {heads} over cp x tp = {dims.cp * dims.tp}"
+            " ranks; use a cp that divides the heads per tp rank or parallel.cp_attention = 'ring'"
+        )
+    if args.get("moe") is not None:
+        moe = MoEConfig.from_args(args["moe"])  # its own values, before any process starts
+        if moe.n_experts % dims.ep:
+            raise ConfigError(
+                f"parallel.ep = {dims.ep} does not divide model.args.moe.n_experts = {moe.n_experts};"
+                " use an ep that divides both n_experts and dp"
+            )
+
+
 def gpt_cp_attention(model: nn.Module, attention_fn) -> None:
     """Context parallel (distributed/context_parallel.py ``apply_cp``): every block's attention
     calls ``attention_fn``, and the model passes it the position ids instead of a mask."""
@@ -145,9 +163,11 @@ GPT_SPEC = ModelSpec(
     tp_plan=gpt_tp_plan,
     flops_per_token=gpt_flops,
     check_layout=check_gpt_layout,
+    check_degrees=check_gpt_degrees,
     loss_parallel=True,
     context_length=gpt_context_length,
     head_attr="lm_head",
     cp_attention=gpt_cp_attention,
     expert_layers=gpt_expert_layers,
+    flops_count_attention=True,
 )

@@ -18,6 +18,7 @@ back to the checkpoint's (``model.layers.0.self_attn.q_proj.weight``).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -50,9 +51,27 @@ def check_hf_dir(path: str, key: str = "model.hf") -> str:
     return path
 
 
+# (directory, its config.json's mtime, key, [model.args]) -> the checked PretrainedConfig: a
+# process reads each config once however many of its parts (preflight, spec, build, export) ask.
+_HF_CONFIGS: dict[tuple, object] = {}
+
+
 def load_hf_config(path: str, overrides: dict, key: str = "model.hf"):
     """The model's ``PretrainedConfig`` with ``[model.args]`` overriding its fields. Every path
-    that reads a ``model.hf`` starts here, so a missing transformers is one line here."""
+    that reads a ``model.hf`` starts here, so a missing transformers is one line here. Read once
+    per process and arguments; each call gets its own copy (callers may set its fields)."""
+    try:
+        stamp = os.stat(os.path.join(path, CONFIG_FILE)).st_mtime_ns
+    except OSError:  # read_hf_config names what is missing
+        stamp = None
+    cached = (os.path.abspath(path), stamp, key, json.dumps(overrides, sort_keys=True, default=repr))
+    if cached not in _HF_CONFIGS or stamp is None:
+        _HF_CONFIGS[cached] = read_hf_config(path, overrides, key)
+    return copy.deepcopy(_HF_CONFIGS[cached])
+
+
+def read_hf_config(path: str, overrides: dict, key: str = "model.hf"):
+    """:func:`load_hf_config` without the cache: ``config.json`` read and checked."""
     try:
         from transformers import AutoConfig  # an optional extra: paratrain[hf]
     except ImportError:
