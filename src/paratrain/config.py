@@ -228,7 +228,7 @@ class ParallelConfig:
         1,
         "Expert-parallel degree (docs/moe.md): a mixture-of-experts model's experts are split over groups of ep data-parallel ranks (borrowed from dp, which it must divide, as must model.args.moe.n_experts); tokens travel to their experts by all_to_all.",
     )
-    # --- sharded data parallel, tensor parallel, activation checkpointing (issue 3) ---
+    # --- sharded data parallel, tensor parallel, activation checkpointing ---
     reshard_after_forward: bool = opt(
         True,
         "FSDP2: free the gathered parameters after each block's forward (true: ZeRO-3-like, least memory; false: ZeRO-2-like, keeps them until backward, one all-gather less per block, and skips gradient sync on early micro-batches).",
@@ -293,7 +293,7 @@ class MetricsConfig:
         False, "Also write TensorBoard event files into out_dir/tensorboard (needs the 'tensorboard' extra)."
     )
     plot: bool = opt(True, "Write out_dir/metrics.png (loss and throughput) at the end.")
-    # --- experiment trackers and per-rank statistics (issue 13; trackers.py, rank_stats.py) ---
+    # --- experiment trackers and per-rank statistics (observability/trackers.py, rank_stats.py) ---
     wandb: bool = opt(
         False,
         "Also log to Weights & Biases from rank 0 (needs the 'wandb' extra): the resolved config, every metrics row, the summary.",

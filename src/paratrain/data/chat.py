@@ -95,7 +95,7 @@ def _tokenizer_class(path: str):
 
     ``AutoTokenizer``'s module imports ``configuration_utils``, which imports torch (through
     ``modeling_rope_utils``): 1-2 s of CPU before the first row, where ``prepare`` of text imports
-    the tokenizers library alone (issue 21). ``AutoTokenizer`` picks the class from
+    the tokenizers library alone. ``AutoTokenizer`` picks the class from
     ``tokenizer_config.json`` and, when there is one, the model's ``config.json`` (its model type can
     override the declared class), or runs the directory's own code (``auto_map``). Only where
     neither can apply (no ``config.json``, no ``auto_map``) and the declared class is the generic

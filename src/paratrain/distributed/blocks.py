@@ -3,7 +3,7 @@
 The ModelSpec names the attribute (``blocks_attr``, ``"layers"`` by convention). FSDP2 wrapping,
 ``replicate``, activation checkpointing, per-block compile, the pipeline split, ``ModelSpec.blocks``
 and the whole planner read blocks through this module, so a user spec's ``blocks_attr`` is
-honoured everywhere (before, ``plan/`` looked at ``model.layers`` whatever the spec said).
+honoured everywhere (no part reads ``model.layers`` behind the spec's back).
 """
 
 from __future__ import annotations

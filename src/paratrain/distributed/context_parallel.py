@@ -1,4 +1,4 @@
-"""Context parallelism: the sequence split over the ``cp`` ranks, attention by a ring (issue 23).
+"""Context parallelism: the sequence split over the ``cp`` ranks, attention by a ring or all-to-all.
 
 Each rank of a cp group holds a slice of every row's sequence; everything but attention (the
 embeddings, the MLPs, the norms, the loss) runs on that slice alone. Attention needs every key,

@@ -87,10 +87,10 @@ def all_to_all(x: torch.Tensor, *, out_splits: list[int], in_splits: list[int], 
 # train.compile: the dispatch runs eagerly inside the compiled block (torchtitan too keeps the
 # token exchange out of its compiled MoE). Traced, it is correct but costly to compile: each host
 # read (the split sizes' ``tolist``) and data-dependent gather (``nonzero`` per local expert)
-# breaks the graph, so one MoE block became ~12 graphs, each compiled by inductor forward and
+# breaks the graph, so one MoE block becomes ~12 graphs, each compiled by inductor forward and
 # backward, plus one recompile for dynamic row counts at the block's second call (the next MoE
 # layer: not a recompile per step). One block's first call took 140 s at ep = 2 on the shared
-# 2-core CPU machine at load 10; hence the 240 s of the old refusal, compile time and not a hang.
+# 2-core CPU machine at load 10: compile time, not a hang.
 # Eager: 5 graphs, 24 s at the same load, and no recompile (the output has the fixed shape
 # (N k, d), so the router, weighting and slot-order combine around it compile once).
 @torch.compiler.disable

@@ -82,7 +82,7 @@ class ParallelDims:
         return self.dp_shard > 1 or self.cp > 1
 
     def degrees(self) -> dict[str, int]:
-        # cp only when used: layouts written before it (metrics, checkpoints) keep their keys.
+        # cp only when used: a layout without cp has the keys of metrics and checkpoints that lack it.
         return {name: getattr(self, name) for name in MESH_ORDER if name != "cp" or self.cp > 1}
 
     def describe(self) -> str:

@@ -59,7 +59,7 @@ def cpu_threads(setting: int, *, world_size: int) -> int | None:
     A function of the config and the job's world size only, never of the node's shape: torchrun
     sets ``OMP_NUM_THREADS=1`` only on a node of more than one process, so two one-process nodes
     ran with more threads than one two-process node, and CPU matmuls split over another number
-    of threads round differently (1.45e-4 relative by step 200 of the debug config, issue 39).
+    of threads round differently (1.45e-4 relative by step 200 of the debug config).
     """
     if setting > 0:
         return setting
@@ -111,8 +111,8 @@ def record_failure(line: str, *, exit_code: int) -> bool:
 
 
 def stop_with_launcher(poll_s: float = 1.0) -> None:
-    """End this worker within seconds of its launcher's death (issue: workers orphaned by a
-    SIGKILLed launcher kept training for minutes, holding their devices).
+    """End this worker within seconds of its launcher's death: a worker orphaned by a SIGKILLed
+    launcher would otherwise train on for minutes, holding its device.
 
     torch elastic starts each worker in a session of its own, so a signal to the launcher's
     process group never reaches it. Two guards: Linux's parent-death signal (``prctl

@@ -133,7 +133,7 @@ def format_eta(seconds: float) -> str:
 class RowHistory(Sequence):
     """The per-step rows a run keeps for its summary and plot: only the fields those read, in
     float arrays (48 bytes a step), where a list of the rows kept every row's ~20-key dict (about
-    0.9 MiB per 1000 steps on every rank, the growth issue 39 measured over a 12,000-step run).
+    0.9 MiB per 1000 steps on every rank, as measured over a 12,000-step run).
 
     A sequence of small dicts (``summarize`` and ``plot_metrics`` take it as they take a list of
     rows); a field a row lacks (``val_loss`` between evaluations) is absent from its dict.

@@ -1,4 +1,4 @@
-"""Memory and time per rank, and the straggler: the fields every metrics row gains (issue 13).
+"""Memory and time per rank, and the straggler: the fields every metrics row gains.
 
 Every step each row carries rank 0's own memory (no collective). Every
 ``metrics.rank_stats_every`` steps one all-gather of a few floats per rank brings every rank's
