@@ -94,3 +94,35 @@ def test_plan_reads_blocks_through_the_spec():
     assert MemoryModel(cfg, model=model, n_blocks=3, spec=spec)._block_sizes() == [16 * 2 * (8 * 8 + 8)] * 3
     layouts, _ = enumerate_layouts(cfg, world_size=2, nproc_per_node=2)
     assert any(lay.pp == 2 for lay in layouts)
+
+
+def test_a_pipeline_stage_gets_exactly_the_whole_models_options(monkeypatch):
+    """parallelize hands each pipeline stage to itself with every option it was given: the spec,
+    the config sections and the step's decisions (without loss_owns_head the last stage's chunked
+    loss would read an FSDP2 shard of the output layer)."""
+    from types import SimpleNamespace
+
+    import paratrain.distributed.parallelize as par
+    from paratrain.config import CommConfig, ParallelConfig, PrecisionConfig
+
+    stage_fns = []
+    monkeypatch.setattr(
+        par, "apply_pp", lambda model, mesh, *, parallelize_stage, **kw: stage_fns.append(parallelize_stage)
+    )
+    options = dict(
+        cfg=ParallelConfig(pp=2),
+        device=torch.device("cpu"),
+        spec=GPT_SPEC,
+        comm=CommConfig(),
+        precision=PrecisionConfig(),
+        compile_enabled=True,
+        loss_parallel=True,
+        loss_owns_head=True,
+    )
+    dims = SimpleNamespace(pp=2, submesh=lambda name: None)
+    par.parallelize(nn.Linear(2, 2), dims, **options)
+    seen = []
+    monkeypatch.setattr(par, "parallelize", lambda stage, d, **kw: seen.append((stage, d, kw)))
+    stage = nn.Linear(2, 2)
+    stage_fns[0](stage)
+    assert seen == [(stage, dims, options)]
