@@ -114,6 +114,9 @@ FEATURES: dict[str, Feature] = {
             lambda c, d: _gpt_moe(c),
             {"4x2": ("model.args.moe={n_experts = 4, top_k = 2}",)},
             math=True,
+            # A router's top-k turns a rounding difference in its scores into another expert's
+            # output: the sweep saw 1.2e-4 in grad_norm at dp 2 x tp 2 x ep 2 (3 steps, lr 0.5).
+            tolerance=5e-4,
             triples=True,
         ),
         Feature(
@@ -306,6 +309,19 @@ REFUSALS: tuple[Refusal, ...] = (
             " (the same losses)"
         ),
         "pipeline stages run one input shape; padded rows are as wide as each batch's longest document",
+    ),
+    # The context-parallel attention's backward (distributed/context_parallel.py) is one pass with
+    # its ring or all-to-all exchanges; a zero-bubble schedule splits each backward into input and
+    # weight passes, and the sweep found the gradients wrong (pp zbv x cp ring: 2% at step 1).
+    Refusal(
+        ("cp", "pp zero-bubble"),
+        lambda c, d: d.cp > 1 and d.pp > 1 and c.parallel.pp_schedule in ZERO_BUBBLE,
+        lambda c, d: (
+            f"parallel.cp with parallel.pp_schedule = '{c.parallel.pp_schedule}' is not supported yet"
+            " (the context-parallel attention's backward is not split into input and weight passes);"
+            " use 'gpipe', '1f1b', 'interleaved1f1b' or 'looped_bfs'"
+        ),
+        "the context-parallel attention's backward is not split into a zero-bubble schedule's input and weight passes",
     ),
     # torch 2.13's AOTAutograd asserts on the saved parameters of a compiled, checkpointed
     # tensor-parallel block when a zero-bubble schedule runs its separate weight pass.
