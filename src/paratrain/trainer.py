@@ -41,7 +41,14 @@ from paratrain.models import build, lora_base, spec_of, with_lora
 from paratrain.models.hf import export_hf
 from paratrain.models.lora import is_adapter_param, trainable_parameters
 from paratrain.observability.events import EventLog, process_start_time
-from paratrain.observability.metrics import MetricsWriter, plot_metrics, setup_logging, summarize, truncate_metrics
+from paratrain.observability.metrics import (
+    MetricsWriter,
+    RowHistory,
+    plot_metrics,
+    setup_logging,
+    summarize,
+    truncate_metrics,
+)
 from paratrain.observability.mfu import mfu, resolve_peak_flops, seq_len_of
 from paratrain.observability.profiler import Profiler, build_profiler
 from paratrain.observability.rank_stats import RankStats, build_rank_stats
@@ -148,9 +155,10 @@ def train(
         close_distributed(ctx, barrier=ended)
 
 
-def loop(cfg: Config, run: Run) -> list[dict]:
+def loop(cfg: Config, run: Run) -> RowHistory:
     """The optimiser steps: sample, step, adapt the batch, schedule the lr, log, checkpoint."""
-    state, plan, history = run.state, run.plan, []
+    # Only the fields the summary and plot read, not every row's dict (memory flat over long runs).
+    state, plan, history = run.state, run.plan, RowHistory()
     run.model.train()
     while not finished(cfg, state):
         t0 = time.perf_counter()
@@ -487,7 +495,7 @@ def save_lora_adapter(sd: dict, cfg: Config, out_dir: str) -> None:
     log.info("lora: the adapters in %s (PEFT: PeftModel.from_pretrained(base, DIR))%s", adapter, merge)
 
 
-def finish(cfg: Config, run: Run, history: list[dict]) -> dict:
+def finish(cfg: Config, run: Run, history: RowHistory) -> dict:
     """Summary, plot and final weights; returns the summary."""
     out_dir, ctx, plan = cfg.run.out_dir, run.ctx, run.plan
     summary = summarize(history)
