@@ -323,23 +323,17 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         "the context-parallel attention's backward is not split into a zero-bubble schedule's input and weight passes",
     ),
-    # torch 2.13's AOTAutograd asserts on the saved parameters of a compiled, checkpointed
-    # tensor-parallel block when a zero-bubble schedule runs its separate weight pass.
+    # torch 2.13's AOTAutograd asserts on the saved parameters of a compiled, fully checkpointed
+    # tensor-parallel block run by a pipeline stage (seen with gpipe and zbv).
     Refusal(
-        ("compile", "pp zero-bubble", "tp", "activation_checkpointing full"),
+        ("compile", "pp", "tp", "activation_checkpointing full"),
+        lambda c, d: c.train.compile and d.pp > 1 and d.tp > 1 and c.parallel.activation_checkpointing == "full",
         lambda c, d: (
-            c.train.compile
-            and d.pp > 1
-            and c.parallel.pp_schedule in ZERO_BUBBLE
-            and d.tp > 1
-            and c.parallel.activation_checkpointing == "full"
+            "train.compile with parallel.pp > 1, parallel.tp > 1 and parallel.activation_checkpointing ="
+            " 'full' is not supported (torch 2.13 cannot run the compiled blocks' backward there); drop one of"
+            " them, e.g. parallel.activation_checkpointing = 'selective'"
         ),
-        lambda c, d: (
-            f"train.compile with parallel.pp_schedule = '{c.parallel.pp_schedule}', parallel.tp > 1 and"
-            " parallel.activation_checkpointing = 'full' is not supported (torch 2.13 cannot run the compiled"
-            " blocks' weight pass); drop one of them, e.g. use parallel.pp_schedule = 'interleaved1f1b'"
-        ),
-        "torch 2.13's compiled backward of checkpointed tensor-parallel blocks fails in the weight pass",
+        "torch 2.13's compiled backward of fully checkpointed tensor-parallel blocks fails in a pipeline stage",
     ),
     # Sequence parallel splits each row's positions evenly over the tp ranks; a padded row is as
     # long as its batch's longest document, often not a multiple of tp.
