@@ -335,6 +335,17 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         "torch 2.13's compiled backward of fully checkpointed tensor-parallel blocks fails in a pipeline stage",
     ),
+    # torch.compile specialises on the row width; padded rows change it every micro-batch, so each
+    # width is another compile, and past dynamo's recompile limit the sweep saw a RecursionError.
+    Refusal(
+        ("compile", "packing padded"),
+        lambda c, d: c.train.compile and c.data.args.get("packing") == "padded",
+        lambda c, d: (
+            "train.compile with data.args.packing = 'padded' is not supported: padded rows change width"
+            " every micro-batch and each width compiles again; use data.args.packing = 'documents' (the same losses)"
+        ),
+        "compiled blocks specialise on the row width, which padded rows change every micro-batch",
+    ),
     # Sequence parallel splits each row's positions evenly over the tp ranks; a padded row is as
     # long as its batch's longest document, often not a multiple of tp.
     Refusal(
