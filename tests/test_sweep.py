@@ -87,3 +87,11 @@ def test_the_whole_sweep_equals_one_process(corpus, tmp_path):
     results = run_layouts(load_design().layouts, corpus, str(tmp_path))
     wrong = {lay.name: r for lay, r in results.items() if not r["ok"]}
     assert not wrong, f"differs from one process: {wrong}"
+
+
+def test_combinations_of_more_than_three_found_by_the_sweep_are_refused(corpus):
+    """Refusals that no pair or triple of the design holds: each layout the sweep saw fail."""
+    failed = Layout((("tp", "2"), ("pp", "gpipe"), ("activation_checkpointing", "full"), ("compile", "on")))
+    assert "train.compile with parallel.pp > 1, parallel.tp > 1" in refusal(failed, corpus)
+    fine = Layout((("pp", "gpipe"), ("activation_checkpointing", "full"), ("compile", "on")))
+    assert refusal(fine, corpus) is None
