@@ -251,7 +251,7 @@ def _first_error(message: str) -> str:
     return (lines[-1] if lines else message.strip().splitlines()[-1])[:300]
 
 
-def _run_world(world: int, runs: dict[str, list[str]], root: str) -> dict:
+def _run_world(world: int, runs: dict[str, list[str]], root: str, timeout: float) -> dict:
     """Every run of one world size in one process group. When one fails, the runs that finished
     before it are kept, it stands with its error, and the group starts again after it."""
     from tests.dist_utils import run_ranks
@@ -263,7 +263,7 @@ def _run_world(world: int, runs: dict[str, list[str]], root: str) -> dict:
         if os.path.exists(finished):
             os.remove(finished)
         try:
-            out.update(run_ranks(train_each, world, todo, root, timeout=1800)[0])
+            out.update(run_ranks(train_each, world, todo, root, timeout=timeout)[0])
             return out
         except AssertionError as e:
             done = {}
@@ -279,19 +279,20 @@ def _run_world(world: int, runs: dict[str, list[str]], root: str) -> dict:
     return out
 
 
-def run_layouts(layouts: list[Layout], corpus: str, root: str) -> dict[Layout, dict]:
+def run_layouts(layouts: list[Layout], corpus: str, root: str, *, timeout: float = 1800) -> dict[Layout, dict]:
     """Each layout and its one-process reference; per layout the largest relative differences
     of loss and grad_norm from the reference, and whether they are within its tolerance (or the
-    error it ended with)."""
+    error it ended with). ``timeout``: per process group, below the calling test's own, so that a
+    hang reports the stacks of every rank instead of pytest's bare timeout."""
     references = sorted({lay.reference() for lay in layouts}, key=lambda lay: lay.name)
     base = base_overrides(corpus)
     one = {f"ref-{r.name}": [*base, *r.overrides(), f"batch.micro_batch_size={GLOBAL_BATCH}"] for r in references}
-    results = _run_world(1, one, root)
+    results = _run_world(1, one, root, timeout)
     by_world: dict[int, dict[str, list[str]]] = {}
     for lay in layouts:
         by_world.setdefault(lay.world, {})[lay.name] = [*base, *lay.overrides()]
     for world, runs in sorted(by_world.items()):
-        results.update(_run_world(world, runs, root))
+        results.update(_run_world(world, runs, root, timeout))
     out = {}
     for lay in layouts:
         got, ref = results[lay.name], results[f"ref-{lay.reference().name}"]

@@ -68,7 +68,7 @@ def test_a_seeded_sample_of_the_sweep_equals_one_process(corpus, tmp_path):
     seed = int(os.environ.get("PARATRAIN_SWEEP_SEED", "0"))
     layouts = [lay for lay in load_design().layouts if "compile" not in dict(lay.levels)]
     sample = [*REGRESSIONS, random.Random(seed).choice(layouts)]
-    results = run_layouts(sample, corpus, str(tmp_path))
+    results = run_layouts(sample, corpus, str(tmp_path), timeout=400)  # 2 groups, under the 900 s above
     wrong = {lay.name: r for lay, r in results.items() if not r["ok"]}
     assert not wrong, f"PARATRAIN_SWEEP_SEED={seed}: differs from one process: {wrong}"
 
@@ -81,10 +81,10 @@ def test_every_stored_layout_is_still_accepted(corpus):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3000)
+@pytest.mark.timeout(4500)
 def test_the_whole_sweep_equals_one_process(corpus, tmp_path):
     """Every layout of the stored design (docs/combinations.md shows their differences)."""
-    results = run_layouts(load_design().layouts, corpus, str(tmp_path))
+    results = run_layouts(load_design().layouts, corpus, str(tmp_path), timeout=1400)  # 3 groups
     wrong = {lay.name: r for lay, r in results.items() if not r["ok"]}
     assert not wrong, f"differs from one process: {wrong}"
 
