@@ -44,7 +44,7 @@ test: install-test lint
 
 # The slow end-to-end cases alone; CI runs `make test` and then this.
 test-slow: install-test
-	$(PY) -m pytest -q -m slow tests
+	$(PY) -m pytest -q -m slow --durations=40 tests
 
 test-all: install-test lint
 	$(PY) -m pytest -q tests

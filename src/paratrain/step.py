@@ -300,6 +300,10 @@ def forward_backward(
             with precision.autocast():  # forward under autocast; backward follows its dtypes
                 output = model(inputs)
                 terms = [objective.loss(output, target) for objective in ctx.objectives]
+                # The output (the logits) is not held through the backward or into the next
+                # micro-batch's forward: 2 logits-sized buffers at the peak otherwise (caught by
+                # tests/test_plan.py's pipeline-memory check against a real run).
+                del output
             precision.scale(add_terms(terms)).backward()  # fp16: times the GradScaler's loss scale
         for objective in ctx.objectives:
             objective.end_micro_batch()
