@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.config import Config
+from paratrain.config import Config, ConfigError
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
@@ -24,6 +24,7 @@ from paratrain.loss import Loss
 from paratrain.models.spec import ModelSpec
 from paratrain.objectives import build_objectives
 from paratrain.precision import Precision
+from paratrain.randomness import has_dropout, site_names
 from paratrain.step import StepContext
 
 log = logging.getLogger("paratrain")
@@ -73,6 +74,7 @@ def build_parallel(
         user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory),
         supported=spec.loss_parallel,
     )
+    keyed = keyed_dropout_enabled(cfg, dims, model, compile_enabled=compile_enabled)
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
     objectives = build_objectives(loss_fn, model, items_per_sample=items_per_sample, pipeline=dims.pp > 1)
     model = parallelize(
@@ -106,5 +108,28 @@ def build_parallel(
         adds_loss=dims.local_rank_in("tp") == 0,
         cp=dims.cp,
         cp_rank=dims.local_rank_in("cp"),
+        draw_sites=site_names(model) if keyed else None,
     )
     return model, step_ctx, compression
+
+
+def keyed_dropout_enabled(cfg: Config, dims: ParallelDims, model: nn.Module, *, compile_enabled: bool | None) -> bool:
+    """Whether the step keys the model's dropout by the sample (run.keyed_random and a model that
+    draws dropout, paratrain/randomness.py). Under a parallelism whose shards or stages the keyed
+    masks do not follow yet, the run stops in one line unless run.layout_dependent accepts it
+    (then each rank's own RNG draws, as torch's dropout does)."""
+    if not cfg.run.keyed_random or not has_dropout(model):
+        return False
+    compiled = cfg.train.compile if compile_enabled is None else compile_enabled
+    unkeyed = [f"parallel.{k} > 1" for k in ("tp", "pp", "cp") if getattr(dims, k) > 1]
+    unkeyed += ["train.compile"] if compiled else []
+    if not unkeyed:
+        return True
+    if cfg.run.layout_dependent:
+        log.warning("dropout: not keyed by the sample under %s: its masks depend on the layout", ", ".join(unkeyed))
+        return False
+    raise ConfigError(
+        f"the model draws dropout, whose masks are not keyed by the sample under {' and '.join(unkeyed)} yet, so the"
+        " losses would depend on the layout; set the model's dropout rates to 0, or run.layout_dependent = true"
+        " to accept that (docs/randomness.md)"
+    )

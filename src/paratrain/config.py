@@ -46,6 +46,14 @@ class RunConfig:
     progress: bool = opt(True, "Show a progress bar on rank 0.")
     log_all_ranks: bool = opt(False, "Print log lines from every rank, not only rank 0.")
     save_model: bool = opt(True, "Write the final full weights to out_dir/model.safetensors.")
+    keyed_random: bool = opt(
+        True,
+        "Draw every random number from the sample it belongs to: a dataset's __getitem__ runs with torch's, numpy's and Python's global RNGs seeded from (seed, epoch, index), and dropout masks come from (seed, epoch, index, module, position), so a run is the same on every layout (docs/randomness.md). false: each rank's own RNG streams (not layout-exact).",
+    )
+    layout_dependent: bool = opt(
+        False,
+        "Accept a run whose math depends on the layout (the start-of-run probe's finding, or dropout under a parallelism that does not key it yet) instead of stopping with exit 2 (docs/randomness.md).",
+    )
     overwrite: bool = opt(
         False,
         "Let `paratrain train` start over in an out_dir that holds another run's outputs (metrics, weights, checkpoints), removing them first; otherwise it is refused unless the run resumes (--resume). `paratrain train --overwrite` sets it.",
@@ -60,7 +68,7 @@ class LoraConfig:
     alpha: float = opt(8.0, "LoRA scaling numerator (PEFT's lora_alpha): the update is B @ A x alpha / r.")
     dropout: float = opt(
         0.0,
-        "Dropout on the adapters' input (PEFT's lora_dropout), in [0, 1). Its masks come from each rank's RNG: > 0 is not layout-exact.",
+        "Dropout on the adapters' input (PEFT's lora_dropout), in [0, 1); its masks are keyed by the sample (run.keyed_random, docs/randomness.md).",
     )
     target_modules: list | str = opt(
         [],

@@ -56,6 +56,7 @@ from paratrain.distributed.tensor_parallel import maybe_loss_parallel
 from paratrain.objectives import Objective
 from paratrain.objectives.items import check_count
 from paratrain.precision import Precision
+from paratrain.randomness import maybe_keyed_draws
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,9 @@ class StepContext:
     # of every row of the micro-batches it loads, the same ones as its cp peers.
     cp: int = 1
     cp_rank: int = 0
+    # Keyed dropout (paratrain/randomness.py): the model's modules' site names; the step then
+    # draws each micro-batch's masks from its rows' keys. None: torch's own dropout.
+    draw_sites: dict[int, str] | None = None
 
     @property
     def amp(self) -> Precision:
@@ -216,13 +220,15 @@ def train_step(
     *,
     after_backward: Callable[[int], None] | None = None,
     stop_flag: Callable[[], bool] | None = None,
+    keys: list[torch.Tensor] | None = None,
 ) -> StepResult:
     """One optimiser step over this rank's micro-batches ``[(input, target), ...]`` (on CPU).
 
     ``after_backward(k)`` runs after micro-batch k's backward (the gradient-noise probe of
     batch.adaptive, batch/adaptive.py; not with a pipeline). ``stop_flag()`` is read just before
     the step's reduce (this rank got SIGTERM: preemption.py); ``StepResult.stop`` says whether
-    any rank's was set.
+    any rank's was set. ``keys``: each micro-batch's row keys (``StepLoader.keys``), from which
+    keyed dropout draws when ``ctx.draw_sites`` is set.
     """
     objectives = ctx.objectives
     count, batches, autos, decisions = prepare_batches(model, batches, ctx, objectives)
@@ -245,7 +251,9 @@ def train_step(
             )
         pp_group = model.pp_group
     else:
-        forward_backward(model, batches, ctx, after_backward=after_backward, autos=autos, decisions=decisions)
+        forward_backward(
+            model, batches, ctx, after_backward=after_backward, autos=autos, decisions=decisions, keys=keys
+        )
         pp_group = None
     # The sums are final once the backward is done: their reduce is launched now and waited for
     # after the optimiser step, which it overlaps (with DDP the ranks have just met in the
@@ -281,11 +289,14 @@ def forward_backward(
     after_backward=None,
     autos: Sequence[AutoAttention] = (),
     decisions: list[bool] | None = None,
+    keys: list[torch.Tensor] | None = None,
 ) -> None:
     """The plain micro-batch loop: each micro-batch's objectives' terms, summed, differentiated.
 
     ``autos``: the model's "auto" context-parallel attentions, given each micro-batch's decision
-    (``decisions``, :func:`cp_decisions`) over its forward and backward."""
+    (``decisions``, :func:`cp_decisions`) over its forward and backward. ``keys``: each
+    micro-batch's row keys, from which keyed dropout draws over its forward and backward (an
+    activation checkpoint's recomputation runs in the backward and draws the same masks)."""
     precision = ctx.amp  # --- mixed precision (paratrain.precision)
     last = len(batches) - 1
     for k, (inputs, target) in enumerate(batches):
@@ -296,6 +307,7 @@ def forward_backward(
             maybe_no_sync(model, sync=k == last, sync_each_micro_batch=ctx.sync_each_micro_batch),
             maybe_loss_parallel(ctx.loss_parallel),
             maybe_auto_decision(autos, decisions[k] if decisions else None),
+            maybe_keyed_draws(ctx.draw_sites, keys[k] if keys else None),
         ):
             with precision.autocast():  # forward under autocast; backward follows its dtypes
                 output = model(inputs)

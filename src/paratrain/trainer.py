@@ -57,6 +57,7 @@ from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.precision import Precision, build_precision
 from paratrain.preemption import Preemption
 from paratrain.preflight import check_eval, check_run
+from paratrain.randomness import draws_random
 from paratrain.step import StepContext, StepResult, train_step
 
 log = logging.getLogger("paratrain")
@@ -167,8 +168,19 @@ def loop(cfg: Config, run: Run) -> RowHistory:
         data_time = time.perf_counter() - t0
         lr = run.scheduler.get_last_lr()[0]
         probe = run.adapter.probe(run.model, batches[0], run.step_ctx.loss_fn) if run.adapter else None
+        keys = None
+        if run.step_ctx.draw_sites is not None:  # keyed dropout: the rows' keys (paratrain/randomness.py)
+            keys = run.loader.keys(
+                state.consumed_samples, plan.global_batch_size, plan.micro_batch_size, seed=cfg.run.seed
+            )
         result = train_step(
-            run.model, run.optimizer, batches, run.step_ctx, after_backward=probe, stop_flag=run.preemption.requested
+            run.model,
+            run.optimizer,
+            batches,
+            run.step_ctx,
+            after_backward=probe,
+            stop_flag=run.preemption.requested,
+            keys=keys,
         )
         state.step += 1
         state.consumed_samples += plan.global_batch_size
@@ -350,6 +362,8 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         prefetch=cfg.data.prefetch,
         pin_memory=ctx.device.type == "cuda",  # then the step copies with non_blocking=True
         seed=cfg.run.seed,
+        # A dataset's own draws (augmentation) keyed by the sample; paratrain's token datasets draw none.
+        keyed_seed=cfg.run.seed if cfg.run.keyed_random and draws_random(dataset) else None,
     )
     evaluator = None
     if cfg.eval.interval:

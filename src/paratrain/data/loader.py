@@ -1,7 +1,7 @@
 """A prefetching loader: worker processes build the next steps' micro-batches ahead of time.
 
 It is ``torch.utils.data.DataLoader`` over a dataset whose items are *steps*: item = this rank's
-list of micro-batch index lists, value = the list of collated micro-batches
+list of micro-batch ``(epoch, index)`` lists, value = the list of collated micro-batches
 (the dataset's collate, ``default_collate`` by default, of ``[dataset[i] for i in mb]`` each). The index lists come from a
 ``StepSampler``, a pure function of ``consumed_samples`` (batching.GlobalBatchSampler), so the
 loader holds no state but its queue: resume, resize or a change of batch size is a new loader
@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from paratrain.data.sampler import GlobalBatchSampler, collate_of, micro_batches, rank_slice
+from paratrain.randomness import row_keys, sample_rng
 
 
 class StepSampler(Sampler):
@@ -42,37 +43,56 @@ class StepSampler(Sampler):
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp = dp_rank, dp
 
-    def step_indices(self, position: int) -> list[list[int]]:
-        indices = self.sampler.global_indices(position, self.global_batch_size)
-        return micro_batches(rank_slice(indices, dp_rank=self.dp_rank, dp=self.dp), self.micro_batch_size)
+    def step_samples(self, position: int) -> list[list[tuple[int, int]]]:
+        """This rank's micro-batches of the step at ``position``: ``(epoch, dataset index)`` lists."""
+        samples = self.sampler.global_samples(position, self.global_batch_size)
+        return micro_batches(rank_slice(samples, dp_rank=self.dp_rank, dp=self.dp), self.micro_batch_size)
 
-    def __iter__(self) -> Iterator[list[list[int]]]:
+    def __iter__(self) -> Iterator[list[list[tuple[int, int]]]]:
         s = 0
         while self.steps is None or s < self.steps:
-            yield self.step_indices(self.start + s * self.global_batch_size)
+            yield self.step_samples(self.start + s * self.global_batch_size)
             s += 1
 
 
 class CollatedSteps(Dataset):
-    """Item = one step's micro-batch index lists -> its collated micro-batches."""
+    """Item = one step's micro-batch ``(epoch, index)`` lists -> its collated micro-batches.
 
-    def __init__(self, dataset: Dataset):
-        self.dataset = dataset
+    ``keyed_seed``: each ``dataset[i]`` runs under :func:`~paratrain.randomness.sample_rng` of
+    ``(seed, epoch, i)``, so what it draws from the global RNGs is the same on every layout,
+    in the main process or a worker; None calls it as it is."""
+
+    def __init__(self, dataset: Dataset, keyed_seed: int | None = None):
+        self.dataset, self.keyed_seed = dataset, keyed_seed
         self.collate = collate_of(dataset)
 
-    def __getitem__(self, step: list[list[int]]) -> list:
-        return [self.collate([self.dataset[i] for i in mb]) for mb in step]
+    def item(self, epoch: int, index: int):
+        if self.keyed_seed is None:
+            return self.dataset[index]
+        with sample_rng(self.keyed_seed, epoch, index):
+            return self.dataset[index]
+
+    def __getitem__(self, step: list[list[tuple[int, int]]]) -> list:
+        return [self.collate([self.item(e, i) for e, i in mb]) for mb in step]
 
 
 def build_loader(
-    dataset: Dataset, steps, *, workers: int = 0, prefetch: int = 2, pin_memory: bool = False, seed: int = 0
+    dataset: Dataset,
+    steps,
+    *,
+    workers: int = 0,
+    prefetch: int = 2,
+    pin_memory: bool = False,
+    seed: int = 0,
+    keyed_seed: int | None = None,
 ) -> DataLoader:
     """Iterate to get, step after step, the list of collated micro-batches of ``steps``.
 
-    ``steps`` is any iterable of per-step micro-batch index lists (a StepSampler for training).
+    ``steps`` is any iterable of per-step micro-batch ``(epoch, index)`` lists (a StepSampler
+    for training); ``keyed_seed``: CollatedSteps'.
     """
     return DataLoader(
-        CollatedSteps(dataset),
+        CollatedSteps(dataset, keyed_seed),
         batch_size=None,  # the sampler's items are whole steps, collated by CollatedSteps
         sampler=steps,
         num_workers=workers,
@@ -112,13 +132,15 @@ class StepLoader:
         prefetch: int = 2,
         pin_memory: bool = False,
         seed: int = 0,
+        keyed_seed: int | None = None,
     ):
         self.dataset, self.sampler, self.dp_rank, self.dp = dataset, sampler, dp_rank, dp
         self.workers, self.prefetch, self.pin_memory, self.seed = workers, prefetch, pin_memory, seed
+        self.keyed_seed = keyed_seed
         self._it, self._expect = None, None
 
-    def batches(self, position: int, global_batch_size: int, micro_batch_size: int) -> list:
-        steps = StepSampler(
+    def _steps(self, position: int, global_batch_size: int, micro_batch_size: int) -> StepSampler:
+        return StepSampler(
             self.sampler,
             start=position,
             steps=None,  # endless: the few steps prefetched past the end are dropped with the loader
@@ -127,8 +149,17 @@ class StepLoader:
             dp_rank=self.dp_rank,
             dp=self.dp,
         )
+
+    def keys(self, position: int, global_batch_size: int, micro_batch_size: int, *, seed: int) -> list[torch.Tensor]:
+        """The row keys of this rank's micro-batches of the step (paratrain/randomness.py), from
+        the samples' ``(epoch, index)`` alone: what the model's keyed dropout draws from."""
+        steps = self._steps(position, global_batch_size, micro_batch_size)
+        return [row_keys(seed, mb) for mb in steps.step_samples(position)]
+
+    def batches(self, position: int, global_batch_size: int, micro_batch_size: int) -> list:
+        steps = self._steps(position, global_batch_size, micro_batch_size)
         if self.workers == 0:
-            return CollatedSteps(self.dataset)[steps.step_indices(position)]
+            return CollatedSteps(self.dataset, self.keyed_seed)[steps.step_samples(position)]
         key = (position, global_batch_size, micro_batch_size)
         if self._it is None or self._expect != key:
             self.close()
@@ -139,6 +170,7 @@ class StepLoader:
                 prefetch=self.prefetch,
                 pin_memory=self.pin_memory,
                 seed=self.seed,
+                keyed_seed=self.keyed_seed,
             )
             self._it = iter(loader)
         self._expect = (position + global_batch_size, global_batch_size, micro_batch_size)

@@ -113,6 +113,8 @@ def attention_square(inputs) -> int | None:
 class PackedRows(torch.utils.data.Dataset):
     """The rows of one split of a prepared corpus with document boundaries (format 2)."""
 
+    draws_random = False  # paratrain/randomness.py: no sample_rng around __getitem__
+
     def __init__(self, corpus, *, block_size: int, packing: str = "documents"):
         self.corpus, self.block_size, self.packing = corpus, block_size, packing
         full = corpus.doc_lengths

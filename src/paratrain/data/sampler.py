@@ -44,23 +44,28 @@ class GlobalBatchSampler:
         return position // self.n
 
     def global_indices(self, start: int, count: int) -> list[int]:
-        out: list[int] = []
+        return [index for _, index in self.global_samples(start, count)]
+
+    def global_samples(self, start: int, count: int) -> list[tuple[int, int]]:
+        """``(epoch, dataset index)`` of each sample of the global batch: what keys its random
+        draws (paratrain/randomness.py), the same on every layout and after a resume."""
+        out: list[tuple[int, int]] = []
         pos = start
         while len(out) < count:
             epoch, offset = divmod(pos, self.n)
             take = min(count - len(out), self.n - offset)
-            out.extend(self._perm(epoch)[offset : offset + take].tolist())
+            out.extend((epoch, i) for i in self._perm(epoch)[offset : offset + take].tolist())
             pos += take
         return out
 
 
-def rank_slice(indices: list[int], *, dp_rank: int, dp: int) -> list[int]:
+def rank_slice(indices: list, *, dp_rank: int, dp: int) -> list:
     """The contiguous share of data-parallel rank ``dp_rank``."""
     per = len(indices) // dp
     return indices[dp_rank * per : (dp_rank + 1) * per]
 
 
-def micro_batches(indices: list[int], micro_batch_size: int) -> list[list[int]]:
+def micro_batches(indices: list, micro_batch_size: int) -> list[list]:
     return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
 
 

@@ -43,6 +43,8 @@ def stdlib_corpus(max_bytes: int) -> bytes:
 class StdlibBytes(Dataset):
     """Non-overlapping windows: sample i is bytes [i*T, i*T+T) -> the next byte of each."""
 
+    draws_random = False  # paratrain/randomness.py: no sample_rng around __getitem__
+
     def __init__(self, block_size: int = 128, max_bytes: int = 4_000_000, split: str = "train", val_bytes: int = 0):
         raw = stdlib_corpus(max_bytes + val_bytes)
         train_end = max(0, min(max_bytes, len(raw) - val_bytes))

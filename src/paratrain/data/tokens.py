@@ -134,6 +134,8 @@ class ShardedArray:
 class TokenWindows(Dataset):
     """The windows of one split of one prepared corpus."""
 
+    draws_random = False  # paratrain/randomness.py: no sample_rng around __getitem__
+
     def __init__(self, path: str, *, block_size: int, split: str = "train", verify: str = "once"):
         self.path, self.block_size, self.split = path, block_size, split
         self.items_per_sample = block_size  # every next token is a target (data/datasets.py static_items_per_sample)
@@ -192,6 +194,8 @@ def mixture_table(lengths: list[int], weights: list[float], total: int) -> tuple
 
 class TokenMixture(Dataset):
     """A weighted mixture of corpora; position i -> (source, window) by a fixed table."""
+
+    draws_random = False  # paratrain/randomness.py: no sample_rng around __getitem__
 
     def __init__(self, parts: list[TokenWindows], weights: list[float], samples: int = 0):
         self.parts, self.weights = parts, weights

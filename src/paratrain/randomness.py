@@ -1,0 +1,288 @@
+"""Chance keyed by the sample: every random draw of a run is a pure function of (run seed, epoch,
+global sample index, call site, position in the sample's tensor), never of the rank, the
+micro-batch's shape, the loader's workers or how many draws came before (docs/randomness.md).
+
+Two places draw:
+
+- **the data**: a dataset's ``__getitem__(i)`` (a torchvision-style augmentation from the global
+  RNGs) runs under :func:`sample_rng`, with torch's CPU generator, numpy's and Python's global RNG
+  seeded from the sample's key and restored afterwards, so the augmented sample is the same on
+  every layout and after a resume, with no change to the user's code;
+- **the model**: dropout masks (``nn.Dropout``, ``F.dropout``, the dropout of
+  ``scaled_dot_product_attention``) are drawn by :class:`KeyedDraws` from the key of the row they
+  belong to and the element's position in that row, so splitting the batch into micro-batches or
+  data-parallel ranks, FSDP2 and activation-checkpoint recomputation all see the same mask.
+
+Why a generator per row, seeded by a key: a row's draws then depend on its key alone, never on
+which rows share its micro-batch or rank. The key is a hash of (seed, epoch, sample index, site)
+(murmur3's 32-bit finaliser, in Python on a few integers per row); the row's values come from
+torch's own generator of the device (Philox on CUDA, Mersenne twister on CPU), drawn whole, so a
+shard of a row (a tensor-parallel slice) is a slice of the same draw. An integer hash of every
+element in torch ops (counter-based, as Philox, Salmon et al. 2011) would draw any element alone,
+but measured here it was 65 times slower than ``torch.rand`` on CPU (4M elements: 0.84 s against
+0.013 s, one thread), while seeding a generator per row costs about what ``torch.rand`` does
+(0.013 s for 64 rows). The masks differ between CPU and CUDA (other generators); each device
+is layout-exact on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import zlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
+from torch.utils.data import TensorDataset
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: consecutive counters land far apart before the mix
+
+
+def _fmix32_int(h: int) -> int:
+    """:func:`fmix32` of one Python int (the same function: the products are taken mod 2^32)."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & MASK32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & MASK32
+    return h ^ (h >> 16)
+
+
+def key_of(*words: int) -> int:
+    """A 32-bit key from integers (the run seed, an epoch, a sample index, a site), each folded
+    in as two 32-bit halves."""
+    h = 0x3C6EF372
+    for w in words:
+        w = int(w) & 0xFFFFFFFFFFFFFFFF
+        for half in (w & MASK32, w >> 32):
+            h = _fmix32_int(((h ^ half) * GOLDEN) & MASK32)
+    return h
+
+
+def site_of(name: str) -> int:
+    """A call site's 32-bit id from its name (a module's qualified name and call ordinal)."""
+    return zlib.crc32(name.encode())
+
+
+def row_keys(seed: int, samples: list[tuple[int, int]]) -> torch.Tensor:
+    """The keys of a micro-batch's rows from their ``(epoch, dataset index)``: int64 (rows,)."""
+    return torch.tensor([key_of(seed, epoch, index) for epoch, index in samples], dtype=torch.int64)
+
+
+_GENERATORS: dict[torch.device, torch.Generator] = {}
+
+
+def uniform(keys: torch.Tensor, site: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``(rows, n)`` float32 uniforms in [0, 1): row ``r`` is a function of ``keys[r]`` and
+    ``site`` alone, drawn whole by torch's own generator of ``device`` seeded with their key."""
+    device = torch.device(device)
+    if device not in _GENERATORS:
+        _GENERATORS[device] = torch.Generator(device=device)
+    g = _GENERATORS[device]
+    out = torch.empty(keys.numel(), n, device=device)
+    for r, k in enumerate(keys.tolist()):
+        g.manual_seed(key_of(k, site))
+        out[r].uniform_(generator=g)
+    return out
+
+
+def keep_mask(keys: torch.Tensor, site: int, shape: torch.Size, p: float, device: torch.device) -> torch.Tensor:
+    """The keep mask (bool, ``shape``) of dropout with drop rate ``p``: rows are ``shape[0]``."""
+    n = 1
+    for s in shape[1:]:
+        n *= s
+    return (uniform(keys, site, n, device) >= p).view(shape)
+
+
+def keyed_dropout(x: torch.Tensor, p: float, keys: torch.Tensor, site: int) -> torch.Tensor:
+    """``F.dropout(x, p)`` in train mode with the mask of :func:`keep_mask` (the same scaling,
+    ``1 / (1 - p)`` on the kept elements)."""
+    if p >= 1.0:
+        return x * 0.0
+    keep = keep_mask(keys, site, x.shape, p, x.device)
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+# --- the data: a sample's __getitem__ under its own seeds ------------------------------------
+
+
+@contextlib.contextmanager
+def sample_rng(seed: int, epoch: int, index: int) -> Iterator[int]:
+    """Torch's CPU generator, numpy's and Python's global RNG seeded from the sample's key for
+    the body, then restored: ``dataset[i]`` under it draws the same on every layout. Yields the
+    key (a user's dataset can also take it explicitly: docs/randomness.md)."""
+    key = key_of(seed, epoch, index, site_of("data"))
+    torch_state = torch.random.get_rng_state()
+    py_state = random.getstate()
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional for paratrain itself
+        np = None
+    np_state = np.random.get_state() if np is not None else None
+    torch.random.default_generator.manual_seed(key)
+    random.seed(key)
+    if np is not None:
+        np.random.seed(key)
+    try:
+        yield key
+    finally:
+        torch.random.set_rng_state(torch_state)
+        random.setstate(py_state)
+        if np is not None:
+            np.random.set_state(np_state)
+
+
+def draws_random(dataset) -> bool:
+    """False for a dataset that says it draws nothing (``draws_random = False``, paratrain's own
+    token datasets), which then skips :func:`sample_rng`'s cost; True otherwise."""
+    while True:
+        if type(dataset) is TensorDataset:  # in-memory tensors: indexing draws nothing
+            return False
+        if hasattr(dataset, "draws_random"):
+            return bool(dataset.draws_random)
+        inner = getattr(dataset, "dataset", None)
+        if inner is None:
+            return True
+        dataset = inner
+
+
+# --- the model: dropout masks keyed by the row ------------------------------------------------
+
+# Wrappers that insert a name segment without changing the model (DDP's ``module``, activation
+# checkpointing's and torch.compile's): a site's name must be the same on every layout.
+_WRAPPER_SEGMENTS = {"module", "_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
+
+
+def site_names(model: nn.Module) -> dict[int, str]:
+    """id(module) -> its qualified name without wrapper segments."""
+    return {
+        id(m): ".".join(s for s in name.split(".") if s not in _WRAPPER_SEGMENTS) for name, m in model.named_modules()
+    }
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether ``model`` draws dropout in training: an ``nn.Dropout`` with p > 0, or a module whose
+    config or attribute says a dropout rate > 0 (the GPT's attention, a ``transformers`` config's
+    ``*dropout*`` and ``*_pdrop`` rates, PEFT's ``lora_dropout`` modules)."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if isinstance(getattr(m, "dropout", None), float) and m.dropout > 0:
+            return True
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            for k, v in config.to_dict().items():
+                if ("dropout" in k or k.endswith("_pdrop")) and isinstance(v, float) and v > 0:
+                    return True
+    return False
+
+
+def _sdpa_reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The arguments of ``scaled_dot_product_attention``, by name."""
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+class KeyedDraws(TorchFunctionMode):
+    """While active, ``F.dropout`` and the dropout of ``scaled_dot_product_attention`` draw their
+    masks from the rows' keys (:func:`keyed_dropout`). A draw's site is the module running it (its
+    qualified name, wrappers left out) and the call's ordinal within that module's forward, found
+    by global forward hooks; a recomputation (activation checkpointing) reruns the module's
+    forward and so draws the same site again, and the same mask."""
+
+    def __init__(self, names: dict[int, str], keys: torch.Tensor):
+        super().__init__()
+        self.names, self.keys = names, keys
+        self.stack: list[list] = []  # [module name, draws so far, pushed the mode] of the modules running
+
+    def _pre(self, module, args) -> None:
+        name = self.names.get(id(module))
+        if name is None:
+            return
+        # An activation checkpoint's recomputation runs in the backward, where the autograd
+        # engine does not carry torch-function modes (torch 2.13): the recomputed module's
+        # forward hook puts this mode back on for its own forward, so it draws the same masks.
+        pushed = not any(m is self for m in _get_current_function_mode_stack())
+        if pushed:
+            _push_mode(self)
+        self.stack.append([name, 0, pushed])
+
+    def _post(self, module, args, output) -> None:
+        if self.names.get(id(module)) is not None and self.stack:
+            if self.stack.pop()[2]:
+                _pop_mode()
+
+    def site(self) -> int:
+        name, k = self.stack[-1][:2] if self.stack else ("", 0)
+        if self.stack:
+            self.stack[-1][1] += 1
+        return site_of(f"{name}#{k}")
+
+    def _check_rows(self, x: torch.Tensor, what: str) -> None:
+        if x.dim() == 0 or x.shape[0] != self.keys.numel():
+            from paratrain.config import ConfigError
+
+            where = self.stack[-1][0] if self.stack else "the model"
+            raise ConfigError(
+                f"{what} in {where or 'the model'} got a tensor of shape {tuple(x.shape)} whose first dimension is not"
+                f" the micro-batch's {self.keys.numel()} rows, so its mask cannot be keyed by the sample; put the batch"
+                " first, or set run.keyed_random = false (each rank's own RNG: not layout-exact)"
+            )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            x = args[0]
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            if not training or p == 0:
+                return x
+            self._check_rows(x, "dropout")
+            return keyed_dropout(x, p, self.keys, self.site())
+        if func is F.scaled_dot_product_attention:
+            q, k, v, mask, p, causal, scale, gqa = _sdpa_reference(*args, **kwargs)
+            if p:
+                self._check_rows(q, "attention dropout")
+                return self._attention(q, k, v, mask, p, causal, scale, gqa)
+        return func(*args, **kwargs)
+
+    def _attention(self, q, k, v, mask, p, causal, scale, gqa):
+        """Attention with its probabilities dropped by the keyed mask (torch's math reference:
+        softmax(q k^T scale + mask), dropout, times v)."""
+        if gqa:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        if causal:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        probs = torch.softmax(scores, dim=-1)
+        probs = torch.nan_to_num(probs, nan=0.0)  # a row that sees nothing (padding) attends to nothing
+        return keyed_dropout(probs, p, self.keys, self.site()) @ v
+
+    def __enter__(self):
+        self.stack.clear()
+        self._hooks = (
+            nn.modules.module.register_module_forward_pre_hook(self._pre),
+            nn.modules.module.register_module_forward_hook(self._post),
+        )
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        return super().__exit__(*exc)
+
+
+@contextlib.contextmanager
+def maybe_keyed_draws(names: dict[int, str] | None, keys: torch.Tensor | None) -> Iterator[None]:
+    """Draw the model's dropout from ``keys`` (the micro-batch's row keys) over a forward and its
+    backward (which may recompute it); does nothing when either is None."""
+    if names is None or keys is None:
+        yield
+        return
+    with KeyedDraws(names, keys):
+        yield
