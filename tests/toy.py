@@ -301,3 +301,64 @@ def gpt_scaled_grad(factor: float = 2.0, **gpt_args) -> nn.Module:
 
     model.register_forward_hook(hook)
     return model
+
+
+# --- models and data that draw random numbers (tests/test_randomness.py, issue 35) -----------
+
+
+class Tagger(nn.Module):
+    """A token tagger with two ``nn.Dropout``: what most user models hold."""
+
+    def __init__(self, vocab: int = 32, dim: int = 32, p: float = 0.1):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.drop_in = nn.Dropout(p)
+        self.hidden = nn.Linear(dim, dim)
+        self.drop_out = nn.Dropout(p)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(self.drop_in(self.emb(x))))
+        return self.head(self.drop_out(h))
+
+
+def tagger(vocab: int = 32, dim: int = 32, p: float = 0.1) -> nn.Module:
+    return Tagger(vocab, dim, p)
+
+
+class Augmented(Dataset):
+    """Small images whose ``__getitem__`` draws a random flip, shift and noise from torch's,
+    Python's and numpy's global RNGs, as torchvision-style transforms do."""
+
+    def __init__(self, n: int = 64, size: int = 8, classes: int = 4):
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn(n, 1, size, size, generator=g)
+        self.y = torch.randint(0, classes, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        x = self.x[i]
+        if torch.rand(()) < 0.5:
+            x = x.flip(-1)
+        x = torch.roll(x, random.randint(-2, 2), dims=-1)
+        return x + torch.from_numpy(np.random.normal(0.0, 0.1, x.shape)).float(), self.y[i]
+
+
+def augmented(n: int = 64, size: int = 8, classes: int = 4) -> Augmented:
+    return Augmented(n, size, classes)
+
+
+def small_cnn(size: int = 8, classes: int = 4, p: float = 0.1) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Dropout(p),
+        nn.Linear(4 * size * size, classes),
+    )
