@@ -54,6 +54,10 @@ class RunConfig:
         False,
         "Accept a run whose math depends on the layout (the start-of-run probe's finding, or dropout under a parallelism that does not key it yet) instead of stopping with exit 2 (docs/randomness.md).",
     )
+    probe: bool = opt(
+        True,
+        "Run the start-of-run layout probe: before the first step, the first micro-batch's loss whole and split in two halves on each process, forward only; a difference (BatchNorm, random draws outside the keyed path, a loss over the batch) stops the run with exit 2 naming the first module that differs, unless run.layout_dependent = true (docs/layout-probe.md).",
+    )
     overwrite: bool = opt(
         False,
         "Let `paratrain train` start over in an out_dir that holds another run's outputs (metrics, weights, checkpoints), removing them first; otherwise it is refused unless the run resumes (--resume). `paratrain train --overwrite` sets it.",

@@ -57,6 +57,7 @@ from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.precision import Precision, build_precision
 from paratrain.preemption import Preemption
 from paratrain.preflight import check_eval, check_run
+from paratrain.probe import layout_probe
 from paratrain.randomness import draws_random
 from paratrain.step import StepContext, StepResult, train_step
 
@@ -131,6 +132,7 @@ def train(
         with watch_collectives(rank=ctx.rank, world_size=ctx.world_size, timeout_s=cfg.dist.timeout_s):
             run = build_run(cfg, ctx, model=model, dataset=dataset, loss=loss, events=events)
             try:
+                layout_probe(run, run_cfg=cfg.run)  # before the first step: a layout-dependent model stops here
                 history = loop(cfg, run)
             except BaseException as e:
                 events.record(

@@ -1,0 +1,418 @@
+"""The start-of-run layout probe: does this model's loss depend on how a batch is split?
+
+Before the first step each rank takes its first micro-batch (R rows) and, on its own, forward
+only, computes the loss objective's sum twice in train mode: over the R rows whole, and over
+two halves of them, their sums added. A layout (world size, accumulation, micro-batch size)
+only changes how the global batch is cut into such pieces, so when the two sums agree to
+rounding, what the model computes per row does not depend on the cut; when they do not, the
+per-step losses of this run depend on the layout and the run stops with exit 2 and one line
+(docs/layout-probe.md) unless ``run.layout_dependent`` accepts it.
+
+When the sums differ, a second pass with forward hooks on every module records each call's
+inputs and outputs, whole and split (the halves' outputs concatenated along the rows), and
+names the first module, in the order the calls finish, whose output differs while its input
+does not (when its input already differs, the code of its parent's forward before the call did
+it), with a likely cause from what it is: BatchNorm's batch statistics, random draws from the
+global generator (outside the keyed path of paratrain/randomness.py), or some other
+computation across rows.
+
+Why two halves and not single rows: a BatchNorm over (rows, features) refuses a one-row batch
+in training, and any dependence across rows shows between two halves as well. The generators
+are not reset between the whole and split passes, as consecutive steps do not reset them
+either: an unkeyed draw then differs between the passes, as it differs between layouts
+(reset, torch's CPU generator would give the halves exactly the whole's numbers). The run's
+generators, the modules' buffers (BatchNorm's running statistics) and train/eval modes are
+restored afterwards, so the probe does not change the run's trajectory.
+
+Every rank decides from its own rows, then the ranks gather their findings (two small
+collectives) so that all of them stop, or go on, together with the same line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from paratrain.config import ConfigError, RunConfig
+from paratrain.data.loader import CollatedSteps, StepSampler
+from paratrain.distributed.json_collectives import all_gather_json
+from paratrain.distributed.pipeline_parallel import PipelineModel
+from paratrain.randomness import maybe_keyed_draws, site_names
+from paratrain.step import to_device
+
+log = logging.getLogger("paratrain")
+
+# Relative difference of the loss sums (and of a module's outputs, as a norm over the tensor)
+# above which the split changes the math. Whole against halves in float32 differs by rounding
+# alone, measured here at 1e-8..1e-7 relative on the debug and main GPTs (different matmul
+# blockings for R and R/2 rows); the smallest real dependence the probe is for, dropout 0.1 or
+# BatchNorm over a few rows, is 1e-3..1e-1. 1e-5 sits between with two orders to spare on either
+# side. Half precision rounds at ~4e-3 (bf16) per element: its tolerance is wider.
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 5e-4}
+
+ACCEPT = "set run.layout_dependent = true to accept a run whose losses depend on the layout (docs/layout-probe.md)"
+
+
+@dataclass
+class Finding:
+    """What one rank found: the line to stop with (or None: the loss does not depend on the split)."""
+
+    line: str | None
+    seconds: float
+
+
+def layout_probe(run, *, run_cfg: RunConfig) -> None:
+    """Probe the first micro-batch of the run's next step (trainer.Run ``run``); raise
+    :class:`ConfigError` on every rank when its loss depends on the split, unless
+    ``run_cfg.layout_dependent``; log one line either way."""
+    if not run_cfg.probe:
+        return
+    why = skip_reason(run.model, dims=run.dims, micro_batch_size=run.plan.micro_batch_size)
+    if why is not None:
+        log.info("layout probe: skipped (%s)", why)
+        return
+    inputs, target, keys = first_micro_batch(run, seed=run_cfg.seed)
+    finding = probe_micro_batch(
+        run.model, inputs, target, ctx=run.step_ctx, keys=keys, dtype=run.precision.dtype, rank=run.ctx.rank
+    )
+    line, seconds = agree(finding, world_size=run.ctx.world_size, device=run.ctx.device)
+    if line is None:
+        log.info(
+            "layout probe: the loss of the first micro-batch (%d rows) is the same whole and split in two (probe: %.2f s)",
+            run.plan.micro_batch_size,
+            seconds,
+        )
+        return
+    if run_cfg.layout_dependent:
+        log.warning("%s (run.layout_dependent = true: going on; probe: %.2f s)", line, seconds)
+        return
+    raise ConfigError(f"{line}; {ACCEPT}")
+
+
+def skip_reason(model: nn.Module, *, dims, micro_batch_size: int) -> str | None:
+    """Why the probe cannot run or would say nothing at this layout (the same on every rank), or None."""
+    if isinstance(model, PipelineModel):
+        return "pipeline parallel: a rank holds some stages, no rank computes the loss alone"
+    for degree, what in (("tp", "tensor"), ("cp", "context")):
+        if getattr(dims, degree) > 1:
+            return f"parallel.{degree} > 1: {what} parallel shards every row, no rank computes it alone"
+    if getattr(dims, "ep", 1) > 1:
+        return "parallel.ep > 1: the experts' all-to-all pairs the ranks' forwards"
+    if micro_batch_size < 2:
+        return "a micro-batch of one row: there is nothing to split"
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return "the model is on the meta device"
+    return None
+
+
+def first_micro_batch(run, *, seed: int):
+    """This rank's first micro-batch of the next step ``(inputs, target, keys)``, loaded here,
+    not through the prefetching loader (whose workers would restart for the step's own call)."""
+    loader, plan, position = run.loader, run.plan, run.state.consumed_samples
+    steps = StepSampler(
+        loader.sampler,
+        start=position,
+        steps=1,
+        global_batch_size=plan.global_batch_size,
+        micro_batch_size=plan.micro_batch_size,
+        dp_rank=loader.dp_rank,
+        dp=loader.dp,
+    )
+    first = steps.step_samples(position)[:1]
+    ((inputs, target),) = CollatedSteps(loader.dataset, loader.keyed_seed)[first]
+    keys = None
+    if run.step_ctx.draw_sites is not None:
+        keys = loader.keys(position, plan.global_batch_size, plan.micro_batch_size, seed=seed)[0]
+    return inputs, target, keys
+
+
+def agree(finding: Finding, *, world_size: int, device: torch.device) -> tuple[str | None, float]:
+    """Every rank's finding gathered: the lowest rank's line (the same on every rank) and the
+    longest time. Without it the ranks that found nothing would wait in the first step's
+    collectives for the ones that stopped."""
+    if world_size == 1 or not dist.is_initialized():
+        return finding.line, finding.seconds
+    found = all_gather_json([finding.line, finding.seconds], device=device)
+    lines = [line for line, _ in found if line is not None]
+    return (lines[0] if lines else None), max(s for _, s in found)
+
+
+# --- one rank's probe, no collectives of its own ---------------------------------------------
+
+
+def probe_micro_batch(
+    model: nn.Module,
+    inputs,
+    target,
+    *,
+    ctx,
+    keys: torch.Tensor | None = None,
+    dtype: str = "fp32",
+    rank: int = 0,
+) -> Finding:
+    """The loss sum of ``(inputs, target)`` whole and as two halves (``ctx``: the StepContext);
+    returns the finding. The generators, buffers and modules' modes are as before afterwards."""
+    t0 = time.perf_counter()
+    model = model.module if isinstance(model, DistributedDataParallel) else model  # its forward syncs buffers
+    rows = count_rows(inputs)
+    tol = TOLERANCE.get(dtype, TOLERANCE["fp32"])
+    half = rows // 2
+    pieces = [(0, rows), (0, half), (half, rows)]
+    with preserved(model), eager(model), torch.no_grad():
+        model.train()
+        try:
+            whole, *split = (loss_sum(model, inputs, target, ctx=ctx, keys=keys, rows=piece) for piece in pieces)
+        except Exception as e:  # noqa: BLE001 - a model that fails on half the rows is a finding
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            return Finding(
+                f"layout probe: the model fails on half of the first micro-batch ({half} of {rows} rows) on rank {rank}:"
+                f" {type(e).__name__}: {first}",
+                time.perf_counter() - t0,
+            )
+        diff = rel(sum(split), whole)
+        seconds = time.perf_counter() - t0
+        if diff <= tol:
+            return Finding(None, seconds)
+        where = first_difference(model, inputs, target, ctx=ctx, keys=keys, pieces=pieces, tol=tol)
+    return Finding(
+        f"layout probe: the loss of the first micro-batch differs by {diff:.1e} (relative, tolerance {tol:.0e}) when"
+        f" its {rows} rows are split into 2 micro-batches (rank {rank}); {where}",
+        seconds,
+    )
+
+
+def count_rows(inputs) -> int:
+    t = first_tensor(inputs)
+    return int(t.shape[0]) if t is not None and t.dim() > 0 else 0
+
+
+def first_tensor(obj):
+    return next(iter(tensors(obj)), None)
+
+
+def tensors(obj) -> list[torch.Tensor]:
+    """The tensors in a module's input or output (a tensor, tuple/list, dict or ModelOutput), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):  # also transformers' ModelOutput
+        return [t for v in obj.values() for t in tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors(v)]
+    return []
+
+
+def rows_of(obj, a: int, b: int, n: int):
+    """Rows ``a:b`` of every tensor in ``obj`` whose first dimension is the micro-batch's ``n`` rows."""
+    if isinstance(obj, torch.Tensor):
+        return obj[a:b] if obj.dim() > 0 and obj.shape[0] == n else obj
+    if isinstance(obj, dict):
+        return type(obj)({k: rows_of(v, a, b, n) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(rows_of(v, a, b, n) for v in obj)
+    return obj
+
+
+def loss_sum(model, inputs, target, *, ctx, keys, rows) -> float:
+    """The loss objective's sum over ``rows`` (a, b) of the micro-batch, as the step computes it:
+    on the step's device, under its autocast, with the rows' keyed draws."""
+    a, b = rows
+    n = count_rows(inputs)
+    x = to_device(rows_of(inputs, a, b, n), ctx.device)
+    y = to_device(rows_of(target, a, b, n), ctx.device)
+    with maybe_keyed_draws(ctx.draw_sites, None if keys is None else keys[a:b]), ctx.amp.autocast():
+        s, _ = ctx.objectives[0].loss_fn(model(x), y)
+    s = s.full_tensor() if hasattr(s, "full_tensor") else s
+    return float(s.detach().double())
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module):
+    """The generators (torch CPU and CUDA, numpy, Python), the modules' buffers and their
+    train/eval modes as they were before the body."""
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    py = random.getstate()
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional for paratrain itself
+        np = None
+    npy = np.random.get_state() if np is not None else None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        random.setstate(py)
+        if np is not None:
+            np.random.set_state(npy)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for m, training in modes:
+            m.training = training
+
+
+@contextlib.contextmanager
+def eager(model: nn.Module):
+    """Blocks compiled in place (``train.compile``, ``nn.Module.compile``) run eagerly here: a
+    second batch shape would cost a recompile and make later compiles dynamic, changing the
+    run's kernels."""
+    compiled = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, "_compiled_call_impl", None)]
+    for m, _ in compiled:
+        m._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for m, impl in compiled:
+            m._compiled_call_impl = impl
+
+
+# --- which module: the second pass, with hooks ------------------------------------------------
+
+
+@dataclass
+class Call:
+    name: str
+    module: nn.Module
+    parent: int | None  # index of the enclosing call in the pass's calls, in start order
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor] | None = None
+    drew: bool = False  # the global CPU or CUDA generator advanced during it
+
+
+class Recorder:
+    """Forward hooks on every module of ``model`` recording each call (start order), its inputs
+    and outputs (copies: an in-place module would change them later) and whether it drew from
+    the global generators."""
+
+    def __init__(self, model: nn.Module):
+        self.names = site_names(model)
+        self.calls: list[Call] = []
+        self.finished: list[int] = []  # call indices in the order they finished
+        self.stack: list[tuple[int, torch.Tensor, object]] = []
+        self.handles = []
+        for m in model.modules():
+            self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post))
+
+    def _pre(self, module, args, kwargs):
+        parent = self.stack[-1][0] if self.stack else None
+        self.calls.append(
+            Call(self.names.get(id(module), "?"), module, parent, [t.clone() for t in tensors((args, kwargs))])
+        )
+        self.stack.append((len(self.calls) - 1, *rng_states()))
+
+    def _post(self, module, args, output):
+        i, cpu, cuda = self.stack.pop()
+        call = self.calls[i]
+        call.outputs = [t.clone() for t in tensors(output)]
+        now_cpu, now_cuda = rng_states()
+        call.drew = not torch.equal(cpu, now_cpu) or (cuda is not None and not torch.equal(cuda, now_cuda))
+        self.finished.append(i)
+
+    def reset(self):
+        self.calls, self.finished, self.stack = [], [], []
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def rng_states():
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.random.get_rng_state(), cuda
+
+
+def joined(parts: list[list[torch.Tensor]], n: int) -> list[torch.Tensor | None]:
+    """The split passes' tensors of one call joined along the rows (None where a tensor's first
+    dimension is not the rows, e.g. a transposed layout or a scalar)."""
+    out = []
+    for group in zip(*parts, strict=False):
+        if all(t.dim() > 0 for t in group) and sum(t.shape[0] for t in group) == n:
+            try:
+                out.append(torch.cat(group))
+            except RuntimeError:  # shapes past the rows differ (padding per micro-batch)
+                out.append(None)
+        else:
+            out.append(None)
+    return out
+
+
+def differs(whole: list[torch.Tensor], split: list[torch.Tensor | None], tol: float) -> bool | None:
+    """Whether any comparable tensor differs (None: nothing comparable)."""
+    seen = False
+    for a, b in zip(whole, split, strict=False):
+        if b is None or a.shape != b.shape:
+            continue
+        seen = True
+        if a.is_floating_point() or a.is_complex():
+            num = (a.double() - b.double()).norm().item()
+            den = a.double().norm().item()
+            if not num <= tol * den + 1e-30:  # also NaN against a number
+                return True
+        elif not torch.equal(a, b):
+            return True
+    return None if not seen else False
+
+
+def first_difference(model, inputs, target, *, ctx, keys, pieces, tol) -> str:
+    """The one-line account of where the split changes the forward: the first module (in the
+    order calls finish) whose output differs with its input the same, and its likely cause."""
+    rec = Recorder(model)
+    try:
+        passes = []
+        for piece in pieces:
+            rec.reset()
+            loss_sum(model, inputs, target, ctx=ctx, keys=keys, rows=piece)
+            passes.append((rec.calls, rec.finished))
+    finally:
+        rec.remove()
+    (whole, order), *split = passes
+    n = count_rows(inputs)
+    if any(len(calls) != len(whole) for calls, _ in split):
+        return (
+            "the modules called differ between the whole and the split forward (control flow that depends on the rows)"
+        )
+    for i in order:
+        call = whole[i]
+        out = differs(call.outputs or [], joined([calls[i].outputs or [] for calls, _ in split], n), tol)
+        if not out:
+            continue
+        inp = differs(call.inputs, joined([calls[i].inputs for calls, _ in split], n), tol)
+        if inp and call.parent is not None:  # the parent's own code before this call changed its input
+            parent = whole[call.parent]
+            return f"first differing module: {label(parent)}, in its own forward before {call.name!r}: {cause(parent, ctx)}"
+        return f"first differing module: {label(call)}: {cause(call, ctx)}"
+    return (
+        "every module's output is the same whole and split, so the loss function is: its sum over the rows depends"
+        " on how they are split (a mean per micro-batch, or a computation across rows); return the sum over items"
+        " and their count"
+    )
+
+
+def label(call: Call) -> str:
+    return f"{call.name or '(the model)'!r} ({type(call.module).__name__})"
+
+
+def cause(call: Call, ctx) -> str:
+    m = call.module
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return "batch statistics (BatchNorm): use GroupNorm/LayerNorm, or BatchNorm in eval mode"
+    if call.drew or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and ctx.draw_sites is None):
+        return "random draws outside the keyed path (run.keyed_random = false, or a draw not through F.dropout)"
+    return "a computation over the batch (e.g. a loss or a normalisation across rows) or random draws outside the keyed path"
