@@ -103,9 +103,10 @@ def test_val_loss_matches_cross_entropy_over_every_validation_window(tmp_path):
 
 def test_resume_with_dropout_is_bitwise(tmp_path):
     """Anchor: the same run uninterrupted (the trajectory torch's RNG gives with no checkpoint in
-    between). With dropout on, each step's masks come from the global RNG, so stopping after step
-    2 and resuming from its checkpoint must restore that state to give bitwise-equal losses.
-    Catches a resume that does not restore the random state (``set_rng_state`` skipped).
+    between). With dropout drawn from the global RNG (run.keyed_random = false; keyed masks need
+    no state and resume at any world size: tests/test_randomness.py), stopping after step 2 and
+    resuming from its checkpoint must restore that state to give bitwise-equal losses. Catches a
+    resume that does not restore the random state (``set_rng_state`` skipped).
     """
     cfg = [
         "model.args={n_layer=2,n_head=2,d_model=32,block_size=16,vocab_size=32,dropout=0.3}",
@@ -118,6 +119,8 @@ def test_resume_with_dropout_is_bitwise(tmp_path):
         "run.steps=4",
         "run.save_model=false",
         "checkpoint.interval=2",
+        "run.keyed_random=false",
+        "run.layout_dependent=true",
     ]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     straight, _ = train(full, cfg)
