@@ -260,8 +260,13 @@ class KeyedDraws(TorchFunctionMode):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         probs = torch.softmax(scores, dim=-1)
-        probs = torch.nan_to_num(probs, nan=0.0)  # a row that sees nothing (padding) attends to nothing
-        return keyed_dropout(probs, p, self.keys, self.site()) @ v
+        if mask is not None and not causal:
+            probs = torch.nan_to_num(probs, nan=0.0)  # a row that sees nothing (padding) attends to nothing
+        if p >= 1.0:
+            return probs.new_zeros(*probs.shape[:-1], v.shape[-1])
+        keep = keep_mask(self.keys, self.site(), probs.shape, p, probs.device)
+        # The 1 / (1 - p) scale on the (T x d) output rather than the (T x T) probabilities.
+        return (probs * keep) @ v * (1.0 / (1.0 - p))
 
     def __enter__(self):
         self.stack.clear()
