@@ -105,7 +105,7 @@ def test_the_cycle_finder_finds_a_cycle():
 # room is a root module or a package; every room must be placed, so a new one gets a floor.
 LAYERS = (
     ("config", "preemption"),
-    ("loss", "optim", "precision"),
+    ("loss", "optim", "precision", "randomness"),
     ("objectives",),
     ("distributed", "data"),
     ("models", "checkpoint", "hardware", "step"),
@@ -159,9 +159,10 @@ def test_the_layering_test_finds_the_old_compile_arrow():
 
 
 def test_the_root_keeps_the_main_path():
-    """At most 15 root modules (27 before the packages): the rest has a home per concern."""
+    """At most 16 root modules (27 before the packages; the 16th: randomness.py, which the data
+    path and the step both use): the rest has a home per concern."""
     root = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
-    assert len(root) <= 15, root
+    assert len(root) <= 16, root
 
 
 def test_distributed_imports_no_model():

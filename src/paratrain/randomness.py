@@ -38,6 +38,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
 from torch.utils.data import TensorDataset
 
+from paratrain.config import ConfigError
+
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: consecutive counters land far apart before the mix
 
@@ -222,8 +224,6 @@ class KeyedDraws(TorchFunctionMode):
 
     def _check_rows(self, x: torch.Tensor, what: str) -> None:
         if x.dim() == 0 or x.shape[0] != self.keys.numel():
-            from paratrain.config import ConfigError
-
             where = self.stack[-1][0] if self.stack else "the model"
             raise ConfigError(
                 f"{what} in {where or 'the model'} got a tensor of shape {tuple(x.shape)} whose first dimension is not"
