@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import paratrain
@@ -39,7 +40,7 @@ from paratrain.randomness import (
     uniform,
 )
 from tests.dist_utils import plain_sgd, read_metrics, run_ranks
-from tests.toy import Tagger, augmented
+from tests.toy import DeepTagger, Tagger, augmented
 
 COMMON = [*plain_sgd(0.5), "run.progress=false", "metrics.plot=false", "batch.global_batch_size=8", "run.steps=4"]
 TOKENS = ["data.factory='tests.toy:toy_lm'", "data.args={n = 64, seq_len = 16, vocab = 32}"]
@@ -48,6 +49,7 @@ MODELS = {
     + TOKENS,
     "tagger": ["model.factory='tests.toy:tagger'", *TOKENS],
     "cnn": ["model.factory='tests.toy:small_cnn'", "data.factory='tests.toy:augmented'"],
+    "drop_path": ["model.factory='tests.toy:deep_tagger'", *TOKENS],
 }
 
 
@@ -125,6 +127,31 @@ def test_a_samples_mask_in_a_batch_equals_the_sample_alone():
         assert not torch.equal(local[0], batch[r])
     with torch.no_grad():
         assert not torch.allclose(batch, model.eval()(x))  # dropout was on
+
+
+def test_stochastic_depth_and_noise_of_a_sample_alone_equal_its_slice():
+    """Per-sample stochastic depth (``x.new_empty(rows, 1, 1).bernoulli_(keep)``, as timm draws
+    it), ``torch.randn_like`` noise, ``torch.rand(rows, ...)`` and ``torch.bernoulli``: each row of a
+    batch's output equals the row run alone under its key."""
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = DeepTagger(p=0.5)
+
+        def forward(self, x):
+            h = self.inner(x)
+            return h + torch.rand(x.shape[0], 1, 1) + torch.bernoulli(torch.full_like(h, 0.3))
+
+    torch.manual_seed(0)
+    model = Noisy().train()
+    x = torch.randint(0, 32, (6, 16))
+    keys = row_keys(0, [(0, i) for i in range(6)])
+    with KeyedDraws(site_names(model), keys):
+        batch = model(x)
+    for r in range(6):
+        with KeyedDraws(site_names(model), keys[r : r + 1]):
+            torch.testing.assert_close(model(x[r : r + 1])[0], batch[r], rtol=0, atol=0)
 
 
 def test_recomputation_draws_the_same_mask():
@@ -238,8 +265,8 @@ def test_keep_mask_is_shaped_and_exact_at_the_edges():
 
 
 def test_dropout_and_augmentation_give_the_one_process_losses_with_accumulation_and_two_processes(tmp_path):
-    """The GPT with attention dropout 0.1, the tagger (two nn.Dropout) and the CNN on augmented
-    images: accumulation 4, DDP at world 2, and for the GPT FSDP2 with full activation
+    """The GPT with attention dropout 0.1, the tagger (two nn.Dropout), a residual tagger with
+    per-sample stochastic depth and noise, and the CNN on augmented images: accumulation 4, DDP at world 2, and for the GPT FSDP2 with full activation
     checkpointing, within 1e-5 of one process (loss and grad_norm, plain SGD). Unkeyed
     (run.keyed_random = false), the tagger and the CNN at world 2 differ from their one-process
     runs, and the GPT without dropout differs from the GPT with it."""

@@ -362,3 +362,39 @@ def small_cnn(size: int = 8, classes: int = 4, p: float = 0.1) -> nn.Module:
         nn.Dropout(p),
         nn.Linear(4 * size * size, classes),
     )
+
+
+class DropPath(nn.Module):
+    """Per-sample stochastic depth as timm writes it: one Bernoulli draw per row, in place."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or not self.p:
+            return x
+        keep = x.new_empty(x.shape[0], *([1] * (x.dim() - 1))).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class DeepTagger(nn.Module):
+    """Residual blocks dropped per sample (DropPath 0.3) with Gaussian input noise (randn_like)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 32, depth: int = 3, p: float = 0.3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+        self.drop_path = DropPath(p)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = h + 0.1 * torch.randn_like(h)
+        for block in self.blocks:
+            h = h + self.drop_path(torch.tanh(block(h)))
+        return self.head(h)
+
+
+def deep_tagger(vocab: int = 32, dim: int = 32, depth: int = 3, p: float = 0.3) -> nn.Module:
+    return DeepTagger(vocab, dim, depth, p)

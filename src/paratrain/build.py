@@ -8,24 +8,27 @@ same objectives bound to what the parallelisms made, the same ``StepContext``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import Config, ConfigError
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
+from paratrain.distributed.pipeline_parallel import PipelineModel
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.loss import Loss
 from paratrain.models.spec import ModelSpec
 from paratrain.objectives import build_objectives
 from paratrain.precision import Precision
-from paratrain.randomness import has_dropout, site_names
-from paratrain.step import StepContext
+from paratrain.randomness import draws_in_forward, has_dropout, site_names
+from paratrain.step import StepContext, to_device
 
 log = logging.getLogger("paratrain")
 
@@ -113,12 +116,16 @@ def build_parallel(
     return model, step_ctx, compression
 
 
-def keyed_dropout_enabled(cfg: Config, dims: ParallelDims, model: nn.Module, *, compile_enabled: bool | None) -> bool:
-    """Whether the step keys the model's dropout by the sample (run.keyed_random and a model that
-    draws dropout, paratrain/randomness.py). Under a parallelism whose shards or stages the keyed
-    masks do not follow yet, the run stops in one line unless run.layout_dependent accepts it
-    (then each rank's own RNG draws, as torch's dropout does)."""
-    if not cfg.run.keyed_random or not has_dropout(model):
+def keyed_dropout_enabled(
+    cfg: Config, dims: ParallelDims, model: nn.Module, *, compile_enabled: bool | None, draws: str | None = None
+) -> bool:
+    """Whether the step keys the model's random draws by the sample (run.keyed_random and a model
+    that draws: ``draws`` names a draw seen in a forward, randomness.draws_in_forward; None asks
+    randomness.has_dropout). Under a parallelism whose shards or stages the keyed draws do not
+    follow yet, the run stops in one line unless run.layout_dependent accepts it (then each
+    rank's own RNG draws, as torch does)."""
+    what = draws or ("dropout" if has_dropout(model) else None)
+    if not cfg.run.keyed_random or what is None:
         return False
     compiled = cfg.train.compile if compile_enabled is None else compile_enabled
     unkeyed = [f"parallel.{k} > 1" for k in ("tp", "pp", "cp") if getattr(dims, k) > 1]
@@ -126,10 +133,25 @@ def keyed_dropout_enabled(cfg: Config, dims: ParallelDims, model: nn.Module, *, 
     if not unkeyed:
         return True
     if cfg.run.layout_dependent:
-        log.warning("dropout: not keyed by the sample under %s: its masks depend on the layout", ", ".join(unkeyed))
+        log.warning("%s: not keyed by the sample under %s: its draws depend on the layout", what, ", ".join(unkeyed))
         return False
     raise ConfigError(
-        f"the model draws dropout, whose masks are not keyed by the sample under {' and '.join(unkeyed)} yet, so the"
-        " losses would depend on the layout; set the model's dropout rates to 0, or run.layout_dependent = true"
+        f"the model draws random numbers ({what}), which are not keyed by the sample under {' and '.join(unkeyed)} yet,"
+        " so the losses would depend on the layout; set the model's dropout rates to 0, or run.layout_dependent = true"
         " to accept that (docs/randomness.md)"
     )
+
+
+def key_detected_draws(cfg: Config, dims: ParallelDims, model: nn.Module, step_ctx: StepContext, inputs) -> StepContext:
+    """The step's context keyed for the draws a forward of ``inputs`` (the first micro-batch)
+    makes when no dropout rate announced them (noise, per-sample stochastic depth): run once
+    before the first step. The keyed path costs a few percent of a step (a torch-function mode
+    over every op), so a model that draws nothing does not take it."""
+    if step_ctx.draw_sites is not None or not cfg.run.keyed_random or isinstance(model, PipelineModel):
+        return step_ctx
+    inner = model.module if isinstance(model, DistributedDataParallel) else model  # DDP's forward syncs buffers
+    draws = draws_in_forward(inner, to_device(inputs, step_ctx.device))
+    if draws is None or not keyed_dropout_enabled(cfg, dims, model, compile_enabled=None, draws=draws):
+        return step_ctx
+    log.info("random draws: the forward draws (%s): keyed by the sample (docs/randomness.md)", draws)
+    return dataclasses.replace(step_ctx, draw_sites=site_names(model))

@@ -77,13 +77,17 @@ def row_keys(seed: int, samples: list[tuple[int, int]]) -> torch.Tensor:
 _GENERATORS: dict[torch.device, torch.Generator] = {}
 
 
+def _generator(device: torch.device) -> torch.Generator:
+    """One generator per device, reseeded for every row (creating one costs more than seeding)."""
+    if device not in _GENERATORS:
+        _GENERATORS[device] = torch.Generator(device=device)
+    return _GENERATORS[device]
+
+
 def uniform(keys: torch.Tensor, site: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``(rows, n)`` float32 uniforms in [0, 1): row ``r`` is a function of ``keys[r]`` and
     ``site`` alone, drawn whole by torch's own generator of ``device`` seeded with their key."""
-    device = torch.device(device)
-    if device not in _GENERATORS:
-        _GENERATORS[device] = torch.Generator(device=device)
-    g = _GENERATORS[device]
+    g = _generator(torch.device(device))
     out = torch.empty(keys.numel(), n, device=device)
     for r, k in enumerate(keys.tolist()):
         g.manual_seed(key_of(k, site))
@@ -182,6 +186,68 @@ def has_dropout(model: nn.Module) -> bool:
     return False
 
 
+# The draws KeyedDraws keys besides dropout, when their tensor's first dimension is the rows.
+_ROW_DRAWS = (torch.rand, torch.randn, torch.rand_like, torch.randn_like, torch.bernoulli, torch.Tensor.bernoulli_)
+
+
+# Every function that draws from a generator (torch 2.13's random sampling ops and in-place
+# samplers), for the detector below.
+_ANY_DRAWS = (
+    *_ROW_DRAWS,
+    torch.randint,
+    torch.randint_like,
+    torch.randperm,
+    torch.normal,
+    torch.poisson,
+    torch.multinomial,
+    torch.Tensor.uniform_,
+    torch.Tensor.normal_,
+    torch.Tensor.random_,
+    torch.Tensor.exponential_,
+    torch.Tensor.geometric_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.log_normal_,
+    torch.Tensor.multinomial,
+    F.alpha_dropout,
+    F.feature_alpha_dropout,
+    F.dropout1d,
+    F.dropout2d,
+    F.dropout3d,
+)
+
+
+class _DrawDetector(TorchFunctionMode):
+    """Records the first random draw of a forward (its function's name); runs everything as is."""
+
+    first: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.first is None:
+            if func is F.dropout:
+                p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+                training = kwargs.get("training", args[2] if len(args) > 2 else True)
+                if training and p:
+                    self.first = "dropout"
+            elif func is F.scaled_dot_product_attention:
+                if _sdpa_reference(*args, **kwargs)[4]:
+                    self.first = "attention dropout"
+            elif func in _ANY_DRAWS and "generator" not in kwargs:
+                self.first = getattr(func, "__name__", str(func))
+        return func(*args, **kwargs)
+
+
+def draws_in_forward(model: nn.Module, inputs) -> str | None:
+    """The first random draw (its name) of ``model``'s train-mode forward on ``inputs``, or None
+    when it draws nothing: what no static look at a model can tell (noise, stochastic depth, a
+    user's own sampling). No gradient; the generators' states are as before afterwards."""
+    devices = [inputs.device] if isinstance(inputs, torch.Tensor) and inputs.device.type == "cuda" else []
+    detector = _DrawDetector()
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), detector:
+        model(inputs)
+    return detector.first
+
+
 def _sdpa_reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """The arguments of ``scaled_dot_product_attention``, by name."""
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
@@ -246,7 +312,51 @@ class KeyedDraws(TorchFunctionMode):
             if p:
                 self._check_rows(q, "attention dropout")
                 return self._attention(q, k, v, mask, p, causal, scale, gqa)
+        if func in _ROW_DRAWS and "generator" not in kwargs:  # a draw given its own generator is the user's
+            out = self._row_draw(func, args, kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
+
+    def _row_draw(self, func, args, kwargs) -> torch.Tensor | None:
+        """Other draws of a tensor whose first dimension is the micro-batch's rows, each row from
+        its own key (per-sample stochastic depth draws ``x.new_empty(rows, 1, 1).bernoulli_(p)``;
+        noise ``torch.randn_like(x)``); None for a draw of another shape (the layout probe finds
+        it: docs/layout-probe.md)."""
+        rows = self.keys.numel()
+        if func in (torch.rand, torch.randn):
+            size = tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+            if not size or size[0] != rows or kwargs.get("out") is not None:
+                return None
+            out = torch.empty(size, dtype=kwargs.get("dtype"), device=kwargs.get("device"))
+            fill = "uniform_" if func is torch.rand else "normal_"
+            return self._fill(out, lambda r, g: getattr(out[r], fill)(generator=g))
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != rows:
+            return None
+        if func in (torch.rand_like, torch.randn_like):
+            out = torch.empty_like(x, dtype=kwargs.get("dtype"))
+            fill = "uniform_" if func is torch.rand_like else "normal_"
+            return self._fill(out, lambda r, g: getattr(out[r], fill)(generator=g))
+        p = args[1] if len(args) > 1 else kwargs.get("p")
+        if isinstance(p, torch.Tensor):
+            return None
+        if func is torch.Tensor.bernoulli_:  # in place, as stochastic depth writes it
+            return self._fill(x, lambda r, g: x[r].bernoulli_(0.5 if p is None else p, generator=g))
+        out = torch.empty_like(x)  # torch.bernoulli: each element with its own probability, or p
+        if p is None:
+            return self._fill(out, lambda r, g: out[r].copy_(torch.bernoulli(x[r], generator=g)))
+        return self._fill(out, lambda r, g: out[r].copy_(torch.bernoulli(x[r], p, generator=g)))
+
+    def _fill(self, out: torch.Tensor, draw) -> torch.Tensor:
+        """``draw(r, generator)`` for each row r of ``out``, the generator seeded with the row's key
+        and this call's site."""
+        site = self.site()
+        g = _generator(out.device)
+        for r, k in enumerate(self.keys.tolist()):
+            g.manual_seed(key_of(k, site))
+            draw(r, g)
+        return out
 
     def _attention(self, q, k, v, mask, p, causal, scale, gqa):
         """Attention with its probabilities dropped by the keyed mask (torch's math reference:

@@ -23,7 +23,7 @@ from paratrain.batch.adaptive import BatchAdapter, build_batch_adapter
 from paratrain.batch.auto import resolve_auto_micro_batch
 from paratrain.batch.lr_scaling import LRScaling
 from paratrain.batch.plan import BatchPlan, replan_batch
-from paratrain.build import build_parallel_with_weights
+from paratrain.build import build_parallel_with_weights, key_detected_draws
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.checkpoint.export import clear_run_outputs, save_full_weights
 from paratrain.config import Config, LossConfig, to_dict, to_toml
@@ -57,7 +57,7 @@ from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.precision import Precision, build_precision
 from paratrain.preemption import Preemption
 from paratrain.preflight import check_eval, check_run
-from paratrain.probe import layout_probe
+from paratrain.probe import first_micro_batch, layout_probe
 from paratrain.randomness import draws_random
 from paratrain.step import StepContext, StepResult, train_step
 
@@ -132,6 +132,9 @@ def train(
         with watch_collectives(rank=ctx.rank, world_size=ctx.world_size, timeout_s=cfg.dist.timeout_s):
             run = build_run(cfg, ctx, model=model, dataset=dataset, loss=loss, events=events)
             try:
+                if cfg.run.keyed_random:  # draws no dropout rate announced (noise, stochastic depth) keyed too
+                    first = first_micro_batch(run, seed=cfg.run.seed)[0]
+                    run.step_ctx = key_detected_draws(cfg, run.dims, run.model, run.step_ctx, first)
                 layout_probe(run, run_cfg=cfg.run)  # before the first step: a layout-dependent model stops here
                 history = loop(cfg, run)
             except BaseException as e:
