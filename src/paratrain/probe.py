@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -50,12 +51,15 @@ from paratrain.step import to_device
 
 log = logging.getLogger("paratrain")
 
-# Relative difference of the loss sums (and of a module's outputs, as a norm over the tensor)
-# above which the split changes the math. Whole against halves in float32 differs by rounding
-# alone, measured here at 1e-8..1e-7 relative on the debug and main GPTs (different matmul
-# blockings for R and R/2 rows); the smallest real dependence the probe is for, dropout 0.1 or
-# BatchNorm over a few rows, is 1e-3..1e-1. 1e-5 sits between with two orders to spare on either
-# side. Half precision rounds at ~4e-3 (bf16) per element: its tolerance is wider.
+# Relative difference of the loss sums, and of the outputs (a norm over the tensor), above which
+# the split changes the math. Measured on CPU (fp32 and bf16 autocast) on the debug and main
+# GPTs, whole against halves differs by rounding alone: the outputs bitwise equal, the loss sums
+# 9e-8 apart (the order of the sum over rows). What the probe is for is far larger: at
+# initialisation the GPT's attention dropout 0.1 moves the output by 7e-2 (its loss by 1e-4),
+# noise or BatchNorm over a few rows by 6e-2..2. 1e-5 leaves two orders of magnitude on either
+# side. On a GPU another matmul algorithm may be chosen for R/2 rows than for R: in bf16 (8-bit
+# mantissa, 4e-3 per element, partly averaging out over a sum) and fp16 the tolerance is wider,
+# still 30x below that dropout's output difference (not measured on a GPU here).
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 5e-4}
 
 ACCEPT = "set run.layout_dependent = true to accept a run whose losses depend on the layout (docs/layout-probe.md)"
@@ -86,7 +90,7 @@ def layout_probe(run, *, run_cfg: RunConfig) -> None:
     line, seconds = agree(finding, world_size=run.ctx.world_size, device=run.ctx.device)
     if line is None:
         log.info(
-            "layout probe: the loss of the first micro-batch (%d rows) is the same whole and split in two (probe: %.2f s)",
+            "layout probe: the first micro-batch's loss and output (%d rows) are the same whole and split in two (probe: %.2f s)",
             run.plan.micro_batch_size,
             seconds,
         )
@@ -163,13 +167,13 @@ def probe_micro_batch(
     t0 = time.perf_counter()
     model = model.module if isinstance(model, DistributedDataParallel) else model  # its forward syncs buffers
     rows = count_rows(inputs)
-    tol = TOLERANCE.get(dtype, TOLERANCE["fp32"])
+    tol = tolerance(dtype, ctx.device)
     half = rows // 2
     pieces = [(0, rows), (0, half), (half, rows)]
     with preserved(model), eager(model), torch.no_grad():
         model.train()
         try:
-            whole, *split = (loss_sum(model, inputs, target, ctx=ctx, keys=keys, rows=piece) for piece in pieces)
+            (whole, output), *split = (forward(model, inputs, target, ctx=ctx, keys=keys, rows=p) for p in pieces)
         except Exception as e:  # noqa: BLE001 - a model that fails on half the rows is a finding
             first = (str(e).strip().splitlines() or [""])[0][:200]
             return Finding(
@@ -177,16 +181,47 @@ def probe_micro_batch(
                 f" {type(e).__name__}: {first}",
                 time.perf_counter() - t0,
             )
-        diff = rel(sum(split), whole)
+        loss_diff = rel(sum(s for s, _ in split), whole)
+        out_diff = output_difference(output, [out for _, out in split], pieces[1:])
         seconds = time.perf_counter() - t0
-        if diff <= tol:
+        if loss_diff <= tol and out_diff <= tol:
             return Finding(None, seconds)
         where = first_difference(model, inputs, target, ctx=ctx, keys=keys, pieces=pieces, tol=tol)
     return Finding(
-        f"layout probe: the loss of the first micro-batch differs by {diff:.1e} (relative, tolerance {tol:.0e}) when"
-        f" its {rows} rows are split into 2 micro-batches (rank {rank}); {where}",
+        f"layout probe: the first micro-batch's loss differs by {loss_diff:.1e} and its output by {out_diff:.1e}"
+        f" (relative, tolerance {tol:.0e}) when its {rows} rows are split into 2 micro-batches (rank {rank}); {where}",
         seconds,
     )
+
+
+def tolerance(dtype: str, device: torch.device) -> float:
+    """The relative tolerance of the forward's precision: ``precision.dtype``'s, or fp16's where
+    CUDA matmuls run in TF32 (``torch.backends.cuda.matmul.allow_tf32``: fp16's 10-bit mantissa)."""
+    tol = TOLERANCE.get(dtype, TOLERANCE["fp32"])
+    if torch.device(device).type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        tol = max(tol, TOLERANCE["fp16"])
+    return tol
+
+
+def output_difference(whole: list[torch.Tensor], split: list[list[torch.Tensor]], pieces) -> float:
+    """``||whole - split|| / ||whole||`` over the model's output tensors whose first dimension is
+    the rows. At initialisation the loss hardly moves with a change of the logits (dropout 0.1 in
+    the GPT's attention: 1e-4 relative on the loss, 1e-2 on the logits), so the output is the
+    sharper test; the loss covers what the loss function itself does across rows."""
+    num = den = 0.0
+    n = whole[0].shape[0] if whole and whole[0].dim() > 0 else 0
+    for j, w in enumerate(whole):
+        if w.dim() == 0 or w.shape[0] != n or not w.is_floating_point():
+            continue
+        parts = [out[j] if j < len(out) else None for out in split]
+        if any(p is None or p.shape != w[a:b].shape for p, (a, b) in zip(parts, pieces, strict=True)):
+            continue
+        for p, (a, b) in zip(parts, pieces, strict=True):
+            num += (w[a:b].double() - p.double()).pow(2).sum().item()
+        den += w.double().pow(2).sum().item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return math.sqrt(num / den) if math.isfinite(num) else math.inf
 
 
 def count_rows(inputs) -> int:
@@ -220,17 +255,18 @@ def rows_of(obj, a: int, b: int, n: int):
     return obj
 
 
-def loss_sum(model, inputs, target, *, ctx, keys, rows) -> float:
-    """The loss objective's sum over ``rows`` (a, b) of the micro-batch, as the step computes it:
-    on the step's device, under its autocast, with the rows' keyed draws."""
+def forward(model, inputs, target, *, ctx, keys, rows) -> tuple[float, list[torch.Tensor]]:
+    """The loss objective's sum over ``rows`` (a, b) of the micro-batch, as the step computes it
+    (on the step's device, under its autocast, with the rows' keyed draws), and the model's output tensors."""
     a, b = rows
     n = count_rows(inputs)
     x = to_device(rows_of(inputs, a, b, n), ctx.device)
     y = to_device(rows_of(target, a, b, n), ctx.device)
     with maybe_keyed_draws(ctx.draw_sites, None if keys is None else keys[a:b]), ctx.amp.autocast():
-        s, _ = ctx.objectives[0].loss_fn(model(x), y)
+        output = model(x)
+        s, _ = ctx.objectives[0].loss_fn(output, y)
     s = s.full_tensor() if hasattr(s, "full_tensor") else s
-    return float(s.detach().double())
+    return float(s.detach().double()), [t.detach() for t in tensors(output)]
 
 
 def rel(a: float, b: float) -> float:
@@ -378,7 +414,7 @@ def first_difference(model, inputs, target, *, ctx, keys, pieces, tol) -> str:
         passes = []
         for piece in pieces:
             rec.reset()
-            loss_sum(model, inputs, target, ctx=ctx, keys=keys, rows=piece)
+            forward(model, inputs, target, ctx=ctx, keys=keys, rows=piece)
             passes.append((rec.calls, rec.finished))
     finally:
         rec.remove()
