@@ -43,10 +43,11 @@ class BatchNormNet(nn.Module):
 
 
 class Noise(nn.Module):
-    """Gaussian noise from the global generator: not through F.dropout, so not keyed."""
+    """Gaussian noise from the global generator, drawn in place (``Tensor.normal_``): not one of
+    the draws the keyed path takes over (``torch.randn_like(x)`` would be keyed by the row)."""
 
     def forward(self, x):
-        return x + 0.1 * torch.randn_like(x) if self.training else x
+        return x + 0.1 * torch.empty_like(x).normal_() if self.training else x
 
 
 class NoisyNet(nn.Module):

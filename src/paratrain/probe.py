@@ -1,10 +1,11 @@
 """The start-of-run layout probe: does this model's loss depend on how a batch is split?
 
 Before the first step each rank takes its first micro-batch (R rows) and, on its own, forward
-only, computes the loss objective's sum twice in train mode: over the R rows whole, and over
-two halves of them, their sums added. A layout (world size, accumulation, micro-batch size)
-only changes how the global batch is cut into such pieces, so when the two sums agree to
-rounding, what the model computes per row does not depend on the cut; when they do not, the
+only, computes the model's output and the loss objective's sum twice in train mode: over the R
+rows whole, and over two halves of them (outputs joined along the rows, sums added). A layout
+(world size, accumulation, micro-batch size) only changes how the global batch is cut into such
+pieces, so when the two agree to rounding, what the model computes per row does not depend on
+the cut; when they do not, the
 per-step losses of this run depend on the layout and the run stops with exit 2 and one line
 (docs/layout-probe.md) unless ``run.layout_dependent`` accepts it.
 
@@ -450,5 +451,5 @@ def cause(call: Call, ctx) -> str:
     if isinstance(m, nn.modules.batchnorm._BatchNorm):
         return "batch statistics (BatchNorm): use GroupNorm/LayerNorm, or BatchNorm in eval mode"
     if call.drew or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and ctx.draw_sites is None):
-        return "random draws outside the keyed path (run.keyed_random = false, or a draw not through F.dropout)"
+        return "random draws outside the keyed path (run.keyed_random = false, or a draw it does not cover: docs/randomness.md)"
     return "a computation over the batch (e.g. a loss or a normalisation across rows) or random draws outside the keyed path"
