@@ -1,4 +1,4 @@
-"""The start-of-run layout probe (paratrain/probe.py, docs/layout-probe.md): a model whose loss
+"""The start-of-run layout probe (paratrain/preflight/probe.py, docs/layout-probe.md): a model whose loss
 depends on how the batch is split stops the run with exit 2 and one line naming the first module
 that differs; a layout-exact model trains, and the probe leaves the run's generators, buffers and
 modes as they were. The models below are user factories (``model.factory``)."""
@@ -17,7 +17,7 @@ import paratrain
 from paratrain.config import ConfigError, load_config
 from paratrain.loss import build_loss
 from paratrain.objectives import build_objectives
-from paratrain.probe import probe_micro_batch
+from paratrain.preflight.probe import probe_micro_batch
 from paratrain.step import StepContext
 from tests.dist_utils import paratrain_cli
 

@@ -127,9 +127,7 @@ def keyed_dropout_enabled(
     what = draws or ("dropout" if has_dropout(model) else None)
     if not cfg.run.keyed_random or what is None:
         return False
-    compiled = cfg.train.compile if compile_enabled is None else compile_enabled
     unkeyed = [f"parallel.{k} > 1" for k in ("tp", "pp", "cp") if getattr(dims, k) > 1]
-    unkeyed += ["train.compile"] if compiled else []
     if not unkeyed:
         return True
     if cfg.run.layout_dependent:

@@ -57,7 +57,7 @@ from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.precision import Precision, build_precision
 from paratrain.preemption import Preemption
 from paratrain.preflight import check_eval, check_run
-from paratrain.probe import first_micro_batch, layout_probe
+from paratrain.preflight.probe import first_micro_batch, layout_probe
 from paratrain.randomness import draws_random
 from paratrain.step import StepContext, StepResult, train_step
 
