@@ -111,7 +111,7 @@ def build_parallel(
         adds_loss=dims.local_rank_in("tp") == 0,
         cp=dims.cp,
         cp_rank=dims.local_rank_in("cp"),
-        draw_sites=site_names(model) if keyed else None,
+        draw_sites=draw_sites(model) if keyed else None,
     )
     return model, step_ctx, compression
 
@@ -127,7 +127,7 @@ def keyed_dropout_enabled(
     what = draws or ("dropout" if has_dropout(model) else None)
     if not cfg.run.keyed_random or what is None:
         return False
-    unkeyed = [f"parallel.{k} > 1" for k in ("tp", "pp", "cp") if getattr(dims, k) > 1]
+    unkeyed = [f"parallel.{k} > 1" for k in ("tp", "cp") if getattr(dims, k) > 1]
     if not unkeyed:
         return True
     if cfg.run.layout_dependent:
@@ -152,4 +152,12 @@ def key_detected_draws(cfg: Config, dims: ParallelDims, model: nn.Module, step_c
     if draws is None or not keyed_dropout_enabled(cfg, dims, model, compile_enabled=None, draws=draws):
         return step_ctx
     log.info("random draws: the forward draws (%s): keyed by the sample (docs/randomness.md)", draws)
-    return dataclasses.replace(step_ctx, draw_sites=site_names(model))
+    return dataclasses.replace(step_ctx, draw_sites=draw_sites(model))
+
+
+def draw_sites(model: nn.Module) -> dict[int, str]:
+    """The keyed draws' site names: each pipeline stage's part keeps the whole model's names."""
+    names: dict[int, str] = {}
+    for part in model.parts if isinstance(model, PipelineModel) else [model]:
+        names.update(site_names(part))
+    return names

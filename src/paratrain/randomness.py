@@ -263,7 +263,12 @@ class KeyedDraws(TorchFunctionMode):
     def __init__(self, names: dict[int, str], keys: torch.Tensor):
         super().__init__()
         self.names, self.keys = names, keys
-        self.stack: list[list] = []  # [module name, draws so far, pushed the mode] of the modules running
+        # [module name, draws so far, pushed the mode, the keys to restore] of the modules running
+        self.stack: list[list] = []
+        # The keys each module call ran with, by its first input (alive while its recomputation
+        # may come): under a pipeline the stages' forwards of other micro-batches run between a
+        # forward and its recomputation, each with its own keys.
+        self.by_input: dict[int, torch.Tensor] = {}
 
     def _pre(self, module, args) -> None:
         name = self.names.get(id(module))
@@ -273,14 +278,25 @@ class KeyedDraws(TorchFunctionMode):
         # engine does not carry torch-function modes (torch 2.13): the recomputed module's
         # forward hook puts this mode back on for its own forward, so it draws the same masks.
         pushed = not any(m is self for m in _get_current_function_mode_stack())
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        restore = self.keys
         if pushed:
             _push_mode(self)
-        self.stack.append([name, 0, pushed])
+            if first is not None:
+                self.keys = self.by_input.get(id(first), self.keys)
+        elif first is not None:
+            self.by_input[id(first)] = self.keys
+        self.stack.append([name, 0, pushed, restore])
 
     def _post(self, module, args, output) -> None:
         if self.names.get(id(module)) is not None and self.stack:
-            if self.stack.pop()[2]:
+            _, _, pushed, self.keys = self.stack.pop()
+            if pushed:
                 _pop_mode()
+
+    def set_keys(self, keys: torch.Tensor) -> None:
+        """The rows' keys of the forward about to run (a pipeline stage's micro-batch)."""
+        self.keys = keys
 
     def site(self) -> int:
         name, k = self.stack[-1][:2] if self.stack else ("", 0)
@@ -299,6 +315,8 @@ class KeyedDraws(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if args and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+            return func(*args, **kwargs)  # shape inference (a pipeline stage's first run) draws nothing
         if func is F.dropout:
             x = args[0]
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
@@ -380,6 +398,7 @@ class KeyedDraws(TorchFunctionMode):
 
     def __enter__(self):
         self.stack.clear()
+        self.by_input.clear()
         self._hooks = (
             nn.modules.module.register_module_forward_pre_hook(self._pre),
             nn.modules.module.register_module_forward_hook(self._post),
@@ -390,6 +409,41 @@ class KeyedDraws(TorchFunctionMode):
         for h in self._hooks:
             h.remove()
         return super().__exit__(*exc)
+
+
+# The keyword that carries a pipeline micro-batch's row keys to every stage (the schedule cuts
+# keyword tensors into micro-batches like the input and hands them to all stages).
+STAGE_KEYS = "paratrain_draw_keys"
+
+
+@contextlib.contextmanager
+def maybe_keyed_stages(parts, names: dict[int, str] | None, keys: list[torch.Tensor] | None, split):
+    """Keyed draws over a pipeline schedule's run: returns the ``split_inputs`` that adds the rows'
+    keys (every micro-batch's, in order) to the keywords of every stage, whose forward pre-hook
+    hands its micro-batch's keys to the mode. ``split`` unchanged when either is None."""
+    if names is None or keys is None:
+        yield split
+        return
+    all_keys = torch.cat(keys)
+    mode = KeyedDraws(names, all_keys)
+
+    def take_keys(module, args, kwargs):
+        if STAGE_KEYS in kwargs:
+            kwargs = dict(kwargs)
+            mode.set_keys(kwargs.pop(STAGE_KEYS))
+        return args, kwargs
+
+    def split_with_keys(inputs):
+        first, kwargs = split(inputs)
+        return first, {**kwargs, STAGE_KEYS: all_keys}
+
+    hooks = [p.register_forward_pre_hook(take_keys, with_kwargs=True, prepend=True) for p in parts]
+    try:
+        with mode:
+            yield split_with_keys
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ from paratrain.distributed.tensor_parallel import maybe_loss_parallel
 from paratrain.objectives import Objective
 from paratrain.objectives.items import check_count
 from paratrain.precision import Precision
-from paratrain.randomness import maybe_keyed_draws
+from paratrain.randomness import maybe_keyed_draws, maybe_keyed_stages
 
 
 @dataclass(frozen=True)
@@ -240,14 +240,17 @@ def train_step(
         objective.start(scale=ctx.dp * ctx.cp / units, device=ctx.device)
         objective.before_micro_batches(model, batches)
     if isinstance(model, PipelineModel):  # the schedule runs forward and backward
-        with maybe_auto_decision(autos, decisions):
+        with (
+            maybe_auto_decision(autos, decisions),
+            maybe_keyed_stages(model.parts, ctx.draw_sites, keys, stage_inputs) as split_inputs,
+        ):
             pipeline_forward_backward(
                 model,
                 batches,
                 objectives=objectives,
                 device=ctx.device,
                 autocast=ctx.amp.autocast(),
-                split_inputs=stage_inputs,
+                split_inputs=split_inputs,
             )
         pp_group = model.pp_group
     else:
