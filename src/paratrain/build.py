@@ -127,7 +127,7 @@ def keyed_dropout_enabled(
     what = draws or ("dropout" if has_dropout(model) else None)
     if not cfg.run.keyed_random or what is None:
         return False
-    unkeyed = [f"parallel.{k} > 1" for k in ("tp", "cp") if getattr(dims, k) > 1]
+    unkeyed = [f"parallel.{k} > 1" for k in ("cp",) if getattr(dims, k) > 1]
     if not unkeyed:
         return True
     if cfg.run.layout_dependent:

@@ -35,6 +35,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
 from torch.utils.data import TensorDataset
 
@@ -109,7 +111,24 @@ def keyed_dropout(x: torch.Tensor, p: float, keys: torch.Tensor, site: int) -> t
     if p >= 1.0:
         return x * 0.0
     keep = keep_mask(keys, site, x.shape, p, x.device)
+    if isinstance(x, DTensor):  # sequence parallel: this rank's slice of the whole rows' mask
+        shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+        local = keep[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        keep = DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+def head_shard(module: nn.Module) -> tuple[int, int] | None:
+    """``(rank, tp)`` when ``module``'s projections are split by output features over a
+    tensor-parallel mesh (colwise: whole heads, their weight a DTensor sharded on dim 0), so its
+    attention holds heads ``rank * local .. (rank + 1) * local`` of ``local * tp``; None otherwise."""
+    for child in module.children():
+        weight = getattr(child, "weight", None)
+        if isinstance(weight, DTensor):
+            for dim, placement in enumerate(weight.placements):
+                if isinstance(placement, Shard) and placement.dim == 0:
+                    return weight.device_mesh.get_local_rank(dim), weight.device_mesh.size(dim)
+    return None
 
 
 # --- the data: a sample's __getitem__ under its own seeds ------------------------------------
@@ -286,11 +305,11 @@ class KeyedDraws(TorchFunctionMode):
                 self.keys = self.by_input.get(id(first), self.keys)
         elif first is not None:
             self.by_input[id(first)] = self.keys
-        self.stack.append([name, 0, pushed, restore])
+        self.stack.append([name, 0, pushed, restore, module])
 
     def _post(self, module, args, output) -> None:
         if self.names.get(id(module)) is not None and self.stack:
-            _, _, pushed, self.keys = self.stack.pop()
+            _, _, pushed, self.keys, _ = self.stack.pop()
             if pushed:
                 _pop_mode()
 
@@ -392,7 +411,14 @@ class KeyedDraws(TorchFunctionMode):
             probs = torch.nan_to_num(probs, nan=0.0)  # a row that sees nothing (padding) attends to nothing
         if p >= 1.0:
             return probs.new_zeros(*probs.shape[:-1], v.shape[-1])
-        keep = keep_mask(self.keys, self.site(), probs.shape, p, probs.device)
+        shard = head_shard(self.stack[-1][4]) if self.stack else None
+        if shard is None:
+            keep = keep_mask(self.keys, self.site(), probs.shape, p, probs.device)
+        else:  # tensor parallel: this rank's heads of the mask of all heads
+            rank, tp = shard
+            local = probs.shape[1]
+            whole = keep_mask(self.keys, self.site(), (probs.shape[0], local * tp, *probs.shape[2:]), p, probs.device)
+            keep = whole[:, rank * local : (rank + 1) * local]
         # The 1 / (1 - p) scale on the (T x d) output rather than the (T x T) probabilities.
         return (probs * keep) @ v * (1.0 / (1.0 - p))
 
