@@ -244,12 +244,12 @@ def test_transformers_gpt2_replaying_the_keyed_masks_gives_the_keyed_loss():
 def test_dropout_under_an_unkeyed_parallelism_is_refused_in_one_line_unless_accepted():
     cfg = load_config(None, MODELS["gpt"])
     model = build_gpt(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32, dropout=0.1)
-    dims = SimpleNamespace(tp=2, pp=1, cp=1)
-    with pytest.raises(ConfigError, match=r"not keyed by the sample under parallel.tp > 1 .*run.layout_dependent"):
+    dims = SimpleNamespace(tp=1, pp=1, cp=2)
+    with pytest.raises(ConfigError, match=r"not keyed by the sample under parallel.cp > 1 .*run.layout_dependent"):
         keyed_dropout_enabled(cfg, dims, model, compile_enabled=False)
     cfg.run.layout_dependent = True
     assert keyed_dropout_enabled(cfg, dims, model, compile_enabled=False) is False
-    cfg.run.layout_dependent, dims.tp = False, 1
+    cfg.run.layout_dependent, dims.cp = False, 1
     assert keyed_dropout_enabled(cfg, dims, model, compile_enabled=False) is True
     cfg.run.keyed_random = False
     assert keyed_dropout_enabled(cfg, dims, model, compile_enabled=False) is False
