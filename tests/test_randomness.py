@@ -267,8 +267,8 @@ def test_keep_mask_is_shaped_and_exact_at_the_edges():
 def test_dropout_and_augmentation_give_the_one_process_losses_with_accumulation_and_two_processes(tmp_path):
     """The GPT with attention dropout 0.1, the tagger (two nn.Dropout), a residual tagger with
     per-sample stochastic depth and noise, and the CNN on augmented images: accumulation 4, DDP at world 2, and for the GPT FSDP2 with full activation
-    checkpointing, pipeline 1F1B with full checkpointing and tensor + sequence parallel, within
-    1e-5 of one process (loss and grad_norm, plain SGD). Unkeyed
+    checkpointing, pipeline 1F1B with full checkpointing, tensor + sequence parallel and context
+    parallel (ring and all-to-all), within 1e-5 of one process (loss and grad_norm, plain SGD). Unkeyed
     (run.keyed_random = false), the tagger and the CNN at world 2 differ from their one-process
     runs, and the GPT without dropout differs from the GPT with it."""
     root = str(tmp_path)
@@ -307,13 +307,22 @@ def test_dropout_and_augmentation_give_the_one_process_losses_with_accumulation_
         "parallel.sequence_parallel=true",
         "batch.micro_batch_size=4",
     ]
+    # Context parallel: the ring's chunk pairs take their slice of the whole sequence's mask, the
+    # all-to-all's heads theirs.
+    for attention in ("ring", "alltoall"):
+        world2[f"gpt_cp_{attention}"] = [
+            *MODELS["gpt"],
+            "parallel.cp=2",
+            f"parallel.cp_attention='{attention}'",
+            "batch.micro_batch_size=4",
+        ]
     world2["tagger_unkeyed_ddp"] = [*MODELS["tagger"], *unkeyed, "parallel.dp_replicate=2", "batch.micro_batch_size=4"]
     world2["cnn_unkeyed_ddp"] = [*MODELS["cnn"], *unkeyed, "parallel.dp_replicate=2", "batch.micro_batch_size=4"]
     run_ranks(train_runs, 2, world2, root, timeout=600)
     for name in MODELS:
         assert_same(root, f"{name}_acc4", f"{name}_ref")
         assert_same(root, f"{name}_ddp", f"{name}_ref")
-    for name in ("gpt_fsdp_ac", "gpt_pp_ac", "gpt_tp_sp"):
+    for name in ("gpt_fsdp_ac", "gpt_pp_ac", "gpt_tp_sp", "gpt_cp_ring", "gpt_cp_alltoall"):
         assert_same(root, name, "gpt_ref")
     assert differs(root, "gpt_no_dropout", "gpt_ref")
     assert differs(root, "tagger_unkeyed_ddp", "tagger_unkeyed_ref")

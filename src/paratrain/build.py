@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paratrain.config import Config, ConfigError
+from paratrain.config import Config
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
@@ -77,7 +77,7 @@ def build_parallel(
         user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory),
         supported=spec.loss_parallel,
     )
-    keyed = keyed_dropout_enabled(cfg, dims, model, compile_enabled=compile_enabled)
+    keyed = keyed_dropout_enabled(cfg, model)
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
     objectives = build_objectives(loss_fn, model, items_per_sample=items_per_sample, pipeline=dims.pp > 1)
     model = parallelize(
@@ -116,28 +116,11 @@ def build_parallel(
     return model, step_ctx, compression
 
 
-def keyed_dropout_enabled(
-    cfg: Config, dims: ParallelDims, model: nn.Module, *, compile_enabled: bool | None, draws: str | None = None
-) -> bool:
-    """Whether the step keys the model's random draws by the sample (run.keyed_random and a model
-    that draws: ``draws`` names a draw seen in a forward, randomness.draws_in_forward; None asks
-    randomness.has_dropout). Under a parallelism whose shards or stages the keyed draws do not
-    follow yet, the run stops in one line unless run.layout_dependent accepts it (then each
-    rank's own RNG draws, as torch does)."""
-    what = draws or ("dropout" if has_dropout(model) else None)
-    if not cfg.run.keyed_random or what is None:
-        return False
-    unkeyed = [f"parallel.{k} > 1" for k in ("cp",) if getattr(dims, k) > 1]
-    if not unkeyed:
-        return True
-    if cfg.run.layout_dependent:
-        log.warning("%s: not keyed by the sample under %s: its draws depend on the layout", what, ", ".join(unkeyed))
-        return False
-    raise ConfigError(
-        f"the model draws random numbers ({what}), which are not keyed by the sample under {' and '.join(unkeyed)} yet,"
-        " so the losses would depend on the layout; set the model's dropout rates to 0, or run.layout_dependent = true"
-        " to accept that (docs/randomness.md)"
-    )
+def keyed_dropout_enabled(cfg: Config, model: nn.Module, *, draws: str | None = None) -> bool:
+    """Whether the step keys the model's random draws by the sample (paratrain/randomness.py):
+    run.keyed_random and a model that draws (``draws`` names a draw seen in a forward,
+    randomness.draws_in_forward; None asks randomness.has_dropout)."""
+    return cfg.run.keyed_random and (draws is not None or has_dropout(model))
 
 
 def key_detected_draws(cfg: Config, dims: ParallelDims, model: nn.Module, step_ctx: StepContext, inputs) -> StepContext:
@@ -145,11 +128,13 @@ def key_detected_draws(cfg: Config, dims: ParallelDims, model: nn.Module, step_c
     makes when no dropout rate announced them (noise, per-sample stochastic depth): run once
     before the first step. The keyed path costs a few percent of a step (a torch-function mode
     over every op), so a model that draws nothing does not take it."""
-    if step_ctx.draw_sites is not None or not cfg.run.keyed_random or isinstance(model, PipelineModel):
+    # Not under pipeline parallel (a stage's forward is not the model's) nor context parallel (the
+    # model takes its part of each row, which the step cuts): there dropout rates alone decide.
+    if step_ctx.draw_sites is not None or not cfg.run.keyed_random or isinstance(model, PipelineModel) or dims.cp > 1:
         return step_ctx
     inner = model.module if isinstance(model, DistributedDataParallel) else model  # DDP's forward syncs buffers
     draws = draws_in_forward(inner, to_device(inputs, step_ctx.device))
-    if draws is None or not keyed_dropout_enabled(cfg, dims, model, compile_enabled=None, draws=draws):
+    if draws is None or not keyed_dropout_enabled(cfg, model, draws=draws):
         return step_ctx
     log.info("random draws: the forward draws (%s): keyed by the sample (docs/randomness.md)", draws)
     return dataclasses.replace(step_ctx, draw_sites=draw_sites(model))

@@ -411,16 +411,22 @@ class KeyedDraws(TorchFunctionMode):
             probs = torch.nan_to_num(probs, nan=0.0)  # a row that sees nothing (padding) attends to nothing
         if p >= 1.0:
             return probs.new_zeros(*probs.shape[:-1], v.shape[-1])
-        shard = head_shard(self.stack[-1][4]) if self.stack else None
-        if shard is None:
-            keep = keep_mask(self.keys, self.site(), probs.shape, p, probs.device)
-        else:  # tensor parallel: this rank's heads of the mask of all heads
-            rank, tp = shard
-            local = probs.shape[1]
-            whole = keep_mask(self.keys, self.site(), (probs.shape[0], local * tp, *probs.shape[2:]), p, probs.device)
-            keep = whole[:, rank * local : (rank + 1) * local]
+        keep = self.attention_keep(probs.shape, p, probs.device)
         # The 1 / (1 - p) scale on the (T x d) output rather than the (T x T) probabilities.
         return (probs * keep) @ v * (1.0 / (1.0 - p))
+
+    def attention_keep(self, shape, p: float, device: torch.device) -> torch.Tensor:
+        """The keep mask (bool, ``shape`` = (rows, local heads, queries, keys) of the whole
+        sequence) of the attention running now: its heads' slice of the mask of every head,
+        where tensor parallel (:func:`head_shard` of the module) and all-to-all context parallel
+        (:func:`head_slice`) leave this rank some heads."""
+        rows, local, t, s = shape
+        offset, heads = _HEAD_SLICE[-1] if _HEAD_SLICE else (0, local)
+        shard = head_shard(self.stack[-1][4]) if self.stack else None
+        rank, tp = shard if shard is not None else (0, 1)
+        whole = keep_mask(self.keys, self.site(), (rows, heads * tp, t, s), p, device)
+        start = rank * heads + offset
+        return whole[:, start : start + local]
 
     def __enter__(self):
         self.stack.clear()
@@ -435,6 +441,31 @@ class KeyedDraws(TorchFunctionMode):
         for h in self._hooks:
             h.remove()
         return super().__exit__(*exc)
+
+
+# (offset, heads): the heads of the running attention module that this rank's attention holds
+# (all-to-all context parallel: ``heads / cp`` of them from ``cp_rank * heads / cp``).
+_HEAD_SLICE: list[tuple[int, int]] = []
+
+
+@contextlib.contextmanager
+def head_slice(offset: int, heads: int) -> Iterator[None]:
+    """An attention within runs heads ``offset ..`` of the ``heads`` its module holds."""
+    _HEAD_SLICE.append((offset, heads))
+    try:
+        yield
+    finally:
+        _HEAD_SLICE.pop()
+
+
+def active_draws() -> KeyedDraws | None:
+    """The keyed draws in effect (the mode on torch's stack), or None: an attention that does not
+    go through ``scaled_dot_product_attention`` (the ring of context parallel) asks it for its
+    mask (:meth:`KeyedDraws.attention_keep`)."""
+    for mode in _get_current_function_mode_stack():
+        if isinstance(mode, KeyedDraws):
+            return mode
+    return None
 
 
 # The keyword that carries a pipeline micro-batch's row keys to every stage (the schedule cuts

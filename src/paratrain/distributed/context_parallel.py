@@ -49,6 +49,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from paratrain.config import ConfigError
+from paratrain.randomness import active_draws, head_slice
 
 # --- the split ------------------------------------------------------------------------------
 
@@ -89,17 +90,24 @@ def _pair_mask(q_idx, q_start, k_idx) -> torch.Tensor:
     return ((i >= q_start.unsqueeze(-1)) & (i <= q_idx.view(1, -1, 1))).unsqueeze(1)
 
 
-def _pair_forward(q, k, v, mask, scale):
+def _pair_forward(q, k, v, mask, scale, keep=None):
     """Output and log-sum-exp (float32) of q's attention over k/v under ``mask``. A query row the
-    mask empties gets output 0 and log-sum-exp -inf: it adds nothing when merged."""
+    mask empties gets output 0 and log-sum-exp -inf: it adds nothing when merged. ``keep``: the
+    attention dropout's mask of the pair, already scaled by 1 / (1 - p); the probabilities it drops
+    still count in the normaliser (dropout comes after the softmax), so the merge is unchanged."""
     s = (q @ k.transpose(-2, -1)) * scale
     s = s.masked_fill(~mask, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m)
     denom = p.sum(dim=-1, keepdim=True)
-    out = (p @ v) / denom.clamp_min(torch.finfo(denom.dtype).tiny)
+    out = ((p if keep is None else p * keep) @ v) / denom.clamp_min(torch.finfo(denom.dtype).tiny)
     return out, (m + denom.log()).squeeze(-1)
+
+
+def _pair_keep(keep, q_idx, k_idx):
+    """The scaled dropout mask of a chunk pair from the whole sequence's (None: no dropout)."""
+    return None if keep is None else keep[:, :, q_idx][:, :, :, k_idx]
 
 
 def _merge(out, lse, out_b, lse_b):
@@ -140,7 +148,7 @@ def _pairs(q_idx, q_start, k_idx):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_start, group, scale):
+    def forward(ctx, q, k, v, q_start, group, scale, keep):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         to = dist.get_global_rank(group, (rank + 1) % cp)
         frm = dist.get_global_rank(group, (rank - 1) % cp)
@@ -158,13 +166,14 @@ class _RingAttention(torch.autograd.Function):
             k_idx = global_indices(kv.shape[-2], cp=cp, rank=src, device=q.device)
             k32, v32 = kv[0].float(), kv[1].float()
             for qa, kb, mask in _pairs(q_idx, q_start, k_idx):
-                o, s = _pair_forward(q32[..., qa, :], k32[..., kb, :], v32[..., kb, :], mask, scale)
+                pk = _pair_keep(keep, q_idx[qa], k_idx[kb])
+                o, s = _pair_forward(q32[..., qa, :], k32[..., kb, :], v32[..., kb, :], mask, scale, pk)
                 out[..., qa, :], lse[..., qa] = _merge(out[..., qa, :], lse[..., qa], o, s)
             if works:
                 _wait(works)
                 kv = nxt
         ctx.save_for_backward(q, k, v, q_start, out, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.keep = group, scale, keep
         return out.to(q.dtype)
 
     @staticmethod
@@ -187,8 +196,11 @@ class _RingAttention(torch.autograd.Function):
                 kc, vc = kv[0][..., kb, :], kv[1][..., kb, :]
                 s = (q32[..., qa, :] @ kc.transpose(-2, -1)) * scale
                 p = torch.exp(s - lse[..., qa].unsqueeze(-1)).masked_fill(~mask, 0.0)
-                dkv[1][..., kb, :] += p.transpose(-2, -1) @ do[..., qa, :]
+                pk = _pair_keep(ctx.keep, q_idx[qa], k_idx[kb])
+                dkv[1][..., kb, :] += (p if pk is None else p * pk).transpose(-2, -1) @ do[..., qa, :]
                 dp = do[..., qa, :] @ vc.transpose(-2, -1)
+                if pk is not None:  # the gradient reaches the kept probabilities only, scaled
+                    dp = dp * pk
                 ds = p * (dp - delta[..., qa].unsqueeze(-1))
                 dq[..., qa, :] += (ds @ kc) * scale
                 dkv[0][..., kb, :] += (ds.transpose(-2, -1) @ q32[..., qa, :]) * scale
@@ -201,7 +213,7 @@ class _RingAttention(torch.autograd.Function):
                 dkv = recv
             else:
                 kv, dkv = recv[:2], recv[2:]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(
@@ -212,6 +224,7 @@ def ring_attention(
     group: dist.ProcessGroup,
     positions: torch.Tensor | None = None,
     scale: float | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence from this rank's part of it.
 
@@ -219,6 +232,8 @@ def ring_attention(
     sequence split over ``group``. ``positions``: (B, T_local) position ids of those tokens for
     packed documents (restarting at 0 per document, -1 for padding); None: plain causal.
     Returns (B, H, T_local, D), this rank's rows of the whole sequence's attention output.
+    ``dropout_p``: attention dropout, its mask keyed by the sample (paratrain/randomness.py: this
+    rank's queries and each chunk's keys of the whole sequence's mask); it needs keyed draws.
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     if q.shape[-2] % 2:
@@ -229,7 +244,16 @@ def ring_attention(
         q_start = torch.zeros(q.shape[0], q.shape[-2], dtype=torch.long, device=q.device)
     else:
         q_start = j - positions.clamp(min=0)  # where each query's document starts (global index)
-    return _RingAttention.apply(q, k, v, q_start, group, scale)
+    keep = None
+    if dropout_p:
+        draws = active_draws()
+        if draws is None:
+            raise ConfigError(
+                "attention dropout under parallel.cp > 1 needs run.keyed_random = true (its mask is the sample's)"
+            )
+        whole = draws.attention_keep((q.shape[0], q.shape[1], cp * q.shape[-2], cp * q.shape[-2]), dropout_p, q.device)
+        keep = whole.to(torch.float32) * (1.0 / (1.0 - dropout_p))
+    return _RingAttention.apply(q, k, v, q_start, group, scale, keep)
 
 
 class RingAttention:
@@ -240,8 +264,8 @@ class RingAttention:
         self.mesh = cp_mesh
         self.group = cp_mesh.get_group()
 
-    def __call__(self, q, k, v, *, positions=None, scale=None):
-        return ring_attention(q, k, v, group=self.group, positions=positions, scale=scale)
+    def __call__(self, q, k, v, *, positions=None, scale=None, dropout_p=0.0):
+        return ring_attention(q, k, v, group=self.group, positions=positions, scale=scale, dropout_p=dropout_p)
 
 
 # --- all-to-all (Ulysses) ---------------------------------------------------------------------
@@ -255,6 +279,7 @@ def alltoall_attention(
     group: dist.ProcessGroup,
     positions: torch.Tensor | None = None,
     scale: float | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """The same result as :func:`ring_attention` by all-to-all (DeepSpeed-Ulysses, Jacobs et al.
     2023): each rank trades its sequence part of every head for the whole sequence of ``H / cp``
@@ -296,20 +321,26 @@ def alltoall_attention(
         j = torch.arange(cp * t, device=q.device)
         if torch.equal(positions, j.expand_as(positions)):
             positions = None  # one document per row: plain causal, SDPA's kernel without a mask
-    if positions is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-    else:
-        start = j - positions.clamp(min=0)  # the same rule as the ring's and data.packing.document_mask
-        mask = (j.view(1, 1, -1) >= start.unsqueeze(-1)) & (j.view(1, 1, -1) <= j.view(1, -1, 1))
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(1), scale=scale)
+    # Attention dropout: keyed draws (paratrain/randomness.py) give this rank's heads their slice
+    # of the mask of every head, over the whole sequence, as without cp.
+    rank = dist.get_rank(group)
+    with head_slice(rank * (h // cp), h):
+        if positions is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, dropout_p=dropout_p)
+        else:
+            start = j - positions.clamp(min=0)  # the same rule as the ring's and data.packing.document_mask
+            mask = (j.view(1, 1, -1) >= start.unsqueeze(-1)) & (j.view(1, 1, -1) <= j.view(1, -1, 1))
+            out = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask.unsqueeze(1), scale=scale, dropout_p=dropout_p
+            )
     return to_tokens(out)
 
 
 class AllToAllAttention(RingAttention):
     """``fn(q, k, v, positions=None)`` by all-to-all (``parallel.cp_attention = "alltoall"``)."""
 
-    def __call__(self, q, k, v, *, positions=None, scale=None):
-        return alltoall_attention(q, k, v, group=self.group, positions=positions, scale=scale)
+    def __call__(self, q, k, v, *, positions=None, scale=None, dropout_p=0.0):
+        return alltoall_attention(q, k, v, group=self.group, positions=positions, scale=scale, dropout_p=dropout_p)
 
 
 class AutoAttention(RingAttention):
@@ -336,11 +367,11 @@ class AutoAttention(RingAttention):
     # the step from the whole rows (maybe_auto_decision); None: undecided, agreed per layer.
     rows_plain: bool | None = None
 
-    def __call__(self, q, k, v, *, positions=None, scale=None):
+    def __call__(self, q, k, v, *, positions=None, scale=None, dropout_p=0.0):
         cp = dist.get_world_size(self.group)
         if q.shape[1] % cp == 0 and self._one_document_per_row(positions):
-            return alltoall_attention(q, k, v, group=self.group, positions=None, scale=scale)
-        return ring_attention(q, k, v, group=self.group, positions=positions, scale=scale)
+            return alltoall_attention(q, k, v, group=self.group, positions=None, scale=scale, dropout_p=dropout_p)
+        return ring_attention(q, k, v, group=self.group, positions=positions, scale=scale, dropout_p=dropout_p)
 
     def _one_document_per_row(self, positions: torch.Tensor | None) -> bool:
         if positions is None:

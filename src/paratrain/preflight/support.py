@@ -374,7 +374,6 @@ REFUSALS: tuple[Refusal, ...] = (
     _cp_refusal(
         "flex attention", "model.args.attention = 'flex'", lambda c: c.model.args.get("attention", "sdpa") != "sdpa"
     ),
-    _cp_refusal("dropout", "model.args.dropout > 0", lambda c: bool(c.model.args.get("dropout", 0.0))),
     _cp_refusal("compression", "comm.compression", lambda c: c.comm.compression != "none"),
     _cp_refusal("noise_probe", "the gradient-noise probe (batch.adaptive, adascale)", _noise_probe),
     _cp_refusal("auto micro-batch", "batch.micro_batch_size = 'auto'", lambda c: c.batch.micro_batch_size == "auto"),

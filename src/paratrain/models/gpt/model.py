@@ -71,9 +71,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.cp_attention is not None:
-            if self.dropout and self.training:
-                raise ConfigError("parallel.cp > 1 has no attention dropout; set model.args.dropout = 0")
-            y = self.cp_attention(q, k, v, positions=mask)
+            y = self.cp_attention(q, k, v, positions=mask, dropout_p=self.dropout if self.training else 0.0)
         elif isinstance(mask, BlockMask):
             if self.dropout and self.training:
                 raise ConfigError("model.args.attention = 'flex' has no attention dropout; set model.args.dropout = 0")

@@ -131,12 +131,10 @@ def _ring_attention_forward(module, query, key, value, attention_mask, dropout=0
     (``module.cp_attention``, set by :func:`hf_cp_attention`) over the whole sequence, its
     document masks from the ``position_ids`` the decoder layers pass every attention (global,
     restarting at 0 per packed document). Returns ``(B, T, heads, head_dim)`` and no weights."""
-    if dropout:
-        raise ConfigError("parallel.cp > 1 has no attention dropout; set model.args.attention_dropout = 0")
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads (repeat_kv)
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
-    out = module.cp_attention(query, key, value, positions=kwargs.get("position_ids"), scale=scaling)
+    out = module.cp_attention(query, key, value, positions=kwargs.get("position_ids"), scale=scaling, dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
