@@ -52,7 +52,7 @@ class RunConfig:
     )
     layout_dependent: bool = opt(
         False,
-        "Accept a run whose math depends on the layout (the start-of-run probe's finding, or dropout under a parallelism that does not key it yet) instead of stopping with exit 2 (docs/randomness.md).",
+        "Accept a run whose math depends on the layout (what the start-of-run probe finds: BatchNorm, random draws outside the keyed path, a loss over the batch) instead of stopping with exit 2 (docs/layout-probe.md).",
     )
     probe: bool = opt(
         True,
