@@ -334,7 +334,9 @@ def test_dropout_and_augmentation_give_the_one_process_losses_with_accumulation_
 def test_keyed_runs_at_world_4_a_transformers_llama_with_lora_and_a_resume_at_another_world(tmp_path):
     """World 4: the GPT with dropout under HSDP (2 x 2) and DDP with selective checkpointing; a
     transformers Llama with attention dropout 0.1 and LoRA adapters with lora_dropout 0.1 under
-    DDP and FSDP2 at world 2 (tolerance 1e-4 for FSDP2's reduce-scatter order, as tests/test_lora.py);
+    DDP, FSDP2 (tolerance 1e-4 for its reduce-scatter order, as tests/test_lora.py), tensor
+    parallel and the context-parallel ring at world 2; a 4-block GPT on an interleaved pipeline
+    with selective checkpointing, and the GPT compiled with FSDP2;
     and the CNN on augmented images checkpointed at step 2 of a world-2 run and resumed at
     world 1 continues the one-process trajectory."""
     from tests.hf_models import save_tiny
@@ -369,9 +371,22 @@ def test_keyed_runs_at_world_4_a_transformers_llama_with_lora_and_a_resume_at_an
         ],
     }
     run_ranks(train_runs, 4, world4, root, timeout=600)
+    gpt4 = [*MODELS["gpt"], "model.args.n_layer=4"]
+    world1["gpt4_ref"] = [*gpt4, "batch.micro_batch_size=8"]
+    paratrain.train(load_config(None, [*COMMON, *world1["gpt4_ref"], f"run.out_dir='{root}/gpt4_ref'"]))
     world2 = {
         "llama_ddp": [*llama, "parallel.dp_replicate=2", "batch.micro_batch_size=2"],
         "llama_fsdp": [*llama, "parallel.dp_shard=2", "batch.micro_batch_size=4"],
+        "llama_tp": [*llama, "parallel.tp=2", "batch.micro_batch_size=4"],
+        "llama_cp_ring": [*llama, "parallel.cp=2", "parallel.cp_attention='ring'", "batch.micro_batch_size=4"],
+        "gpt4_interleaved": [
+            *gpt4,
+            "parallel.pp=2",
+            "parallel.pp_schedule='interleaved1f1b'",
+            "parallel.activation_checkpointing='selective'",
+            "batch.micro_batch_size=4",
+        ],
+        "gpt_compiled": [*MODELS["gpt"], "train.compile=true", "parallel.dp_shard=2", "batch.micro_batch_size=2"],
         "cnn_w2": [*MODELS["cnn"], "parallel.dp_replicate=2", "batch.micro_batch_size=2", "checkpoint.interval=2"],
     }
     run_ranks(train_runs, 2, world2, root, timeout=600)
@@ -391,6 +406,10 @@ def test_keyed_runs_at_world_4_a_transformers_llama_with_lora_and_a_resume_at_an
         assert_same(root, name, "gpt_ref")
     assert_same(root, "llama_ddp", "llama_ref")
     assert_same(root, "llama_fsdp", "llama_ref", rtol=1e-4)
+    assert_same(root, "llama_tp", "llama_ref")
+    assert_same(root, "llama_cp_ring", "llama_ref")
+    assert_same(root, "gpt4_interleaved", "gpt4_ref")
+    assert_same(root, "gpt_compiled", "gpt_ref")
     assert differs(root, "llama_unkeyed", "llama_ref")
     assert_same(root, "cnn_w2", "cnn_ref")
     resumed, ref = read_metrics(f"{root}/cnn_resumed"), read_metrics(f"{root}/cnn_ref")

@@ -279,9 +279,13 @@ class KeyedDraws(TorchFunctionMode):
     by global forward hooks; a recomputation (activation checkpointing) reruns the module's
     forward and so draws the same site again, and the same mask."""
 
-    def __init__(self, names: dict[int, str], keys: torch.Tensor):
+    def __init__(self, names: dict[int, str], keys: torch.Tensor, sequence: tuple[torch.Tensor, int] | None = None):
         super().__init__()
         self.names, self.keys = names, keys
+        # Context parallel: (the whole-sequence index of each of this rank's tokens, the whole
+        # length). A tensor whose dim 1 is this rank's tokens (a hidden state) takes those
+        # positions of the whole row's mask.
+        self.sequence = sequence
         # [module name, draws so far, pushed the mode, the keys to restore] of the modules running
         self.stack: list[list] = []
         # The keys each module call ran with, by its first input (alive while its recomputation
@@ -343,6 +347,10 @@ class KeyedDraws(TorchFunctionMode):
             if not training or p == 0:
                 return x
             self._check_rows(x, "dropout")
+            if self._sequence_sharded(x):
+                index, length = self.sequence
+                whole = keep_mask(self.keys, self.site(), (x.shape[0], length, *x.shape[2:]), p, x.device)
+                return x * whole[:, index.to(x.device)].to(x.dtype) * (1.0 / (1.0 - p))
             return keyed_dropout(x, p, self.keys, self.site())
         if func is F.scaled_dot_product_attention:
             q, k, v, mask, p, causal, scale, gqa = _sdpa_reference(*args, **kwargs)
@@ -354,6 +362,15 @@ class KeyedDraws(TorchFunctionMode):
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+    def _sequence_sharded(self, x) -> bool:
+        """Whether ``x`` holds this context-parallel rank's part of each row along dim 1."""
+        return (
+            self.sequence is not None
+            and not isinstance(x, DTensor)
+            and x.dim() >= 2
+            and x.shape[1] == self.sequence[0].numel()
+        )
 
     def _row_draw(self, func, args, kwargs) -> torch.Tensor | None:
         """Other draws of a tensor whose first dimension is the micro-batch's rows, each row from
@@ -371,6 +388,11 @@ class KeyedDraws(TorchFunctionMode):
         x = args[0]
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != rows:
             return None
+        if self._sequence_sharded(x):
+            raise ConfigError(
+                f"{func.__name__} of a tensor that holds part of each row under parallel.cp > 1 is not keyed by the"
+                " sample; use dropout (keyed under cp), or set parallel.cp = 1"
+            )
         if func in (torch.rand_like, torch.randn_like):
             out = torch.empty_like(x, dtype=kwargs.get("dtype"))
             fill = "uniform_" if func is torch.rand_like else "normal_"
@@ -504,11 +526,14 @@ def maybe_keyed_stages(parts, names: dict[int, str] | None, keys: list[torch.Ten
 
 
 @contextlib.contextmanager
-def maybe_keyed_draws(names: dict[int, str] | None, keys: torch.Tensor | None) -> Iterator[None]:
+def maybe_keyed_draws(
+    names: dict[int, str] | None, keys: torch.Tensor | None, sequence: tuple[torch.Tensor, int] | None = None
+) -> Iterator[None]:
     """Draw the model's dropout from ``keys`` (the micro-batch's row keys) over a forward and its
-    backward (which may recompute it); does nothing when either is None."""
+    backward (which may recompute it); does nothing when either is None. ``sequence``: context
+    parallel's (whole-sequence index of this rank's tokens, whole length)."""
     if names is None or keys is None:
         yield
         return
-    with KeyedDraws(names, keys):
+    with KeyedDraws(names, keys, sequence):
         yield

@@ -39,6 +39,7 @@ from paratrain.data.packing import attention_square, count_input_tokens, split_p
 from paratrain.distributed.context_parallel import (
     AutoAttention,
     auto_attentions,
+    global_indices,
     maybe_auto_decision,
     one_document_rows,
     shard_sequence,
@@ -310,7 +311,7 @@ def forward_backward(
             maybe_no_sync(model, sync=k == last, sync_each_micro_batch=ctx.sync_each_micro_batch),
             maybe_loss_parallel(ctx.loss_parallel),
             maybe_auto_decision(autos, decisions[k] if decisions else None),
-            maybe_keyed_draws(ctx.draw_sites, keys[k] if keys else None),
+            maybe_keyed_draws(ctx.draw_sites, keys[k] if keys else None, cp_sequence(inputs, ctx)),
         ):
             with precision.autocast():  # forward under autocast; backward follows its dtypes
                 output = model(inputs)
@@ -324,6 +325,15 @@ def forward_backward(
             objective.end_micro_batch()
         if after_backward is not None:
             after_backward(k)
+
+
+def cp_sequence(inputs, ctx: StepContext) -> tuple[torch.Tensor, int] | None:
+    """Context parallel: the whole-sequence index of each of this rank's tokens of ``inputs``
+    (already cut) and the whole length, for keyed dropout on hidden states; None at cp = 1."""
+    if ctx.cp == 1 or not isinstance(inputs, torch.Tensor):
+        return None
+    local = inputs.shape[-1]  # packed documents (B, 2, T): the tokens are the last dim too
+    return global_indices(local, cp=ctx.cp, rank=ctx.cp_rank), local * ctx.cp
 
 
 def add_terms(terms: list[torch.Tensor | None]) -> torch.Tensor:
