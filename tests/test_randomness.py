@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -241,18 +240,30 @@ def test_transformers_gpt2_replaying_the_keyed_masks_gives_the_keyed_loss():
         assert abs(model.eval()(x, labels=x).loss.item() - keyed.item()) > 1e-4  # dropout was on
 
 
-def test_dropout_under_an_unkeyed_parallelism_is_refused_in_one_line_unless_accepted():
+def test_keyed_draws_are_on_for_a_model_that_draws_and_a_dropout_not_batch_first_is_one_line():
+    """The keyed path is taken for a model with a dropout rate or a draw seen in its forward, not
+    for one that draws nothing nor with run.keyed_random = false; a dropout whose input is not
+    batch first cannot be keyed by the sample and stops in one line naming the module."""
     cfg = load_config(None, MODELS["gpt"])
     model = build_gpt(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32, dropout=0.1)
-    dims = SimpleNamespace(tp=1, pp=1, cp=2)
-    with pytest.raises(ConfigError, match=r"not keyed by the sample under parallel.cp > 1 .*run.layout_dependent"):
-        keyed_dropout_enabled(cfg, dims, model, compile_enabled=False)
-    cfg.run.layout_dependent = True
-    assert keyed_dropout_enabled(cfg, dims, model, compile_enabled=False) is False
-    cfg.run.layout_dependent, dims.cp = False, 1
-    assert keyed_dropout_enabled(cfg, dims, model, compile_enabled=False) is True
+    plain = build_gpt(n_layer=1, n_head=2, d_model=16, block_size=8, vocab_size=32)
+    assert keyed_dropout_enabled(cfg, model) and not keyed_dropout_enabled(cfg, plain)
+    assert keyed_dropout_enabled(cfg, plain, draws="randn_like")
     cfg.run.keyed_random = False
-    assert keyed_dropout_enabled(cfg, dims, model, compile_enabled=False) is False
+    assert not keyed_dropout_enabled(cfg, model)
+
+    class SequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x):  # (T, B, d)
+            return self.drop(x.transpose(0, 1))
+
+    seq = SequenceFirst().train()
+    with pytest.raises(ConfigError, match=r"^dropout in drop got a tensor of shape \(5, 3, 4\) .*batch first"):
+        with KeyedDraws(site_names(seq), row_keys(0, [(0, i) for i in range(3)])):
+            seq(torch.randn(3, 5, 4))
 
 
 def test_keep_mask_is_shaped_and_exact_at_the_edges():
@@ -268,7 +279,8 @@ def test_dropout_and_augmentation_give_the_one_process_losses_with_accumulation_
     """The GPT with attention dropout 0.1, the tagger (two nn.Dropout), a residual tagger with
     per-sample stochastic depth and noise, and the CNN on augmented images: accumulation 4, DDP at world 2, and for the GPT FSDP2 with full activation
     checkpointing, pipeline 1F1B with full checkpointing, tensor + sequence parallel and context
-    parallel (ring and all-to-all), within 1e-5 of one process (loss and grad_norm, plain SGD). Unkeyed
+    parallel (ring and all-to-all), and on packed documents flex attention with accumulation and the
+    cp ring, within 1e-5 of one process (loss and grad_norm, plain SGD). Unkeyed
     (run.keyed_random = false), the tagger and the CNN at world 2 differ from their one-process
     runs, and the GPT without dropout differs from the GPT with it."""
     root = str(tmp_path)
@@ -277,6 +289,11 @@ def test_dropout_and_augmentation_give_the_one_process_losses_with_accumulation_
     for name, model in MODELS.items():
         world1[f"{name}_ref"] = [*model, "batch.micro_batch_size=8"]
         world1[f"{name}_acc4"] = [*model, "batch.micro_batch_size=2"]
+    # Packed documents (positions restart per document): FlexAttention has no dropout, so with
+    # dropout the GPT's flex attention takes the documents' dense mask through the keyed SDPA.
+    packed = [*MODELS["gpt"], "data.factory='tests.cp_auto:position_rows'", "data.args={n = 16, packed = true}"]
+    world1["packed_ref"] = [*packed, "batch.micro_batch_size=8"]
+    world1["packed_flex_acc4"] = [*packed, "model.args.attention='flex'", "batch.micro_batch_size=2"]
     world1["gpt_no_dropout"] = [*MODELS["gpt"], "model.args.dropout=0.0", "batch.micro_batch_size=8"]
     world1["tagger_unkeyed_ref"] = [*MODELS["tagger"], *unkeyed, "batch.micro_batch_size=8"]
     world1["cnn_unkeyed_ref"] = [*MODELS["cnn"], *unkeyed, "batch.micro_batch_size=8"]
@@ -307,6 +324,7 @@ def test_dropout_and_augmentation_give_the_one_process_losses_with_accumulation_
         "parallel.sequence_parallel=true",
         "batch.micro_batch_size=4",
     ]
+    world2["packed_cp_ring"] = [*packed, "parallel.cp=2", "parallel.cp_attention='ring'", "batch.micro_batch_size=4"]
     # Context parallel: the ring's chunk pairs take their slice of the whole sequence's mask, the
     # all-to-all's heads theirs.
     for attention in ("ring", "alltoall"):
@@ -324,6 +342,8 @@ def test_dropout_and_augmentation_give_the_one_process_losses_with_accumulation_
         assert_same(root, f"{name}_ddp", f"{name}_ref")
     for name in ("gpt_fsdp_ac", "gpt_pp_ac", "gpt_tp_sp", "gpt_cp_ring", "gpt_cp_alltoall"):
         assert_same(root, name, "gpt_ref")
+    for name in ("packed_flex_acc4", "packed_cp_ring"):
+        assert_same(root, name, "packed_ref")
     assert differs(root, "gpt_no_dropout", "gpt_ref")
     assert differs(root, "tagger_unkeyed_ddp", "tagger_unkeyed_ref")
     assert differs(root, "cnn_unkeyed_ddp", "cnn_unkeyed_ref")

@@ -73,8 +73,6 @@ class Attention(nn.Module):
         if self.cp_attention is not None:
             y = self.cp_attention(q, k, v, positions=mask, dropout_p=self.dropout if self.training else 0.0)
         elif isinstance(mask, BlockMask):
-            if self.dropout and self.training:
-                raise ConfigError("model.args.attention = 'flex' has no attention dropout; set model.args.dropout = 0")
             if torch.is_grad_enabled() and x.device.type == "cpu":
                 raise ConfigError(
                     "model.args.attention = 'flex' trains on GPU only (torch has no FlexAttention backward"
@@ -162,8 +160,10 @@ class GPT(nn.Module):
             mask = positions  # the ring builds its masks per chunk pair from the global positions
         elif positions is None:
             mask = None
-        elif self.cfg.attention == "flex":
+        elif self.cfg.attention == "flex" and not (self.training and self.cfg.dropout):
             mask = document_block_mask(positions)
+        # FlexAttention has no dropout: with dropout in training the documents' dense mask goes
+        # to scaled_dot_product_attention, whose dropout is keyed by the sample (paratrain/randomness.py).
         else:
             mask = document_mask(positions)
         if self.tok_emb is not None:
