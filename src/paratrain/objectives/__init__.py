@@ -42,8 +42,8 @@ under pipeline parallel.
 
 Where a new objective plugs in (none of these is built yet; docs/structure.md):
 
-- keyed dropout: no term of its own; its masks are keyed by (seed, step, global sample index),
-  which ``before_micro_batches`` can hand to the model for the global batch's rows.
+- keyed draws are not an objective: the step draws each micro-batch's dropout from its rows'
+  keys (``StepContext.draw_sites``, paratrain/randomness.py), whatever the objectives.
 - BatchNorm groups of ``G`` samples: unit = group, ``count`` = rows / G, a group never straddles
   a micro-batch (refused in ``before_micro_batches`` when it would).
 - a gradient-cache contrastive loss (in-batch negatives over the whole global batch): unit = the
