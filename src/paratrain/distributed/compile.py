@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.distributed.blocks import BLOCKS_ATTR, blocks_of
@@ -54,6 +55,21 @@ def apply_compile(model: nn.Module, *, device: torch.device, blocks_attr: str = 
     if not ok:
         log.warning("train.compile = true but torch.compile does not work here (%s); running eagerly", why)
         return False
+    # Compiled graphs name the process groups of their collectives (tensor and sequence parallel,
+    # expert and context parallel all-to-alls), and neither dynamo's guards nor the compile caches
+    # check those names against this process's groups: a graph compiled for an earlier model in
+    # this process (a second train() through the API), or loaded from inductor's on-disk FX graph
+    # and AOTAutograd caches (written by another job on the machine), failed with "Could not
+    # resolve the process group registered under the name 13", or reached another group of another
+    # size (a gloo allgather size mismatch; tests/sweep.py, world 4, dp 2 x tp 2 sp x ep 2). So
+    # each model compiles from scratch when it has process groups: no cache across models or jobs.
+    torch._dynamo.reset()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        import torch._functorch.config
+        import torch._inductor.config
+
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
     blocks = [block for _, block in blocks_of(model, blocks_attr)]
     for block in blocks or [model]:
         block.compile()
