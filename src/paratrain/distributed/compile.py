@@ -65,11 +65,11 @@ def apply_compile(model: nn.Module, *, device: torch.device, blocks_attr: str = 
     # each model compiles from scratch when it has process groups: no cache across models or jobs.
     torch._dynamo.reset()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        import torch._functorch.config
-        import torch._inductor.config
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
 
-        torch._inductor.config.fx_graph_cache = False
-        torch._functorch.config.enable_autograd_cache = False
+        inductor_config.fx_graph_cache = False
+        functorch_config.enable_autograd_cache = False
     blocks = [block for _, block in blocks_of(model, blocks_attr)]
     for block in blocks or [model]:
         block.compile()
