@@ -92,7 +92,9 @@ def ops() -> None:
         ),
     ]
     for name, keyed, plain in rows:
-        print(f"{name}: keyed {keyed * 1e3:.2f} ms, torch {plain * 1e3:.2f} ms, ratio {keyed / plain:.2f} (median of 20)")
+        print(
+            f"{name}: keyed {keyed * 1e3:.2f} ms, torch {plain * 1e3:.2f} ms, ratio {keyed / plain:.2f} (median of 20)"
+        )
 
 
 def main() -> int:
