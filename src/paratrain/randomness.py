@@ -192,13 +192,15 @@ def has_dropout(model: nn.Module) -> bool:
     """Whether ``model`` draws dropout in training: an ``nn.Dropout`` with p > 0, or a module whose
     config or attribute says a dropout rate > 0 (the GPT's attention, a ``transformers`` config's
     ``*dropout*`` and ``*_pdrop`` rates, PEFT's ``lora_dropout`` modules)."""
+    configs = set()  # a transformers model's modules share one config: read it once
     for m in model.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             return True
         if isinstance(getattr(m, "dropout", None), float) and m.dropout > 0:
             return True
         config = getattr(m, "config", None)
-        if config is not None and hasattr(config, "to_dict"):
+        if config is not None and hasattr(config, "to_dict") and id(config) not in configs:
+            configs.add(id(config))
             for k, v in config.to_dict().items():
                 if ("dropout" in k or k.endswith("_pdrop")) and isinstance(v, float) and v > 0:
                     return True
