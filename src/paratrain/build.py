@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import Config
+from paratrain.distributed.compile import run_eagerly
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
@@ -133,7 +134,8 @@ def key_detected_draws(cfg: Config, dims: ParallelDims, model: nn.Module, step_c
     if step_ctx.draw_sites is not None or not cfg.run.keyed_random or isinstance(model, PipelineModel) or dims.cp > 1:
         return step_ctx
     inner = model.module if isinstance(model, DistributedDataParallel) else model  # DDP's forward syncs buffers
-    draws = draws_in_forward(inner, to_device(inputs, step_ctx.device))
+    with run_eagerly(inner):
+        draws = draws_in_forward(inner, to_device(inputs, step_ctx.device))
     if draws is None or not keyed_dropout_enabled(cfg, model, draws=draws):
         return step_ctx
     log.info("random draws: the forward draws (%s): keyed by the sample (docs/randomness.md)", draws)

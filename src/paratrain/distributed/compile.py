@@ -14,6 +14,7 @@ eager run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -75,3 +76,19 @@ def apply_compile(model: nn.Module, *, device: torch.device, blocks_attr: str = 
         block.compile()
     log.info("compiled %s with torch.compile", f"{len(blocks)} blocks" if blocks else "the whole model")
     return True
+
+
+@contextlib.contextmanager
+def run_eagerly(model: nn.Module):
+    """Blocks compiled in place (``train.compile``, ``nn.Module.compile``) run eagerly in the body:
+    a forward before the first step (the layout probe's halves, the draw detector's no-grad pass)
+    would otherwise cost a compile of its own (another batch shape, another grad mode) and could
+    make later compiles dynamic, changing the run's kernels."""
+    compiled = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, "_compiled_call_impl", None)]
+    for m, _ in compiled:
+        m._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for m, impl in compiled:
+            m._compiled_call_impl = impl

@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import ConfigError, RunConfig
 from paratrain.data.loader import CollatedSteps, StepSampler
+from paratrain.distributed.compile import run_eagerly
 from paratrain.distributed.json_collectives import all_gather_json
 from paratrain.distributed.pipeline_parallel import PipelineModel
 from paratrain.randomness import maybe_keyed_draws, site_names
@@ -171,7 +172,7 @@ def probe_micro_batch(
     tol = tolerance(dtype, ctx.device)
     half = rows // 2
     pieces = [(0, rows), (0, half), (half, rows)]
-    with preserved(model), eager(model), torch.no_grad():
+    with preserved(model), run_eagerly(model), torch.no_grad():
         model.train()
         try:
             (whole, output), *split = (forward(model, inputs, target, ctx=ctx, keys=keys, rows=p) for p in pieces)
@@ -302,21 +303,6 @@ def preserved(model: nn.Module):
                 b.copy_(saved)
         for m, training in modes:
             m.training = training
-
-
-@contextlib.contextmanager
-def eager(model: nn.Module):
-    """Blocks compiled in place (``train.compile``, ``nn.Module.compile``) run eagerly here: a
-    second batch shape would cost a recompile and make later compiles dynamic, changing the
-    run's kernels."""
-    compiled = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, "_compiled_call_impl", None)]
-    for m, _ in compiled:
-        m._compiled_call_impl = None
-    try:
-        yield
-    finally:
-        for m, impl in compiled:
-            m._compiled_call_impl = impl
 
 
 # --- which module: the second pass, with hooks ------------------------------------------------
