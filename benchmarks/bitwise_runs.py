@@ -74,7 +74,9 @@ def runs(fixtures: str) -> dict[str, tuple[str, list[str]]]:
         "debug_cp2_ring": (DEBUG, ["parallel.cp=2", "parallel.cp_attention='ring'", *short]),
         "debug_chunked_loss": (DEBUG, ["loss.chunk_size=24", *short]),
         "debug_chunked_loss_tp2": (DEBUG, ["loss.chunk_size=24", "parallel.tp=2", *short]),
-        # A user (sum, count) loss: the counted (not static) path with its count all-reduce.
+        # A user (sum, count) loss: the counted (not static) path with its count all-reduce. It is
+        # a mean of micro-batch means, which the start-of-run layout probe stops where it exists
+        # (record adds run.layout_dependent = true for a tree that knows the key).
         "debug_user_loss": (DEBUG, ["loss.name='tests.toy:mean_of_means'", *short]),
         "moe_ep2_fsdp": (DEBUG, [GPT_MOE, "parallel.dp_shard=2", "parallel.ep=2", *short]),
         "moe_pp2_1f1b": (DEBUG, [GPT_MOE, "parallel.pp=2", "parallel.pp_schedule='1f1b'", *short]),
@@ -204,6 +206,8 @@ def record(tree: str, out: str, fixtures: str, only: list[str] | None, nproc: in
         if only and name not in only:
             continue
         out_dir = os.path.join(root, name)
+        if name == "debug_user_loss" and "layout_dependent" in open(f"{tree}/src/paratrain/config.py").read():
+            sets = [*sets, "run.layout_dependent=true"]
         cmd = [cli, "train", config, "--nproc-per-node", str(nproc), "--set", f"run.out_dir='{out_dir}'"]
         for s in sets:
             cmd += ["--set", s]
