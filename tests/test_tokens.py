@@ -130,7 +130,7 @@ def test_vocab_checks(corpora):
 
 
 def _inline(ds, sampler: StepSampler) -> list:
-    return [[default_collate([ds[i] for i in mb]) for mb in step] for step in sampler]
+    return [[default_collate([ds[i] for _, i in mb]) for mb in step] for step in sampler]  # (epoch, index)
 
 
 @pytest.mark.parametrize("kind", ["tokens", "toy"])

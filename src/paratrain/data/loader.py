@@ -138,6 +138,9 @@ class StepLoader:
         self.workers, self.prefetch, self.pin_memory, self.seed = workers, prefetch, pin_memory, seed
         self.keyed_seed = keyed_seed
         self._it, self._expect = None, None
+        # The last call's key and batches: a second call for the same step (the start-of-run
+        # layout probe's, then the step's own) reads no sample twice and restarts no worker.
+        self._last: tuple[tuple, list] | None = None
 
     def _steps(self, position: int, global_batch_size: int, micro_batch_size: int) -> StepSampler:
         return StepSampler(
@@ -157,6 +160,13 @@ class StepLoader:
         return [row_keys(seed, mb) for mb in steps.step_samples(position)]
 
     def batches(self, position: int, global_batch_size: int, micro_batch_size: int) -> list:
+        key = (position, global_batch_size, micro_batch_size)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        self._last = (key, self._load(position, global_batch_size, micro_batch_size))
+        return self._last[1]
+
+    def _load(self, position: int, global_batch_size: int, micro_batch_size: int) -> list:
         steps = self._steps(position, global_batch_size, micro_batch_size)
         if self.workers == 0:
             return CollatedSteps(self.dataset, self.keyed_seed)[steps.step_samples(position)]

@@ -44,7 +44,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import ConfigError, RunConfig
-from paratrain.data.loader import CollatedSteps, StepSampler
 from paratrain.distributed.compile import run_eagerly
 from paratrain.distributed.json_collectives import all_gather_json
 from paratrain.distributed.pipeline_parallel import PipelineModel
@@ -120,20 +119,11 @@ def skip_reason(model: nn.Module, *, dims, micro_batch_size: int) -> str | None:
 
 
 def first_micro_batch(run, *, seed: int):
-    """This rank's first micro-batch of the next step ``(inputs, target, keys)``, loaded here,
-    not through the prefetching loader (whose workers would restart for the step's own call)."""
+    """This rank's first micro-batch of the next step ``(inputs, target, keys)``, from the step's
+    own loader, which keeps that step's batches for the step (``StepLoader.batches``): the
+    dataset reads each sample of the stream once, probe or not."""
     loader, plan, position = run.loader, run.plan, run.state.consumed_samples
-    steps = StepSampler(
-        loader.sampler,
-        start=position,
-        steps=1,
-        global_batch_size=plan.global_batch_size,
-        micro_batch_size=plan.micro_batch_size,
-        dp_rank=loader.dp_rank,
-        dp=loader.dp,
-    )
-    first = steps.step_samples(position)[:1]
-    ((inputs, target),) = CollatedSteps(loader.dataset, loader.keyed_seed)[first]
+    inputs, target = loader.batches(position, plan.global_batch_size, plan.micro_batch_size)[0]
     keys = None
     if run.step_ctx.draw_sites is not None:
         keys = loader.keys(position, plan.global_batch_size, plan.micro_batch_size, seed=seed)[0]
