@@ -72,6 +72,8 @@ def gpt_killed_at(kill_at_step: int = 0, kill_rank: int = 1, **gpt_args) -> nn.M
     calls = [0]
 
     def maybe_die(module, args):
+        if not torch.is_grad_enabled():  # the start-of-run probe's forwards are not training forwards
+            return
         calls[0] += 1
         if (
             calls[0] == kill_at_step
@@ -99,6 +101,8 @@ def gpt_stalled_at(
     calls = [0]
 
     def maybe_stall(module, args):
+        if not torch.is_grad_enabled():  # the start-of-run probe's forwards are not training forwards
+            return
         calls[0] += 1
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
         if calls[0] == stall_at_step and int(os.environ.get("RANK", "-1")) == stall_rank:
@@ -121,6 +125,8 @@ def gpt_sigterm_at(sigterm_at_forward: int = 0, sigterm_rank: int = 1, **gpt_arg
     calls = [0]
 
     def maybe_signal(module, args):
+        if not torch.is_grad_enabled():  # the start-of-run probe's forwards are not training forwards
+            return
         calls[0] += 1
         if calls[0] == sigterm_at_forward and int(os.environ.get("RANK", "-1")) == sigterm_rank:
             os.kill(os.getpid(), signal.SIGTERM)
