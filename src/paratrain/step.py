@@ -311,7 +311,7 @@ def forward_backward(
             maybe_no_sync(model, sync=k == last, sync_each_micro_batch=ctx.sync_each_micro_batch),
             maybe_loss_parallel(ctx.loss_parallel),
             maybe_auto_decision(autos, decisions[k] if decisions else None),
-            maybe_keyed_draws(ctx.draw_sites, keys[k] if keys else None, cp_sequence(inputs, ctx)),
+            maybe_keyed_draws(ctx.draw_sites, keys[k] if keys else None, cp_sequence(inputs, ctx) if keys else None),
         ):
             with precision.autocast():  # forward under autocast; backward follows its dtypes
                 output = model(inputs)
