@@ -70,7 +70,10 @@ def _train_times(n: int, out_dir: str, fence_port: int) -> dict:
 
     trainer.build_run, trainer.loop = _tiny_run, _tiny_loop  # a disposable process (run_ranks)
     trainer.finish = lambda cfg, run, history: {"loss": history[-1]["loss"]}
-    cfg = load_config(None, [f"run.out_dir='{out_dir}'", "dist.timeout_s=60"])
+    # The stub run has no loader or plan: no start-of-run probe nor draw detection.
+    cfg = load_config(
+        None, [f"run.out_dir='{out_dir}'", "dist.timeout_s=60", "run.probe=false", "run.keyed_random=false"]
+    )
     rank = int(os.environ["RANK"])
     # Runs one after another, like separate jobs: none starts before every rank has ended the
     # previous one (else a rank could join the previous run's store, on the same MASTER_PORT).
