@@ -135,29 +135,43 @@ def head_shard(module: nn.Module) -> tuple[int, int] | None:
 
 
 @contextlib.contextmanager
+def kept_rngs() -> Iterator[None]:
+    """Torch's CPU generator (and CUDA's, once initialised), numpy's and Python's global RNG as
+    they were before the body (numpy only when installed: it is optional for paratrain)."""
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    cpu, py = torch.random.get_rng_state(), random.getstate()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    npy = np.random.get_state() if np is not None else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        random.setstate(py)
+        if np is not None:
+            np.random.set_state(npy)
+
+
+@contextlib.contextmanager
 def sample_rng(seed: int, epoch: int, index: int) -> Iterator[int]:
     """Torch's CPU generator, numpy's and Python's global RNG seeded from the sample's key for
     the body, then restored: ``dataset[i]`` under it draws the same on every layout. Yields the
     key (a user's dataset can also take it explicitly: docs/randomness.md)."""
     key = key_of(seed, epoch, index, site_of("data"))
-    torch_state = torch.random.get_rng_state()
-    py_state = random.getstate()
-    try:
-        import numpy as np
-    except ImportError:  # numpy is optional for paratrain itself
-        np = None
-    np_state = np.random.get_state() if np is not None else None
-    torch.random.default_generator.manual_seed(key)
-    random.seed(key)
-    if np is not None:
-        np.random.seed(key)
-    try:
+    with kept_rngs():
+        torch.random.default_generator.manual_seed(key)
+        random.seed(key)
+        try:
+            import numpy as np
+
+            np.random.seed(key)
+        except ImportError:  # numpy is optional for paratrain itself
+            pass
         yield key
-    finally:
-        torch.random.set_rng_state(torch_state)
-        random.setstate(py_state)
-        if np is not None:
-            np.random.set_state(np_state)
 
 
 def draws_random(dataset) -> bool:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import time
 from dataclasses import dataclass
 
@@ -47,7 +46,7 @@ from paratrain.config import ConfigError, RunConfig
 from paratrain.distributed.compile import run_eagerly
 from paratrain.distributed.json_collectives import all_gather_json
 from paratrain.distributed.pipeline_parallel import PipelineModel
-from paratrain.randomness import maybe_keyed_draws, site_names
+from paratrain.randomness import kept_rngs, maybe_keyed_draws, site_names
 from paratrain.step import to_device
 
 log = logging.getLogger("paratrain")
@@ -269,25 +268,12 @@ def rel(a: float, b: float) -> float:
 def preserved(model: nn.Module):
     """The generators (torch CPU and CUDA, numpy, Python), the modules' buffers and their
     train/eval modes as they were before the body."""
-    cpu = torch.random.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    py = random.getstate()
-    try:
-        import numpy as np
-    except ImportError:  # numpy is optional for paratrain itself
-        np = None
-    npy = np.random.get_state() if np is not None else None
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     modes = [(m, m.training) for m in model.modules()]
     try:
-        yield
+        with kept_rngs():
+            yield
     finally:
-        torch.random.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        random.setstate(py)
-        if np is not None:
-            np.random.set_state(npy)
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
