@@ -40,7 +40,7 @@ class MeanLogitSquare(Objective):
     def static_count(self, inputs):
         return inputs.shape[0]
 
-    def before_micro_batches(self, model, batches):
+    def before_micro_batches(self, model, batches, *, forward):
         self.phases.append(sum(x.shape[0] for x, _ in batches))
 
     def start(self, *, scale, device):

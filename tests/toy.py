@@ -404,3 +404,83 @@ class DeepTagger(nn.Module):
 
 def deep_tagger(vocab: int = 32, dim: int = 32, depth: int = 3, p: float = 0.3) -> nn.Module:
     return DeepTagger(vocab, dim, depth, p)
+
+
+# --- batch math (models/batch_norm.py, objectives/batch_loss.py) ------------------------------
+
+
+class Images(Dataset):
+    """Fixed small images and labels, no augmentation."""
+
+    def __init__(self, n: int = 64, size: int = 6, classes: int = 4):
+        g = torch.Generator().manual_seed(11)
+        self.x = torch.randn(n, 2, size, size, generator=g)
+        self.y = torch.randint(0, classes, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def images(n: int = 64, size: int = 6, classes: int = 4) -> Images:
+    return Images(n, size, classes)
+
+
+def bn_cnn(size: int = 6, classes: int = 4, momentum: float | None = 0.1) -> nn.Module:
+    """A user's small CNN with BatchNorm2d (the issue's first model)."""
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4, momentum=momentum),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * size * size, classes),
+    )
+
+
+class Pairs(Dataset):
+    """(query, document) feature pairs: the document is a noisy copy of its query."""
+
+    def __init__(self, n: int = 64, dim: int = 8):
+        g = torch.Generator().manual_seed(12)
+        q = torch.randn(n, dim, generator=g)
+        self.x = torch.stack([q, q + 0.5 * torch.randn(n, dim, generator=g)], dim=1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], torch.tensor(0)
+
+
+def pairs(n: int = 64, dim: int = 8) -> Pairs:
+    return Pairs(n, dim)
+
+
+class DualEncoder(nn.Module):
+    """One tower for queries and documents (BatchNorm1d inside, called twice per forward), and
+    optionally CLIP's learnable log logit scale."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16, out: int = 8, batch_norm: bool = True, scale: bool = False):
+        super().__init__()
+        norm = nn.BatchNorm1d(hidden) if batch_norm else nn.Identity()
+        self.tower = nn.Sequential(nn.Linear(dim, hidden), norm, nn.ReLU(), nn.Linear(hidden, out))
+        self.logit_scale = nn.Parameter(torch.tensor([2.0])) if scale else None  # 1-d: FSDP2 shards no 0-dim
+
+    def forward(self, x):
+        q, d = self.tower(x[:, 0]), self.tower(x[:, 1])
+        # open_clip's convention: the scale itself (a new tensor: FSDP2 frees an unsharded parameter's
+        # storage after the forward, so a parameter returned as it is would be read freed)
+        return (q, d) if self.logit_scale is None else (q, d, self.logit_scale.exp())
+
+
+def dual_encoder(dim: int = 8, hidden: int = 16, out: int = 8, batch_norm: bool = True, scale: bool = False):
+    return DualEncoder(dim, hidden, out, batch_norm, scale)
+
+
+def in_batch_mean_loss(output, target):
+    """A user's own loss over the whole global batch: InfoNCE one way, temperature 0.1."""
+    q, d = (torch.nn.functional.normalize(t, dim=-1) for t in output[:2])
+    logits = q @ d.T / 0.1
+    return torch.nn.functional.cross_entropy(logits, torch.arange(len(q)))

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paratrain.config import Config
+from paratrain.config import Config, ConfigError
+from paratrain.data.sampler import rank_micro_batches
 from paratrain.distributed.compile import run_eagerly
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.parallel_dims import ParallelDims
@@ -25,6 +26,7 @@ from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.pipeline_parallel import PipelineModel
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.loss import Loss
+from paratrain.models.batch_norm import NormLayout, check_groups, convert_batch_norm, has_batch_norm, norm_group
 from paratrain.models.spec import ModelSpec
 from paratrain.objectives import build_objectives
 from paratrain.precision import Precision
@@ -63,12 +65,14 @@ def build_parallel(
     precision: Precision,
     items_per_sample: int | None = None,
     compile_enabled: bool | None = None,
+    batch_norm_groups: bool = True,
 ) -> tuple[nn.Module, StepContext, GradCompression]:
     """Apply the parallelisms (distributed/parallelize.py) with the model's spec; the step's
     context with its objectives (paratrain/objectives), built from the whole model before the
     parallelisms and bound to what they made. ``items_per_sample``: the data path's static count.
     ``compile_enabled``: None follows ``train.compile`` (the memory estimate, on fake tensors,
-    compiles nothing)."""
+    compiles nothing). ``batch_norm_groups`` False: the model's BatchNorm stays torch's (the
+    memory estimate, on one rank)."""
     # Tensor parallel: the built-in cross-entropy can run on vocabulary-sharded logits (not under
     # pipeline parallel: the schedule's loss runs on plain, gathered logits).
     loss_parallel = loss_parallel_enabled(
@@ -79,8 +83,20 @@ def build_parallel(
         supported=spec.loss_parallel,
     )
     keyed = keyed_dropout_enabled(cfg, model)
+    check_batch_math(cfg, dims, model, loss_fn, keyed=keyed)
+    norm = batch_norm_layout(cfg, dims, model) if batch_norm_groups else None
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
-    objectives = build_objectives(loss_fn, model, items_per_sample=items_per_sample, pipeline=dims.pp > 1)
+    objectives = build_objectives(
+        loss_fn,
+        model,
+        items_per_sample=items_per_sample,
+        pipeline=dims.pp > 1,
+        norm=norm,
+        positions=rank_micro_batches,
+        dp_rank=dims.local_rank_in("dp"),
+        dp=dims.dp,
+        dp_group=dims.group("dp"),
+    )
     model = parallelize(
         model,
         dims,
@@ -113,8 +129,59 @@ def build_parallel(
         cp=dims.cp,
         cp_rank=dims.local_rank_in("cp"),
         draw_sites=draw_sites(model) if keyed else None,
+        norm_group=norm.group if norm is not None else 0,
     )
     return model, step_ctx, compression
+
+
+def batch_norm_layout(cfg: Config, dims: ParallelDims, model: nn.Module) -> NormLayout | None:
+    """The model's BatchNorm layers converted to groups of ``batch.norm_group`` samples
+    (models/batch_norm.py), before the parallelisms wrap them; None when it has none."""
+    if not has_batch_norm(model) or cfg.batch.norm_group == 0:  # 0: torch's own BatchNorm, layout-dependent
+        return None
+    layout = NormLayout(
+        group=norm_group(cfg.batch.norm_group, cfg.batch.global_batch_size),
+        dp_rank=dims.local_rank_in("dp"),
+        dp=dims.dp,
+    )
+    converted = convert_batch_norm(model, layout)
+    log.info("batch norm: %d layer(s) over groups of %d samples (batch.norm_group)", len(converted), layout.group)
+    return layout
+
+
+def check_batch_math(cfg: Config, dims: ParallelDims, model: nn.Module, loss_fn: Loss, *, keyed: bool) -> None:
+    """The layouts a model's BatchNorm and a loss over the whole global batch do not cover yet,
+    refused in one line each (docs/batch-math.md)."""
+    bn = has_batch_norm(model) and cfg.batch.norm_group > 0
+    if bn or loss_fn.over_batch:
+        what = "a BatchNorm model" if bn else f"loss {loss_fn.name!r} (over the whole global batch)"
+        for degree in ("pp", "tp", "cp", "ep"):
+            if getattr(dims, degree, 1) > 1:
+                raise ConfigError(
+                    f"{what} runs on data parallel (DDP, FSDP2) and accumulation only, not with parallel.{degree} ="
+                    f" {getattr(dims, degree)}; set parallel.{degree} = 1 (docs/batch-math.md)"
+                )
+    if bn:
+        group = norm_group(cfg.batch.norm_group, cfg.batch.global_batch_size)
+        micro = cfg.batch.micro_batch_size
+        # 'auto' picks among the micro-batches that hold whole groups (batch/search.py): the group is one
+        micro = (micro or cfg.batch.global_batch_size // dims.dp) if isinstance(micro, int) else group
+        why = check_groups(
+            group=group, global_batch_size=cfg.batch.global_batch_size, micro_batch_size=micro, dp=dims.dp
+        )
+        if why is not None:
+            raise ConfigError(why)
+    if loss_fn.over_batch:
+        if cfg.batch.adaptive:
+            raise ConfigError(
+                f"loss {loss_fn.name!r} is over the whole global batch, which batch.adaptive's per-micro-batch gradient"
+                " noise probe does not see; set batch.adaptive = false"
+            )
+        if has_dropout(model) and not keyed:
+            raise ConfigError(
+                f"loss {loss_fn.name!r} runs each micro-batch twice (the gradient cache) and the model's dropout must"
+                " draw the same masks both times: set run.keyed_random = true"
+            )
 
 
 def keyed_dropout_enabled(cfg: Config, model: nn.Module, *, draws: str | None = None) -> bool:

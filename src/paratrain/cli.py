@@ -215,9 +215,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         where = (
             f"at step {result['step']} ({result['checkpoint']}" if result["checkpoint"] else "(the model as configured"
         )
+        extra = "".join(f", {k[4:]} {v:.4f}" for k, v in result.items() if k in ("val_recall_at_1", "val_mrr"))
         print(
-            f"val_loss {result['val_loss']:.6f} over {result['samples']} samples ({result['val_items']} items) {where},"
-            f" world {result['world_size']}, {result['eval_time_s']:.1f}s)"
+            f"val_loss {result['val_loss']:.6f}{extra} over {result['samples']} samples ({result['val_items']} items)"
+            f" {where}, world {result['world_size']}, {result['eval_time_s']:.1f}s)"
         )
     return 0
 

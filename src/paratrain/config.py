@@ -156,9 +156,16 @@ class DataConfig:
 class LossConfig:
     name: str = opt(
         "cross_entropy",
-        "'cross_entropy', 'mse', or 'package.module:function' returning (sum_of_item_losses, item_count).",
+        "'cross_entropy', 'mse', 'info_nce' (in-batch negatives over the global batch: docs/batch-math.md), or 'package.module:function' returning (sum_of_item_losses, item_count).",
     )
     ignore_index: int = opt(-100, "Targets equal to this are not counted (cross_entropy and user losses).")
+    over: Literal["items", "global_batch"] = opt(
+        "items",
+        "What a 'package.module:function' loss sees: 'items' (each micro-batch's output, returning (sum_of_item_losses, item_count)) or 'global_batch' (the outputs of the whole global batch, returning their loss's mean: in-batch negatives, computed exactly by the gradient cache; docs/batch-math.md). 'info_nce' is over the global batch.",
+    )
+    temperature: float = opt(
+        0.05, "The built-in info_nce's temperature (cosines are divided by it) when the model returns no logit scale."
+    )
     chunk_size: int = opt(
         0,
         "Positions per chunk of the built-in cross_entropy: the loss takes the model's last hidden states and runs the output layer and the loss chunk by chunk (recomputed in the backward), so the [tokens, vocab] float32 logits never exist at once. 0: the model computes all logits (built-in GPT and model.hf support it).",
@@ -186,6 +193,10 @@ class BatchConfig:
         "Grow the global batch during training while the gradient noise scale exceeds it (McCandlish et al. 2018), by raising accumulation.",
     )
     max_global_batch_size: int = opt(0, "Upper bound of the adaptive global batch; 0 = 8 x global_batch_size.")
+    norm_group: int = opt(
+        32,
+        "BatchNorm's statistics are over fixed groups of this many consecutive samples of the global batch (or the whole global batch when smaller), the same on every layout; the model's BatchNorm1d/2d/3d and SyncBatchNorm are converted (docs/batch-math.md). 0: torch's own BatchNorm over each micro-batch, which depends on the layout (the start-of-run probe stops such a run).",
+    )
     adapt_every: int = opt(10, "Steps between two decisions of the adaptive batch.")
     noise_ema: float = opt(0.95, "Decay of the exponential moving averages of the gradient noise-scale estimators.")
 
@@ -669,10 +680,15 @@ def validate(cfg: Config) -> None:
     validate_lora(cfg.model.lora)
     if ":" in cfg.loss.name:
         resolve_callable(cfg.loss.name, "loss.name")
-    elif cfg.loss.name not in ("cross_entropy", "mse"):
+    elif cfg.loss.name not in ("cross_entropy", "mse", "info_nce"):
         raise ConfigError(
-            f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse' or 'package.module:function'"
+            f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce' or"
+            " 'package.module:function'"
         )
+    if cfg.batch.norm_group < 0:
+        raise ConfigError(f"batch.norm_group = {cfg.batch.norm_group} must be >= 0 (0: torch's own BatchNorm)")
+    if cfg.loss.temperature <= 0:
+        raise ConfigError(f"loss.temperature = {cfg.loss.temperature} must be > 0")
 
 
 def validate_lora(lora: LoraConfig) -> None:

@@ -32,6 +32,7 @@ class Evaluator:
         self._batches: list[list] | None = None  # per global batch: this rank's collated micro-batches
         self.last_time_s = 0.0
         self.last_items = 0  # the item count of the last evaluation (trainable tokens of a corpus)
+        self.last_metrics: dict = {}  # the loss's own metrics of the last evaluation (val_ + name)
         self.samples = getattr(dataset, "real", len(dataset))  # without the empty samples that fill it up
 
     def _load(self) -> list[list]:
@@ -60,6 +61,8 @@ class Evaluator:
             model.train(was_training)
         self.last_time_s = time.perf_counter() - t0
         self.last_items = items
+        # A loss over the whole batch may measure more (info_nce: recall@1 and MRR over the set)
+        self.last_metrics = getattr(ctx.objectives[0], "eval_metrics", dict)()
         return loss_sum / items
 
 

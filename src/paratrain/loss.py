@@ -21,8 +21,10 @@ class Loss:
     """``loss(output, target) -> (sum, count)`` and ``loss.count(target) -> count``.
     ``builtin``: one of ours (``loss.name``), not a user's function, which may share its name."""
 
-    def __init__(self, fn: Callable, count: Callable, name: str, *, builtin: bool = True):
+    def __init__(self, fn: Callable, count: Callable, name: str, *, builtin: bool = True, over_batch: bool = False):
         self.fn, self._count, self.name, self.builtin = fn, count, name, builtin
+        # A loss over the whole global batch: fn(outputs, targets) -> its mean (objectives/batch_loss.py).
+        self.over_batch = over_batch
 
     def __call__(self, output, target) -> tuple[torch.Tensor, torch.Tensor]:
         return self.fn(output, target)
@@ -50,6 +52,16 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
             f"loss.chunk_size = {cfg.chunk_size} chunks the built-in cross_entropy only, not"
             f" {'the loss passed to train()' if fn is not None else repr(cfg.name)}; set loss.chunk_size = 0"
         )
+    if cfg.name == "info_nce" and fn is None:
+        return Loss(info_nce(cfg.temperature), rows_of, "info_nce", over_batch=True)
+    if cfg.over == "global_batch":
+        if fn is None and ":" not in cfg.name:
+            raise ConfigError(
+                f"loss.over = 'global_batch' takes 'info_nce' or a 'package.module:function' loss, not {cfg.name!r};"
+                " set loss.name so, or loss.over = 'items'"
+            )
+        user = fn if fn is not None else resolve_callable(cfg.name, "loss.name")
+        return Loss(user, rows_of, getattr(user, "__name__", "user"), builtin=False, over_batch=True)
     if fn is not None or ":" in cfg.name:
         user = fn if fn is not None else resolve_callable(cfg.name, "loss.name")
         # A user loss may say how it counts with a `count(target)` attribute; by default the
@@ -73,7 +85,57 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
             return F.mse_loss(output.float(), target.float(), reduction="sum"), target.numel()
 
         return Loss(mse, lambda t: t.numel(), "mse")
-    raise ConfigError(f"loss.name = {cfg.name!r} is unknown; use 'cross_entropy', 'mse' or 'package.module:function'")
+    raise ConfigError(
+        f"loss.name = {cfg.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce' or 'package.module:function'"
+    )
+
+
+def rows_of(target) -> int:
+    return target.shape[0] if isinstance(target, torch.Tensor) else len(target)
+
+
+def info_nce(temperature: float) -> Callable:
+    """The symmetric InfoNCE (CLIP) loss over the whole global batch: sample ``i``'s query
+    against every document of the batch, the right one ``i``, and each document against every
+    query, averaged (Radford et al. 2021; van den Oord et al. 2018). The model returns
+    ``(queries, documents)``, ``(queries, documents, logit_scale)`` (the learnable scale itself,
+    one element, as open_clip's ``self.logit_scale.exp()``) or one ``[rows, 2, dim]`` tensor;
+    the embeddings are L2-normalised and their cosines divided by ``loss.temperature``, or
+    multiplied by ``logit_scale``."""
+    if temperature <= 0:
+        raise ConfigError(f"loss.temperature = {temperature} must be > 0")
+
+    def info_nce(output, target):
+        q, d, logit_scale = query_document(output)
+        scale = logit_scale.float() if logit_scale is not None else 1.0 / temperature
+        logits = q @ d.T * scale
+        labels = torch.arange(len(q), device=q.device)
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+    info_nce.retrieval = lambda output: query_document(output)[:2]  # the eval's recall@1 and MRR
+    return info_nce
+
+
+def query_document(output):
+    """A dual encoder's L2-normalised float32 queries and documents, and its logit scale or None."""
+    if isinstance(output, torch.Tensor) and output.dim() == 3:
+        queries, documents, logit_scale = output[:, 0], output[:, 1], None
+    elif isinstance(output, (tuple, list)) and len(output) in (2, 3):
+        queries, documents, logit_scale = (*output, None)[:3]
+    else:
+        raise ConfigError(
+            "loss.name = 'info_nce' needs the model to return (queries, documents[, logit_scale]) or a"
+            " [rows, 2, dim] tensor; return that, or give your own loss.name with loss.over = 'global_batch'"
+        )
+    return F.normalize(queries.float(), dim=-1), F.normalize(documents.float(), dim=-1), logit_scale
+
+
+def retrieval_metrics(queries: torch.Tensor, documents: torch.Tensor) -> dict:
+    """Each query's right document (the same row) among all ``documents`` by cosine: the share
+    ranked first (recall@1) and the mean reciprocal rank (a tie ranks the right one last)."""
+    scores = queries @ documents.T
+    rank = (scores >= scores.diagonal().unsqueeze(1)).sum(1)  # the right one counts itself
+    return {"recall_at_1": float((rank == 1).double().mean()), "mrr": float((1.0 / rank.double()).mean())}
 
 
 def _checked(user: Callable) -> Callable:

@@ -96,6 +96,9 @@ class StepContext:
     # Keyed dropout (paratrain/randomness.py): the model's modules' site names; the step then
     # draws each micro-batch's masks from its rows' keys. None: torch's own dropout.
     draw_sites: dict[int, str] | None = None
+    # BatchNorm's groups (models/batch_norm.py, batch.norm_group; 0: the model has none): groups
+    # wider than a micro-batch lay the rows out over ranks (data/sampler.py rank_micro_batches).
+    norm_group: int = 0
 
     @property
     def amp(self) -> Precision:
@@ -239,7 +242,7 @@ def train_step(
         # a power of two in practice, which makes the round trip exact in floating point. With
         # context parallel FSDP2 averages over the dp x cp ranks (each holding part of the rows).
         objective.start(scale=ctx.dp * ctx.cp / units, device=ctx.device)
-        objective.before_micro_batches(model, batches)
+        objective.before_micro_batches(model, batches, forward=no_grad_forward(model, batches, ctx, keys))
     if isinstance(model, PipelineModel):  # the schedule runs forward and backward
         with (
             maybe_auto_decision(autos, decisions),
@@ -325,6 +328,23 @@ def forward_backward(
             objective.end_micro_batch()
         if after_backward is not None:
             after_backward(k)
+
+
+def no_grad_forward(model: nn.Module, batches: list[tuple], ctx: StepContext, keys) -> Callable:
+    """``forward(k)``: micro-batch ``k``'s output without a graph, as the step's loop computes it
+    (its device, autocast and keyed draws): an objective's first pass (the gradient cache)."""
+
+    def forward(k: int):
+        inputs = to_device(batches[k][0], ctx.device)
+        key = keys[k] if keys else None
+        with (
+            torch.no_grad(),
+            maybe_keyed_draws(ctx.draw_sites, key, cp_sequence(inputs, ctx) if keys else None),
+            ctx.amp.autocast(),
+        ):
+            return model(inputs)
+
+    return forward
 
 
 def cp_sequence(inputs, ctx: StepContext) -> tuple[torch.Tensor, int] | None:

@@ -219,7 +219,13 @@ def validate(run: Run) -> dict:
     """The validation loss now (evaluate.py); its forwards are not the step's time (rank_stats)."""
     with run.rank_stats.excluded():
         val_loss = run.evaluator(run.model, run.step_ctx)
-    return {"val_loss": val_loss, "val_items": run.evaluator.last_items, "val_time_s": run.evaluator.last_time_s}
+    extra = {f"val_{k}": v for k, v in run.evaluator.last_metrics.items()}  # info_nce: recall@1, MRR
+    return {
+        "val_loss": val_loss,
+        **extra,
+        "val_items": run.evaluator.last_items,
+        "val_time_s": run.evaluator.last_time_s,
+    }
 
 
 def val_pad_target(cfg: Config, *, user_loss: bool) -> int | None:
@@ -369,6 +375,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         seed=cfg.run.seed,
         # A dataset's own draws (augmentation) keyed by the sample; paratrain's token datasets draw none.
         keyed_seed=cfg.run.seed if cfg.run.keyed_random and draws_random(dataset) else None,
+        norm_group=step_ctx.norm_group,  # BatchNorm groups wider than a micro-batch span ranks
     )
     evaluator = None
     if cfg.eval.interval:

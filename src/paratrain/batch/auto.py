@@ -61,6 +61,8 @@ def find_micro_batch(
     budget, source = memory_budget(memory_gib=cfg.batch.memory_gib, device=device, local_processes=local_processes)
     usable = int(budget * (1 - cfg.batch.memory_margin))
     runner = StepRunner(cfg, dims, device=device, model=model, dataset=dataset, loss=loss)
+    if (why := runner.norm_problem()) is not None:  # BatchNorm groups no micro-batch can hold
+        raise ConfigError(why)
     if measure is None:
         step = estimate_peak if method == "estimate" else measure_peak
 
@@ -80,7 +82,10 @@ def find_micro_batch(
     try:
         checked = guarded(trial, device=device)
         best, trials = search_micro_batch(
-            agreed(checked, group) if agree else checked, per_rank_batch_size=runner.per_rank, max_trials=max_trials
+            agreed(checked, group) if agree else checked,
+            per_rank_batch_size=runner.per_rank,
+            max_trials=max_trials,
+            allowed=runner.allows,
         )
     finally:
         if fraction is not None:

@@ -26,6 +26,7 @@ from paratrain.data.sampler import load_batches
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.loss import Loss, build_loss
 from paratrain.models import build, spec_of
+from paratrain.models.batch_norm import check_groups, has_batch_norm, norm_group
 from paratrain.models.hf.moe import fake_grouped_mm
 from paratrain.models.spec import ModelSpec
 from paratrain.optim import build_optimizer
@@ -124,10 +125,29 @@ class StepRunner:
         self.loss_fn = loss if isinstance(loss, Loss) else build_loss(cfg.loss, loss)
         self.step_ctx: StepContext | None = None  # made in build(), with the model's parallelisms
         self.iterations = iterations
+        self._norm_group: int | None = None  # allows()'s, read from the model once
         self.moe: MoEShape | None = None  # a mixture of experts' shape, read in build()
         self.per_rank = plan_batch(
             global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0, dp=dims.dp
         ).per_rank_batch_size
+
+    def allows(self, m: int) -> bool:
+        """Whether the run may use micro-batch ``m``: a BatchNorm model's holds whole groups of
+        ``batch.norm_group`` (or a part that ranks complete), models/batch_norm.py."""
+        return self.norm_problem(m) is None
+
+    def norm_problem(self, m: int | None = None) -> str | None:
+        """:func:`check_groups`'s line for micro-batch ``m`` (None: the group itself, a micro-batch
+        that always holds whole groups: what is left is a global batch they do not divide)."""
+        size = self.cfg.batch.global_batch_size
+        if self._norm_group is None:  # read from the model once, built on the meta device
+            with torch.device("meta"), torch.random.fork_rng(devices=[]):
+                model = self.user_model if self.user_model is not None else build(self.cfg.model)[0]
+            self._norm_group = norm_group(self.cfg.batch.norm_group, size) if has_batch_norm(model) else 0  # 0: off
+        if not self._norm_group:
+            return None
+        group = self._norm_group
+        return check_groups(group=group, global_batch_size=size, micro_batch_size=m or group, dp=self.full_dims.dp)
 
     @property
     def dataset(self):
@@ -170,6 +190,9 @@ class StepRunner:
                     loss_fn=self.loss_fn,
                     precision=precision,
                     compile_enabled=False,
+                    # torch's BatchNorm holds what the groups' does (one rank has no groups that span
+                    # ranks), bar a transposed copy of the input when a micro-batch holds several
+                    batch_norm_groups=False,
                 )
                 optimizer = build_optimizer(model, self.cfg.optim)
         return model, optimizer

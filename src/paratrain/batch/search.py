@@ -115,7 +115,11 @@ def trials_needed(n_candidates: int) -> int:
 
 
 def search_micro_batch(
-    try_size: Callable[[int], Trial], *, per_rank_batch_size: int, max_trials: int = MAX_TRIALS
+    try_size: Callable[[int], Trial],
+    *,
+    per_rank_batch_size: int,
+    max_trials: int = MAX_TRIALS,
+    allowed: Callable[[int], bool] | None = None,
 ) -> tuple[int | None, list[Trial]]:
     """Largest divisor of ``per_rank_batch_size`` for which ``try_size`` fits (None if not 1).
 
@@ -124,9 +128,13 @@ def search_micro_batch(
     the answer in :func:`trials_needed` trials: 12 cover any per-rank batch with up to 2048
     divisors (the first with more is above 10^11). Doubling from 1 instead needed log2(batch)
     trials to reach the top and ran out at a per-rank batch of 4096 (12 trials reach 2048).
-    ``try_size`` must give the same answer on every rank (see :func:`agreed`).
+    ``try_size`` must give the same answer on every rank (see :func:`agreed`). ``allowed``: the
+    divisors a run may use (a BatchNorm model's micro-batch holds whole groups of
+    ``batch.norm_group``, models/batch_norm.py ``check_groups``); None: all.
     """
-    cands = divisors(per_rank_batch_size)
+    cands = [d for d in divisors(per_rank_batch_size) if allowed is None or allowed(d)]
+    if not cands:
+        return None, []
     trials: list[Trial] = []
 
     def attempt(i: int) -> bool:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from paratrain.data.sampler import GlobalBatchSampler, collate_of, micro_batches, rank_slice
+from paratrain.data.sampler import GlobalBatchSampler, collate_of, rank_micro_batches
 from paratrain.randomness import row_keys, sample_rng
 
 
@@ -38,15 +38,18 @@ class StepSampler(Sampler):
         micro_batch_size: int,
         dp_rank: int,
         dp: int,
+        norm_group: int = 0,
     ):
         self.sampler, self.start, self.steps = sampler, start, steps
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.dp_rank, self.dp = dp_rank, dp
+        self.dp_rank, self.dp, self.norm_group = dp_rank, dp, norm_group
 
     def step_samples(self, position: int) -> list[list[tuple[int, int]]]:
         """This rank's micro-batches of the step at ``position``: ``(epoch, dataset index)`` lists."""
         samples = self.sampler.global_samples(position, self.global_batch_size)
-        return micro_batches(rank_slice(samples, dp_rank=self.dp_rank, dp=self.dp), self.micro_batch_size)
+        return rank_micro_batches(
+            samples, dp_rank=self.dp_rank, dp=self.dp, micro_batch_size=self.micro_batch_size, group=self.norm_group
+        )
 
     def __iter__(self) -> Iterator[list[list[tuple[int, int]]]]:
         s = 0
@@ -133,8 +136,10 @@ class StepLoader:
         pin_memory: bool = False,
         seed: int = 0,
         keyed_seed: int | None = None,
+        norm_group: int = 0,
     ):
         self.dataset, self.sampler, self.dp_rank, self.dp = dataset, sampler, dp_rank, dp
+        self.norm_group = norm_group  # StepSampler's
         self.workers, self.prefetch, self.pin_memory, self.seed = workers, prefetch, pin_memory, seed
         self.keyed_seed = keyed_seed
         self._it, self._expect = None, None
@@ -151,6 +156,7 @@ class StepLoader:
             micro_batch_size=micro_batch_size,
             dp_rank=self.dp_rank,
             dp=self.dp,
+            norm_group=self.norm_group,
         )
 
     def keys(self, position: int, global_batch_size: int, micro_batch_size: int, *, seed: int) -> list[torch.Tensor]:

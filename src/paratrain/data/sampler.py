@@ -69,6 +69,26 @@ def micro_batches(indices: list, micro_batch_size: int) -> list[list]:
     return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
 
 
+def rank_micro_batches(indices: list, *, dp_rank: int, dp: int, micro_batch_size: int, group: int = 0) -> list[list]:
+    """This rank's micro-batches of the global batch ``indices``: its contiguous share cut into
+    micro-batches, unless ``group`` (BatchNorm's ``batch.norm_group``, models/batch_norm.py) is
+    larger than a micro-batch. Then each group of ``group`` consecutive samples is laid out over
+    ``s = group / micro`` consecutive ranks at the same micro-step (rank ``j s + i`` holds part
+    ``i`` of group ``m dp / s + j`` at micro-step ``m``), so that one forward of those ranks
+    holds it whole. The global batch and its groups are the same on every layout; only which
+    rank reads which rows changes."""
+    m = micro_batch_size
+    if not group or group <= m:
+        return micro_batches(rank_slice(indices, dp_rank=dp_rank, dp=dp), m)
+    s = group // m
+    blocks, (j, i) = dp // s, divmod(dp_rank, s)
+    steps = len(indices) // (m * dp)
+    return [
+        indices[(step * blocks + j) * group + i * m : (step * blocks + j) * group + (i + 1) * m]
+        for step in range(steps)
+    ]
+
+
 def collate_of(dataset: Dataset):
     """The dataset's own ``collate`` (packed documents lay out a micro-batch themselves), through
     wrappers that keep it in ``.dataset`` (``Subset``); torch's ``default_collate`` otherwise."""

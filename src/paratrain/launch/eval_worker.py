@@ -73,6 +73,7 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
             "checkpoint": checkpoint or None,
             "step": step,
             "val_loss": val_loss,
+            **{f"val_{k}": v for k, v in evaluator.last_metrics.items()},  # info_nce: recall@1, MRR
             "val_items": evaluator.last_items,
             "samples": evaluator.samples,
             "world_size": ctx.world_size,

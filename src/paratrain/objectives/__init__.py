@@ -40,16 +40,12 @@ sums come back through ``add``; an objective whose sum is left by modules of the
 (``take``/``add``) and joins that stage's backward. An objective of another kind is refused
 under pipeline parallel.
 
-Where a new objective plugs in (none of these is built yet; docs/structure.md):
+Keyed draws are not an objective: the step draws each micro-batch's dropout from its rows'
+keys (``StepContext.draw_sites``, paratrain/randomness.py), whatever the objectives. A loss over
+the whole global batch (objectives/batch_loss.py, the gradient cache) and BatchNorm's running
+statistics over fixed groups (objectives/batch_norm.py) are built. Where the next ones plug in
+(not built yet; docs/structure.md):
 
-- keyed draws are not an objective: the step draws each micro-batch's dropout from its rows'
-  keys (``StepContext.draw_sites``, paratrain/randomness.py), whatever the objectives.
-- BatchNorm groups of ``G`` samples: unit = group, ``count`` = rows / G, a group never straddles
-  a micro-batch (refused in ``before_micro_batches`` when it would).
-- a gradient-cache contrastive loss (in-batch negatives over the whole global batch): unit = the
-  global batch's samples; ``before_micro_batches`` embeds every row without a graph and gathers
-  the embeddings (its one collective), ``loss`` re-embeds a micro-batch with its graph against
-  the cached ones.
 - DPO pairs: unit = pair, ``count`` = rows / 2 with both sides of a pair in one micro-batch;
   the reference log-probabilities in ``before_micro_batches``.
 - GRPO: unit = a group of completions of one prompt; ``before_micro_batches`` is the generation
@@ -62,23 +58,43 @@ from torch import nn
 
 from paratrain.loss import Loss
 from paratrain.objectives.base import Objective
+from paratrain.objectives.batch_loss import BatchLoss
+from paratrain.objectives.batch_norm import NormStatistics
 from paratrain.objectives.items import ItemLoss
 from paratrain.objectives.moe import BalanceLoss
 
 
 def build_objectives(
-    loss_fn: Loss, model: nn.Module | None = None, *, items_per_sample: int | None = None, pipeline: bool = False
+    loss_fn: Loss,
+    model: nn.Module | None = None,
+    *,
+    items_per_sample: int | None = None,
+    pipeline: bool = False,
+    norm=None,
+    positions=None,
+    dp_rank: int = 0,
+    dp: int = 1,
+    dp_group=None,
 ) -> tuple:
     """A run's objectives: the loss (the built-in token or item loss, a user's ``(sum, count)``
-    loss or the chunked cross-entropy, :class:`ItemLoss`), then the balance loss of a mixture of
-    experts when ``model`` has router layers (:class:`BalanceLoss`, built from the whole model,
-    before any parallelism: under ``pipeline`` a stage holds some of its layers, and the stages'
-    layers are bound after the split, ``BalanceLoss.bind``)."""
-    objectives: list = [ItemLoss(loss_fn, items_per_sample=items_per_sample)]
+    loss or the chunked cross-entropy, :class:`ItemLoss`; a loss over the whole global batch,
+    :class:`BatchLoss`), then the balance loss of a mixture of experts when ``model`` has router
+    layers (:class:`BalanceLoss`, built from the whole model, before any parallelism: under
+    ``pipeline`` a stage holds some of its layers, and the stages' layers are bound after the
+    split, ``BalanceLoss.bind``), then BatchNorm's running statistics when ``norm`` (the model's
+    BatchNorm groups, models/batch_norm.py) is given (:class:`NormStatistics`)."""
+    if loss_fn.over_batch:
+        group = norm.group if norm is not None else 0
+        first = BatchLoss(loss_fn, positions=positions, dp_rank=dp_rank, dp=dp, dp_group=dp_group, norm_group=group)
+    else:
+        first = ItemLoss(loss_fn, items_per_sample=items_per_sample)
+    objectives: list = [first]
     balance = BalanceLoss.of(model, pipeline=pipeline) if model is not None else None
     if balance is not None:
         objectives.append(balance)
+    if norm is not None:
+        objectives.append(NormStatistics(norm))
     return tuple(objectives)
 
 
-__all__ = ["BalanceLoss", "ItemLoss", "Objective", "build_objectives"]
+__all__ = ["BalanceLoss", "BatchLoss", "ItemLoss", "NormStatistics", "Objective", "build_objectives"]

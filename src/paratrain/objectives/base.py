@@ -38,10 +38,12 @@ class Objective:
 
     # --- 2. optional phase over the whole global batch
 
-    def before_micro_batches(self, model: nn.Module, batches: Sequence[tuple]) -> None:
+    def before_micro_batches(self, model: nn.Module, batches: Sequence[tuple], *, forward=None) -> None:
         """Before the micro-batch loop, with this rank's whole global batch (whole rows, on the
-        host): a first pass (cached or two-pass objectives), a generation phase. Its collectives,
-        if any, are its own and must be issued alike on every rank."""
+        host): a first pass (cached or two-pass objectives), a generation phase. ``forward(k)``:
+        micro-batch ``k``'s output without a graph, under the step's autocast and keyed draws
+        (step.no_grad_forward). Its collectives, if any, are its own and must be issued alike
+        on every rank."""
 
     # --- 3. the micro-batches
 

@@ -79,7 +79,7 @@ def layout_probe(run, *, run_cfg: RunConfig) -> None:
     ``run_cfg.layout_dependent``; log one line either way."""
     if not run_cfg.probe:
         return
-    why = skip_reason(run.model, dims=run.dims, micro_batch_size=run.plan.micro_batch_size)
+    why = skip_reason(run.model, dims=run.dims, micro_batch_size=run.plan.micro_batch_size, ctx=run.step_ctx)
     if why is not None:
         log.info("layout probe: skipped (%s)", why)
         return
@@ -101,8 +101,12 @@ def layout_probe(run, *, run_cfg: RunConfig) -> None:
     raise ConfigError(f"{line}; {ACCEPT}")
 
 
-def skip_reason(model: nn.Module, *, dims, micro_batch_size: int) -> str | None:
+def skip_reason(model: nn.Module, *, dims, micro_batch_size: int, ctx=None) -> str | None:
     """Why the probe cannot run or would say nothing at this layout (the same on every rank), or None."""
+    if ctx is not None and getattr(ctx.objectives[0].loss_fn, "over_batch", False):
+        return "the loss is over the whole global batch (the gradient cache): no micro-batch has a loss of its own"
+    if ctx is not None and ctx.norm_group and (micro_batch_size // 2) % ctx.norm_group:
+        return f"half a micro-batch does not hold whole BatchNorm groups of {ctx.norm_group} samples"
     if isinstance(model, PipelineModel):
         return "pipeline parallel: a rank holds some stages, no rank computes the loss alone"
     for degree, what in (("tp", "tensor"), ("cp", "context")):
@@ -411,7 +415,7 @@ def label(call: Call) -> str:
 def cause(call: Call, ctx) -> str:
     m = call.module
     if isinstance(m, nn.modules.batchnorm._BatchNorm):
-        return "batch statistics (BatchNorm): use GroupNorm/LayerNorm, or BatchNorm in eval mode"
+        return "batch statistics (BatchNorm): set batch.norm_group > 0 (fixed groups, docs/batch-math.md) or use GroupNorm/LayerNorm"
     if call.drew or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and ctx.draw_sites is None):
         return "random draws outside the keyed path (run.keyed_random = false, or a draw it does not cover: docs/randomness.md)"
     return "a computation over the batch (e.g. a loss or a normalisation across rows) or random draws outside the keyed path"

@@ -1,0 +1,304 @@
+"""Math over the batch, exact on every layout (docs/batch-math.md): BatchNorm over fixed groups of
+``batch.norm_group`` samples (models/batch_norm.py, objectives/batch_norm.py) and losses over the
+whole global batch by the gradient cache (objectives/batch_loss.py).
+
+The reference is not paratrain: a plain PyTorch loop runs the whole global batch in one forward,
+torch's own unmodified ``BatchNorm`` module called on each group of ``G`` rows in order (so its
+running statistics are updated group after group, as one process would), the contrastive loss
+written out here over all samples, and plain SGD. paratrain must give its losses, ``grad_norm``
+and running statistics within 1e-5 at every micro-batch and data-parallel layout (DDP, FSDP2, a
+group spread over 2 and 4 ranks). Three injected faults fail the comparison: statistics over the
+micro-batch instead of the group, running statistics updated in another order, and the cached
+gradient scaled by the number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+import paratrain
+from paratrain.config import ConfigError, load_config
+from paratrain.data.sampler import rank_micro_batches
+from paratrain.models.batch_norm import GroupBatchNorm, check_groups
+from paratrain.objectives import batch_loss, batch_norm
+from tests import toy
+from tests.dist_utils import plain_sgd, read_metrics, run_ranks
+
+B, G, STEPS, LR = 32, 8, 3, 0.5
+COMMON = [
+    *plain_sgd(LR),
+    "run.progress=false",
+    "metrics.plot=false",
+    f"batch.global_batch_size={B}",
+    f"batch.norm_group={G}",
+    f"run.steps={STEPS}",
+    "data.shuffle=false",
+]
+MODELS = {
+    "cnn": ["model.factory='tests.toy:bn_cnn'", "data.factory='tests.toy:images'"],
+    "dual": [
+        "model.factory='tests.toy:dual_encoder'",
+        "model.args={scale = true}",
+        "data.factory='tests.toy:pairs'",
+        "loss.name='info_nce'",
+    ],
+}
+
+
+# --- the reference: plain PyTorch, torch's own BatchNorm per group --------------------------
+
+
+class PerGroup(nn.Module):
+    """torch's unmodified BatchNorm module, called on each group of ``group`` rows in order."""
+
+    def __init__(self, bn: nn.Module, group: int):
+        super().__init__()
+        self.bn, self.group = bn, group
+
+    def forward(self, x):
+        return torch.cat([self.bn(part) for part in x.split(self.group)])
+
+
+def per_group(model: nn.Module, group: int) -> nn.Module:
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.modules.batchnorm._BatchNorm):
+                setattr(parent, name, PerGroup(child, group))
+    return model
+
+
+def info_nce(output) -> torch.Tensor:
+    q, d, scale = output
+    logits = F.normalize(q, dim=-1) @ F.normalize(d, dim=-1).T * scale
+    labels = torch.arange(len(q))
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def reference(name: str, *, group: int = G) -> tuple[list[float], list[float], dict]:
+    """Losses, grad norms and final state of the whole-batch plain PyTorch loop."""
+    torch.manual_seed(0)  # run.seed: the trainer seeds torch so before building the model
+    if name == "cnn":
+        model, data = toy.bn_cnn(), toy.images()
+    else:
+        model, data = toy.dual_encoder(scale=True), toy.pairs()
+    model = per_group(model, group)
+    losses, norms = [], []
+    for step in range(STEPS):
+        idx = [(step * B + i) % len(data) for i in range(B)]
+        x = torch.stack([data[i][0] for i in idx])
+        y = torch.stack([data[i][1] for i in idx])
+        out = model(x)
+        loss = F.cross_entropy(out, y) if name == "cnn" else info_nce(out)
+        model.zero_grad()
+        loss.backward()
+        norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+        losses.append(loss.item())
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    state = {k.replace(".bn.", "."): v for k, v in model.state_dict().items()}
+    return losses, norms, state
+
+
+def read_run(out: str) -> tuple[list[float], list[float], dict]:
+    rows = read_metrics(out)
+    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows], load_file(os.path.join(out, "model.safetensors"))
+
+
+def assert_matches(out: str, ref, *, rtol: float = 1e-5) -> None:
+    loss, norm, state = read_run(out)
+    ref_loss, ref_norm, ref_state = ref
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0, msg=lambda m: f"{out} loss: {m}")
+    torch.testing.assert_close(norm, ref_norm, rtol=rtol, atol=0, msg=lambda m: f"{out} grad_norm: {m}")
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        names = [k for k in ref_state if k.endswith(key)]
+        assert names, key
+        for k in names:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=rtol, atol=1e-7, msg=lambda m: f"{out} {k}: {m}")
+
+
+def train(out: str, model: str, *overrides: str) -> str:
+    paratrain.train(load_config(None, [*COMMON, *MODELS[model], *overrides, f"run.out_dir='{out}'"]))
+    return out
+
+
+# --- fast: world 1 ---------------------------------------------------------------------------
+
+
+def test_at_the_global_batch_it_is_torchs_batch_norm(tmp_path):
+    """norm_group = the global batch, one micro-batch: torch's unmodified BatchNorm2d, trained
+    by a plain loop (the definition reduces to the usual one)."""
+    ref = reference("cnn", group=B)
+    assert_matches(train(f"{tmp_path}/whole", "cnn", f"batch.norm_group={B}", f"batch.micro_batch_size={B}"), ref)
+
+
+@pytest.mark.parametrize("model", ["cnn", "dual"])
+def test_world_1_matches_the_whole_batch_reference_at_any_micro_batch(tmp_path, model):
+    ref = reference(model)
+    for micro in (B, G, G // 2 if model == "cnn" else G):
+        if micro < G:  # a group never spans a micro-batch of one rank
+            with pytest.raises(ConfigError, match="cannot hold whole BatchNorm groups"):
+                train(f"{tmp_path}/m{micro}", model, f"batch.micro_batch_size={micro}")
+            continue
+        assert_matches(train(f"{tmp_path}/m{micro}", model, f"batch.micro_batch_size={micro}"), ref)
+
+
+def test_injected_faults_fail_the_comparison(tmp_path, monkeypatch):
+    """Statistics over the micro-batch, running statistics in another order, the cached gradient
+    scaled by the number of micro-batches: each one fails the reference comparison."""
+    cnn, dual = reference("cnn"), reference("dual")
+    with monkeypatch.context() as m:  # the whole micro-batch as one group
+        m.setattr(GroupBatchNorm, "_whole_groups", lambda self, x, k: _one_group(self, x))
+        with pytest.raises(AssertionError):
+            # (the start-of-run probe sees this one: the loss changes when the micro-batch is split)
+            over = [f"batch.micro_batch_size={B}", "run.layout_dependent=true"]
+            assert_matches(train(f"{tmp_path}/micro_stats", "cnn", *over), cnn)
+    with monkeypatch.context() as m:  # each micro-batch's calls in turn, not each call's groups in order
+        m.setattr(batch_norm, "ordinal", lambda call, group, *, calls, groups: group * calls + call)
+        with pytest.raises(AssertionError, match="running_"):
+            assert_matches(train(f"{tmp_path}/order", "dual", f"batch.micro_batch_size={G}"), dual)
+    with monkeypatch.context() as m:
+        loss = batch_loss.BatchLoss.loss
+        m.setattr(batch_loss.BatchLoss, "loss", lambda self, o, t: _scaled(loss(self, o, t), len(self.cached)))
+        with pytest.raises(AssertionError, match="scaled loss"):  # step 2, after a 4x step
+            assert_matches(train(f"{tmp_path}/scaled", "dual", f"batch.micro_batch_size={G}"), dual)
+
+
+def _one_group(module, x):
+    out = F.batch_norm(x, None, None, module.weight, module.bias, True, 0.0, module.eps)
+    var, mean = torch.var_mean(x.detach(), dim=[0, 2, 3], correction=1)
+    return out, mean.view(1, -1), var.view(1, -1)
+
+
+def _scaled(term, factor):
+    return None if term is None else term * factor
+
+
+def test_a_user_loss_over_the_global_batch(tmp_path):
+    """``loss.over = 'global_batch'`` with the user's own function: micro-batch 8 = 32."""
+    user = ["model.args={batch_norm = false}", "loss.name='tests.toy:in_batch_mean_loss'", "loss.over='global_batch'"]
+    whole = train(f"{tmp_path}/whole", "dual", *user, f"batch.micro_batch_size={B}")
+    split = train(f"{tmp_path}/split", "dual", *user, "batch.micro_batch_size=4")
+    (a, na, _), (b, nb, _) = read_run(whole), read_run(split)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
+    torch.testing.assert_close(nb, na, rtol=1e-5, atol=0)
+
+
+def test_the_layout_holds_each_group_in_one_micro_step():
+    """Groups wider than a micro-batch: every position once, each group at one micro-step of
+    consecutive ranks; otherwise each rank's contiguous share (the default layout)."""
+    for dp, micro, group in [(4, 2, 8), (4, 4, 8), (2, 4, 8), (4, 8, 8), (2, 8, 4)]:
+        per = [
+            rank_micro_batches(list(range(B)), dp_rank=r, dp=dp, micro_batch_size=micro, group=group) for r in range(dp)
+        ]
+        assert sorted(p for rank in per for mb in rank for p in mb) == list(range(B))
+        for step in range(len(per[0])):
+            rows = sorted(p for rank in per for p in rank[step])
+            groups = {p // group for p in rows}
+            assert all(sum(p // group == g for p in rows) == group for g in groups), (dp, micro, group, step)
+    assert check_groups(group=8, global_batch_size=32, micro_batch_size=2, dp=2) is not None  # 4 ranks needed
+    assert check_groups(group=8, global_batch_size=36, micro_batch_size=4, dp=1) is not None
+    assert check_groups(group=8, global_batch_size=32, micro_batch_size=2, dp=4) is None
+
+
+# --- slow: world 2 and 4 ----------------------------------------------------------------------
+
+
+def train_runs(runs: dict[str, list[str]], root: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        for name, (model, *overrides) in runs.items():
+            train(f"{root}/{name}", model, *overrides)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_world_2_and_4_match_the_whole_batch_reference(tmp_path):
+    """DDP and FSDP2 at world 2 and 4, with accumulation, and groups spread over 2 and 4 ranks."""
+    root = str(tmp_path)
+    ddp2, fsdp2 = "parallel.dp_replicate=2", "parallel.dp_shard=2"
+    ddp4, fsdp4 = "parallel.dp_replicate=4", "parallel.dp_shard=4"
+    world2 = {
+        "cnn_ddp2": ["cnn", ddp2, "batch.micro_batch_size=16"],
+        "cnn_fsdp2_accum": ["cnn", fsdp2, "batch.micro_batch_size=8"],
+        "dual_ddp2_span": ["dual", ddp2, "batch.micro_batch_size=4"],
+        "dual_fsdp2": ["dual", fsdp2, "batch.micro_batch_size=16"],
+    }
+    world4 = {
+        "cnn_ddp4_span4": ["cnn", ddp4, "batch.micro_batch_size=2"],
+        "cnn_fsdp4": ["cnn", fsdp4, "batch.micro_batch_size=8"],
+        "dual_ddp4_accum": ["dual", ddp4, "batch.micro_batch_size=8"],
+        "dual_fsdp4_span": ["dual", fsdp4, "batch.micro_batch_size=4"],
+    }
+    run_ranks(train_runs, 2, world2, root, timeout=600)
+    run_ranks(train_runs, 4, world4, root, timeout=600)
+    refs = {"cnn": reference("cnn"), "dual": reference("dual")}
+    for name, (model, *_) in {**world2, **world4}.items():
+        assert_matches(f"{root}/{name}", refs[model])
+
+
+def test_find_batch_picks_among_micro_batches_that_hold_whole_groups():
+    """``micro_batch_size = 'auto'`` and find-batch: a BatchNorm model's candidates are the
+    divisors that hold whole groups (8 of 48 fits, not 12); a model without BatchNorm keeps all."""
+    from paratrain.batch.auto import find_micro_batch
+    from paratrain.preflight import check_run
+
+    def picked(model: str) -> int:
+        over = [f"model.factory='tests.toy:{model}'", "data.factory='tests.toy:images'", "batch.global_batch_size=48"]
+        cfg = load_config(None, [*over, "batch.norm_group=8", "batch.memory_gib=1", "batch.memory_margin=0"])
+        dims, _ = check_run(cfg, 1)
+        fits_12 = lambda m: m * (1 << 30) // 12  # noqa: E731  (a micro-batch of m fits when m <= 12)
+        return find_micro_batch(cfg, dims, device=torch.device("cpu"), method="trial", measure=fits_12).micro_batch_size
+
+    assert picked("bn_cnn") == 8 and picked("small_cnn") == 12
+    with pytest.raises(ConfigError, match="batch.norm_group = 12 does not divide"):
+        cfg = load_config(None, ["model.factory='tests.toy:bn_cnn'", "data.factory='tests.toy:images'"])
+        cfg.batch.norm_group = 12
+        find_micro_batch(cfg, check_run(cfg, 1)[0], device=torch.device("cpu"), method="trial", measure=lambda m: 0)
+
+
+def test_code_search_example_trains_and_reports_recall(tmp_path):
+    """The example's data (held-out functions disjoint from the training ones), its dual encoder,
+    and the eval's recall@1 and MRR over every held-out document, checked by hand on a toy."""
+    from paratrain.data.code_search import PAD, code_search
+    from paratrain.loss import retrieval_metrics
+
+    train_set, val_set = code_search(seq_len=32, max_files=60), code_search(seq_len=32, split="val", max_files=60)
+    assert len(val_set) >= 32 and not {q for q, _ in train_set.items} & {q for q, _ in val_set.items}
+    x, _ = train_set[0]
+    assert x.shape == (2, 32) and int(x.max()) <= PAD
+    q = torch.eye(3)
+    assert retrieval_metrics(q, q) == {"recall_at_1": 1.0, "mrr": 1.0}
+    # query 0's document ranks 2nd, query 1's 1st, query 2's 3rd: recall 1/3, MRR (1/2 + 1 + 1/3) / 3
+    d = torch.tensor([[0.6, 0.8, 0.0], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    m = retrieval_metrics(torch.eye(3), d)
+    assert m["recall_at_1"] == pytest.approx(1 / 3) and m["mrr"] == pytest.approx((1 / 2 + 1 + 1 / 3) / 3)
+
+    over = [
+        "model.factory='paratrain.models.gpt.encoder:gpt_encoder'",
+        "model.args={n_layer = 1, d_model = 32, n_head = 2, block_size = 32, dim = 16}",
+        "data.name='code_search'",
+        "data.args={seq_len = 32, max_files = 60}",
+        "loss.name='info_nce'",
+        "batch.global_batch_size=16",
+        "batch.micro_batch_size=4",
+        "run.steps=2",
+        "eval.interval=2",
+        "eval.samples=32",
+        "run.progress=false",
+        "metrics.plot=false",
+        f"run.out_dir='{tmp_path}'",
+    ]
+    paratrain.train(load_config(None, over))
+    last = read_metrics(str(tmp_path))[-1]
+    assert 0 <= last["val_recall_at_1"] <= last["val_mrr"] <= 1 and last["val_mrr"] >= 1 / 32
