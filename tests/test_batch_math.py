@@ -42,6 +42,7 @@ COMMON = [
 ]
 MODELS = {
     "cnn": ["model.factory='tests.toy:bn_cnn'", "data.factory='tests.toy:images'"],
+    "resnet": ["model.factory='tests.toy:hf_resnet'", "data.factory='tests.toy:images'"],
     "dual": [
         "model.factory='tests.toy:dual_encoder'",
         "model.args={scale = true}",
@@ -85,6 +86,8 @@ def reference(name: str, *, group: int = G) -> tuple[list[float], list[float], d
     torch.manual_seed(0)  # run.seed: the trainer seeds torch so before building the model
     if name == "cnn":
         model, data = toy.bn_cnn(), toy.images()
+    elif name == "resnet":
+        model, data = toy.hf_resnet(), toy.images()
     else:
         model, data = toy.dual_encoder(scale=True), toy.pairs()
     model = per_group(model, group)
@@ -94,7 +97,7 @@ def reference(name: str, *, group: int = G) -> tuple[list[float], list[float], d
         x = torch.stack([data[i][0] for i in idx])
         y = torch.stack([data[i][1] for i in idx])
         out = model(x)
-        loss = F.cross_entropy(out, y) if name == "cnn" else info_nce(out)
+        loss = info_nce(out) if name == "dual" else F.cross_entropy(out, y)
         model.zero_grad()
         loss.backward()
         norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
@@ -138,10 +141,11 @@ def test_at_the_global_batch_it_is_torchs_batch_norm(tmp_path):
     assert_matches(train(f"{tmp_path}/whole", "cnn", f"batch.norm_group={B}", f"batch.micro_batch_size={B}"), ref)
 
 
-@pytest.mark.parametrize("model", ["cnn", "dual"])
+@pytest.mark.parametrize("model", ["cnn", "dual", "resnet"])
 def test_world_1_matches_the_whole_batch_reference_at_any_micro_batch(tmp_path, model):
+    """Also transformers' ResNet: its six BatchNorm2d are converted as a user's are."""
     ref = reference(model)
-    for micro in (B, G, G // 2 if model == "cnn" else G):
+    for micro in (B, G, G // 2) if model == "cnn" else (B, G):
         if micro < G:  # a group never spans a micro-batch of one rank
             with pytest.raises(ConfigError, match="cannot hold whole BatchNorm groups"):
                 train(f"{tmp_path}/m{micro}", model, f"batch.micro_batch_size={micro}")
@@ -302,3 +306,26 @@ def test_code_search_example_trains_and_reports_recall(tmp_path):
     paratrain.train(load_config(None, over))
     last = read_metrics(str(tmp_path))[-1]
     assert 0 <= last["val_recall_at_1"] <= last["val_mrr"] <= 1 and last["val_mrr"] >= 1 / 32
+
+
+def test_layouts_not_covered_are_refused_in_one_line():
+    """Model parallel with BatchNorm groups or a loss over the whole batch, batch.adaptive with the
+    latter, and dropout drawn twice without keyed draws: each refused with the key to set."""
+    from types import SimpleNamespace
+
+    from paratrain.build import check_batch_math
+    from paratrain.loss import build_loss
+
+    def refused(model, *over, tp=1, keyed=True):
+        cfg = load_config(None, [*COMMON, *MODELS[model], *over])
+        dims = SimpleNamespace(pp=1, tp=tp, cp=1, ep=1, dp=2 // tp)
+        with pytest.raises(ConfigError) as e:
+            check_batch_math(
+                cfg, dims, toy.bn_cnn() if model == "cnn" else toy.tagger(), build_loss(cfg.loss), keyed=keyed
+            )
+        return str(e.value)
+
+    assert "not with parallel.tp = 2; set parallel.tp = 1" in refused("cnn", tp=2)
+    assert "not with parallel.tp = 2" in refused("dual", tp=2)
+    assert "set batch.adaptive = false" in refused("dual", "batch.adaptive=true")
+    assert "set run.keyed_random = true" in refused("dual", keyed=False)

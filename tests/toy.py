@@ -484,3 +484,23 @@ def in_batch_mean_loss(output, target):
     q, d = (torch.nn.functional.normalize(t, dim=-1) for t in output[:2])
     logits = q @ d.T / 0.1
     return torch.nn.functional.cross_entropy(logits, torch.arange(len(q)))
+
+
+class HFResNet(nn.Module):
+    """transformers' ResNet (six BatchNorm2d), as a user wraps it: images in, logits out."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import ResNetConfig, ResNetForImageClassification
+
+        cfg = ResNetConfig(
+            num_channels=2, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=4
+        )
+        self.net = ResNetForImageClassification(cfg)
+
+    def forward(self, x):
+        return self.net(pixel_values=x).logits
+
+
+def hf_resnet() -> nn.Module:
+    return HFResNet()

@@ -81,6 +81,8 @@ def rank_micro_batches(indices: list, *, dp_rank: int, dp: int, micro_batch_size
     if not group or group <= m:
         return micro_batches(rank_slice(indices, dp_rank=dp_rank, dp=dp), m)
     s = group // m
+    if group % m or dp % s:  # models/batch_norm.py check_groups refuses such a layout before any step
+        raise ConfigError(f"a micro-batch of {m} samples on dp = {dp} cannot hold BatchNorm groups of {group}")
     blocks, (j, i) = dp // s, divmod(dp_rank, s)
     steps = len(indices) // (m * dp)
     return [

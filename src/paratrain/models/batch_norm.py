@@ -222,5 +222,6 @@ def check_groups(*, group: int, global_batch_size: int, micro_batch_size: int, d
     return (
         f"a micro-batch of {m} samples on dp = {dp} cannot hold whole BatchNorm groups of batch.norm_group ="
         f" {group}: a micro-batch must be a multiple of {group}, or {group} / k for a k that divides dp;"
-        " set batch.micro_batch_size or batch.norm_group so (docs/batch-math.md)"
+        " set batch.micro_batch_size or batch.norm_group so, or batch.norm_group = 0 for torch's own, layout-dependent"
+        " BatchNorm (docs/batch-math.md)"
     )
