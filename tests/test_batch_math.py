@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import paratrain
+from paratrain import step as step_module
 from paratrain.config import ConfigError, load_config
 from paratrain.data.sampler import rank_micro_batches
 from paratrain.models.batch_norm import GroupBatchNorm, check_groups
@@ -48,6 +49,14 @@ MODELS = {
         "model.args={scale = true}",
         "data.factory='tests.toy:pairs'",
         "loss.name='info_nce'",
+    ],
+    "dual_plain": [
+        "model.factory='tests.toy:dual_encoder'",
+        "model.args={batch_norm = false}",
+        "data.factory='tests.toy:pairs'",
+        "loss.name='info_nce'",
+        # tensor parallel: the first layer column-, the last row-wise (outputs replicated over tp)
+        "parallel.tp_plan={'tower.0' = 'colwise', 'tower.4' = 'rowwise'}",
     ],
 }
 
@@ -75,7 +84,7 @@ def per_group(model: nn.Module, group: int) -> nn.Module:
 
 
 def info_nce(output) -> torch.Tensor:
-    q, d, scale = output
+    q, d, scale = output if len(output) == 3 else (*output, 1 / 0.05)  # loss.temperature's default
     logits = F.normalize(q, dim=-1) @ F.normalize(d, dim=-1).T * scale
     labels = torch.arange(len(q))
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
@@ -88,6 +97,8 @@ def reference(name: str, *, group: int = G) -> tuple[list[float], list[float], d
         model, data = toy.bn_cnn(), toy.images()
     elif name == "resnet":
         model, data = toy.hf_resnet(), toy.images()
+    elif name == "dual_plain":  # no BatchNorm, no learnable scale: loss.temperature
+        model, data = toy.dual_encoder(batch_norm=False), toy.pairs()
     else:
         model, data = toy.dual_encoder(scale=True), toy.pairs()
     model = per_group(model, group)
@@ -97,7 +108,7 @@ def reference(name: str, *, group: int = G) -> tuple[list[float], list[float], d
         x = torch.stack([data[i][0] for i in idx])
         y = torch.stack([data[i][1] for i in idx])
         out = model(x)
-        loss = info_nce(out) if name == "dual" else F.cross_entropy(out, y)
+        loss = info_nce(out) if name.startswith("dual") else F.cross_entropy(out, y)
         model.zero_grad()
         loss.backward()
         norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
@@ -121,7 +132,6 @@ def assert_matches(out: str, ref, *, rtol: float = 1e-5) -> None:
     torch.testing.assert_close(norm, ref_norm, rtol=rtol, atol=0, msg=lambda m: f"{out} grad_norm: {m}")
     for key in ("running_mean", "running_var", "num_batches_tracked"):
         names = [k for k in ref_state if k.endswith(key)]
-        assert names, key
         for k in names:
             torch.testing.assert_close(state[k], ref_state[k], rtol=rtol, atol=1e-7, msg=lambda m: f"{out} {k}: {m}")
 
@@ -228,7 +238,8 @@ def train_runs(runs: dict[str, list[str]], root: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_world_2_and_4_match_the_whole_batch_reference(tmp_path):
-    """DDP and FSDP2 at world 2 and 4, with accumulation, and groups spread over 2 and 4 ranks."""
+    """DDP and FSDP2 at world 2 and 4, with accumulation, and groups spread over 2 and 4 ranks;
+    the loss over the global batch with tensor parallel (tp 2, and dp 2 x tp 2)."""
     root = str(tmp_path)
     ddp2, fsdp2 = "parallel.dp_replicate=2", "parallel.dp_shard=2"
     ddp4, fsdp4 = "parallel.dp_replicate=4", "parallel.dp_shard=4"
@@ -237,16 +248,18 @@ def test_world_2_and_4_match_the_whole_batch_reference(tmp_path):
         "cnn_fsdp2_accum": ["cnn", fsdp2, "batch.micro_batch_size=8"],
         "dual_ddp2_span": ["dual", ddp2, "batch.micro_batch_size=4"],
         "dual_fsdp2": ["dual", fsdp2, "batch.micro_batch_size=16"],
+        "dual_plain_tp2": ["dual_plain", "parallel.tp=2", "batch.micro_batch_size=8"],
     }
     world4 = {
         "cnn_ddp4_span4": ["cnn", ddp4, "batch.micro_batch_size=2"],
         "cnn_fsdp4": ["cnn", fsdp4, "batch.micro_batch_size=8"],
         "dual_ddp4_accum": ["dual", ddp4, "batch.micro_batch_size=8"],
         "dual_fsdp4_span": ["dual", fsdp4, "batch.micro_batch_size=4"],
+        "dual_plain_dp2_tp2": ["dual_plain", "parallel.dp_replicate=2", "parallel.tp=2", "batch.micro_batch_size=4"],
     }
     run_ranks(train_runs, 2, world2, root, timeout=600)
     run_ranks(train_runs, 4, world4, root, timeout=600)
-    refs = {"cnn": reference("cnn"), "dual": reference("dual")}
+    refs = {name: reference(name) for name in ("cnn", "dual", "dual_plain")}
     for name, (model, *_) in {**world2, **world4}.items():
         assert_matches(f"{root}/{name}", refs[model])
 
@@ -316,9 +329,9 @@ def test_layouts_not_covered_are_refused_in_one_line():
     from paratrain.build import check_batch_math
     from paratrain.loss import build_loss
 
-    def refused(model, *over, tp=1, keyed=True):
+    def refused(model, *over, tp=1, pp=1, keyed=True):
         cfg = load_config(None, [*COMMON, *MODELS[model], *over])
-        dims = SimpleNamespace(pp=1, tp=tp, cp=1, ep=1, dp=2 // tp)
+        dims = SimpleNamespace(pp=pp, tp=tp, cp=1, ep=1, dp=2 // tp // pp)
         with pytest.raises(ConfigError) as e:
             check_batch_math(
                 cfg, dims, toy.bn_cnn() if model == "cnn" else toy.tagger(), build_loss(cfg.loss), keyed=keyed
@@ -326,6 +339,43 @@ def test_layouts_not_covered_are_refused_in_one_line():
         return str(e.value)
 
     assert "not with parallel.tp = 2; set parallel.tp = 1" in refused("cnn", tp=2)
-    assert "not with parallel.tp = 2" in refused("dual", tp=2)
+    assert "not with parallel.pp = 2" in refused("dual", pp=2)  # tensor parallel it takes
     assert "set batch.adaptive = false" in refused("dual", "batch.adaptive=true")
     assert "set run.keyed_random = true" in refused("dual", keyed=False)
+
+
+def test_the_second_pass_draws_the_first_passs_dropout(tmp_path, monkeypatch):
+    """Dropout in the dual encoder: the gradient cache's two passes draw the same keyed masks, so
+    micro-batches of 4 give micro-batch 32's losses and gradient norms; a first pass without the
+    rows' keys (torch's own dropout there) does not."""
+    over = ["model.args={scale = true, p = 0.2, batch_norm = false}"]
+    runs = {}
+    for name, micro in (("whole", B), ("split", 4)):
+        runs[name] = read_run(train(f"{tmp_path}/{name}", "dual", *over, f"batch.micro_batch_size={micro}"))
+    for a, b in zip(runs["split"][:2], runs["whole"][:2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    forward = step_module.no_grad_forward
+    monkeypatch.setattr(
+        step_module, "no_grad_forward", lambda model, batches, ctx, keys: forward(model, batches, ctx, None)
+    )
+    fault = read_run(train(f"{tmp_path}/fault", "dual", *over, "batch.micro_batch_size=4"))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(fault[1], runs["whole"][1], rtol=1e-5, atol=0)
+
+
+def test_every_batch_norm_kind_is_converted_with_its_keys():
+    """BatchNorm1d/2d/3d and SyncBatchNorm become group BatchNorms; state_dict keys and tensors stay."""
+    from paratrain.models.batch_norm import NormLayout, convert_batch_norm
+
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm2d(3), nn.BatchNorm3d(3), nn.SyncBatchNorm(3, momentum=None))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    converted = convert_batch_norm(model, NormLayout(group=4))
+    assert len(converted) == 4 and all(isinstance(m, GroupBatchNorm) for m in model)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    x = torch.randn(8, 3, 2, 2, 2)
+    model[2].train()
+    out = model[2](x)  # two groups of 4, each normalised on its own
+    torch.testing.assert_close(out[:4], F.batch_norm(x[:4], None, None, training=True), rtol=1e-5, atol=1e-6)
+    model.eval()
+    torch.testing.assert_close(model[2](x), x / (1 + 1e-5) ** 0.5)  # eval: torch's, the running statistics

@@ -462,10 +462,12 @@ class DualEncoder(nn.Module):
     """One tower for queries and documents (BatchNorm1d inside, called twice per forward), and
     optionally CLIP's learnable log logit scale."""
 
-    def __init__(self, dim: int = 8, hidden: int = 16, out: int = 8, batch_norm: bool = True, scale: bool = False):
+    def __init__(
+        self, dim: int = 8, hidden: int = 16, out: int = 8, batch_norm: bool = True, scale: bool = False, p: float = 0.0
+    ):
         super().__init__()
         norm = nn.BatchNorm1d(hidden) if batch_norm else nn.Identity()
-        self.tower = nn.Sequential(nn.Linear(dim, hidden), norm, nn.ReLU(), nn.Linear(hidden, out))
+        self.tower = nn.Sequential(nn.Linear(dim, hidden), norm, nn.ReLU(), nn.Dropout(p), nn.Linear(hidden, out))
         self.logit_scale = nn.Parameter(torch.tensor([2.0])) if scale else None  # 1-d: FSDP2 shards no 0-dim
 
     def forward(self, x):
@@ -475,8 +477,10 @@ class DualEncoder(nn.Module):
         return (q, d) if self.logit_scale is None else (q, d, self.logit_scale.exp())
 
 
-def dual_encoder(dim: int = 8, hidden: int = 16, out: int = 8, batch_norm: bool = True, scale: bool = False):
-    return DualEncoder(dim, hidden, out, batch_norm, scale)
+def dual_encoder(
+    dim: int = 8, hidden: int = 16, out: int = 8, batch_norm: bool = True, scale: bool = False, p: float = 0.0
+):
+    return DualEncoder(dim, hidden, out, batch_norm, scale, p)
 
 
 def in_batch_mean_loss(output, target):

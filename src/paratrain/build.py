@@ -155,7 +155,9 @@ def check_batch_math(cfg: Config, dims: ParallelDims, model: nn.Module, loss_fn:
     bn = has_batch_norm(model) and cfg.batch.norm_group > 0
     if bn or loss_fn.over_batch:
         what = "a BatchNorm model" if bn else f"loss {loss_fn.name!r} (over the whole global batch)"
-        for degree in ("pp", "tp", "cp", "ep"):
+        # A loss over the batch takes tensor parallel: every tp rank holds the whole outputs of
+        # its data-parallel rank's rows, and backpropagates the same cached gradient of them.
+        for degree in ("pp", "tp", "cp", "ep") if bn else ("pp", "cp", "ep"):
             if getattr(dims, degree, 1) > 1:
                 raise ConfigError(
                     f"{what} runs on data parallel (DDP, FSDP2) and accumulation only, not with parallel.{degree} ="
