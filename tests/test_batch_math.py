@@ -239,7 +239,7 @@ def train_runs(runs: dict[str, list[str]], root: str) -> None:
 @pytest.mark.timeout(900)
 def test_world_2_and_4_match_the_whole_batch_reference(tmp_path):
     """DDP and FSDP2 at world 2 and 4, with accumulation, and groups spread over 2 and 4 ranks;
-    the loss over the global batch with tensor parallel (tp 2, and dp 2 x tp 2)."""
+    the loss over the global batch with tensor parallel (tp 2, and dp 2 x tp 2); a compiled model."""
     root = str(tmp_path)
     ddp2, fsdp2 = "parallel.dp_replicate=2", "parallel.dp_shard=2"
     ddp4, fsdp4 = "parallel.dp_replicate=4", "parallel.dp_shard=4"
@@ -257,10 +257,12 @@ def test_world_2_and_4_match_the_whole_batch_reference(tmp_path):
         "dual_fsdp4_span": ["dual", fsdp4, "batch.micro_batch_size=4"],
         "dual_plain_dp2_tp2": ["dual_plain", "parallel.dp_replicate=2", "parallel.tp=2", "batch.micro_batch_size=4"],
     }
+    # torch.compile of the whole model (a user model's default): the groups' statistics recorded from it
+    train(f"{root}/cnn_compiled", "cnn", "batch.micro_batch_size=8", "train.compile=true")
     run_ranks(train_runs, 2, world2, root, timeout=600)
     run_ranks(train_runs, 4, world4, root, timeout=600)
     refs = {name: reference(name) for name in ("cnn", "dual", "dual_plain")}
-    for name, (model, *_) in {**world2, **world4}.items():
+    for name, (model, *_) in {**world2, **world4, "cnn_compiled": ["cnn"]}.items():
         assert_matches(f"{root}/{name}", refs[model])
 
 
