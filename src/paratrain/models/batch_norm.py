@@ -192,7 +192,10 @@ def convert_batch_norm(model: nn.Module, layout: NormLayout) -> list[GroupBatchN
     converted = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, BATCH_NORMS) and not isinstance(child, GroupBatchNorm):
+            if isinstance(child, GroupBatchNorm):  # a model trained before (the Python API): this run's layout
+                child.layout = layout
+                converted.append(child)
+            elif isinstance(child, BATCH_NORMS):
                 new = GroupBatchNorm(child, layout)
                 setattr(parent, name, new)
                 converted.append(new)

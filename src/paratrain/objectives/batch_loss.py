@@ -96,7 +96,7 @@ class BatchLoss(Objective):
     def _layout(self, sizes: list[int], rank: int) -> list[list[int]]:
         """Positions in the global batch of rank ``rank``'s micro-batches (data/sampler.py; the
         eval step's rows are each rank's contiguous share)."""
-        group = self.norm_group if self.cached is not None or self.training else 0
+        group = self.norm_group if self.training else 0
         return self.positions(
             list(range(sum(sizes) * self.dp)), dp_rank=rank, dp=self.dp, micro_batch_size=sizes[0], group=group
         )

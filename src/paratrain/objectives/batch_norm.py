@@ -97,10 +97,10 @@ class NormStatistics(Objective):
             for call, first, mean, var, counted in entries:
                 if not counted:  # a group spread over ranks: its first rank counts it
                     continue
-                for j in range(mean.shape[0]):
-                    c = coef[ordinal(call, first + j, calls=calls, groups=self.groups)]
-                    mean_sum += c * mean[j].double()
-                    var_sum += c * var[j].double()
+                weights = [coef[ordinal(call, first + j, calls=calls, groups=self.groups)] for j in range(len(mean))]
+                w = torch.tensor(weights, dtype=torch.float64, device=mean.device).unsqueeze(1)
+                mean_sum += (w * mean.double()).sum(0).to(self.device)
+                var_sum += (w * var.double()).sum(0).to(self.device)
             parts += [mean_sum, var_sum, torch.tensor([float(calls)], dtype=torch.float64, device=self.device)]
         return torch.cat(parts)
 
