@@ -151,7 +151,7 @@ def test_at_the_global_batch_it_is_torchs_batch_norm(tmp_path):
     assert_matches(train(f"{tmp_path}/whole", "cnn", f"batch.norm_group={B}", f"batch.micro_batch_size={B}"), ref)
 
 
-@pytest.mark.parametrize("model", ["cnn", "dual", "resnet"])
+@pytest.mark.parametrize("model", ["cnn", "dual", pytest.param("resnet", marks=pytest.mark.slow)])
 def test_world_1_matches_the_whole_batch_reference_at_any_micro_batch(tmp_path, model):
     """Also transformers' ResNet: its six BatchNorm2d are converted as a user's are."""
     ref = reference(model)
