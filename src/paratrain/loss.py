@@ -53,7 +53,7 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
             f" {'the loss passed to train()' if fn is not None else repr(cfg.name)}; set loss.chunk_size = 0"
         )
     if cfg.name == "info_nce" and fn is None:
-        return Loss(info_nce(cfg.temperature), rows_of, "info_nce", over_batch=True)
+        return Loss(info_nce(cfg.temperature), rows, "info_nce", over_batch=True)
     if cfg.over == "global_batch":
         if fn is None and ":" not in cfg.name:
             raise ConfigError(
@@ -61,7 +61,7 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
                 " set loss.name so, or loss.over = 'items'"
             )
         user = fn if fn is not None else resolve_callable(cfg.name, "loss.name")
-        return Loss(user, rows_of, getattr(user, "__name__", "user"), builtin=False, over_batch=True)
+        return Loss(user, rows, getattr(user, "__name__", "user"), builtin=False, over_batch=True)
     if fn is not None or ":" in cfg.name:
         user = fn if fn is not None else resolve_callable(cfg.name, "loss.name")
         # A user loss may say how it counts with a `count(target)` attribute; by default the
@@ -90,8 +90,9 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
     )
 
 
-def rows_of(target) -> int:
-    return target.shape[0] if isinstance(target, torch.Tensor) else len(target)
+def rows(batch) -> int:
+    """Rows of a micro-batch's inputs or targets (a packed row of documents counts one)."""
+    return batch.shape[0] if isinstance(batch, torch.Tensor) else len(batch)
 
 
 def info_nce(temperature: float) -> Callable:
@@ -101,9 +102,7 @@ def info_nce(temperature: float) -> Callable:
     ``(queries, documents)``, ``(queries, documents, logit_scale)`` (the learnable scale itself,
     one element, as open_clip's ``self.logit_scale.exp()``) or one ``[rows, 2, dim]`` tensor;
     the embeddings are L2-normalised and their cosines divided by ``loss.temperature``, or
-    multiplied by ``logit_scale``."""
-    if temperature <= 0:
-        raise ConfigError(f"loss.temperature = {temperature} must be > 0")
+    multiplied by ``logit_scale`` (``loss.temperature`` > 0: config.validate)."""
 
     def info_nce(output, target):
         q, d, logit_scale = query_document(output)

@@ -140,14 +140,24 @@ class StepRunner:
         """:func:`check_groups`'s line for micro-batch ``m`` (None: the group itself, a micro-batch
         that always holds whole groups: what is left is a global batch they do not divide)."""
         size = self.cfg.batch.global_batch_size
-        if self._norm_group is None:  # read from the model once, built on the meta device
-            with torch.device("meta"), torch.random.fork_rng(devices=[]):
-                model = self.user_model if self.user_model is not None else build(self.cfg.model)[0]
-            self._norm_group = norm_group(self.cfg.batch.norm_group, size) if has_batch_norm(model) else 0  # 0: off
+        if self._norm_group is None:  # read from the model once
+            self._norm_group = norm_group(self.cfg.batch.norm_group, size) if has_batch_norm(self._bare_model()) else 0
         if not self._norm_group:
             return None
         group = self._norm_group
         return check_groups(group=group, global_batch_size=size, micro_batch_size=m or group, dp=self.full_dims.dp)
+
+    def _bare_model(self) -> nn.Module:
+        """The user's model, or the config's built on the meta device (no memory, no init), or
+        on the CPU for a builder that cannot build there; the run's RNG untouched."""
+        if self.user_model is not None:
+            return self.user_model
+        with torch.random.fork_rng(devices=[]):
+            try:
+                with torch.device("meta"):
+                    return build(self.cfg.model)[0]
+            except Exception:  # a user factory that computes on its weights while building
+                return build(self.cfg.model)[0]
 
     @property
     def dataset(self):

@@ -18,12 +18,14 @@ from __future__ import annotations
 import ast
 import hashlib
 import os
-import sysconfig
 import zlib
 from functools import lru_cache
 
 import torch
 from torch.utils.data import Dataset
+
+from paratrain.config import ConfigError
+from paratrain.data.stdlib_bytes import stdlib_files
 
 PAD = 256
 VOCAB = 257
@@ -32,36 +34,30 @@ VOCAB = 257
 @lru_cache(maxsize=2)  # the train and val splits parse the same files (about 5 s)
 def stdlib_functions(min_doc: int = 20, max_files: int = 0) -> tuple[tuple[str, str, str], ...]:
     """``(qualified name, query, document)`` of the standard library's documented functions."""
-    root = sysconfig.get_paths()["stdlib"]
     out, seen, files = [], set(), 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(
-            d for d in dirnames if d not in ("test", "tests", "site-packages", "idle_test", "__pycache__")
-        )
-        for name in sorted(f for f in filenames if f.endswith(".py")):
-            path = os.path.join(dirpath, name)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    tree = ast.parse(f.read())
-            except (SyntaxError, UnicodeDecodeError, ValueError):
+    for root, path in stdlib_files():
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        files += 1
+        module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            files += 1
-            module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
-            for node in ast.walk(tree):
-                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    continue
-                doc = ast.get_docstring(node)
-                if not doc or len(doc) < min_doc or len(node.body) < 2:
-                    continue
-                query = doc.split("\n\n")[0].replace("\n", " ").strip()
-                if query in seen:
-                    continue
-                seen.add(query)
-                node.body = node.body[1:]  # the docstring is the query, not part of the document
-                node.decorator_list = []
-                out.append((f"{module}.{node.name}:{node.lineno}", query, ast.unparse(node)))
-            if max_files and files >= max_files:
-                return tuple(out)
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < min_doc or len(node.body) < 2:
+                continue
+            query = doc.split("\n\n")[0].replace("\n", " ").strip()
+            if query in seen:
+                continue
+            seen.add(query)
+            node.body = node.body[1:]  # the docstring is the query, not part of the document
+            node.decorator_list = []
+            out.append((f"{module}.{node.name}:{node.lineno}", query, ast.unparse(node)))
+        if max_files and files >= max_files:
+            break
     return tuple(out)
 
 
@@ -77,7 +73,7 @@ class CodeSearch(Dataset):
 
     def __init__(self, seq_len: int = 128, split: str = "train", min_doc: int = 20, max_files: int = 0):
         if split not in ("train", "val"):
-            raise ValueError(f"split = {split!r}: use 'train' or 'val'")
+            raise ConfigError(f"data.args.split = {split!r} is not a split of code_search; use 'train' or 'val'")
         held_out = split == "val"
         self.items = [
             (q, d)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Dataset
@@ -21,22 +22,27 @@ from torch.utils.data import Dataset
 from paratrain.config import ConfigError
 
 
-def stdlib_corpus(max_bytes: int) -> bytes:
+def stdlib_files() -> Iterator[tuple[str, str]]:
+    """``(root, path)`` of the standard library's ``.py`` files in sorted order, test suites and
+    site-packages excluded: this corpus's and data/code_search.py's."""
     root = sysconfig.get_paths()["stdlib"]
-    chunks, total = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(
             d for d in dirnames if d not in ("test", "tests", "site-packages", "idle_test", "__pycache__")
         )
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            with open(os.path.join(dirpath, name), "rb") as f:
-                data = f.read()
-            chunks.append(data)
-            total += len(data)
-            if total >= max_bytes:
-                return b"".join(chunks)[:max_bytes]
+        for name in sorted(f for f in filenames if f.endswith(".py")):
+            yield root, os.path.join(dirpath, name)
+
+
+def stdlib_corpus(max_bytes: int) -> bytes:
+    chunks, total = [], 0
+    for _, path in stdlib_files():
+        with open(path, "rb") as f:
+            data = f.read()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            return b"".join(chunks)[:max_bytes]
     return b"".join(chunks)
 
 

@@ -113,28 +113,33 @@ class GroupBatchNorm(_BatchNorm):
         if not self.training:  # eval: torch's BatchNorm (the running statistics)
             return super().forward(x)
         n, g = x.shape[0], self.layout.group
+        # The statistics are kept for a step's forward with a graph only (not a gradient cache's
+        # first pass, the probe's or the draw detector's forwards, an activation recomputation's
+        # copy is dropped by the objective)
+        record = self.recording and self.track_running_stats and torch.is_grad_enabled()
         if n % g == 0:
-            out, mean, var = self._whole_groups(x, n // g)
-            counted = True
+            out, stats = self._whole_groups(x, n // g, record=record)
         else:
-            out, mean, var, counted = self._spanning_group(x)
-        if self.recording and self.track_running_stats and torch.is_grad_enabled():
-            self.pending.append((mean, var, counted))
+            out, stats = self._spanning_group(x)
+        if record:
+            self.pending.append(stats)
         return out
 
-    def _whole_groups(self, x: torch.Tensor, k: int):
+    def _whole_groups(self, x: torch.Tensor, k: int, *, record: bool):
         """``k`` whole groups: torch's own batch-norm kernel over ``[G, k x C, ...]`` (each group's
-        channels become channels of their own), which at ``k = 1`` is the input itself."""
+        channels become channels of their own), which at ``k = 1`` is the input itself; and, when
+        ``record``, the groups' ``(mean, unbiased var, counted)``."""
         g, c, rest = self.layout.group, x.shape[1], x.shape[2:]
         y = x.reshape(k, g, c, *rest).transpose(0, 1).reshape(g, k * c, *rest)
         w = None if self.weight is None else self.weight.repeat(k)
         b = None if self.bias is None else self.bias.repeat(k)
         out = F.batch_norm(y, None, None, w, b, True, 0.0, self.eps)
         out = out.reshape(g, k, c, *rest).transpose(0, 1).reshape(x.shape)
+        if not record:
+            return out, None
         with torch.no_grad():
-            dims = [0, *range(2, y.dim())]
-            var, mean = torch.var_mean(y.detach(), dim=dims, correction=1)
-        return out, mean.view(k, c), var.view(k, c)
+            var, mean = torch.var_mean(y.detach(), dim=[0, *range(2, y.dim())], correction=1)
+        return out, (mean.view(k, c), var.view(k, c), True)
 
     def _spanning_group(self, x: torch.Tensor):
         """Part of one group: its sums all-reduced (with their gradients) over the ranks that
@@ -151,7 +156,7 @@ class GroupBatchNorm(_BatchNorm):
         if self.weight is not None:
             out = out * self.weight.view(shape) + self.bias.view(shape)
         unbiased = var.detach() * (count / max(count - 1, 1))
-        return out, mean.detach().view(1, -1), unbiased.view(1, -1), first
+        return out, (mean.detach().view(1, -1), unbiased.view(1, -1), first)
 
 
 class _SumOverRanks(torch.autograd.Function):

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import ConfigError
-from paratrain.loss import Loss
+from paratrain.loss import Loss, rows
 from paratrain.objectives.base import Objective
 
 
@@ -66,11 +66,6 @@ class ItemLoss(Objective):
     def read(self, reduced: list[float], *, units: int) -> dict:
         check_count(reduced[1], units, static=self.items_per_sample is not None)
         return {"loss": reduced[0] / units}
-
-
-def rows(inputs) -> int:
-    """Rows of a micro-batch (a packed row of documents counts one)."""
-    return inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)
 
 
 def plain(s: torch.Tensor) -> torch.Tensor:
