@@ -8,6 +8,7 @@ same objectives bound to what the parallelisms made, the same ``StepContext``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -26,9 +27,12 @@ from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.pipeline_parallel import PipelineModel
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.loss import Loss
+from paratrain.models import build
 from paratrain.models.batch_norm import NormLayout, check_groups, convert_batch_norm, has_batch_norm, norm_group
+from paratrain.models.hf.model import check_hf_dir
+from paratrain.models.lora import adapters_disabled
 from paratrain.models.spec import ModelSpec
-from paratrain.objectives import build_objectives
+from paratrain.objectives import PreferenceLoss, build_objectives
 from paratrain.precision import Precision
 from paratrain.randomness import draws_in_forward, has_dropout, site_names
 from paratrain.step import StepContext, to_device
@@ -86,6 +90,10 @@ def build_parallel(
     check_batch_math(cfg, dims, model, loss_fn, keyed=keyed)
     norm = batch_norm_layout(cfg, dims, model) if batch_norm_groups else None
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
+    preference = preference_loss(cfg, loss_fn)
+    # The initial policy as a preference loss's reference: the model as built, before any
+    # parallelism (on the meta device when its weights arrive later: they are read for it too).
+    initial = copy.deepcopy(model) if preference is not None and reference_kind(cfg) == "initial" else None
     objectives = build_objectives(
         loss_fn,
         model,
@@ -96,6 +104,7 @@ def build_parallel(
         dp_rank=dims.local_rank_in("dp"),
         dp=dims.dp,
         dp_group=dims.group("dp"),
+        preference=preference,
     )
     model = parallelize(
         model,
@@ -112,6 +121,8 @@ def build_parallel(
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
     for objective in objectives:  # a pipeline rank holds some of the model's modules
         objective.bind(model)
+    if preference is not None and preference.uses_reference:
+        preference.reference = preference_reference(cfg, dims, model, initial, spec=spec, device=device)
     step_ctx = StepContext(
         objectives=objectives,
         device=device,
@@ -132,6 +143,78 @@ def build_parallel(
         norm_group=norm.group if norm is not None else 0,
     )
     return model, step_ctx, compression
+
+
+def preference_loss(cfg: Config, loss_fn: Loss) -> PreferenceLoss | None:
+    """``loss.name = 'preference'``'s objective (its reference is set once the policy is
+    parallelised, :func:`preference_reference`); None for any other loss. The layouts it does not
+    cover yet are refused before any process starts (preflight/support.py)."""
+    if not (loss_fn.builtin and loss_fn.name == "preference"):
+        return None
+    p = cfg.preference
+    return PreferenceLoss(p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing, gamma=p.gamma)
+
+
+def reference_kind(cfg: Config) -> str:
+    """``preference.reference``, its default resolved: the adapters off with LoRA, else the initial model."""
+    return cfg.preference.reference or ("adapters_off" if cfg.model.lora.enabled else "initial")
+
+
+def preference_reference(
+    cfg: Config, dims: ParallelDims, model: nn.Module, initial: nn.Module | None, *, spec: ModelSpec, device
+):
+    """``reference(forward, k)`` for objectives/preference.py: micro-batch ``k``'s logits from the
+    reference, laid out like the policy (``model``, parallelised). ``initial``: the policy as
+    built, copied before the parallelisms (``preference.reference = 'initial'``), of ``spec``."""
+    kind = reference_kind(cfg)
+    if kind == "adapters_off":
+        if not cfg.model.lora.enabled:
+            raise ConfigError(
+                "preference.reference = 'adapters_off' is the policy without its LoRA adapters; enable model.lora or"
+                " set preference.reference = 'initial' or a model directory"
+            )
+
+        def adapters_off(forward, k):
+            with adapters_disabled(model):
+                return forward(k)
+
+        return adapters_off
+    if kind == "initial":
+        reference = initial
+    else:
+        check_hf_dir(kind, "preference.reference")
+        lora_off = dataclasses.replace(cfg.model.lora, target_modules=[])
+        reference, spec = build(dataclasses.replace(cfg.model, hf=kind, hf_weights=True, lora=lora_off))
+    reference = frozen_like_policy(cfg, dims, reference, spec=spec, device=device)
+    log.info("preference: reference %s, frozen, laid out like the policy", kind)
+    return lambda forward, k: forward(k, reference)
+
+
+def frozen_like_policy(cfg: Config, dims: ParallelDims, model: nn.Module, *, spec: ModelSpec, device) -> nn.Module:
+    """A frozen model with the policy's sharding (FSDP2, HSDP, tensor parallel) and its weights;
+    under plain data parallel a whole copy per rank (DDP has no gradient of it to reduce)."""
+    model.requires_grad_(False)
+    sharded = dims.fsdp_enabled or dims.tp > 1
+    if spec.materialize is not None and not sharded:
+        spec.materialize(model, device=device)
+    if sharded:
+        model = parallelize(
+            model,
+            dims,
+            spec=spec,
+            cfg=cfg.parallel,
+            device=device,
+            comm=cfg.comm,
+            precision=cfg.precision,
+            compile_enabled=False,
+            loss_parallel=False,
+            loss_owns_head=False,
+        )
+        if spec.materialize is not None:
+            spec.materialize(model, device=device)
+    else:
+        model = model.to(device)
+    return model.eval()
 
 
 def batch_norm_layout(cfg: Config, dims: ParallelDims, model: nn.Module) -> NormLayout | None:

@@ -300,9 +300,10 @@ def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--format",
-        choices=("chat", "prompt", "text", "auto"),
+        choices=("chat", "prompt", "preference", "text", "auto"),
         default="text",
-        help="chat: jsonl/parquet rows of messages; prompt: rows of prompt + completion; text (default); auto: by the fields",
+        help="chat: jsonl/parquet rows of messages; prompt: rows of prompt + completion; preference: rows of (prompt,)"
+        " chosen + rejected (docs/preference.md); text (default); auto: by the fields",
     )
     p.add_argument(
         "--chat-template", default="", metavar="FILE", help="a Jinja chat template replacing the tokenizer's own"

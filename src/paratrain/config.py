@@ -156,7 +156,7 @@ class DataConfig:
 class LossConfig:
     name: str = opt(
         "cross_entropy",
-        "'cross_entropy', 'mse', 'info_nce' (in-batch negatives over the global batch: docs/batch-math.md), or 'package.module:function' returning (sum_of_item_losses, item_count).",
+        "'cross_entropy', 'mse', 'info_nce' (in-batch negatives over the global batch: docs/batch-math.md), 'preference' (DPO and its variants over pairs, [preference]: docs/preference.md), or 'package.module:function' returning (sum_of_item_losses, item_count).",
     )
     ignore_index: int = opt(-100, "Targets equal to this are not counted (cross_entropy and user losses).")
     over: Literal["items", "global_batch"] = opt(
@@ -169,6 +169,26 @@ class LossConfig:
     chunk_size: int = opt(
         0,
         "Positions per chunk of the built-in cross_entropy: the loss takes the model's last hidden states and runs the output layer and the loss chunk by chunk (recomputed in the backward), so the [tokens, vocab] float32 logits never exist at once. 0: the model computes all logits (built-in GPT and model.hf support it).",
+    )
+
+
+PREFERENCE_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo")
+
+
+@dataclass
+class PreferenceConfig:
+    loss_type: str = opt(
+        "sigmoid",
+        "With loss.name = 'preference': 'sigmoid' (DPO), 'robust', 'hinge', 'ipo', 'sigmoid_norm' (DPO on mean token log-probabilities) or 'simpo' (no reference); docs/preference.md.",
+    )
+    beta: float = opt(0.1, "The preference losses' beta (the KL strength of DPO, the reward scale of SimPO).")
+    label_smoothing: float = opt(
+        0.0, "The probability that a pair's label is flipped (cDPO, robust DPO, SimPO); in [0, 0.5)."
+    )
+    gamma: float = opt(0.5, "SimPO's target reward margin.")
+    reference: str = opt(
+        "",
+        "The reference model: 'adapters_off' (the policy with its LoRA adapters off), 'initial' (a frozen copy of the model as built, model.hf's weights), or a transformers model directory; '' = adapters_off with LoRA, else initial.",
     )
 
 
@@ -452,6 +472,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -680,15 +701,28 @@ def validate(cfg: Config) -> None:
     validate_lora(cfg.model.lora)
     if ":" in cfg.loss.name:
         resolve_callable(cfg.loss.name, "loss.name")
-    elif cfg.loss.name not in ("cross_entropy", "mse", "info_nce"):
+    elif cfg.loss.name not in ("cross_entropy", "mse", "info_nce", "preference"):
         raise ConfigError(
-            f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce' or"
+            f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce', 'preference' or"
             " 'package.module:function'"
         )
+    validate_preference(cfg.preference)
     if cfg.batch.norm_group < 0:
         raise ConfigError(f"batch.norm_group = {cfg.batch.norm_group} must be >= 0 (0: torch's own BatchNorm)")
     if cfg.loss.temperature <= 0:
         raise ConfigError(f"loss.temperature = {cfg.loss.temperature} must be > 0")
+
+
+def validate_preference(p: PreferenceConfig) -> None:
+    """[preference]'s single values (the reference model is checked when it is built, build.py)."""
+    if p.loss_type not in PREFERENCE_LOSS_TYPES:
+        raise ConfigError(
+            f"preference.loss_type = {p.loss_type!r} is unknown; use one of {', '.join(PREFERENCE_LOSS_TYPES)}"
+        )
+    if p.beta <= 0:
+        raise ConfigError(f"preference.beta = {p.beta} must be > 0 (e.g. 0.1)")
+    if not 0 <= p.label_smoothing < 0.5:
+        raise ConfigError(f"preference.label_smoothing = {p.label_smoothing} must be within [0, 0.5)")
 
 
 def validate_lora(lora: LoraConfig) -> None:

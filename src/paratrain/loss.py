@@ -52,6 +52,8 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
             f"loss.chunk_size = {cfg.chunk_size} chunks the built-in cross_entropy only, not"
             f" {'the loss passed to train()' if fn is not None else repr(cfg.name)}; set loss.chunk_size = 0"
         )
+    if cfg.name == "preference" and fn is None:  # the loss is objectives/preference.py's, over pairs
+        return Loss(_over_pairs, pair_count, "preference")
     if cfg.name == "info_nce" and fn is None:
         return Loss(info_nce(cfg.temperature), rows, "info_nce", over_batch=True)
     if cfg.over == "global_batch":
@@ -88,6 +90,16 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
     raise ConfigError(
         f"loss.name = {cfg.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce' or 'package.module:function'"
     )
+
+
+def _over_pairs(output, target):
+    raise RuntimeError("loss.name = 'preference' is computed by objectives/preference.py, not as (sum, count)")
+
+
+def pair_count(target: torch.Tensor) -> torch.Tensor:
+    """Rows of a pair target ``(B, 2, T)`` (data/preference.py) with a target token on both sides."""
+    valid, side = target[:, 0] >= 0, target[:, 1]
+    return ((valid & (side == 0)).any(-1) & (valid & (side == 1)).any(-1)).sum()
 
 
 def rows(batch) -> int:

@@ -332,9 +332,11 @@ def forward_backward(
 
 def no_grad_forward(model: nn.Module, batches: list[tuple], ctx: StepContext, keys) -> Callable:
     """``forward(k)``: micro-batch ``k``'s output without a graph, as the step's loop computes it
-    (its device, autocast and keyed draws): an objective's first pass (the gradient cache)."""
+    (its device, autocast and keyed draws): an objective's first pass (the gradient cache).
+    ``forward(k, module)``: the same input through another model (a preference loss's frozen
+    reference, laid out like ``model``)."""
 
-    def forward(k: int):
+    def forward(k: int, module: nn.Module | None = None):
         inputs = to_device(batches[k][0], ctx.device)
         key = keys[k] if keys else None
         with (
@@ -342,7 +344,7 @@ def no_grad_forward(model: nn.Module, batches: list[tuple], ctx: StepContext, ke
             maybe_keyed_draws(ctx.draw_sites, key, cp_sequence(inputs, ctx) if keys else None),
             ctx.amp.autocast(),
         ):
-            return model(inputs)
+            return (model if module is None else module)(inputs)
 
     return forward
 
@@ -517,6 +519,8 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
     loss = ctx.objectives[0]
     count, batches, autos, decisions = prepare_batches(model, batches, ctx, (loss,), static=False)
     loss.start(scale=1.0, device=ctx.device)
+    if loss.first_pass_in_eval:
+        loss.before_micro_batches(model, batches, forward=no_grad_forward(model, batches, ctx, None))
     if isinstance(model, PipelineModel):
         with maybe_auto_decision(autos, decisions):
             pipeline_forward(

@@ -35,7 +35,7 @@ import numpy as np
 
 from paratrain.config import ConfigError
 
-FORMATS = ("chat", "prompt", "text", "auto")
+FORMATS = ("chat", "prompt", "preference", "text", "auto")
 LOSS_ON = ("assistant", "last", "all")
 HF_TOKENIZER_DIR = "hf_tokenizer"  # the transformers tokenizer, saved beside the shards
 # Characters of conversations tokenized in one batch: as prepare's chunks of text, so that a
@@ -149,6 +149,8 @@ def detect_format(row: dict, where: str) -> str:
         return "chat"
     if "prompt" in row and "completion" in row:
         return "prompt"
+    if "chosen" in row and "rejected" in row:
+        return "preference"
     if "text" in row:
         return "text"
     raise ConfigError(

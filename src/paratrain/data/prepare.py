@@ -54,6 +54,7 @@ from paratrain.data.chat import (
     row_key,
     row_messages,
 )
+from paratrain.data.preference import encode_plain, split_pair
 
 META = "meta.json"
 FORMAT = "paratrain-tokens/2"
@@ -386,6 +387,51 @@ def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, m
     }
 
 
+def encode_pair_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
+    """:func:`encode_rows` for preference rows (data/preference.py): each row two documents,
+    chosen then rejected, in the split the row hashes to; a pair with a side left without a
+    target (an empty reply, or cut by ``max_length`` before it) is skipped and counted."""
+    tok = _CHAT[0]
+    out = {s: [] for s in SPLITS}
+    masks = {s: [] for s in SPLITS}
+    lengths = {s: [] for s in SPLITS}
+    skipped = truncated = text_bytes = 0
+    pairs, conversations = [], []
+    for where, row in rows:
+        prompt, chosen, rejected = split_pair(row, where)
+        if isinstance(prompt, str):
+            pairs.append([encode_plain(tok, prompt, chosen), encode_plain(tok, prompt, rejected)])
+        else:
+            pairs.append(None)  # filled from the one tokenizer batch below
+            conversations += [(prompt + chosen, len(prompt), where), (prompt + rejected, len(prompt), where)]
+    encoded = iter(encode_conversations(tok, conversations, loss_on="assistant"))
+    pairs = [p if p is not None else [next(encoded), next(encoded)] for p in pairs]
+    reasons: dict[str, int] = {}
+    for (where, row), sides in zip(rows, pairs):
+        text_bytes += len(row_key(row).encode("utf-8", errors="replace"))
+        if max_length and any(len(ids) > max_length for ids, _ in sides):
+            sides, truncated = [(ids[:max_length], mask[:max_length]) for ids, mask in sides], truncated + 1
+        if not all(mask[1:].any() for _, mask in sides):
+            skipped += 1
+            reason = "a reply without a target token (empty, or cut by --max-length)"
+            reasons[reason] = reasons.get(reason, 0) + 1
+            continue
+        split = split_of(row_key(row), val_fraction)
+        for ids, mask in sides:
+            out[split].append(ids.astype(dtype))
+            masks[split].append(mask)
+            lengths[split].append(len(ids))
+    return {
+        "tokens": {s: np.concatenate(v) if v else np.empty(0, dtype) for s, v in out.items()},
+        "masks": {s: np.concatenate(v) if v else np.empty(0, np.uint8) for s, v in masks.items()},
+        "lengths": lengths,
+        "skipped": skipped,
+        "skipped_by_reason": reasons,
+        "truncated": truncated,
+        "text_bytes": text_bytes,
+    }
+
+
 def skip_reason(messages: list[dict], *, cut: bool) -> str:
     """Why a row has no token to train on, as the summary names it."""
     if not any(m["role"] == "assistant" for m in messages):
@@ -611,7 +657,7 @@ def prepare(
     if fmt == "auto":
         first = first_row(files)
         fmt = "text" if first is None else detect_format(first[1], first[0])
-    chat = fmt in ("chat", "prompt")
+    chat = fmt in ("chat", "prompt", "preference")
     fingerprint = {
         "inputs": [os.path.abspath(p) for p in inputs],
         "tokenizer": tokenizer if tokenizer == "bytes" or tokenizer.startswith("bpe:") else os.path.abspath(tokenizer),
@@ -640,7 +686,8 @@ def prepare(
         chunks = _chunks(iter_documents(files, text_field))
         init, init_args = _init_worker, (spec,)
     dtype = "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
-    fn, args = (encode_rows, (val_fraction, dtype, max_length)) if chat else (encode_chunk, (val_fraction, dtype))
+    encode = encode_pair_rows if fmt == "preference" else encode_rows
+    fn, args = (encode, (val_fraction, dtype, max_length)) if chat else (encode_chunk, (val_fraction, dtype))
     writers = {s: ShardWriter(out_dir, s, dtype) for s in SPLITS}
     doc_writers = {s: ShardWriter(out_dir, s, "uint32", kind="docs") for s in SPLITS}
     mask_writers = {s: ShardWriter(out_dir, s, "uint8", kind="mask") for s in SPLITS} if chat else {}
@@ -703,7 +750,7 @@ def prepare(
         },
         "document_format": fmt,
         "loss_mask": chat,
-        "loss_on": ("completion" if fmt == "prompt" else loss_on) if chat else "all",
+        "loss_on": ("completion" if fmt in ("prompt", "preference") else loss_on) if chat else "all",
         "skipped_documents": skipped,
         "skipped_by_reason": skipped_by_reason,
         "truncated_documents": truncated,

@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 
 from paratrain.config import ConfigError
 from paratrain.data.packing import PACKINGS, PackedRows
+from paratrain.data.preference import PreferencePairs
 from paratrain.data.prepare import FORMATS_READ, META, file_sha256, write_json_atomic
 
 VERIFIED = "verified.json"
@@ -331,6 +332,8 @@ def _build_packed(path: str, sources: list | None, *, block_size: int, split: st
         )
     meta = read_meta(path)
     verify_corpus(path, meta, verify)
+    if meta.get("document_format") == "preference":
+        return _build_pairs(path, meta, block_size=block_size, split=split, packing=packing)
     ds = PackedRows(Documents(path, meta, split), block_size=block_size, packing=packing)
     if len(ds) == 0:
         raise ConfigError(
@@ -347,6 +350,36 @@ def _build_packed(path: str, sources: list | None, *, block_size: int, split: st
         "rows": len(ds),
         "truncated_documents": ds.truncated,
         "documents_without_target": ds.dropped,
+        "tokenizer": meta["tokenizer"]["spec"],
+        "vocab_size": meta["vocab_size"],
+        "block_size": block_size,
+        "samples": len(ds),
+    }
+    return ds
+
+
+def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing: str):
+    """A ``preference`` corpus: one pair per sample (data/preference.py)."""
+    if packing != "documents":
+        raise ConfigError(
+            f"data.args.packing = {packing!r}: a preference corpus packs each pair into one row; drop data.args.packing"
+        )
+    ds = PreferencePairs(Documents(path, meta, split), block_size=block_size)
+    if len(ds) == 0:
+        raise ConfigError(
+            f"data.args: the {split} split of {path!r} has no pair with a target on both sides; prepare more pairs"
+            + (" (or --val-fraction > 0)" if split == "val" else " or raise data.args.block_size")
+        )
+    ds.vocab_size, ds.eos_id, ds.meta = meta["vocab_size"], meta["eos_id"], {**meta, "path": path}
+    ds.pairs_of_rows = True  # objectives/preference.py: a row is a pair, [chosen | rejected]
+    ds.description = {
+        "name": "tokens",
+        "split": split,
+        "format": "preference",
+        "path": path,
+        "pairs": len(ds),
+        "truncated_pairs": ds.truncated,
+        "pairs_without_target": ds.dropped,
         "tokenizer": meta["tokenizer"]["spec"],
         "vocab_size": meta["vocab_size"],
         "block_size": block_size,

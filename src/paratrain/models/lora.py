@@ -158,6 +158,26 @@ def _adapters_stay_where_made():
         nn.Module.to = original
 
 
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """``model`` as its base alone: every LoRA layer's adapters off (a preference loss's
+    reference, objectives/preference.py). PEFT's own switch (``disable_adapters``, read by each
+    layer's forward) is set directly: ``enable_adapters`` would also flip the adapters'
+    ``requires_grad``, which DDP and FSDP2 have already taken as the parameters to reduce."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        raise ConfigError("preference.reference = 'adapters_off' needs LoRA adapters; enable model.lora")
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
 def _is_saved(module: nn.Module) -> bool:
     return type(module).__name__ == "ModulesToSaveWrapper"
 

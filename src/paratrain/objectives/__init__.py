@@ -43,11 +43,11 @@ under pipeline parallel.
 Keyed draws are not an objective: the step draws each micro-batch's dropout from its rows'
 keys (``StepContext.draw_sites``, paratrain/randomness.py), whatever the objectives. A loss over
 the whole global batch (objectives/batch_loss.py, the gradient cache) and BatchNorm's running
-statistics over fixed groups (objectives/batch_norm.py) are built. Where the next ones plug in
+statistics over fixed groups (objectives/batch_norm.py) and the preference losses over pairs
+(objectives/preference.py: a pair per row, the reference's log-probabilities in
+``before_micro_batches``) are built. Where the next ones plug in
 (not built yet; docs/structure.md):
 
-- DPO pairs: unit = pair, ``count`` = rows / 2 with both sides of a pair in one micro-batch;
-  the reference log-probabilities in ``before_micro_batches``.
 - GRPO: unit = a group of completions of one prompt; ``before_micro_batches`` is the generation
   phase (sampling keyed by the sample), ``sums``/``read`` carry the rewards' statistics.
 """
@@ -62,6 +62,7 @@ from paratrain.objectives.batch_loss import BatchLoss
 from paratrain.objectives.batch_norm import NormStatistics
 from paratrain.objectives.items import ItemLoss
 from paratrain.objectives.moe import BalanceLoss
+from paratrain.objectives.preference import PreferenceLoss
 
 
 def build_objectives(
@@ -75,6 +76,7 @@ def build_objectives(
     dp_rank: int = 0,
     dp: int = 1,
     dp_group=None,
+    preference: Objective | None = None,
 ) -> tuple:
     """A run's objectives: the loss (the built-in token or item loss, a user's ``(sum, count)``
     loss or the chunked cross-entropy, :class:`ItemLoss`; a loss over the whole global batch,
@@ -82,8 +84,11 @@ def build_objectives(
     layers (:class:`BalanceLoss`, built from the whole model, before any parallelism: under
     ``pipeline`` a stage holds some of its layers, and the stages' layers are bound after the
     split, ``BalanceLoss.bind``), then BatchNorm's running statistics when ``norm`` (the model's
-    BatchNorm groups, models/batch_norm.py) is given (:class:`NormStatistics`)."""
-    if loss_fn.over_batch:
+    BatchNorm groups, models/batch_norm.py) is given (:class:`NormStatistics`). ``preference``:
+    the loss over pairs (:class:`PreferenceLoss`, built with its reference by build.py)."""
+    if preference is not None:
+        first = preference
+    elif loss_fn.over_batch:
         group = norm.group if norm is not None else 0
         first = BatchLoss(loss_fn, positions=positions, dp_rank=dp_rank, dp=dp, dp_group=dp_group, norm_group=group)
     else:
@@ -97,4 +102,4 @@ def build_objectives(
     return tuple(objectives)
 
 
-__all__ = ["BalanceLoss", "BatchLoss", "ItemLoss", "NormStatistics", "Objective", "build_objectives"]
+__all__ = ["BalanceLoss", "BatchLoss", "ItemLoss", "NormStatistics", "Objective", "PreferenceLoss", "build_objectives"]

@@ -45,6 +45,10 @@ class Objective:
         (step.no_grad_forward). Its collectives, if any, are its own and must be issued alike
         on every rank."""
 
+    # The eval step runs before_micro_batches too (without keyed draws): a loss whose value
+    # needs the first pass (a preference loss's reference log-probabilities).
+    first_pass_in_eval = False
+
     # --- 3. the micro-batches
 
     def bind(self, model: nn.Module) -> None:

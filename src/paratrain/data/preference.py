@@ -1,0 +1,147 @@
+"""Preference pairs: rows of TRL's preference formats as two documents each, and the pairs as
+rows of a packed batch (``paratrain prepare --format preference``; docs/preference.md).
+
+A row holds ``chosen`` and ``rejected`` and, explicitly or not, the ``prompt`` they answer:
+
+- conversational, explicit prompt: ``prompt`` a list of messages, ``chosen``/``rejected`` lists
+  of the reply's messages (one assistant turn, most often);
+- conversational, implicit prompt: ``chosen`` and ``rejected`` whole conversations; the prompt
+  is their longest common run of leading messages;
+- plain strings, explicit (``prompt``, ``chosen``, ``rejected``) or implicit (``chosen`` and
+  ``rejected`` whole texts, the prompt their longest common leading text, ending before the
+  space that separates it from the replies, as TRL's ``extract_prompt`` cuts it).
+
+Conversations are rendered by the tokenizer's chat template, as SFT's prompt rows are
+(data/chat.py): the targets are the reply's assistant tokens, never the prompt's. Plain strings
+are not templated (TRL does not template them either): ``prompt ids + reply ids + EOS``, the
+reply and its EOS the targets.
+
+Each pair is written as two consecutive documents of one split, chosen then rejected, with their
+masks; both land in the split the whole row hashes to. A pair is one sample of the dataset
+(:class:`PreferencePairs`): one packed row ``[chosen | rejected]`` with position ids that restart
+at each document (so each attends to itself only), whatever the layout. Its target is ``(2, T)``:
+the next-token targets, and which reply each position belongs to (0 chosen, 1 rejected, -1 none).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from paratrain.config import ConfigError
+from paratrain.data.chat import _checked, _sharegpt
+
+IGNORE_INDEX = -100
+CHOSEN, REJECTED, NEITHER = 0, 1, -1
+
+
+def common_prefix(a: list, b: list) -> int:
+    """Length of the longest common leading run of two sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def split_pair(row: dict, where: str) -> tuple[object, object, object]:
+    """``(prompt, chosen, rejected)`` of a row: lists of messages, or strings."""
+    if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
+        raise ConfigError(
+            f"{where}: a preference row needs the fields 'chosen' and 'rejected' (and 'prompt'); fix the row"
+        )
+    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if prompt is None:  # implicit prompt: the common leading text
+            n = common_prefix(chosen, rejected)
+            if 0 < n < len(chosen) and chosen[n - 1] == " ":
+                n -= 1  # the space belongs to the replies
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        if not isinstance(prompt, str):
+            raise ConfigError(f"{where}: 'prompt' must be a string when 'chosen' and 'rejected' are; fix the row")
+        return prompt, chosen, rejected
+    if not isinstance(chosen, list) or not isinstance(rejected, list):
+        raise ConfigError(
+            f"{where}: 'chosen' and 'rejected' must both be strings or both lists of messages; fix the row"
+        )
+    chosen, rejected = _sharegpt(chosen), _sharegpt(rejected)
+    if prompt is None:  # implicit prompt: the common leading messages
+        n = common_prefix(chosen, rejected)
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    elif isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise ConfigError(
+            f"{where}: the pair has no prompt (no common leading message, or an empty 'prompt'); fix the row"
+        )
+    if not chosen or not rejected:
+        raise ConfigError(f"{where}: 'chosen' and 'rejected' are the same conversation; fix or drop the row")
+    return _checked(_sharegpt(prompt), where), _checked(chosen, where), _checked(rejected, where)
+
+
+def encode_plain(tok, prompt: str, reply: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of a plain-text pair side: prompt ids + reply ids + EOS, the reply and EOS marked."""
+    p = tok(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+    r = tok(reply, add_special_tokens=False)["input_ids"]
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None and tok.bos_token_id != tok.eos_token_id else []
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    ids = np.asarray(bos + p + r + eos, dtype=np.int64)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    mask[len(bos) + len(p) :] = 1
+    return ids, mask
+
+
+class PreferencePairs(torch.utils.data.Dataset):
+    """The pairs of one split of a ``preference`` corpus (documents ``2i``, ``2i + 1``), each one
+    packed row of ``block_size`` tokens ``[chosen | rejected | padding]``.
+
+    A pair longer than ``block_size`` has each side cut to ``block_size // 2`` tokens (counted:
+    ``truncated``); a pair with a side left without a target is dropped (``dropped``). Whole
+    pairs only, so a pair is never split across micro-batches or ranks."""
+
+    draws_random = False  # paratrain/randomness.py: no sample_rng around __getitem__
+
+    def __init__(self, corpus, *, block_size: int):
+        if not isinstance(block_size, int) or block_size < 4:
+            raise ConfigError(f"data.args.block_size = {block_size!r} must be an integer >= 4 for preference pairs")
+        self.corpus, self.block_size = corpus, block_size
+        lengths = corpus.doc_lengths
+        if len(lengths) % 2:
+            raise ConfigError("the preference corpus has an odd number of documents; prepare it again")
+        pairs = lengths.reshape(-1, 2)
+        cut = pairs.sum(1) > block_size
+        self.truncated = int(cut.sum())
+        self.lengths = np.where(cut[:, None], np.minimum(pairs, block_size // 2), pairs)
+        # prepare keeps only pairs whose sides both have a target; a cut pair may have lost one.
+        lost = [i for i in np.flatnonzero(cut) if not all((self._targets(i, s)[1] >= 0).any() for s in (0, 1))]
+        keep = np.setdiff1d(np.arange(len(pairs)), np.asarray(lost, dtype=np.int64))
+        self.dropped = len(lost)
+        self.pairs = keep.astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def _targets(self, pair: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, next-token targets) of one side, cut to its length."""
+        n = int(self.lengths[pair, side])
+        ids, mask = self.corpus.document(2 * pair + side, n)
+        targets = np.full(n, IGNORE_INDEX, dtype=np.int64)
+        targets[:-1] = np.where(mask[1:] > 0, ids[1:], IGNORE_INDEX)
+        return ids, targets
+
+    def __getitem__(self, i: int):
+        pair = int(self.pairs[int(i)])
+        width = self.block_size
+        ids = np.zeros(width, np.int64)
+        pos = np.full(width, -1, np.int64)
+        tgt = np.full(width, IGNORE_INDEX, np.int64)
+        side = np.full(width, NEITHER, np.int64)
+        at = 0
+        for s in (CHOSEN, REJECTED):
+            d_ids, d_tgt = self._targets(pair, s)
+            n = len(d_ids)
+            ids[at : at + n], tgt[at : at + n], pos[at : at + n] = d_ids, d_tgt, np.arange(n)
+            side[at : at + n] = s
+            at += n
+        return torch.from_numpy(np.stack([ids, pos])), torch.from_numpy(np.stack([tgt, side]))

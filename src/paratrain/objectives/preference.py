@@ -1,0 +1,189 @@
+"""Preference objectives over pairs (docs/preference.md): DPO and its variants, SimPO.
+
+The unit is a **pair**: a row of the batch holds one, ``[chosen | rejected]`` packed
+(data/preference.py), so both replies are always in the same micro-batch and the pair's loss is
+a function of that row alone. The loss is ``sum over the global batch's pairs / their global
+count``, formed before the first backward like every objective's (objectives/__init__.py):
+accumulation, micro-batch size and world size never change it. (In peers the mean is taken per
+micro-batch and the accumulation rescales it, which changes the loss when micro-batches hold
+different counts of pairs, or lets a fix of the scaling drift: unsloth#3482, trl#2615.)
+
+A side's log-probability ``log pi(reply | prompt)`` sums the reply's target tokens' log-softmax
+(the prompt's tokens are never targets); the length-normalised variants take the mean over the
+reply's tokens instead. With ``h = (log pi_c - log ref_c) - (log pi_r - log ref_r)``:
+
+=============== ================================================ =======================================
+``loss_type``    per-pair loss                                    paper
+=============== ================================================ =======================================
+sigmoid          ``-(1-e) logsig(b h) - e logsig(-b h)``          Rafailov et al. 2023 (DPO); e: cDPO
+robust           ``((1-e)(-logsig(b h)) + e logsig(-b h))/(1-2e)`` Chowdhury et al. 2024
+hinge            ``relu(1 - b h)``                                Zhao et al. 2023 (SLiC)
+ipo              ``(h - 1/(2 b))^2``, mean log-probabilities      Azar et al. 2023
+sigmoid_norm     sigmoid on mean log-probabilities                length-normalised DPO
+simpo            ``-logsig(b (m_c - m_r) - g)``, no reference     Meng et al. 2024
+=============== ================================================ =======================================
+
+(``m``: a reply's mean token log-probability; ``e``: ``label_smoothing``, ``b``: ``beta``, ``g``:
+``gamma``.) The *reference* log-probabilities come from ``reference(forward, k)``, given by the
+build (build.py): the same model with its LoRA adapters off, or a frozen model (the initial
+policy, another directory). They are computed in the phase before the micro-batch loop, without a
+graph, for this rank's micro-batches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from paratrain.config import PREFERENCE_LOSS_TYPES as LOSS_TYPES
+from paratrain.config import ConfigError
+from paratrain.loss import pair_count, rows
+from paratrain.objectives.base import Objective
+
+MEAN_LOGPS = ("ipo", "sigmoid_norm", "simpo")  # these compare mean token log-probabilities
+NO_REFERENCE = ("simpo",)
+SUMS = ("loss", "pairs", "chosen", "rejected", "correct")
+
+
+def side_logps(logits, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``(chosen, rejected)`` log-probability sums ``(B, 2)`` (float32) and their
+    target-token counts ``(B, 2)``, from the logits ``(B, T, V)`` and the pair target ``(B, 2, T)``."""
+    if isinstance(logits, DTensor):  # tensor parallel without loss_parallel: replicated logits
+        logits = logits.full_tensor()
+    tokens, side = target[:, 0], target[:, 1]
+    valid = tokens >= 0
+    logits = logits.float()
+    picked = logits.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    token_logp = torch.where(valid, picked - logits.logsumexp(-1), 0.0)
+    sums, counts = [], []
+    for s in (0, 1):
+        on = valid & (side == s)
+        sums.append((token_logp * on).sum(-1))
+        counts.append(on.sum(-1))
+    return torch.stack(sums, -1), torch.stack(counts, -1).to(torch.float32)
+
+
+class PreferenceLoss(Objective):
+    """``sum over pairs of the pair loss / global pair count``; logs the rewards' means, their
+    margin and how often the chosen reply's reward is the higher (``reward_accuracy``)."""
+
+    name = "loss"
+    unit = "pair"
+
+    def __init__(
+        self,
+        loss_type: str = "sigmoid",
+        *,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        gamma: float = 0.5,
+        reference=None,
+    ):
+        if loss_type not in LOSS_TYPES:
+            raise ConfigError(f"preference.loss_type = {loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
+        self.loss_type, self.beta, self.eps, self.gamma = loss_type, beta, label_smoothing, gamma
+        # reference(forward, k): micro-batch k's reference output, set by the build once the
+        # policy is parallelised (None for a reference-free loss: uses_reference).
+        self.reference = reference
+        self.scale = 1.0
+        self.refs: list[torch.Tensor] = []
+
+    # The eval step runs before_micro_batches too: the reference is part of the loss's value.
+    first_pass_in_eval = True
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.loss_type not in NO_REFERENCE
+
+    def count(self, inputs, target) -> torch.Tensor:
+        return pair_count(target)
+
+    def static_count(self, inputs) -> int:
+        return rows(inputs)  # a training row is one pair with a target on both sides (PreferencePairs)
+
+    def start(self, *, scale: float, device: torch.device) -> None:
+        self.scale, self.device = scale, device
+        self.totals = torch.zeros(len(SUMS), device=device, dtype=torch.float64)
+        self.refs, self._k, self._last = [], 0, None
+
+    @torch.no_grad()
+    def before_micro_batches(self, model, batches, *, forward=None) -> None:
+        """The reference's log-probabilities of this rank's pairs, micro-batch by micro-batch."""
+        if not self.uses_reference:
+            return
+        if self.reference is None:
+            raise RuntimeError("the preference loss's reference was never set (build.py preference_reference)")
+        for k, (_, target) in enumerate(batches):
+            logps, counts = side_logps(self.reference(forward, k), target.to(self.device))
+            self.refs.append(self._normalised(logps, counts))
+
+    def _normalised(self, logps: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return logps / counts.clamp(min=1) if self.loss_type in MEAN_LOGPS else logps
+
+    def loss(self, output, target) -> torch.Tensor:
+        logps, counts = side_logps(output, target)
+        policy = self._normalised(logps, counts)
+        ref = self.refs[self._k] if self.uses_reference else torch.zeros_like(policy)
+        self._k += 1
+        losses, rewards = self.pair_losses(policy, ref)
+        real = (counts > 0).all(-1)  # a filled-up validation row has no pair
+        losses = torch.where(real, losses, 0.0)
+        self._last = (losses.sum().detach(), real, rewards.detach())
+        return losses.sum() * self.scale
+
+    def pair_losses(self, policy: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-pair losses ``(B,)`` and rewards ``(B, 2)`` from the sides' log-probabilities."""
+        b, e = self.beta, self.eps
+        if self.loss_type == "simpo":
+            rewards = b * policy
+            z = rewards[:, 0] - rewards[:, 1] - self.gamma
+            return -(1 - e) * F.logsigmoid(z) - e * F.logsigmoid(-z), rewards
+        rewards = b * (policy - ref)
+        h = (policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1])
+        if self.loss_type in ("sigmoid", "sigmoid_norm"):
+            losses = -(1 - e) * F.logsigmoid(b * h) - e * F.logsigmoid(-b * h)
+        elif self.loss_type == "robust":
+            losses = ((1 - e) * -F.logsigmoid(b * h) + e * F.logsigmoid(-b * h)) / (1 - 2 * e)
+        elif self.loss_type == "hinge":
+            losses = torch.relu(1 - b * h)
+        else:  # ipo
+            losses = (h - 1 / (2 * b)) ** 2
+        return losses, rewards
+
+    def end_micro_batch(self) -> None:
+        loss_sum, real, rewards = self._last
+        self._last = None
+        r = rewards[real].double()
+        self.totals += torch.stack(
+            [
+                loss_sum.double(),
+                real.sum().double(),
+                r[:, 0].sum(),
+                r[:, 1].sum(),
+                (r[:, 0] > r[:, 1]).sum().double(),
+            ]
+        )
+
+    def sums(self) -> torch.Tensor:
+        return self.totals
+
+    def read(self, reduced: list[float], *, units: int) -> dict:
+        if int(reduced[1]) != units:
+            raise ConfigError(
+                f"the preference loss saw {int(reduced[1])} pairs but the step counted {units}; every row of a"
+                " preference batch must hold one pair with a target on both sides (data/preference.py)"
+            )
+        n = max(units, 1)
+        chosen, rejected = reduced[2] / n, reduced[3] / n
+        return {
+            "loss": reduced[0] / n,
+            "rewards_chosen": chosen,
+            "rewards_rejected": rejected,
+            "reward_margin": chosen - rejected,
+            "reward_accuracy": reduced[4] / n,
+        }
+
+    def metrics(self, values: dict) -> dict:
+        keys = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+        return {k: values[k] for k in keys if k in values}

@@ -1,0 +1,267 @@
+"""Preference training (docs/preference.md): DPO and its variants over pairs, exact on every layout.
+
+The anchor is code we did not write: plain ``transformers`` on **each pair alone** (the prompt
+and one reply rendered by the chat template, the reply's tokens from transformers' own assistant
+mask), the log-probabilities summed from its logits and the loss formula written out here, for
+a policy and a reference that differ (so the loss is not log 2). paratrain's first two steps
+under plain SGD (loss, and ``grad_norm``: the gradient's size) must equal it, and every layout
+(world size, accumulation, FSDP2, tensor parallel) must give the one-process numbers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paratrain
+from paratrain.config import load_config
+from paratrain.data.prepare import prepare
+from paratrain.data.tokens import build_tokens
+from paratrain.objectives.preference import PreferenceLoss
+from tests.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, train_rank
+from tests.hf_models import save_tiny
+from tests.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
+
+pytest.importorskip("transformers")
+
+SGD = [*plain_sgd(0.5), "run.progress=false", "metrics.plot=false", "data.shuffle=false"]
+PAIRS = 16
+
+
+def pair_rows(n: int) -> list[dict]:
+    """Conversational pairs with an explicit prompt: a module's docstring chosen, another
+    module's rejected."""
+    convs = stdlib_conversations(n + 1)
+    rows = []
+    for i in range(n):
+        user = next(m for m in convs[i]["messages"] if m["role"] == "user")
+        good = next(m for m in convs[i]["messages"] if m["role"] == "assistant")
+        bad = next(m for m in convs[i + 1]["messages"] if m["role"] == "assistant")
+        rows.append({"prompt": [user], "chosen": [good], "rejected": [bad]})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def pref(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pref")
+    tok = save_chat_tokenizer(str(root / "tok"))
+    rows = pair_rows(PAIRS)
+    data = write_jsonl(str(root / "pairs.jsonl"), rows)
+    policy = save_tiny("qwen2", str(root / "policy"), vocab_size=VOCAB, max_position_embeddings=512, seed=0)
+    ref = save_tiny("qwen2", str(root / "ref"), vocab_size=VOCAB, max_position_embeddings=512, seed=1)
+    corpus = str(root / "corpus")
+    prepare([data], out_dir=corpus, tokenizer=tok, fmt="preference", val_fraction=0, progress=False)
+    return {"root": str(root), "tok": tok, "rows": rows, "policy": policy, "ref": ref, "corpus": corpus}
+
+
+def _config(pref: dict, name: str, *extra: str) -> list[str]:
+    return [
+        f"model.hf='{pref['policy']}'",
+        "data.name='tokens'",
+        f"data.args={{path = '{pref['corpus']}', block_size = 512}}",
+        "loss.name='preference'",
+        f"run.out_dir='{pref['root']}/{name}'",
+        "batch.global_batch_size=8",
+        "run.steps=2",
+        *SGD,
+        *extra,
+    ]
+
+
+def side_logp(model, tok, prompt: list[dict], reply: list[dict]) -> tuple[torch.Tensor, int]:
+    """log pi(reply | prompt) of one side alone: transformers' forward on the rendering, the
+    reply's tokens from the template's assistant mask (the prompt holds no assistant turn)."""
+    out = tok.apply_chat_template(prompt + reply, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids = torch.tensor([out["input_ids"]])
+    mask = torch.tensor(out["assistant_masks"])[1:].bool()
+    logits = model(input_ids=ids).logits[0, :-1].float()
+    token_logp = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+    return token_logp[mask].sum(), int(mask.sum())
+
+
+def anchor(pref: dict, loss_type: str, *, beta: float = 0.1, gamma: float = 0.5, lr: float = 0.5, steps: int = 2):
+    """(losses, grad norms) of ``steps`` plain-SGD steps of 8 pairs each, the formula written out."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pref["tok"])
+    policy = AutoModelForCausalLM.from_pretrained(pref["policy"], attn_implementation="sdpa")
+    ref = AutoModelForCausalLM.from_pretrained(pref["ref"], attn_implementation="sdpa")
+    mean = loss_type in ("ipo", "simpo")
+    losses, norms = [], []
+    for step in range(steps):
+        terms = []
+        for row in pref["rows"][8 * step : 8 * step + 8]:
+            sides = []
+            for model in (policy, ref):
+                with torch.set_grad_enabled(model is policy):
+                    (c, nc), (r, nr) = (side_logp(model, tok, row["prompt"], row[k]) for k in ("chosen", "rejected"))
+                sides.append((c / nc, r / nr) if mean else (c, r))
+            (pc, pr), (rc, rr) = sides
+            h = (pc - rc) - (pr - rr)
+            if loss_type == "sigmoid":
+                terms.append(-F.logsigmoid(beta * h))
+            elif loss_type == "ipo":
+                terms.append((h - 1 / (2 * beta)) ** 2)
+            elif loss_type == "simpo":
+                terms.append(-F.logsigmoid(beta * (pc - pr) - gamma))
+        loss = torch.stack(terms).mean()
+        policy.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in policy.parameters() if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            for p in policy.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+    return losses, norms
+
+
+def _run(pref: dict, name: str, *extra: str, world: int = 1) -> tuple[list[float], list[float], list[dict]]:
+    over = _config(pref, name, *extra)
+    if world == 1:
+        paratrain.train(load_config(None, over))
+    else:
+        run_ranks(train_rank, world, over)
+    rows = read_metrics(os.path.join(pref["root"], name))
+    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows], rows
+
+
+def test_dpo_equals_transformers_on_each_pair_alone(pref):
+    """DPO (sigmoid) against a reference model directory: paratrain's first two steps equal the
+    written-out formula on transformers' forward of each pair alone."""
+    losses, norms = anchor(pref, "sigmoid")
+    assert abs(losses[0] - 0.6931) > 1e-3  # the reference differs from the policy
+    got_losses, got_norms, rows = _run(pref, "dpo", f"preference.reference='{pref['ref']}'")
+    torch.testing.assert_close(got_losses, losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=0)
+    assert {"rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy"} <= rows[0].keys()
+    assert rows[0]["reward_margin"] == pytest.approx(rows[0]["rewards_chosen"] - rows[0]["rewards_rejected"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["ipo", "simpo"])
+def test_variants_equal_transformers_on_each_pair_alone(pref, loss_type):
+    losses, norms = anchor(pref, loss_type)
+    got_losses, got_norms, _ = _run(
+        pref, f"v_{loss_type}", f"preference.loss_type='{loss_type}'", f"preference.reference='{pref['ref']}'"
+    )
+    torch.testing.assert_close(got_losses, losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=0)
+
+
+def test_two_ranks_with_accumulation_give_the_one_process_numbers(pref):
+    """World 2 with micro-batches of one pair (accumulation 4) against one process, whole batch;
+    the initial policy as reference (a frozen copy)."""
+    one = _run(pref, "l_one")
+    two = _run(pref, "l_two", "parallel.dp_replicate=2", "batch.micro_batch_size=1", world=2)
+    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=1e-5, atol=0)
+    # The initial policy as reference: the first step's loss is log 2, then it moves.
+    assert one[0][0] == pytest.approx(0.6931472, abs=1e-6) and one[0][1] != one[0][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("parallel.dp_shard=4", "batch.micro_batch_size=1"),
+        ("parallel.dp_shard=2", "parallel.tp=2"),
+        ("parallel.dp_replicate=2", "parallel.dp_shard=2", "batch.micro_batch_size=2"),
+    ],
+    ids=["fsdp4_accum2", "fsdp2_tp2", "hsdp"],
+)
+def test_sharded_layouts_give_the_one_process_numbers(pref, layout):
+    ref = f"preference.reference='{pref['ref']}'"
+    one = _run(pref, "s_one", ref)
+    four = _run(pref, "s_" + "_".join(x.split("=")[0][9:] for x in layout), ref, *layout, world=4)
+    torch.testing.assert_close(four[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(four[1], one[1], rtol=1e-4, atol=0)
+
+
+def test_lora_reference_is_the_policy_with_adapters_off(pref):
+    """LoRA: the default reference is the same model with its adapters off. At step 1 the
+    adapters are zero, so the loss is log 2; a reference computed with the adapters on would keep
+    it there (the policy against itself): step 2 must move."""
+    lora = ("model.lora.target_modules=['q_proj', 'v_proj']", "model.lora.r=4", "model.lora.alpha=8")
+    losses, norms, _ = _run(pref, "lora1", *lora)
+    assert losses[0] == pytest.approx(0.6931472, abs=1e-6)
+    assert abs(losses[1] - losses[0]) > 1e-5
+    two = _run(pref, "lora2", *lora, "parallel.dp_shard=2", "batch.micro_batch_size=2", world=2)
+    torch.testing.assert_close(two[0], losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], norms, rtol=1e-4, atol=0)
+
+
+def test_pair_losses_are_the_papers_formulas():
+    """Each loss_type's per-pair loss and rewards from given log-probabilities, written out."""
+    policy = torch.tensor([[-3.0, -5.0], [-7.0, -2.0]], dtype=torch.float64)
+    ref = torch.tensor([[-4.0, -4.5], [-6.0, -3.0]], dtype=torch.float64)
+    h = (policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1])
+    b, e = 0.2, 0.1
+    want = {
+        "sigmoid": -(1 - e) * F.logsigmoid(b * h) - e * F.logsigmoid(-b * h),
+        "robust": ((1 - e) * -F.logsigmoid(b * h) + e * F.logsigmoid(-b * h)) / (1 - 2 * e),
+        "hinge": torch.relu(1 - b * h),
+        "ipo": (h - 1 / (2 * b)) ** 2,
+        "sigmoid_norm": -(1 - e) * F.logsigmoid(b * h) - e * F.logsigmoid(-b * h),
+        "simpo": -(1 - e) * F.logsigmoid(b * (policy[:, 0] - policy[:, 1]) - 0.5)
+        - e * F.logsigmoid(-(b * (policy[:, 0] - policy[:, 1]) - 0.5)),
+    }
+    for loss_type, expected in want.items():
+        objective = PreferenceLoss(loss_type, beta=b, label_smoothing=e, gamma=0.5)
+        losses, rewards = objective.pair_losses(policy, ref)
+        torch.testing.assert_close(losses, expected)
+        torch.testing.assert_close(rewards, b * (policy if loss_type == "simpo" else policy - ref))
+
+
+def test_prepare_reads_trls_preference_formats(pref, tmp_path):
+    """The implicit-prompt and plain-string forms give pairs; a pair is one row [chosen | rejected]
+    whose targets are the replies' tokens only."""
+    explicit = pref["rows"][:4]
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in explicit]
+    plain = [
+        {"prompt": r["prompt"][0]["content"], "chosen": r["chosen"][0]["content"], "rejected": "No."} for r in explicit
+    ]
+    corpora = {}
+    for name, rows in (("explicit", explicit), ("implicit", implicit), ("plain", plain)):
+        path = write_jsonl(str(tmp_path / f"{name}.jsonl"), rows)
+        corpora[name] = build_tokens(str(prepare_to(path, pref["tok"], tmp_path / name)), block_size=512)
+    a, b = corpora["explicit"], corpora["implicit"]
+    assert len(a) == len(b) == 4
+    for i in range(4):
+        torch.testing.assert_close(a[i], b[i])  # the same prompt found from the common messages
+    x, t = corpora["plain"][0]
+    assert x.shape == (2, 512) and t.shape == (2, 512)
+    side = t[1]
+    targets = t[0]
+    # Every target is a reply's token, and each side has some.
+    assert (side[targets >= 0] >= 0).all() and {0, 1} <= set(side[targets >= 0].tolist())
+    # The prompt's tokens are not targets: the first target sits after the prompt's length.
+    from transformers import AutoTokenizer
+
+    prompt_len = len(AutoTokenizer.from_pretrained(pref["tok"])(plain[0]["prompt"])["input_ids"])
+    assert int((targets >= 0).nonzero()[0]) == prompt_len - 1
+
+
+def prepare_to(path: str, tok: str, out) -> str:
+    prepare([path], out_dir=str(out), tokenizer=tok, fmt="preference", val_fraction=0, progress=False)
+    return str(out)
+
+
+def test_bad_preference_input_is_one_line(pref, tmp_path):
+    bad = write_jsonl(str(tmp_path / "bad.jsonl"), [*pref["rows"][:2], {"prompt": "x", "chosen": "y"}])
+    out = paratrain_cli(
+        "prepare", bad, "--out", str(tmp_path / "c"), "--tokenizer", pref["tok"], "--format", "preference"
+    )
+    assert out.returncode == 2
+    line = out.stderr.strip()
+    assert "\n" not in line and "bad.jsonl:3" in line and "'rejected'" in line, line
+    config = tmp_path / "empty.toml"
+    config.write_text("")
+    sets = [a for o in _config(pref, "pp", "parallel.pp=2") for a in ("--set", o)]
+    out = paratrain_cli("train", str(config), "--nproc-per-node", "2", *sets)
+    line = out.stderr.strip()
+    assert out.returncode == 2 and "parallel.pp = 2" in line and "\n" not in line, out.stderr[-2000:]
