@@ -22,7 +22,7 @@ from paratrain.data.prepare import prepare
 from paratrain.data.tokens import build_tokens
 from paratrain.objectives.preference import PreferenceLoss
 from tests.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, train_rank
-from tests.hf_models import save_tiny
+from tests.hf_models import ARCHS, save_tiny
 from tests.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
 
 pytest.importorskip("transformers")
@@ -52,9 +52,32 @@ def pref(tmp_path_factory):
     data = write_jsonl(str(root / "pairs.jsonl"), rows)
     policy = save_tiny("qwen2", str(root / "policy"), vocab_size=VOCAB, max_position_embeddings=512, seed=0)
     ref = save_tiny("qwen2", str(root / "ref"), vocab_size=VOCAB, max_position_embeddings=512, seed=1)
+    rm = save_reward_model(str(root / "rm"))
     corpus = str(root / "corpus")
     prepare([data], out_dir=corpus, tokenizer=tok, fmt="preference", val_fraction=0, progress=False)
-    return {"root": str(root), "tok": tok, "rows": rows, "policy": policy, "ref": ref, "corpus": corpus}
+    val = str(root / "val")  # the same pairs, all in the validation split
+    prepare([data], out_dir=val, tokenizer=tok, fmt="preference", val_fraction=1, progress=False)
+    return {
+        "root": str(root),
+        "tok": tok,
+        "rows": rows,
+        "policy": policy,
+        "ref": ref,
+        "rm": rm,
+        "corpus": corpus,
+        "val": val,
+    }
+
+
+def save_reward_model(path: str) -> str:
+    """A tiny Qwen2 sequence classifier with one label (a reward model), with weights."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    args = {**ARCHS["qwen2"], "vocab_size": VOCAB, "max_position_embeddings": 512, "num_labels": 1}
+    config = AutoConfig.for_model(args.pop("model_type"), pad_token_id=256, **args)
+    torch.manual_seed(2)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    return path
 
 
 def _config(pref: dict, name: str, *extra: str) -> list[str]:
@@ -265,3 +288,77 @@ def test_bad_preference_input_is_one_line(pref, tmp_path):
     out = paratrain_cli("train", str(config), "--nproc-per-node", "2", *sets)
     line = out.stderr.strip()
     assert out.returncode == 2 and "parallel.pp = 2" in line and "\n" not in line, out.stderr[-2000:]
+
+
+def reward_anchor(pref: dict, *, lr: float = 0.5, steps: int = 2):
+    """(losses, grad norms, model after the steps) of transformers' sequence classifier scoring
+    each side alone (its own pooling: the last token), the Bradley-Terry loss written out."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pref["tok"])
+    model = AutoModelForSequenceClassification.from_pretrained(pref["rm"], attn_implementation="sdpa")
+    with torch.no_grad():
+        scores = [[score(model, tok, row["prompt"] + row[k]) for k in ("chosen", "rejected")] for row in pref["rows"]]
+    accuracy = sum(float(c > r) for c, r in scores) / len(scores)
+    losses, norms = [], []
+    for step in range(steps):
+        terms = []
+        for row in pref["rows"][8 * step : 8 * step + 8]:
+            c, r = (score(model, tok, row["prompt"] + row[k]) for k in ("chosen", "rejected"))
+            terms.append(-F.logsigmoid(c - r))
+        loss = torch.stack(terms).mean()
+        model.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+    return losses, norms, model, accuracy
+
+
+def score(model, tok, messages: list[dict]) -> torch.Tensor:
+    ids = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    return model(input_ids=torch.tensor([ids])).logits[0, 0]
+
+
+def test_reward_model_equals_transformers_and_exports_a_classifier(pref):
+    """A reward model (model.head = 'score', loss.name = 'reward'): two SGD steps equal
+    transformers' sequence classifier on each side alone; the run's export loads back in
+    AutoModelForSequenceClassification and scores as the anchor's trained model does."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from paratrain.launch.eval_worker import eval_checkpoint
+
+    losses, norms, trained, accuracy = reward_anchor(pref)
+    reward = ("model.head='score'", "loss.name='reward'", f"model.hf='{pref['rm']}'")
+    got_losses, got_norms, _ = _run(pref, "rm1", *reward)
+    torch.testing.assert_close(got_losses, losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=0)
+    # Pairwise accuracy of the initial model over the validation pairs (paratrain eval).
+    over = [*_config(pref, "rm_eval", *reward), f"data.args={{path = '{pref['val']}', block_size = 512}}"]
+    result = eval_checkpoint(load_config(None, over), "")
+    assert result["val_reward_accuracy"] == pytest.approx(accuracy, abs=1e-9) and 0 < accuracy < 1
+    exported = AutoModelForSequenceClassification.from_pretrained(os.path.join(pref["root"], "rm1", "hf"))
+    tok = AutoTokenizer.from_pretrained(pref["tok"])
+    with torch.no_grad():
+        for row in pref["rows"][:4]:
+            messages = row["prompt"] + row["chosen"]
+            torch.testing.assert_close(score(exported, tok, messages), score(trained, tok, messages), rtol=0, atol=1e-5)
+    # World 2 with accumulation: the same numbers.
+    two = _run(pref, "rm2", *reward, "parallel.dp_replicate=2", "batch.micro_batch_size=2", world=2)
+    torch.testing.assert_close(two[0], losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], norms, rtol=1e-5, atol=0)
+
+
+def test_a_causal_lm_directory_becomes_a_reward_model(pref):
+    """A causal LM's weights have no score head: it is initialised from the seed (as transformers
+    does), the same on every rank, and trained."""
+    reward = ("model.head='score'", "loss.name='reward'", "run.steps=1")
+    one = _run(pref, "rm_lm1", *reward)
+    two = _run(pref, "rm_lm2", *reward, "parallel.dp_shard=2", world=2)
+    assert one[0][0] > 0
+    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)

@@ -146,13 +146,14 @@ def build_parallel(
 
 
 def preference_loss(cfg: Config, loss_fn: Loss) -> PreferenceLoss | None:
-    """``loss.name = 'preference'``'s objective (its reference is set once the policy is
+    """``loss.name = 'preference'``'s (or a reward model's, ``'reward'``) objective (its reference is set once the policy is
     parallelised, :func:`preference_reference`); None for any other loss. The layouts it does not
     cover yet are refused before any process starts (preflight/support.py)."""
-    if not (loss_fn.builtin and loss_fn.name == "preference"):
+    if not (loss_fn.builtin and loss_fn.name in ("preference", "reward")):
         return None
     p = cfg.preference
-    return PreferenceLoss(p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing, gamma=p.gamma)
+    loss_type = "bradley_terry" if loss_fn.name == "reward" else p.loss_type
+    return PreferenceLoss(loss_type, beta=p.beta, label_smoothing=p.label_smoothing, gamma=p.gamma)
 
 
 def reference_kind(cfg: Config) -> str:

@@ -124,6 +124,10 @@ class ModelConfig:
         "auto",
         "With hf: true loads the directory's safetensors weights (each rank reads only its shards), false initialises from run.seed, 'auto' loads them when present.",
     )
+    head: Literal["lm", "score"] = opt(
+        "lm",
+        "With hf: 'lm', the causal LM's output layer; 'score', a one-label score head as transformers' AutoModelForSequenceClassification (num_labels = 1) builds it, for a reward model (loss.name = 'reward'; docs/preference.md). A directory without its weights gets it initialised from run.seed.",
+    )
     lora: LoraConfig = opt(
         LoraConfig(),
         "[model.lora]: LoRA fine-tuning with PEFT's adapters on model.hf or the built-in GPT; the base weights are frozen (docs/lora.md).",
@@ -156,7 +160,7 @@ class DataConfig:
 class LossConfig:
     name: str = opt(
         "cross_entropy",
-        "'cross_entropy', 'mse', 'info_nce' (in-batch negatives over the global batch: docs/batch-math.md), 'preference' (DPO and its variants over pairs, [preference]: docs/preference.md), or 'package.module:function' returning (sum_of_item_losses, item_count).",
+        "'cross_entropy', 'mse', 'info_nce' (in-batch negatives over the global batch: docs/batch-math.md), 'preference' (DPO and its variants over pairs, [preference]: docs/preference.md), 'reward' (a reward model's Bradley-Terry loss over pairs, with model.head = 'score'), or 'package.module:function' returning (sum_of_item_losses, item_count).",
     )
     ignore_index: int = opt(-100, "Targets equal to this are not counted (cross_entropy and user losses).")
     over: Literal["items", "global_batch"] = opt(
@@ -701,10 +705,19 @@ def validate(cfg: Config) -> None:
     validate_lora(cfg.model.lora)
     if ":" in cfg.loss.name:
         resolve_callable(cfg.loss.name, "loss.name")
-    elif cfg.loss.name not in ("cross_entropy", "mse", "info_nce", "preference"):
+    elif cfg.loss.name not in ("cross_entropy", "mse", "info_nce", "preference", "reward"):
         raise ConfigError(
-            f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce', 'preference' or"
-            " 'package.module:function'"
+            f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce', 'preference', 'reward'"
+            " or 'package.module:function'"
+        )
+    if (cfg.loss.name == "reward") != (cfg.model.head == "score"):
+        raise ConfigError(
+            "a reward model pairs loss.name = 'reward' with model.head = 'score' (a one-label score head);"
+            f" got loss.name = {cfg.loss.name!r} and model.head = {cfg.model.head!r}: set both or neither"
+        )
+    if cfg.model.head == "score" and not cfg.model.hf:
+        raise ConfigError(
+            "model.head = 'score' builds a transformers sequence classifier; set model.hf to its directory"
         )
     validate_preference(cfg.preference)
     if cfg.batch.norm_group < 0:

@@ -52,8 +52,8 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
             f"loss.chunk_size = {cfg.chunk_size} chunks the built-in cross_entropy only, not"
             f" {'the loss passed to train()' if fn is not None else repr(cfg.name)}; set loss.chunk_size = 0"
         )
-    if cfg.name == "preference" and fn is None:  # the loss is objectives/preference.py's, over pairs
-        return Loss(_over_pairs, pair_count, "preference")
+    if cfg.name in ("preference", "reward") and fn is None:  # objectives/preference.py's, over pairs
+        return Loss(_over_pairs, pair_count, cfg.name)
     if cfg.name == "info_nce" and fn is None:
         return Loss(info_nce(cfg.temperature), rows, "info_nce", over_batch=True)
     if cfg.over == "global_batch":
@@ -93,7 +93,7 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
 
 
 def _over_pairs(output, target):
-    raise RuntimeError("loss.name = 'preference' is computed by objectives/preference.py, not as (sum, count)")
+    raise RuntimeError("a loss over pairs is computed by objectives/preference.py, not as (sum, count)")
 
 
 def pair_count(target: torch.Tensor) -> torch.Tensor:

@@ -538,6 +538,7 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
                 loss.loss(model(inputs), target)
             loss.end_micro_batch()
         pp_group = None
-    ((loss_total, returned_total),), _ = launch_totals((loss,), ctx=ctx, pp_group=pp_group).read()
+    ((loss_total, returned_total, *more),), _ = launch_totals((loss,), ctx=ctx, pp_group=pp_group).read()
     check_count(returned_total, count.items)
+    loss.eval_add([loss_total, returned_total, *more])  # its own metrics over the evaluation (eval_metrics)
     return loss_total, count.items

@@ -86,3 +86,12 @@ class Objective:
     def metrics(self, values: dict) -> dict:
         """metrics.jsonl columns from the step's ``extras``."""
         return {}
+
+    # --- 6. evaluation (the first objective only: the eval step runs the loss alone)
+
+    def eval_add(self, reduced: list[float]) -> None:
+        """After each eval step: its reduced ``sums`` (the loss sum and count first)."""
+
+    def eval_metrics(self) -> dict:
+        """After an evaluation: its values over every eval step (logged as ``val_`` + name), then forgotten."""
+        return {}

@@ -21,10 +21,12 @@ hinge            ``relu(1 - b h)``                                Zhao et al. 20
 ipo              ``(h - 1/(2 b))^2``, mean log-probabilities      Azar et al. 2023
 sigmoid_norm     sigmoid on mean log-probabilities                length-normalised DPO
 simpo            ``-logsig(b (m_c - m_r) - g)``, no reference     Meng et al. 2024
+bradley_terry    ``-logsig(r_c - r_r)``, a reward model's scores  Bradley & Terry 1952; Ouyang et al. 2022
 =============== ================================================ =======================================
 
 (``m``: a reply's mean token log-probability; ``e``: ``label_smoothing``, ``b``: ``beta``, ``g``:
-``gamma``.) The *reference* log-probabilities come from ``reference(forward, k)``, given by the
+``gamma``; ``r``: a reward model's score of the whole prompt + reply at its last token,
+``loss.name = 'reward'``, the model's output layer a one-label score head.) The *reference* log-probabilities come from ``reference(forward, k)``, given by the
 build (build.py): the same model with its LoRA adapters off, or a frozen model (the initial
 policy, another directory). They are computed in the phase before the micro-batch loop, without a
 graph, for this rank's micro-batches.
@@ -42,8 +44,26 @@ from paratrain.loss import pair_count, rows
 from paratrain.objectives.base import Objective
 
 MEAN_LOGPS = ("ipo", "sigmoid_norm", "simpo")  # these compare mean token log-probabilities
-NO_REFERENCE = ("simpo",)
+NO_REFERENCE = ("simpo", "bradley_terry")
 SUMS = ("loss", "pairs", "chosen", "rejected", "correct")
+
+
+def side_scores(scores, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reward model's ``(chosen, rejected)`` scores ``(B, 2)``: each side's score at its last
+    token, as transformers' sequence classifiers read a sequence's last non-padding token, from
+    the per-token scores ``(B, T, 1)``; and the sides' lengths (0: no such side)."""
+    if isinstance(scores, DTensor):
+        scores = scores.full_tensor()
+    scores = scores[..., 0].float()
+    side = target[:, 1]
+    where = torch.arange(side.shape[-1], device=side.device)
+    out, lengths = [], []
+    for s in (0, 1):
+        on = side == s
+        last = torch.where(on, where, -1).amax(-1).clamp(min=0)
+        out.append(scores.gather(-1, last[:, None])[:, 0])
+        lengths.append(on.sum(-1))
+    return torch.stack(out, -1), torch.stack(lengths, -1).to(torch.float32)
 
 
 def side_logps(logits, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +100,7 @@ class PreferenceLoss(Objective):
         gamma: float = 0.5,
         reference=None,
     ):
-        if loss_type not in LOSS_TYPES:
+        if loss_type not in (*LOSS_TYPES, "bradley_terry"):  # bradley_terry: loss.name = 'reward'
             raise ConfigError(f"preference.loss_type = {loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
         self.loss_type, self.beta, self.eps, self.gamma = loss_type, beta, label_smoothing, gamma
         # reference(forward, k): micro-batch k's reference output, set by the build once the
@@ -88,6 +108,7 @@ class PreferenceLoss(Objective):
         self.reference = reference
         self.scale = 1.0
         self.refs: list[torch.Tensor] = []
+        self._eval = [0.0] * 4  # pairs, chosen and rejected rewards, correct: summed over eval steps
 
     # The eval step runs before_micro_batches too: the reference is part of the loss's value.
     first_pass_in_eval = True
@@ -122,7 +143,7 @@ class PreferenceLoss(Objective):
         return logps / counts.clamp(min=1) if self.loss_type in MEAN_LOGPS else logps
 
     def loss(self, output, target) -> torch.Tensor:
-        logps, counts = side_logps(output, target)
+        logps, counts = (side_scores if self.loss_type == "bradley_terry" else side_logps)(output, target)
         policy = self._normalised(logps, counts)
         ref = self.refs[self._k] if self.uses_reference else torch.zeros_like(policy)
         self._k += 1
@@ -135,6 +156,9 @@ class PreferenceLoss(Objective):
     def pair_losses(self, policy: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-pair losses ``(B,)`` and rewards ``(B, 2)`` from the sides' log-probabilities."""
         b, e = self.beta, self.eps
+        if self.loss_type == "bradley_terry":
+            z = policy[:, 0] - policy[:, 1]
+            return -(1 - e) * F.logsigmoid(z) - e * F.logsigmoid(-z), policy
         if self.loss_type == "simpo":
             rewards = b * policy
             z = rewards[:, 0] - rewards[:, 1] - self.gamma
@@ -183,6 +207,17 @@ class PreferenceLoss(Objective):
             "reward_margin": chosen - rejected,
             "reward_accuracy": reduced[4] / n,
         }
+
+    def eval_add(self, reduced: list[float]) -> None:
+        self._eval = [a + b for a, b in zip(self._eval, reduced[1:], strict=True)]
+
+    def eval_metrics(self) -> dict:
+        """Over the whole evaluation: the mean rewards and how often the chosen one is higher
+        (a reward model's pairwise accuracy)."""
+        (n, chosen, rejected, correct), self._eval = self._eval, [0.0] * 4
+        if not n:
+            return {}
+        return {"reward_accuracy": correct / n, "reward_margin": (chosen - rejected) / n}
 
     def metrics(self, values: dict) -> dict:
         keys = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")

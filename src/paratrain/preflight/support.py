@@ -212,7 +212,7 @@ def _cp_refusal(name: str, what: str, when: Callable[[Config], bool]) -> Refusal
 
 
 def _preference(cfg: Config) -> bool:
-    return cfg.loss.name == "preference"
+    return cfg.loss.name in ("preference", "reward")
 
 
 def _preference_refusal(degree: str) -> Refusal:
@@ -220,7 +220,7 @@ def _preference_refusal(degree: str) -> Refusal:
         ("preference", degree),
         lambda c, d: _preference(c) and getattr(d, degree) > 1,
         lambda c, d: (
-            f"loss.name = 'preference' runs on DDP, FSDP2, HSDP, tensor parallel and accumulation, not with"
+            f"loss.name = {c.loss.name!r} runs on DDP, FSDP2, HSDP, tensor parallel and accumulation, not with"
             f" parallel.{degree} = {getattr(d, degree)} yet; set parallel.{degree} = 1 (docs/preference.md)"
         ),
         "a pair's loss needs its whole row and its reference on one rank: not built for this degree yet",
@@ -233,7 +233,7 @@ REFUSALS: tuple[Refusal, ...] = (
         ("preference", "noise_probe"),
         lambda c, d: _preference(c) and _noise_probe(c),
         lambda c, d: (
-            f"loss.name = 'preference' with {_probe_name(c)} is not supported: the gradient-noise probe"
+            f"loss.name = {c.loss.name!r} with {_probe_name(c)} is not supported: the gradient-noise probe"
             " runs an item loss; turn it off"
         ),
         "the gradient-noise probe splits a micro-batch's item loss, which a pair loss with its reference is not",
@@ -242,7 +242,7 @@ REFUSALS: tuple[Refusal, ...] = (
         ("preference", "auto micro-batch"),
         lambda c, d: _preference(c) and c.batch.micro_batch_size == "auto",
         lambda c, d: (
-            "loss.name = 'preference' with batch.micro_batch_size = 'auto' is not supported: the estimate"
+            f"loss.name = {c.loss.name!r} with batch.micro_batch_size = 'auto' is not supported: the estimate"
             " does not price the reference model yet; give batch.micro_batch_size as a number"
         ),
         "the memory estimate does not price the reference model yet",

@@ -36,13 +36,32 @@ def hf_weights_enabled(cfg: ModelConfig, files: dict) -> bool:
 
 def build_hf(cfg: ModelConfig) -> HFCausalLM:
     config = load_hf_config(cfg.hf, cfg.args)
-    hf_model = causal_lm_from_config(config)
+    hf_model = causal_lm_from_config(config, head=cfg.head)
     # LoRA on the transformers model itself, before the wrapper takes its modules: PEFT sees the
     # model it knows ('all-linear' leaves its output layer out) and the checkpoint's names.
     built = apply_lora(hf_model, cfg.lora) if cfg.lora.enabled else {}
     model = HFCausalLM(hf_model)
+    if model.scores:
+        built.update(new_score_head(cfg, config, model))
     model.built_tensors = built  # adapters of a meta model, by checkpoint name: load_into copies them in
     return model
+
+
+def new_score_head(cfg: ModelConfig, config, model: HFCausalLM) -> dict[str, torch.Tensor]:
+    """A score head the weights do not hold (a causal LM's directory turned reward model), made
+    as transformers initialises it (normal, std ``initializer_range``; from the seeded RNG, the
+    same on every rank), by checkpoint name for the loader; {} when the weights hold it or none
+    are read (the model is then built for real, transformers' own init)."""
+    files = weight_files(cfg.hf)
+    if not hf_weights_enabled(cfg, files) or any(k.startswith("score.") for k in files):
+        return {}
+    std = getattr(config, "initializer_range", 0.02)
+    return {
+        model.hf_name(f"lm_head.{name}"): torch.empty(p.shape, device="cpu").normal_(0.0, std)
+        if name == "weight"
+        else torch.zeros(p.shape, device="cpu")
+        for name, p in model.lm_head.named_parameters()
+    }
 
 
 def hf_spec(cfg: ModelConfig) -> ModelSpec:
@@ -53,7 +72,7 @@ def hf_spec(cfg: ModelConfig) -> ModelSpec:
     def materialize(model: nn.Module, *, device) -> int:
         # Checkpoint names that transformers converts on load (fused experts, renamed modules).
         with torch.device("meta"):
-            hf_model = causal_lm_from_config(load_hf_config(cfg.hf, cfg.args))
+            hf_model = causal_lm_from_config(load_hf_config(cfg.hf, cfg.args), head=cfg.head)
         return load_into(model, files=files, device=device, converted=converted_sources(files, hf_model))
 
     return ModelSpec(
@@ -88,8 +107,10 @@ def export_hf(state_dict: dict, *, model_cfg: ModelConfig, out_dir: str) -> None
     """Gathered weights (HFCausalLM names) of a ``model.hf`` run -> a ``from_pretrained`` directory."""
     config = load_hf_config(model_cfg.hf, model_cfg.args)
     with torch.device("meta"):
-        names = HFCausalLM(causal_lm_from_config(config))
-    save_hf(state_dict, config=config, out_dir=out_dir, source_dir=model_cfg.hf, hf_name=names.hf_name)
+        names = HFCausalLM(causal_lm_from_config(config, head=model_cfg.head))
+    save_hf(
+        state_dict, config=config, out_dir=out_dir, source_dir=model_cfg.hf, hf_name=names.hf_name, head=model_cfg.head
+    )
 
 
 __all__ = [

@@ -102,10 +102,15 @@ def read_hf_config(path: str, overrides: dict, key: str = "model.hf"):
     return config
 
 
-def causal_lm_from_config(config, key: str = "model.hf") -> nn.Module:
-    from transformers import AutoModelForCausalLM  # an optional extra: paratrain[hf]
+def causal_lm_from_config(config, key: str = "model.hf", *, head: str = "lm") -> nn.Module:
+    """transformers' model of ``config``: its causal LM, or with ``head = 'score'`` its
+    sequence classifier with one label (a reward model's score head, ``model.head``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # paratrain[hf]
 
     try:
+        if head == "score":
+            config.num_labels = 1
+            return AutoModelForSequenceClassification.from_config(config)
         return AutoModelForCausalLM.from_config(config)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
@@ -157,7 +162,11 @@ class HFCausalLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(blocks)})
         for name in self._tail_names:
             setattr(self, name, getattr(decoder, name))
-        self.lm_head = hf_model.get_output_embeddings()
+        # A sequence classifier (model.head = 'score') has a score head in place of the LM's:
+        # the per-token scores come out where the logits would (objectives/preference.py reads
+        # each sequence's last one).
+        self.scores = getattr(hf_model, "score", None) is not None and hf_model.get_output_embeddings() is None
+        self.lm_head = hf_model.score if self.scores else hf_model.get_output_embeddings()
         # The prefix of the decoder inside the HF model ("model"), for the checkpoint names.
         self._decoder_prefix = next(n for n, m in hf_model.named_modules() if m is decoder)
         self._lm_head_name = next(n for n, m in hf_model.named_modules() if m is self.lm_head)
@@ -168,7 +177,7 @@ class HFCausalLM(nn.Module):
             with torch.device("cpu"):
                 rope = type(rope)(config=config)
         self._rope = (rope,)  # a tuple: not a submodule, so no stage split drops it
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.tied = bool(getattr(config, "tie_word_embeddings", False)) and not self.scores
         # Mixture of experts (models/hf/moe.py): each router leaves its sequence-wise balance loss.
         self.n_sparse_blocks = install_router_stats(self)
         offer_expert_parallel(self)  # parallel.ep: distributed/expert_parallel.apply_ep finds it

@@ -77,7 +77,7 @@ def style_of(name: str, key: str) -> ParallelStyle:
 def hf_plan_table(model: nn.Module) -> dict[str, str]:
     """The model's own pattern -> style-name table (decoder plan + the output layer's when untied)."""
     table = dict(getattr(model.config, "base_model_tp_plan", None) or {})
-    if not model.tied:
+    if not model.tied and not model.scores:  # a one-label score head stays replicated
         table["lm_head"] = "colwise_gather_output"
     return table
 

@@ -267,13 +267,21 @@ def quiet_progress():
 
 
 def save_hf(
-    state_dict: dict[str, torch.Tensor], *, config, out_dir: str, source_dir: str, hf_name, max_shard_size: str = "2GB"
+    state_dict: dict[str, torch.Tensor],
+    *,
+    config,
+    out_dir: str,
+    source_dir: str,
+    hf_name,
+    max_shard_size: str = "2GB",
+    head: str = "lm",
 ) -> None:
-    """Write the gathered weights (wrapper names) as an HF directory that ``from_pretrained`` loads."""
-    from transformers import AutoModelForCausalLM  # an optional extra: paratrain[hf]
+    """Write the gathered weights (wrapper names) as an HF directory that ``from_pretrained`` loads
+    (``head = 'score'``: as the one-label sequence classifier a reward model is)."""
+    from paratrain.models.hf.model import causal_lm_from_config
 
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config)
+        hf = causal_lm_from_config(config, "export --hf", head=head)
     renamed = {hf_name(k): v for k, v in state_dict.items()}
     # assign=True adopts our tensors in place of the meta ones: one copy of the weights in memory.
     missing, unexpected = hf.load_state_dict(renamed, strict=False, assign=True)
