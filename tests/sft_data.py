@@ -104,7 +104,7 @@ def prompt_rows(conversations: list[dict]) -> list[dict]:
 def write_example(out: str, *, conversations: int = 200) -> None:
     """The committed example of docs/sft.md: ``out/model`` (a tiny Llama's config.json, no weights,
     and the chat tokenizer) and ``out/conversations.jsonl``. Regenerate with
-    ``python -m tests.sft_data configs/sft``."""
+    ``python -m tests.sft_data configs/sft configs/preference`` (the second: docs/preference.md's pairs)."""
     from transformers import AutoConfig
 
     model = os.path.join(out, "model")
@@ -123,7 +123,23 @@ def write_example(out: str, *, conversations: int = 200) -> None:
     write_jsonl(os.path.join(out, "conversations.jsonl"), stdlib_conversations(conversations))
 
 
+def preference_pairs(n: int, *, seed: int = 0) -> list[dict]:
+    """``n`` conversational preference rows (TRL's explicit-prompt form): the question about a
+    module, its own docstring chosen, the next module's rejected."""
+    convs = stdlib_conversations(n + 1, seed=seed)
+    rows = []
+    for here, there in zip(convs, convs[1:]):
+        user = next(m for m in here["messages"] if m["role"] == "user")
+        good = next(m for m in here["messages"] if m["role"] == "assistant")
+        bad = next(m for m in there["messages"] if m["role"] == "assistant")
+        rows.append({"prompt": [user], "chosen": [good], "rejected": [bad]})
+    return rows
+
+
 if __name__ == "__main__":
     import sys
 
     write_example(sys.argv[1])
+    if len(sys.argv) > 2:  # python -m tests.sft_data configs/sft configs/preference
+        os.makedirs(sys.argv[2], exist_ok=True)
+        write_jsonl(os.path.join(sys.argv[2], "pairs.jsonl"), preference_pairs(200))

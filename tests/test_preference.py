@@ -23,7 +23,7 @@ from paratrain.data.tokens import build_tokens
 from paratrain.objectives.preference import PreferenceLoss
 from tests.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, train_rank
 from tests.hf_models import ARCHS, save_tiny
-from tests.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
+from tests.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
 
 pytest.importorskip("transformers")
 
@@ -31,24 +31,11 @@ SGD = [*plain_sgd(0.5), "run.progress=false", "metrics.plot=false", "data.shuffl
 PAIRS = 16
 
 
-def pair_rows(n: int) -> list[dict]:
-    """Conversational pairs with an explicit prompt: a module's docstring chosen, another
-    module's rejected."""
-    convs = stdlib_conversations(n + 1)
-    rows = []
-    for i in range(n):
-        user = next(m for m in convs[i]["messages"] if m["role"] == "user")
-        good = next(m for m in convs[i]["messages"] if m["role"] == "assistant")
-        bad = next(m for m in convs[i + 1]["messages"] if m["role"] == "assistant")
-        rows.append({"prompt": [user], "chosen": [good], "rejected": [bad]})
-    return rows
-
-
 @pytest.fixture(scope="module")
 def pref(tmp_path_factory):
     root = tmp_path_factory.mktemp("pref")
     tok = save_chat_tokenizer(str(root / "tok"))
-    rows = pair_rows(PAIRS)
+    rows = preference_pairs(PAIRS)
     data = write_jsonl(str(root / "pairs.jsonl"), rows)
     policy = save_tiny("qwen2", str(root / "policy"), vocab_size=VOCAB, max_position_embeddings=512, seed=0)
     ref = save_tiny("qwen2", str(root / "ref"), vocab_size=VOCAB, max_position_embeddings=512, seed=1)

@@ -32,7 +32,7 @@ from paratrain.models.batch_norm import NormLayout, check_groups, convert_batch_
 from paratrain.models.hf.model import check_hf_dir
 from paratrain.models.lora import adapters_disabled
 from paratrain.models.spec import ModelSpec
-from paratrain.objectives import PreferenceLoss, build_objectives
+from paratrain.objectives import DistillLoss, PreferenceLoss, build_objectives
 from paratrain.precision import Precision
 from paratrain.randomness import draws_in_forward, has_dropout, site_names
 from paratrain.step import StepContext, to_device
@@ -90,10 +90,11 @@ def build_parallel(
     check_batch_math(cfg, dims, model, loss_fn, keyed=keyed)
     norm = batch_norm_layout(cfg, dims, model) if batch_norm_groups else None
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
-    preference = preference_loss(cfg, loss_fn)
+    own = own_loss(cfg, loss_fn)
     # The initial policy as a preference loss's reference: the model as built, before any
     # parallelism (on the meta device when its weights arrive later: they are read for it too).
-    initial = copy.deepcopy(model) if preference is not None and reference_kind(cfg) == "initial" else None
+    needs_initial = isinstance(own, PreferenceLoss) and own.uses_reference and reference_kind(cfg) == "initial"
+    initial = copy.deepcopy(model) if needs_initial else None
     objectives = build_objectives(
         loss_fn,
         model,
@@ -104,7 +105,7 @@ def build_parallel(
         dp_rank=dims.local_rank_in("dp"),
         dp=dims.dp,
         dp_group=dims.group("dp"),
-        preference=preference,
+        own=own,
     )
     model = parallelize(
         model,
@@ -121,8 +122,10 @@ def build_parallel(
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
     for objective in objectives:  # a pipeline rank holds some of the model's modules
         objective.bind(model)
-    if preference is not None and preference.uses_reference:
-        preference.reference = preference_reference(cfg, dims, model, initial, spec=spec, device=device)
+    if isinstance(own, PreferenceLoss) and own.uses_reference:
+        own.reference = preference_reference(cfg, dims, model, initial, spec=spec, device=device)
+    if isinstance(own, DistillLoss):
+        own.teacher = distill_teacher(cfg, dims, device=device)
     step_ctx = StepContext(
         objectives=objectives,
         device=device,
@@ -145,15 +148,38 @@ def build_parallel(
     return model, step_ctx, compression
 
 
-def preference_loss(cfg: Config, loss_fn: Loss) -> PreferenceLoss | None:
-    """``loss.name = 'preference'``'s (or a reward model's, ``'reward'``) objective (its reference is set once the policy is
-    parallelised, :func:`preference_reference`); None for any other loss. The layouts it does not
+def own_loss(cfg: Config, loss_fn: Loss) -> PreferenceLoss | DistillLoss | None:
+    """A loss that is its own objective with a second model, which is set once the model is
+    parallelised: ``loss.name = 'preference'`` or ``'reward'`` (:func:`preference_reference`),
+    ``'distill'`` (:func:`distill_teacher`); None for any other loss. The layouts they do not
     cover yet are refused before any process starts (preflight/support.py)."""
-    if not (loss_fn.builtin and loss_fn.name in ("preference", "reward")):
+    if not loss_fn.builtin or loss_fn.name not in ("preference", "reward", "distill"):
         return None
+    if loss_fn.name == "distill":
+        d = cfg.distill
+        return DistillLoss(
+            kind=d.divergence, temperature=d.temperature, beta=d.beta, top_k=d.top_k, ignore_index=cfg.loss.ignore_index
+        )
     p = cfg.preference
     loss_type = "bradley_terry" if loss_fn.name == "reward" else p.loss_type
     return PreferenceLoss(loss_type, beta=p.beta, label_smoothing=p.label_smoothing, gamma=p.gamma)
+
+
+def distill_teacher(cfg: Config, dims: ParallelDims, *, device):
+    """``teacher(forward, k)`` for objectives/distill.py: micro-batch ``k``'s logits from the
+    frozen teacher (``distill.teacher``), laid out like the student."""
+    teacher, spec = frozen_model(cfg, cfg.distill.teacher, "distill.teacher")
+    teacher = frozen_like_policy(cfg, dims, teacher, spec=spec, device=device)
+    log.info("distill: teacher %s (%s), frozen, laid out like the student", cfg.distill.teacher, cfg.distill.divergence)
+    return lambda forward, k: forward(k, teacher)
+
+
+def frozen_model(cfg: Config, path: str, key: str) -> tuple[nn.Module, ModelSpec]:
+    """The transformers causal LM of ``path`` with its weights (no adapters), built as the run's
+    model is (``model.args`` overrides included), for a reference or a teacher."""
+    check_hf_dir(path, key)
+    lora_off = dataclasses.replace(cfg.model.lora, target_modules=[])
+    return build(dataclasses.replace(cfg.model, hf=path, hf_weights=True, lora=lora_off, head="lm"))
 
 
 def reference_kind(cfg: Config) -> str:
@@ -183,9 +209,7 @@ def preference_reference(
     if kind == "initial":
         reference = initial
     else:
-        check_hf_dir(kind, "preference.reference")
-        lora_off = dataclasses.replace(cfg.model.lora, target_modules=[])
-        reference, spec = build(dataclasses.replace(cfg.model, hf=kind, hf_weights=True, lora=lora_off))
+        reference, spec = frozen_model(cfg, kind, "preference.reference")
     reference = frozen_like_policy(cfg, dims, reference, spec=spec, device=device)
     log.info("preference: reference %s, frozen, laid out like the policy", kind)
     return lambda forward, k: forward(k, reference)

@@ -371,8 +371,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         if meta["loss_mask"]
         else ""
     )
+    docs = train["documents"] + val["documents"]
+    what = f"{docs // 2} pairs ({docs} documents)" if meta["document_format"] == "preference" else f"{docs} documents"
     print(
-        f"prepared {train['documents'] + val['documents']} documents ({meta['document_format']},"
+        f"prepared {what} ({meta['document_format']},"
         f" {meta['text_bytes'] / 1e6:.1f} MB of text): train {train['tokens']} tokens, val {val['tokens']} tokens{chat},"
         f" vocab {meta['vocab_size']} ({meta['dtype']}), EOS {meta['eos_id']} -> {args.out}"
     )

@@ -160,7 +160,7 @@ class DataConfig:
 class LossConfig:
     name: str = opt(
         "cross_entropy",
-        "'cross_entropy', 'mse', 'info_nce' (in-batch negatives over the global batch: docs/batch-math.md), 'preference' (DPO and its variants over pairs, [preference]: docs/preference.md), 'reward' (a reward model's Bradley-Terry loss over pairs, with model.head = 'score'), or 'package.module:function' returning (sum_of_item_losses, item_count).",
+        "'cross_entropy', 'mse', 'info_nce' (in-batch negatives over the global batch: docs/batch-math.md), 'preference' (DPO and its variants over pairs, [preference]: docs/preference.md), 'reward' (a reward model's Bradley-Terry loss over pairs, with model.head = 'score'), 'distill' (a student against a frozen teacher, [distill]), or 'package.module:function' returning (sum_of_item_losses, item_count).",
     )
     ignore_index: int = opt(-100, "Targets equal to this are not counted (cross_entropy and user losses).")
     over: Literal["items", "global_batch"] = opt(
@@ -193,6 +193,23 @@ class PreferenceConfig:
     reference: str = opt(
         "",
         "The reference model: 'adapters_off' (the policy with its LoRA adapters off), 'initial' (a frozen copy of the model as built, model.hf's weights), or a transformers model directory; '' = adapters_off with LoRA, else initial.",
+    )
+
+
+@dataclass
+class DistillConfig:
+    teacher: str = opt(
+        "",
+        "With loss.name = 'distill': the frozen teacher, a transformers model directory of the student's vocabulary.",
+    )
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = opt(
+        "forward_kl",
+        "Per target token: 'forward_kl' KL(teacher || student), 'reverse_kl' KL(student || teacher), or 'jsd' (the generalised Jensen-Shannon divergence of GKD, weighted by beta); docs/preference.md#distillation.",
+    )
+    temperature: float = opt(1.0, "Both models' logits are divided by it before the softmax.")
+    beta: float = opt(0.5, "'jsd''s weight of the teacher in the mixture, in (0, 1).")
+    top_k: int = opt(
+        0, "> 0: the divergence over the teacher's k most likely tokens (renormalised); 0: the whole vocabulary."
     )
 
 
@@ -477,6 +494,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -705,11 +723,12 @@ def validate(cfg: Config) -> None:
     validate_lora(cfg.model.lora)
     if ":" in cfg.loss.name:
         resolve_callable(cfg.loss.name, "loss.name")
-    elif cfg.loss.name not in ("cross_entropy", "mse", "info_nce", "preference", "reward"):
+    elif cfg.loss.name not in ("cross_entropy", "mse", "info_nce", "preference", "reward", "distill"):
         raise ConfigError(
-            f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce', 'preference', 'reward'"
-            " or 'package.module:function'"
+            f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce', 'preference', 'reward',"
+            " 'distill' or 'package.module:function'"
         )
+    validate_distill(cfg)
     if (cfg.loss.name == "reward") != (cfg.model.head == "score"):
         raise ConfigError(
             "a reward model pairs loss.name = 'reward' with model.head = 'score' (a one-label score head);"
@@ -724,6 +743,21 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"batch.norm_group = {cfg.batch.norm_group} must be >= 0 (0: torch's own BatchNorm)")
     if cfg.loss.temperature <= 0:
         raise ConfigError(f"loss.temperature = {cfg.loss.temperature} must be > 0")
+
+
+def validate_distill(cfg: Config) -> None:
+    """[distill]'s single values (the teacher directory is read when it is built, build.py)."""
+    d = cfg.distill
+    if cfg.loss.name == "distill" and not d.teacher:
+        raise ConfigError(
+            "loss.name = 'distill' needs a teacher: set distill.teacher to a transformers model directory"
+        )
+    if d.temperature <= 0:
+        raise ConfigError(f"distill.temperature = {d.temperature} must be > 0 (1: the models' own distributions)")
+    if not 0 < d.beta < 1:
+        raise ConfigError(f"distill.beta = {d.beta} must be within (0, 1)")
+    if d.top_k < 0:
+        raise ConfigError(f"distill.top_k = {d.top_k} must be >= 0 (0: the whole vocabulary)")
 
 
 def validate_preference(p: PreferenceConfig) -> None:

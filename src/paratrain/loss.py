@@ -53,7 +53,9 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
             f" {'the loss passed to train()' if fn is not None else repr(cfg.name)}; set loss.chunk_size = 0"
         )
     if cfg.name in ("preference", "reward") and fn is None:  # objectives/preference.py's, over pairs
-        return Loss(_over_pairs, pair_count, cfg.name)
+        return Loss(_its_objectives, pair_count, cfg.name)
+    if cfg.name == "distill" and fn is None:  # objectives/distill.py's, over target tokens
+        return Loss(_its_objectives, count_not_ignored, "distill")
     if cfg.name == "info_nce" and fn is None:
         return Loss(info_nce(cfg.temperature), rows, "info_nce", over_batch=True)
     if cfg.over == "global_batch":
@@ -92,8 +94,8 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
     )
 
 
-def _over_pairs(output, target):
-    raise RuntimeError("a loss over pairs is computed by objectives/preference.py, not as (sum, count)")
+def _its_objectives(output, target):
+    raise RuntimeError("this loss is its objective's (objectives/preference.py, distill.py), not a (sum, count)")
 
 
 def pair_count(target: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,8 @@ keys (``StepContext.draw_sites``, paratrain/randomness.py), whatever the objecti
 the whole global batch (objectives/batch_loss.py, the gradient cache) and BatchNorm's running
 statistics over fixed groups (objectives/batch_norm.py) and the preference losses over pairs
 (objectives/preference.py: a pair per row, the reference's log-probabilities in
-``before_micro_batches``) are built. Where the next ones plug in
+``before_micro_batches``) and distillation (objectives/distill.py: the teacher's forward per
+micro-batch) are built. Where the next ones plug in
 (not built yet; docs/structure.md):
 
 - GRPO: unit = a group of completions of one prompt; ``before_micro_batches`` is the generation
@@ -60,6 +61,7 @@ from paratrain.loss import Loss
 from paratrain.objectives.base import Objective
 from paratrain.objectives.batch_loss import BatchLoss
 from paratrain.objectives.batch_norm import NormStatistics
+from paratrain.objectives.distill import DistillLoss
 from paratrain.objectives.items import ItemLoss
 from paratrain.objectives.moe import BalanceLoss
 from paratrain.objectives.preference import PreferenceLoss
@@ -76,7 +78,7 @@ def build_objectives(
     dp_rank: int = 0,
     dp: int = 1,
     dp_group=None,
-    preference: Objective | None = None,
+    own: Objective | None = None,
 ) -> tuple:
     """A run's objectives: the loss (the built-in token or item loss, a user's ``(sum, count)``
     loss or the chunked cross-entropy, :class:`ItemLoss`; a loss over the whole global batch,
@@ -84,10 +86,11 @@ def build_objectives(
     layers (:class:`BalanceLoss`, built from the whole model, before any parallelism: under
     ``pipeline`` a stage holds some of its layers, and the stages' layers are bound after the
     split, ``BalanceLoss.bind``), then BatchNorm's running statistics when ``norm`` (the model's
-    BatchNorm groups, models/batch_norm.py) is given (:class:`NormStatistics`). ``preference``:
-    the loss over pairs (:class:`PreferenceLoss`, built with its reference by build.py)."""
-    if preference is not None:
-        first = preference
+    BatchNorm groups, models/batch_norm.py) is given (:class:`NormStatistics`). ``own``: a loss
+    that is its own objective, built with its second model by build.py (:class:`PreferenceLoss`
+    over pairs with its reference, :class:`DistillLoss` with its teacher)."""
+    if own is not None:
+        first = own
     elif loss_fn.over_batch:
         group = norm.group if norm is not None else 0
         first = BatchLoss(loss_fn, positions=positions, dp_rank=dp_rank, dp=dp, dp_group=dp_group, norm_group=group)
@@ -102,4 +105,13 @@ def build_objectives(
     return tuple(objectives)
 
 
-__all__ = ["BalanceLoss", "BatchLoss", "ItemLoss", "NormStatistics", "Objective", "PreferenceLoss", "build_objectives"]
+__all__ = [
+    "BalanceLoss",
+    "BatchLoss",
+    "DistillLoss",
+    "ItemLoss",
+    "NormStatistics",
+    "Objective",
+    "PreferenceLoss",
+    "build_objectives",
+]

@@ -212,7 +212,8 @@ def _cp_refusal(name: str, what: str, when: Callable[[Config], bool]) -> Refusal
 
 
 def _preference(cfg: Config) -> bool:
-    return cfg.loss.name in ("preference", "reward")
+    """A loss with a second model (a reference, a teacher): objectives/preference.py, distill.py."""
+    return cfg.loss.name in ("preference", "reward", "distill")
 
 
 def _preference_refusal(degree: str) -> Refusal:
@@ -223,7 +224,7 @@ def _preference_refusal(degree: str) -> Refusal:
             f"loss.name = {c.loss.name!r} runs on DDP, FSDP2, HSDP, tensor parallel and accumulation, not with"
             f" parallel.{degree} = {getattr(d, degree)} yet; set parallel.{degree} = 1 (docs/preference.md)"
         ),
-        "a pair's loss needs its whole row and its reference on one rank: not built for this degree yet",
+        "a pair's loss, or a teacher's distribution, with its second model: not built for this degree yet",
     )
 
 
@@ -236,7 +237,7 @@ REFUSALS: tuple[Refusal, ...] = (
             f"loss.name = {c.loss.name!r} with {_probe_name(c)} is not supported: the gradient-noise probe"
             " runs an item loss; turn it off"
         ),
-        "the gradient-noise probe splits a micro-batch's item loss, which a pair loss with its reference is not",
+        "the gradient-noise probe splits a micro-batch's item loss; these losses run a second model",
     ),
     Refusal(
         ("preference", "auto micro-batch"),

@@ -1,0 +1,132 @@
+"""Knowledge distillation (docs/preference.md#distillation): a student matches a frozen teacher's
+next-token distribution on every target token, ``sum over the global batch's target tokens of a
+divergence / their global count`` (loss.name = 'distill', [distill]).
+
+The unit is the target token (a token not equal to ``loss.ignore_index``: an SFT corpus's
+assistant tokens, every token of a text corpus), counted over the whole global batch before the
+first backward like the cross-entropy's: micro-batching and world size never change the loss. (A
+mean per micro-batch, rescaled by the accumulation, does: verl#7200.)
+
+With ``p`` the teacher's and ``q`` the student's distributions at temperature ``t``
+(``softmax(logits / t)``):
+
+- ``forward_kl``: ``KL(p || q) = sum p (log p - log q)`` (Hinton et al. 2015; the teacher's mass
+  the student misses costs most);
+- ``reverse_kl``: ``KL(q || p)`` (mode-seeking; Gu et al. 2024, MiniLLM);
+- ``jsd``: the generalised Jensen-Shannon divergence of Agarwal et al. 2024 (GKD), ``b KL(p || m)
+  + (1 - b) KL(q || m)`` with ``m = b p + (1 - b) q`` (``beta``; TRL's GKD weighs it so too).
+
+``top_k > 0``: the teacher's distribution is its ``k`` most likely tokens, renormalised, and the
+divergence is taken over them (the student's log-probabilities still from its whole softmax): what
+a teacher's stored top-k logits allow. The divergence is not multiplied by ``t^2``.
+
+The teacher runs in the step, micro-batch by micro-batch, without a graph, laid out like the
+student (build.py frozen_like_policy: FSDP2 shards it, tensor parallel splits it), so a teacher
+larger than one device fits. Each divergence is computed over chunks of positions in float32,
+recomputed in the backward (torch.utils.checkpoint), so no ``[tokens, vocab]`` float32 tensor
+is held for either model beyond the logits the models return.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from paratrain.objectives.base import Objective
+from paratrain.objectives.items import check_count
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+CHUNK = 1024  # positions per float32 chunk
+
+
+def divergence(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    *,
+    kind: str,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+    top_k: int = 0,
+) -> torch.Tensor:
+    """Per-position divergence ``(N,)`` of logits ``(N, V)`` (float32 inside)."""
+    s = (student.float() / temperature).log_softmax(-1)
+    t = (teacher.float() / temperature).log_softmax(-1)
+    if top_k:
+        t, picked = t.topk(top_k, dim=-1)
+        t = t.log_softmax(-1)  # renormalised over the teacher's top k
+        s = s.gather(-1, picked)
+    if kind == "forward_kl":
+        return (t.exp() * (t - s)).sum(-1)
+    if kind == "reverse_kl":
+        return (s.exp() * (s - t)).sum(-1)
+    m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1 - beta)]), 0)
+    return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+
+
+class DistillLoss(Objective):
+    """``sum over target tokens of divergence(teacher, student) / global target-token count``;
+    logs the student's own cross-entropy on the targets too (``student_ce``)."""
+
+    name = "loss"
+    unit = "target token"
+    first_pass_in_eval = True  # the eval step gets the teacher's forward too
+
+    def __init__(self, *, kind: str, temperature: float, beta: float, top_k: int, ignore_index: int = -100):
+        self.kind, self.temperature, self.beta, self.top_k = kind, temperature, beta, top_k
+        self.ignore_index = ignore_index
+        self.teacher = None  # teacher(forward, k): micro-batch k's teacher logits; set by the build
+        self.scale = 1.0
+
+    def count(self, inputs, target) -> torch.Tensor:
+        return (target != self.ignore_index).sum()
+
+    def start(self, *, scale: float, device: torch.device) -> None:
+        self.scale, self.device = scale, device
+        self.totals = torch.zeros(3, device=device, dtype=torch.float64)
+        self._forward, self._k, self._last = None, 0, None
+
+    def before_micro_batches(self, model, batches, *, forward=None) -> None:
+        if self.teacher is None:
+            raise RuntimeError("the distillation loss's teacher was never set (build.py)")
+        self._forward = forward  # the teacher runs per micro-batch, in loss(): one logits tensor at a time
+
+    def loss(self, output, target) -> torch.Tensor:
+        teacher = self.teacher(self._forward, self._k)
+        self._k += 1
+        student = output.full_tensor() if isinstance(output, DTensor) else output
+        teacher = teacher.full_tensor() if isinstance(teacher, DTensor) else teacher
+        keep = (target != self.ignore_index).reshape(-1)
+        rows = keep.nonzero()[:, 0]
+        s = student.reshape(-1, student.shape[-1])[rows]
+        t = teacher.reshape(-1, teacher.shape[-1])[rows].detach()
+        parts = [
+            checkpoint(self._chunk, s[i : i + CHUNK], t[i : i + CHUNK], use_reentrant=False)
+            for i in range(0, len(rows), CHUNK)
+        ]
+        total = torch.stack([p.sum() for p in parts]).sum() if parts else s.sum() * 0
+        with torch.no_grad():
+            ce = F.cross_entropy(s.float(), target.reshape(-1)[rows], reduction="sum") if len(rows) else total * 0
+        self._last = (total.detach(), len(rows), ce)
+        return total * self.scale
+
+    def _chunk(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return divergence(s, t, kind=self.kind, temperature=self.temperature, beta=self.beta, top_k=self.top_k)
+
+    def end_micro_batch(self) -> None:
+        total, n, ce = self._last
+        self._last = None
+        self.totals += torch.stack([total.double(), torch.tensor(float(n), device=self.device).double(), ce.double()])
+
+    def sums(self) -> torch.Tensor:
+        return self.totals
+
+    def read(self, reduced: list[float], *, units: int) -> dict:
+        check_count(reduced[1], units)
+        return {"loss": reduced[0] / units, "student_ce": reduced[2] / units}
+
+    def metrics(self, values: dict) -> dict:
+        return {"student_ce": values["student_ce"]} if "student_ce" in values else {}

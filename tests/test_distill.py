@@ -1,0 +1,169 @@
+"""Knowledge distillation (docs/preference.md#distillation): a student against a frozen teacher,
+per target token over the global token count, exact on every layout.
+
+The anchor is plain ``transformers``: the student and a teacher of another architecture and size
+on **each conversation alone**, the divergence over the assistant tokens written out here; two
+plain-SGD steps of paratrain (loss and ``grad_norm``) must equal it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.config import load_config
+from paratrain.data.prepare import prepare
+from paratrain.data.tokens import build_tokens
+from paratrain.objectives.distill import divergence
+from tests.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
+from tests.hf_models import save_tiny
+from tests.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
+
+pytest.importorskip("transformers")
+
+SGD = [*plain_sgd(0.5), "run.progress=false", "metrics.plot=false", "data.shuffle=false"]
+
+
+@pytest.fixture(scope="module")
+def kd(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kd")
+    tok = save_chat_tokenizer(str(root / "tok"))
+    convs = stdlib_conversations(12)
+    chat = write_jsonl(str(root / "chat.jsonl"), convs)
+    student = save_tiny("qwen2", str(root / "student"), vocab_size=VOCAB, max_position_embeddings=512, seed=0)
+    teacher = save_tiny(
+        "llama",
+        str(root / "teacher"),
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        hidden_size=64,
+        intermediate_size=128,
+        seed=3,
+    )
+    corpus = str(root / "corpus")
+    prepare([chat], out_dir=corpus, tokenizer=tok, fmt="chat", val_fraction=0, progress=False)
+    rows = len(build_tokens(corpus, block_size=512))
+    return {"root": str(root), "tok": tok, "convs": convs, "student": student, "teacher": teacher, "corpus": corpus,
+            "rows": rows}  # fmt: skip
+
+
+def _config(kd: dict, name: str, *extra: str) -> list[str]:
+    return [
+        f"model.hf='{kd['student']}'",
+        "data.name='tokens'",
+        f"data.args={{path = '{kd['corpus']}', block_size = 512}}",
+        "loss.name='distill'",
+        f"distill.teacher='{kd['teacher']}'",
+        f"run.out_dir='{kd['root']}/{name}'",
+        f"batch.global_batch_size={kd['rows']}",
+        "run.steps=2",
+        *SGD,
+        *extra,
+    ]
+
+
+def anchor(kd: dict, kind: str, *, temperature: float = 1.0, lr: float = 0.5, steps: int = 2):
+    """Each step over every conversation (one global batch of all rows), the divergence per
+    assistant token written out on transformers' own logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(kd["tok"])
+    student = AutoModelForCausalLM.from_pretrained(kd["student"], attn_implementation="sdpa")
+    teacher = AutoModelForCausalLM.from_pretrained(kd["teacher"], attn_implementation="sdpa")
+    losses, norms = [], []
+    for _ in range(steps):
+        total, count = [], 0
+        for c in kd["convs"]:
+            out = tok.apply_chat_template(
+                c["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids = torch.tensor([out["input_ids"]])
+            mask = torch.tensor(out["assistant_masks"])[1:].bool()
+            s = student(input_ids=ids).logits[0, :-1][mask].float() / temperature
+            with torch.no_grad():
+                t = teacher(input_ids=ids).logits[0, :-1][mask].float() / temperature
+            p_log, q_log = t.log_softmax(-1), s.log_softmax(-1)
+            if kind == "forward_kl":
+                per = (p_log.exp() * (p_log - q_log)).sum(-1)
+            else:  # reverse_kl
+                per = (q_log.exp() * (q_log - p_log)).sum(-1)
+            total.append(per.sum())
+            count += int(mask.sum())
+        loss = torch.stack(total).sum() / count
+        student.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in student.parameters() if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            for p in student.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+    return losses, norms
+
+
+def _run(kd: dict, name: str, *extra: str, world: int = 1):
+    over = _config(kd, name, *extra)
+    if world == 1:
+        paratrain.train(load_config(None, over))
+    else:
+        run_ranks(train_rank, world, over)
+    rows = read_metrics(os.path.join(kd["root"], name))
+    return [r["loss"] for r in rows], [r["grad_norm"] for r in rows], rows
+
+
+def test_forward_kl_equals_transformers_on_each_conversation_alone(kd):
+    losses, norms = anchor(kd, "forward_kl")
+    got_losses, got_norms, rows = _run(kd, "fkl")
+    torch.testing.assert_close(got_losses, losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=0)
+    assert rows[0]["student_ce"] > 0
+
+
+@pytest.mark.slow
+def test_reverse_kl_with_temperature_equals_transformers(kd):
+    losses, norms = anchor(kd, "reverse_kl", temperature=2.0)
+    got_losses, got_norms, _ = _run(kd, "rkl", "distill.divergence='reverse_kl'", "distill.temperature=2.0")
+    torch.testing.assert_close(got_losses, losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=0)
+
+
+def test_two_ranks_with_accumulation_give_the_one_process_numbers(kd):
+    one = _run(kd, "one", "distill.divergence='jsd'")
+    two = _run(kd, "two", "distill.divergence='jsd'", "parallel.dp_replicate=2", "batch.micro_batch_size=1", world=2)
+    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout", [("parallel.dp_shard=2", "parallel.tp=2"), ("parallel.dp_shard=4",)], ids=["fsdp2_tp2", "fsdp4"]
+)
+def test_sharded_student_and_teacher_give_the_one_process_numbers(kd, layout):
+    one = _run(kd, "s_one", "distill.top_k=8")
+    four = _run(kd, "s_" + "_".join(x[9:].replace("=", "") for x in layout), "distill.top_k=8", *layout, world=4)
+    torch.testing.assert_close(four[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(four[1], one[1], rtol=1e-4, atol=0)
+
+
+def test_divergences_are_the_written_out_formulas():
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(5, 11, generator=g, dtype=torch.float64), torch.randn(5, 11, generator=g, dtype=torch.float64)
+    p, q = t.softmax(-1), s.softmax(-1)
+    kl = lambda a, b: (a * (a.log() - b.log())).sum(-1)  # noqa: E731
+    torch.testing.assert_close(divergence(s, t, kind="forward_kl").double(), kl(p, q), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(divergence(s, t, kind="reverse_kl").double(), kl(q, p), rtol=1e-5, atol=1e-6)
+    m = 0.3 * p + 0.7 * q
+    jsd = 0.3 * kl(p, m) + 0.7 * kl(q, m)
+    torch.testing.assert_close(divergence(s, t, kind="jsd", beta=0.3).double(), jsd, rtol=1e-5, atol=1e-6)
+    # top-k: the teacher's k most likely tokens, renormalised; the student's log-probabilities at them.
+    top = t.topk(3, -1).indices
+    pk = t.gather(-1, top).softmax(-1)
+    want = (pk * (pk.log() - q.gather(-1, top).log())).sum(-1)
+    torch.testing.assert_close(divergence(s, t, kind="forward_kl", top_k=3).double(), want, rtol=1e-5, atol=1e-6)
+    # The same distributions: zero.
+    assert divergence(s, s, kind="jsd").abs().max() < 1e-6 and math.isfinite(float(divergence(s, t, kind="jsd")[0]))
