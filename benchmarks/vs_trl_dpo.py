@@ -1,8 +1,8 @@
 """paratrain's DPO against TRL's ``DPOTrainer``: the same tiny Qwen2 policy and a differing reference
 model, the same preference pairs, the same global batch, world 2 on CPU (gloo, torchrun).
 
-Data: conversational pairs made like ``tests/test_preference.py: pair_rows`` (a user asks what a
-standard-library module is for; chosen: its docstring, rejected: the next module's), the ChatML
+Data: the conversational pairs of ``tests/sft_data.py: preference_pairs`` (TRL's explicit-prompt
+form; a user asks what a standard-library module is for, chosen: its docstring), the ChatML
 tokenizer with ``{% generation %}`` spans (``tests/sft_data.py``), a random Qwen2 policy (seed 0)
 and a random Qwen2 reference of the same shape (seed 1, so the loss is not log 2)
 (``tests/hf_models.py``). Both tools: DPO ``sigmoid``, beta 0.1, the reference a separate frozen
@@ -48,7 +48,7 @@ after ``<|im_end|>``, one token per side more than the assistant mask. paratrain
 first, TRL the second (measured on the test fixture: TRL is 2.5e-5 above the assistant-mask loss
 and within 1e-7 of the adjusted one).
 
-    python benchmarks/vs_trl_dpo.py                # 5 rounds of 10 steps, then the loss check
+    python benchmarks/vs_trl_dpo.py                # 6 rounds of 10 steps, then the loss check
     python benchmarks/vs_trl_dpo.py --quick        # 1 round of 4 steps and the check, no JSON
 
 Needs ``pip install trl`` (1.16 was measured) in the same environment.
@@ -79,20 +79,6 @@ def steady(stamps: list[float]) -> float:
     """Median of the step times (differences of consecutive step-end stamps) after the first WARMUP steps."""
     diffs = [b - a for a, b in zip(stamps, stamps[1:])]  # diffs[i] is step i + 2 (1-based)
     return statistics.median(diffs[WARMUP - 1 :])
-
-
-def pair_rows(n: int) -> list[dict]:
-    """``n`` conversational pairs, as ``tests/test_preference.py: pair_rows`` makes them."""
-    from tests.sft_data import stdlib_conversations
-
-    convs = stdlib_conversations(n + 1)
-    rows = []
-    for i in range(n):
-        user = next(m for m in convs[i]["messages"] if m["role"] == "user")
-        good = next(m for m in convs[i]["messages"] if m["role"] == "assistant")
-        bad = next(m for m in convs[i + 1]["messages"] if m["role"] == "assistant")
-        rows.append({"prompt": [user], "chosen": [good], "rejected": [bad]})
-    return rows
 
 
 # ----------------------------------------------------------------------------- TRL worker
@@ -178,7 +164,9 @@ def trl_worker(args) -> None:
     if world != 2 or dist.get_backend() != "gloo" or a.world_size != 2:
         raise SystemExit(f"TRL joined a world of {world} ({a.world_size}), not 2 on gloo: void")
     if a.per_device_train_batch_size != micro or a.gradient_accumulation_steps != accum:
-        raise SystemExit(f"TRL runs micro {a.per_device_train_batch_size} x accum {a.gradient_accumulation_steps}: void")
+        raise SystemExit(
+            f"TRL runs micro {a.per_device_train_batch_size} x accum {a.gradient_accumulation_steps}: void"
+        )
     trainer.train()
     everyone = [None, None]
     dist.all_gather_object(everyone, timer.steps)
@@ -283,11 +271,11 @@ def build(tmp: str, args, env: dict) -> dict:
     from transformers.utils import logging
 
     from tests.hf_models import save_tiny
-    from tests.sft_data import VOCAB, save_chat_tokenizer, write_jsonl
+    from tests.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
 
     logging.disable_progress_bar()
     paths = {"tok": save_chat_tokenizer(os.path.join(tmp, "tok"))}
-    rows = pair_rows(args.pairs)
+    rows = preference_pairs(args.pairs)
     h = args.hidden
     shape = dict(vocab_size=VOCAB, hidden_size=h, intermediate_size=4 * h, num_hidden_layers=args.layers)
     for name, seed in (("policy", 0), ("ref", 1)):
@@ -295,7 +283,9 @@ def build(tmp: str, args, env: dict) -> dict:
     tok = AutoTokenizer.from_pretrained(paths["tok"])
     longest = 0
     for r in rows:
-        sides = [tok.apply_chat_template(r["prompt"] + r[k], tokenize=True, return_dict=True) for k in ("chosen", "rejected")]
+        sides = [
+            tok.apply_chat_template(r["prompt"] + r[k], tokenize=True, return_dict=True) for k in ("chosen", "rejected")
+        ]
         longest = max(longest, sum(len(s["input_ids"]) for s in sides))
     paths["block"] = 64 * math.ceil(longest / 64)
     paths["longest"] = longest
@@ -334,7 +324,9 @@ def reference(paths: dict) -> dict:
                     row["prompt"] + row[k], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
                 )
                 ids = torch.tensor([out["input_ids"]])
-                prompt = tok.apply_chat_template(row["prompt"], tokenize=True, return_dict=True, add_generation_prompt=True)
+                prompt = tok.apply_chat_template(
+                    row["prompt"], tokenize=True, return_dict=True, add_generation_prompt=True
+                )
                 start = len(prompt["input_ids"])
                 masks = {
                     "assistant_mask": torch.tensor(out["assistant_masks"])[1:].bool(),
@@ -380,12 +372,12 @@ def main() -> None:
         epilog="\n".join(line.strip() for line in __doc__.splitlines() if line.startswith("    python ")),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--rounds", type=int, default=5, help="paired rounds (paratrain and TRL once each)")
+    p.add_argument("--rounds", type=int, default=6, help="paired rounds (paratrain and TRL once each)")
     p.add_argument("--steps", type=int, default=10, help=f"optimiser steps per run; the first {WARMUP} are warm-up")
     p.add_argument("--batch", type=int, default=16, help="global batch, in pairs")
     p.add_argument("--micro", type=int, default=4, help="pairs per micro-batch per process")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant, no warmup)")
-    p.add_argument("--pairs", type=int, default=64, help="distinct preference pairs (tests/test_preference.py)")
+    p.add_argument("--pairs", type=int, default=64, help="distinct preference pairs (tests/sft_data.py)")
     p.add_argument("--hidden", type=int, default=128, help="the Qwen2's hidden size (4x in the MLP)")
     p.add_argument("--layers", type=int, default=2, help="the Qwen2's decoder layers")
     p.add_argument("--skip-check", action="store_true", help="leave out the first-step loss comparison")

@@ -123,15 +123,21 @@ def write_example(out: str, *, conversations: int = 200) -> None:
     write_jsonl(os.path.join(out, "conversations.jsonl"), stdlib_conversations(conversations))
 
 
+DISMISSIVE = ("I don't know.", "No idea, sorry.", "Look it up yourself.", "That is not something I can say.")
+
+
 def preference_pairs(n: int, *, seed: int = 0) -> list[dict]:
     """``n`` conversational preference rows (TRL's explicit-prompt form): the question about a
-    module, its own docstring chosen, the next module's rejected."""
+    module, its own docstring chosen; rejected, in turn, the next module's docstring (a wrong
+    answer) or a dismissive reply (no answer)."""
     convs = stdlib_conversations(n + 1, seed=seed)
     rows = []
-    for here, there in zip(convs, convs[1:]):
+    for i, (here, there) in enumerate(zip(convs, convs[1:])):
         user = next(m for m in here["messages"] if m["role"] == "user")
         good = next(m for m in here["messages"] if m["role"] == "assistant")
         bad = next(m for m in there["messages"] if m["role"] == "assistant")
+        if i % 2:
+            bad = {"role": "assistant", "content": DISMISSIVE[i // 2 % len(DISMISSIVE)]}
         rows.append({"prompt": [user], "chosen": [good], "rejected": [bad]})
     return rows
 

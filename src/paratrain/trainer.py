@@ -230,9 +230,11 @@ def validate(run: Run) -> dict:
 
 def val_pad_target(cfg: Config, *, user_loss: bool) -> int | None:
     """The target that fills up the validation set's last batch (data/__init__.py): the built-in
-    cross-entropy's ignore index, which adds nothing to the loss's sum or count; None (round down
-    to whole batches) for any other loss, whose count we do not know."""
-    return cfg.loss.ignore_index if cfg.loss.name == "cross_entropy" and not user_loss else None
+    cross-entropy's ignore index, which adds nothing to the loss's sum or count (nor to the
+    distillation's, nor a pair's: a row of ignored targets holds no pair); None (round down to
+    whole batches) for any other loss, whose count we do not know."""
+    counts_targets = cfg.loss.name in ("cross_entropy", "distill", "preference", "reward")
+    return cfg.loss.ignore_index if counts_targets and not user_loss else None
 
 
 def static_item_count(dataset: Dataset, loss_cfg: LossConfig, *, user_loss: bool) -> int | None:

@@ -188,14 +188,26 @@ def summarize(rows: Sequence[dict]) -> dict:
 
 
 def plot_metrics(rows: list[dict], path: str) -> None:
-    """Loss (and validation loss, when evaluated) and throughput against step, one PNG."""
+    """Loss (and validation loss, when evaluated) and throughput against step, one PNG; a
+    preference or reward run adds how often the chosen reply's reward is the higher."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    rewards = any("reward_accuracy" in r for r in rows)
+    fig, axes = plt.subplots(1, 3 if rewards else 2, figsize=(15 if rewards else 10, 3.6))
+    ax1, ax2 = axes[:2]
+    if rewards:
+        ax3 = axes[2]
+        ax3.plot(steps, [r.get("reward_accuracy") for r in rows], lw=1.2, label="training")
+        val = [(r["step"], r["val_reward_accuracy"]) for r in rows if "val_reward_accuracy" in r]
+        if val:
+            ax3.plot(*zip(*val), "o-", ms=3, lw=1.2, color="tab:red", label="validation")
+        ax3.set(xlabel="step", ylabel="pairs ranked right", title="reward accuracy", ylim=(0, 1))
+        ax3.legend()
+        ax3.grid(alpha=0.3)
     ax1.plot(steps, [r["loss"] for r in rows], lw=1.2, label="training")
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     if val:

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from paratrain.config import ConfigError
+from paratrain.models.hf.model import causal_lm_from_config
 from paratrain.models.lora import adapter_base_name
 
 INDEX = "model.safetensors.index.json"
@@ -278,8 +279,6 @@ def save_hf(
 ) -> None:
     """Write the gathered weights (wrapper names) as an HF directory that ``from_pretrained`` loads
     (``head = 'score'``: as the one-label sequence classifier a reward model is)."""
-    from paratrain.models.hf.model import causal_lm_from_config
-
     with torch.device("meta"):
         hf = causal_lm_from_config(config, "export --hf", head=head)
     renamed = {hf_name(k): v for k, v in state_dict.items()}
