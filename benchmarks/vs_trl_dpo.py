@@ -48,7 +48,7 @@ after ``<|im_end|>``, one token per side more than the assistant mask. paratrain
 first, TRL the second (measured on the test fixture: TRL is 2.5e-5 above the assistant-mask loss
 and within 1e-7 of the adjusted one).
 
-    python benchmarks/vs_trl_dpo.py                # 6 rounds of 10 steps, then the loss check
+    python benchmarks/vs_trl_dpo.py                # 10 rounds of 10 steps, then the loss check
     python benchmarks/vs_trl_dpo.py --quick        # 1 round of 4 steps and the check, no JSON
 
 Needs ``pip install trl`` (1.16 was measured) in the same environment.
@@ -102,6 +102,8 @@ def trl_worker(args) -> None:
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             self.micro.append(int(inputs["input_ids"].shape[0]) // 2)  # [chosen..., rejected...]
+            self.positions.append(int(inputs["input_ids"].numel()))  # padded to the micro-batch's longest side
+            self.real.append(int(inputs["attention_mask"].sum()))
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     class Steps(TrainerCallback):
@@ -158,7 +160,7 @@ def trl_worker(args) -> None:
         processing_class=AutoTokenizer.from_pretrained(args.tok),
         callbacks=[timer],
     )
-    trainer.micro = []
+    trainer.micro, trainer.positions, trainer.real = [], [], []
     world = dist.get_world_size() if dist.is_initialized() else 1
     a = trainer.args
     if world != 2 or dist.get_backend() != "gloo" or a.world_size != 2:
@@ -168,8 +170,9 @@ def trl_worker(args) -> None:
             f"TRL runs micro {a.per_device_train_batch_size} x accum {a.gradient_accumulation_steps}: void"
         )
     trainer.train()
-    everyone = [None, None]
+    everyone, positions = [None, None], [None, None]
     dist.all_gather_object(everyone, timer.steps)
+    dist.all_gather_object(positions, (sum(trainer.positions), sum(trainer.real), sum(map(sum, timer.steps))))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if len(losses) != steps or any(len(s) != steps for s in everyone):
         raise SystemExit(f"TRL ran {len(losses)} logged steps, {[len(s) for s in everyone]} per rank, not {steps}")
@@ -182,6 +185,9 @@ def trl_worker(args) -> None:
             "inner_s": statistics.median([e - b for b, e in zip(timer.begin, timer.end)][WARMUP:] or [math.nan]),
             "losses": losses,
             "pairs_per_step": [sum(map(sum, s)) for s in zip(*everyone)],
+            # tokens the forward passes compute, and the real ones, per pair (TRL: 2 x the micro-batch's longest side)
+            "positions_per_pair": sum(p for p, _, _ in positions) / sum(n for _, _, n in positions),
+            "tokens_per_pair": sum(r for _, r, _ in positions) / sum(n for _, _, n in positions),
             "micro_per_rank": micro,
             "accum": accum,
             "world": world,
@@ -244,6 +250,8 @@ def run_paratrain(paths: dict, corpus: str, out: str, batch: int, micro: int, st
         "step_s": steady([r["time"] for r in rows]) if steps > WARMUP + 1 else None,
         "losses": [r["loss"] for r in rows],
         "pairs_per_step": [r["items"] for r in rows],
+        "positions_per_pair": paths["block"],  # one pair per row of block_size tokens
+        "tokens_per_pair": sum(r["tokens"] for r in rows) / sum(r["items"] for r in rows),
     }
 
 
@@ -372,7 +380,7 @@ def main() -> None:
         epilog="\n".join(line.strip() for line in __doc__.splitlines() if line.startswith("    python ")),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--rounds", type=int, default=6, help="paired rounds (paratrain and TRL once each)")
+    p.add_argument("--rounds", type=int, default=10, help="paired rounds (paratrain and TRL once each)")
     p.add_argument("--steps", type=int, default=10, help=f"optimiser steps per run; the first {WARMUP} are warm-up")
     p.add_argument("--batch", type=int, default=16, help="global batch, in pairs")
     p.add_argument("--micro", type=int, default=4, help="pairs per micro-batch per process")
@@ -444,6 +452,12 @@ def main() -> None:
         print(f"median step: paratrain {mine:.1f} ms, TRL {other:.1f} ms")
         print(f"paired ratios: {', '.join(f'{x:.3f}' for x in ratios)} (min {min(ratios):.3f}, max {max(ratios):.3f})")
         print(summary_line("ratio paratrain/TRL", ratios))
+        work = {t: {k: got[t][k] for k in ("positions_per_pair", "tokens_per_pair")} for t in ("paratrain", "trl")}
+        print(
+            "positions the forward passes compute per pair (real tokens, prompt twice):"
+            f" paratrain {work['paratrain']['positions_per_pair']:.0f} ({work['paratrain']['tokens_per_pair']:.0f}),"
+            f" TRL {work['trl']['positions_per_pair']:.0f} ({work['trl']['tokens_per_pair']:.0f})"
+        )
         check = None if args.skip_check else correctness(paths, tmp, args, env)
     if args.quick:
         print("--quick: results not written")
@@ -467,6 +481,7 @@ def main() -> None:
         "ratio_median": statistics.median(ratios),
         "ratio_geometric_mean": gmean,
         "ratio_ci95": [lo, hi],
+        "positions_per_pair": work,
         "check": check,
     }
     with open(RESULT, "w") as f:

@@ -349,3 +349,33 @@ def test_a_causal_lm_directory_becomes_a_reward_model(pref):
     assert one[0][0] > 0
     torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("parallel.dp_replicate=2",),
+        pytest.param(("parallel.dp_shard=2",), marks=pytest.mark.slow),
+        pytest.param(
+            ("parallel.dp_shard=2", "model.lora.target_modules=['q_proj', 'v_proj']", "model.lora.r=4"),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["ddp", "fsdp2", "fsdp2_lora"],
+)
+def test_precomputed_reference_equals_the_per_step_one(pref, layout):
+    """preference.precompute: the reference's numbers computed once into a store keyed by the
+    pair give the per-step reference's losses and gradients (1e-6); a second run with the same
+    store computes nothing (its values file is not rewritten)."""
+    name = "_".join(x.split("=")[0].split(".")[-1] for x in layout)
+    ref = "" if "lora" in name else f"preference.reference='{pref['ref']}'"
+    extra = [x for x in (ref, *layout, "batch.micro_batch_size=2") if x]
+    step = _run(pref, f"p_step_{name}", *extra, world=2)
+    store = os.path.join(pref["root"], f"store_{name}")
+    pre = _run(pref, f"p_pre_{name}", *extra, "preference.precompute=true", f"preference.store='{store}'", world=2)
+    torch.testing.assert_close(pre[0], step[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(pre[1], step[1], rtol=1e-6, atol=0)
+    values = os.path.join(store, "values.pt")
+    written = os.stat(values).st_mtime_ns
+    again = _run(pref, f"p_again_{name}", *extra, "preference.precompute=true", f"preference.store='{store}'", world=2)
+    assert again[0] == pre[0] and os.stat(values).st_mtime_ns == written

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -33,9 +34,10 @@ from paratrain.models.hf.model import check_hf_dir
 from paratrain.models.lora import adapters_disabled
 from paratrain.models.spec import ModelSpec
 from paratrain.objectives import DistillLoss, PreferenceLoss, build_objectives
+from paratrain.objectives.reference_store import ReferenceStore, fill
 from paratrain.precision import Precision
 from paratrain.randomness import draws_in_forward, has_dropout, site_names
-from paratrain.step import StepContext, to_device
+from paratrain.step import StepContext, no_grad_forward, to_device
 
 log = logging.getLogger("paratrain")
 
@@ -213,6 +215,62 @@ def preference_reference(
     reference = frozen_like_policy(cfg, dims, reference, spec=spec, device=device)
     log.info("preference: reference %s, frozen, laid out like the policy", kind)
     return lambda forward, k: forward(k, reference)
+
+
+def precompute_reference(cfg: Config, dims: ParallelDims, model: nn.Module, step_ctx: StepContext, datasets, *, plan):
+    """``preference.precompute``: the reference's numbers of every pair of ``datasets`` (training,
+    validation) into the store (objectives/reference_store.py), computed over the data-parallel
+    ranks in the run's global and micro-batches; then the reference model is dropped and each
+    step looks its pairs up."""
+    own = step_ctx.objectives[0]
+    if not (cfg.preference.precompute and isinstance(own, PreferenceLoss) and own.uses_reference):
+        return
+    path = cfg.preference.store or os.path.join(cfg.run.out_dir, "reference_store")
+    store = ReferenceStore(path, reference_identity(cfg))
+    collate = torch.utils.data.default_collate
+    micro = plan.micro_batch_size
+    t0 = time.perf_counter()
+    computed = fill(
+        store,
+        datasets,
+        reference=own.reference,
+        forward_of=lambda batches: no_grad_forward(model, batches, step_ctx, None),
+        batches_of=lambda samples: [collate(samples[i : i + micro]) for i in range(0, len(samples), micro)],
+        global_batch_size=plan.global_batch_size,
+        dp_rank=dims.local_rank_in("dp"),
+        dp=dims.dp,
+        dp_group=dims.group("dp"),
+        device=step_ctx.device,
+        is_main=dist.get_rank() == 0 if dist.is_initialized() else True,
+    )
+    log.info(
+        "preference: reference of %d pair(s) computed in %.1f s, %d reused from %s",
+        computed,
+        time.perf_counter() - t0,
+        len(store.values) - computed,
+        path,
+    )
+    own.store, own.reference = store, None  # the reference model goes with its last holder
+
+
+def reference_identity(cfg: Config) -> dict:
+    """What the reference's numbers depend on besides the pair: its model and how it runs."""
+    kind = reference_kind(cfg)
+    path = cfg.model.hf if kind in ("initial", "adapters_off") else kind
+    weights = []
+    if path and os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            if name.endswith((".safetensors", ".json")):
+                st = os.stat(os.path.join(path, name))
+                weights.append([name, st.st_size, st.st_mtime_ns])
+    return {
+        "reference": kind,
+        "model": os.path.abspath(path) if path else cfg.model.factory or cfg.model.name,
+        "files": weights,
+        "args": cfg.model.args,
+        "seed": cfg.run.seed if kind == "initial" else None,  # a model without weights: the seed's init
+        "precision": cfg.precision.dtype,
+    }
 
 
 def frozen_like_policy(cfg: Config, dims: ParallelDims, model: nn.Module, *, spec: ModelSpec, device) -> nn.Module:

@@ -194,6 +194,14 @@ class PreferenceConfig:
         "",
         "The reference model: 'adapters_off' (the policy with its LoRA adapters off), 'initial' (a frozen copy of the model as built, model.hf's weights), or a transformers model directory; '' = adapters_off with LoRA, else initial.",
     )
+    precompute: bool = opt(
+        False,
+        "Compute the reference's log-probabilities once, before the first step, for every training and validation pair, into preference.store; the reference model is then dropped.",
+    )
+    store: str = opt(
+        "",
+        "The folder of the precomputed reference (keyed by the pair: reusable by runs of the same pairs and reference, which compute only the pairs it lacks); '' = run.out_dir/reference_store.",
+    )
 
 
 @dataclass

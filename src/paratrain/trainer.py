@@ -23,7 +23,7 @@ from paratrain.batch.adaptive import BatchAdapter, build_batch_adapter
 from paratrain.batch.auto import resolve_auto_micro_batch
 from paratrain.batch.lr_scaling import LRScaling
 from paratrain.batch.plan import BatchPlan, replan_batch
-from paratrain.build import build_parallel_with_weights, key_detected_draws
+from paratrain.build import build_parallel_with_weights, key_detected_draws, precompute_reference
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.checkpoint.export import clear_run_outputs, save_full_weights
 from paratrain.config import Config, LossConfig, to_dict, to_toml
@@ -392,6 +392,9 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         log.info(
             "validation: %d samples every %d steps (%s)", evaluator.samples, cfg.eval.interval, eval_plan.describe()
         )
+
+    # preference.precompute: the reference's numbers of every pair, once (objectives/reference_store.py).
+    precompute_reference(cfg, dims, model, step_ctx, [dataset, *([evaluator.dataset] if evaluator else [])], plan=plan)
 
     # Checkpoints (paratrain.checkpoint): resume before the loop, save after steps.
     ckpt = build_checkpointer(

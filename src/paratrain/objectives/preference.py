@@ -106,6 +106,8 @@ class PreferenceLoss(Objective):
         # reference(forward, k): micro-batch k's reference output, set by the build once the
         # policy is parallelised (None for a reference-free loss: uses_reference).
         self.reference = reference
+        # The reference's numbers precomputed (objectives/reference_store.py), looked up by pair.
+        self.store = None
         self.scale = 1.0
         self.refs: list[torch.Tensor] = []
         self._eval = [0.0] * 4  # pairs, chosen and rejected rewards, correct: summed over eval steps
@@ -132,6 +134,11 @@ class PreferenceLoss(Objective):
     def before_micro_batches(self, model, batches, *, forward=None) -> None:
         """The reference's log-probabilities of this rank's pairs, micro-batch by micro-batch."""
         if not self.uses_reference:
+            return
+        if self.store is not None:
+            for inputs, _ in batches:
+                values = self.store.lookup(inputs, self.device)
+                self.refs.append(self._normalised(values[:, :2].float(), values[:, 2:].float()))
             return
         if self.reference is None:
             raise RuntimeError("the preference loss's reference was never set (build.py preference_reference)")

@@ -1,0 +1,136 @@
+"""The reference's log-probabilities precomputed once (``preference.precompute``; docs/preference.md).
+
+A preference loss compares the policy with a frozen reference on every pair. Computing the
+reference at every step costs a forward per pair per step and, for a reference that is not the
+policy itself, a second model in memory. Precomputed, the reference runs once over the run's
+pairs (training and validation) before the first step, its model is then dropped, and each step
+looks its numbers up.
+
+The store is **keyed by the pair**: a row's key is a hash of its token ids and positions (the
+pair as the step sees it, ``[chosen | rejected]`` cut to the row), so a lookup does not depend on
+the layout, the sampler's order, the split or the run: a store filled by one run serves another of
+the same pairs and reference (``preference.store``), and only pairs it lacks are computed (a run
+stopped while filling it resumes there). The store's ``identity`` (the reference model and what
+changes its numbers) must match, else it is refused in one line.
+
+Files: ``identity.json`` and ``values.pt`` (``keys``: the rows' 16-byte keys as hex strings,
+``values``: float64 ``[pairs, 4]``: the chosen and rejected log-probability sums and token counts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from paratrain.config import ConfigError
+
+log = logging.getLogger("paratrain")
+
+
+def row_keys(inputs: torch.Tensor) -> list[str]:
+    """Each row's key: a hash of its token ids (and positions, for packed rows)."""
+    rows = inputs.detach().to("cpu", torch.int64).reshape(inputs.shape[0], -1)
+    return [hashlib.blake2b(r.numpy().tobytes(), digest_size=16).hexdigest() for r in rows]
+
+
+class ReferenceStore:
+    """``{row key: [log p chosen, log p rejected, tokens chosen, tokens rejected]}`` on disk."""
+
+    def __init__(self, path: str, identity: dict):
+        self.path, self.identity = path, identity
+        self.values: dict[str, list[float]] = {}
+        found = os.path.join(path, "identity.json")
+        if os.path.isfile(found):
+            with open(found) as f:
+                stored = json.load(f)
+            if stored != identity:
+                raise ConfigError(
+                    f"preference.store = {path!r} holds another reference's numbers ({_differ(stored, identity)});"
+                    " point preference.store at a new folder or delete this one"
+                )
+            data = torch.load(os.path.join(path, "values.pt"), weights_only=True)
+            self.values = dict(zip(data["keys"], data["values"].tolist(), strict=True))
+
+    def missing(self, keys: list[str]) -> list[int]:
+        return [i for i, k in enumerate(keys) if k not in self.values]
+
+    def lookup(self, inputs: torch.Tensor, device) -> torch.Tensor:
+        """``(B, 4)`` float64 of the rows of ``inputs``."""
+        keys = row_keys(inputs)
+        lost = self.missing(keys)
+        if lost:
+            raise RuntimeError(f"{len(lost)} pair(s) of a batch are not in the reference store {self.path}")
+        return torch.tensor([self.values[k] for k in keys], dtype=torch.float64, device=device)
+
+    def save(self) -> None:
+        """Atomically: the values, then the identity that vouches for them."""
+        os.makedirs(self.path, exist_ok=True)
+        keys = sorted(self.values)
+        tmp = os.path.join(self.path, "values.pt.tmp")
+        torch.save({"keys": keys, "values": torch.tensor([self.values[k] for k in keys], dtype=torch.float64)}, tmp)
+        os.replace(tmp, os.path.join(self.path, "values.pt"))
+        with open(os.path.join(self.path, "identity.json.tmp"), "w") as f:
+            json.dump(self.identity, f, indent=1, sort_keys=True)
+        os.replace(os.path.join(self.path, "identity.json.tmp"), os.path.join(self.path, "identity.json"))
+
+
+def _differ(a: dict, b: dict) -> str:
+    keys = sorted(k for k in {**a, **b} if a.get(k) != b.get(k))
+    return ", ".join(f"{k}: {a.get(k)!r} stored, {b.get(k)!r} now" for k in keys[:2])
+
+
+@torch.no_grad()
+def fill(
+    store: ReferenceStore,
+    datasets: list,
+    *,
+    reference,
+    forward_of,
+    batches_of,
+    global_batch_size: int,
+    dp_rank: int,
+    dp: int,
+    dp_group,
+    device,
+    is_main: bool,
+) -> int:
+    """Compute the pairs of ``datasets`` the store lacks, over the data-parallel ranks in global
+    batches (every rank runs the same number of forwards: FSDP2 and tensor parallel gather in
+    them), gather them and save (rank 0). ``reference(forward, k)``: micro-batch ``k``'s reference
+    logits; ``forward_of(batches)``: step.no_grad_forward's ``forward``; ``batches_of(samples)``:
+    this rank's samples collated into micro-batches. Returns how many pairs were computed."""
+    from paratrain.objectives.preference import side_logps  # the one definition of a side's log-probability
+
+    todo = []
+    for d, dataset in enumerate(datasets):
+        n = getattr(dataset, "real", len(dataset))  # a filled-up validation set: its real pairs
+        keys = [row_keys(dataset[i][0][None])[0] for i in range(n)]
+        todo += [(d, i) for i in store.missing(keys)]
+    todo = sorted(set(todo))
+    computed: list[tuple[str, list[float]]] = []
+    g = global_batch_size
+    for start in range(0, len(todo), g):
+        chunk = todo[start : start + g]
+        chunk += chunk[:1] * (g - len(chunk))  # the last global batch filled up (duplicates: the same key)
+        # Every rank the same number of micro-batches of the same shape (rows of block_size).
+        batches = batches_of([datasets[d][i] for d, i in chunk[dp_rank * (g // dp) : (dp_rank + 1) * (g // dp)]])
+        forward = forward_of(batches)
+        for k, (inputs, target) in enumerate(batches):
+            logps, counts = side_logps(reference(forward, k), target.to(device))
+            values = torch.cat([logps.double(), counts.double()], -1).cpu().tolist()
+            computed += list(zip(row_keys(inputs), values, strict=True))
+    if dp > 1:
+        gathered: list = [None] * dp
+        dist.all_gather_object(gathered, computed, group=dp_group)
+        computed = [kv for part in gathered for kv in part]
+    store.values.update(dict(computed))
+    if is_main and computed:
+        store.save()
+    if dp > 1:
+        dist.barrier(group=dp_group)  # every rank reads a complete store from here on
+    return len({k for k, _ in computed})
