@@ -99,7 +99,7 @@ def anchor(pref: dict, loss_type: str, *, beta: float = 0.1, gamma: float = 0.5,
     tok = AutoTokenizer.from_pretrained(pref["tok"])
     policy = AutoModelForCausalLM.from_pretrained(pref["policy"], attn_implementation="sdpa")
     ref = AutoModelForCausalLM.from_pretrained(pref["ref"], attn_implementation="sdpa")
-    mean = loss_type in ("ipo", "simpo")
+    mean = loss_type in ("ipo", "simpo", "orpo")
     losses, norms = [], []
     for step in range(steps):
         terms = []
@@ -117,6 +117,9 @@ def anchor(pref: dict, loss_type: str, *, beta: float = 0.1, gamma: float = 0.5,
                 terms.append((h - 1 / (2 * beta)) ** 2)
             elif loss_type == "simpo":
                 terms.append(-F.logsigmoid(beta * (pc - pr) - gamma))
+            elif loss_type == "orpo":  # Hong et al. 2024, the NLL as the chosen reply's mean token NLL
+                odds = lambda m: m - torch.log(1 - torch.exp(m))  # noqa: E731
+                terms.append(-pc - beta * F.logsigmoid(odds(pc) - odds(pr)))
         loss = torch.stack(terms).mean()
         policy.zero_grad()
         loss.backward()
@@ -153,7 +156,7 @@ def test_dpo_equals_transformers_on_each_pair_alone(pref):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["ipo", "simpo"])
+@pytest.mark.parametrize("loss_type", ["ipo", "simpo", "orpo"])
 def test_variants_equal_transformers_on_each_pair_alone(pref, loss_type):
     losses, norms = anchor(pref, loss_type)
     got_losses, got_norms, _ = _run(
@@ -220,6 +223,10 @@ def test_pair_losses_are_the_papers_formulas():
         "simpo": -(1 - e) * F.logsigmoid(b * (policy[:, 0] - policy[:, 1]) - 0.5)
         - e * F.logsigmoid(-(b * (policy[:, 0] - policy[:, 1]) - 0.5)),
     }
+    mean = policy / 10  # mean token log-probabilities for ORPO (must be < 0)
+    odds = mean - torch.log(1 - mean.exp())
+    orpo = PreferenceLoss("orpo", beta=b).pair_losses(mean, ref)[0]
+    torch.testing.assert_close(orpo, -mean[:, 0] - b * F.logsigmoid(odds[:, 0] - odds[:, 1]))
     for loss_type, expected in want.items():
         objective = PreferenceLoss(loss_type, beta=b, label_smoothing=e, gamma=0.5)
         losses, rewards = objective.pair_losses(policy, ref)

@@ -176,16 +176,19 @@ class LossConfig:
     )
 
 
-PREFERENCE_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo")
+PREFERENCE_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo", "orpo")
 
 
 @dataclass
 class PreferenceConfig:
     loss_type: str = opt(
         "sigmoid",
-        "With loss.name = 'preference': 'sigmoid' (DPO), 'robust', 'hinge', 'ipo', 'sigmoid_norm' (DPO on mean token log-probabilities) or 'simpo' (no reference); docs/preference.md.",
+        "With loss.name = 'preference': 'sigmoid' (DPO), 'robust', 'hinge', 'ipo', 'sigmoid_norm' (DPO on mean token log-probabilities), 'simpo' or 'orpo' (no reference); docs/preference.md.",
     )
-    beta: float = opt(0.1, "The preference losses' beta (the KL strength of DPO, the reward scale of SimPO).")
+    beta: float = opt(
+        0.1,
+        "The preference losses' beta (the KL strength of DPO, the reward scale of SimPO, ORPO's odds-ratio weight).",
+    )
     label_smoothing: float = opt(
         0.0, "The probability that a pair's label is flipped (cDPO, robust DPO, SimPO); in [0, 0.5)."
     )

@@ -21,10 +21,11 @@ hinge            ``relu(1 - b h)``                                Zhao et al. 20
 ipo              ``(h - 1/(2 b))^2``, mean log-probabilities      Azar et al. 2023
 sigmoid_norm     sigmoid on mean log-probabilities                length-normalised DPO
 simpo            ``-logsig(b (m_c - m_r) - g)``, no reference     Meng et al. 2024
+orpo             ``-m_c - b logsig(o_c - o_r)``, no reference     Hong et al. 2024
 bradley_terry    ``-logsig(r_c - r_r)``, a reward model's scores  Bradley & Terry 1952; Ouyang et al. 2022
 =============== ================================================ =======================================
 
-(``m``: a reply's mean token log-probability; ``e``: ``label_smoothing``, ``b``: ``beta``, ``g``:
+(``m``: a reply's mean token log-probability, ``o = m - log(1 - exp m)`` its log-odds; ``e``: ``label_smoothing``, ``b``: ``beta``, ``g``:
 ``gamma``; ``r``: a reward model's score of the whole prompt + reply at its last token,
 ``loss.name = 'reward'``, the model's output layer a one-label score head.) The *reference* log-probabilities come from ``reference(forward, k)``, given by the
 build (build.py): the same model with its LoRA adapters off, or a frozen model (the initial
@@ -43,8 +44,8 @@ from paratrain.config import ConfigError
 from paratrain.loss import pair_count, rows
 from paratrain.objectives.base import Objective
 
-MEAN_LOGPS = ("ipo", "sigmoid_norm", "simpo")  # these compare mean token log-probabilities
-NO_REFERENCE = ("simpo", "bradley_terry")
+MEAN_LOGPS = ("ipo", "sigmoid_norm", "simpo", "orpo")  # these compare mean token log-probabilities
+NO_REFERENCE = ("simpo", "orpo", "bradley_terry")
 SUMS = ("loss", "pairs", "chosen", "rejected", "correct")
 
 
@@ -166,6 +167,11 @@ class PreferenceLoss(Objective):
         if self.loss_type == "bradley_terry":
             z = policy[:, 0] - policy[:, 1]
             return -(1 - e) * F.logsigmoid(z) - e * F.logsigmoid(-z), policy
+        if self.loss_type == "orpo":
+            # ORPO's NLL term per pair, the chosen reply's mean token NLL: TRL takes the mean over
+            # a micro-batch's chosen tokens instead, which weighs pairs by the micro-batch they share.
+            odds = policy - torch.log1p(-torch.exp(policy))
+            return -policy[:, 0] - b * F.logsigmoid(odds[:, 0] - odds[:, 1]), b * policy
         if self.loss_type == "simpo":
             rewards = b * policy
             z = rewards[:, 0] - rewards[:, 1] - self.gamma
