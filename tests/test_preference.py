@@ -386,3 +386,76 @@ def test_precomputed_reference_equals_the_per_step_one(pref, layout):
     written = os.stat(values).st_mtime_ns
     again = _run(pref, f"p_again_{name}", *extra, "preference.precompute=true", f"preference.store='{store}'", world=2)
     assert again[0] == pre[0] and os.stat(values).st_mtime_ns == written
+
+
+def unpaired_rows(rows: list[dict]) -> list[dict]:
+    """KTO's unpaired form of the pairs: the chosen reply (desirable) of even rows, the rejected
+    (undesirable) of odd ones."""
+    return [
+        {"prompt": r["prompt"], "completion": r["chosen" if i % 2 == 0 else "rejected"], "label": i % 2 == 0}
+        for i, r in enumerate(rows)
+    ]
+
+
+def kto_anchor(pref: dict, rows: list[dict], *, beta: float = 0.1, lr: float = 0.5, steps: int = 2):
+    """KTO (Ethayarajh et al. 2024) written out on transformers' forward of each example alone;
+    the KL rows pair each prompt with the next row's completion, z0 over the step's global batch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pref["tok"])
+    policy = AutoModelForCausalLM.from_pretrained(pref["policy"], attn_implementation="sdpa")
+    ref = AutoModelForCausalLM.from_pretrained(pref["ref"], attn_implementation="sdpa")
+    others = [rows[(i + 1) % len(rows)]["completion"] for i in range(len(rows))]
+    losses, norms = [], []
+    for step in range(steps):
+        batch = range(8 * step, 8 * step + 8)
+        with torch.no_grad():
+            kl = [
+                side_logp(policy, tok, rows[i]["prompt"], others[i])[0]
+                - side_logp(ref, tok, rows[i]["prompt"], others[i])[0]
+                for i in batch
+            ]
+        z0 = max(0.0, float(torch.stack(kl).mean()))
+        terms = []
+        for i in batch:
+            with torch.no_grad():
+                r_ref = side_logp(ref, tok, rows[i]["prompt"], rows[i]["completion"])[0]
+            ratio = side_logp(policy, tok, rows[i]["prompt"], rows[i]["completion"])[0] - r_ref
+            if rows[i]["label"]:
+                terms.append(1 - torch.sigmoid(beta * (ratio - z0)))
+            else:
+                terms.append(1 - torch.sigmoid(beta * (z0 - ratio)))
+        loss = torch.stack(terms).mean()
+        policy.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in policy.parameters() if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            for p in policy.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+    return losses, norms
+
+
+def test_kto_on_unpaired_rows_equals_transformers_and_every_layout(pref, tmp_path):
+    """KTO on `prepare --format unpaired` rows: two SGD steps equal the written-out loss on
+    transformers' forward of each example alone (z0 over the global batch), and world 2 with
+    micro-batches of one example gives the same numbers (TRL's z0 is per micro-batch)."""
+    rows = unpaired_rows(pref["rows"])
+    data = write_jsonl(str(tmp_path / "unpaired.jsonl"), rows)
+    corpus = str(tmp_path / "kto")
+    prepare([data], out_dir=corpus, tokenizer=pref["tok"], fmt="unpaired", val_fraction=0, progress=False)
+    losses, norms = kto_anchor(pref, rows)
+    kto = (
+        "preference.loss_type='kto'",
+        f"preference.reference='{pref['ref']}'",
+        f"data.args={{path = '{corpus}', block_size = 512}}",
+    )
+    got_losses, got_norms, got = _run(pref, "kto1", *kto)
+    torch.testing.assert_close(got_losses, losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=0)
+    assert got[0]["kto_kl"] >= 0
+    two = _run(pref, "kto2", *kto, "parallel.dp_replicate=2", "batch.micro_batch_size=1", world=2)
+    torch.testing.assert_close(two[0], losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], norms, rtol=1e-5, atol=0)

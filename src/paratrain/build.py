@@ -92,7 +92,7 @@ def build_parallel(
     check_batch_math(cfg, dims, model, loss_fn, keyed=keyed)
     norm = batch_norm_layout(cfg, dims, model) if batch_norm_groups else None
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
-    own = own_loss(cfg, loss_fn)
+    own = own_loss(cfg, loss_fn, dp_group=dims.group("dp"))
     # The initial policy as a preference loss's reference: the model as built, before any
     # parallelism (on the meta device when its weights arrive later: they are read for it too).
     needs_initial = isinstance(own, PreferenceLoss) and own.uses_reference and reference_kind(cfg) == "initial"
@@ -150,7 +150,7 @@ def build_parallel(
     return model, step_ctx, compression
 
 
-def own_loss(cfg: Config, loss_fn: Loss) -> PreferenceLoss | DistillLoss | None:
+def own_loss(cfg: Config, loss_fn: Loss, *, dp_group=None) -> PreferenceLoss | DistillLoss | None:
     """A loss that is its own objective with a second model, which is set once the model is
     parallelised: ``loss.name = 'preference'`` or ``'reward'`` (:func:`preference_reference`),
     ``'distill'`` (:func:`distill_teacher`); None for any other loss. The layouts they do not
@@ -164,7 +164,14 @@ def own_loss(cfg: Config, loss_fn: Loss) -> PreferenceLoss | DistillLoss | None:
         )
     p = cfg.preference
     loss_type = "bradley_terry" if loss_fn.name == "reward" else p.loss_type
-    return PreferenceLoss(loss_type, beta=p.beta, label_smoothing=p.label_smoothing, gamma=p.gamma)
+    return PreferenceLoss(
+        loss_type,
+        beta=p.beta,
+        label_smoothing=p.label_smoothing,
+        gamma=p.gamma,
+        weights=(p.desirable_weight, p.undesirable_weight),
+        dp_group=dp_group,
+    )
 
 
 def distill_teacher(cfg: Config, dims: ParallelDims, *, device):

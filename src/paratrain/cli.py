@@ -300,10 +300,11 @@ def add_prepare_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--format",
-        choices=("chat", "prompt", "preference", "text", "auto"),
+        choices=("chat", "prompt", "preference", "unpaired", "text", "auto"),
         default="text",
         help="chat: jsonl/parquet rows of messages; prompt: rows of prompt + completion; preference: rows of (prompt,)"
-        " chosen + rejected (docs/preference.md); text (default); auto: by the fields",
+        " chosen + rejected, unpaired: prompt + completion + label (KTO; docs/preference.md); text (default);"
+        " auto: by the fields",
     )
     p.add_argument(
         "--chat-template", default="", metavar="FILE", help="a Jinja chat template replacing the tokenizer's own"
@@ -372,7 +373,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         else ""
     )
     docs = train["documents"] + val["documents"]
-    what = f"{docs // 2} pairs ({docs} documents)" if meta["document_format"] == "preference" else f"{docs} documents"
+    paired = meta["document_format"] in ("preference", "unpaired")
+    what = (
+        f"{docs // 2} {'pairs' if meta['document_format'] == 'preference' else 'rows'} ({docs} documents)"
+        if paired
+        else f"{docs} documents"
+    )
     print(
         f"prepared {what} ({meta['document_format']},"
         f" {meta['text_bytes'] / 1e6:.1f} MB of text): train {train['tokens']} tokens, val {val['tokens']} tokens{chat},"

@@ -176,14 +176,14 @@ class LossConfig:
     )
 
 
-PREFERENCE_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo", "orpo")
+PREFERENCE_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "simpo", "orpo", "kto")
 
 
 @dataclass
 class PreferenceConfig:
     loss_type: str = opt(
         "sigmoid",
-        "With loss.name = 'preference': 'sigmoid' (DPO), 'robust', 'hinge', 'ipo', 'sigmoid_norm' (DPO on mean token log-probabilities), 'simpo' or 'orpo' (no reference); docs/preference.md.",
+        "With loss.name = 'preference': 'sigmoid' (DPO), 'robust', 'hinge', 'ipo', 'sigmoid_norm' (DPO on mean token log-probabilities), 'simpo' or 'orpo' (no reference), or 'kto' (on an unpaired corpus, prepare --format unpaired); docs/preference.md.",
     )
     beta: float = opt(
         0.1,
@@ -193,6 +193,8 @@ class PreferenceConfig:
         0.0, "The probability that a pair's label is flipped (cDPO, robust DPO, SimPO); in [0, 0.5)."
     )
     gamma: float = opt(0.5, "SimPO's target reward margin.")
+    desirable_weight: float = opt(1.0, "KTO's weight of a desirable example's loss.")
+    undesirable_weight: float = opt(1.0, "KTO's weight of an undesirable example's loss.")
     reference: str = opt(
         "",
         "The reference model: 'adapters_off' (the policy with its LoRA adapters off), 'initial' (a frozen copy of the model as built, model.hf's weights), or a transformers model directory; '' = adapters_off with LoRA, else initial.",

@@ -35,7 +35,7 @@ import numpy as np
 
 from paratrain.config import ConfigError
 
-FORMATS = ("chat", "prompt", "preference", "text", "auto")
+FORMATS = ("chat", "prompt", "preference", "unpaired", "text", "auto")
 LOSS_ON = ("assistant", "last", "all")
 HF_TOKENIZER_DIR = "hf_tokenizer"  # the transformers tokenizer, saved beside the shards
 # Characters of conversations tokenized in one batch: as prepare's chunks of text, so that a
@@ -147,6 +147,8 @@ def detect_format(row: dict, where: str) -> str:
     """``auto``: the format a row's fields say."""
     if "messages" in row or "conversations" in row:
         return "chat"
+    if "prompt" in row and "completion" in row and "label" in row:
+        return "unpaired"
     if "prompt" in row and "completion" in row:
         return "prompt"
     if "chosen" in row and "rejected" in row:

@@ -1,5 +1,7 @@
 """Preference pairs: rows of TRL's preference formats as two documents each, and the pairs as
-rows of a packed batch (``paratrain prepare --format preference``; docs/preference.md).
+rows of a packed batch (``paratrain prepare --format preference``; docs/preference.md). KTO's
+unpaired rows (``--format unpaired``: ``prompt``, ``completion``, ``label``) the same way: the
+example, and its prompt with the next row's completion (KTO's mismatched pair for its KL term).
 
 A row holds ``chosen`` and ``rejected`` and, explicitly or not, the ``prompt`` they answer:
 
@@ -80,6 +82,29 @@ def split_pair(row: dict, where: str) -> tuple[object, object, object]:
     return _checked(_sharegpt(prompt), where), _checked(chosen, where), _checked(rejected, where)
 
 
+def split_unpaired(row: dict, where: str) -> tuple[object, object, bool]:
+    """``(prompt, completion, label)`` of an unpaired row (TRL's KTO format): lists of messages,
+    or strings; ``label`` true for a desirable completion."""
+    if not isinstance(row, dict) or not all(k in row for k in ("prompt", "completion", "label")):
+        raise ConfigError(f"{where}: an unpaired row needs the fields 'prompt', 'completion' and 'label'; fix the row")
+    prompt, completion, label = row["prompt"], row["completion"], row["label"]
+    if not isinstance(label, bool):
+        raise ConfigError(
+            f"{where}: 'label' must be true (desirable) or false (undesirable), got {label!r}; fix the row"
+        )
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return prompt, completion, label
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(completion, str):
+        completion = [{"role": "assistant", "content": completion}]
+    if not isinstance(prompt, list) or not isinstance(completion, list) or not prompt or not completion:
+        raise ConfigError(
+            f"{where}: 'prompt' and 'completion' must be strings or non-empty lists of messages; fix the row"
+        )
+    return _checked(_sharegpt(prompt), where), _checked(_sharegpt(completion), where), label
+
+
 def encode_plain(tok, prompt: str, reply: str) -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask) of a plain-text pair side: prompt ids + reply ids + EOS, the reply and EOS marked."""
     p = tok(prompt, add_special_tokens=False)["input_ids"] if prompt else []
@@ -102,10 +127,13 @@ class PreferencePairs(torch.utils.data.Dataset):
 
     draws_random = False  # paratrain/randomness.py: no sample_rng around __getitem__
 
-    def __init__(self, corpus, *, block_size: int):
+    def __init__(self, corpus, *, block_size: int, labels: bool = False):
         if not isinstance(block_size, int) or block_size < 4:
             raise ConfigError(f"data.args.block_size = {block_size!r} must be an integer >= 4 for preference pairs")
-        self.corpus, self.block_size = corpus, block_size
+        # labels: an unpaired corpus (KTO): side 0 is the example (its mask 1 desirable, 2
+        # undesirable), side 1 its prompt with another row's completion; the target gets a third
+        # row, the label (1 desirable, 0 undesirable).
+        self.corpus, self.block_size, self.labels = corpus, block_size, labels
         lengths = corpus.doc_lengths
         if len(lengths) % 2:
             raise ConfigError("the preference corpus has an odd number of documents; prepare it again")
@@ -144,4 +172,8 @@ class PreferencePairs(torch.utils.data.Dataset):
             ids[at : at + n], tgt[at : at + n], pos[at : at + n] = d_ids, d_tgt, np.arange(n)
             side[at : at + n] = s
             at += n
-        return torch.from_numpy(np.stack([ids, pos])), torch.from_numpy(np.stack([tgt, side]))
+        rows = [tgt, side]
+        if self.labels:
+            _, mask = self.corpus.document(2 * pair, int(self.lengths[pair, CHOSEN]))
+            rows.append(np.full(width, int(mask.max() == 1), np.int64))
+        return torch.from_numpy(np.stack([ids, pos])), torch.from_numpy(np.stack(rows))

@@ -54,7 +54,7 @@ from paratrain.data.chat import (
     row_key,
     row_messages,
 )
-from paratrain.data.preference import encode_plain, split_pair
+from paratrain.data.preference import encode_plain, split_pair, split_unpaired
 
 META = "meta.json"
 FORMAT = "paratrain-tokens/2"
@@ -389,13 +389,8 @@ def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, m
 
 def encode_pair_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
     """:func:`encode_rows` for preference rows (data/preference.py): each row two documents,
-    chosen then rejected, in the split the row hashes to; a pair with a side left without a
-    target (an empty reply, or cut by ``max_length`` before it) is skipped and counted."""
+    chosen then rejected, in the split the row hashes to."""
     tok = _CHAT[0]
-    out = {s: [] for s in SPLITS}
-    masks = {s: [] for s in SPLITS}
-    lengths = {s: [] for s in SPLITS}
-    skipped = truncated = text_bytes = 0
     pairs, conversations = [], []
     for where, row in rows:
         prompt, chosen, rejected = split_pair(row, where)
@@ -406,6 +401,16 @@ def encode_pair_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: s
             conversations += [(prompt + chosen, len(prompt), where), (prompt + rejected, len(prompt), where)]
     encoded = iter(encode_conversations(tok, conversations, loss_on="assistant"))
     pairs = [p if p is not None else [next(encoded), next(encoded)] for p in pairs]
+    return _pair_arrays(rows, pairs, val_fraction, dtype, max_length)
+
+
+def _pair_arrays(rows: list[tuple[str, dict]], pairs: list, val_fraction: float, dtype: str, max_length: int) -> dict:
+    """The token and mask arrays of two documents per row; a row with a side left without a
+    target (an empty reply, or cut by ``max_length`` before it) is skipped and counted."""
+    out = {s: [] for s in SPLITS}
+    masks = {s: [] for s in SPLITS}
+    lengths = {s: [] for s in SPLITS}
+    skipped = truncated = text_bytes = 0
     reasons: dict[str, int] = {}
     for (where, row), sides in zip(rows, pairs):
         text_bytes += len(row_key(row).encode("utf-8", errors="replace"))
@@ -430,6 +435,32 @@ def encode_pair_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: s
         "truncated": truncated,
         "text_bytes": text_bytes,
     }
+
+
+def encode_unpaired_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
+    """:func:`encode_rows` for unpaired rows (KTO, data/preference.py): each row two documents,
+    its prompt with its completion (mask 1: desirable, 2: undesirable) and with the next row's
+    completion (mask 3: the mismatched pair from which KTO estimates the KL term; the chunk's
+    last row takes its first row's), in the split the row hashes to."""
+    tok = _CHAT[0]
+    parsed = [split_unpaired(row, where) for where, row in rows]
+    others = [parsed[(i + 1) % len(parsed)][1] for i in range(len(parsed))]
+    plain, conversations = [], []
+    for (where, _), (prompt, completion, _), other in zip(rows, parsed, others):
+        if isinstance(prompt, str) and isinstance(other, str):
+            plain.append([encode_plain(tok, prompt, completion), encode_plain(tok, prompt, other)])
+        else:
+            plain.append(None)
+            other = [{"role": "assistant", "content": other}] if isinstance(other, str) else other
+            prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            completion = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
+            conversations += [(prompt + completion, len(prompt), where), (prompt + other, len(prompt), where)]
+    encoded = iter(encode_conversations(tok, conversations, loss_on="assistant"))
+    sides = [p if p is not None else [next(encoded), next(encoded)] for p in plain]
+    marked = []
+    for (_, _, label), (real, kl) in zip(parsed, sides):
+        marked.append([(real[0], real[1] * (1 if label else 2)), (kl[0], kl[1] * 3)])
+    return _pair_arrays(rows, marked, val_fraction, dtype, max_length)
 
 
 def skip_reason(messages: list[dict], *, cut: bool) -> str:
@@ -657,7 +688,7 @@ def prepare(
     if fmt == "auto":
         first = first_row(files)
         fmt = "text" if first is None else detect_format(first[1], first[0])
-    chat = fmt in ("chat", "prompt", "preference")
+    chat = fmt in ("chat", "prompt", "preference", "unpaired")
     fingerprint = {
         "inputs": [os.path.abspath(p) for p in inputs],
         "tokenizer": tokenizer if tokenizer == "bytes" or tokenizer.startswith("bpe:") else os.path.abspath(tokenizer),
@@ -686,7 +717,7 @@ def prepare(
         chunks = _chunks(iter_documents(files, text_field))
         init, init_args = _init_worker, (spec,)
     dtype = "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
-    encode = encode_pair_rows if fmt == "preference" else encode_rows
+    encode = {"preference": encode_pair_rows, "unpaired": encode_unpaired_rows}.get(fmt, encode_rows)
     fn, args = (encode, (val_fraction, dtype, max_length)) if chat else (encode_chunk, (val_fraction, dtype))
     writers = {s: ShardWriter(out_dir, s, dtype) for s in SPLITS}
     doc_writers = {s: ShardWriter(out_dir, s, "uint32", kind="docs") for s in SPLITS}
@@ -711,7 +742,8 @@ def prepare(
             if chat:
                 mask_writers[s].write(result["masks"][s])
                 # A document's first token is never a target (nothing precedes it in its row).
-                trainable[s] += int(result["masks"][s].sum()) - _first_token_marks(result, s)
+                # (an unpaired corpus marks with 1, 2 or 3: data/preference.py)
+                trainable[s] += int((result["masks"][s] > 0).sum()) - _first_token_marks(result, s)
             else:
                 trainable[s] += len(result["tokens"][s]) - len(result["lengths"][s])
         skipped += result.get("skipped", 0)
@@ -750,7 +782,7 @@ def prepare(
         },
         "document_format": fmt,
         "loss_mask": chat,
-        "loss_on": ("completion" if fmt in ("prompt", "preference") else loss_on) if chat else "all",
+        "loss_on": ("completion" if fmt in ("prompt", "preference", "unpaired") else loss_on) if chat else "all",
         "skipped_documents": skipped,
         "skipped_by_reason": skipped_by_reason,
         "truncated_documents": truncated,
@@ -771,7 +803,7 @@ def _first_token_marks(result: dict, split: str) -> int:
     if not lengths:
         return 0
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    return int(result["masks"][split][starts].sum())
+    return int((result["masks"][split][starts] > 0).sum())
 
 
 def load_tokenizer(corpus_dir: str) -> Encoder:

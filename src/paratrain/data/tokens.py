@@ -332,7 +332,7 @@ def _build_packed(path: str, sources: list | None, *, block_size: int, split: st
         )
     meta = read_meta(path)
     verify_corpus(path, meta, verify)
-    if meta.get("document_format") == "preference":
+    if meta.get("document_format") in ("preference", "unpaired"):
         return _build_pairs(path, meta, block_size=block_size, split=split, packing=packing)
     ds = PackedRows(Documents(path, meta, split), block_size=block_size, packing=packing)
     if len(ds) == 0:
@@ -364,7 +364,8 @@ def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing:
         raise ConfigError(
             f"data.args.packing = {packing!r}: a preference corpus packs each pair into one row; drop data.args.packing"
         )
-    ds = PreferencePairs(Documents(path, meta, split), block_size=block_size)
+    unpaired = meta["document_format"] == "unpaired"
+    ds = PreferencePairs(Documents(path, meta, split), block_size=block_size, labels=unpaired)
     if len(ds) == 0:
         raise ConfigError(
             f"data.args: the {split} split of {path!r} has no pair with a target on both sides; prepare more pairs"
@@ -375,7 +376,7 @@ def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing:
     ds.description = {
         "name": "tokens",
         "split": split,
-        "format": "preference",
+        "format": meta["document_format"],
         "path": path,
         "pairs": len(ds),
         "truncated_pairs": ds.truncated,

@@ -36,6 +36,7 @@ graph, for this rank's micro-batches.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -100,10 +101,15 @@ class PreferenceLoss(Objective):
         label_smoothing: float = 0.0,
         gamma: float = 0.5,
         reference=None,
+        weights: tuple[float, float] = (1.0, 1.0),
+        dp_group=None,
     ):
         if loss_type not in (*LOSS_TYPES, "bradley_terry"):  # bradley_terry: loss.name = 'reward'
             raise ConfigError(f"preference.loss_type = {loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
         self.loss_type, self.beta, self.eps, self.gamma = loss_type, beta, label_smoothing, gamma
+        # KTO: the desirable and undesirable examples' weights; its KL term's sums are reduced
+        # over the data-parallel ranks (dp_group) before the micro-batch loop.
+        self.weights, self.dp_group, self.kl = weights, dp_group, 0.0
         # reference(forward, k): micro-batch k's reference output, set by the build once the
         # policy is parallelised (None for a reference-free loss: uses_reference).
         self.reference = reference
@@ -133,19 +139,42 @@ class PreferenceLoss(Objective):
 
     @torch.no_grad()
     def before_micro_batches(self, model, batches, *, forward=None) -> None:
-        """The reference's log-probabilities of this rank's pairs, micro-batch by micro-batch."""
+        """The reference's log-probabilities of this rank's pairs, micro-batch by micro-batch;
+        KTO's KL term over the whole global batch."""
+        unpaired = batches[0][1].shape[1] == 3  # data/preference.py: the target's third row is KTO's label
+        if unpaired != (self.loss_type == "kto"):
+            raise ConfigError(
+                "an unpaired corpus (prepare --format unpaired) trains with preference.loss_type = 'kto', and 'kto'"
+                " takes no other: set preference.loss_type or data.args.path to match"
+            )
         if not self.uses_reference:
             return
         if self.store is not None:
             for inputs, _ in batches:
                 values = self.store.lookup(inputs, self.device)
                 self.refs.append(self._normalised(values[:, :2].float(), values[:, 2:].float()))
-            return
-        if self.reference is None:
+        elif self.reference is None:
             raise RuntimeError("the preference loss's reference was never set (build.py preference_reference)")
+        else:
+            for k, (_, target) in enumerate(batches):
+                logps, counts = side_logps(self.reference(forward, k), target.to(self.device))
+                self.refs.append(self._normalised(logps, counts))
+        if self.loss_type == "kto":
+            self.kl = self._kl(batches, forward)
+
+    def _kl(self, batches, forward) -> float:
+        """KTO's reference point ``z0 = max(0, mean KL estimate)``: each example's prompt with
+        another row's completion (side 1 of its row), ``log pi - log ref`` without a graph,
+        averaged over the whole global batch (Ethayarajh et al. 2024). TRL averages it per
+        micro-batch (then over devices), so it changes with the micro-batch size."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for k, (_, target) in enumerate(batches):
-            logps, counts = side_logps(self.reference(forward, k), target.to(self.device))
-            self.refs.append(self._normalised(logps, counts))
+            policy, counts = side_logps(forward(k), target.to(self.device))
+            real = counts[:, 1] > 0
+            total += torch.stack([(policy[:, 1] - self.refs[k][:, 1])[real].double().sum(), real.sum().double()])
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        return max(0.0, float(total[0] / total[1].clamp(min=1)))
 
     def _normalised(self, logps: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return logps / counts.clamp(min=1) if self.loss_type in MEAN_LOGPS else logps
@@ -155,11 +184,30 @@ class PreferenceLoss(Objective):
         policy = self._normalised(logps, counts)
         ref = self.refs[self._k] if self.uses_reference else torch.zeros_like(policy)
         self._k += 1
-        losses, rewards = self.pair_losses(policy, ref)
+        if self.loss_type == "kto":
+            desirable = target[:, 2, 0] == 1
+            losses, rewards = self.kto_losses(policy[:, 0] - ref[:, 0], desirable)
+            counted = desirable  # the fifth sum: KTO's desirable examples
+        else:
+            losses, rewards = self.pair_losses(policy, ref)
+            counted = rewards[:, 0] > rewards[:, 1]  # the fifth sum: the pairs ranked right
         real = (counts > 0).all(-1)  # a filled-up validation row has no pair
         losses = torch.where(real, losses, 0.0)
-        self._last = (losses.sum().detach(), real, rewards.detach())
+        self._last = (losses.sum().detach(), real, rewards.detach(), counted.detach())
         return losses.sum() * self.scale
+
+    def kto_losses(self, ratio: torch.Tensor, desirable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KTO's per-example losses ``(B,)`` from ``log pi - log ref`` of each example and its
+        label; the rewards as ``(B, 2)``: ``b x ratio`` in column 0 for a desirable example, in
+        column 1 for an undesirable one (the other 0), so their sums are per kind."""
+        b, (w_d, w_u) = self.beta, self.weights
+        losses = torch.where(
+            desirable,
+            w_d * (1 - torch.sigmoid(b * (ratio - self.kl))),
+            w_u * (1 - torch.sigmoid(b * (self.kl - ratio))),
+        )
+        reward = b * ratio
+        return losses, torch.stack([torch.where(desirable, reward, 0.0), torch.where(desirable, 0.0, reward)], -1)
 
     def pair_losses(self, policy: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-pair losses ``(B,)`` and rewards ``(B, 2)`` from the sides' log-probabilities."""
@@ -189,17 +237,11 @@ class PreferenceLoss(Objective):
         return losses, rewards
 
     def end_micro_batch(self) -> None:
-        loss_sum, real, rewards = self._last
+        loss_sum, real, rewards, counted = self._last
         self._last = None
         r = rewards[real].double()
         self.totals += torch.stack(
-            [
-                loss_sum.double(),
-                real.sum().double(),
-                r[:, 0].sum(),
-                r[:, 1].sum(),
-                (r[:, 0] > r[:, 1]).sum().double(),
-            ]
+            [loss_sum.double(), real.sum().double(), r[:, 0].sum(), r[:, 1].sum(), counted[real].sum().double()]
         )
 
     def sums(self) -> torch.Tensor:
@@ -212,6 +254,16 @@ class PreferenceLoss(Objective):
                 " preference batch must hold one pair with a target on both sides (data/preference.py)"
             )
         n = max(units, 1)
+        if self.loss_type == "kto":  # the rewards' means over their own kind of example
+            good = reduced[4]
+            chosen, rejected = reduced[2] / max(good, 1), reduced[3] / max(n - good, 1)
+            return {
+                "loss": reduced[0] / n,
+                "rewards_chosen": chosen,
+                "rewards_rejected": rejected,
+                "reward_margin": chosen - rejected,
+                "kto_kl": self.kl,
+            }
         chosen, rejected = reduced[2] / n, reduced[3] / n
         return {
             "loss": reduced[0] / n,
@@ -230,8 +282,10 @@ class PreferenceLoss(Objective):
         (n, chosen, rejected, correct), self._eval = self._eval, [0.0] * 4
         if not n:
             return {}
+        if self.loss_type == "kto":
+            return {"reward_margin": chosen / max(correct, 1) - rejected / max(n - correct, 1)}
         return {"reward_accuracy": correct / n, "reward_margin": (chosen - rejected) / n}
 
     def metrics(self, values: dict) -> dict:
-        keys = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+        keys = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "kto_kl")
         return {k: values[k] for k in keys if k in values}
