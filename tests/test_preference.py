@@ -28,6 +28,7 @@ from tests.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_j
 pytest.importorskip("transformers")
 
 SGD = [*plain_sgd(0.5), "run.progress=false", "metrics.plot=false", "data.shuffle=false"]
+LORA = ("model.lora.target_modules=['q_proj', 'v_proj']", "model.lora.r=4", "model.lora.alpha=8")
 PAIRS = 16
 
 
@@ -199,13 +200,17 @@ def test_lora_reference_is_the_policy_with_adapters_off(pref):
     """LoRA: the default reference is the same model with its adapters off. At step 1 the
     adapters are zero, so the loss is log 2; a reference computed with the adapters on would keep
     it there (the policy against itself): step 2 must move."""
-    lora = ("model.lora.target_modules=['q_proj', 'v_proj']", "model.lora.r=4", "model.lora.alpha=8")
-    losses, norms, _ = _run(pref, "lora1", *lora)
+    losses, _, _ = _run(pref, "lora1", *LORA)
     assert losses[0] == pytest.approx(0.6931472, abs=1e-6)
     assert abs(losses[1] - losses[0]) > 1e-5
-    two = _run(pref, "lora2", *lora, "parallel.dp_shard=2", "batch.micro_batch_size=2", world=2)
-    torch.testing.assert_close(two[0], losses, rtol=1e-5, atol=0)
-    torch.testing.assert_close(two[1], norms, rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_lora_on_fsdp2_gives_the_one_process_numbers(pref):
+    one = _run(pref, "lora_one", *LORA)
+    two = _run(pref, "lora2", *LORA, "parallel.dp_shard=2", "batch.micro_batch_size=2", world=2)
+    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
 
 
 def test_pair_losses_are_the_papers_formulas():
@@ -341,50 +346,58 @@ def test_reward_model_equals_transformers_and_exports_a_classifier(pref):
         for row in pref["rows"][:4]:
             messages = row["prompt"] + row["chosen"]
             torch.testing.assert_close(score(exported, tok, messages), score(trained, tok, messages), rtol=0, atol=1e-5)
-    # World 2 with accumulation: the same numbers.
+    pref["reward"] = (reward, losses, norms)
+
+
+@pytest.mark.slow
+def test_reward_models_on_two_ranks(pref):
+    """World 2 with accumulation (DDP) gives the anchor's numbers; a causal LM's directory, whose
+    weights have no score head (initialised from the seed as transformers does, the same on
+    every rank), trains alike on one process and on FSDP2."""
+    reward = ("model.head='score'", "loss.name='reward'", f"model.hf='{pref['rm']}'")
+    losses, norms = pref["reward"][1:] if "reward" in pref else reward_anchor(pref)[:2]
     two = _run(pref, "rm2", *reward, "parallel.dp_replicate=2", "batch.micro_batch_size=2", world=2)
     torch.testing.assert_close(two[0], losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(two[1], norms, rtol=1e-5, atol=0)
-
-
-def test_a_causal_lm_directory_becomes_a_reward_model(pref):
-    """A causal LM's weights have no score head: it is initialised from the seed (as transformers
-    does), the same on every rank, and trained."""
-    reward = ("model.head='score'", "loss.name='reward'", "run.steps=1")
-    one = _run(pref, "rm_lm1", *reward)
-    two = _run(pref, "rm_lm2", *reward, "parallel.dp_shard=2", world=2)
+    lm = ("model.head='score'", "loss.name='reward'", "run.steps=1")
+    one = _run(pref, "rm_lm1", *lm)
+    shard = _run(pref, "rm_lm2", *lm, "parallel.dp_shard=2", world=2)
     assert one[0][0] > 0
-    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
-    torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
+    torch.testing.assert_close(shard[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(shard[1], one[1], rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize(
     "layout",
     [
-        ("parallel.dp_replicate=2",),
+        ("run.seed=0",),  # one process, accumulation 4
+        pytest.param(("parallel.dp_replicate=2",), marks=pytest.mark.slow),
         pytest.param(("parallel.dp_shard=2",), marks=pytest.mark.slow),
         pytest.param(
             ("parallel.dp_shard=2", "model.lora.target_modules=['q_proj', 'v_proj']", "model.lora.r=4"),
             marks=pytest.mark.slow,
         ),
     ],
-    ids=["ddp", "fsdp2", "fsdp2_lora"],
+    ids=["one_process", "ddp", "fsdp2", "fsdp2_lora"],
 )
 def test_precomputed_reference_equals_the_per_step_one(pref, layout):
     """preference.precompute: the reference's numbers computed once into a store keyed by the
     pair give the per-step reference's losses and gradients (1e-6); a second run with the same
     store computes nothing (its values file is not rewritten)."""
     name = "_".join(x.split("=")[0].split(".")[-1] for x in layout)
+    world = 1 if name == "seed" else 2
     ref = "" if "lora" in name else f"preference.reference='{pref['ref']}'"
     extra = [x for x in (ref, *layout, "batch.micro_batch_size=2") if x]
-    step = _run(pref, f"p_step_{name}", *extra, world=2)
+    step = _run(pref, f"p_step_{name}", *extra, world=world)
     store = os.path.join(pref["root"], f"store_{name}")
-    pre = _run(pref, f"p_pre_{name}", *extra, "preference.precompute=true", f"preference.store='{store}'", world=2)
+    pre = _run(pref, f"p_pre_{name}", *extra, "preference.precompute=true", f"preference.store='{store}'", world=world)
     torch.testing.assert_close(pre[0], step[0], rtol=1e-6, atol=0)
     torch.testing.assert_close(pre[1], step[1], rtol=1e-6, atol=0)
     values = os.path.join(store, "values.pt")
     written = os.stat(values).st_mtime_ns
-    again = _run(pref, f"p_again_{name}", *extra, "preference.precompute=true", f"preference.store='{store}'", world=2)
+    again = _run(
+        pref, f"p_again_{name}", *extra, "preference.precompute=true", f"preference.store='{store}'", world=world
+    )
     assert again[0] == pre[0] and os.stat(values).st_mtime_ns == written
 
 
@@ -440,8 +453,9 @@ def kto_anchor(pref: dict, rows: list[dict], *, beta: float = 0.1, lr: float = 0
 
 def test_kto_on_unpaired_rows_equals_transformers_and_every_layout(pref, tmp_path):
     """KTO on `prepare --format unpaired` rows: two SGD steps equal the written-out loss on
-    transformers' forward of each example alone (z0 over the global batch), and world 2 with
-    micro-batches of one example gives the same numbers (TRL's z0 is per micro-batch)."""
+    transformers' forward of each example alone (z0 over the global batch); world 2 with
+    micro-batches of one example gives the same numbers (the slow case below; TRL's z0 is per
+    micro-batch)."""
     rows = unpaired_rows(pref["rows"])
     data = write_jsonl(str(tmp_path / "unpaired.jsonl"), rows)
     corpus = str(tmp_path / "kto")
@@ -456,6 +470,14 @@ def test_kto_on_unpaired_rows_equals_transformers_and_every_layout(pref, tmp_pat
     torch.testing.assert_close(got_losses, losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=0)
     assert got[0]["kto_kl"] >= 0
+    pref["kto"] = (kto, losses, norms)  # test_kto_at_world_2 (slow) compares with the same anchor
+
+
+@pytest.mark.slow
+def test_kto_at_world_2_with_micro_batches_of_one(pref, tmp_path):
+    if "kto" not in pref:
+        test_kto_on_unpaired_rows_equals_transformers_and_every_layout(pref, tmp_path)
+    kto, losses, norms = pref["kto"]
     two = _run(pref, "kto2", *kto, "parallel.dp_replicate=2", "batch.micro_batch_size=1", world=2)
     torch.testing.assert_close(two[0], losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(two[1], norms, rtol=1e-5, atol=0)

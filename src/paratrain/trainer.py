@@ -269,8 +269,9 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
         "world_size": run.ctx.world_size,
         "items": result.items,
         "tokens": result.tokens,
-        # Token inputs: the targets of the loss (a fine-tuning corpus masks prompts and padding).
-        **({"trainable_tokens": result.items} if seq_len > 1 else {}),
+        # Token inputs: the targets of the loss (a fine-tuning corpus masks prompts and padding);
+        # a loss over pairs (objectives/preference.py) counts pairs, in "items" alone.
+        **({"trainable_tokens": result.items} if seq_len > 1 and run.step_ctx.objectives[0].unit != "pair" else {}),
         "consumed_samples": state.consumed_samples,
         "epoch": run.sampler.epoch_of(state.consumed_samples - 1),
         "step_time_s": dt,

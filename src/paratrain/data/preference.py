@@ -18,7 +18,8 @@ Conversations are rendered by the tokenizer's chat template, as SFT's prompt row
 are not templated (TRL does not template them either): ``prompt ids + reply ids + EOS``, the
 reply and its EOS the targets.
 
-Each pair is written as two consecutive documents of one split, chosen then rejected, with their
+(The rows are read by data/chat.py's ``split_pair`` and ``split_unpaired``, torch-free like the rest
+of ``prepare``.) Each pair is written as two consecutive documents of one split, chosen then rejected, with their
 masks; both land in the split the whole row hashes to. A pair is one sample of the dataset
 (:class:`PreferencePairs`): one packed row ``[chosen | rejected]`` with position ids that restart
 at each document (so each attends to itself only), whatever the layout. Its target is ``(2, T)``:
@@ -31,90 +32,9 @@ import numpy as np
 import torch
 
 from paratrain.config import ConfigError
-from paratrain.data.chat import _checked, _sharegpt
 
 IGNORE_INDEX = -100
 CHOSEN, REJECTED, NEITHER = 0, 1, -1
-
-
-def common_prefix(a: list, b: list) -> int:
-    """Length of the longest common leading run of two sequences."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def split_pair(row: dict, where: str) -> tuple[object, object, object]:
-    """``(prompt, chosen, rejected)`` of a row: lists of messages, or strings."""
-    if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
-        raise ConfigError(
-            f"{where}: a preference row needs the fields 'chosen' and 'rejected' (and 'prompt'); fix the row"
-        )
-    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
-    if isinstance(chosen, str) and isinstance(rejected, str):
-        if prompt is None:  # implicit prompt: the common leading text
-            n = common_prefix(chosen, rejected)
-            if 0 < n < len(chosen) and chosen[n - 1] == " ":
-                n -= 1  # the space belongs to the replies
-            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-        if not isinstance(prompt, str):
-            raise ConfigError(f"{where}: 'prompt' must be a string when 'chosen' and 'rejected' are; fix the row")
-        return prompt, chosen, rejected
-    if not isinstance(chosen, list) or not isinstance(rejected, list):
-        raise ConfigError(
-            f"{where}: 'chosen' and 'rejected' must both be strings or both lists of messages; fix the row"
-        )
-    chosen, rejected = _sharegpt(chosen), _sharegpt(rejected)
-    if prompt is None:  # implicit prompt: the common leading messages
-        n = common_prefix(chosen, rejected)
-        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-    elif isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    if not isinstance(prompt, list) or not prompt:
-        raise ConfigError(
-            f"{where}: the pair has no prompt (no common leading message, or an empty 'prompt'); fix the row"
-        )
-    if not chosen or not rejected:
-        raise ConfigError(f"{where}: 'chosen' and 'rejected' are the same conversation; fix or drop the row")
-    return _checked(_sharegpt(prompt), where), _checked(chosen, where), _checked(rejected, where)
-
-
-def split_unpaired(row: dict, where: str) -> tuple[object, object, bool]:
-    """``(prompt, completion, label)`` of an unpaired row (TRL's KTO format): lists of messages,
-    or strings; ``label`` true for a desirable completion."""
-    if not isinstance(row, dict) or not all(k in row for k in ("prompt", "completion", "label")):
-        raise ConfigError(f"{where}: an unpaired row needs the fields 'prompt', 'completion' and 'label'; fix the row")
-    prompt, completion, label = row["prompt"], row["completion"], row["label"]
-    if not isinstance(label, bool):
-        raise ConfigError(
-            f"{where}: 'label' must be true (desirable) or false (undesirable), got {label!r}; fix the row"
-        )
-    if isinstance(prompt, str) and isinstance(completion, str):
-        return prompt, completion, label
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    if isinstance(completion, str):
-        completion = [{"role": "assistant", "content": completion}]
-    if not isinstance(prompt, list) or not isinstance(completion, list) or not prompt or not completion:
-        raise ConfigError(
-            f"{where}: 'prompt' and 'completion' must be strings or non-empty lists of messages; fix the row"
-        )
-    return _checked(_sharegpt(prompt), where), _checked(_sharegpt(completion), where), label
-
-
-def encode_plain(tok, prompt: str, reply: str) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask) of a plain-text pair side: prompt ids + reply ids + EOS, the reply and EOS marked."""
-    p = tok(prompt, add_special_tokens=False)["input_ids"] if prompt else []
-    r = tok(reply, add_special_tokens=False)["input_ids"]
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None and tok.bos_token_id != tok.eos_token_id else []
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    ids = np.asarray(bos + p + r + eos, dtype=np.int64)
-    mask = np.zeros(len(ids), dtype=np.uint8)
-    mask[len(bos) + len(p) :] = 1
-    return ids, mask
 
 
 class PreferencePairs(torch.utils.data.Dataset):

@@ -50,11 +50,13 @@ from paratrain.data.chat import (
     LOSS_ON,
     detect_format,
     encode_conversations,
+    encode_plain,
     load_chat_tokenizer,
     row_key,
     row_messages,
+    split_pair,
+    split_unpaired,
 )
-from paratrain.data.preference import encode_plain, split_pair, split_unpaired
 
 META = "meta.json"
 FORMAT = "paratrain-tokens/2"
