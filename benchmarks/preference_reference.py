@@ -201,8 +201,8 @@ def main() -> None:
         epilog="\n".join(line.strip() for line in __doc__.splitlines() if line.startswith("    python ")),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--rounds", type=int, default=7, help="paired rounds (per-step and precompute once each)")
-    p.add_argument("--steps", type=int, default=8, help=f"optimiser steps per run; the first {WARMUP} are warm-up")
+    p.add_argument("--rounds", type=int, default=6, help="paired rounds (per-step and precompute once each)")
+    p.add_argument("--steps", type=int, default=6, help=f"optimiser steps per run; the first {WARMUP} are warm-up")
     p.add_argument("--batch", type=int, default=8, help="global batch, in pairs")
     p.add_argument("--micro", type=int, default=2, help="pairs per micro-batch per process")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant, no warmup)")

@@ -216,12 +216,14 @@ def _preference(cfg: Config) -> bool:
     return cfg.loss.name in ("preference", "reward", "distill")
 
 
-def _preference_refusal(degree: str) -> Refusal:
+def _preference_refusal(degree: str, *, distill: bool = True) -> Refusal:
+    """``distill`` False: distillation runs with this degree (a per-token loss, like the cross-entropy)."""
     return Refusal(
         ("preference", degree),
-        lambda c, d: _preference(c) and getattr(d, degree) > 1,
+        lambda c, d: _preference(c) and (distill or c.loss.name != "distill") and getattr(d, degree) > 1,
         lambda c, d: (
-            f"loss.name = {c.loss.name!r} runs on DDP, FSDP2, HSDP, tensor parallel and accumulation, not with"
+            f"loss.name = {c.loss.name!r} runs on DDP, FSDP2, HSDP, tensor parallel"
+            f"{', context parallel' if c.loss.name == 'distill' else ''} and accumulation, not with"
             f" parallel.{degree} = {getattr(d, degree)} yet; set parallel.{degree} = 1 (docs/preference.md)"
         ),
         "a pair's loss, or a teacher's distribution, with its second model: not built for this degree yet",
@@ -229,7 +231,9 @@ def _preference_refusal(degree: str) -> Refusal:
 
 
 REFUSALS: tuple[Refusal, ...] = (
-    *(_preference_refusal(degree) for degree in ("pp", "cp", "ep")),
+    _preference_refusal("pp"),
+    _preference_refusal("cp", distill=False),
+    _preference_refusal("ep"),
     Refusal(
         ("preference", "noise_probe"),
         lambda c, d: _preference(c) and _noise_probe(c),
