@@ -341,9 +341,17 @@ def test_layouts_not_covered_are_refused_in_one_line():
             )
         return str(e.value)
 
+    from paratrain.preflight.support import check_support
+
+    def refused_by_config(model, *over, pp=1):  # preflight/support.py, before any process starts
+        cfg = load_config(None, [*COMMON, *MODELS[model], *over])
+        with pytest.raises(ConfigError) as e:
+            check_support(cfg, SimpleNamespace(pp=pp, tp=1, cp=1, ep=1, dp_shard=1, dp_replicate=2, fsdp_enabled=False))
+        return str(e.value)
+
     assert "not with parallel.tp = 2; set parallel.tp = 1" in refused("cnn", tp=2)
-    assert "not with parallel.pp = 2" in refused("dual", pp=2)  # tensor parallel it takes
-    assert "set batch.adaptive = false" in refused("dual", "batch.adaptive=true")
+    assert "not with parallel.pp = 2" in refused_by_config("dual", pp=2)  # tensor parallel it takes
+    assert "turn it off" in refused_by_config("dual", "batch.adaptive=true")
     assert "set run.keyed_random = true" in refused("dual", keyed=False)
 
 

@@ -326,15 +326,12 @@ def check_batch_math(cfg: Config, dims: ParallelDims, model: nn.Module, loss_fn:
     """The layouts a model's BatchNorm and a loss over the whole global batch do not cover yet,
     refused in one line each (docs/batch-math.md)."""
     bn = has_batch_norm(model) and cfg.batch.norm_group > 0
-    if bn or loss_fn.over_batch:
-        what = "a BatchNorm model" if bn else f"loss {loss_fn.name!r} (over the whole global batch)"
-        # A loss over the batch takes tensor parallel: every tp rank holds the whole outputs of
-        # its data-parallel rank's rows, and backpropagates the same cached gradient of them.
-        for degree in ("pp", "tp", "cp", "ep") if bn else ("pp", "cp", "ep"):
+    if bn:  # found on the built model (a loss over the batch is refused from the config: preflight/support.py)
+        for degree in ("pp", "tp", "cp", "ep"):
             if getattr(dims, degree, 1) > 1:
                 raise ConfigError(
-                    f"{what} runs on data parallel (DDP, FSDP2) and accumulation only, not with parallel.{degree} ="
-                    f" {getattr(dims, degree)}; set parallel.{degree} = 1 (docs/batch-math.md)"
+                    f"a BatchNorm model runs on data parallel (DDP, FSDP2) and accumulation only, not with"
+                    f" parallel.{degree} = {getattr(dims, degree)}; set parallel.{degree} = 1 (docs/batch-math.md)"
                 )
     if bn:
         group = norm_group(cfg.batch.norm_group, cfg.batch.global_batch_size)
@@ -347,11 +344,6 @@ def check_batch_math(cfg: Config, dims: ParallelDims, model: nn.Module, loss_fn:
         if why is not None:
             raise ConfigError(why)
     if loss_fn.over_batch:
-        if cfg.batch.adaptive:
-            raise ConfigError(
-                f"loss {loss_fn.name!r} is over the whole global batch, which batch.adaptive's per-micro-batch gradient"
-                " noise probe does not see; set batch.adaptive = false"
-            )
         if has_dropout(model) and not keyed:
             raise ConfigError(
                 f"loss {loss_fn.name!r} runs each micro-batch twice (the gradient cache) and the model's dropout must"

@@ -230,7 +230,37 @@ def _preference_refusal(degree: str, *, distill: bool = True) -> Refusal:
     )
 
 
+def _over_batch(cfg: Config) -> bool:
+    """A loss over the whole global batch (objectives/batch_loss.py, the gradient cache)."""
+    return cfg.loss.name == "info_nce" or cfg.loss.over == "global_batch"
+
+
+def _over_batch_refusal(degree: str) -> Refusal:
+    # Tensor parallel composes: every tp rank holds the whole outputs of its data-parallel rank's
+    # rows and backpropagates the same cached gradient of them.
+    return Refusal(
+        ("loss over the global batch", degree),
+        lambda c, d: _over_batch(c) and getattr(d, degree) > 1,
+        lambda c, d: (
+            f"loss {c.loss.name!r} (over the whole global batch) runs on data parallel (DDP, FSDP2), tensor parallel"
+            f" and accumulation only, not with parallel.{degree} = {getattr(d, degree)}; set parallel.{degree} = 1"
+            " (docs/batch-math.md)"
+        ),
+        "the gradient cache gathers every output of the global batch on each rank: not built for this degree yet",
+    )
+
+
 REFUSALS: tuple[Refusal, ...] = (
+    *(_over_batch_refusal(degree) for degree in ("pp", "cp", "ep")),
+    Refusal(
+        ("loss over the global batch", "noise_probe"),
+        lambda c, d: _over_batch(c) and _noise_probe(c),
+        lambda c, d: (
+            f"loss {c.loss.name!r} is over the whole global batch, which {_probe_name(c)}'s per-micro-batch"
+            " gradient-noise probe does not see; turn it off"
+        ),
+        "the gradient-noise probe reads a micro-batch's own gradient, which a loss over the whole batch does not have",
+    ),
     _preference_refusal("pp"),
     _preference_refusal("cp", distill=False),
     _preference_refusal("ep"),
