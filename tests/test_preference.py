@@ -182,11 +182,11 @@ def test_two_ranks_with_accumulation_give_the_one_process_numbers(pref):
 @pytest.mark.parametrize(
     "layout",
     [
-        ("parallel.dp_shard=4", "batch.micro_batch_size=1"),
+        ("parallel.dp_shard=4", "batch.micro_batch_size=1", "parallel.activation_checkpointing='full'"),
         ("parallel.dp_shard=2", "parallel.tp=2"),
         ("parallel.dp_replicate=2", "parallel.dp_shard=2", "batch.micro_batch_size=2"),
     ],
-    ids=["fsdp4_accum2", "fsdp2_tp2", "hsdp"],
+    ids=["fsdp4_accum2_ac", "fsdp2_tp2", "hsdp"],
 )
 def test_sharded_layouts_give_the_one_process_numbers(pref, layout):
     ref = f"preference.reference='{pref['ref']}'"
