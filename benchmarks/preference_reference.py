@@ -1,9 +1,64 @@
 """DPO's reference model run at every step against ``preference.precompute = true``: step time,
 the one-off precompute, memory per rank, and the store's reuse; world 2 on CPU (gloo).
 
-FIGURES
+Both arms: ``paratrain train --nproc-per-node 2`` with ``parallel.dp_replicate = 2``, DPO
+``sigmoid`` (beta 0.1), a random Qwen2 policy (seed 0) and a random Qwen2 reference of the same
+shape in another directory (seed 1, ``preference.reference = DIR``; ``tests/hf_models.py``),
+hidden ``--hidden`` (4x in the MLP), ``--layers`` layers; the conversational pairs of
+``tests/sft_data.py: preference_pairs`` (distinct pairs, as many as 1.2 x the run's steps x
+global batch, so one epoch holds every step: the precompute runs a forward per row of the
+corpus, repeats included), one pair per row of ``block_size`` (the longest pair rounded up to
+64), global batch ``--batch`` pairs (``--micro`` per micro-batch per process, accumulation filling
+the rest), AdamW (lr ``--lr``, betas (0.9, 0.95), eps 1e-8, no decay, no warmup, constant,
+clipped to 1.0), float32, ``metrics.rank_stats_every = 1`` (every row then carries each rank's
+memory; at the default 50 a short run's rows carry rank 0's alone). The arms differ in one thing:
 
-    python benchmarks/preference_reference.py           # ROUNDS rounds of STEPS steps, then the reuse run
+- per-step: the reference runs a forward over the step's pairs at every step, before the
+  micro-batch loop, and stays in memory;
+- precomputed: ``preference.precompute = true`` with a fresh ``preference.store`` per run, so every
+  run computes every pair once before the first step, then drops the reference model and looks
+  its numbers up.
+
+Measured per run: the step time (the median difference of consecutive metrics rows' ``time``
+after the first ``WARMUP`` steps, ``vs_trl_dpo.py``'s ``steady``); the whole run's wall time
+(launch to exit, loading and the precompute included) and the time from the workers' ``train``
+call to the end of the first step (``events.jsonl``); the precompute's own time from rank 0's line
+``preference: reference of N pair(s) computed in X s, M found in PATH``; memory per rank three
+ways: paratrain's ``memory_gib`` (on CPU: the process's resident set at the end of each step, not
+a peak; its max, and its median after the warm-up), and the kernel's peak resident set of each
+rank's process over its whole life (``VmHWM`` in ``/proc/PID/status``, polled every 0.1 s; the
+rank's pid from ``events.jsonl``) and of the whole process tree (``wait4``'s ``ru_maxrss``).
+Runs alternate (per-step, precomputed, precomputed, per-step, ...); each round's ratio
+precomputed/per-step is the observation, summarised by ``paired.summary_line`` (median ratio, 95%
+CI of the geometric mean). Fairness: both arms must log the same losses and ``grad_norm`` at every
+step (1e-6 relative; checked, the maximum printed). Last, a run with the last round's store
+again: it must compute 0 pairs and log the same losses. Results: ``preference_reference.json``.
+
+Measured (transformers 5.25, torch 2.13 CPU; defaults: 58 pairs, longest 325 tokens, rows of 384,
+policy and reference hidden 512 x 4 layers, 61.1 MiB of float32 weights each, global batch 8 = 2 x
+2 x 2, 6 rounds of 6 steps, 10.8 minutes; this 2-core machine shared with another job's tests,
+load 4.9 to 5.9):
+
+- step time: per-step reference 4931 ms, precomputed 3753 ms (medians); ratio precomputed/per-step
+  median 0.846, geometric mean 0.835, 95% CI [0.714, 0.977]: precomputing saves about 1.2 s, 15%
+  of the step (CI 2% to 29%; by FLOPs the reference's forward is a quarter of the per-step arm's
+  work, against the policy's forward and backward).
+- the precompute of the 58 pairs: median 11.5 s (9.3 to 14.0), about 10 steps' saving; worker
+  start to the end of the first step 8.6 s per-step, 21.1 s precomputed (medians); whole 6-step
+  runs 45.1 s and 53.2 s, ratio median 1.220, 95% CI [1.071, 1.365]: for a run this short the
+  precompute costs more than it saves; it pays back after about 10 steps (1.4 epochs here), or at
+  once when the store is reused.
+- memory per rank (rank 0 / rank 1, medians over the rounds), per-step then precomputed:
+  ``memory_gib`` max 1056/1054 and 980/993 MiB, after the warm-up 1021/1017 and 960/973 MiB; peak
+  resident set (VmHWM) 1081/1096 and 1016/1019 MiB (65/77 MiB less: about the reference's 61 MiB of
+  weights; VmHWM covers the precompute's phase too, when both models are loaded); the tree's
+  largest process 1095 and 1023 MiB.
+- same losses: per-step and precomputed losses and ``grad_norm`` equal bitwise (relative
+  difference 0) at every step of every round.
+- reuse: ``0 pair(s) computed in 0.0 s, 58 found`` (the line said "reused" then); whole run 41.3 s; losses equal to the run
+  that filled the store.
+
+    python benchmarks/preference_reference.py           # 6 rounds of 6 steps, then the reuse run
     python benchmarks/preference_reference.py --quick   # 1 round of 4 steps and the reuse run, no JSON
 """
 
@@ -28,7 +83,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preference_reference.json")
 MIB = 1024**2
 # rank 0's line after the precompute (build.py precompute_reference)
-PRECOMPUTED = re.compile(r"preference: reference of (\d+) pair\(s\) computed in ([\d.]+) s, (\d+) reused from (\S+)")
+PRECOMPUTED = re.compile(r"preference: reference of (\d+) pair\(s\) computed in ([\d.]+) s, (\d+) found in (\S+)")
 
 
 # ----------------------------------------------------------------------------- one run, watched
@@ -301,6 +356,8 @@ def main() -> None:
         f" {reuse['precompute']['seconds']:.1f} s; whole run {reuse['wall_s']:.1f} s; losses vs the run that filled"
         f" the store: {reuse_rel:.1e}"
     )
+    if max(loss_rel, norm_rel, reuse_rel) > 1e-6 or reuse["precompute"]["computed"]:
+        raise SystemExit("the arms' losses differ, or the reuse run computed pairs: the comparison is void")
     if args.quick:
         print("--quick: results not written")
         return

@@ -237,7 +237,7 @@ def precompute_reference(cfg: Config, dims: ParallelDims, model: nn.Module, step
     collate = torch.utils.data.default_collate
     micro = plan.micro_batch_size
     t0 = time.perf_counter()
-    computed = fill(
+    computed, pairs = fill(
         store,
         datasets,
         reference=own.reference,
@@ -251,10 +251,10 @@ def precompute_reference(cfg: Config, dims: ParallelDims, model: nn.Module, step
         is_main=dist.get_rank() == 0 if dist.is_initialized() else True,
     )
     log.info(
-        "preference: reference of %d pair(s) computed in %.1f s, %d reused from %s",
+        "preference: reference of %d pair(s) computed in %.1f s, %d found in %s",
         computed,
         time.perf_counter() - t0,
-        len(store.values) - computed,
+        pairs - computed,
         path,
     )
     own.store, own.reference = store, None  # the reference model goes with its last holder

@@ -98,20 +98,24 @@ def fill(
     dp_group,
     device,
     is_main: bool,
-) -> int:
+) -> tuple[int, int]:
     """Compute the pairs of ``datasets`` the store lacks, over the data-parallel ranks in global
     batches (every rank runs the same number of forwards: FSDP2 and tensor parallel gather in
     them), gather them and save (rank 0). ``reference(forward, k)``: micro-batch ``k``'s reference
     logits; ``forward_of(batches)``: step.no_grad_forward's ``forward``; ``batches_of(samples)``:
-    this rank's samples collated into micro-batches. Returns how many pairs were computed."""
+    this rank's samples collated into micro-batches. Returns ``(computed, pairs)``: the pairs
+    computed now and the distinct pairs of ``datasets``."""
     from paratrain.objectives.preference import side_logps  # the one definition of a side's log-probability
 
-    todo = []
+    todo, seen = [], set()
     for d, dataset in enumerate(datasets):
         n = getattr(dataset, "real", len(dataset))  # a filled-up validation set: its real pairs
-        keys = [row_keys(dataset[i][0][None])[0] for i in range(n)]
-        todo += [(d, i) for i in store.missing(keys)]
-    todo = sorted(set(todo))
+        for i in range(n):
+            key = row_keys(dataset[i][0][None])[0]
+            if key not in seen:  # a pair repeated in the data is computed once
+                seen.add(key)
+                if key not in store.values:
+                    todo.append((d, i))
     computed: list[tuple[str, list[float]]] = []
     g = global_batch_size
     for start in range(0, len(todo), g):
@@ -133,4 +137,4 @@ def fill(
         store.save()
     if dp > 1:
         dist.barrier(group=dp_group)  # every rank reads a complete store from here on
-    return len({k for k, _ in computed})
+    return len({k for k, _ in computed}), len(seen)

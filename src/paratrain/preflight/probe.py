@@ -104,7 +104,7 @@ def layout_probe(run, *, run_cfg: RunConfig) -> None:
 def skip_reason(model: nn.Module, *, dims, micro_batch_size: int, ctx=None) -> str | None:
     """Why the probe cannot run or would say nothing at this layout (the same on every rank), or None."""
     if ctx is not None and not hasattr(ctx.objectives[0], "loss_fn"):  # objectives/preference.py, distill.py
-        return "the loss runs a second model (a reference, a teacher) beside the model"
+        return "the loss is its own objective over pairs or against a teacher, not an item loss to split"
     if ctx is not None and getattr(ctx.objectives[0].loss_fn, "over_batch", False):
         return "the loss is over the whole global batch (the gradient cache): no micro-batch has a loss of its own"
     if ctx is not None and ctx.norm_group and (micro_batch_size // 2) % ctx.norm_group:

@@ -212,7 +212,8 @@ def _cp_refusal(name: str, what: str, when: Callable[[Config], bool]) -> Refusal
 
 
 def _preference(cfg: Config) -> bool:
-    """A loss with a second model (a reference, a teacher): objectives/preference.py, distill.py."""
+    """A loss that is its own objective (objectives/preference.py over pairs, a reward model's
+    included; distill.py against a teacher)."""
     return cfg.loss.name in ("preference", "reward", "distill")
 
 
@@ -278,9 +279,9 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c, d: _preference(c) and c.batch.micro_batch_size == "auto",
         lambda c, d: (
             f"loss.name = {c.loss.name!r} with batch.micro_batch_size = 'auto' is not supported: the estimate"
-            " does not price the reference model yet; give batch.micro_batch_size as a number"
+            " does not price this loss (its pairs' rows, a second model) yet; give batch.micro_batch_size as a number"
         ),
-        "the memory estimate does not price the reference model yet",
+        "the memory estimate does not price these losses (a pair per row, a reference or a teacher) yet",
     ),
     Refusal(
         ("fused_optimizer", "dp_shard", "tp", "ep"),
