@@ -28,6 +28,9 @@ hooks have defaults that do nothing):
 5. ``read(reduced, units=...)``: values from the reduced sums (and checks, raised on every rank
    alike because every rank has the same reduced numbers); ``metrics(values)``: metrics.jsonl
    columns.
+6. In evaluation (the loss alone): ``before_micro_batches`` when ``first_pass_in_eval`` (a
+   preference loss's reference, a teacher), ``eval_add(reduced)`` after each eval step and
+   ``eval_metrics()`` after the evaluation (``val_`` columns: recall@1, reward accuracy).
 
 The first objective of a step is *the* loss: its ``read`` gives ``loss``, the logged mean, and
 its sums come first in the reduce. The others add terms and values (``StepResult.extras``). Objectives are stateful per step (``start`` resets them) and built once
