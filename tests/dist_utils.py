@@ -157,6 +157,22 @@ def plain_sgd(lr: float) -> list[str]:
     ]
 
 
+def sgd_step(model, loss, lr: float) -> tuple[float, float]:
+    """One plain-SGD step of a plain PyTorch ``model`` on ``loss``, written out (the anchors of
+    tests/test_preference.py, test_distill.py): (loss, gradient norm) as paratrain logs them."""
+    import torch  # here: this module imports no torch at the top (spawned ranks import it themselves)
+
+    model.zero_grad()
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+    return float(loss.detach()), norm
+
+
 def read_metrics(out_dir: str) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

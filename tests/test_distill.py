@@ -19,7 +19,7 @@ from paratrain.config import load_config
 from paratrain.data.prepare import prepare
 from paratrain.data.tokens import build_tokens
 from paratrain.objectives.distill import divergence
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
+from tests.dist_utils import plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
 from tests.hf_models import save_tiny
 from tests.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
 
@@ -93,16 +93,9 @@ def anchor(kd: dict, kind: str, *, temperature: float = 1.0, lr: float = 0.5, st
                 per = (q_log.exp() * (q_log - p_log)).sum(-1)
             total.append(per.sum())
             count += int(mask.sum())
-        loss = torch.stack(total).sum() / count
-        student.zero_grad()
-        loss.backward()
-        grads = [p.grad for p in student.parameters() if p.grad is not None]
-        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
-        losses.append(float(loss.detach()))
-        with torch.no_grad():
-            for p in student.parameters():
-                if p.grad is not None:
-                    p -= lr * p.grad
+        loss, norm = sgd_step(student, torch.stack(total).sum() / count, lr)
+        losses.append(loss)
+        norms.append(norm)
     return losses, norms
 
 

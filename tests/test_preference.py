@@ -21,7 +21,7 @@ from paratrain.config import load_config
 from paratrain.data.prepare import prepare
 from paratrain.data.tokens import build_tokens
 from paratrain.objectives.preference import PreferenceLoss
-from tests.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, train_rank
+from tests.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
 from tests.hf_models import ARCHS, save_tiny
 from tests.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
 
@@ -121,16 +121,9 @@ def anchor(pref: dict, loss_type: str, *, beta: float = 0.1, gamma: float = 0.5,
             elif loss_type == "orpo":  # Hong et al. 2024, the NLL as the chosen reply's mean token NLL
                 odds = lambda m: m - torch.log(1 - torch.exp(m))  # noqa: E731
                 terms.append(-pc - beta * F.logsigmoid(odds(pc) - odds(pr)))
-        loss = torch.stack(terms).mean()
-        policy.zero_grad()
-        loss.backward()
-        grads = [p.grad for p in policy.parameters() if p.grad is not None]
-        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
-        losses.append(float(loss.detach()))
-        with torch.no_grad():
-            for p in policy.parameters():
-                if p.grad is not None:
-                    p -= lr * p.grad
+        loss, norm = sgd_step(policy, torch.stack(terms).mean(), lr)
+        losses.append(loss)
+        norms.append(norm)
     return losses, norms
 
 
@@ -307,16 +300,9 @@ def reward_anchor(pref: dict, *, lr: float = 0.5, steps: int = 2):
         for row in pref["rows"][8 * step : 8 * step + 8]:
             c, r = (score(model, tok, row["prompt"] + row[k]) for k in ("chosen", "rejected"))
             terms.append(-F.logsigmoid(c - r))
-        loss = torch.stack(terms).mean()
-        model.zero_grad()
-        loss.backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
-        losses.append(float(loss.detach()))
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p -= lr * p.grad
+        loss, norm = sgd_step(model, torch.stack(terms).mean(), lr)
+        losses.append(loss)
+        norms.append(norm)
     return losses, norms, model, accuracy
 
 
@@ -440,16 +426,9 @@ def kto_anchor(pref: dict, rows: list[dict], *, beta: float = 0.1, lr: float = 0
                 terms.append(1 - torch.sigmoid(beta * (ratio - z0)))
             else:
                 terms.append(1 - torch.sigmoid(beta * (z0 - ratio)))
-        loss = torch.stack(terms).mean()
-        policy.zero_grad()
-        loss.backward()
-        grads = [p.grad for p in policy.parameters() if p.grad is not None]
-        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
-        losses.append(float(loss.detach()))
-        with torch.no_grad():
-            for p in policy.parameters():
-                if p.grad is not None:
-                    p -= lr * p.grad
+        loss, norm = sgd_step(policy, torch.stack(terms).mean(), lr)
+        losses.append(loss)
+        norms.append(norm)
     return losses, norms
 
 

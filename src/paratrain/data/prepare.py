@@ -378,15 +378,9 @@ def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, m
         out[split].append(ids.astype(dtype))
         masks[split].append(mask)
         lengths[split].append(len(ids))
-    return {
-        "tokens": {s: np.concatenate(v) if v else np.empty(0, dtype) for s, v in out.items()},
-        "masks": {s: np.concatenate(v) if v else np.empty(0, np.uint8) for s, v in masks.items()},
-        "lengths": lengths,
-        "skipped": skipped,
-        "skipped_by_reason": reasons,
-        "truncated": truncated,
-        "text_bytes": text_bytes,
-    }
+    return _chunk_result(
+        out, masks, lengths, dtype, skipped=skipped, reasons=reasons, truncated=truncated, text_bytes=text_bytes
+    )
 
 
 def encode_pair_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
@@ -428,15 +422,9 @@ def _pair_arrays(rows: list[tuple[str, dict]], pairs: list, val_fraction: float,
             out[split].append(ids.astype(dtype))
             masks[split].append(mask)
             lengths[split].append(len(ids))
-    return {
-        "tokens": {s: np.concatenate(v) if v else np.empty(0, dtype) for s, v in out.items()},
-        "masks": {s: np.concatenate(v) if v else np.empty(0, np.uint8) for s, v in masks.items()},
-        "lengths": lengths,
-        "skipped": skipped,
-        "skipped_by_reason": reasons,
-        "truncated": truncated,
-        "text_bytes": text_bytes,
-    }
+    return _chunk_result(
+        out, masks, lengths, dtype, skipped=skipped, reasons=reasons, truncated=truncated, text_bytes=text_bytes
+    )
 
 
 def encode_unpaired_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
@@ -463,6 +451,20 @@ def encode_unpaired_rows(rows: list[tuple[str, dict]], val_fraction: float, dtyp
     for (_, _, label), (real, kl) in zip(parsed, sides):
         marked.append([(real[0], real[1] * (1 if label else 2)), (kl[0], kl[1] * 3)])
     return _pair_arrays(rows, marked, val_fraction, dtype, max_length)
+
+
+def _chunk_result(out: dict, masks: dict, lengths: dict, dtype: str, **counts) -> dict:
+    """One chunk's arrays per split and its counts (``skipped``, ``reasons``, ``truncated``,
+    ``text_bytes``), as ``prepare`` reads them (encode_rows, _pair_arrays)."""
+    return {
+        "tokens": {s: np.concatenate(v) if v else np.empty(0, dtype) for s, v in out.items()},
+        "masks": {s: np.concatenate(v) if v else np.empty(0, np.uint8) for s, v in masks.items()},
+        "lengths": lengths,
+        "skipped": counts["skipped"],
+        "skipped_by_reason": counts["reasons"],
+        "truncated": counts["truncated"],
+        "text_bytes": counts["text_bytes"],
+    }
 
 
 def skip_reason(messages: list[dict], *, cut: bool) -> str:

@@ -109,7 +109,7 @@ class PreferenceLoss(Objective):
         self.loss_type, self.beta, self.eps, self.gamma = loss_type, beta, label_smoothing, gamma
         # KTO: the desirable and undesirable examples' weights; its KL term's sums are reduced
         # over the data-parallel ranks (dp_group) before the micro-batch loop.
-        self.weights, self.dp_group, self.kl = weights, dp_group, 0.0
+        self.weights, self.dp_group, self.kl = weights, dp_group, torch.zeros(())
         # reference(forward, k): micro-batch k's reference output, set by the build once the
         # policy is parallelised (None for a reference-free loss: uses_reference).
         self.reference = reference
@@ -162,7 +162,7 @@ class PreferenceLoss(Objective):
         if self.loss_type == "kto":
             self.kl = self._kl(batches, forward)
 
-    def _kl(self, batches, forward) -> float:
+    def _kl(self, batches, forward) -> torch.Tensor:
         """KTO's reference point ``z0 = max(0, mean KL estimate)``: each example's prompt with
         another row's completion (side 1 of its row), ``log pi - log ref`` without a graph,
         averaged over the whole global batch (Ethayarajh et al. 2024). TRL averages it per
@@ -171,10 +171,11 @@ class PreferenceLoss(Objective):
         for k, (_, target) in enumerate(batches):
             policy, counts = side_logps(forward(k), target.to(self.device))
             real = counts[:, 1] > 0
-            total += torch.stack([(policy[:, 1] - self.refs[k][:, 1])[real].double().sum(), real.sum().double()])
+            gap = torch.where(real, policy[:, 1] - self.refs[k][:, 1], 0.0).double()
+            total += torch.stack([gap.sum(), real.sum().double()])
         if self.dp_group is not None:
             dist.all_reduce(total, group=self.dp_group)
-        return max(0.0, float(total[0] / total[1].clamp(min=1)))
+        return (total[0] / total[1].clamp(min=1)).clamp(min=0).float()  # stays on the device: no sync
 
     def _normalised(self, logps: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return logps / counts.clamp(min=1) if self.loss_type in MEAN_LOGPS else logps
@@ -239,9 +240,10 @@ class PreferenceLoss(Objective):
     def end_micro_batch(self) -> None:
         loss_sum, real, rewards, counted = self._last
         self._last = None
-        r = rewards[real].double()
+        # Masked sums, not boolean indexing: no host sync per micro-batch.
+        r = torch.where(real[:, None], rewards.double(), 0.0)
         self.totals += torch.stack(
-            [loss_sum.double(), real.sum().double(), r[:, 0].sum(), r[:, 1].sum(), counted[real].sum().double()]
+            [loss_sum.double(), real.sum().double(), r[:, 0].sum(), r[:, 1].sum(), (counted & real).sum().double()]
         )
 
     def sums(self) -> torch.Tensor:
@@ -262,7 +264,7 @@ class PreferenceLoss(Objective):
                 "rewards_chosen": chosen,
                 "rewards_rejected": rejected,
                 "reward_margin": chosen - rejected,
-                "kto_kl": self.kl,
+                "kto_kl": float(self.kl),
             }
         chosen, rejected = reduced[2] / n, reduced[3] / n
         return {
