@@ -96,8 +96,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from paired import ratio_ci, summary_line  # noqa: E402 - benchmarks/paired.py, next to this script
-from vs_trl_dpo import WARMUP, run, steady  # noqa: E402 - the DPO comparison's step timing and launcher
+from vs_trl_dpo import WARMUP, rounds_and_check, run, steady, write_result  # noqa: E402 - the DPO comparison's rounds, launcher and result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vs_trl_reward.json")
@@ -470,68 +469,13 @@ def main() -> None:
             f" {args.micro} x accumulation {accum}"
         )
         print(setup, flush=True)
-        ratios, ours, theirs, inner, loads = [], [], [], [], []
-        for r in range(args.rounds):
-            order = ("paratrain", "trl") if r % 2 == 0 else ("trl", "paratrain")
-            got = {}
-            for tool in order:
-                out = os.path.join(tmp, f"{tool}{r}")
-                if tool == "paratrain":
-                    corpus = paths["corpus_pairs_timing"]
-                    got[tool] = run_paratrain(paths, corpus, out, args.batch, args.micro, args.steps, args, env)
-                else:
-                    pairs = paths["pairs_timing"]
-                    got[tool] = run_trl(paths, pairs, out, args.batch, args.micro, args.steps, args, env)
-            a, b = got["paratrain"]["step_s"], got["trl"]["step_s"]
-            ours.append(a)
-            theirs.append(b)
-            inner.append(got["trl"]["inner_s"])
-            ratios.append(a / b)
-            loads.append(os.getloadavg()[0])
-            print(
-                f"round {r}: paratrain {a * 1e3:.1f} ms/step, TRL {b * 1e3:.1f} ms/step"
-                f" (begin->end {inner[-1] * 1e3:.1f}), ratio {ratios[-1]:.3f}, load {loads[-1]:.1f}",
-                flush=True,
-            )
-        mine, other = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
-        print(f"median step: paratrain {mine:.1f} ms, TRL {other:.1f} ms")
-        print(f"paired ratios: {', '.join(f'{x:.3f}' for x in ratios)} (min {min(ratios):.3f}, max {max(ratios):.3f})")
-        print(summary_line("ratio paratrain/TRL", ratios))
-        work = {t: {k: got[t][k] for k in ("positions_per_pair", "tokens_per_pair")} for t in ("paratrain", "trl")}
-        print(
-            "positions the forward passes compute per pair (real tokens, prompt twice):"
-            f" paratrain {work['paratrain']['positions_per_pair']:.0f} ({work['paratrain']['tokens_per_pair']:.0f}),"
-            f" TRL {work['trl']['positions_per_pair']:.0f} ({work['trl']['tokens_per_pair']:.0f})"
+        got = rounds_and_check(
+            args, paths, tmp, env, run_paratrain=run_paratrain, run_trl=run_trl, correctness=correctness
         )
-        check = None if args.skip_check else correctness(paths, tmp, args, env)
     if args.quick:
         print("--quick: results not written")
         return
-    gmean, lo, hi = ratio_ci(ratios)
-    import torch
-    import transformers
-    import trl
-
-    result = {
-        "command": " ".join(["python", "benchmarks/vs_trl_reward.py", *sys.argv[1:]]),
-        "setup": setup,
-        "args": {k: v for k, v in vars(args).items() if v is not None and k not in ("worker", "quick")},
-        "block_size": paths["block"],
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
-        "paratrain_step_s": ours,
-        "trl_step_s": theirs,
-        "trl_begin_to_end_s": inner,
-        "load_average": loads,
-        "ratios": ratios,
-        "ratio_median": statistics.median(ratios),
-        "ratio_geometric_mean": gmean,
-        "ratio_ci95": [lo, hi],
-        "positions_per_pair": work,
-        "check": check,
-    }
-    with open(RESULT, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {os.path.relpath(RESULT, REPO)}")
+    write_result(RESULT, args, paths, setup, got)
 
 
 if __name__ == "__main__":
