@@ -462,3 +462,25 @@ def test_kto_at_world_2_with_micro_batches_of_one(pref, tmp_path):
     two = _run(pref, "kto2", *kto, "parallel.dp_replicate=2", "batch.micro_batch_size=1", world=2)
     torch.testing.assert_close(two[0], losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(two[1], norms, rtol=1e-5, atol=0)
+
+
+def test_a_corpus_and_a_loss_that_do_not_match_are_one_line(pref, tmp_path):
+    """A preference corpus trained with another loss, a pair loss on another corpus, a teacher of
+    another vocabulary: each a ConfigError naming the fix (exit 2 and one line from the CLI),
+    not a shape error inside the step."""
+    from paratrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="loss.name = 'preference'"):
+        paratrain.train(load_config(None, _config(pref, "bad1", "loss.name='cross_entropy'")))
+    text = str(tmp_path / "text.txt")
+    with open(text, "w") as f:
+        f.write("def f():\n    return 1\n" * 200)
+    corpus = str(tmp_path / "text")
+    prepare([text], out_dir=corpus, tokenizer=pref["tok"], val_fraction=0, progress=False)
+    other = f"data.args={{path = '{corpus}', block_size = 64}}"
+    with pytest.raises(ConfigError, match="--format preference"):
+        paratrain.train(load_config(None, _config(pref, "bad2", other)))
+    teacher = save_tiny("qwen2", str(tmp_path / "teacher"))  # a vocabulary of 128, the student's is 259
+    distill = ("loss.name='distill'", f"distill.teacher='{teacher}'", "run.steps=1")
+    with pytest.raises(ConfigError, match="vocabulary of 128"):
+        paratrain.train(load_config(None, [*_config(pref, "bad3", *distill), other]))

@@ -97,6 +97,7 @@ def build_parallel(
     # parallelism (on the meta device when its weights arrive later: they are read for it too).
     needs_initial = isinstance(own, PreferenceLoss) and own.uses_reference and reference_kind(cfg) == "initial"
     initial = copy.deepcopy(model) if needs_initial else None
+    vocab = getattr(getattr(model, spec.head_attr or "", None), "out_features", None)  # the output layer's, whole
     objectives = build_objectives(
         loss_fn,
         model,
@@ -127,7 +128,7 @@ def build_parallel(
     if isinstance(own, PreferenceLoss) and own.uses_reference:
         own.reference = preference_reference(cfg, dims, model, initial, spec=spec, device=device)
     if isinstance(own, DistillLoss):
-        own.teacher = distill_teacher(cfg, dims, device=device)
+        own.teacher = distill_teacher(cfg, dims, device=device, vocab=vocab)
     step_ctx = StepContext(
         objectives=objectives,
         device=device,
@@ -174,21 +175,29 @@ def own_loss(cfg: Config, loss_fn: Loss, *, dp_group=None) -> PreferenceLoss | D
     )
 
 
-def distill_teacher(cfg: Config, dims: ParallelDims, *, device):
+def distill_teacher(cfg: Config, dims: ParallelDims, *, device, vocab: int | None = None):
     """``teacher(forward, k)`` for objectives/distill.py: micro-batch ``k``'s logits from the
-    frozen teacher (``distill.teacher``), laid out like the student."""
+    frozen teacher (``distill.teacher``), laid out like the student (``vocab``: the student's
+    output size, which the teacher's must equal)."""
     teacher, spec = frozen_model(cfg, cfg.distill.teacher, "distill.teacher")
+    theirs = getattr(getattr(teacher, spec.head_attr or "", None), "out_features", None)
+    if vocab is not None and theirs is not None and theirs != vocab:
+        raise ConfigError(
+            f"distill.teacher has a vocabulary of {theirs} tokens and the student {vocab}; distil from a teacher"
+            " of the student's tokenizer"
+        )
     teacher = frozen_like_policy(cfg, dims, teacher, spec=spec, device=device)
     log.info("distill: teacher %s (%s), frozen, laid out like the student", cfg.distill.teacher, cfg.distill.divergence)
     return lambda forward, k: forward(k, teacher)
 
 
 def frozen_model(cfg: Config, path: str, key: str) -> tuple[nn.Module, ModelSpec]:
-    """The transformers causal LM of ``path`` with its weights (no adapters), built as the run's
-    model is (``model.args`` overrides included), for a reference or a teacher."""
+    """The transformers causal LM of ``path`` with its weights (no adapters), for a reference or a
+    teacher: ``model.args`` override the run's own model's config.json, not another directory's."""
     check_hf_dir(path, key)
     lora_off = dataclasses.replace(cfg.model.lora, target_modules=[])
-    return build(dataclasses.replace(cfg.model, hf=path, hf_weights=True, lora=lora_off, head="lm"))
+    args = cfg.model.args if os.path.abspath(path) == os.path.abspath(cfg.model.hf or "") else {}
+    return build(dataclasses.replace(cfg.model, hf=path, args=args, hf_weights=True, lora=lora_off, head="lm"))
 
 
 def reference_kind(cfg: Config) -> str:

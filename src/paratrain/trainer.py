@@ -26,7 +26,7 @@ from paratrain.batch.plan import BatchPlan, replan_batch
 from paratrain.build import build_parallel_with_weights, key_detected_draws, precompute_reference
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.checkpoint.export import clear_run_outputs, save_full_weights
-from paratrain.config import Config, LossConfig, to_dict, to_toml
+from paratrain.config import Config, ConfigError, LossConfig, to_dict, to_toml
 from paratrain.data.datasets import build_dataset, build_val_dataset, static_items_per_sample, tensor_items_per_sample
 from paratrain.data.loader import StepLoader
 from paratrain.data.sampler import GlobalBatchSampler
@@ -306,6 +306,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     dims, plan = check_run(cfg, ctx.world_size, model=model)
     dataset = dataset if dataset is not None else build_dataset(cfg.data)
     loss_fn = build_loss(cfg.loss, loss)
+    check_pairs(cfg, dataset)
     # Batch-size adjustment (batch/): 'auto' resolves before any model exists, to the same
     # micro-batch on every rank; plan_batch then keeps the global batch.
     if cfg.batch.micro_batch_size == "auto":
@@ -485,6 +486,23 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         data_info=data_info,
         resumed_from=resumed_from,
     )
+
+
+def check_pairs(cfg: Config, dataset) -> None:
+    """A preference corpus (a pair per row, data/preference.py) goes with a loss over pairs, and a
+    loss over pairs with such a corpus: one line each instead of a shape error inside the step."""
+    pairs = bool(getattr(dataset, "pairs_of_rows", False))
+    over_pairs = cfg.loss.name in ("preference", "reward")
+    if pairs and not over_pairs:
+        raise ConfigError(
+            f"data.args.path is a preference corpus (a pair per row) but loss.name = {cfg.loss.name!r}; set loss.name"
+            " = 'preference' (or 'reward' with model.head = 'score'), or prepare the data with another --format"
+        )
+    if over_pairs and not pairs:
+        raise ConfigError(
+            f"loss.name = {cfg.loss.name!r} trains on pairs: point data.args.path at a corpus made by"
+            " `paratrain prepare --format preference` (or 'unpaired' for KTO)"
+        )
 
 
 def resumed_plan(
