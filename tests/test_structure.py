@@ -107,7 +107,7 @@ LAYERS = (
     ("config", "preemption"),
     ("loss", "optim", "precision", "randomness"),
     ("objectives",),
-    ("distributed", "data"),
+    ("distributed", "data", "rl"),
     ("models", "checkpoint", "hardware", "step"),
     ("observability", "build"),
     ("batch", "generate"),

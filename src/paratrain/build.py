@@ -34,6 +34,7 @@ from paratrain.models.hf.model import check_hf_dir
 from paratrain.models.lora import adapters_disabled
 from paratrain.models.spec import ModelSpec
 from paratrain.objectives import DistillLoss, PreferenceLoss, build_objectives
+from paratrain.objectives.policy_gradient import PolicyGradientLoss
 from paratrain.objectives.reference_store import ReferenceStore, fill
 from paratrain.precision import Precision
 from paratrain.randomness import draws_in_forward, has_dropout, site_names
@@ -95,7 +96,7 @@ def build_parallel(
     own = own_loss(cfg, loss_fn, dp_group=dims.group("dp"))
     # The initial policy as a preference loss's reference: the model as built, before any
     # parallelism (on the meta device when its weights arrive later: they are read for it too).
-    needs_initial = isinstance(own, PreferenceLoss) and own.uses_reference and reference_kind(cfg) == "initial"
+    needs_initial = uses_reference(own) and reference_kind(cfg) == "initial"
     initial = copy.deepcopy(model) if needs_initial else None
     vocab = getattr(getattr(model, spec.head_attr or "", None), "out_features", None)  # the output layer's, whole
     objectives = build_objectives(
@@ -125,7 +126,7 @@ def build_parallel(
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
     for objective in objectives:  # a pipeline rank holds some of the model's modules
         objective.bind(model)
-    if isinstance(own, PreferenceLoss) and own.uses_reference:
+    if uses_reference(own):
         own.reference = preference_reference(cfg, dims, model, initial, spec=spec, device=device)
     if isinstance(own, DistillLoss):
         own.teacher = distill_teacher(cfg, dims, device=device, vocab=vocab)
@@ -151,13 +152,24 @@ def build_parallel(
     return model, step_ctx, compression
 
 
-def own_loss(cfg: Config, loss_fn: Loss, *, dp_group=None) -> PreferenceLoss | DistillLoss | None:
+def own_loss(cfg: Config, loss_fn: Loss, *, dp_group=None) -> PreferenceLoss | DistillLoss | PolicyGradientLoss | None:
     """A loss that is its own objective with a second model, which is set once the model is
     parallelised: ``loss.name = 'preference'`` or ``'reward'`` (:func:`preference_reference`),
-    ``'distill'`` (:func:`distill_teacher`); None for any other loss. The layouts they do not
-    cover yet are refused before any process starts (preflight/support.py)."""
-    if not loss_fn.builtin or loss_fn.name not in ("preference", "reward", "distill"):
+    ``'distill'`` (:func:`distill_teacher`), ``'grpo'`` (its reference with ``rl.beta > 0``); None
+    for any other loss. The layouts they do not cover yet are refused before any process starts
+    (preflight/support.py)."""
+    if not loss_fn.builtin or loss_fn.name not in ("preference", "reward", "distill", "grpo"):
         return None
+    if loss_fn.name == "grpo":
+        r = cfg.rl
+        return PolicyGradientLoss(
+            r.loss_type,
+            epsilon=r.epsilon,
+            epsilon_high=r.epsilon_high,
+            beta=r.beta,
+            temperature=r.temperature,
+            max_new_tokens=r.max_new_tokens,
+        )
     if loss_fn.name == "distill":
         d = cfg.distill
         return DistillLoss(
@@ -200,23 +212,32 @@ def frozen_model(cfg: Config, path: str, key: str) -> tuple[nn.Module, ModelSpec
     return build(dataclasses.replace(cfg.model, hf=path, args=args, hf_weights=True, lora=lora_off, head="lm"))
 
 
+def uses_reference(own) -> bool:
+    """The loss runs a reference model: a preference loss that compares with one, GRPO with ``rl.beta > 0``."""
+    return isinstance(own, (PreferenceLoss, PolicyGradientLoss)) and own.uses_reference
+
+
 def reference_kind(cfg: Config) -> str:
-    """``preference.reference``, its default resolved: the adapters off with LoRA, else the initial model."""
-    return cfg.preference.reference or ("adapters_off" if cfg.model.lora.enabled else "initial")
+    """``preference.reference`` (``rl.reference`` for GRPO), its default resolved: the adapters
+    off with LoRA, else the initial model."""
+    chosen = cfg.rl.reference if cfg.loss.name == "grpo" else cfg.preference.reference
+    return chosen or ("adapters_off" if cfg.model.lora.enabled else "initial")
 
 
 def preference_reference(
     cfg: Config, dims: ParallelDims, model: nn.Module, initial: nn.Module | None, *, spec: ModelSpec, device
 ):
-    """``reference(forward, k)`` for objectives/preference.py: micro-batch ``k``'s logits from the
-    reference, laid out like the policy (``model``, parallelised). ``initial``: the policy as
-    built, copied before the parallelisms (``preference.reference = 'initial'``), of ``spec``."""
+    """``reference(forward, k)`` for objectives/preference.py and policy_gradient.py: micro-batch
+    ``k``'s logits from the reference, laid out like the policy (``model``, parallelised).
+    ``initial``: the policy as built, copied before the parallelisms (``preference.reference =
+    'initial'``), of ``spec``."""
     kind = reference_kind(cfg)
+    key = "rl.reference" if cfg.loss.name == "grpo" else "preference.reference"
     if kind == "adapters_off":
         if not cfg.model.lora.enabled:
             raise ConfigError(
-                "preference.reference = 'adapters_off' is the policy without its LoRA adapters; enable model.lora or"
-                " set preference.reference = 'initial' or a model directory"
+                f"{key} = 'adapters_off' is the policy without its LoRA adapters; enable model.lora or"
+                f" set {key} = 'initial' or a model directory"
             )
 
         def adapters_off(forward, k):
@@ -227,9 +248,9 @@ def preference_reference(
     if kind == "initial":
         reference = initial
     else:
-        reference, spec = frozen_model(cfg, kind, "preference.reference")
+        reference, spec = frozen_model(cfg, kind, key)
     reference = frozen_like_policy(cfg, dims, reference, spec=spec, device=device)
-    log.info("preference: reference %s, frozen, laid out like the policy", kind)
+    log.info("%s: %s, frozen, laid out like the policy", key, kind)
     return lambda forward, k: forward(k, reference)
 
 

@@ -12,9 +12,12 @@ import argparse
 import dataclasses
 import difflib
 import importlib
+import importlib.util
 import inspect
 import json
 import os
+import re
+import sys
 import tomllib
 import types
 import typing
@@ -138,7 +141,7 @@ class ModelConfig:
 class DataConfig:
     name: str = opt(
         "stdlib_bytes",
-        "Built-in dataset: 'stdlib_bytes' (byte-level LM on Python's standard library) or 'tokens' (a corpus made by `paratrain prepare`; args path or sources, block_size).",
+        "Built-in dataset: 'stdlib_bytes' (byte-level LM on Python's standard library), 'tokens' (a corpus made by `paratrain prepare`; args path or sources, block_size), or 'prompts' (prompt rows for loss.name = 'grpo'; args path, tokenizer, max_prompt_length: docs/grpo.md).",
     )
     factory: str = opt(
         "", "User dataset as 'package.module:function' returning a map-style Dataset of (input, target)."
@@ -160,7 +163,7 @@ class DataConfig:
 class LossConfig:
     name: str = opt(
         "cross_entropy",
-        "'cross_entropy', 'mse', 'info_nce' (in-batch negatives over the global batch: docs/batch-math.md), 'preference' (DPO and its variants over pairs, [preference]: docs/preference.md), 'reward' (a reward model's Bradley-Terry loss over pairs, with model.head = 'score'), 'distill' (a student against a frozen teacher, [distill]), or 'package.module:function' returning (sum_of_item_losses, item_count).",
+        "'cross_entropy', 'mse', 'info_nce' (in-batch negatives over the global batch: docs/batch-math.md), 'preference' (DPO and its variants over pairs, [preference]: docs/preference.md), 'reward' (a reward model's Bradley-Terry loss over pairs, with model.head = 'score'), 'distill' (a student against a frozen teacher, [distill]), 'grpo' (reinforcement learning on the policy's own completions, [rl]: docs/grpo.md), or 'package.module:function' returning (sum_of_item_losses, item_count).",
     )
     ignore_index: int = opt(-100, "Targets equal to this are not counted (cross_entropy and user losses).")
     over: Literal["items", "global_batch"] = opt(
@@ -224,6 +227,53 @@ class DistillConfig:
     top_k: int = opt(
         0, "> 0: the divergence over the teacher's k most likely tokens (renormalised); 0: the whole vocabulary."
     )
+
+
+RL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+
+
+@dataclass
+class RLConfig:
+    group_size: int = opt(
+        4,
+        "With loss.name = 'grpo': completions generated per prompt (the group whose rewards set each one's advantage); batch.global_batch_size counts completions (docs/grpo.md).",
+    )
+    max_new_tokens: int = opt(16, "Tokens generated per completion at most (a stop token ends it sooner).")
+    temperature: float = opt(
+        1.0, "Sampling temperature; the policy's log-probabilities are taken at it too (as TRL's are)."
+    )
+    top_k: int = opt(0, "Sample among the k most likely tokens (0: all).")
+    top_p: float = opt(1.0, "Sample among the most likely tokens whose probabilities sum to top_p (1: all).")
+    stop: list = opt(
+        [],
+        "Token ids that end a completion (kept in it, as a target); [] = the tokenizer's end-of-sequence token (a newline byte on bytes).",
+    )
+    steps_per_generation: int = opt(
+        1, "Optimiser steps on one generation's completions (the generation covers that many global batches)."
+    )
+    epochs_per_generation: int = opt(1, "Passes over one generation's completions (GRPO's mu).")
+    loss_type: str = opt(
+        "grpo",
+        "'grpo' (= 'seq_mean_token_mean'), 'dr_grpo' (token sum / (completions x max_new_tokens)), 'dapo' (= 'bnpo' = 'token_mean': token sum / completion tokens), or 'seq_mean_token_sum'; every normaliser over the optimiser step's global batch (docs/grpo.md).",
+    )
+    scale_rewards: Literal["group", "none"] = opt(
+        "group",
+        "'group': advantages divided by the group's reward standard deviation (GRPO); 'none': only centred (Dr. GRPO).",
+    )
+    epsilon: float = opt(0.2, "The importance ratio is clipped to [1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: float = opt(0.0, "The ratio's upper clip (DAPO's clip-higher); 0 = epsilon.")
+    beta: float = opt(0.0, "Weight of the KL to the reference (k3 estimator, per token); 0: no reference model is run.")
+    reference: str = opt(
+        "",
+        "The KL's reference with beta > 0: 'adapters_off' (LoRA) or 'initial'; '' = adapters_off with LoRA, else initial.",
+    )
+    rewards: list = opt(
+        ["exact_match"],
+        "Reward functions, summed with reward_weights: 'exact_match' (the completion equals the row's answer_field), 'format' (matches format_pattern), or 'package.module:function' / 'path/to/file.py:function' called as TRL calls one, fn(prompts, completions, **row_fields) -> list of floats.",
+    )
+    reward_weights: list = opt([], "One weight per reward function; [] = 1 each.")
+    answer_field: str = opt("answer", "The prompt row's field that 'exact_match' compares the completion with.")
+    format_pattern: str = opt("", "The regular expression a completion must fully match for 'format''s reward of 1.")
 
 
 @dataclass
@@ -508,6 +558,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -736,10 +787,10 @@ def validate(cfg: Config) -> None:
     validate_lora(cfg.model.lora)
     if ":" in cfg.loss.name:
         resolve_callable(cfg.loss.name, "loss.name")
-    elif cfg.loss.name not in ("cross_entropy", "mse", "info_nce", "preference", "reward", "distill"):
+    elif cfg.loss.name not in ("cross_entropy", "mse", "info_nce", "preference", "reward", "distill", "grpo"):
         raise ConfigError(
             f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce', 'preference', 'reward',"
-            " 'distill' or 'package.module:function'"
+            " 'distill', 'grpo' or 'package.module:function'"
         )
     validate_distill(cfg)
     if (cfg.loss.name == "reward") != (cfg.model.head == "score"):
@@ -752,6 +803,7 @@ def validate(cfg: Config) -> None:
             "model.head = 'score' builds a transformers sequence classifier; set model.hf to its directory"
         )
     validate_preference(cfg.preference)
+    validate_rl(cfg.rl)
     if cfg.batch.norm_group < 0:
         raise ConfigError(f"batch.norm_group = {cfg.batch.norm_group} must be >= 0 (0: torch's own BatchNorm)")
     if cfg.loss.temperature <= 0:
@@ -785,6 +837,39 @@ def validate_preference(p: PreferenceConfig) -> None:
         raise ConfigError(f"preference.label_smoothing = {p.label_smoothing} must be within [0, 0.5)")
 
 
+def validate_rl(r: RLConfig) -> None:
+    """[rl]'s single values (the batch's fit to groups is checked with the layout, preflight)."""
+    if r.loss_type not in RL_LOSS_TYPES:
+        raise ConfigError(f"rl.loss_type = {r.loss_type!r} is unknown; use one of {', '.join(RL_LOSS_TYPES)}")
+    for key, value in (
+        ("group_size", r.group_size),
+        ("max_new_tokens", r.max_new_tokens),
+        ("steps_per_generation", r.steps_per_generation),
+        ("epochs_per_generation", r.epochs_per_generation),
+    ):
+        if value < 1:
+            raise ConfigError(f"rl.{key} = {value} must be >= 1")
+    if r.group_size < 2:
+        raise ConfigError(
+            f"rl.group_size = {r.group_size} must be >= 2: an advantage compares a completion with its group"
+        )
+    if r.temperature <= 0:
+        raise ConfigError(f"rl.temperature = {r.temperature} must be > 0 (1: the model's own distribution)")
+    if r.top_k < 0 or not 0 < r.top_p <= 1:
+        raise ConfigError(f"rl.top_k = {r.top_k} must be >= 0 and rl.top_p = {r.top_p} within (0, 1]")
+    if r.epsilon <= 0 or r.epsilon_high < 0 or r.beta < 0:
+        raise ConfigError("rl.epsilon must be > 0, rl.epsilon_high and rl.beta >= 0 (e.g. 0.2, 0.28, 0.04)")
+    if not r.rewards:
+        raise ConfigError("rl.rewards is empty; name at least one reward function (e.g. ['exact_match'])")
+    if r.reward_weights and len(r.reward_weights) != len(r.rewards):
+        raise ConfigError(
+            f"rl.reward_weights has {len(r.reward_weights)} weights for {len(r.rewards)} rl.rewards; give one each"
+            " or none (1 each)"
+        )
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in r.stop):
+        raise ConfigError(f"rl.stop = {r.stop!r} must be a list of token ids (ints >= 0)")
+
+
 def validate_lora(lora: LoraConfig) -> None:
     """[model.lora]'s single values (the modules it names are checked on the built model, models/lora.py)."""
     if lora.r <= 0:
@@ -814,12 +899,14 @@ def validate_lora(lora: LoraConfig) -> None:
 
 
 def resolve_callable(ref: str, key: str) -> typing.Callable:
-    """Import 'package.module:function', raising ConfigError with the fix when it fails."""
-    module_name, sep, attr = ref.partition(":")
+    """Import 'package.module:function' or 'path/to/file.py:function' (a file of one's own,
+    relative to the working directory, as a recipe's reward functions), raising ConfigError with
+    the fix when it fails."""
+    module_name, sep, attr = ref.rpartition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"{key} = {ref!r} is malformed; write 'package.module:function'")
+        raise ConfigError(f"{key} = {ref!r} is malformed; write 'package.module:function' or 'file.py:function'")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"{key} = {ref!r}: cannot import module '{module_name}' ({e}); check the name and PYTHONPATH")
     obj = module
@@ -830,6 +917,25 @@ def resolve_callable(ref: str, key: str) -> typing.Callable:
     if not callable(obj):
         raise ConfigError(f"{key} = {ref!r} is not callable; point it at a function")
     return obj
+
+
+def _import_file(path: str):
+    """A Python file as a module, once per process (under a name of its absolute path)."""
+    full = os.path.abspath(path)
+    name = "paratrain_user_" + re.sub(r"\W", "_", full)
+    if name in sys.modules:
+        return sys.modules[name]
+    if not os.path.isfile(full):
+        raise ImportError(f"no file {path!r}")
+    spec = importlib.util.spec_from_file_location(name, full)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file: its error in one line
+        del sys.modules[name]
+        raise ImportError(f"{type(e).__name__}: {e}") from None
+    return module
 
 
 def to_dict(cfg: Config) -> dict:

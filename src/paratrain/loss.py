@@ -56,6 +56,8 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
         return Loss(_its_objectives, pair_count, cfg.name)
     if cfg.name == "distill" and fn is None:  # objectives/distill.py's, over target tokens
         return Loss(_its_objectives, count_not_ignored, "distill")
+    if cfg.name == "grpo" and fn is None:  # objectives/policy_gradient.py's, over completions
+        return Loss(_its_objectives, rows, "grpo")
     if cfg.name == "info_nce" and fn is None:
         return Loss(info_nce(cfg.temperature), rows, "info_nce", over_batch=True)
     if cfg.over == "global_batch":
@@ -95,7 +97,9 @@ def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
 
 
 def _its_objectives(output, target):
-    raise RuntimeError("this loss is its objective's (objectives/preference.py, distill.py), not a (sum, count)")
+    raise RuntimeError(
+        "this loss is its objective's (objectives/preference.py, distill.py, policy_gradient.py), not a (sum, count)"
+    )
 
 
 def pair_count(target: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,8 @@ from paratrain.preemption import Preemption
 from paratrain.preflight import check_eval, check_run
 from paratrain.preflight.probe import first_micro_batch, layout_probe
 from paratrain.randomness import draws_random
-from paratrain.step import StepContext, StepResult, train_step
+from paratrain.rl.rollout import Rollouts
+from paratrain.step import StepContext, StepResult, no_grad_forward, train_step
 
 log = logging.getLogger("paratrain")
 
@@ -109,6 +110,7 @@ class Run:
     n_params: int
     data_info: dict
     resumed_from: int | None
+    rollouts: Rollouts | None = None  # loss.name = 'grpo': the generation phase makes each step's rows
 
 
 def train(
@@ -169,12 +171,19 @@ def loop(cfg: Config, run: Run) -> RowHistory:
     while not finished(cfg, state):
         t0 = time.perf_counter()
         run.profiler.begin(state.step + 1)
-        batches = run.loader.batches(state.consumed_samples, plan.global_batch_size, plan.micro_batch_size)
+        keys = None
+        if run.rollouts is not None:  # loss.name = 'grpo': generated completions (rl/rollout.py)
+            batches, keys = run.rollouts.batches(
+                state.step, state.consumed_samples, plan.global_batch_size, plan.micro_batch_size
+            )
+        else:
+            batches = run.loader.batches(state.consumed_samples, plan.global_batch_size, plan.micro_batch_size)
         data_time = time.perf_counter() - t0
         lr = run.scheduler.get_last_lr()[0]
         probe = run.adapter.probe(run.model, batches[0], run.step_ctx.loss_fn) if run.adapter else None
-        keys = None
-        if run.step_ctx.draw_sites is not None:  # keyed dropout: the rows' keys (paratrain/randomness.py)
+        if run.step_ctx.draw_sites is None:
+            keys = None
+        elif run.rollouts is None:  # keyed dropout: the rows' keys (paratrain/randomness.py)
             keys = run.loader.keys(
                 state.consumed_samples, plan.global_batch_size, plan.micro_batch_size, seed=cfg.run.seed
             )
@@ -187,9 +196,14 @@ def loop(cfg: Config, run: Run) -> RowHistory:
             stop_flag=run.preemption.requested,
             keys=keys,
         )
+        if run.rollouts is not None:  # the stream is prompts, consumed a round at a time
+            state.consumed_samples += run.rollouts.consumed_after(state.step, plan.global_batch_size)
+        else:
+            state.consumed_samples += plan.global_batch_size
         state.step += 1
-        state.consumed_samples += plan.global_batch_size
         row = metrics_row(run, result, plan=plan, lr=lr, seq_len=seq_len_of(batches[0][0]), t0=t0)
+        if run.rollouts is not None:
+            row.update(run.rollouts.metrics)
         if run.evaluator and eval_due(state.step, interval=cfg.eval.interval, last=finished(cfg, state)):
             row.update(validate(run))
         if run.adapter:  # adaptive batch: next step's plan and lr scale, before the scheduler reads it
@@ -207,7 +221,9 @@ def loop(cfg: Config, run: Run) -> RowHistory:
         run.writer.log_step(row)
         if len(history) == 1:
             run.events.record("first_step_done", step=state.step)
-        if run.preemption.should_stop(state.step, agreed=result.stop):
+        # GRPO stops between generation rounds only: a round's completions are not checkpointed.
+        between = run.rollouts is None or run.rollouts.between_rounds(state.step)
+        if run.preemption.should_stop(state.step, agreed=result.stop and between):
             break
     # Preempted: a synchronous checkpoint of the step every rank stopped after, whatever the config says.
     run.ckpt.at_end(state.step, force=run.preemption.stopped_at_step is not None)
@@ -270,8 +286,13 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
         "items": result.items,
         "tokens": result.tokens,
         # Token inputs: the targets of the loss (a fine-tuning corpus masks prompts and padding);
-        # a loss over pairs (objectives/preference.py) counts pairs, in "items" alone.
-        **({"trainable_tokens": result.items} if seq_len > 1 and run.step_ctx.objectives[0].unit != "pair" else {}),
+        # a loss over pairs (objectives/preference.py) or completions (policy_gradient.py) counts
+        # those, in "items" alone.
+        **(
+            {"trainable_tokens": result.items}
+            if seq_len > 1 and run.step_ctx.objectives[0].unit not in ("pair", "completion")
+            else {}
+        ),
         "consumed_samples": state.consumed_samples,
         "epoch": run.sampler.epoch_of(state.consumed_samples - 1),
         "step_time_s": dt,
@@ -304,6 +325,8 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     """Make every object of the run from ``cfg`` (user objects replace the config's builders), resume."""
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
     dims, plan = check_run(cfg, ctx.world_size, model=model)
+    if cfg.data.name == "prompts" and cfg.model.hf and "tokenizer" not in cfg.data.args:
+        cfg.data.args = {**cfg.data.args, "tokenizer": cfg.model.hf}  # the model's own tokenizer
     dataset = dataset if dataset is not None else build_dataset(cfg.data)
     loss_fn = build_loss(cfg.loss, loss)
     check_pairs(cfg, dataset)
@@ -381,6 +404,23 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         keyed_seed=cfg.run.seed if cfg.run.keyed_random and draws_random(dataset) else None,
         norm_group=step_ctx.norm_group,  # BatchNorm groups wider than a micro-batch span ranks
     )
+    rollouts = None
+    if cfg.loss.name == "grpo":
+        rollouts = Rollouts(
+            cfg.rl,
+            model=model,
+            step_ctx=step_ctx,
+            loader=loader,
+            dataset=dataset,
+            dp=dims.dp,
+            dp_group=dims.group("dp"),
+            # FSDP2 and tensor parallel gather or split in the forward: every rank runs as many
+            agree=dims.fsdp_enabled or dims.tp > 1,
+            seed=cfg.run.seed,
+            out_dir=cfg.run.out_dir,
+            is_main=ctx.is_main,
+            forward_of=lambda batches, keys: no_grad_forward(model, batches, step_ctx, keys),
+        )
     evaluator = None
     if cfg.eval.interval:
         eval_plan = check_eval(cfg, dims, plan)
@@ -485,12 +525,15 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         n_params=n_params,
         data_info=data_info,
         resumed_from=resumed_from,
+        rollouts=rollouts,
     )
 
 
 def check_pairs(cfg: Config, dataset) -> None:
     """A preference corpus (a pair per row, data/preference.py) goes with a loss over pairs, and a
     loss over pairs with such a corpus: one line each instead of a shape error inside the step."""
+    if cfg.loss.name == "grpo" and not getattr(dataset, "prompts_of_rows", False):
+        raise ConfigError("loss.name = 'grpo' generates from prompts: set data.name = 'prompts' (docs/grpo.md)")
     pairs = bool(getattr(dataset, "pairs_of_rows", False))
     over_pairs = cfg.loss.name in ("preference", "reward")
     if pairs and not over_pairs:

@@ -9,10 +9,16 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 
 from paratrain.config import ConfigError, DataConfig, check_kwargs, resolve_callable
 from paratrain.data.code_search import code_search
+from paratrain.data.prompts import build_prompts
 from paratrain.data.stdlib_bytes import StdlibBytes, build_stdlib_bytes
 from paratrain.data.tokens import build_tokens
 
-BUILTIN_DATASETS = {"stdlib_bytes": build_stdlib_bytes, "tokens": build_tokens, "code_search": code_search}
+BUILTIN_DATASETS = {
+    "stdlib_bytes": build_stdlib_bytes,
+    "tokens": build_tokens,
+    "code_search": code_search,
+    "prompts": build_prompts,  # loss.name = 'grpo' (data/prompts.py)
+}
 
 
 def dataset_builder(cfg: DataConfig):

@@ -48,12 +48,12 @@ keys (``StepContext.draw_sites``, paratrain/randomness.py), whatever the objecti
 the whole global batch (objectives/batch_loss.py, the gradient cache) and BatchNorm's running
 statistics over fixed groups (objectives/batch_norm.py) and the preference losses over pairs
 (objectives/preference.py: a pair per row, the reference's log-probabilities in
-``before_micro_batches``) and distillation (objectives/distill.py: the teacher's forward per
-micro-batch) are built. Where the next ones plug in
-(not built yet; docs/structure.md):
-
-- GRPO: unit = a group of completions of one prompt; ``before_micro_batches`` is the generation
-  phase (sampling keyed by the sample), ``sums``/``read`` carry the rewards' statistics.
+``before_micro_batches``), distillation (objectives/distill.py: the teacher's forward per
+micro-batch) and GRPO's policy-gradient losses (objectives/policy_gradient.py: unit = a
+completion or a completion token) are built. GRPO's generation is not a hook of the step: it
+makes the batches of a whole round of steps (``rl.steps_per_generation``), so it is a phase of
+the loop (paratrain/rl/rollout.py) whose rows carry everything the loss needs (old and reference
+log-probabilities, advantages, weights; docs/structure.md).
 """
 
 from __future__ import annotations

@@ -164,7 +164,9 @@ class RowHistory(Sequence):
 def summarize(rows: Sequence[dict]) -> dict:
     if not rows:
         return {"steps": 0}
-    losses = [r["loss"] for r in rows]
+    # A diverged step's loss (NaN) is not stored (the columns hold NaN for "absent"): it reads as NaN.
+    losses = [r.get("loss", math.nan) for r in rows]
+    finite = [x for x in losses if math.isfinite(x)]
     # The first steps include warm-up effects (allocator, caches): leave them out of speed.
     steady = rows[min(2, len(rows) - 1) :]
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
@@ -172,7 +174,7 @@ def summarize(rows: Sequence[dict]) -> dict:
         "steps": rows[-1]["step"],
         "first_loss": losses[0],
         "final_loss": losses[-1],
-        "min_loss": min(losses),
+        "min_loss": min(finite, default=math.nan),
         "losses": losses,
         "tokens": sum(r["tokens"] for r in rows),
         "train_time_s": sum(r["step_time_s"] for r in rows),
@@ -189,7 +191,8 @@ def summarize(rows: Sequence[dict]) -> dict:
 
 def plot_metrics(rows: list[dict], path: str) -> None:
     """Loss (and validation loss, when evaluated) and throughput against step, one PNG; a
-    preference or reward run adds how often the chosen reply's reward is the higher."""
+    preference or reward run adds how often the chosen reply's reward is the higher, a GRPO run
+    its rewards."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,8 +200,18 @@ def plot_metrics(rows: list[dict], path: str) -> None:
 
     steps = [r["step"] for r in rows]
     rewards = any("reward_accuracy" in r for r in rows)
-    fig, axes = plt.subplots(1, 3 if rewards else 2, figsize=(15 if rewards else 10, 3.6))
+    rl = any("completion_length" in r for r in rows)  # reinforcement learning (rl/rollout.py)
+    fig, axes = plt.subplots(1, 3 if rewards or rl else 2, figsize=(15 if rewards or rl else 10, 3.6))
     ax1, ax2 = axes[:2]
+    if rl:  # the mean reward of the step's completions, and each reward function's
+        ax3 = axes[2]
+        names = sorted({k for r in rows for k in r if k.startswith("reward_") and k != "reward_std"})
+        ax3.plot(steps, [r.get("reward") for r in rows], lw=1.6, color="black", label="reward (weighted sum)")
+        for name in names:
+            ax3.plot(steps, [r.get(name) for r in rows], lw=1.0, label=name.removeprefix("reward_"))
+        ax3.set(xlabel="step", ylabel="mean over the completions", title="rewards")
+        ax3.legend(fontsize=8)
+        ax3.grid(alpha=0.3)
     if rewards:
         ax3 = axes[2]
         ax3.plot(steps, [r.get("reward_accuracy") for r in rows], lw=1.2, label="training")

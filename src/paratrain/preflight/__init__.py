@@ -63,6 +63,7 @@ def check_run(
     if dims.cp > 1:
         check_cp_rows(cfg, dims, spec or spec_of(cfg.model, model))
     check_eval(cfg, dims, plan)
+    check_rl(cfg, dims, plan)
     if dims.tp > 1 or dims.pp > 1:
         meta_model, spec = model_on_meta(cfg, model, spec)
         check_model_layout(cfg, spec, tp=dims.tp)
@@ -71,6 +72,37 @@ def check_run(
     elif not cfg.model.factory:
         check_model_layout(cfg, spec or spec_of(cfg.model, model), tp=1)
     return dims, plan
+
+
+def check_rl(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> None:
+    """``loss.name = 'grpo'`` (docs/grpo.md): a step's global batch is whole groups of completions,
+    each data-parallel rank holds whole groups, the data are prompts, a checkpoint falls between
+    generation rounds."""
+    if cfg.loss.name != "grpo":
+        if cfg.data.name == "prompts" and not cfg.data.factory:
+            raise ConfigError(
+                f"data.name = 'prompts' holds prompts to generate from, which loss.name = {cfg.loss.name!r} cannot"
+                " train on; set loss.name = 'grpo' (docs/grpo.md)"
+            )
+        return
+    r, gbs = cfg.rl, plan.global_batch_size
+    if cfg.data.name != "prompts" or cfg.data.factory:
+        raise ConfigError("loss.name = 'grpo' generates from prompts: set data.name = 'prompts' (docs/grpo.md)")
+    if gbs % r.group_size or (gbs // r.group_size) % dims.dp:
+        raise ConfigError(
+            f"batch.global_batch_size = {gbs} must be whole groups of rl.group_size = {r.group_size} completions, as"
+            f" many on each of the {dims.dp} data-parallel rank(s): a multiple of {r.group_size * dims.dp}"
+        )
+    if cfg.eval.interval:
+        raise ConfigError(
+            "loss.name = 'grpo' has no validation loss yet (its reward is logged every step); set eval.interval = 0"
+        )
+    rounds = r.steps_per_generation * r.epochs_per_generation
+    if cfg.checkpoint.interval and cfg.checkpoint.interval % rounds:
+        raise ConfigError(
+            f"checkpoint.interval = {cfg.checkpoint.interval} must be a multiple of a generation round's {rounds}"
+            " steps (rl.steps_per_generation x rl.epochs_per_generation): a round's completions are not saved"
+        )
 
 
 def check_paths(cfg: Config) -> None:

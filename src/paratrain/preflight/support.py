@@ -231,6 +231,19 @@ def _preference_refusal(degree: str, *, distill: bool = True) -> Refusal:
     )
 
 
+def _grpo_refusal(degree: str) -> Refusal:
+    return Refusal(
+        ("grpo", degree),
+        lambda c, d: c.loss.name == "grpo" and getattr(d, degree) > 1,
+        lambda c, d: (
+            f"loss.name = 'grpo' generates with the training layout on DDP, FSDP2, HSDP and tensor parallel, not with"
+            f" parallel.{degree} = {getattr(d, degree)} yet; set parallel.{degree} = 1 (docs/grpo.md)"
+        ),
+        "the sampler reruns the model's whole forward per token, which a pipeline stage, a context-parallel"
+        " chunk or an expert shard does not hold alone: not built yet",
+    )
+
+
 def _over_batch(cfg: Config) -> bool:
     """A loss over the whole global batch (objectives/batch_loss.py, the gradient cache)."""
     return cfg.loss.name == "info_nce" or cfg.loss.over == "global_batch"
@@ -282,6 +295,18 @@ REFUSALS: tuple[Refusal, ...] = (
             " does not price this loss (its pairs' rows, a second model) yet; give batch.micro_batch_size as a number"
         ),
         "the memory estimate does not price these losses (a pair per row, a reference or a teacher) yet",
+    ),
+    *(_grpo_refusal(degree) for degree in ("pp", "cp", "ep")),
+    Refusal(
+        ("grpo", "batch size adjustment"),
+        lambda c, d: c.loss.name == "grpo" and (_noise_probe(c) or c.batch.micro_batch_size == "auto"),
+        lambda c, d: (
+            "loss.name = 'grpo' keeps batch.global_batch_size fixed (a whole number of groups per step) and does not"
+            " price generation in the memory estimate; set batch.adaptive = false, optim.lr_scaling other than"
+            " 'adascale' and batch.micro_batch_size to a number"
+        ),
+        "a step's global batch is whole groups of completions of one generation; the memory estimate does not"
+        " price the generation phase yet",
     ),
     Refusal(
         ("fused_optimizer", "dp_shard", "tp", "ep"),

@@ -1,0 +1,104 @@
+"""Prompts for reinforcement learning with generation (``data.name = 'prompts'``, docs/grpo.md).
+
+Rows of TRL's prompt-only formats, in ``.jsonl`` or ``.parquet``: ``prompt`` is a string (plain)
+or a list of messages (conversational, rendered by the tokenizer's chat template with the
+generation prompt added); every other field of the row (an ``answer``, a ``solution``...) is
+handed to the reward functions, as TRL hands them. A prompt set is small (thousands of rows), so
+it is read and tokenised when the run starts, on every rank alike, not prepared into shards.
+
+``tokenizer``: a transformers tokenizer directory (by default ``model.hf``'s, set by the build);
+``""`` with the built-in GPT on bytes: a prompt's ids are its UTF-8 bytes. Plain prompts are
+tokenised without special tokens, as TRL's GRPOTrainer does.
+
+A sample is ``(ids, target)``: the prompt's ids right-padded with 0 to ``max_prompt_length``, and
+``[row index, prompt length]``, from which the generation phase (paratrain/rl/rollout.py) finds the
+row's fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch.utils.data import Dataset
+
+from paratrain.config import ConfigError
+from paratrain.data.chat import _tokenizer_class
+from paratrain.data.prepare import expand_inputs, iter_rows
+
+
+class PromptSet(Dataset):
+    prompts_of_rows = True  # the trainer's check: this is a prompt set, for loss.name = 'grpo'
+
+    def __init__(self, path, *, tokenizer: str = "", max_prompt_length: int = 128):
+        files = expand_inputs([path] if isinstance(path, str) else list(path))
+        self.rows, self.ids = [], []
+        self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+        for where, row in iter_rows(files):
+            if "prompt" not in row:
+                raise ConfigError(f"{where}: a prompt row needs a 'prompt' field (a string or a list of messages)")
+            ids = self.encode(row["prompt"], where)
+            if not ids:
+                raise ConfigError(f"{where}: the prompt is empty; remove the row")
+            if len(ids) > max_prompt_length:
+                raise ConfigError(
+                    f"{where}: the prompt has {len(ids)} tokens, more than data.args.max_prompt_length ="
+                    f" {max_prompt_length}; raise it or shorten the prompt"
+                )
+            self.rows.append(row)
+            self.ids.append(ids)
+        if not self.rows:
+            raise ConfigError(f"data.args.path = {path!r} holds no prompt rows")
+        self.max_prompt_length = max_prompt_length
+        self.description = {"prompts": len(self.rows), "max_prompt_tokens": max(map(len, self.ids))}
+
+    def encode(self, prompt, where: str) -> list[int]:
+        if self.tokenizer is None:
+            if not isinstance(prompt, str):
+                raise ConfigError(
+                    f"{where}: a conversational prompt needs a tokenizer with a chat template; set data.args.tokenizer"
+                )
+            return list(prompt.encode("utf-8"))
+        if isinstance(prompt, list):
+            if not self.tokenizer.chat_template:
+                raise ConfigError(f"{where}: the prompt is a conversation but the tokenizer has no chat template")
+            out = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        if not isinstance(prompt, str):
+            raise ConfigError(f"{where}: 'prompt' must be a string or a list of messages, not {type(prompt).__name__}")
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @property
+    def eos_id(self) -> int | None:
+        if self.tokenizer is None:
+            return 10  # bytes: a completion is a line
+        return self.tokenizer.eos_token_id
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        ids = self.ids[i]
+        x = torch.zeros(self.max_prompt_length, dtype=torch.long)
+        x[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return x, torch.tensor([i, len(ids)], dtype=torch.long)
+
+
+def load_tokenizer(path: str):
+    if not os.path.isdir(path):
+        raise ConfigError(f"data.args.tokenizer = {path!r} is not a directory; give a transformers tokenizer directory")
+    try:
+        return _tokenizer_class(path).from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ConfigError(f"data.args.tokenizer = {path!r}: transformers cannot load it ({first})") from None
+
+
+def build_prompts(path, tokenizer: str = "", max_prompt_length: int = 128) -> PromptSet:
+    return PromptSet(path, tokenizer=tokenizer, max_prompt_length=max_prompt_length)

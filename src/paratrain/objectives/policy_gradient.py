@@ -1,0 +1,168 @@
+"""Group-relative policy-gradient losses over the policy's own completions (docs/grpo.md).
+
+The completions come from the generation phase (paratrain/rl/rollout.py), which writes each row's
+numbers into its target ``(B, 5, T)`` (float64): the next token to score at each position (-1:
+none; the completion's tokens, the stop token included), the log-probability of that token under
+the policy that generated it (``old``, for the importance ratio), the reference's (the KL term),
+the row's advantage, and the token's weight in its unit. With the ratio
+``r = exp(log pi - log pi_old)``, the advantage ``A`` and ``e_lo, e_hi`` = ``rl.epsilon``,
+``rl.epsilon_high``, a token's loss is PPO's clipped surrogate plus the k3 estimate of the KL to
+the reference (Schulman et al. 2017; Shao et al. 2024, GRPO):
+
+    l = -min(r A, clip(r, 1 - e_lo, 1 + e_hi) A) + beta (exp(ref - log pi) - (ref - log pi) - 1)
+
+and the step's loss is ``sum over the global batch of w l / units``, with
+
+===================== ========================== ===================================================
+``rl.loss_type``       units (the normaliser)     w
+===================== ========================== ===================================================
+grpo                   completions                ``1 / |o|`` (the completion's mean: Shao et al.)
+seq_mean_token_mean    completions                ``1 / |o|`` (verl's name for the same)
+seq_mean_token_sum     completions                1 (verl)
+dapo, bnpo, token_mean completion tokens          1 (Yu et al. 2025, DAPO; verl's token-mean)
+dr_grpo                completions x max_new      1 (Liu et al. 2025, Dr. GRPO: a constant)
+===================== ========================== ===================================================
+
+Every normaliser is counted over the optimiser step's whole global batch before the first
+backward, so accumulation, ``steps_per_generation``, the world size and the parallel degrees never
+change an update. Where a variant's authors define it per micro-batch (TRL's ``bnpo``: the tokens
+of the local batch) this is the definition that does not depend on the layout, which makes
+``bnpo`` equal ``dapo``. In peers these normalisers change with the split: trl#6024 (DAPO scaled
+by 0.5x or 4x when accumulation and steps_per_generation differ), ms-swift#10117 (divided by the
+accumulation twice), verl#5625 (a token mean per micro-batch).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from paratrain.config import RL_LOSS_TYPES, ConfigError
+from paratrain.objectives.base import Objective
+
+TOKEN_UNITS = ("dapo", "bnpo", "token_mean")
+MEAN_OVER_TOKENS = ("grpo", "seq_mean_token_mean")  # w = 1 / |o|
+# The target's rows (rl/rollout.py writes them).
+TOKEN, OLD, REF, ADVANTAGE, WEIGHT = range(5)
+SUMS = ("loss", "units", "tokens", "clipped", "kl")
+
+
+def token_weights(loss_type: str, lengths: torch.Tensor) -> torch.Tensor:
+    """Each completion's token weight ``(B,)`` from its length: ``1 / |o|`` for the variants
+    that take a completion's mean, else 1."""
+    if loss_type in MEAN_OVER_TOKENS:
+        return 1.0 / lengths.clamp(min=1).double()
+    return torch.ones_like(lengths, dtype=torch.float64)
+
+
+def token_logps(logits, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log softmax(logits / temperature)`` of ``tokens`` ``(B, T)`` (float32; 0 where the token
+    is -1), the policy's log-probability as the sampler draws from it."""
+    if isinstance(logits, DTensor):  # tensor parallel: vocabulary-sharded or replicated logits
+        logits = logits.full_tensor()
+    logits = logits.float() / temperature
+    picked = logits.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(tokens >= 0, picked - logits.logsumexp(-1), 0.0)
+
+
+class PolicyGradientLoss(Objective):
+    """``sum over the global batch of w l / units`` (module docstring); logs the share of tokens
+    whose ratio was clipped and the mean KL to the reference per token."""
+
+    name = "loss"
+
+    def __init__(
+        self,
+        loss_type: str = "grpo",
+        *,
+        epsilon: float = 0.2,
+        epsilon_high: float = 0.0,
+        beta: float = 0.0,
+        temperature: float = 1.0,
+        max_new_tokens: int = 16,
+    ):
+        if loss_type not in RL_LOSS_TYPES:
+            raise ConfigError(f"rl.loss_type = {loss_type!r} is unknown; use one of {', '.join(RL_LOSS_TYPES)}")
+        self.loss_type, self.beta, self.temperature = loss_type, beta, temperature
+        self.low, self.high = 1 - epsilon, 1 + (epsilon_high or epsilon)
+        self.max_new_tokens = max_new_tokens
+        # On-policy (one optimiser step per generation, one epoch): the old policy is the one
+        # differentiated, r = 1 exactly and its gradient is A grad log pi (TRL, verl do the same).
+        self.on_policy = True
+        self.unit = "completion token" if loss_type in TOKEN_UNITS else "completion"
+        self.scale, self._last = 1.0, None
+        # reference(forward, k): micro-batch k's reference output (build.py preference_reference),
+        # run by the generation phase when beta > 0.
+        self.reference = None
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.beta > 0
+
+    def count(self, inputs, target) -> torch.Tensor:
+        tokens = target[:, TOKEN] >= 0
+        if self.loss_type in TOKEN_UNITS:
+            return tokens.sum()
+        completions = tokens.any(-1).sum()
+        if self.loss_type == "dr_grpo":
+            return completions * self.max_new_tokens
+        return completions
+
+    def start(self, *, scale: float, device: torch.device) -> None:
+        self.scale, self.device = scale, device
+        self.totals = torch.zeros(len(SUMS), device=device, dtype=torch.float64)
+        self._last = None
+
+    def loss(self, output, target) -> torch.Tensor:
+        target = target.to(self.device)
+        tokens = target[:, TOKEN].long()
+        mask = tokens >= 0
+        logp = token_logps(output, tokens, self.temperature)
+        old = logp.detach() if self.on_policy else target[:, OLD].float()
+        ratio = torch.exp(logp - old)
+        advantage = target[:, ADVANTAGE].float()
+        surrogate = torch.minimum(ratio * advantage, ratio.clamp(self.low, self.high) * advantage)
+        per_token = -surrogate
+        kl = torch.zeros_like(logp)
+        if self.beta:
+            gap = target[:, REF].float() - logp
+            kl = torch.exp(gap) - gap - 1
+            per_token = per_token + self.beta * kl
+        weight = torch.where(mask, target[:, WEIGHT], 0.0)
+        loss_sum = (per_token.double() * weight).sum()
+        with torch.no_grad():
+            clipped = ((ratio < self.low) & (advantage < 0)) | ((ratio > self.high) & (advantage > 0))
+            self._last = torch.stack(
+                [
+                    loss_sum.detach(),
+                    self.count(None, target).double(),
+                    mask.sum().double(),
+                    (clipped & mask).sum().double(),
+                    torch.where(mask, kl, 0.0).double().sum(),
+                ]
+            )
+        return loss_sum.float() * self.scale
+
+    def end_micro_batch(self) -> None:
+        self.totals += self._last
+        self._last = None
+
+    def sums(self) -> torch.Tensor:
+        return self.totals
+
+    def read(self, reduced: list[float], *, units: int) -> dict:
+        if round(reduced[1]) != units:
+            raise ConfigError(
+                f"the policy-gradient loss saw {round(reduced[1])} {self.unit}s but the step counted {units};"
+                " the rows must come from the generation phase (paratrain/rl/rollout.py)"
+            )
+        tokens = max(reduced[2], 1)
+        return {
+            "loss": reduced[0] / max(units, 1),
+            "clip_ratio": reduced[3] / tokens,
+            "kl": reduced[4] / tokens,
+        }
+
+    def metrics(self, values: dict) -> dict:
+        keys = ("clip_ratio", "kl") if self.beta else ("clip_ratio",)
+        return {k: values[k] for k in keys if k in values}

@@ -1,0 +1,386 @@
+"""The generation phase of reinforcement learning (``loss.name = 'grpo'``, docs/grpo.md).
+
+Every ``steps_per_generation x epochs_per_generation`` optimiser steps (a *round*), each
+data-parallel rank takes its share of the next ``steps_per_generation`` global batches of prompts
+(``batch.global_batch_size / rl.group_size`` prompts each, in the sampler's order, split over the
+ranks like any global batch), generates ``G = rl.group_size`` completions per prompt with the
+current policy, scores them (paratrain/rl/rewards.py), and turns each group's rewards into
+advantages. Optimiser step ``s`` of the round then trains on the completions of the prompts of
+global batch ``s mod steps_per_generation``: whole groups, the same completions on every layout.
+
+**Sampling keyed by the sample.** Completion ``j`` of a prompt draws its uniforms from the key
+``(run seed, epoch, prompt index, j)`` (paratrain/randomness.py), one per position, and picks
+its token by inverting the cumulative distribution of ``softmax(logits / temperature)`` (after
+top-k and top-p) at that uniform. The draws are made on the CPU whatever the device, so a
+completion's tokens depend on its logits alone, never on the rank, the generation batch or how
+many tokens other rows drew: the rollouts are the same token for token on every layout (up to a
+flip where a uniform lands within float rounding of a boundary of the distribution).
+
+**The sampler is the trainer's forward.** Each new token reruns the model, as the training step
+runs it (its parallelisms: FSDP2, tensor parallel, DDP's module), over the whole row buffer
+``[prompt | completion so far | padding]``; causal attention makes the padding after a row's
+last token invisible to it. No KV cache yet: a completion of N tokens costs N forwards of the
+whole buffer, which suits the short completions of verifiable tasks; the sampler's
+log-probabilities are then the trainer's own, and the largest difference from the recomputation
+before the optimisation (``logp_gap``) is logged every round. Ranks whose forward holds
+collectives (FSDP2, tensor parallel) agree on when every completion has stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from paratrain.config import ConfigError, RLConfig
+from paratrain.objectives.policy_gradient import ADVANTAGE, OLD, REF, TOKEN, WEIGHT, token_logps, token_weights
+from paratrain.randomness import key_of, site_of, uniform
+from paratrain.rl.rewards import Rewards
+
+log = logging.getLogger("paratrain")
+
+SAMPLE_SITE = site_of("rollout.sample")
+
+
+def completion_keys(prompt_keys: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The keys of a group's completions, prompt-major: completion ``j`` of prompt ``k`` is row
+    ``k G + j``, keyed by ``(prompt key, j)``."""
+    return torch.tensor([key_of(k, j) for k in prompt_keys.tolist() for j in range(group_size)], dtype=torch.int64)
+
+
+def filtered_probs(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
+    """``softmax(logits)`` ``(B, V)`` with the tokens outside top-k and top-p set to 0."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # the mass of the more likely tokens
+        drop = (before >= top_p).scatter(-1, order, before >= top_p)
+        probs = probs.masked_fill(drop, 0.0)
+    return probs
+
+
+def pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token ``(B,)`` whose cumulative probability first exceeds ``u`` ``(B,)`` of the mass."""
+    cdf = probs.double().cumsum(-1)
+    tokens = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return tokens.clamp(max=probs.shape[-1] - 1)
+
+
+def full_logits(output) -> torch.Tensor:
+    return output.full_tensor() if isinstance(output, DTensor) else output
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module,
+    prompts: torch.Tensor,
+    lengths: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop: tuple[int, ...] = (),
+    agree: bool = False,
+    autocast=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Completions of ``prompts`` ``(B, P)`` (row ``i``'s ids in its first ``lengths[i]``), drawn
+    with row ``i``'s uniforms from ``keys[i]``: the tokens ``(B, N)`` (-1 after a completion's
+    stop token, which is kept), their log-probabilities under ``softmax(logits / temperature)``
+    ``(B, N)`` and the completions' lengths ``(B,)``. ``agree``: the ranks' forwards hold
+    collectives, so every rank runs as many of them (one all-reduce per token)."""
+    device = prompts.device
+    rows, width = prompts.shape[0], prompts.shape[1] + max_new_tokens
+    buffer = torch.zeros(rows, width, dtype=torch.long, device=device)
+    buffer[:, : prompts.shape[1]] = prompts
+    u = uniform(keys, SAMPLE_SITE, max_new_tokens).to(device)  # on the CPU: the same on any device
+    tokens = torch.full((rows, max_new_tokens), -1, dtype=torch.long, device=device)
+    logps = torch.zeros(rows, max_new_tokens, device=device)
+    live = torch.ones(rows, dtype=torch.bool, device=device)
+    where = torch.arange(rows, device=device)
+    stops = torch.tensor(list(stop), dtype=torch.long, device=device)
+    lengths = lengths.to(device)
+    for t in range(max_new_tokens):
+        if autocast is not None:
+            with autocast:
+                out = model(buffer)
+        else:
+            out = model(buffer)
+        logits = full_logits(out)[where, lengths + t - 1].float() / temperature
+        token = pick(filtered_probs(logits, top_k=top_k, top_p=top_p), u[:, t])
+        # the trainer's formula (token_logps), so the two agree to the last bit where the logits do
+        logp = logits.gather(-1, token[:, None])[:, 0] - logits.logsumexp(-1)
+        tokens[:, t] = torch.where(live, token, -1)
+        logps[:, t] = torch.where(live, logp, 0.0)
+        buffer[where, lengths + t] = torch.where(live, token, 0)
+        if len(stops):
+            live &= ~torch.isin(token, stops)
+        if not _any_live(live, agree):
+            break
+    return tokens, logps, (tokens >= 0).sum(-1)
+
+
+def _any_live(live: torch.Tensor, agree: bool) -> bool:
+    flag = live.any().to(torch.float32).reshape(1)
+    if agree:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def advantages(rewards: torch.Tensor, group_size: int, *, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion's advantage ``(n,)`` from the rewards ``(n,)`` of consecutive groups: its
+    reward minus its group's mean, divided by the group's standard deviation (Bessel's, as TRL's
+    ``std``) plus 1e-4 when ``scale = 'group'``; and each group's standard deviation."""
+    grouped = rewards.double().view(-1, group_size)
+    std = grouped.std(-1, keepdim=True)
+    centred = grouped - grouped.mean(-1, keepdim=True)
+    if scale == "group":
+        centred = centred / (std + 1e-4)
+    return centred.reshape(-1), std.reshape(-1)
+
+
+def training_rows(
+    prompts: torch.Tensor,
+    lengths: torch.Tensor,
+    tokens: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    advantage: torch.Tensor,
+    weights: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows the step trains on: inputs ``(B, P + N)`` = ``[prompt | completion | 0s]`` and
+    targets ``(B, 5, P + N)`` float64 (objectives/policy_gradient.py), each completion token
+    scored at the position before it. The OLD row holds the sampler's log-probabilities until
+    the recomputation replaces them; REF holds 0 until the reference's are written."""
+    rows, p = prompts.shape
+    n = tokens.shape[1]
+    inputs = torch.zeros(rows, p + n, dtype=torch.long)
+    target = torch.zeros(rows, 5, p + n, dtype=torch.float64)
+    target[:, TOKEN] = -1
+    for i in range(rows):
+        k, c = int(lengths[i]), int((tokens[i] >= 0).sum())
+        inputs[i, :k] = prompts[i, :k]
+        inputs[i, k : k + c] = tokens[i, :c]
+        target[i, TOKEN, k - 1 : k - 1 + c] = tokens[i, :c].double()
+        target[i, OLD, k - 1 : k - 1 + c] = sampler_logps[i, :c].double()
+        target[i, ADVANTAGE, k - 1 : k - 1 + c] = float(advantage[i])
+        target[i, WEIGHT, k - 1 : k - 1 + c] = float(weights[i])
+    return inputs, target
+
+
+class Rollouts:
+    """The round's completions as each step's micro-batches (the loop's data for ``loss.name =
+    'grpo'``): :meth:`batches` generates at a round's first step."""
+
+    def __init__(
+        self,
+        cfg: RLConfig,
+        *,
+        model: nn.Module,
+        step_ctx,
+        loader,
+        dataset,
+        dp: int,
+        dp_group,
+        agree: bool,
+        seed: int,
+        out_dir: str,
+        is_main: bool,
+        forward_of,
+    ):
+        self.cfg, self.model, self.step_ctx, self.loader, self.dataset = cfg, model, step_ctx, loader, dataset
+        self.dp, self.dp_group, self.agree, self.seed = dp, dp_group, agree, seed
+        self.rewards = Rewards(cfg)
+        self.stop = tuple(cfg.stop) or ((dataset.eos_id,) if dataset.eos_id is not None else ())
+        self.round_steps = cfg.steps_per_generation * cfg.epochs_per_generation
+        self.objective = step_ctx.objectives[0]
+        self.objective.on_policy = self.round_steps == 1
+        self.forward_of = forward_of  # step.no_grad_forward bound to the model and step context
+        self.path = os.path.join(out_dir, "rollouts.jsonl") if is_main else None
+        self.steps: list[tuple[list, list]] = []  # per global batch s: (micro-batches, their keys)
+        self.metrics: dict = {}
+        self._started = False
+
+    def prompts_per_step(self, global_batch_size: int) -> int:
+        return global_batch_size // self.cfg.group_size
+
+    def batches(self, step: int, consumed: int, global_batch_size: int, micro_batch_size: int):
+        """This rank's micro-batches and their row keys for optimiser step ``step`` (0-based),
+        whose prompts begin at ``consumed`` in the sampler's stream."""
+        within = step % self.round_steps
+        if within == 0:
+            self.generate(step, consumed, global_batch_size, micro_batch_size)
+        elif not self.steps:
+            raise ConfigError(
+                f"the run resumes at step {step}, within a generation round of {self.round_steps} steps"
+                " (rl.steps_per_generation x rl.epochs_per_generation), whose completions were not saved; resume"
+                " from a checkpoint at a multiple of it (checkpoint.interval must be one)"
+            )
+        return self.steps[within % self.cfg.steps_per_generation]
+
+    def between_rounds(self, steps_done: int) -> bool:
+        return steps_done % self.round_steps == 0
+
+    def consumed_after(self, step: int, global_batch_size: int) -> int:
+        """Prompts consumed by the round's first step (the whole round's); 0 by the others."""
+        if step % self.round_steps:
+            return 0
+        return self.prompts_per_step(global_batch_size) * self.cfg.steps_per_generation
+
+    def generate(self, step: int, consumed: int, global_batch_size: int, micro_batch_size: int) -> None:
+        t0 = time.perf_counter()
+        per_step = self.prompts_per_step(global_batch_size)
+        self.steps = []
+        stats = torch.zeros(5 + len(self.rewards.fns), dtype=torch.float64)
+        gap = torch.zeros(1, dtype=torch.float64)
+        written: list[list[dict]] = []
+        was_training = self.model.training
+        self.model.eval()  # no dropout while sampling: the completions are the policy's own
+        try:
+            for s in range(self.cfg.steps_per_generation):
+                at = consumed + s * per_step
+                ((prompt_ids, meta),) = self.loader.batches(at, per_step, per_step // self.dp)
+                (prompt_keys,) = self.loader.keys(at, per_step, per_step // self.dp, seed=self.seed)
+                batches, keys, rows = self._step_rollouts(prompt_ids, meta, prompt_keys, micro_batch_size)
+                stats += rows["stats"]
+                written.append(rows["written"])
+                self.steps.append((batches, keys))
+        finally:
+            self.model.train(was_training)
+        for batches, keys in self.steps:  # the trainer's recomputation, without a graph
+            gap = torch.maximum(gap, self._recompute(batches, keys))
+        if self.dp_group is not None:
+            dist.all_reduce(stats, group=self.dp_group)
+            dist.all_reduce(gap, op=dist.ReduceOp.MAX, group=self.dp_group)
+        n, groups = max(stats[0].item(), 1), max(stats[1].item(), 1)
+        self.metrics = {
+            "reward": stats[2].item() / n,
+            "reward_std": stats[3].item() / groups,
+            "completion_length": stats[4].item() / n,
+            **{f"reward_{name}": stats[5 + i].item() / n for i, name in enumerate(self.rewards.names)},
+            "logp_gap": gap.item(),
+            "generation_s": time.perf_counter() - t0,
+        }
+        self._write(step, written)
+
+    def _step_rollouts(self, prompt_ids, meta, prompt_keys, micro_batch_size: int):
+        g = self.cfg.group_size
+        index, lengths = meta[:, 0].repeat_interleave(g), meta[:, 1].repeat_interleave(g)
+        prompts = prompt_ids.repeat_interleave(g, dim=0)
+        keys = completion_keys(prompt_keys, g)
+        device = self.step_ctx.device
+        tokens, logps = [], []
+        for a in range(0, len(prompts), micro_batch_size):  # the generation batch: a micro-batch of rows
+            t, lp, _ = sample(
+                self._sampler(),
+                prompts[a : a + micro_batch_size].to(device),
+                lengths[a : a + micro_batch_size],
+                keys[a : a + micro_batch_size],
+                max_new_tokens=self.cfg.max_new_tokens,
+                temperature=self.cfg.temperature,
+                top_k=self.cfg.top_k,
+                top_p=self.cfg.top_p,
+                stop=self.stop,
+                agree=self.agree,
+                autocast=self.step_ctx.amp.autocast(),
+            )
+            pad = self.cfg.max_new_tokens - t.shape[1]
+            tokens.append(F.pad(t.cpu(), (0, pad), value=-1))
+            logps.append(F.pad(lp.cpu(), (0, pad)))
+        tokens, logps = torch.cat(tokens), torch.cat(logps)
+        done = (tokens >= 0).sum(-1)
+        rows_ = [self.dataset.rows[int(i)] for i in index]
+        texts = [
+            self.dataset.decode([int(x) for x in tokens[i, : int(done[i])] if int(x) not in self.stop])
+            for i in range(len(tokens))
+        ]
+        conversational = [isinstance(r["prompt"], list) for r in rows_]
+        completions = [
+            [{"role": "assistant", "content": t}] if conv else t for t, conv in zip(texts, conversational, strict=True)
+        ]
+        fields = {k: [r.get(k) for r in rows_] for k in rows_[0] if k != "prompt"}
+        total, columns = self.rewards([r["prompt"] for r in rows_], completions, fields)
+        rewards = torch.tensor(total, dtype=torch.float64)
+        advantage, std = advantages(rewards, g, scale=self.cfg.scale_rewards)
+        weights = token_weights(self.objective.loss_type, done)
+        inputs, target = training_rows(prompts, lengths, tokens, logps, advantage, weights)
+        batches = [
+            (inputs[a : a + micro_batch_size], target[a : a + micro_batch_size])
+            for a in range(0, len(inputs), micro_batch_size)
+        ]
+        keys_mb = [keys[a : a + micro_batch_size] for a in range(0, len(keys), micro_batch_size)]
+        stats = torch.tensor(
+            [len(tokens), len(tokens) // g, rewards.sum().item(), std.sum().item(), float(done.sum())]
+            + [sum(c) for c in columns],
+            dtype=torch.float64,
+        )
+        written = [
+            {
+                "prompt_index": int(index[i]),
+                "completion": i % g,
+                "tokens": tokens[i, : int(done[i])].tolist(),
+                "text": texts[i],
+                "reward": total[i],
+                "advantage": float(advantage[i]),
+            }
+            for i in range(len(tokens))
+        ]
+        return batches, keys_mb, {"stats": stats, "written": written}
+
+    def _sampler(self) -> nn.Module:
+        # DDP's forward may broadcast buffers (a collective) and expects a backward: its module
+        # alone samples (plain data parallel holds whole weights, so no rank needs another).
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    def _recompute(self, batches, keys) -> torch.Tensor:
+        """The trainer's log-probabilities of the completions (no graph), written as the old
+        policy's (the importance ratio's denominator, off-policy steps) and compared with the
+        sampler's; the reference's when ``rl.beta > 0``. Returns the largest gap."""
+        forward = self.forward_of(batches, keys)
+        gap = torch.zeros(1, dtype=torch.float64)
+        reference = self.objective.reference
+        for k, (_, target) in enumerate(batches):
+            tokens = target[:, TOKEN].long().to(self.step_ctx.device)
+            mine = token_logps(forward(k), tokens, self.cfg.temperature).double().cpu()
+            mask = target[:, TOKEN] >= 0
+            gap = torch.maximum(gap, torch.where(mask, (mine - target[:, OLD]).abs(), 0.0).amax().reshape(1))
+            target[:, OLD] = torch.where(mask, mine, 0.0)
+            if reference is not None:
+                ref = token_logps(reference(forward, k), tokens, self.cfg.temperature).double().cpu()
+                target[:, REF] = torch.where(mask, ref, 0.0)
+        return gap
+
+    def _write(self, step: int, per_step: list[list[dict]]) -> None:
+        """Every completion of the round in ``out_dir/rollouts.jsonl`` (rank 0, gathered over the
+        data-parallel ranks: each global batch's rows in rank order, the prompts' global order).
+        The first round of a (resumed) run drops the rows of steps it redoes."""
+        parts = [per_step]
+        if self.dp_group is not None:
+            parts = [None] * dist.get_world_size(self.dp_group)
+            dist.all_gather_object(parts, per_step, group=self.dp_group)
+        if self.path is None:
+            return
+        if not self._started:
+            self._started = True
+            kept = []
+            if os.path.isfile(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if json.loads(line)["step"] <= step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        with open(self.path, "a") as f:
+            for s in range(len(per_step)):
+                for part in parts:
+                    for r in part[s]:
+                        f.write(json.dumps({"step": step + 1 + s, **r}) + "\n")
