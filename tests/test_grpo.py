@@ -313,10 +313,25 @@ def test_bad_rl_input_is_one_line(rl, tmp_path):
     cases = [
         (("batch.global_batch_size=6", "batch.micro_batch_size=2"), "whole groups of rl.group_size = 4"),
         (("rl.rewards=['tests.rl_data:raises']",), "'tests.rl_data:raises' raised KeyError"),
-        (("rl.rewards=['tests.rl_data:wrong_length']",), "tests.rl_data:wrong_length"),
     ]
     for i, (extra, expected) in enumerate(cases):
         sets = [a for o in _config(rl, f"bad{i}", *extra) for a in ("--set", o)]
         out = paratrain_cli("train", str(config), *sets)
         line = out.stderr.strip().splitlines()[-1]  # after the run's start-up lines
         assert out.returncode == 2 and expected in line and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_a_reward_of_the_wrong_shape_is_one_line():
+    from paratrain.config import ConfigError, RLConfig
+    from paratrain.rl.rewards import Rewards
+
+    for fn, expected in (("wrong_length", "returned 1 rewards for 2 completions"), ("raises", "raised KeyError")):
+        rewards = Rewards(RLConfig(rewards=[f"tests.rl_data:{fn}"]))
+        with pytest.raises(ConfigError, match=expected):
+            rewards(["1+1=", "2+2="], ["2", "4"], {"answer": ["2", "4"]})
+    with pytest.raises(ConfigError, match="cannot import module 'nope'"):
+        Rewards(RLConfig(rewards=["nope:fn"]))
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs/rl/rewards.py")
+    mine = Rewards(RLConfig(rewards=[f"{recipe}:digits", "exact_match"], reward_weights=[0.5, 1.0]))
+    total, columns = mine(["1+1=", "2+2="], ["2", "x4"], {"answer": ["2", "4"]})
+    assert columns == [[1.0, 0.5], [1.0, 0.0]] and total == [1.5, 0.25]

@@ -18,8 +18,9 @@ flip where a uniform lands within float rounding of a boundary of the distributi
 
 **The sampler is the trainer's forward.** Each new token reruns the model, as the training step
 runs it (its parallelisms: FSDP2, tensor parallel, DDP's module), over the whole row buffer
-``[prompt | completion so far | padding]``; causal attention makes the padding after a row's
-last token invisible to it. No KV cache yet: a completion of N tokens costs N forwards of the
+``[prompt | completion so far | padding]``, as wide as the generation batch's longest prompt plus
+``max_new_tokens``; causal attention makes the padding after a row's last token invisible to it.
+The step trains on the same rows, micro-batch for micro-batch. No KV cache yet: a completion of N tokens costs N forwards of the
 whole buffer, which suits the short completions of verifiable tasks; the sampler's
 log-probabilities are then the trainer's own, and the largest difference from the recomputation
 before the optimisation (``logp_gap``) is logged every round. Ranks whose forward holds
@@ -281,12 +282,16 @@ class Rollouts:
         keys = completion_keys(prompt_keys, g)
         device = self.step_ctx.device
         tokens, logps = [], []
-        for a in range(0, len(prompts), micro_batch_size):  # the generation batch: a micro-batch of rows
+        # The generation batch is a micro-batch of rows, its buffer as wide as its longest prompt
+        # plus max_new_tokens (not max_prompt_length): the step trains on those same rows.
+        spans = [(a, a + micro_batch_size) for a in range(0, len(prompts), micro_batch_size)]
+        widths = [int(lengths[a:b].max()) for a, b in spans]
+        for (a, b), width in zip(spans, widths, strict=True):
             t, lp, _ = sample(
                 self._sampler(),
-                prompts[a : a + micro_batch_size].to(device),
-                lengths[a : a + micro_batch_size],
-                keys[a : a + micro_batch_size],
+                prompts[a:b, :width].to(device),
+                lengths[a:b],
+                keys[a:b],
                 max_new_tokens=self.cfg.max_new_tokens,
                 temperature=self.cfg.temperature,
                 top_k=self.cfg.top_k,
@@ -314,12 +319,11 @@ class Rollouts:
         rewards = torch.tensor(total, dtype=torch.float64)
         advantage, std = advantages(rewards, g, scale=self.cfg.scale_rewards)
         weights = token_weights(self.objective.loss_type, done)
-        inputs, target = training_rows(prompts, lengths, tokens, logps, advantage, weights)
         batches = [
-            (inputs[a : a + micro_batch_size], target[a : a + micro_batch_size])
-            for a in range(0, len(inputs), micro_batch_size)
+            training_rows(prompts[a:b, :width], lengths[a:b], tokens[a:b], logps[a:b], advantage[a:b], weights[a:b])
+            for (a, b), width in zip(spans, widths, strict=True)
         ]
-        keys_mb = [keys[a : a + micro_batch_size] for a in range(0, len(keys), micro_batch_size)]
+        keys_mb = [keys[a:b] for a, b in spans]
         stats = torch.tensor(
             [len(tokens), len(tokens) // g, rewards.sum().item(), std.sum().item(), float(done.sum())]
             + [sum(c) for c in columns],
