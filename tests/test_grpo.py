@@ -159,6 +159,12 @@ def test_two_ranks_with_accumulation_give_the_one_process_numbers(rl, one_proces
     same_rollouts(rollouts2, rollouts)
     for key in ("loss", "grad_norm", "reward", "kl", "clip_ratio"):
         assert [r[key] for r in rows2] == pytest.approx([r[key] for r in rows], rel=1e-5, abs=1e-7), key
+    from safetensors.torch import load_file
+
+    one, two = (load_file(os.path.join(rl["root"], n, "model.safetensors")) for n in ("w1", "w2"))
+    assert one.keys() == two.keys()
+    for name in one:  # the weights after the steps
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
