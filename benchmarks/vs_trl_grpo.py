@@ -12,8 +12,8 @@ x ``--micro`` x accumulation, AdamW (torch's, lr 1e-5, constant, no warmup, no d
 clipping at 1.0, float32, SDPA attention:
 
 - paratrain: ``paratrain train --nproc-per-node 2`` with ``loss.name = 'grpo'``,
-  ``data.name = 'prompts'`` and ``parallel.dp_replicate = 2``. Its sampler reruns the whole row
-  buffer per new token (no KV cache, docs/grpo.md).
+  ``data.name = 'prompts'`` and ``parallel.dp_replicate = 2``; its sampler keeps transformers'
+  KV cache (``rl.kv_cache``, docs/grpo.md).
 - TRL 1.16: ``GRPOTrainer`` under ``torchrun --nproc-per-node 2`` (``use_cpu=True``,
   ``ddp_backend='gloo'``, ``bf16=False``, ``use_vllm=False``: transformers' own ``generate``,
   with its KV cache).

@@ -21,7 +21,7 @@ from paratrain.config import RL_LOSS_TYPES, load_config
 from paratrain.objectives.policy_gradient import PolicyGradientLoss, token_weights
 from paratrain.rl.rollout import advantages, completion_keys, filtered_probs, pick, sample, training_rows
 from tests.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
-from tests.hf_models import save_tiny
+from tests.hf_models import ARCHS, save_tiny
 from tests.rl_data import addition_rows, byte_mix
 from tests.sft_data import VOCAB, save_chat_tokenizer, write_jsonl
 
@@ -341,3 +341,26 @@ def test_a_reward_of_the_wrong_shape_is_one_line():
     mine = Rewards(RLConfig(rewards=[f"{recipe}:digits", "exact_match"], reward_weights=[0.5, 1.0]))
     total, columns = mine(["1+1=", "2+2="], ["2", "x4"], {"answer": ["2", "4"]})
     assert columns == [[1.0, 0.5], [1.0, 0.0]] and total == [1.5, 0.25]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_kv_cache_samples_what_the_whole_buffer_samples(arch, tmp_path):
+    """model.hf's sampler with a KV cache (one position per token, the prompts' padding masked)
+    draws the tokens that rerunning the whole buffer draws, at log-probabilities within 1e-6."""
+    from paratrain.config import ModelConfig
+    from paratrain.models import build
+    from paratrain.models.hf.weights import load_into, weight_files
+
+    path = save_tiny(arch, str(tmp_path / arch), vocab_size=VOCAB, max_position_embeddings=512, seed=0)
+    model, _ = build(ModelConfig(hf=path))
+    load_into(model, files=weight_files(path), device=torch.device("cpu"))
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([9, 4, 7, 1])
+    prompts = torch.randint(0, 250, (4, 9), generator=g) * (torch.arange(9)[None] < lengths[:, None])
+    keys = completion_keys(torch.tensor([5, 6]), 2)
+    args = dict(max_new_tokens=8, temperature=TEMPERATURE, top_k=40, stop=(7,))
+    cached, cached_logps, n = sample(model, prompts, lengths, keys, cached=True, **args)
+    whole, whole_logps, m = sample(model, prompts, lengths, keys, cached=False, **args)
+    assert torch.equal(cached, whole) and torch.equal(n, m)
+    torch.testing.assert_close(cached_logps, whole_logps, rtol=0, atol=1e-6)

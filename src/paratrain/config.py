@@ -248,6 +248,10 @@ class RLConfig:
         [],
         "Token ids that end a completion (kept in it, as a target); [] = the tokenizer's end-of-sequence token (a newline byte on bytes).",
     )
+    kv_cache: bool = opt(
+        True,
+        "Sample with a KV cache where the model takes one (model.hf): one position per new token. false reruns the whole row buffer per token (the built-in GPT always does): slower, and the sampler's log-probabilities are then the trainer's to the last bit.",
+    )
     steps_per_generation: int = opt(
         1, "Optimiser steps on one generation's completions (the generation covers that many global batches)."
     )

@@ -16,15 +16,17 @@ completion's tokens depend on its logits alone, never on the rank, the generatio
 many tokens other rows drew: the rollouts are the same token for token on every layout (up to a
 flip where a uniform lands within float rounding of a boundary of the distribution).
 
-**The sampler is the trainer's forward.** Each new token reruns the model, as the training step
-runs it (its parallelisms: FSDP2, tensor parallel, DDP's module), over the whole row buffer
-``[prompt | completion so far | padding]``, as wide as the generation batch's longest prompt plus
-``max_new_tokens``; causal attention makes the padding after a row's last token invisible to it.
-The step trains on the same rows, micro-batch for micro-batch. No KV cache yet: a completion of N tokens costs N forwards of the
-whole buffer, which suits the short completions of verifiable tasks; the sampler's
-log-probabilities are then the trainer's own, and the largest difference from the recomputation
-before the optimisation (``logp_gap``) is logged every round. Ranks whose forward holds
-collectives (FSDP2, tensor parallel) agree on when every completion has stopped.
+**The sampler is the trainer's model.** It runs as the training step runs it (its
+parallelisms: FSDP2, tensor parallel, DDP's module). With ``model.hf`` it keeps transformers'
+KV cache (``rl.kv_cache``, models/hf/model.py): one forward of the prompts, then one position
+per new token, each row at its own position with its prompt's padding masked out. Otherwise
+(the built-in GPT, or ``rl.kv_cache = false``) each token reruns the whole row buffer
+``[prompt | completion so far | padding]``, as wide as the generation batch's longest prompt
+plus ``max_new_tokens``; causal attention makes the padding after a row's last token invisible
+to it. The step trains on the same rows, micro-batch for micro-batch, and first recomputes
+their log-probabilities with the training forward: the largest difference from the sampler's
+(``logp_gap``: float rounding with the cache, 0 without) is logged every round. Ranks whose
+forward holds collectives (FSDP2, tensor parallel) agree on when every completion has stopped.
 """
 
 from __future__ import annotations
@@ -96,16 +98,20 @@ def sample(
     stop: tuple[int, ...] = (),
     agree: bool = False,
     autocast=None,
+    cached: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Completions of ``prompts`` ``(B, P)`` (row ``i``'s ids in its first ``lengths[i]``), drawn
     with row ``i``'s uniforms from ``keys[i]``: the tokens ``(B, N)`` (-1 after a completion's
     stop token, which is kept), their log-probabilities under ``softmax(logits / temperature)``
     ``(B, N)`` and the completions' lengths ``(B,)``. ``agree``: the ranks' forwards hold
-    collectives, so every rank runs as many of them (one all-reduce per token)."""
+    collectives, so every rank runs as many of them (one all-reduce per token).
+
+    ``cached``: the model takes a KV cache (``model.hf``'s wrapper, models/hf/model.py): one
+    forward of the prompts, then one of a single position per token, each row's new token at
+    its own position and its prompt's padding masked out. Else each token reruns the whole
+    buffer ``[prompt | completion so far | padding]``."""
     device = prompts.device
-    rows, width = prompts.shape[0], prompts.shape[1] + max_new_tokens
-    buffer = torch.zeros(rows, width, dtype=torch.long, device=device)
-    buffer[:, : prompts.shape[1]] = prompts
+    rows, p = prompts.shape
     u = uniform(keys, SAMPLE_SITE, max_new_tokens).to(device)  # on the CPU: the same on any device
     tokens = torch.full((rows, max_new_tokens), -1, dtype=torch.long, device=device)
     logps = torch.zeros(rows, max_new_tokens, device=device)
@@ -113,23 +119,42 @@ def sample(
     where = torch.arange(rows, device=device)
     stops = torch.tensor(list(stop), dtype=torch.long, device=device)
     lengths = lengths.to(device)
+
+    def forward(*args, **kwargs):
+        if autocast is None:
+            return full_logits(model(*args, **kwargs))
+        with autocast:
+            return full_logits(model(*args, **kwargs))
+
+    if cached:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        mask = (torch.arange(p, device=device)[None] < lengths[:, None]).long()
+        logits = forward(prompts, torch.arange(p, device=device).expand(rows, p), cache=cache, key_mask=mask)
+    else:
+        buffer = torch.zeros(rows, p + max_new_tokens, dtype=torch.long, device=device)
+        buffer[:, :p] = prompts
+        logits = forward(buffer)
+    logits = logits[where, lengths - 1]
     for t in range(max_new_tokens):
-        if autocast is not None:
-            with autocast:
-                out = model(buffer)
-        else:
-            out = model(buffer)
-        logits = full_logits(out)[where, lengths + t - 1].float() / temperature
+        logits = logits.float() / temperature
         token = pick(filtered_probs(logits, top_k=top_k, top_p=top_p), u[:, t])
         # the trainer's formula (token_logps), so the two agree to the last bit where the logits do
         logp = logits.gather(-1, token[:, None])[:, 0] - logits.logsumexp(-1)
         tokens[:, t] = torch.where(live, token, -1)
         logps[:, t] = torch.where(live, logp, 0.0)
-        buffer[where, lengths + t] = torch.where(live, token, 0)
+        feed = torch.where(live, token, 0)
         if len(stops):
             live &= ~torch.isin(token, stops)
-        if not _any_live(live, agree):
+        if t + 1 == max_new_tokens or not _any_live(live, agree):
             break
+        if cached:
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            logits = forward(feed[:, None], (lengths + t)[:, None], cache=cache, key_mask=mask)[:, -1]
+        else:
+            buffer[where, lengths + t] = feed
+            logits = forward(buffer)[where, lengths + t]
     return tokens, logps, (tokens >= 0).sum(-1)
 
 
@@ -299,6 +324,7 @@ class Rollouts:
                 stop=self.stop,
                 agree=self.agree,
                 autocast=self.step_ctx.amp.autocast(),
+                cached=self.cfg.kv_cache and hasattr(self._sampler(), "_cached_forward"),
             )
             pad = self.cfg.max_new_tokens - t.shape[1]
             tokens.append(F.pad(t.cpu(), (0, pad), value=-1))

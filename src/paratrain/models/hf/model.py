@@ -195,6 +195,39 @@ class HFCausalLM(nn.Module):
             return self._lm_head_name + name[len("lm_head") :]
         return f"{self._decoder_prefix}.{name}" if self._decoder_prefix else name
 
+    def _cached_forward(self, x: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor):
+        """The forward of new tokens against a KV cache (the sampler's, rl/rollout.py): the
+        decoder layers as transformers' own model runs them with ``use_cache``."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        for name in self._head_names:
+            module = getattr(self, name)
+            if module is not None:
+                x = module(x)
+        args = dict(config=self.config, inputs_embeds=x, attention_mask=key_mask, cache=cache, position_ids=positions)
+        masks = {"full_attention": create_causal_mask(**args)}
+        if "sliding_attention" in (getattr(self.config, "layer_types", None) or ()):
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**args)
+        position_embeddings = self._rotary(x, positions)
+        layer_types = getattr(self.config, "layer_types", None)
+        for key, layer in self.layers.items():
+            kind = layer_types[int(key)] if layer_types else "full_attention"
+            x = layer(
+                x,
+                attention_mask=masks[kind],
+                position_embeddings=position_embeddings,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+            )
+            if isinstance(x, tuple):
+                x = x[0]
+        for name in self._tail_names:
+            module = getattr(self, name)
+            if module is not None:
+                x = module(x)
+        return self.lm_head(x)
+
     def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor):
         rope = self._rope[0]
         if rope is None:
@@ -218,13 +251,21 @@ class HFCausalLM(nn.Module):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**args)
         return masks
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, *, cache=None, key_mask=None
+    ) -> torch.Tensor:
         """Token ids (B, T) -> logits; on a later pipeline stage hidden -> hidden (or -> logits).
 
         Packed documents (B, 2, T) carry their position ids (data/packing.py); padding's -1
         starts a one-token sequence of its own for the mask and rotates as position 0. A
         pipeline stage gets the ids (or the hidden states) and the ``positions`` (B, T) apart.
+
+        ``cache``: transformers' ``DynamicCache`` of the generation phase (rl/rollout.py): ``x``
+        holds the new tokens only, at ``positions`` (B, T), and ``key_mask`` (B, cached + T)
+        marks the cached and new slots each row may attend to (not its prompt's padding).
         """
+        if cache is not None:
+            return self._cached_forward(x, positions, cache, key_mask)
         if positions is None:
             x, positions = split_packed(x)
         for name in self._head_names:
