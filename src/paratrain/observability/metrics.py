@@ -132,19 +132,26 @@ def format_eta(seconds: float) -> str:
 
 class RowHistory(Sequence):
     """The per-step rows a run keeps for its summary and plot: only the fields those read, in
-    float arrays (48 bytes a step), where a list of the rows kept every row's ~20-key dict (about
-    0.9 MiB per 1000 steps on every rank, as measured over a 12,000-step run).
+    float arrays (48 bytes a step, and 8 per reward column of a preference or GRPO run), where a
+    list of the rows kept every row's ~20-key dict (about 0.9 MiB per 1000 steps on every rank,
+    as measured over a 12,000-step run).
 
     A sequence of small dicts (``summarize`` and ``plot_metrics`` take it as they take a list of
     rows); a field a row lacks (``val_loss`` between evaluations) is absent from its dict.
     """
 
     FIELDS = ("step", "loss", "tokens", "step_time_s", "tokens_per_s", "val_loss", "memory_gib")
+    # The plot's panels of preference and GRPO runs: their reward columns, kept from first seen.
+    PLOTTED = ("completion_length", "val_reward_accuracy")
 
     def __init__(self) -> None:
         self._columns = {k: array("d") for k in self.FIELDS}
 
     def append(self, row: dict) -> None:
+        n = len(self)
+        for k in row:
+            if k not in self._columns and (k.startswith("reward") or k in self.PLOTTED):
+                self._columns[k] = array("d", [math.nan] * n)
         for k, column in self._columns.items():
             column.append(float(row[k]) if row.get(k) is not None else math.nan)
 
