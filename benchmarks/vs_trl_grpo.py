@@ -43,22 +43,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paired import ratio_ci, summary_line  # noqa: E402 - benchmarks/paired.py, next to this script
+from vs_trl_dpo import WARMUP, run, steady  # noqa: E402 - the DPO comparison's warm-up, launcher and step time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vs_trl_grpo.json")
-WARMUP = 2
-
-
-def steady(stamps: list[float]) -> float:
-    diffs = [b - a for a, b in zip(stamps, stamps[1:])]  # diffs[i] is step i + 2 (1-based)
-    return statistics.median(diffs[WARMUP - 1 :])
 
 
 def trl_worker(args) -> None:
@@ -169,12 +163,6 @@ def trl_worker(args) -> None:
                 },
                 f,
             )
-
-
-def run(cmd: list[str], env: dict) -> None:
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if res.returncode:
-        raise SystemExit(f"{' '.join(cmd[:6])} ... failed ({res.returncode}):\n{res.stderr[-3000:]}")
 
 
 def run_paratrain(paths: dict, out: str, args, env) -> dict:

@@ -328,7 +328,7 @@ def test_bad_rl_input_is_one_line(rl, tmp_path):
 
 
 def test_a_reward_of_the_wrong_shape_is_one_line():
-    from paratrain.config import ConfigError, RLConfig
+    from paratrain.config import ConfigError, RLConfig, validate_rl
     from paratrain.rl.rewards import Rewards
 
     for fn, expected in (("wrong_length", "returned 1 rewards for 2 completions"), ("raises", "raised KeyError")):
@@ -337,6 +337,8 @@ def test_a_reward_of_the_wrong_shape_is_one_line():
             rewards(["1+1=", "2+2="], ["2", "4"], {"answer": ["2", "4"]})
     with pytest.raises(ConfigError, match="cannot import module 'nope'"):
         Rewards(RLConfig(rewards=["nope:fn"]))
+    with pytest.raises(ConfigError, match="rl.reference = 'a/dir'"):
+        validate_rl(RLConfig(reference="a/dir"))
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs/rl/rewards.py")
     mine = Rewards(RLConfig(rewards=[f"{recipe}:digits", "exact_match"], reward_weights=[0.5, 1.0]))
     total, columns = mine(["1+1=", "2+2="], ["2", "x4"], {"answer": ["2", "4"]})

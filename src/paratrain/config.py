@@ -863,6 +863,11 @@ def validate_rl(r: RLConfig) -> None:
         raise ConfigError(f"rl.top_k = {r.top_k} must be >= 0 and rl.top_p = {r.top_p} within (0, 1]")
     if r.epsilon <= 0 or r.epsilon_high < 0 or r.beta < 0:
         raise ConfigError("rl.epsilon must be > 0, rl.epsilon_high and rl.beta >= 0 (e.g. 0.2, 0.28, 0.04)")
+    if r.reference not in ("", "initial", "adapters_off"):
+        raise ConfigError(
+            f"rl.reference = {r.reference!r}: GRPO's reference is 'initial' or 'adapters_off' (LoRA); a model"
+            " directory is not offered yet (docs/grpo.md)"
+        )
     if not r.rewards:
         raise ConfigError("rl.rewards is empty; name at least one reward function (e.g. ['exact_match'])")
     if r.reward_weights and len(r.reward_weights) != len(r.rewards):
