@@ -168,6 +168,7 @@ def test_two_ranks_with_accumulation_give_the_one_process_numbers(rl, one_proces
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # six launches, each under run_ranks' own 240 s (which names a stuck rank)
 def test_variants_and_sharded_layouts_give_the_one_process_numbers(rl):
     """dapo's token normaliser (a different split of tokens on every layout) on FSDP2 x tensor
     parallel at world 4 with top-k and top-p sampling and two epochs per generation round; the
@@ -313,6 +314,7 @@ def test_completions_are_keyed_by_the_sample_not_the_batch():
     assert len({tuple(t.tolist()) for t in four}) == 4
 
 
+@pytest.mark.timeout(600)  # two CLI launches, each under paratrain_cli's own 240 s
 def test_bad_rl_input_is_one_line(rl, tmp_path):
     config = tmp_path / "empty.toml"
     config.write_text("")
