@@ -82,6 +82,110 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vs_trl_dpo.json")
 WARMUP = 2  # steps left out of each run's median (first-step allocations, DDP bucket rebuild)
 BETA = 0.1
+# Qwen2.5-0.5B's shape (its config.json; 494M parameters, 136M of them the tied embedding), random
+# weights: what --qwen-05b builds for the GPU check (nothing is downloaded).
+QWEN2_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+)
+LORA = dict(r=16, alpha=32)  # --lora: on every linear layer but the output layer, no dropout
+
+
+# ----------------------------------------------------------------------------- the layout both tools run
+
+
+def add_layout_args(p: argparse.ArgumentParser, *, micro: int, batch: int) -> None:
+    """The options that set where and how both tools run (this script's and vs_trl_grpo.py's)."""
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both tools run (default cpu)")
+    p.add_argument("--procs", type=int, default=2, help="processes (data-parallel ranks) of each tool (default 2)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 weights in both tools (else fp32)")
+    p.add_argument("--qwen-05b", action="store_true", help="Qwen2.5-0.5B's shape, random weights (the GPU check)")
+    p.add_argument("--batch", type=int, default=batch, help=f"global batch (default {batch})")
+    p.add_argument("--micro", type=int, default=micro, help=f"per micro-batch per process (default {micro})")
+
+
+def trl_layout(args) -> dict:
+    """TRL's settings for the layout: the device, the process group's backend, the precision."""
+    cpu = args.device == "cpu"
+    return {"use_cpu": cpu, "ddp_backend": "gloo" if cpu else "nccl", "bf16": args.bf16}
+
+
+def paratrain_layout(args) -> list[str]:
+    """paratrain's --set lines for the same layout (bf16: autocast over fp32 master weights, as TRL's bf16)."""
+    return [
+        f"parallel.dp_replicate={args.procs}",
+        f"dist.device='{args.device}'",
+        f"precision.dtype='{'bf16' if args.bf16 else 'fp32'}'",
+    ]
+
+
+def worker_layout(args) -> list[str]:
+    """The layout options handed on to the TRL worker."""
+    return ["--device", args.device, "--procs", str(args.procs), *(["--bf16"] if args.bf16 else [])]
+
+
+def describe_layout(args) -> str:
+    what = f"{args.procs} process{'es' if args.procs > 1 else ''} on {args.device}"
+    return what + (", bf16 autocast" if args.bf16 else ", float32")
+
+
+def check_trl_world(trainer, args) -> int:
+    """TRL's world, backend and batch settings must be the ones asked for; else the run is void."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    backend = dist.get_backend() if dist.is_initialized() else trl_layout(args)["ddp_backend"]
+    a = trainer.args
+    if world != args.procs or a.world_size != args.procs or backend != trl_layout(args)["ddp_backend"]:
+        raise SystemExit(f"TRL joined a world of {world} ({a.world_size}) on {backend}, not {args.procs}: void")
+    if a.per_device_train_batch_size != args.micro or a.gradient_accumulation_steps != args.accum:
+        raise SystemExit(
+            f"TRL runs micro {a.per_device_train_batch_size} x accum {a.gradient_accumulation_steps}: void"
+        )
+    if a.bf16 != args.bf16:
+        raise SystemExit(f"TRL's bf16 = {a.bf16}, not {args.bf16}: void")
+    return world
+
+
+def gather(obj) -> list:
+    """``obj`` of every rank (a world of one when TRL's launcher made no process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def save_policy(path: str, args, *, seed: int, vocab: int, max_positions: int) -> str:
+    """The policy both tools load: a random Qwen2 of --hidden x --layers, or of Qwen2.5-0.5B's
+    shape (--qwen-05b; stored in bf16, loaded as float32)."""
+    if not args.qwen_05b:
+        from tests.hf_models import save_tiny
+
+        h = args.hidden
+        shape = dict(vocab_size=vocab, hidden_size=h, intermediate_size=4 * h, num_hidden_layers=args.layers)
+        return save_tiny("qwen2", path, max_position_embeddings=max_positions, seed=seed, **shape)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(args.device):  # initialised on the GPU: seconds, not a minute of CPU
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **QWEN2_05B))
+    model.to(torch.bfloat16).save_pretrained(path)
+    del model
+    return path
+
+
+def shape_of(args) -> str:
+    return "Qwen2.5-0.5B's shape (random)" if args.qwen_05b else f"Qwen2 hidden {args.hidden} x {args.layers} layers"
 
 
 def steady(stamps: list[float]) -> float:
@@ -144,10 +248,8 @@ def trl_worker(args) -> None:
         adam_epsilon=1e-8,
         max_grad_norm=1.0,
         optim="adamw_torch",  # torch.optim.AdamW, as paratrain (not the fused kernel)
-        use_cpu=True,
-        ddp_backend="gloo",
         ddp_find_unused_parameters=False,  # every parameter has a gradient
-        bf16=False,  # TRL's default is bf16 mixed precision; paratrain runs float32 here
+        **trl_layout(args),  # TRL's default is bf16 mixed precision; float32 unless --bf16
         gradient_checkpointing=False,  # TRL's default is on; paratrain's is off
         beta=BETA,
         loss_type=["sigmoid"],
@@ -161,34 +263,34 @@ def trl_worker(args) -> None:
         seed=0,
     )
     timer = Steps()
+    lora = None
+    if args.lora:  # the reference is then the policy with its adapters off (TRL's ref_model=None)
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear")
     trainer = Counted(
         model=load(args.policy),
-        ref_model=load(args.ref),
+        ref_model=None if args.lora else load(args.ref),
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=AutoTokenizer.from_pretrained(args.tok),
         callbacks=[timer],
+        peft_config=lora,
     )
     trainer.micro, trainer.positions, trainer.real = [], [], []
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    a = trainer.args
-    if world != 2 or dist.get_backend() != "gloo" or a.world_size != 2:
-        raise SystemExit(f"TRL joined a world of {world} ({a.world_size}), not 2 on gloo: void")
-    if a.per_device_train_batch_size != micro or a.gradient_accumulation_steps != accum:
-        raise SystemExit(
-            f"TRL runs micro {a.per_device_train_batch_size} x accum {a.gradient_accumulation_steps}: void"
-        )
+    world = check_trl_world(trainer, args)
+    if args.lora and not hasattr(trainer.model, "peft_config"):
+        raise SystemExit("TRL's model has no LoRA adapters: void")
     trainer.train()
-    everyone, positions = [None, None], [None, None]
-    dist.all_gather_object(everyone, timer.steps)
-    dist.all_gather_object(positions, (sum(trainer.positions), sum(trainer.real), sum(map(sum, timer.steps))))
+    everyone = gather(timer.steps)
+    positions = gather((sum(trainer.positions), sum(trainer.real), sum(map(sum, timer.steps))))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if len(losses) != steps or any(len(s) != steps for s in everyone):
         raise SystemExit(f"TRL ran {len(losses)} logged steps, {[len(s) for s in everyone]} per rank, not {steps}")
     for i, per_rank in enumerate(zip(*everyone)):
-        if any(rank != [micro] * accum for rank in per_rank) or sum(map(sum, per_rank)) != micro * accum * 2:
+        if any(rank != [micro] * accum for rank in per_rank) or sum(map(sum, per_rank)) != micro * accum * world:
             raise SystemExit(f"TRL step {i + 1}: micro-batches of pairs per rank {per_rank}, not {accum} x {micro}")
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         result = {
             "step_s": steady(timer.end) if steps > WARMUP + 1 else None,
             "inner_s": statistics.median([e - b for b, e in zip(timer.begin, timer.end)][WARMUP:] or [math.nan]),
@@ -200,6 +302,7 @@ def trl_worker(args) -> None:
             "micro_per_rank": micro,
             "accum": accum,
             "world": world,
+            "lora": args.lora,
         }
         with open(args.result, "w") as f:
             json.dump(result, f)
@@ -222,8 +325,13 @@ def run_paratrain(paths: dict, corpus: str, out: str, batch: int, micro: int, st
         "loss.name='preference'",
         "preference.loss_type='sigmoid'",
         f"preference.beta={BETA}",
-        f"preference.reference='{paths['ref']}'",
-        "parallel.dp_replicate=2",
+        f"preference.reference='{'adapters_off' if args.lora else paths['ref']}'",
+        *paratrain_layout(args),
+        *(
+            [f"model.lora.r={LORA['r']}", f"model.lora.alpha={LORA['alpha']}", "model.lora.target_modules='all-linear'"]
+            if args.lora
+            else []
+        ),
         f"batch.global_batch_size={batch}",
         f"batch.micro_batch_size={micro}",
         f"run.steps={steps}",
@@ -242,16 +350,16 @@ def run_paratrain(paths: dict, corpus: str, out: str, batch: int, micro: int, st
     ]
     config = os.path.join(os.path.dirname(out), "empty.toml")  # every key comes from --set
     open(config, "w").close()
-    cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", str(args.procs)]
     run(cmd + [arg for item in sets for arg in ("--set", item)], env)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    accum = batch // (2 * micro)
+    accum = batch // (args.procs * micro)
     bad = [
         r
         for r in rows
         if (r["world_size"], r["global_batch_size"], r["micro_batch_size"], r["accum_steps"], r["items"])
-        != (2, batch, micro, accum, batch)
+        != (args.procs, batch, micro, accum, batch)
     ]
     if len(rows) != steps or bad:
         raise SystemExit(f"paratrain logged {len(rows)} steps, not {steps}, or other world/batch: {bad[:1]}")
@@ -267,14 +375,16 @@ def run_paratrain(paths: dict, corpus: str, out: str, batch: int, micro: int, st
 def run_trl(paths: dict, pairs_file: str, out: str, batch: int, micro: int, steps: int, args, env) -> dict:
     os.makedirs(out, exist_ok=True)
     result = os.path.join(out, "trl.json")
-    accum = batch // (2 * micro)
+    accum = batch // (args.procs * micro)
     argv = [__file__, "--worker", "--policy", paths["policy"], "--ref", paths["ref"], "--tok", paths["tok"]]
     argv += ["--pairs-file", pairs_file, "--out", out, "--result", result, "--lr", str(args.lr)]
     argv += ["--steps", str(steps), "--micro", str(micro), "--accum", str(accum), "--block", str(paths["block"])]
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv], env)
+    argv += worker_layout(args) + (["--lora"] if args.lora else [])
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.procs)]
+    run(launch + argv, env)
     with open(result) as f:
         got = json.load(f)
-    if got["world"] != 2 or any(n != batch for n in got["pairs_per_step"]):
+    if got["world"] != args.procs or any(n != batch for n in got["pairs_per_step"]):
         raise SystemExit(f"TRL ran at world {got['world']} with {got['pairs_per_step']} pairs per step: void")
     return got
 
@@ -287,16 +397,14 @@ def build(tmp: str, args, env: dict) -> dict:
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
-    from tests.hf_models import save_tiny
     from tests.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
 
     logging.disable_progress_bar()
     paths = {"tok": save_chat_tokenizer(os.path.join(tmp, "tok"))}
     rows = preference_pairs(args.pairs)
-    h = args.hidden
-    shape = dict(vocab_size=VOCAB, hidden_size=h, intermediate_size=4 * h, num_hidden_layers=args.layers)
-    for name, seed in (("policy", 0), ("ref", 1)):
-        paths[name] = save_tiny("qwen2", os.path.join(tmp, name), max_position_embeddings=1024, seed=seed, **shape)
+    for name, seed in (("policy", 0), ("ref", 1))[: 1 if args.lora else 2]:  # LoRA: the reference is adapters off
+        paths[name] = save_policy(os.path.join(tmp, name), args, seed=seed, vocab=VOCAB, max_positions=1024)
+    paths.setdefault("ref", "")
     tok = AutoTokenizer.from_pretrained(paths["tok"])
     longest = 0
     for r in rows:
@@ -419,6 +527,13 @@ def rounds_and_check(args, paths: dict, tmp: str, env: dict, *, run_paratrain, r
         f" paratrain {work['paratrain']['positions_per_pair']:.0f} ({work['paratrain']['tokens_per_pair']:.0f}),"
         f" TRL {work['trl']['positions_per_pair']:.0f} ({work['trl']['tokens_per_pair']:.0f})"
     )
+    # real (unpadded) tokens trained on per second: the global batch's over the median step time
+    for t, step_s in (("paratrain", mine), ("trl", other)):
+        work[t]["tokens_per_s"] = args.batch * work[t]["tokens_per_pair"] / (step_s / 1e3)
+    print(
+        f"real tokens/s (median step): paratrain {work['paratrain']['tokens_per_s']:.0f},"
+        f" TRL {work['trl']['tokens_per_s']:.0f}"
+    )
     check = None if args.skip_check else correctness(paths, tmp, args, env)
     return {
         "ratios": ratios,
@@ -442,7 +557,7 @@ def write_result(result_path: str, args, paths: dict, setup: str, got: dict) -> 
     import trl
 
     result = {
-        "command": " ".join(["python", f"benchmarks/{os.path.basename(result_path)[:-5]}.py", *sys.argv[1:]]),
+        "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]]),
         "setup": setup,
         "args": {k: v for k, v in vars(args).items() if v is not None and k not in ("worker", "quick")},
         "block_size": paths["block"],
@@ -471,14 +586,17 @@ def main() -> None:
     )
     p.add_argument("--rounds", type=int, default=10, help="paired rounds (paratrain and TRL once each)")
     p.add_argument("--steps", type=int, default=10, help=f"optimiser steps per run; the first {WARMUP} are warm-up")
-    p.add_argument("--batch", type=int, default=16, help="global batch, in pairs")
-    p.add_argument("--micro", type=int, default=4, help="pairs per micro-batch per process")
+    add_layout_args(p, micro=4, batch=16)  # --batch in pairs, --micro pairs per micro-batch per process
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant, no warmup)")
     p.add_argument("--pairs", type=int, default=64, help="distinct preference pairs (tests/sft_data.py)")
     p.add_argument("--hidden", type=int, default=128, help="the Qwen2's hidden size (4x in the MLP)")
     p.add_argument("--layers", type=int, default=2, help="the Qwen2's decoder layers")
+    p.add_argument(
+        "--lora", action="store_true", help=f"LoRA r {LORA['r']} on all linear layers, the reference adapters off"
+    )
     p.add_argument("--skip-check", action="store_true", help="leave out the first-step loss comparison")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round of 4 steps and the check, no JSON")
+    p.add_argument("--result-file", default=RESULT, help="where the JSON goes (default next to this script)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--policy", "--ref", "--tok", "--pairs-file", "--out", "--result"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
@@ -491,27 +609,35 @@ def main() -> None:
         args.rounds, args.steps = 1, WARMUP + 2
     if args.steps <= WARMUP + 1:
         raise SystemExit(f"--steps must exceed {WARMUP + 1} (the first {WARMUP} are warm-up)")
-    if args.batch % (2 * args.micro):
-        raise SystemExit(f"--batch {args.batch} is not a multiple of 2 x --micro {args.micro}")
+    if args.batch % (args.procs * args.micro):
+        raise SystemExit(f"--batch {args.batch} is not a multiple of --procs {args.procs} x --micro {args.micro}")
+    # the loss check compares float32 losses with a separate reference model
+    args.skip_check = args.skip_check or args.bf16 or args.lora
     sys.path[:0] = [REPO, os.path.join(REPO, "src")]
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]),
+        "PYTHONPATH": os.pathsep.join(
+            [REPO, os.path.join(REPO, "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        ),
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",  # everything is local; TRL's trainer would otherwise send a telemetry ping
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "HF_DATASETS_OFFLINE": "1",
+        "USE_HUB_KERNELS": "0",  # transformers >= 5.2x would fetch kernels from the Hub on CUDA
     }
-    os.environ.update({k: env[k] for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM")})
+    os.environ.update(
+        {k: env[k] for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM", "USE_HUB_KERNELS")}
+    )
     with tempfile.TemporaryDirectory() as tmp:
         paths = build(tmp, args, env)
-        accum = args.batch // (2 * args.micro)
+        accum = args.batch // (args.procs * args.micro)
+        reference = f"LoRA r {LORA['r']}, reference adapters off" if args.lora else "reference a second Qwen2"
         setup = (
             f"{len(paths['rows'])} pairs (x{paths['repeat']} for timing, longest pair {paths['longest']} tokens,"
-            f" paratrain rows of {paths['block']}), Qwen2 hidden {args.hidden} x {args.layers} layers,"
-            f" reference a second Qwen2; global batch {args.batch} pairs = 2 processes x micro {args.micro}"
-            f" x accumulation {accum}"
+            f" paratrain rows of {paths['block']}), {shape_of(args)}, {reference};"
+            f" global batch {args.batch} pairs = {args.procs} x micro {args.micro} x accumulation {accum};"
+            f" {describe_layout(args)}"
         )
         print(setup, flush=True)
         got = rounds_and_check(
@@ -520,7 +646,7 @@ def main() -> None:
     if args.quick:
         print("--quick: results not written")
         return
-    write_result(RESULT, args, paths, setup, got)
+    write_result(args.result_file, args, paths, setup, got)
 
 
 if __name__ == "__main__":

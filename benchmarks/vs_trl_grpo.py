@@ -49,7 +49,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paired import ratio_ci, summary_line  # noqa: E402 - benchmarks/paired.py, next to this script
-from vs_trl_dpo import WARMUP, run, steady  # noqa: E402 - the DPO comparison's warm-up, launcher and step time
+from vs_trl_dpo import (  # noqa: E402 - the DPO comparison's warm-up, launcher, step time and layout options
+    WARMUP,
+    add_layout_args,
+    check_trl_world,
+    describe_layout,
+    gather,
+    paratrain_layout,
+    run,
+    save_policy,
+    shape_of,
+    steady,
+    trl_layout,
+    worker_layout,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vs_trl_grpo.json")
@@ -111,10 +124,8 @@ def trl_worker(args) -> None:
         weight_decay=0.0,
         max_grad_norm=1.0,
         optim="adamw_torch",
-        use_cpu=True,
-        ddp_backend="gloo",
         ddp_find_unused_parameters=False,
-        bf16=False,
+        **trl_layout(args),
         gradient_checkpointing=False,
         use_vllm=False,
         shuffle_dataset=False,
@@ -135,23 +146,17 @@ def trl_worker(args) -> None:
         callbacks=[timer],
     )
     trainer.micro, trainer.gen_s, trainer.gen_tokens = [], [], []
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    a = trainer.args
-    if world != 2 or dist.get_backend() != "gloo" or a.world_size != 2:
-        raise SystemExit(f"TRL joined a world of {world} ({a.world_size}), not 2 on gloo: void")
-    if a.per_device_train_batch_size != args.micro or a.gradient_accumulation_steps != args.accum:
-        raise SystemExit("TRL's batch settings are not the ones asked for: void")
+    world = check_trl_world(trainer, args)
     trainer.train()
-    everyone = [None, None]
-    dist.all_gather_object(everyone, (timer.steps, trainer.gen_s, trainer.gen_tokens))
+    everyone = gather((timer.steps, trainer.gen_s, trainer.gen_tokens))
     for i, per_rank in enumerate(zip(*(e[0] for e in everyone))):
         if any(rank != [args.micro] * args.accum for rank in per_rank):
             raise SystemExit(f"TRL step {i + 1}: micro-batches {per_rank}, not {args.accum} x {args.micro}: void")
     if len(timer.steps) != args.steps:
         raise SystemExit(f"TRL ran {len(timer.steps)} steps, not {args.steps}: void")
-    if dist.get_rank() == 0:
-        gen = [max(a_, b_) for a_, b_ in zip(everyone[0][1], everyone[1][1])]  # the slower rank's
-        tokens = [a_ + b_ for a_, b_ in zip(everyone[0][2], everyone[1][2])]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        gen = [max(per_rank) for per_rank in zip(*(e[1] for e in everyone))]  # the slowest rank's
+        tokens = [sum(per_rank) for per_rank in zip(*(e[2] for e in everyone))]
         with open(args.result, "w") as f:
             json.dump(
                 {
@@ -175,7 +180,7 @@ def run_paratrain(paths: dict, out: str, args, env) -> dict:
         f"rl.group_size={args.group}",
         f"rl.max_new_tokens={args.new}",
         "rl.rewards=['tests.rl_data:byte_mix']",
-        "parallel.dp_replicate=2",
+        *paratrain_layout(args),
         f"batch.global_batch_size={args.batch}",
         f"batch.micro_batch_size={args.micro}",
         f"run.steps={args.steps}",
@@ -191,12 +196,12 @@ def run_paratrain(paths: dict, out: str, args, env) -> dict:
     ]
     config = os.path.join(os.path.dirname(out), "empty.toml")
     open(config, "w").close()
-    cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", str(args.procs)]
     run(cmd + [arg for item in sets for arg in ("--set", item)], env)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    accum = args.batch // (2 * args.micro)
-    want = (2, args.batch, args.micro, accum, args.batch)
+    accum = args.batch // (args.procs * args.micro)
+    want = (args.procs, args.batch, args.micro, accum, args.batch)
     bad = [
         r
         for r in rows
@@ -226,26 +231,25 @@ def run_trl(paths: dict, out: str, args, env) -> dict:
         paths["prompts"],
     ]
     argv += ["--out", out, "--result", result, "--steps", str(args.steps), "--micro", str(args.micro)]
-    argv += ["--accum", str(args.batch // (2 * args.micro)), "--group", str(args.group), "--new", str(args.new)]
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv], env)
+    argv += ["--accum", str(args.batch // (args.procs * args.micro)), "--group", str(args.group)]
+    argv += ["--new", str(args.new), *worker_layout(args)]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.procs)]
+    run(launch + argv, env)
     with open(result) as f:
         got = json.load(f)
-    if got["world"] != 2 or got["completions_per_step"] != args.batch:
+    if got["world"] != args.procs or got["completions_per_step"] != args.batch:
         raise SystemExit(f"TRL ran at world {got['world']} with {got['completions_per_step']} completions a step: void")
     return got
 
 
 def build(tmp: str, args) -> dict:
-    from tests.hf_models import save_tiny
     from tests.rl_data import addition_rows
     from tests.sft_data import VOCAB, save_chat_tokenizer, write_jsonl
 
-    h = args.hidden
-    shape = dict(vocab_size=VOCAB, hidden_size=h, intermediate_size=4 * h, num_hidden_layers=args.layers)
     prompts = args.steps * args.batch // args.group
     return {
         "tok": save_chat_tokenizer(os.path.join(tmp, "tok")),
-        "policy": save_tiny("qwen2", os.path.join(tmp, "policy"), max_position_embeddings=512, seed=0, **shape),
+        "policy": save_policy(os.path.join(tmp, "policy"), args, seed=0, vocab=VOCAB, max_positions=512),
         "prompts": write_jsonl(os.path.join(tmp, "prompts.jsonl"), addition_rows(prompts, conversational=True)),
     }
 
@@ -254,13 +258,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=6, help="paired rounds (paratrain and TRL once each)")
     p.add_argument("--steps", type=int, default=8, help=f"optimiser steps per run; the first {WARMUP} are warm-up")
-    p.add_argument("--batch", type=int, default=32, help="global batch, in completions")
-    p.add_argument("--micro", type=int, default=8, help="completions per micro-batch per process")
+    add_layout_args(p, micro=8, batch=32)  # --batch in completions, --micro completions per micro-batch per process
     p.add_argument("--group", type=int, default=4, help="completions per prompt")
     p.add_argument("--new", type=int, default=16, help="most new tokens per completion")
     p.add_argument("--hidden", type=int, default=128, help="the Qwen2's hidden size (4x in the MLP)")
     p.add_argument("--layers", type=int, default=2, help="the Qwen2's decoder layers")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round of 4 steps, no JSON")
+    p.add_argument("--result-file", default=RESULT, help="where the JSON goes (default next to this script)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--policy", "--tok", "--prompts-file", "--out", "--result"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
@@ -271,22 +275,28 @@ def main() -> None:
         return trl_worker(args)
     if args.quick:
         args.rounds, args.steps = 1, WARMUP + 2
-    if args.batch % (2 * args.micro) or (2 * args.micro) % args.group:
-        raise SystemExit("--batch must be a multiple of 2 x --micro, itself a multiple of --group")
+    if args.batch % (args.procs * args.micro) or (args.procs * args.micro) % args.group:
+        raise SystemExit("--batch must be a multiple of --procs x --micro, itself a multiple of --group")
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]),
+        "PYTHONPATH": os.pathsep.join(
+            [REPO, os.path.join(REPO, "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        ),
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "HF_DATASETS_OFFLINE": "1",
+        "USE_HUB_KERNELS": "0",  # transformers >= 5.2x would fetch kernels from the Hub on CUDA
     }
-    os.environ.update({k: env[k] for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM")})
-    accum = args.batch // (2 * args.micro)
+    os.environ.update(
+        {k: env[k] for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM", "USE_HUB_KERNELS")}
+    )
+    accum = args.batch // (args.procs * args.micro)
     setup = (
-        f"Qwen2 hidden {args.hidden} x {args.layers} layers, G {args.group}, at most {args.new} new tokens;"
-        f" global batch {args.batch} completions = 2 processes x micro {args.micro} x accumulation {accum}"
+        f"{shape_of(args)}, G {args.group}, at most {args.new} new tokens;"
+        f" global batch {args.batch} completions = {args.procs} x micro {args.micro} x accumulation {accum};"
+        f" {describe_layout(args)}"
     )
     print(setup, flush=True)
     got: dict[str, list] = {
@@ -334,10 +344,10 @@ def main() -> None:
     import trl
 
     gmean, lo, hi = ratio_ci(got["ratio"])
-    with open(RESULT, "w") as f:
+    with open(args.result_file, "w") as f:
         json.dump(
             {
-                "command": "python benchmarks/vs_trl_grpo.py " + " ".join(sys.argv[1:]),
+                "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]]),
                 "setup": setup,
                 "versions": {
                     "torch": torch.__version__,
@@ -353,7 +363,7 @@ def main() -> None:
             f,
             indent=1,
         )
-    print(f"wrote {os.path.relpath(RESULT, REPO)}")
+    print(f"wrote {os.path.relpath(args.result_file, REPO)}")
 
 
 if __name__ == "__main__":

@@ -95,7 +95,9 @@ def completion_logps(model, tok, prompt: list[dict], tokens: list[int]) -> torch
     return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def anchor(rl: dict, rollouts: list[dict], *, loss_type: str = "grpo", spg: int = 2, eps: float = 0.2):
+def anchor(
+    rl: dict, rollouts: list[dict], *, loss_type: str = "grpo", spg: int = 2, eps: float = 0.2, beta: float = BETA
+):
     """(losses, grad norms) of plain SGD on paratrain's completions, everything else written out:
     rewards from the text, advantages, ratios to the round's first policy, the k3 KL to the
     initial model, the variant's normaliser over the step's completions."""
@@ -128,7 +130,7 @@ def anchor(rl: dict, rollouts: list[dict], *, loss_type: str = "grpo", spg: int 
                 ref = completion_logps(reference, tok, prompt(r), r["tokens"])
             ratio = torch.exp(logp - old[i])
             surrogate = torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a)
-            per_token = -surrogate + BETA * (torch.exp(ref - logp) - (ref - logp) - 1)
+            per_token = -surrogate + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
             total = total + (per_token.mean() if loss_type == "grpo" else per_token.sum())
             tokens += len(r["tokens"])
         units = {"grpo": len(rows), "seq_mean_token_sum": len(rows), "dapo": tokens, "dr_grpo": len(rows) * NEW}
@@ -155,7 +157,8 @@ def test_grpo_equals_transformers_on_each_completion_alone(rl, one_process):
 
 def test_two_ranks_with_accumulation_give_the_one_process_numbers(rl, one_process):
     rows, rollouts = one_process
-    rows2, rollouts2 = _run(rl, "w2", "batch.micro_batch_size=2", world=2)
+    # generation batches of 3 rows (the last one 1) against micro-batches of 2: the same tokens
+    rows2, rollouts2 = _run(rl, "w2", "batch.micro_batch_size=2", "rl.generation_batch_size=3", world=2)
     same_rollouts(rollouts2, rollouts)
     for key in ("loss", "grad_norm", "reward", "kl", "clip_ratio"):
         assert [r[key] for r in rows2] == pytest.approx([r[key] for r in rows], rel=1e-5, abs=1e-7), key
@@ -165,6 +168,17 @@ def test_two_ranks_with_accumulation_give_the_one_process_numbers(rl, one_proces
     assert one.keys() == two.keys()
     for name in one:  # the weights after the steps
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
+
+
+def test_an_on_policy_step_without_kl_skips_the_recomputation(rl):
+    """One step per round and beta 0: no step needs the old policy's or the reference's
+    log-probabilities, so none are recomputed (no logp_gap), and the step is still the written-out
+    one (its ratio is exp(logp - logp.detach()))."""
+    rows, rollouts = _run(rl, "on_policy", "rl.steps_per_generation=1", "rl.beta=0")
+    assert all("logp_gap" not in r for r in rows) and rows[0]["generation_s"] > 0
+    losses, norms = anchor(rl, rollouts, spg=1, beta=0.0)
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    assert [r["grad_norm"] for r in rows] == pytest.approx(norms, rel=1e-4)
 
 
 @pytest.mark.slow

@@ -120,6 +120,11 @@ def test_vocab_checks(corpora):
     model = ModelConfig(name="gpt", args={"n_layer": 1})
     resolve_model_vocab(model, DataConfig(name="tokens", args={"path": corpora[0], "block_size": 8}))
     assert model.args["vocab_size"] == 256
+    # model.hf keeps its own embedding: a tokenizer smaller than it (Qwen2.5's 151665 tokens for
+    # 151936 rows) must not shrink the model, whose weights would then not load.
+    hf = ModelConfig(hf="some/dir")
+    resolve_model_vocab(hf, DataConfig(name="tokens", args={"path": corpora[0], "block_size": 8}))
+    assert "vocab_size" not in hf.args
     # Wired into the preflight that every command runs (preflight.check_run).
     data = ["data.name='tokens'", f"data.args={{path='{corpora[0]}', block_size=8}}"]
     cfg = load_config(None, [*data, "model.args={n_layer=1, block_size=8}"])

@@ -252,6 +252,14 @@ class RLConfig:
         True,
         "Sample with a KV cache where the model takes one (model.hf): one position per new token. false reruns the whole row buffer per token (the built-in GPT always does): slower, and the sampler's log-probabilities are then the trainer's to the last bit.",
     )
+    generation_batch_size: int = opt(
+        0,
+        "Rows (completions) one sampler call generates on one rank; 0 = all of the rank's rows of an optimiser step (TRL's default). The tokens do not depend on it (keyed draws); a smaller one holds a smaller KV cache, a larger one takes fewer, wider forwards.",
+    )
+    check_logps: bool = opt(
+        False,
+        "Recompute the completions' log-probabilities after sampling even where no step needs them (on-policy, rl.beta = 0), to log logp_gap (the sampler against the trainer); off-policy steps and beta > 0 always recompute.",
+    )
     steps_per_generation: int = opt(
         1, "Optimiser steps on one generation's completions (the generation covers that many global batches)."
     )
@@ -853,6 +861,10 @@ def validate_rl(r: RLConfig) -> None:
     ):
         if value < 1:
             raise ConfigError(f"rl.{key} = {value} must be >= 1")
+    if r.generation_batch_size < 0:
+        raise ConfigError(
+            f"rl.generation_batch_size = {r.generation_batch_size} must be >= 0 (0: a rank's rows of a whole step)"
+        )
     if r.group_size < 2:
         raise ConfigError(
             f"rl.group_size = {r.group_size} must be >= 2: an advantage compares a completion with its group"

@@ -424,5 +424,5 @@ def resolve_model_vocab(model_cfg, data_cfg) -> None:
     if meta is None:
         return
     check_vocab(model_cfg.args, meta)
-    if model_cfg.name == "gpt" and not model_cfg.factory and "vocab_size" not in model_cfg.args:
+    if model_cfg.name == "gpt" and not model_cfg.hf and not model_cfg.factory and "vocab_size" not in model_cfg.args:
         model_cfg.args["vocab_size"] = model_vocab_size(model_cfg.args, meta)

@@ -206,8 +206,17 @@ def torchrun_args(
     # The agent still SIGTERMs the workers when one failed (before a restart, or to end the job);
     # they take it for a preemption, so a worker stuck in a step would keep the default 30 s
     # before the SIGKILL: 5 s is enough for one whose peers are gone to see its collective fail.
-    args += ["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout", "5"]
+    args += ["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
+    if _torchrun_has("--shutdown-timeout"):  # torch >= 2.12; 2.10 and 2.11 keep their 30 s
+        args += ["--shutdown-timeout", "5"]
     return args + ["--module", module, *module_args]
+
+
+def _torchrun_has(option: str) -> bool:
+    """Whether this torch's torchrun takes ``option`` (pyproject allows torch >= 2.10)."""
+    from torch.distributed.run import get_args_parser
+
+    return option in get_args_parser()._option_string_actions
 
 
 def prepare_node(spec: LaunchSpec) -> tuple[str, Callable[[], None]]:

@@ -23,9 +23,12 @@ per new token, each row at its own position with its prompt's padding masked out
 (the built-in GPT, or ``rl.kv_cache = false``) each token reruns the whole row buffer
 ``[prompt | completion so far | padding]``, as wide as the generation batch's longest prompt
 plus ``max_new_tokens``; causal attention makes the padding after a row's last token invisible
-to it. The step trains on the same rows, micro-batch for micro-batch, and first recomputes
-their log-probabilities with the training forward: the largest difference from the sampler's
-(``logp_gap``: float rounding with the cache, 0 without) is logged every round. Ranks whose
+to it. A generation batch is ``rl.generation_batch_size`` rows, by default all of a rank's rows
+of a step. The step trains on the same rows cut into micro-batches. Where a step needs the old
+policy's log-probabilities (a round of several steps) or the reference's (``rl.beta > 0``), the
+round first recomputes them with the training forward, micro-batch for micro-batch, and logs the
+largest difference from the sampler's (``logp_gap``: float rounding with the cache); an
+on-policy step without a KL skips that, as TRL does, unless ``rl.check_logps``. Ranks whose
 forward holds collectives (FSDP2, tensor parallel) agree on when every completion has stopped.
 """
 
@@ -284,7 +287,12 @@ class Rollouts:
                 self.steps.append((batches, keys))
         finally:
             self.model.train(was_training)
-        for batches, keys in self.steps:  # the trainer's recomputation, without a graph
+        # The trainer's recomputation, without a graph: the importance ratio's denominator when a
+        # round holds several steps, and the reference's log-probabilities with beta > 0. An
+        # on-policy step without a KL needs neither (its ratio is exp(logp - logp.detach())), so
+        # it is skipped unless rl.check_logps asks for logp_gap, as TRL skips it (old_per_token_logps).
+        recompute = not self.objective.on_policy or self.objective.reference is not None or self.cfg.check_logps
+        for batches, keys in self.steps if recompute else ():
             gap = torch.maximum(gap, self._recompute(batches, keys))
         if self.dp_group is not None:
             dist.all_reduce(stats, group=self.dp_group)
@@ -295,7 +303,7 @@ class Rollouts:
             "reward_std": stats[3].item() / groups,
             "completion_length": stats[4].item() / n,
             **{f"reward_{name}": stats[5 + i].item() / n for i, name in enumerate(self.rewards.names)},
-            "logp_gap": gap.item(),
+            **({"logp_gap": gap.item()} if recompute else {}),
             "generation_s": time.perf_counter() - t0,
         }
         self._write(step, written)
@@ -307,11 +315,14 @@ class Rollouts:
         keys = completion_keys(prompt_keys, g)
         device = self.step_ctx.device
         tokens, logps = [], []
-        # The generation batch is a micro-batch of rows, its buffer as wide as its longest prompt
-        # plus max_new_tokens (not max_prompt_length): the step trains on those same rows.
-        spans = [(a, a + micro_batch_size) for a in range(0, len(prompts), micro_batch_size)]
-        widths = [int(lengths[a:b].max()) for a, b in spans]
-        for (a, b), width in zip(spans, widths, strict=True):
+        # A generation batch is rl.generation_batch_size rows (0: all of this rank's rows of the
+        # step, as TRL generates a whole batch at once: fewer, wider forwards, what a GPU wants),
+        # its buffer as wide as its longest prompt plus max_new_tokens (not max_prompt_length).
+        # The step then trains on the same rows cut into micro-batches, each as wide as its own.
+        generation = self.cfg.generation_batch_size or len(prompts)
+        for a in range(0, len(prompts), generation):
+            b = a + generation
+            width = int(lengths[a:b].max())
             t, lp, _ = sample(
                 self._sampler(),
                 prompts[a:b, :width].to(device),
@@ -345,6 +356,8 @@ class Rollouts:
         rewards = torch.tensor(total, dtype=torch.float64)
         advantage, std = advantages(rewards, g, scale=self.cfg.scale_rewards)
         weights = token_weights(self.objective.loss_type, done)
+        spans = [(a, a + micro_batch_size) for a in range(0, len(prompts), micro_batch_size)]
+        widths = [int(lengths[a:b].max()) for a, b in spans]
         batches = [
             training_rows(prompts[a:b, :width], lengths[a:b], tokens[a:b], logps[a:b], advantage[a:b], weights[a:b])
             for (a, b), width in zip(spans, widths, strict=True)
