@@ -96,7 +96,15 @@ def completion_logps(model, tok, prompt: list[dict], tokens: list[int]) -> torch
 
 
 def anchor(
-    rl: dict, rollouts: list[dict], *, loss_type: str = "grpo", spg: int = 2, eps: float = 0.2, beta: float = BETA
+    rl: dict,
+    rollouts: list[dict],
+    *,
+    loss_type: str = "grpo",
+    spg: int = 2,
+    eps: float = 0.2,
+    beta: float = BETA,
+    rloo: bool = False,
+    overlong: int = 0,
 ):
     """(losses, grad norms) of plain SGD on paratrain's completions, everything else written out:
     rewards from the text, advantages, ratios to the round's first policy, the k3 KL to the
@@ -120,9 +128,15 @@ def anchor(
         text = [tok.decode(r["tokens"], skip_special_tokens=True) for _, r in rows]
         assert text == [r["text"] for _, r in rows]
         reward = byte_mix(None, [[{"role": "assistant", "content": t}] for t in text])
+        if overlong:  # DAPO's eq. 13: 0 up to NEW - L tokens, then linearly down to -1 at NEW
+            reward = [x + min(0.0, (NEW - overlong - len(r["tokens"])) / overlong) for x, (_, r) in zip(reward, rows)]
         assert reward == pytest.approx([r["reward"] for _, r in rows], abs=1e-12)
         grouped = torch.tensor(reward, dtype=torch.float64).view(-1, G)
-        adv = ((grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + 1e-4)).view(-1)
+        if rloo:  # each completion against the mean of the other G - 1 of its group
+            base = torch.stack([torch.cat([g[:i], g[i + 1 :]]).mean() for g in grouped for i in range(G)]).view(-1, G)
+        else:
+            base = grouped.mean(-1, keepdim=True)
+        adv = ((grouped - base) / (grouped.std(-1, keepdim=True) + 1e-4)).view(-1)
         total, tokens = 0, 0
         for (i, r), a in zip(rows, adv.float(), strict=True):
             logp = completion_logps(policy, tok, prompt(r), r["tokens"])
@@ -173,10 +187,13 @@ def test_two_ranks_with_accumulation_give_the_one_process_numbers(rl, one_proces
 def test_an_on_policy_step_without_kl_skips_the_recomputation(rl):
     """One step per round and beta 0: no step needs the old policy's or the reference's
     log-probabilities, so none are recomputed (no logp_gap), and the step is still the written-out
-    one (its ratio is exp(logp - logp.detach()))."""
-    rows, rollouts = _run(rl, "on_policy", "rl.steps_per_generation=1", "rl.beta=0")
+    one (its ratio is exp(logp - logp.detach())). With RLOO's leave-one-out baseline and DAPO's
+    overlong penalty added to the reward, both written out in the anchor."""
+    extra = ("rl.advantage='rloo'", "rl.rewards=['tests.rl_data:byte_mix', 'overlong']", "rl.overlong_buffer=3")
+    rows, rollouts = _run(rl, "on_policy", "rl.steps_per_generation=1", "rl.beta=0", *extra)
     assert all("logp_gap" not in r for r in rows) and rows[0]["generation_s"] > 0
-    losses, norms = anchor(rl, rollouts, spg=1, beta=0.0)
+    assert rows[0]["reward_overlong"] < 0
+    losses, norms = anchor(rl, rollouts, spg=1, beta=0.0, rloo=True, overlong=3)
     assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-5, abs=1e-6)
     assert [r["grad_norm"] for r in rows] == pytest.approx(norms, rel=1e-4)
 
@@ -282,6 +299,24 @@ def test_advantages_are_trls():
     assert adv[4:].abs().max() == 0 and std[1] == 0  # a group that ties teaches nothing
     adv, _ = advantages(rewards, 4, scale="none")  # Dr. GRPO: centred, not scaled
     torch.testing.assert_close(adv[:4].float(), rewards[:4] - rewards[:4].mean())
+    adv, _ = advantages(rewards, 4, scale="none", baseline="rloo")  # RLOO: the others' mean
+    others = torch.tensor([(rewards[:4].sum() - r) / 3 for r in rewards[:4]])
+    torch.testing.assert_close(adv[:4].float(), rewards[:4] - others)
+    torch.testing.assert_close(adv[:4].float(), 4 / 3 * (rewards[:4] - rewards[:4].mean()))
+
+
+def test_the_overlong_penalty_is_dapos():
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) with L_max = 8, L_cache = 4, from
+    the completions' token ids as TRL passes them; and its buffer checked before the run."""
+    from paratrain.config import ConfigError, RLConfig, validate_rl
+    from paratrain.rl.rewards import Rewards
+
+    rewards = Rewards(RLConfig(rewards=["overlong"], max_new_tokens=8, overlong_buffer=4))
+    ids = [[1] * n for n in (2, 4, 5, 7, 8)]
+    total, _ = rewards(["p"] * 5, ["c"] * 5, {"completion_ids": ids})
+    assert total == [0.0, 0.0, -0.25, -0.75, -1.0]
+    with pytest.raises(ConfigError, match="rl.overlong_buffer = 0 is not within"):
+        validate_rl(RLConfig(rewards=["overlong"], max_new_tokens=8))
 
 
 def test_top_k_and_top_p_keep_transformers_tokens():

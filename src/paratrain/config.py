@@ -268,6 +268,10 @@ class RLConfig:
         "grpo",
         "'grpo' (= 'seq_mean_token_mean'), 'dr_grpo' (token sum / (completions x max_new_tokens)), 'dapo' (= 'bnpo' = 'token_mean': token sum / completion tokens), or 'seq_mean_token_sum'; every normaliser over the optimiser step's global batch (docs/grpo.md).",
     )
+    advantage: Literal["group", "rloo"] = opt(
+        "group",
+        "The baseline a completion's reward is compared with: 'group', its group's mean (GRPO); 'rloo', the mean of the other G - 1 completions of its group (RLOO, Ahmadian et al. 2024), i.e. G / (G - 1) times the group-centred reward. rl.scale_rewards applies after either.",
+    )
     scale_rewards: Literal["group", "none"] = opt(
         "group",
         "'group': advantages divided by the group's reward standard deviation (GRPO); 'none': only centred (Dr. GRPO).",
@@ -286,6 +290,10 @@ class RLConfig:
     reward_weights: list = opt([], "One weight per reward function; [] = 1 each.")
     answer_field: str = opt("answer", "The prompt row's field that 'exact_match' compares the completion with.")
     format_pattern: str = opt("", "The regular expression a completion must fully match for 'format''s reward of 1.")
+    overlong_buffer: int = opt(
+        0,
+        "The 'overlong' reward's buffer L (DAPO's soft overlong punishment): 0 for a completion of at most max_new_tokens - L tokens, falling linearly to -1 at max_new_tokens; > 0 and < max_new_tokens when rl.rewards names 'overlong'.",
+    )
 
 
 @dataclass
@@ -882,6 +890,11 @@ def validate_rl(r: RLConfig) -> None:
         )
     if not r.rewards:
         raise ConfigError("rl.rewards is empty; name at least one reward function (e.g. ['exact_match'])")
+    if "overlong" in r.rewards and not 0 < r.overlong_buffer < r.max_new_tokens:
+        raise ConfigError(
+            f"rl.rewards names 'overlong' but rl.overlong_buffer = {r.overlong_buffer} is not within (0, rl.max_new_tokens"
+            f" = {r.max_new_tokens}); set the tokens before the limit where the penalty starts (DAPO: a quarter of it)"
+        )
     if r.reward_weights and len(r.reward_weights) != len(r.rewards):
         raise ConfigError(
             f"rl.reward_weights has {len(r.reward_weights)} weights for {len(r.rewards)} rl.rewards; give one each"

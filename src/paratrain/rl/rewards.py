@@ -5,10 +5,14 @@ A reward function has TRL's signature, so users' functions carry over:
 are the rows' prompts as written (strings or message lists), ``completions`` the decoded
 completions (strings, or ``[{"role": "assistant", "content": ...}]`` for conversational prompts),
 and each other field of the prompt rows comes as a list aligned with them (a group's ``G``
-completions repeat their prompt's row). Several functions are summed with ``rl.reward_weights``.
+completions repeat their prompt's row), with ``completion_ids`` (each completion's token ids, its
+stop token included) as TRL passes them. Several functions are summed with ``rl.reward_weights``.
 
 Built in: ``exact_match`` (1 when the completion, stripped, equals the row's ``rl.answer_field``,
-stripped) and ``format`` (1 when the completion fully matches ``rl.format_pattern``). A function
+stripped), ``format`` (1 when the completion fully matches ``rl.format_pattern``) and
+``overlong`` (DAPO's soft overlong punishment, Yu et al. 2025, eq. 13: 0 up to
+``max_new_tokens - overlong_buffer`` tokens, then falling linearly to -1 at ``max_new_tokens``;
+a completion cannot be longer, so DAPO's third case, -1 beyond it, never arises). A function
 that raises, returns a wrong number of rewards or a non-number ends the run with one line
 naming it.
 """
@@ -56,6 +60,16 @@ def format_match(pattern: str) -> Callable:
     return reward
 
 
+def overlong(max_new_tokens: int, buffer: int) -> Callable:
+    start = max_new_tokens - buffer
+
+    def reward(prompts, completions, completion_ids, **fields):
+        return [min(0.0, (start - len(ids)) / buffer) for ids in completion_ids]
+
+    reward.__name__ = "overlong"
+    return reward
+
+
 class Rewards:
     """The run's reward functions and weights: :meth:`__call__` scores a batch of completions."""
 
@@ -66,11 +80,14 @@ class Rewards:
                 self.fns.append((ref, exact_match(cfg.answer_field)))
             elif ref == "format":
                 self.fns.append((ref, format_match(cfg.format_pattern)))
+            elif ref == "overlong":
+                self.fns.append((ref, overlong(cfg.max_new_tokens, cfg.overlong_buffer)))
             elif ":" in ref:
                 self.fns.append((ref, resolve_callable(ref, "rl.rewards")))
             else:
                 raise ConfigError(
-                    f"rl.rewards names {ref!r}; use 'exact_match', 'format', 'package.module:function' or 'file.py:function'"
+                    f"rl.rewards names {ref!r}; use 'exact_match', 'format', 'overlong', 'package.module:function' or"
+                    " 'file.py:function'"
                 )
         self.weights = [float(w) for w in cfg.reward_weights] or [1.0] * len(self.fns)
 

@@ -168,13 +168,19 @@ def _any_live(live: torch.Tensor, agree: bool) -> bool:
     return bool(flag.item())
 
 
-def advantages(rewards: torch.Tensor, group_size: int, *, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+def advantages(
+    rewards: torch.Tensor, group_size: int, *, scale: str, baseline: str = "group"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each completion's advantage ``(n,)`` from the rewards ``(n,)`` of consecutive groups: its
-    reward minus its group's mean, divided by the group's standard deviation (Bessel's, as TRL's
-    ``std``) plus 1e-4 when ``scale = 'group'``; and each group's standard deviation."""
+    reward minus its group's mean (``baseline = 'rloo'``: minus the mean of the group's other
+    completions, G / (G - 1) times as much), divided by the group's standard deviation (Bessel's,
+    as TRL's ``std``) plus 1e-4 when ``scale = 'group'``; and each group's standard deviation."""
     grouped = rewards.double().view(-1, group_size)
     std = grouped.std(-1, keepdim=True)
-    centred = grouped - grouped.mean(-1, keepdim=True)
+    if baseline == "rloo":  # r_i - (sum - r_i) / (G - 1), written as such
+        centred = grouped - (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)
+    else:
+        centred = grouped - grouped.mean(-1, keepdim=True)
     if scale == "group":
         centred = centred / (std + 1e-4)
     return centred.reshape(-1), std.reshape(-1)
@@ -352,9 +358,10 @@ class Rollouts:
             [{"role": "assistant", "content": t}] if conv else t for t, conv in zip(texts, conversational, strict=True)
         ]
         fields = {k: [r.get(k) for r in rows_] for k in rows_[0] if k != "prompt"}
+        fields["completion_ids"] = [tokens[i, : int(done[i])].tolist() for i in range(len(tokens))]  # as TRL
         total, columns = self.rewards([r["prompt"] for r in rows_], completions, fields)
         rewards = torch.tensor(total, dtype=torch.float64)
-        advantage, std = advantages(rewards, g, scale=self.cfg.scale_rewards)
+        advantage, std = advantages(rewards, g, scale=self.cfg.scale_rewards, baseline=self.cfg.advantage)
         weights = token_weights(self.objective.loss_type, done)
         spans = [(a, a + micro_batch_size) for a in range(0, len(prompts), micro_batch_size)]
         widths = [int(lengths[a:b].max()) for a, b in spans]
