@@ -396,17 +396,24 @@ def test_a_reward_of_the_wrong_shape_is_one_line():
     assert columns == [[1.0, 0.5], [1.0, 0.0]] and total == [1.5, 0.25]
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", [*ARCHS, "gpt"])
 def test_the_kv_cache_samples_what_the_whole_buffer_samples(arch, tmp_path):
-    """model.hf's sampler with a KV cache (one position per token, the prompts' padding masked)
-    draws the tokens that rerunning the whole buffer draws, at log-probabilities within 1e-6."""
+    """The sampler with a KV cache (one position per token, the prompts' padding masked) draws
+    the tokens that rerunning the whole buffer draws, at log-probabilities within 1e-6: model.hf
+    with transformers' DynamicCache, and the built-in GPT with its own KVCache."""
     from paratrain.config import ModelConfig
     from paratrain.models import build
     from paratrain.models.hf.weights import load_into, weight_files
 
-    path = save_tiny(arch, str(tmp_path / arch), vocab_size=VOCAB, max_position_embeddings=512, seed=0)
-    model, _ = build(ModelConfig(hf=path))
-    load_into(model, files=weight_files(path), device=torch.device("cpu"))
+    if arch == "gpt":
+        torch.manual_seed(0)
+        model, _ = build(
+            ModelConfig(args={"n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 32, "vocab_size": 256})
+        )
+    else:
+        path = save_tiny(arch, str(tmp_path / arch), vocab_size=VOCAB, max_position_embeddings=512, seed=0)
+        model, _ = build(ModelConfig(hf=path))
+        load_into(model, files=weight_files(path), device=torch.device("cpu"))
     model.eval()
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([9, 4, 7, 1])

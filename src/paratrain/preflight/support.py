@@ -297,6 +297,16 @@ REFUSALS: tuple[Refusal, ...] = (
         "the memory estimate does not price these losses (a pair per row, a reference or a teacher) yet",
     ),
     *(_grpo_refusal(degree) for degree in ("pp", "cp", "ep")),
+    # The sampler's forwards of one new token cannot be cut along the sequence over the tp ranks.
+    Refusal(
+        ("grpo", "tp+sp"),
+        lambda c, d: c.loss.name == "grpo" and d.tp > 1 and c.parallel.sequence_parallel,
+        lambda c, d: (
+            "loss.name = 'grpo' with parallel.sequence_parallel = true is not supported: the sampler's one-token"
+            " forwards cannot be split along the sequence; set parallel.sequence_parallel = false"
+        ),
+        "the sampler feeds one new token per forward, which sequence parallelism cannot split over the tp ranks",
+    ),
     Refusal(
         ("grpo", "batch size adjustment"),
         lambda c, d: c.loss.name == "grpo" and (_noise_probe(c) or c.batch.micro_batch_size == "auto"),

@@ -17,10 +17,11 @@ many tokens other rows drew: the rollouts are the same token for token on every 
 flip where a uniform lands within float rounding of a boundary of the distribution).
 
 **The sampler is the trainer's model.** It runs as the training step runs it (its
-parallelisms: FSDP2, tensor parallel, DDP's module). With ``model.hf`` it keeps transformers'
-KV cache (``rl.kv_cache``, models/hf/model.py): one forward of the prompts, then one position
-per new token, each row at its own position with its prompt's padding masked out. Otherwise
-(the built-in GPT, or ``rl.kv_cache = false``) each token reruns the whole row buffer
+parallelisms: FSDP2, tensor parallel, DDP's module). It keeps a KV cache (``rl.kv_cache``: the
+model's ``new_cache``, transformers' own for ``model.hf``, models/gpt/model.py's KVCache for
+the built-in GPT): one forward of the prompts, then one position per new token, each row at its
+own position with its prompt's padding masked out. With ``rl.kv_cache = false`` (or a model
+without ``new_cache``) each token reruns the whole row buffer
 ``[prompt | completion so far | padding]``, as wide as the generation batch's longest prompt
 plus ``max_new_tokens``; causal attention makes the padding after a row's last token invisible
 to it. A generation batch is ``rl.generation_batch_size`` rows, by default all of a rank's rows
@@ -109,8 +110,8 @@ def sample(
     ``(B, N)`` and the completions' lengths ``(B,)``. ``agree``: the ranks' forwards hold
     collectives, so every rank runs as many of them (one all-reduce per token).
 
-    ``cached``: the model takes a KV cache (``model.hf``'s wrapper, models/hf/model.py): one
-    forward of the prompts, then one of a single position per token, each row's new token at
+    ``cached``: the model takes a KV cache (its ``new_cache()``, and ``cache=`` / ``key_mask=`` in
+    its forward: models/hf/model.py, models/gpt/model.py): one forward of the prompts, then one of a single position per token, each row's new token at
     its own position and its prompt's padding masked out. Else each token reruns the whole
     buffer ``[prompt | completion so far | padding]``."""
     device = prompts.device
@@ -130,9 +131,7 @@ def sample(
             return full_logits(model(*args, **kwargs))
 
     if cached:
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=model.config)
+        cache = model.new_cache()
         mask = (torch.arange(p, device=device)[None] < lengths[:, None]).long()
         logits = forward(prompts, torch.arange(p, device=device).expand(rows, p), cache=cache, key_mask=mask)
     else:
@@ -341,7 +340,7 @@ class Rollouts:
                 stop=self.stop,
                 agree=self.agree,
                 autocast=self.step_ctx.amp.autocast(),
-                cached=self.cfg.kv_cache and hasattr(self._sampler(), "_cached_forward"),
+                cached=self.cfg.kv_cache and hasattr(self._sampler(), "new_cache"),
             )
             pad = self.cfg.max_new_tokens - t.shape[1]
             tokens.append(F.pad(t.cpu(), (0, pad), value=-1))

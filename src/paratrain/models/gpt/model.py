@@ -65,11 +65,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
         """``mask``: packed documents' boolean attention mask or FlexAttention BlockMask
-        (data/packing.py); None: causal. Under context parallel: the position ids (B, T)."""
+        (data/packing.py); None: causal. Under context parallel: the position ids (B, T).
+        ``cache``: the sampler's ``(k, v) -> (all keys, all values)`` of this layer (KVCache),
+        with ``mask`` the boolean (B, 1, T, cached + T) of the keys each new token sees."""
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if cache is not None:
+            k, v = cache(k, v)
         if self.cp_attention is not None:
             y = self.cp_attention(q, k, v, positions=mask, dropout_p=self.dropout if self.training else 0.0)
         elif isinstance(mask, BlockMask):
@@ -112,9 +116,27 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(cfg.d_model)
         self.mlp = MoE(cfg.moe, cfg.d_model, lambda: MLP(cfg)) if moe else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), mask)
+    def forward(self, x: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), mask, cache)
         return x + self.mlp(self.mlp_norm(x))
+
+
+class KVCache:
+    """The keys and values of every layer so far, for the sampler of reinforcement learning
+    (rl/rollout.py): each forward appends its new tokens' along the sequence."""
+
+    def __init__(self):
+        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def layer(self, key: str):
+        def update(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if key in self.kv:
+                old_k, old_v = self.kv[key]
+                k, v = torch.cat([old_k, k], 2), torch.cat([old_v, v], 2)
+            self.kv[key] = (k, v)
+            return k, v
+
+        return update
 
 
 class GPT(nn.Module):
@@ -147,13 +169,24 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def forward(
+        self, idx: torch.Tensor, positions: torch.Tensor | None = None, *, cache=None, key_mask=None
+    ) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab); on a middle pipeline stage, hidden -> hidden.
 
         Packed documents (B, 2, T) carry their position ids (data/packing.py): each document
         gets positions from 0 and attends to itself only. A pipeline stage gets the ids (or the
         hidden states) and the ``positions`` (B, T) apart: only the first stage sees the input.
+
+        ``cache``: the sampler's KVCache (rl/rollout.py, as ``model.hf``'s DynamicCache): ``idx``
+        holds the new tokens only, at ``positions`` (B, T), and ``key_mask`` (B, cached + T)
+        marks the cached and new slots each row may attend to (not its prompt's padding).
         """
+        if cache is not None:
+            return self._cached_forward(idx, positions, cache, key_mask)
         if positions is None:
             idx, positions = split_packed(idx)
         if self.cp_attention is not None:
@@ -182,6 +215,18 @@ class GPT(nn.Module):
         if self.lm_head is not None and not self.return_hidden:
             x = self.lm_head(x)
         return x
+
+    def _cached_forward(self, idx: torch.Tensor, positions: torch.Tensor, cache: KVCache, key_mask: torch.Tensor):
+        # Each new token sees the slots up to its own (slots are the buffer's columns: the
+        # prompts, padded to one width, then one per new token) that key_mask lets it see.
+        seen, t = key_mask.shape[1], idx.shape[1]
+        slots = torch.arange(seen, device=idx.device)
+        causal = slots[None, :] <= (seen - t + torch.arange(t, device=idx.device))[:, None]  # (T, S)
+        mask = causal[None, None] & key_mask.bool()[:, None, None, :]
+        x = self.tok_emb(idx.t()).transpose(0, 1) + self.pos_emb(positions.t()).transpose(0, 1)
+        for key, block in self.layers.items():
+            x = block(x, mask, cache.layer(key))
+        return self.lm_head(self.norm(x))
 
     @torch.no_grad()
     def generate(

@@ -195,6 +195,12 @@ class HFCausalLM(nn.Module):
             return self._lm_head_name + name[len("lm_head") :]
         return f"{self._decoder_prefix}.{name}" if self._decoder_prefix else name
 
+    def new_cache(self):
+        """transformers' own cache for the sampler's forwards (rl/rollout.py)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
     def _cached_forward(self, x: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor):
         """The forward of new tokens against a KV cache (the sampler's, rl/rollout.py): the
         decoder layers as transformers' own model runs them with ``use_cache``."""
