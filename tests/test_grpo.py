@@ -40,6 +40,8 @@ def rl(tmp_path_factory):
         "rows": rows,
         "data": write_jsonl(str(root / "prompts.jsonl"), rows),
         "policy": save_tiny("qwen2", str(root / "policy"), vocab_size=VOCAB, max_position_embeddings=512, seed=0),
+        # another model of the same shape, as the reference of rl.reference = DIR
+        "other": save_tiny("qwen2", str(root / "other"), vocab_size=VOCAB, max_position_embeddings=512, seed=1),
     }
 
 
@@ -105,6 +107,7 @@ def anchor(
     beta: float = BETA,
     rloo: bool = False,
     overlong: int = 0,
+    reference: str = "policy",
 ):
     """(losses, grad norms) of plain SGD on paratrain's completions, everything else written out:
     rewards from the text, advantages, ratios to the round's first policy, the k3 KL to the
@@ -113,7 +116,7 @@ def anchor(
 
     tok = AutoTokenizer.from_pretrained(rl["tok"])
     policy = AutoModelForCausalLM.from_pretrained(rl["policy"], attn_implementation="sdpa")
-    reference = AutoModelForCausalLM.from_pretrained(rl["policy"], attn_implementation="sdpa")
+    reference = AutoModelForCausalLM.from_pretrained(rl[reference], attn_implementation="sdpa")
     steps = sorted({r["step"] for r in rollouts})
     old: dict[int, torch.Tensor] = {}
     losses, norms = [], []
@@ -182,6 +185,16 @@ def test_two_ranks_with_accumulation_give_the_one_process_numbers(rl, one_proces
     assert one.keys() == two.keys()
     for name in one:  # the weights after the steps
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_reference_from_a_directory_is_that_models(rl):
+    """rl.reference = DIR: the KL is to that model (here a differently initialised one), not the
+    initial policy; one step per round, so the recomputation runs for the reference alone."""
+    rows, rollouts = _run(rl, "ref_dir", "rl.steps_per_generation=1", f"rl.reference='{rl['other']}'")
+    losses, norms = anchor(rl, rollouts, spg=1, reference="other")
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    assert [r["grad_norm"] for r in rows] == pytest.approx(norms, rel=1e-4)
+    assert rows[0]["kl"] > 0.01  # the initial policy would give 0 at the first step
 
 
 def test_an_on_policy_step_without_kl_skips_the_recomputation(rl):
@@ -370,6 +383,7 @@ def test_bad_rl_input_is_one_line(rl, tmp_path):
     cases = [
         (("batch.global_batch_size=6", "batch.micro_batch_size=2"), "whole groups of rl.group_size = 4"),
         (("rl.rewards=['tests.rl_data:raises']",), "'tests.rl_data:raises' raised KeyError"),
+        ((f"rl.reference='{tmp_path}/none'",), f"rl.reference = '{tmp_path}/none' is not a local directory"),
     ]
     for i, (extra, expected) in enumerate(cases):
         sets = [a for o in _config(rl, f"bad{i}", *extra) for a in ("--set", o)]
@@ -379,7 +393,7 @@ def test_bad_rl_input_is_one_line(rl, tmp_path):
 
 
 def test_a_reward_of_the_wrong_shape_is_one_line():
-    from paratrain.config import ConfigError, RLConfig, validate_rl
+    from paratrain.config import ConfigError, RLConfig
     from paratrain.rl.rewards import Rewards
 
     for fn, expected in (("wrong_length", "returned 1 rewards for 2 completions"), ("raises", "raised KeyError")):
@@ -388,8 +402,6 @@ def test_a_reward_of_the_wrong_shape_is_one_line():
             rewards(["1+1=", "2+2="], ["2", "4"], {"answer": ["2", "4"]})
     with pytest.raises(ConfigError, match="cannot import module 'nope'"):
         Rewards(RLConfig(rewards=["nope:fn"]))
-    with pytest.raises(ConfigError, match="rl.reference = 'a/dir'"):
-        validate_rl(RLConfig(reference="a/dir"))
     recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs/rl/rewards.py")
     mine = Rewards(RLConfig(rewards=[f"{recipe}:digits", "exact_match"], reward_weights=[0.5, 1.0]))
     total, columns = mine(["1+1=", "2+2="], ["2", "x4"], {"answer": ["2", "4"]})

@@ -281,7 +281,7 @@ class RLConfig:
     beta: float = opt(0.0, "Weight of the KL to the reference (k3 estimator, per token); 0: no reference model is run.")
     reference: str = opt(
         "",
-        "The KL's reference with beta > 0: 'adapters_off' (LoRA) or 'initial'; '' = adapters_off with LoRA, else initial.",
+        "The KL's reference with beta > 0: 'adapters_off' (the policy with its LoRA adapters off), 'initial' (a frozen copy of the model as built), or a transformers model directory (e.g. the SFT model the run started from); '' = adapters_off with LoRA, else initial.",
     )
     rewards: list = opt(
         ["exact_match"],
@@ -883,11 +883,6 @@ def validate_rl(r: RLConfig) -> None:
         raise ConfigError(f"rl.top_k = {r.top_k} must be >= 0 and rl.top_p = {r.top_p} within (0, 1]")
     if r.epsilon <= 0 or r.epsilon_high < 0 or r.beta < 0:
         raise ConfigError("rl.epsilon must be > 0, rl.epsilon_high and rl.beta >= 0 (e.g. 0.2, 0.28, 0.04)")
-    if r.reference not in ("", "initial", "adapters_off"):
-        raise ConfigError(
-            f"rl.reference = {r.reference!r}: GRPO's reference is 'initial' or 'adapters_off' (LoRA); a model"
-            " directory is not offered yet (docs/grpo.md)"
-        )
     if not r.rewards:
         raise ConfigError("rl.rewards is empty; name at least one reward function (e.g. ['exact_match'])")
     if "overlong" in r.rewards and not 0 < r.overlong_buffer < r.max_new_tokens:
