@@ -191,7 +191,10 @@ def test_hf_moe_layouts_at_world_2_equal_one_process(tmp_path, moe_reference):
 
 
 @pytest.mark.slow
-def test_hf_moe_layouts_at_world_4_equal_one_process(tmp_path, moe_reference):
+def test_hf_moe_layouts_and_expert_parallel_at_world_4_equal_one_process(tmp_path, moe_reference):
+    """World 4, one launch: DDP 4 and HSDP 2 x 2; ep = 2 borrowed from dp = 4 (each expert's rows
+    on 2 ranks: their gradient summed over the ep_replicate group) with DDP, and ep = 4 (one expert
+    per rank) with FSDP2."""
     src, one = moe_reference
     runs = moe_runs(
         tmp_path,
@@ -200,10 +203,14 @@ def test_hf_moe_layouts_at_world_4_equal_one_process(tmp_path, moe_reference):
         {
             "ddp": ["parallel.dp_replicate=4", "batch.micro_batch_size=2"],
             "hsdp_2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2", "batch.micro_batch_size=1"],
+            "ep2_ddp4": ["parallel.dp_replicate=4", "parallel.ep=2", "batch.micro_batch_size=2"],
+            "ep4_fsdp4": ["parallel.dp_shard=4", "parallel.ep=4", "batch.micro_batch_size=2"],
         },
     )
     assert_same_moe_run(runs["ddp"], one["ref"], rtol=1e-5, atol_params=1e-6)
     assert_same_moe_run(runs["hsdp_2x2"], one["ref"], rtol=1e-4, atol_params=1e-6)
+    assert_same_moe_run(runs["ep2_ddp4"], one["ref"], rtol=1e-5, atol_params=1e-6)
+    assert_same_moe_run(runs["ep4_fsdp4"], one["ref"], rtol=1e-5, atol_params=1e-6)
 
 
 @pytest.mark.slow
@@ -323,21 +330,3 @@ def test_hf_moe_expert_parallel_equals_one_process_and_resumes_at_ep_1(tmp_path,
     assert got["tokens"] == ref4["tokens"][2:]
     for k in ref4["params"]:
         torch.testing.assert_close(got["params"][k], ref4["params"][k], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_hf_moe_expert_parallel_at_world_4_equals_one_process(tmp_path, moe_reference):
-    """ep = 2 borrowed from dp = 4 (each expert's rows on 2 ranks: their gradient summed over the
-    ep_replicate group) with DDP, and ep = 4 (one expert per rank) with FSDP2."""
-    src, one = moe_reference
-    runs = moe_runs(
-        tmp_path,
-        4,
-        src,
-        {
-            "ep2_ddp4": ["parallel.dp_replicate=4", "parallel.ep=2", "batch.micro_batch_size=2"],
-            "ep4_fsdp4": ["parallel.dp_shard=4", "parallel.ep=4", "batch.micro_batch_size=2"],
-        },
-    )
-    assert_same_moe_run(runs["ep2_ddp4"], one["ref"], rtol=1e-5, atol_params=1e-6)
-    assert_same_moe_run(runs["ep4_fsdp4"], one["ref"], rtol=1e-5, atol_params=1e-6)
