@@ -430,16 +430,17 @@ REFUSALS: tuple[Refusal, ...] = (
         "the context-parallel attention's backward is not split into a zero-bubble schedule's input and weight passes",
     ),
     # torch 2.13's AOTAutograd asserts on the saved parameters of a compiled, fully checkpointed
-    # tensor-parallel block run by a pipeline stage (seen with gpipe and zbv).
+    # tensor-parallel block ("expected all tensors_saved_with_vc_check to be Tensors": the saved
+    # values hold the DeviceMesh), in a pipeline stage (gpipe, zbv) and without one (world 2, tp 2).
     Refusal(
-        ("compile", "pp", "tp", "activation_checkpointing full"),
-        lambda c, d: c.train.compile and d.pp > 1 and d.tp > 1 and c.parallel.activation_checkpointing == "full",
+        ("compile", "tp", "activation_checkpointing full"),
+        lambda c, d: c.train.compile and d.tp > 1 and c.parallel.activation_checkpointing == "full",
         lambda c, d: (
-            "train.compile with parallel.pp > 1, parallel.tp > 1 and parallel.activation_checkpointing ="
-            " 'full' is not supported (torch 2.13 cannot run the compiled blocks' backward there); drop one of"
-            " them, e.g. parallel.activation_checkpointing = 'selective'"
+            "train.compile with parallel.tp > 1 and parallel.activation_checkpointing = 'full' is not supported"
+            " (torch 2.13 cannot run the compiled blocks' backward there); drop one of them, e.g."
+            " parallel.activation_checkpointing = 'selective'"
         ),
-        "torch 2.13's compiled backward of fully checkpointed tensor-parallel blocks fails in a pipeline stage",
+        "torch 2.13's compiled backward of fully checkpointed tensor-parallel blocks fails",
     ),
     # torch.compile specialises on the row width; padded rows change it every micro-batch, so each
     # width is another compile, and past dynamo's recompile limit the sweep saw a RecursionError.
