@@ -59,6 +59,13 @@ assistant-mask reference 0.7983301, with TRL's extra token 0.7973843; paratrain 
 
     python benchmarks/vs_trl_dpo.py                # 10 rounds of 10 steps, then the loss check
     python benchmarks/vs_trl_dpo.py --quick        # 1 round of 4 steps and the check, no JSON
+    python benchmarks/vs_trl_dpo.py --device cuda --procs 1 --bf16 --qwen-05b --lora   # the GPU check
+
+Both tools run the layout ``--device``, ``--procs`` and ``--bf16`` set (bf16 autocast over float32
+weights in both); ``--qwen-05b`` builds a model of Qwen2.5-0.5B's shape (random weights) and
+``--lora`` puts LoRA r 16 on every linear layer of the policy, the reference then the policy with
+its adapters off in both tools (``benchmarks/gpu_preference_rl.sh`` runs these on a GPU). The
+loss check runs only in float32 with a separate reference.
 
 Needs ``pip install trl`` (1.16 was measured) in the same environment.
 """

@@ -33,6 +33,11 @@ geometric mean (below 1: paratrain is faster). The results go to ``vs_trl_grpo.j
 
     python benchmarks/vs_trl_grpo.py             # 6 rounds of 8 steps
     python benchmarks/vs_trl_grpo.py --quick     # 1 round of 4 steps, no JSON
+    python benchmarks/vs_trl_grpo.py --device cuda --procs 1 --bf16 --qwen-05b   # the GPU check
+
+``--device``, ``--procs``, ``--bf16`` and ``--qwen-05b`` are vs_trl_dpo.py's layout options.
+paratrain generates a rank's rows of a step in one batch (``rl.generation_batch_size = 0``), as
+TRL does.
 
 Needs ``pip install trl`` (1.16 was measured) in the same environment.
 """
