@@ -117,7 +117,7 @@ class Block(nn.Module):
         self.mlp = MoE(cfg.moe, cfg.d_model, lambda: MLP(cfg)) if moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, mask=None, cache=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), mask, cache)
+        x = x + self.attn(self.attn_norm(x), mask, cache=cache)  # a keyword: tp plans prepare (x, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -225,7 +225,7 @@ class GPT(nn.Module):
         mask = causal[None, None] & key_mask.bool()[:, None, None, :]
         x = self.tok_emb(idx.t()).transpose(0, 1) + self.pos_emb(positions.t()).transpose(0, 1)
         for key, block in self.layers.items():
-            x = block(x, mask, cache.layer(key))
+            x = block(x, mask, cache=cache.layer(key))
         return self.lm_head(self.norm(x))
 
     @torch.no_grad()
