@@ -89,18 +89,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vs_trl_dpo.json")
 WARMUP = 2  # steps left out of each run's median (first-step allocations, DDP bucket rebuild)
 BETA = 0.1
-# Qwen2.5-0.5B's shape (its config.json; 494M parameters, 136M of them the tied embedding), random
-# weights: what --qwen-05b builds for the GPU check (nothing is downloaded).
-QWEN2_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-    max_position_embeddings=2048,
-)
 LORA = dict(r=16, alpha=32)  # --lora: on every linear layer but the output layer, no dropout
 
 
@@ -183,9 +171,12 @@ def save_policy(path: str, args, *, seed: int, vocab: int, max_positions: int) -
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from tests.hf_models import QWEN2_05B
+
+    shape = {k: v for k, v in QWEN2_05B.items() if k != "model_type"}
     torch.manual_seed(seed)
     with torch.device(args.device):  # initialised on the GPU: seconds, not a minute of CPU
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **QWEN2_05B))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", max_position_embeddings=2048, **shape))
     model.to(torch.bfloat16).save_pretrained(path)
     del model
     return path

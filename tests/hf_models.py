@@ -15,6 +15,18 @@ COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
 )
+# Qwen2.5-0.5B's shape (its config.json: 494M parameters, 136M of them the tied embedding), for
+# the GPU benchmarks, which build it with random weights (nothing is downloaded).
+QWEN2_05B = dict(
+    model_type="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
 ARCHS = {
     "llama": dict(model_type="llama", **COMMON),
     # Qwen2: grouped-query attention with biases on q/k/v.
