@@ -250,7 +250,7 @@ class RLConfig:
     )
     kv_cache: bool = opt(
         True,
-        "Sample with a KV cache where the model takes one (model.hf): one position per new token. false reruns the whole row buffer per token (the built-in GPT always does): slower, and the sampler's log-probabilities are then the trainer's to the last bit.",
+        "Sample with a KV cache (transformers' own with model.hf, the built-in GPT's own): one position per new token. false reruns the whole row buffer per token: slower, the same tokens.",
     )
     generation_batch_size: int = opt(
         0,

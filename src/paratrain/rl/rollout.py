@@ -111,9 +111,10 @@ def sample(
     collectives, so every rank runs as many of them (one all-reduce per token).
 
     ``cached``: the model takes a KV cache (its ``new_cache()``, and ``cache=`` / ``key_mask=`` in
-    its forward: models/hf/model.py, models/gpt/model.py): one forward of the prompts, then one of a single position per token, each row's new token at
-    its own position and its prompt's padding masked out. Else each token reruns the whole
-    buffer ``[prompt | completion so far | padding]``."""
+    its forward: models/hf/model.py, models/gpt/model.py): one forward of the prompts, then one
+    of a single position per token, each row's new token at its own position and its prompt's
+    padding masked out. Else each token reruns the whole buffer
+    ``[prompt | completion so far | padding]``."""
     device = prompts.device
     rows, p = prompts.shape
     u = uniform(keys, SAMPLE_SITE, max_new_tokens).to(device)  # on the CPU: the same on any device
