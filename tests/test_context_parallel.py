@@ -273,15 +273,17 @@ def _hsdp_mesh_rank() -> tuple:
 def test_hsdp_mesh_shards_over_dp_shard_and_cp():
     """The FSDP2 mesh at dp_replicate 2 x dp_shard 2 x cp 2: replicas {0..3} and {4..7}, each
     sharded over its dp_shard x cp ranks (mesh order dp_replicate, dp_shard, cp)."""
-    for attempt in (1, 2):
+    attempts = 4
+    for attempt in range(1, attempts + 1):
         try:
             results = run_ranks(_hsdp_mesh_rank, 8)
             break
         except AssertionError as e:
             # Eight ranks on a loaded 2-core machine: gloo's connection set-up of a new group was
-            # seen once in five runs reset by its peer (DistNetworkError) before any mesh check.
-            # A set-up failure is not the layout under test: one retry, then it counts.
-            if attempt == 2 or "Connection reset by peer" not in str(e):
+            # seen once in five runs reset by its peer (DistNetworkError) before any mesh check,
+            # and twice in a row in a CI rehearsal beside other jobs. A set-up failure is not the
+            # layout under test: retried, then it counts.
+            if attempt == attempts or "Connection reset by peer" not in str(e):
                 raise
     for names, shape, ranks in results:
         assert names == ("dp_replicate", "dp_shard_cp") and shape == (2, 4)
