@@ -525,9 +525,10 @@ def rounds_and_check(args, paths: dict, tmp: str, env: dict, *, run_paratrain, r
         f" paratrain {work['paratrain']['positions_per_pair']:.0f} ({work['paratrain']['tokens_per_pair']:.0f}),"
         f" TRL {work['trl']['positions_per_pair']:.0f} ({work['trl']['tokens_per_pair']:.0f})"
     )
-    # real (unpadded) tokens trained on per second: the global batch's over the median step time
+    # Real (unpadded) tokens trained on per second: one count for both tools (TRL's attention
+    # mask over the same pairs; paratrain's `tokens` column counts otherwise), over the median step.
     for t, step_s in (("paratrain", mine), ("trl", other)):
-        work[t]["tokens_per_s"] = args.batch * work[t]["tokens_per_pair"] / (step_s / 1e3)
+        work[t]["tokens_per_s"] = args.batch * work["trl"]["tokens_per_pair"] / (step_s / 1e3)
     print(
         f"real tokens/s (median step): paratrain {work['paratrain']['tokens_per_s']:.0f},"
         f" TRL {work['trl']['tokens_per_s']:.0f}"

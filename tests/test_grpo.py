@@ -211,6 +211,49 @@ def test_an_on_policy_step_without_kl_skips_the_recomputation(rl):
     assert [r["grad_norm"] for r in rows] == pytest.approx(norms, rel=1e-4)
 
 
+def test_the_built_in_gpts_cached_sampler_at_world_2_tensor_parallel_gives_the_one_process_numbers(tmp_path):
+    """The built-in GPT samples with its own KV cache inside the tensor-parallel layout (heads
+    split over 2 ranks, the mask over the cache's slots) and trains: the same completions token
+    for token, losses and grad_norm (plain SGD) as one process; and as one process without the
+    cache (the whole buffer rerun per token, SDPA's causal mask over the full sequence)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = [
+        "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 32}",
+        "data.name='prompts'",
+        f"data.args={{path = '{root}/configs/rl/additions.jsonl', max_prompt_length = 8}}",
+        "data.shuffle=false",
+        "loss.name='grpo'",
+        "rl.group_size=4",
+        "rl.max_new_tokens=6",
+        "rl.rewards=['tests.rl_data:byte_mix']",
+        "rl.check_logps=true",  # logp_gap: the cached sampler's log-probabilities against the trainer's
+        "batch.global_batch_size=16",
+        "batch.micro_batch_size=4",
+        "run.steps=2",
+        "run.progress=false",
+        "metrics.plot=false",
+        *plain_sgd(0.5),
+    ]
+    runs = {"w1": ([], 1), "w1_no_cache": (["rl.kv_cache=false"], 1), "tp2": (["parallel.tp=2"], 2)}
+    got = {}
+    for name, (extra, world) in runs.items():
+        over = [*base, *extra, f"run.out_dir='{tmp_path / name}'"]
+        if world == 1:
+            paratrain.train(load_config(None, over))
+        else:
+            run_ranks(train_rank, world, over)
+        with open(tmp_path / name / "rollouts.jsonl") as f:
+            got[name] = (read_metrics(str(tmp_path / name)), [json.loads(line) for line in f])
+    rows, rollouts = got["w1"]
+    assert len({tuple(r["tokens"]) for r in rollouts}) > 1  # not one repeated completion
+    for name in ("w1", "w1_no_cache", "tp2"):  # a few flipped tokens would hide a wrong mask; this would not
+        assert all(r["logp_gap"] <= 1e-5 for r in got[name][0]), name
+    for name in ("w1_no_cache", "tp2"):
+        same_rollouts(got[name][1], rollouts)
+        for key in ("loss", "grad_norm"):
+            assert [r[key] for r in got[name][0]] == pytest.approx([r[key] for r in rows], rel=1e-5, abs=1e-7), key
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # six launches, each under run_ranks' own 240 s (which names a stuck rank)
 def test_variants_and_sharded_layouts_give_the_one_process_numbers(rl):
@@ -376,7 +419,7 @@ def test_completions_are_keyed_by_the_sample_not_the_batch():
     assert len({tuple(t.tolist()) for t in four}) == 4
 
 
-@pytest.mark.timeout(600)  # two CLI launches, each under paratrain_cli's own 240 s
+@pytest.mark.timeout(900)  # three CLI launches, each under paratrain_cli's own 240 s
 def test_bad_rl_input_is_one_line(rl, tmp_path):
     config = tmp_path / "empty.toml"
     config.write_text("")
