@@ -48,14 +48,16 @@ after ``<|im_end|>``, one token per side more than the assistant mask. paratrain
 first, TRL the second.
 
 Measured (TRL 1.16.0, transformers 5.25, torch 2.13 CPU; defaults: 64 pairs, longest 325 tokens,
-paratrain rows of 384, Qwen2 hidden 128 x 2 layers, global batch 16 = 2 x 4 x 2, 10 rounds of 10
-steps; this 2-core machine shared with another job's tests, load 2.7 to 4.4): paratrain 537
-ms/step, TRL 523 ms/step (medians); ratio paratrain/TRL median 1.035, geometric mean 1.074, 95% CI
-[0.936, 1.232]: no difference this noise can show. paratrain's forward passes compute 384
-positions per pair (one pair per row of ``block_size``, however short the pair), TRL's 286 (each
-micro-batch padded to its longest side) for ~195 real tokens. Loss check over all 64 pairs:
-assistant-mask reference 0.7983301, with TRL's extra token 0.7973843; paratrain 0.7983297
-(-4.4e-7 from the first), TRL 0.7973841 (-2.2e-7 from the second, -1.2e-3 from the first).
+paratrain block_size 384 with each micro-batch cut to its longest pair rounded up to 8, Qwen2
+hidden 128 x 2 layers, global batch 16 = 2 x 4 x 2, 10 rounds of 10 steps; this 2-core machine,
+load 2.1 to 4.7): paratrain 247 ms/step, TRL 457 ms/step (medians); ratio paratrain/TRL median
+0.614, geometric mean 0.632, 95% CI [0.579, 0.690]. paratrain's forward passes compute 232
+positions per pair on average (``pair_positions``), TRL's 286 (each reply padded to the
+micro-batch's longest) for ~195 real tokens; real tokens per second 12612 against 6803. With rows
+of ``block_size`` (before ``data.args.pad_to``) the two were level: ratio 1.035, [0.936, 1.232].
+Loss check over all 64 pairs: assistant-mask reference 0.7983301, with TRL's extra token
+0.7973843; paratrain 0.7983298 (-3.3e-7 from the first), TRL 0.7973841 (-2.2e-7 from the second,
+-1.2e-3 from the first).
 
     python benchmarks/vs_trl_dpo.py                # 10 rounds of 10 steps, then the loss check
     python benchmarks/vs_trl_dpo.py --quick        # 1 round of 4 steps and the check, no JSON
@@ -365,9 +367,25 @@ def run_paratrain(paths: dict, corpus: str, out: str, batch: int, micro: int, st
         "step_s": steady([r["time"] for r in rows]) if steps > WARMUP + 1 else None,
         "losses": [r["loss"] for r in rows],
         "pairs_per_step": [r["items"] for r in rows],
-        "positions_per_pair": paths["block"],  # one pair per row of block_size tokens
+        "positions_per_pair": pair_positions(corpus, paths["block"], micro),
         "tokens_per_pair": sum(r["tokens"] for r in rows) / sum(r["items"] for r in rows),
     }
+
+
+def pair_positions(corpus: str, block: int, micro: int, draws: int = 200) -> float:
+    """paratrain's positions per pair: a row ends at its micro-batch's longest pair rounded up to
+    8 (``data.args.pad_to``'s default), so this is the mean width of its own collate over ``draws``
+    micro-batches of ``micro`` pairs drawn at random (seed 0), as the shuffled sampler draws them."""
+    import random
+
+    from paratrain.data.tokens import build_tokens
+
+    pairs = build_tokens(path=corpus, block_size=block, pad_to=8)
+    pick = random.Random(0)
+    widths = [
+        pairs.collate([pairs[i] for i in pick.sample(range(len(pairs)), micro)])[0].shape[-1] for _ in range(draws)
+    ]
+    return sum(widths) / len(widths)
 
 
 def run_trl(paths: dict, pairs_file: str, out: str, batch: int, micro: int, steps: int, args, env) -> dict:
@@ -634,7 +652,7 @@ def main() -> None:
         reference = f"LoRA r {LORA['r']}, reference adapters off" if args.lora else "reference a second Qwen2"
         setup = (
             f"{len(paths['rows'])} pairs (x{paths['repeat']} for timing, longest pair {paths['longest']} tokens,"
-            f" paratrain rows of {paths['block']}), {shape_of(args)}, {reference};"
+            f" paratrain block_size {paths['block']}, each micro-batch cut to its longest pair), {shape_of(args)}, {reference};"
             f" global batch {args.batch} pairs = {args.procs} x micro {args.micro} x accumulation {accum};"
             f" {describe_layout(args)}"
         )

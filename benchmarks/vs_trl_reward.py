@@ -66,16 +66,15 @@ own pooling reads the last token), the Bradley-Terry loss written out (as
   its row.
 
 Measured (TRL 1.16.0, transformers 5.25, torch 2.13 CPU; defaults: 64 pairs, longest 325 tokens,
-longest side 217, paratrain rows of 384, Qwen2 classifier hidden 128 x 2 layers, global batch 16
-= 2 x 4 x 2, 10 rounds of 10 steps; this 2-core machine shared with another job's tests, load 3.2
-to 4.1): paratrain 446 ms/step, TRL 344 ms/step (medians); ratio paratrain/TRL median 1.301,
-geometric mean 1.296, 95% CI [1.234, 1.362]: paratrain is about 30% slower here. Its forward
-passes compute 384 positions per pair (one pair per row of ``block_size``, however short the
-pair), TRL's 286 (each micro-batch padded to its longest side) for ~195 real tokens: 1.34x the
-positions, about the step-time ratio. (``vs_trl_dpo.py``, with the same rows against the same
-padding, measured no difference: there each tool also runs a reference and an LM head.) Loss
-check over all 64 pairs: the anchor 0.6820681 (grad norm 0.8415126); paratrain 0.6820682
-(+6.6e-8; grad norm -1.4e-7), TRL 0.6820681 (0; grad norm 0); the score read at ``<|im_end|>``
+longest side 217, paratrain block_size 384 with each micro-batch cut to its longest pair rounded
+up to 8, Qwen2 classifier hidden 128 x 2 layers, global batch 16 = 2 x 4 x 2, 10 rounds of 10
+steps; this 2-core machine, load 1.5 to 2.1): paratrain 163 ms/step, TRL 187 ms/step (medians);
+ratio paratrain/TRL median 0.854, geometric mean 0.866, 95% CI [0.817, 0.918]. Its forward passes
+compute 232 positions per pair on average, TRL's 286 (each side padded to the micro-batch's
+longest) for ~195 real tokens. With rows of ``block_size`` (384 positions, before
+``data.args.pad_to``) paratrain was about 30% slower: ratio 1.301, [1.234, 1.362]. Loss check
+over all 64 pairs: the anchor 0.6820681 (grad norm 0.8415126); paratrain 0.6820681 (+5.5e-8;
+grad norm -1.4e-7), TRL 0.6820681 (0; grad norm 0); the score read at ``<|im_end|>``
 instead gives 0.6907488, 1.26e-2 away from both tools.
 
     python benchmarks/vs_trl_reward.py             # 10 rounds of 10 steps, then the loss check
@@ -96,7 +95,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vs_trl_dpo import WARMUP, rounds_and_check, run, steady, write_result  # noqa: E402 - the DPO comparison's rounds, launcher and result
+from vs_trl_dpo import WARMUP, pair_positions, rounds_and_check, run, steady, write_result  # noqa: E402 - the DPO comparison's rounds, launcher and result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vs_trl_reward.json")
@@ -269,7 +268,7 @@ def run_paratrain(paths: dict, corpus: str, out: str, batch: int, micro: int, st
         "losses": [r["loss"] for r in rows],
         "grad_norms": [r["grad_norm"] for r in rows],
         "pairs_per_step": [r["items"] for r in rows],
-        "positions_per_pair": paths["block"],  # one pair per row of block_size tokens
+        "positions_per_pair": pair_positions(corpus, paths["block"], micro),
         "tokens_per_pair": sum(r["tokens"] for r in rows) / sum(r["items"] for r in rows),
     }
 
@@ -464,7 +463,7 @@ def main() -> None:
         accum = args.batch // (2 * args.micro)
         setup = (
             f"{len(paths['rows'])} pairs (x{paths['repeat']} for timing, longest pair {paths['longest']} tokens,"
-            f" longest side {paths['longest_side']}, paratrain rows of {paths['block']}), Qwen2 sequence classifier"
+            f" longest side {paths['longest_side']}, paratrain block_size {paths['block']}, each micro-batch cut to its longest pair), Qwen2 sequence classifier"
             f" hidden {args.hidden} x {args.layers} layers; global batch {args.batch} pairs = 2 processes x micro"
             f" {args.micro} x accumulation {accum}"
         )

@@ -191,6 +191,23 @@ def test_sharded_layouts_give_the_one_process_numbers(pref, layout):
     torch.testing.assert_close(four[1], one[1], rtol=1e-4, atol=0)
 
 
+def test_context_parallel_gives_the_one_process_numbers(pref):
+    """cp 2: each rank holds two chunks of every pair's row, so a side's log-probability (a
+    reward model's score) is summed over the cp ranks with its gradient; DPO with a differing
+    reference, and the reward model, against one process, under plain SGD."""
+    ref = f"preference.reference='{pref['ref']}'"
+    one = _run(pref, "cp_one", ref, "batch.micro_batch_size=4")
+    two = _run(pref, "cp_two", ref, "parallel.cp=2", world=2)
+    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
+    assert [r["reward_accuracy"] for r in two[2]] == [r["reward_accuracy"] for r in one[2]]
+    rm = (f"model.hf='{pref['rm']}'", "model.head='score'", "loss.name='reward'")
+    one = _run(pref, "cp_rm_one", *rm)
+    two = _run(pref, "cp_rm_two", *rm, "parallel.cp=2", "batch.micro_batch_size=2", world=2)
+    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
+
+
 def test_lora_reference_is_the_policy_with_adapters_off(pref):
     """LoRA: the default reference is the same model with its adapters off. At step 1 the
     adapters are zero, so the loss is log 2; a reference computed with the adapters on would keep
@@ -206,6 +223,43 @@ def test_lora_on_fsdp2_gives_the_one_process_numbers(pref):
     two = _run(pref, "lora2", *LORA, "parallel.dp_shard=2", "batch.micro_batch_size=2", world=2)
     torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
+
+
+def test_rows_end_at_the_micro_batchs_longest_pair(pref, tmp_path):
+    """data.args.pad_to: a micro-batch's rows are cut to its longest pair, rounded up to pad_to; the
+    cut columns are padding only, and a pair's reference-store key does not see the cut. The
+    default is 8, 0 (rows of block_size) under train.compile, a multiple of tp with sequence
+    parallel; pad_to on a corpus without pairs is one line."""
+    from paratrain.config import ConfigError
+    from paratrain.objectives.reference_store import row_keys
+    from paratrain.preflight import check_run
+
+    cut = build_tokens(path=pref["corpus"], block_size=512, pad_to=8)
+    whole = build_tokens(path=pref["corpus"], block_size=512, pad_to=0)
+    samples = [cut[i] for i in range(4)]
+    longest = max(int((x[1] >= 0).sum()) for x, _ in samples)
+    (x, t), (fx, ft) = cut.collate(samples), whole.collate(samples)
+    assert x.shape[-1] == -(-longest // 8) * 8 < 512 and fx.shape[-1] == 512
+    w = x.shape[-1]
+    assert torch.equal(fx[..., :w], x) and torch.equal(ft[..., :w], t)
+    assert (fx[:, 1, w:] == -1).all() and (ft[:, 0, w:] == -100).all()  # what was cut is padding
+    assert row_keys(x) == row_keys(fx) == [row_keys(s[0][None])[0] for s in samples]
+
+    def resolved(*extra: str, world: int = 1):
+        cfg = load_config(None, _config(pref, "pad", *extra))
+        check_run(cfg, world)
+        return cfg.data.args["pad_to"]
+
+    assert resolved() == 8 and resolved("train.compile=true") == 0
+    assert resolved("parallel.tp=2", "parallel.sequence_parallel=true", world=2) == 8
+    with pytest.raises(ConfigError, match=r"pad_to = 4: rows must split into equal parts over tp = 8 \(sequence"):
+        resolved("parallel.tp=8", "parallel.sequence_parallel=true", "data.args.pad_to=4", world=8)
+    text = tmp_path / "a.txt"
+    text.write_text("plain text, no pairs\n" * 50)
+    corpus = str(tmp_path / "text")
+    prepare([str(text)], out_dir=corpus, tokenizer=pref["tok"], val_fraction=0, progress=False)
+    with pytest.raises(ConfigError, match="data.args.pad_to cuts the padding of preference pairs"):
+        build_tokens(path=corpus, block_size=64, pad_to=8)
 
 
 def test_pair_losses_are_the_papers_formulas():
@@ -455,13 +509,17 @@ def test_kto_on_unpaired_rows_equals_transformers_and_every_layout(pref, tmp_pat
 
 
 @pytest.mark.slow
-def test_kto_at_world_2_with_micro_batches_of_one(pref, tmp_path):
+def test_kto_at_world_2_with_micro_batches_of_one_and_context_parallel(pref, tmp_path):
     if "kto" not in pref:
         test_kto_on_unpaired_rows_equals_transformers_and_every_layout(pref, tmp_path)
     kto, losses, norms = pref["kto"]
     two = _run(pref, "kto2", *kto, "parallel.dp_replicate=2", "batch.micro_batch_size=1", world=2)
     torch.testing.assert_close(two[0], losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(two[1], norms, rtol=1e-5, atol=0)
+    # Context parallel: the example's and its KL document's log-probabilities summed over cp ranks.
+    cp = _run(pref, "kto_cp2", *kto, "parallel.cp=2", world=2)
+    torch.testing.assert_close(cp[0], losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(cp[1], norms, rtol=1e-4, atol=0)
 
 
 def test_a_corpus_and_a_loss_that_do_not_match_are_one_line(pref, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paratrain.config import Config, ConfigError
 from paratrain.data.sampler import rank_micro_batches
 from paratrain.distributed.compile import run_eagerly
+from paratrain.distributed.context_parallel import global_indices
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
@@ -35,6 +37,7 @@ from paratrain.models.lora import adapters_disabled
 from paratrain.models.spec import ModelSpec
 from paratrain.objectives import DistillLoss, PreferenceLoss, build_objectives
 from paratrain.objectives.policy_gradient import PolicyGradientLoss
+from paratrain.objectives.preference import CPGroup
 from paratrain.objectives.reference_store import ReferenceStore, fill
 from paratrain.precision import Precision
 from paratrain.randomness import draws_in_forward, has_dropout, site_names
@@ -93,7 +96,7 @@ def build_parallel(
     check_batch_math(cfg, dims, model, loss_fn, keyed=keyed)
     norm = batch_norm_layout(cfg, dims, model) if batch_norm_groups else None
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
-    own = own_loss(cfg, loss_fn, dp_group=dims.group("dp"))
+    own = own_loss(cfg, loss_fn, dp_group=dims.group("dp"), cp=cp_group(dims))
     # The initial policy as a preference loss's reference: the model as built, before any
     # parallelism (on the meta device when its weights arrive later: they are read for it too).
     needs_initial = uses_reference(own) and reference_kind(cfg) == "initial"
@@ -152,7 +155,17 @@ def build_parallel(
     return model, step_ctx, compression
 
 
-def own_loss(cfg: Config, loss_fn: Loss, *, dp_group=None) -> PreferenceLoss | DistillLoss | PolicyGradientLoss | None:
+def cp_group(dims: ParallelDims) -> CPGroup | None:
+    """The context-parallel group of a preference loss's rows (objectives/preference.py)."""
+    if dims.cp == 1:
+        return None
+    rank = dims.local_rank_in("cp")
+    return CPGroup(dims.group("cp"), dims.cp, rank, functools.partial(global_indices, cp=dims.cp, rank=rank))
+
+
+def own_loss(
+    cfg: Config, loss_fn: Loss, *, dp_group=None, cp: CPGroup | None = None
+) -> PreferenceLoss | DistillLoss | PolicyGradientLoss | None:
     """A loss that is its own objective with a second model, which is set once the model is
     parallelised: ``loss.name = 'preference'`` or ``'reward'`` (:func:`preference_reference`),
     ``'distill'`` (:func:`distill_teacher`), ``'grpo'`` (its reference with ``rl.beta > 0``); None
@@ -184,6 +197,7 @@ def own_loss(cfg: Config, loss_fn: Loss, *, dp_group=None) -> PreferenceLoss | D
         gamma=p.gamma,
         weights=(p.desirable_weight, p.undesirable_weight),
         dp_group=dp_group,
+        cp=cp,
     )
 
 
@@ -307,6 +321,7 @@ def reference_identity(cfg: Config) -> dict:
         "args": cfg.model.args,
         "seed": cfg.run.seed if kind == "initial" else None,  # a model without weights: the seed's init
         "precision": cfg.precision.dtype,
+        "keys": 2,  # the pair's own tokens and positions, without the row's padding (reference_store.row_keys)
     }
 
 

@@ -47,9 +47,12 @@ class PreferencePairs(torch.utils.data.Dataset):
 
     draws_random = False  # paratrain/randomness.py: no sample_rng around __getitem__
 
-    def __init__(self, corpus, *, block_size: int, labels: bool = False):
+    def __init__(self, corpus, *, block_size: int, labels: bool = False, pad_to: int = 8):
         if not isinstance(block_size, int) or block_size < 4:
             raise ConfigError(f"data.args.block_size = {block_size!r} must be an integer >= 4 for preference pairs")
+        if not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 0:
+            raise ConfigError(f"data.args.pad_to = {pad_to!r} must be an integer >= 0 (0: every row block_size wide)")
+        self.pad_to = pad_to
         # labels: an unpaired corpus (KTO): side 0 is the example (its mask 1 desirable, 2
         # undesirable), side 1 its prompt with another row's completion; the target gets a third
         # row, the label (1 desirable, 0 undesirable).
@@ -97,3 +100,19 @@ class PreferencePairs(torch.utils.data.Dataset):
             _, mask = self.corpus.document(2 * pair, int(self.lengths[pair, CHOSEN]))
             rows.append(np.full(width, int(mask.max() == 1), np.int64))
         return torch.from_numpy(np.stack([ids, pos])), torch.from_numpy(np.stack(rows))
+
+    def collate(self, samples: list):
+        """Stack the pairs and cut the padding every row of the micro-batch has: the rows end at the
+        micro-batch's longest pair, rounded up to a multiple of ``pad_to`` (0: ``block_size`` wide).
+
+        TRL pads a micro-batch to its longest reply the same way; rows of ``block_size`` cost the
+        step the padding (1.3x the positions in benchmarks/vs_trl_dpo.py). A pair's numbers do not
+        depend on the cut: each side attends to itself only (its positions restart), and the cut
+        columns are padding (position -1, no target). ``pad_to`` is a multiple of tp with sequence
+        parallel (the sequence is split over the tp ranks); 0 keeps one shape for train.compile."""
+        inputs, target = torch.utils.data.default_collate(samples)
+        if self.pad_to:
+            longest = max(1, int((inputs[:, 1] >= 0).sum(1).max()))  # a row's pair: its leading columns
+            width = min(self.block_size, -(-longest // self.pad_to) * self.pad_to)
+            inputs, target = inputs[..., :width].contiguous(), target[..., :width].contiguous()
+        return inputs, target

@@ -258,23 +258,32 @@ def build_tokens(
     samples: int = 0,
     verify: str = "once",
     packing: str = "",
+    pad_to: int | None = None,
 ) -> Dataset:
     """The ``tokens`` dataset: one corpus (``path``) or a weighted mixture (``sources``).
 
     ``packing`` (data/packing.py): ``documents`` (whole documents packed into rows, the default
     for a corpus with loss masks), ``padded`` (one document per row), ``stream`` (fixed windows
-    across documents, the default for a text corpus).
+    across documents, the default for a text corpus). ``pad_to``: a preference corpus's rows end
+    at their micro-batch's longest pair rounded up to a multiple of it (data/preference.py; the
+    trainer's default is 8, 0 under train.compile).
     """
     if split not in ("train", "val"):
         raise ConfigError(f"data.args.split = {split!r}; use 'train' or 'val'")
-    packing = resolve_packing(packing, corpus_meta(path, sources))
+    meta = corpus_meta(path, sources)
+    packing = resolve_packing(packing, meta)
+    if pad_to is not None and meta.get("document_format") not in ("preference", "unpaired"):
+        raise ConfigError(
+            "data.args.pad_to cuts the padding of preference pairs; this corpus has none: drop data.args.pad_to"
+        )
     if packing != "stream":
-        return _build_packed(path, sources, block_size=block_size, split=split, verify=verify, packing=packing)
+        return _build_packed(
+            path, sources, block_size=block_size, split=split, verify=verify, packing=packing, pad_to=pad_to
+        )
     if not isinstance(block_size, int) or block_size < 1:
         raise ConfigError(f"data.args.block_size = {block_size!r} must be an integer >= 1")
     if not isinstance(samples, int) or samples < 0:
         raise ConfigError(f"data.args.samples = {samples!r} must be an integer >= 0 (0 = all)")
-    meta = corpus_meta(path, sources)
     srcs = _sources(path, sources)
     parts = [TokenWindows(p, block_size=block_size, split=split, verify=verify) for p, _ in srcs]
     for (p, _), part in zip(srcs, parts):
@@ -324,7 +333,9 @@ def resolve_packing(packing: str, meta: dict) -> str:
     return packing
 
 
-def _build_packed(path: str, sources: list | None, *, block_size: int, split: str, verify: str, packing: str):
+def _build_packed(
+    path: str, sources: list | None, *, block_size: int, split: str, verify: str, packing: str, pad_to: int | None
+):
     if sources:
         raise ConfigError(
             f"data.args.packing = {packing!r} takes one corpus (data.args.path), not a mixture of sources;"
@@ -333,7 +344,7 @@ def _build_packed(path: str, sources: list | None, *, block_size: int, split: st
     meta = read_meta(path)
     verify_corpus(path, meta, verify)
     if meta.get("document_format") in ("preference", "unpaired"):
-        return _build_pairs(path, meta, block_size=block_size, split=split, packing=packing)
+        return _build_pairs(path, meta, block_size=block_size, split=split, packing=packing, pad_to=pad_to)
     ds = PackedRows(Documents(path, meta, split), block_size=block_size, packing=packing)
     if len(ds) == 0:
         raise ConfigError(
@@ -358,14 +369,16 @@ def _build_packed(path: str, sources: list | None, *, block_size: int, split: st
     return ds
 
 
-def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing: str):
+def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing: str, pad_to: int | None):
     """A ``preference`` corpus: one pair per sample (data/preference.py)."""
     if packing != "documents":
         raise ConfigError(
             f"data.args.packing = {packing!r}: a preference corpus packs each pair into one row; drop data.args.packing"
         )
     unpaired = meta["document_format"] == "unpaired"
-    ds = PreferencePairs(Documents(path, meta, split), block_size=block_size, labels=unpaired)
+    ds = PreferencePairs(
+        Documents(path, meta, split), block_size=block_size, labels=unpaired, pad_to=8 if pad_to is None else pad_to
+    )
     if len(ds) == 0:
         raise ConfigError(
             f"data.args: the {split} split of {path!r} has no pair with a target on both sides; prepare more pairs"
@@ -381,6 +394,7 @@ def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing:
         "pairs": len(ds),
         "truncated_pairs": ds.truncated,
         "pairs_without_target": ds.dropped,
+        "pad_to": ds.pad_to,
         "tokenizer": meta["tokenizer"]["spec"],
         "vocab_size": meta["vocab_size"],
         "block_size": block_size,

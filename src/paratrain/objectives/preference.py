@@ -35,8 +35,12 @@ graph, for this rank's micro-batches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -50,22 +54,53 @@ NO_REFERENCE = ("simpo", "orpo", "bradley_terry")
 SUMS = ("loss", "pairs", "chosen", "rejected", "correct")
 
 
-def side_scores(scores, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def side_scores(scores, target: torch.Tensor, cp: CPGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A reward model's ``(chosen, rejected)`` scores ``(B, 2)``: each side's score at its last
     token, as transformers' sequence classifiers read a sequence's last non-padding token, from
-    the per-token scores ``(B, T, 1)``; and the sides' lengths (0: no such side)."""
+    the per-token scores ``(B, T, 1)``; and the sides' lengths (0: no such side).
+
+    ``cp``: the rows are this context-parallel rank's part (its two chunks): the last token's
+    global index is agreed over the cp ranks (a MAX), the one rank that holds it gives its score
+    and the others 0, summed with the gradient (``torch.distributed.nn``'s all-reduce)."""
     if isinstance(scores, DTensor):
         scores = scores.full_tensor()
     scores = scores[..., 0].float()
     side = target[:, 1]
-    where = torch.arange(side.shape[-1], device=side.device)
+    t = side.shape[-1]
+    where = torch.arange(t, device=side.device) if cp is None else cp.indices(t).to(side.device)
     out, lengths = [], []
     for s in (0, 1):
         on = side == s
-        last = torch.where(on, where, -1).amax(-1).clamp(min=0)
-        out.append(scores.gather(-1, last[:, None])[:, 0])
+        last = torch.where(on, where, -1).amax(-1)
+        if cp is None:
+            out.append(scores.gather(-1, last.clamp(min=0)[:, None])[:, 0])
+        else:
+            dist.all_reduce(last, op=dist.ReduceOp.MAX, group=cp.group)
+            out.append((scores * (on & (where == last[:, None]))).sum(-1))  # 0 where this rank lacks it
         lengths.append(on.sum(-1))
-    return torch.stack(out, -1), torch.stack(lengths, -1).to(torch.float32)
+    out, lengths = torch.stack(out, -1), torch.stack(lengths, -1).to(torch.float32)
+    return (out, lengths) if cp is None else (cp.sum(out), cp.sum(lengths, grad=False))
+
+
+@dataclass(frozen=True)
+class CPGroup:
+    """Context parallel (distributed/context_parallel.py): a pair's row is cut over ``size`` ranks,
+    so a side's log-probability is a sum over them. ``sum`` all-reduces per-pair partial sums,
+    with the gradient (each rank's part gets the whole pair's gradient) or without."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    # The global sequence index of each of this rank's local positions (context_parallel.py's
+    # global_indices, handed in by build.py: objectives sit below distributed/).
+    indices: Callable[[int], torch.Tensor]
+
+    def sum(self, x: torch.Tensor, *, grad: bool = True) -> torch.Tensor:
+        if grad and x.requires_grad:
+            return dist_nn.all_reduce(x, group=self.group)
+        x = x.detach().clone()
+        dist.all_reduce(x, group=self.group)
+        return x
 
 
 def side_logps(logits, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +138,7 @@ class PreferenceLoss(Objective):
         reference=None,
         weights: tuple[float, float] = (1.0, 1.0),
         dp_group=None,
+        cp: CPGroup | None = None,
     ):
         if loss_type not in (*LOSS_TYPES, "bradley_terry"):  # bradley_terry: loss.name = 'reward'
             raise ConfigError(f"preference.loss_type = {loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
@@ -110,6 +146,10 @@ class PreferenceLoss(Objective):
         # KTO: the desirable and undesirable examples' weights; its KL term's sums are reduced
         # over the data-parallel ranks (dp_group) before the micro-batch loop.
         self.weights, self.dp_group, self.kl = weights, dp_group, torch.zeros(())
+        # Context parallel: every cp rank of a row computes the whole pair's loss from the summed
+        # sides, so each adds 1/cp of it (their gradients add up to one) and cp rank 0 alone
+        # counts it in the step's sums (they are reduced over dp x cp).
+        self.cp = cp
         # reference(forward, k): micro-batch k's reference output, set by the build once the
         # policy is parallelised (None for a reference-free loss: uses_reference).
         self.reference = reference
@@ -157,7 +197,7 @@ class PreferenceLoss(Objective):
             raise RuntimeError("the preference loss's reference was never set (build.py preference_reference)")
         else:
             for k, (_, target) in enumerate(batches):
-                logps, counts = side_logps(self.reference(forward, k), target.to(self.device))
+                logps, counts = self._sides(self.reference(forward, k), target.to(self.device), grad=False)
                 self.refs.append(self._normalised(logps, counts))
         if self.loss_type == "kto":
             self.kl = self._kl(batches, forward)
@@ -169,7 +209,7 @@ class PreferenceLoss(Objective):
         micro-batch (then over devices), so it changes with the micro-batch size."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for k, (_, target) in enumerate(batches):
-            policy, counts = side_logps(forward(k), target.to(self.device))
+            policy, counts = self._sides(forward(k), target.to(self.device), grad=False)
             real = counts[:, 1] > 0
             gap = torch.where(real, policy[:, 1] - self.refs[k][:, 1], 0.0).double()
             total += torch.stack([gap.sum(), real.sum().double()])
@@ -177,11 +217,21 @@ class PreferenceLoss(Objective):
             dist.all_reduce(total, group=self.dp_group)
         return (total[0] / total[1].clamp(min=1)).clamp(min=0).float()  # stays on the device: no sync
 
+    def _sides(self, output, target: torch.Tensor, *, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' ``(chosen, rejected)`` log-probabilities (a reward model: scores) and token
+        counts, whole: summed over the context-parallel ranks that each hold part of a row."""
+        if self.loss_type == "bradley_terry":
+            return side_scores(output, target, self.cp)
+        logps, counts = side_logps(output, target)
+        if self.cp is None:
+            return logps, counts
+        return self.cp.sum(logps, grad=grad), self.cp.sum(counts, grad=False)
+
     def _normalised(self, logps: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return logps / counts.clamp(min=1) if self.loss_type in MEAN_LOGPS else logps
 
     def loss(self, output, target) -> torch.Tensor:
-        logps, counts = (side_scores if self.loss_type == "bradley_terry" else side_logps)(output, target)
+        logps, counts = self._sides(output, target)
         policy = self._normalised(logps, counts)
         ref = self.refs[self._k] if self.uses_reference else torch.zeros_like(policy)
         self._k += 1
@@ -195,7 +245,7 @@ class PreferenceLoss(Objective):
         real = (counts > 0).all(-1)  # a filled-up validation row has no pair
         losses = torch.where(real, losses, 0.0)
         self._last = (losses.sum().detach(), real, rewards.detach(), counted.detach())
-        return losses.sum() * self.scale
+        return losses.sum() * (self.scale if self.cp is None else self.scale / self.cp.size)
 
     def kto_losses(self, ratio: torch.Tensor, desirable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """KTO's per-example losses ``(B,)`` from ``log pi - log ref`` of each example and its
@@ -240,6 +290,8 @@ class PreferenceLoss(Objective):
     def end_micro_batch(self) -> None:
         loss_sum, real, rewards, counted = self._last
         self._last = None
+        if self.cp is not None and self.cp.rank:
+            return  # the same pairs as cp rank 0, which counts them
         # Masked sums, not boolean indexing: no host sync per micro-batch.
         r = torch.where(real[:, None], rewards.double(), 0.0)
         self.totals += torch.stack(

@@ -33,9 +33,15 @@ log = logging.getLogger("paratrain")
 
 
 def row_keys(inputs: torch.Tensor) -> list[str]:
-    """Each row's key: a hash of its token ids (and positions, for packed rows)."""
-    rows = inputs.detach().to("cpu", torch.int64).reshape(inputs.shape[0], -1)
-    return [hashlib.blake2b(r.numpy().tobytes(), digest_size=16).hexdigest() for r in rows]
+    """Each row's key: a hash of its token ids and positions, without the padding after the pair
+    (position -1): a micro-batch cuts its rows to its longest pair (``data.args.pad_to``), so the
+    padding a row carries depends on its neighbours, its key must not."""
+    rows = inputs.detach().to("cpu", torch.int64)
+    keys = []
+    for row in rows:
+        n = int((row[1] >= 0).sum())  # the pair's columns lead the row
+        keys.append(hashlib.blake2b(row[:, :n].contiguous().numpy().tobytes(), digest_size=16).hexdigest())
+    return keys
 
 
 class ReferenceStore:
@@ -121,7 +127,7 @@ def fill(
     for start in range(0, len(todo), g):
         chunk = todo[start : start + g]
         chunk += chunk[:1] * (g - len(chunk))  # the last global batch filled up (duplicates: the same key)
-        # Every rank the same number of micro-batches of the same shape (rows of block_size).
+        # Every rank the same number of micro-batches (their rows cut to each one's longest pair).
         batches = batches_of([datasets[d][i] for d, i in chunk[dp_rank * (g // dp) : (dp_rank + 1) * (g // dp)]])
         forward = forward_of(batches)
         for k, (inputs, target) in enumerate(batches):

@@ -8,6 +8,7 @@ one clear line (ConfigError, exit code 2) instead of a failure deep inside a col
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -209,6 +210,8 @@ def check_packing(cfg: Config, dims: ParallelDims) -> None:
     packing = resolve_packing(cfg.data.args.get("packing", ""), meta)
     if packing == "stream":
         return
+    if meta.get("document_format") in ("preference", "unpaired"):
+        resolve_pad_to(cfg, dims)
     if cfg.loss.ignore_index != IGNORE_INDEX:
         raise ConfigError(
             f"loss.ignore_index = {cfg.loss.ignore_index}: packed documents mark what is not a target with"
@@ -218,6 +221,27 @@ def check_packing(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError(
             f"data.args.packing = {packing!r} feeds (batch, 2, T) token and position ids, which the built-in GPT and"
             " model.hf read; a model.factory model does not (yet): use one of those"
+        )
+
+
+def resolve_pad_to(cfg: Config, dims: ParallelDims) -> None:
+    """A preference corpus's rows end at their micro-batch's longest pair (data/preference.py),
+    rounded up to ``data.args.pad_to``: by default 8, a multiple of tp with sequence parallel (each
+    tp rank holds an equal part of the sequence) and of 2 x cp with context parallel (a row is cut
+    into 2 x cp chunks), and 0 (rows of block_size, one shape, one graph) under train.compile.
+    Written into ``data.args`` so that config.toml records it."""
+    sp = dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else 1
+    parts = math.lcm(sp, 2 * dims.cp if dims.cp > 1 else 1)
+    pad_to = cfg.data.args.get("pad_to")
+    if pad_to is None:
+        cfg.data.args = {**cfg.data.args, "pad_to": 0 if cfg.train.compile else math.lcm(8, parts)}
+    elif isinstance(pad_to, int) and pad_to % parts:
+        why = " and ".join(
+            w for w, on in ((f"tp = {sp} (sequence parallel)", sp > 1), (f"2 x cp = {2 * dims.cp}", dims.cp > 1)) if on
+        )
+        raise ConfigError(
+            f"data.args.pad_to = {pad_to}: rows must split into equal parts over {why};"
+            f" use a multiple of {parts}, or 0 (rows of block_size)"
         )
 
 

@@ -217,15 +217,14 @@ def _preference(cfg: Config) -> bool:
     return cfg.loss.name in ("preference", "reward", "distill")
 
 
-def _preference_refusal(degree: str, *, distill: bool = True) -> Refusal:
-    """``distill`` False: distillation runs with this degree (a per-token loss, like the cross-entropy)."""
+def _preference_refusal(degree: str) -> Refusal:
     return Refusal(
         ("preference", degree),
-        lambda c, d: _preference(c) and (distill or c.loss.name != "distill") and getattr(d, degree) > 1,
+        lambda c, d: _preference(c) and getattr(d, degree) > 1,
         lambda c, d: (
-            f"loss.name = {c.loss.name!r} runs on DDP, FSDP2, HSDP, tensor parallel"
-            f"{', context parallel' if c.loss.name == 'distill' else ''} and accumulation, not with"
-            f" parallel.{degree} = {getattr(d, degree)} yet; set parallel.{degree} = 1 (docs/preference.md)"
+            f"loss.name = {c.loss.name!r} runs on DDP, FSDP2, HSDP, tensor parallel, context parallel and"
+            f" accumulation, not with parallel.{degree} = {getattr(d, degree)} yet; set parallel.{degree} = 1"
+            " (docs/preference.md)"
         ),
         "a pair's loss, or a teacher's distribution, with its second model: not built for this degree yet",
     )
@@ -276,7 +275,15 @@ REFUSALS: tuple[Refusal, ...] = (
         "the gradient-noise probe reads a micro-batch's own gradient, which a loss over the whole batch does not have",
     ),
     _preference_refusal("pp"),
-    _preference_refusal("cp", distill=False),
+    Refusal(
+        ("preference precompute", "cp"),
+        lambda c, d: _preference(c) and c.loss.name != "distill" and c.preference.precompute and d.cp > 1,
+        lambda c, d: (
+            f"preference.precompute with parallel.cp = {d.cp} is not supported: the store is keyed by whole"
+            " pairs, which a context-parallel rank does not hold; set preference.precompute = false"
+        ),
+        "the reference store is keyed by a pair's whole row; a context-parallel rank holds two chunks of it",
+    ),
     _preference_refusal("ep"),
     Refusal(
         ("preference", "noise_probe"),
