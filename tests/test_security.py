@@ -96,7 +96,8 @@ def test_bound_store_listens_on_loopback_only():
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
     client.set("k", "v")
     assert store.get("k") == b"v"
-    assert _listening_ports_of([os.getpid()])[store.port] == "127.0.0.1"
+    # The public socket is served by the front process, the server listens on loopback too.
+    assert _listening_ports_of([os.getpid(), *descendants(os.getpid())])[store.port] == "127.0.0.1"
 
 
 # --- a real job --------------------------------------------------------------------------------
@@ -267,3 +268,98 @@ def test_launch_arguments_use_the_paratrain_backend_and_one_address():
         assert creator("params") == ("made", "params")
     finally:
         rendezvous.create_handler = real
+
+
+# --- the bounds of a store's server (distributed/store_front.py) -------------------------------
+
+_MAGIC = (0x3C85F7CE).to_bytes(4, "little")  # TCPStore's validation number (TCPStoreBackend.hpp)
+
+
+def _raw_client(port: int, source: str = "127.0.0.1") -> socket.socket:
+    """A bare TCP connection to a store from ``source``, past TCPStore's validation message."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+    s.sendall(b"\0" + _MAGIC)
+    return s
+
+
+def _closed_by_server(s: socket.socket, within: float = 3.0) -> bool:
+    s.settimeout(within)
+    try:
+        return s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def _set_request(key: bytes, size: int) -> bytes:
+    """The header of TCPStore's SET (command 1): the key, then the value's length (value bytes follow)."""
+    return b"\1" + len(key).to_bytes(8, "little") + key + size.to_bytes(8, "little")
+
+
+def test_store_server_caps_connections_per_host_and_in_all():
+    from paratrain.distributed.store_auth import serve_bounded
+
+    server = serve_bounded("127.0.0.1", 0, timedelta(seconds=10), max_connections=6, max_per_host=4)
+    try:
+        held = [_raw_client(server.port, "127.0.0.2") for _ in range(4)]
+        assert not any(_closed_by_server(s, 0.3) for s in held)
+        over_host = _raw_client(server.port, "127.0.0.2")
+        assert _closed_by_server(over_host), "a 5th connection from one host was served"
+        held += [_raw_client(server.port, "127.0.0.3") for _ in range(2)]
+        over_all = _raw_client(server.port, "127.0.0.4")
+        assert _closed_by_server(over_all), "a 7th connection in all was served"
+        held.pop(0).close()  # a slot frees: a legitimate client (another host) connects and works
+        client = _wait_for(lambda: _store_client(server.port), 10, "a free connection slot")
+        client.set("k", "v")
+        assert server.server.get("k") == b"v" and client.get("k") == b"v"
+    finally:
+        server.close()
+
+
+def _store_client(port: int) -> dist.TCPStore | None:
+    try:
+        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=3))
+    except RuntimeError:
+        return None
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_store_server_refuses_oversized_values_and_too_many_bytes():
+    from paratrain.distributed.store_auth import serve_bounded
+
+    mib = 1 << 20
+    server = serve_bounded("127.0.0.1", 0, timedelta(seconds=10), max_value=mib, max_total=6 * mib)
+    try:
+        # One value of 2.5 MiB (under torch's own 8 MiB, and the total): closed at its header, never stored.
+        before = _rss_bytes()
+        attacker = _raw_client(server.port)
+        attacker.sendall(_set_request(b"big", 5 * mib // 2))
+        chunk = b"x" * (64 << 10)
+        try:
+            for _ in range(5 * mib // 2 // len(chunk)):
+                attacker.sendall(chunk)
+        except OSError:
+            pass  # closed under it
+        closed = _closed_by_server(attacker)  # (3 s if not: time for the server to store it)
+        assert _rss_bytes() - before < 3 * mib // 2, "the server's memory grew by the refused value"
+        assert closed and not server.server.check(["big"])
+
+        # Many values each under the cap: refused once the store would hold more than 6 MiB
+        # (what it holds, plus the request that arrives: the server buffers it until complete).
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=5))
+        for i in range(4):
+            client.set(f"k{i}", b"y" * mib)
+        client.set("k0", b"z" * mib)  # rewriting a key holds no more bytes
+        assert client.get("k0")[:1] == b"z"  # through the same connection: after the set
+        filler = _raw_client(server.port)
+        filler.sendall(_set_request(b"k4", mib) + b"y" * mib)
+        assert _closed_by_server(filler)
+        assert not client.check(["k4"])
+        assert client.get("k1") == b"y" * mib  # legitimate traffic goes on
+    finally:
+        server.close()

@@ -40,7 +40,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import pickle
 import signal
 import socket
@@ -83,9 +82,9 @@ from paratrain.distributed.store_auth import (
     SECRET_ENV,
     TamperedValue,
     bound_tcp_store,
-    listen_socket,
     load_secret,
     resolve,
+    serve_bounded,
     sign,
     verify,
 )
@@ -727,18 +726,12 @@ def serve(port: int = DEFAULT_PORT, bind: str = "", *, ready: Callable[[str], No
     bind = bind or socket.gethostname()
     try:
         addr = _resolve(bind)
-        sock = listen_socket(addr, port)
+        server = serve_bounded(addr, port, timedelta(seconds=60))
     except OSError as e:
         raise ConfigError(
             f"--bind {bind} --port {port}: cannot listen there ({e.strerror or e}); pass another --bind or --port"
         ) from None
-    port = sock.getsockname()[1]
-    fd = sock.detach()
-    try:
-        store = dist.TCPStore(addr, port, None, True, timedelta(seconds=60), master_listen_fd=fd, multi_tenant=True)
-    except BaseException:
-        os.close(fd)
-        raise
+    port, store = server.port, server.server
     stop = threading.Event()
     got: list[int] = []
 
@@ -759,6 +752,6 @@ def serve(port: int = DEFAULT_PORT, bind: str = "", *, ready: Callable[[str], No
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        del store
+        server.close()  # the port is free again when serve returns (a test serves in-process)
     ready(f"paratrain rendezvous: stopped ({signal.Signals(got[0]).name})" if got else "paratrain rendezvous: stopped")
     return 0

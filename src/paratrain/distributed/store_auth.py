@@ -12,7 +12,8 @@ Slurm-prolog file readable only by the user).
 
 Binding: ``TCPStore(..., is_master=True)`` listens on every interface whatever host it is
 given (libuv backend, torch 2.13); given ``master_listen_fd`` it serves on a socket we bound
-ourselves, which is the one knob that limits it to an address (:func:`listen_socket`).
+ourselves, which is the one knob that limits it to an address (:func:`listen_socket`). The socket
+we bind is served by a bounded front (store_front.py), the server itself listens on loopback.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import os
 import secrets
 import socket
 import struct
+import subprocess
+import sys
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -147,15 +150,57 @@ def listen_socket(addr: str, port: int) -> socket.socket:
 
 
 def bound_tcp_store(
-    host: str, port: int, *, bind_addr: str, timeout: timedelta, world_size: int | None = None, **kwargs
+    host: str, port: int, *, bind_addr: str, timeout: timedelta, world_size: int | None = None
 ) -> dist.TCPStore:
-    """A TCPStore server on ``bind_addr:port`` only (see the module docstring for why the fd)."""
-    sock = listen_socket(bind_addr, port)
-    port = sock.getsockname()[1]
-    # The store's event loop takes the descriptor over (uv_tcp_open) and closes it itself.
-    fd = sock.detach()
+    """A TCPStore server on ``bind_addr:port`` only, behind a bounded front; returns a client of it.
+
+    The front (distributed/store_front.py, why there) serves the socket bound here and forwards
+    to the real server on a loopback port. The returned store is a client connected through the
+    front, so its ``port`` is the public one (what torch elastic hands the workers). The front and
+    the server live as long as the process (``_FRONTS``): C++ holders of the client (a PrefixStore,
+    a process group) outlive its Python object, so nothing tells when the last user is gone.
+    """
+    server = serve_bounded(bind_addr, port, timeout, world_size)
+    _FRONTS.append(server)
+    return dist.TCPStore(host, server.port, world_size, False, timeout, wait_for_workers=False)
+
+
+class BoundedServer:
+    """A TCPStore server on loopback, and the front process that serves the public socket for it."""
+
+    def __init__(self, listener: socket.socket, timeout: timedelta, world_size: int | None = None, **limits: int):
+        from paratrain.distributed import store_front
+
+        self.port = listener.getsockname()[1]
+        back = listen_socket("127.0.0.1", 0)  # connections queue here until the server takes it over
+        args = [f"--{k.replace('_', '-')}={v}" for k, v in limits.items()]
+        # stdin: a pipe whose end tells the front this process (and so the server) is gone.
+        self.front = subprocess.Popen(
+            [sys.executable, store_front.__file__, str(listener.fileno()), str(back.getsockname()[1]), *args],
+            stdin=subprocess.PIPE,
+            pass_fds=[listener.fileno()],
+        )
+        fd = back.detach()
+        try:  # a server given world_size waits here for the workers, who connect through the front
+            self.server = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout, master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.front.poll() is None:
+            self.front.stdin.close()
+            self.front.wait(timeout=10)
+
+
+_FRONTS: list[BoundedServer] = []  # kept alive for the process's life (see bound_tcp_store)
+
+
+def serve_bounded(bind_addr: str, port: int, timeout: timedelta, world_size: int | None = None, **limits: int):
+    """A :class:`BoundedServer` on ``bind_addr:port`` (port 0: a free one); ``limits`` as store_front's options."""
+    listener = listen_socket(bind_addr, port)
     try:
-        return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd, multi_tenant=True, **kwargs)
-    except BaseException:
-        os.close(fd)
-        raise
+        return BoundedServer(listener, timeout, world_size, **limits)
+    finally:
+        listener.close()  # the front process holds its own copy
