@@ -100,6 +100,24 @@ def test_bound_store_listens_on_loopback_only():
     assert _listening_ports_of([os.getpid(), *descendants(os.getpid())])[store.port] == "127.0.0.1"
 
 
+def test_the_rendezvous_store_has_a_front_and_the_job_store_none():
+    """The rendezvous store (agents only) is served through the bounded front; the job's store,
+    which every worker uses and whose bytes grow with the world size, is not (store_auth)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from paratrain.distributed import rendezvous, store_auth
+
+    params = RendezvousParameters("paratrain", "127.0.0.1:0", "t", 1, 1, is_host=True, read_timeout=10)
+    store, hosted = rendezvous._create_store(params, "127.0.0.1", 0)
+    front = store_auth._FRONTS.pop()
+    try:
+        assert hosted and front.port == store.port and front.front.poll() is None
+        job = store_auth.bound_tcp_store("127.0.0.1", 0, bind_addr="127.0.0.1", timeout=timedelta(seconds=10))
+        assert not store_auth._FRONTS and job.port != store.port
+    finally:
+        front.close()
+
+
 # --- a real job --------------------------------------------------------------------------------
 
 

@@ -552,7 +552,7 @@ def _create_store(params: RendezvousParameters, host: str, port: int) -> tuple[d
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
     if is_host:
         try:
-            return bound_tcp_store(host, port, bind_addr=_resolve(host), timeout=timeout), True
+            return bound_tcp_store(host, port, bind_addr=_resolve(host), timeout=timeout, front=True), True
         except OSError:
             # Without is_host: another agent of this rendezvous on this machine (started with the
             # same --node-rank) or a `paratrain rendezvous serve` holds the port: be its client.

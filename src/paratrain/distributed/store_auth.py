@@ -150,19 +150,32 @@ def listen_socket(addr: str, port: int) -> socket.socket:
 
 
 def bound_tcp_store(
-    host: str, port: int, *, bind_addr: str, timeout: timedelta, world_size: int | None = None
+    host: str, port: int, *, bind_addr: str, timeout: timedelta, world_size: int | None = None, front: bool = False
 ) -> dist.TCPStore:
-    """A TCPStore server on ``bind_addr:port`` only, behind a bounded front; returns a client of it.
+    """A TCPStore server on ``bind_addr:port`` only (see the module docstring for why the fd).
 
-    The front (distributed/store_front.py, why there) serves the socket bound here and forwards
-    to the real server on a loopback port. The returned store is a client connected through the
-    front, so its ``port`` is the public one (what torch elastic hands the workers). The front and
-    the server live as long as the process (``_FRONTS``): C++ holders of the client (a PrefixStore,
-    a process group) outlive its Python object, so nothing tells when the last user is gone.
+    ``front``: behind a bounded front (the rendezvous store, which only the nodes' agents use);
+    the server then listens on a loopback port and the returned store is a client connected
+    through the front, so its ``port`` is the public one. The front and the server live as long
+    as the process (``_FRONTS``): C++ holders of the client (a PrefixStore) outlive its Python
+    object, so nothing tells when the last user is gone. The job's store, which every worker
+    uses, has no front: its connections and torch's bootstrap bytes grow with the world size
+    (gloo's full mesh writes O(world) bytes per rank and group), so fixed caps would break a
+    large job (docs/security.md, "Bounds").
     """
-    server = serve_bounded(bind_addr, port, timeout, world_size)
-    _FRONTS.append(server)
-    return dist.TCPStore(host, server.port, world_size, False, timeout, wait_for_workers=False)
+    if front:
+        server = serve_bounded(bind_addr, port, timeout, world_size)
+        _FRONTS.append(server)
+        return dist.TCPStore(host, server.port, world_size, False, timeout, wait_for_workers=False)
+    sock = listen_socket(bind_addr, port)
+    port = sock.getsockname()[1]
+    # The store's event loop takes the descriptor over (uv_tcp_open) and closes it itself.
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd, multi_tenant=True)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class BoundedServer:
