@@ -155,11 +155,14 @@ def test_pp2_every_schedule_matches_reference(tmp_path, reference):
         _close(losses, reference["gpt"])
     _close(results[len(SCHEDULES)], reference["user"])  # ModuleList blocks, 4 pipeline micro-batches
     _close(results[len(SCHEDULES) + 1], reference["gpt"])  # stages of 1 and 3 blocks, no accumulation
-    # Full weights from 4 stages over 2 ranks: the whole model, original names, same values.
+    # Full weights from 4 stages over 2 ranks: the whole model, original names, same values. After
+    # 3 AdamW steps a weight whose gradient is near 0 moves by about lr x (rounding of g / sqrt(v)),
+    # which the accumulation order changes: 1.4e-6 on one element of 4096 on an AMD EPYC, where
+    # the test once allowed 1e-6. A stage's weights misplaced or missing are off by their own size.
     weights = load_file(str(tmp_path / "interleaved1f1b" / "model.safetensors"))
     assert weights.keys() == reference["weights"].keys()
     for k, v in reference["weights"].items():
-        torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
 SGD = plain_sgd(0.3)

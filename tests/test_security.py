@@ -107,13 +107,15 @@ def test_the_rendezvous_store_has_a_front_and_the_job_store_none():
 
     from paratrain.distributed import rendezvous, store_auth
 
+    fronts = len(store_auth._FRONTS)  # fronts of earlier tests in this process live on
     params = RendezvousParameters("paratrain", "127.0.0.1:0", "t", 1, 1, is_host=True, read_timeout=10)
     store, hosted = rendezvous._create_store(params, "127.0.0.1", 0)
+    assert len(store_auth._FRONTS) == fronts + 1
     front = store_auth._FRONTS.pop()
     try:
         assert hosted and front.port == store.port and front.front.poll() is None
         job = store_auth.bound_tcp_store("127.0.0.1", 0, bind_addr="127.0.0.1", timeout=timedelta(seconds=10))
-        assert not store_auth._FRONTS and job.port != store.port
+        assert len(store_auth._FRONTS) == fronts and job.port != store.port
     finally:
         front.close()
 

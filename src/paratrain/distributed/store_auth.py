@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from paratrain.config import ConfigError
+from paratrain.distributed import store_front
 
 SECRET_ENV = "PARATRAIN_JOB_SECRET"
 BIND_ENV = "PARATRAIN_BIND_ADDR"  # the launcher tells its workers what to listen on
@@ -182,8 +183,6 @@ class BoundedServer:
     """A TCPStore server on loopback, and the front process that serves the public socket for it."""
 
     def __init__(self, listener: socket.socket, timeout: timedelta, world_size: int | None = None, **limits: int):
-        from paratrain.distributed import store_front
-
         self.port = listener.getsockname()[1]
         back = listen_socket("127.0.0.1", 0)  # connections queue here until the server takes it over
         args = [f"--{k.replace('_', '-')}={v}" for k, v in limits.items()]
