@@ -3,9 +3,9 @@
     python benchmarks/store_front.py [--ops 2000] [--repeats 7]
 
 One server (``store_auth.serve_bounded`` on 127.0.0.1), two clients: one through the front (the
-public port, what every node and worker uses), one straight to the server's loopback port. Each
-repeat times ``--ops`` set + get pairs on each client, in alternating order; prints the median
-time per pair of each and the median of the paired differences (front - direct).
+public port, what every node's agent uses for the rendezvous), one straight to the server's
+loopback port. Each repeat times ``--ops`` set + get pairs on each client, in alternating order;
+prints the median time per pair of each and the median of the paired differences (front - direct).
 """
 
 from __future__ import annotations

@@ -194,6 +194,20 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def worker_pids(pid: int) -> list[int]:
+    """The training workers among ``pid``'s children (a launcher also starts the rendezvous
+    store's front, distributed/store_front.py)."""
+    out = []
+    for child in child_pids(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"paratrain.launch.worker" in f.read():
+                    out.append(child)
+        except OSError:
+            continue
+    return out
+
+
 def descendants(pid: int) -> list[int]:
     """``pid`` and every process below it."""
     tree, i = [pid], 0

@@ -27,7 +27,6 @@ from paratrain.checkpoint import (
 from paratrain.config import ConfigError
 from tests.dist_utils import (
     REPO,
-    child_pids,
     kill_tree,
     paratrain_cli,
     plain_sgd,
@@ -35,6 +34,7 @@ from tests.dist_utils import (
     run_ranks,
     train_rank,
     wait_listening,
+    worker_pids,
 )
 from tests.test_checkpoint import GPT_ARGS, TOY, checkpoint_tensors
 
@@ -179,7 +179,7 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
     out = str(tmp_path / "run")
     proc = start_train(out, ["checkpoint.interval=0", "checkpoint.at_end=false"])
     wait_for_rows(out, 2, proc)
-    workers = child_pids(proc.pid)
+    workers = worker_pids(proc.pid)
     assert len(workers) == 2
     os.kill(max(workers), signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
