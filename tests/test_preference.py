@@ -254,6 +254,8 @@ def test_rows_end_at_the_micro_batchs_longest_pair(pref, tmp_path):
     assert resolved("parallel.tp=2", "parallel.sequence_parallel=true", world=2) == 8
     with pytest.raises(ConfigError, match=r"pad_to = 4: rows must split into equal parts over tp = 8 \(sequence"):
         resolved("parallel.tp=8", "parallel.sequence_parallel=true", "data.args.pad_to=4", world=8)
+    with pytest.raises(ConfigError, match=r"pad_to = -8 must be an integer >= 0"):
+        resolved("data.args.pad_to=-8")  # -8 % 8 == 0: refused before the worker builds the data
     text = tmp_path / "a.txt"
     text.write_text("plain text, no pairs\n" * 50)
     corpus = str(tmp_path / "text")

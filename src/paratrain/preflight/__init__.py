@@ -235,7 +235,9 @@ def resolve_pad_to(cfg: Config, dims: ParallelDims) -> None:
     pad_to = cfg.data.args.get("pad_to")
     if pad_to is None:
         cfg.data.args = {**cfg.data.args, "pad_to": 0 if cfg.train.compile else math.lcm(8, parts)}
-    elif isinstance(pad_to, int) and pad_to % parts:
+    elif not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 0:
+        raise ConfigError(f"data.args.pad_to = {pad_to!r} must be an integer >= 0 (0: every row block_size wide)")
+    elif pad_to % parts:
         why = " and ".join(
             w for w, on in ((f"tp = {sp} (sequence parallel)", sp > 1), (f"2 x cp = {2 * dims.cp}", dims.cp > 1)) if on
         )
