@@ -58,7 +58,7 @@ def runs(fixtures: str) -> dict[str, tuple[str, list[str]]]:
     llama, sft = f"{fixtures}/llama", f"{fixtures}/sft_train"
     empty = f"{fixtures}/empty.toml"  # every key at its default but those set
     toy = [
-        "data.factory='tests.toy:toy_lm'",
+        "data.factory='paratrain.testing.toy:toy_lm'",
         "data.args={n = 32, seq_len = 16, vocab = 128}",
         "batch.global_batch_size=8",
     ]
@@ -77,7 +77,7 @@ def runs(fixtures: str) -> dict[str, tuple[str, list[str]]]:
         # A user (sum, count) loss: the counted (not static) path with its count all-reduce. It is
         # a mean of micro-batch means, which the start-of-run layout probe stops where it exists
         # (record adds run.layout_dependent = true for a tree that knows the key).
-        "debug_user_loss": (DEBUG, ["loss.name='tests.toy:mean_of_means'", *short]),
+        "debug_user_loss": (DEBUG, ["loss.name='paratrain.testing.toy:mean_of_means'", *short]),
         "moe_ep2_fsdp": (DEBUG, [GPT_MOE, "parallel.dp_shard=2", "parallel.ep=2", *short]),
         "moe_pp2_1f1b": (DEBUG, [GPT_MOE, "parallel.pp=2", "parallel.pp_schedule='1f1b'", *short]),
         "moe_tp2": (DEBUG, [GPT_MOE, "parallel.tp=2", *short]),
@@ -130,7 +130,7 @@ def runs(fixtures: str) -> dict[str, tuple[str, list[str]]]:
             empty,
             [
                 f"model.hf='{llama}'",
-                "data.factory='tests.toy:toy_lm'",
+                "data.factory='paratrain.testing.toy:toy_lm'",
                 "data.args={n = 32, seq_len = 16, vocab = 128}",
                 "batch.global_batch_size=8",
                 "batch.micro_batch_size=2",
@@ -155,7 +155,7 @@ def make_fixtures(fixtures: str, tree: str) -> None:
         moe = f"""
 import sys
 sys.path[:0] = [{tree + "/src"!r}, {tree!r}]
-from tests.hf_models import save_tiny
+from paratrain.testing.hf_models import save_tiny
 save_tiny("qwen3_moe", {fixtures + "/qwen3_moe"!r}, tie_word_embeddings=False)
 open({fixtures + "/qwen3_moe/done"!r}, "w").close()
 """
@@ -166,8 +166,8 @@ open({fixtures + "/qwen3_moe/done"!r}, "w").close()
 import sys
 sys.path[:0] = [{tree + "/src"!r}, {tree!r}]
 from paratrain.data.prepare import prepare
-from tests.hf_models import save_tiny
-from tests.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
+from paratrain.testing.hf_models import save_tiny
+from paratrain.testing.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
 root = {fixtures!r}
 tok = save_chat_tokenizer(root + "/tok")
 chat = write_jsonl(root + "/chat.jsonl", stdlib_conversations(24))

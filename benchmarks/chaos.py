@@ -6,7 +6,7 @@ One job as a cluster runs it: a standalone rendezvous server (`paratrain rendezv
 one-process "nodes" (`paratrain train --nnodes 1:2 --max-restarts 20 --rdzv-conf is_host=false`,
 each in a session of its own), a checkpoint every 2 steps, a data-loader worker per rank and an
 MLflow `file:` store. The model is the test GPT slowed to ``--sleep`` s per forward
-(tests/toy.py:gpt_chaos), trained with plain SGD. A schedule drawn from ``--seed`` injects
+(src/paratrain/testing/toy.py:gpt_chaos), trained with plain SGD. A schedule drawn from ``--seed`` injects
 ``--faults`` faults, one after another, each once the job has recovered from the previous one and
 trained ``2..3`` more steps:
 
@@ -50,7 +50,7 @@ sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]
 
 from paratrain.checkpoint.manifest import MANIFEST, CheckpointInvalid, verify_checkpoint  # noqa: E402
 from paratrain.observability.events import read_events  # noqa: E402
-from tests.dist_utils import descendants, kill_tree, plain_sgd, read_metrics  # noqa: E402
+from paratrain.testing.dist_utils import descendants, kill_tree, plain_sgd, read_metrics  # noqa: E402
 
 FAULTS = ("kill_worker", "preempt", "leave_join", "damage_checkpoint", "enospc", "hang")
 SERVED = ["--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,is_host=false"]
@@ -60,9 +60,9 @@ SECRET = "chaos-benchmark-secret"  # the one secret the nodes of the job share
 def job(root: str, steps: int, sleep: float) -> list[str]:
     gpt = "n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32"
     return [
-        "model.factory='tests.toy:gpt_chaos'",
+        "model.factory='paratrain.testing.toy:gpt_chaos'",
         f"model.args={{{gpt}, forward_sleep_s = {sleep}, chaos_dir = '{root}/chaos'}}",
-        "data.factory='tests.toy:toy_lm'",
+        "data.factory='paratrain.testing.toy:toy_lm'",
         "data.args={n = 256, seq_len = 16, vocab = 32}",
         "data.workers=1",
         "batch.global_batch_size=8",

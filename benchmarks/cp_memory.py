@@ -167,7 +167,7 @@ def longest_fit(budget: int, max_seq: int, kind: str) -> dict:
 
 
 def budget_table(budget_mib: float, seq: int, max_seq: int) -> None:
-    from tests.dist_utils import run_ranks
+    from paratrain.testing.dist_utils import run_ranks
 
     budget = int(budget_mib * 2**20)
     base = run_ranks(rank_run, 1, seq, 1, "-", timeout=900)[0]["saved_bytes"]
@@ -200,7 +200,7 @@ def formula_bytes(seq: int, cp: int, kind: str) -> int:
 
 
 def main() -> None:
-    from tests.dist_utils import run_ranks
+    from paratrain.testing.dist_utils import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=1024)

@@ -120,7 +120,7 @@ def formula_bytes(seq: int, cp: int) -> dict:
 def main() -> None:
     from paired import paired_ratios, summary_line
 
-    from tests.dist_utils import run_ranks
+    from paratrain.testing.dist_utils import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=2048)

@@ -51,13 +51,13 @@ sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]
 from paratrain.checkpoint import verify_checkpoint  # noqa: E402 - after the path above
 from paratrain.distributed.process_group import free_port  # noqa: E402
 from paratrain.observability.events import read_events  # noqa: E402
-from tests.dist_utils import kill_tree, wait_listening  # noqa: E402 - the elastic test's own helpers
+from paratrain.testing.dist_utils import kill_tree, wait_listening  # noqa: E402 - the elastic test's own helpers
 
 GPT = "{n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, forward_sleep_s = 0.3}"
 JOB = [  # tests/test_resilience.py's elastic job (plain SGD)
-    "model.factory='tests.toy:gpt_slow'",
+    "model.factory='paratrain.testing.toy:gpt_slow'",
     f"model.args={GPT}",
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 64, seq_len = 16, vocab = 32}",
     "batch.global_batch_size=8",
     "batch.micro_batch_size=4",

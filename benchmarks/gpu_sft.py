@@ -3,7 +3,7 @@ with and without the chunked loss, and FlexAttention's training against SDPA (is
 
 1. A Qwen2-0.5B-shaped model (24 layers, hidden 896, 14 heads, 2 KV heads, vocabulary 151,936;
    random weights from its config: ``model.hf`` with no weight files) trains on chat data
-   (``tests/sft_data.py``: conversations about standard-library modules, rendered by a ChatML
+   (``src/paratrain/testing/sft_data.py``: conversations about standard-library modules, rendered by a ChatML
    template, loss on the assistant turns) in bf16 autocast, one process, AdamW, for ``--steps``
    steps in four runs: ``packing = documents | padded`` x ``loss.chunk_size = 0 | 1024``. Printed per
    run: the median ``tokens_per_s`` (real tokens, not padding) and ``mfu`` (against the data-sheet
@@ -30,7 +30,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]
 
-from tests.hf_models import QWEN2_05B as QWEN  # noqa: E402 - after the sys.path line above
+from paratrain.testing.hf_models import QWEN2_05B as QWEN  # noqa: E402 - after the sys.path line above
 
 # Untied output layer (its figures were planned with one): 630M parameters.
 QWEN2_05B = dict(QWEN, max_position_embeddings=4096, tie_word_embeddings=False)
@@ -42,7 +42,7 @@ def build_data(root: str, *, conversations: int, model_args: dict) -> tuple[str,
     from transformers import AutoConfig
 
     from paratrain.data.prepare import prepare
-    from tests.sft_data import save_chat_tokenizer, stdlib_conversations, write_jsonl
+    from paratrain.testing.sft_data import save_chat_tokenizer, stdlib_conversations, write_jsonl
 
     args = dict(model_args)
     config = AutoConfig.for_model(args.pop("model_type"), **args)
@@ -59,7 +59,7 @@ def run(name: str, over: list[str], *, cuda: bool) -> dict:
     import torch
 
     import paratrain
-    from tests.dist_utils import read_metrics
+    from paratrain.testing.dist_utils import read_metrics
 
     cfg = paratrain.load_config(None, over)
     if cuda:

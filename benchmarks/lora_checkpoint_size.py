@@ -32,7 +32,7 @@ def main() -> None:
     args = p.parse_args()
 
     import paratrain
-    from tests.hf_models import save_tiny
+    from paratrain.testing.hf_models import save_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         hf = save_tiny(
@@ -45,7 +45,7 @@ def main() -> None:
         )
         common = [
             f"model.hf='{hf}'",
-            "data.factory='tests.toy:toy_lm'",
+            "data.factory='paratrain.testing.toy:toy_lm'",
             "data.args={n = 8, seq_len = 16, vocab = 1024}",
             "batch.global_batch_size=8",
             "run.steps=1",

@@ -1,5 +1,5 @@
 """Optimiser-state and gradient bytes per rank, LoRA against full fine-tuning on the same model
-(docs/lora.md#measured): a tiny transformers Llama (``model.hf``, tests/hf_models.py) and the
+(docs/lora.md#measured): a tiny transformers Llama (``model.hf``, src/paratrain/testing/hf_models.py) and the
 built-in GPT, at world 1 and world 2 (DDP and FSDP2 ``dp_shard = 2``).
 
 Counted from the real tensors after one AdamW step, as benchmarks/memory.py does for full
@@ -96,7 +96,7 @@ def measure(model_cfg: dict, layout: dict, batch: int) -> dict:
 
 
 def measure_rank(cases: dict, batch: int) -> dict:
-    """One rank (under tests.dist_utils.run_ranks): every case's bytes on this rank."""
+    """One rank (under paratrain.testing.dist_utils.run_ranks): every case's bytes on this rank."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -108,14 +108,14 @@ def measure_rank(cases: dict, batch: int) -> dict:
 
 def run_world(n: int, cases: dict, batch: int) -> dict:
     """Every case at world ``n`` (the tests' spawn-and-collect harness): results by rank."""
-    from tests.dist_utils import run_ranks
+    from paratrain.testing.dist_utils import run_ranks
 
     return dict(enumerate(run_ranks(measure_rank, n, cases, batch, timeout=600)))
 
 
 def models(tmp: str, r: int, targets: list[str]) -> dict[str, dict]:
     """Model configs by name: the base (full fine-tuning) and its LoRA twin differ by [model.lora] only."""
-    from tests.hf_models import save_tiny
+    from paratrain.testing.hf_models import save_tiny
 
     llama = save_tiny("llama", os.path.join(tmp, "llama"), weights=False, **LLAMA_ARGS)  # init from the seed
     lora = dict(r=r, alpha=2 * r, target_modules=list(targets))

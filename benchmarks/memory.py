@@ -25,7 +25,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]  # paratrain, tests.dist_utils
+sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]  # paratrain, paratrain.testing.dist_utils
 
 
 def local_bytes(t) -> int:
@@ -71,7 +71,7 @@ def measure(layout: dict, gpt_args: dict, batch: int) -> dict:
 
 
 def measure_rank(layouts: dict, gpt_args: dict, batch: int) -> dict:
-    """One rank (under tests.dist_utils.run_ranks): every layout's bytes on this rank."""
+    """One rank (under paratrain.testing.dist_utils.run_ranks): every layout's bytes on this rank."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
@@ -83,7 +83,7 @@ def measure_rank(layouts: dict, gpt_args: dict, batch: int) -> dict:
 
 def run_world(n: int, gpt_args: dict, batch: int) -> dict:
     """DDP, FSDP2 and TP at world ``n`` (the tests' spawn-and-collect harness): results by rank."""
-    from tests.dist_utils import run_ranks
+    from paratrain.testing.dist_utils import run_ranks
 
     layouts = {
         "DDP": {"dp_replicate": n},

@@ -140,7 +140,7 @@ def collective_sync(world: int, hw, tp_block_world1: float) -> float:
     world-1 figure is taken as the cost model prices a pass at this world, over the share of a
     core each rank gets (``share`` in cost.py): more ranks than cores slow the passes too, and
     that is in the ``overhead`` term already."""
-    from tests.dist_utils import run_ranks
+    from paratrain.testing.dist_utils import run_ranks
 
     tp_block = max(run_ranks(tp_block_rank, world))
     share = min(1.0, hw.cores / world) if hw.cores else 1.0
@@ -181,7 +181,7 @@ def measure_rank(config: str, layouts: list[dict], steps: int, out_root: str) ->
 
 
 def run_world(config: str, layouts: list[Layout], world: int, steps: int) -> list[dict]:
-    from tests.dist_utils import run_ranks
+    from paratrain.testing.dist_utils import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         dicts = [dataclasses.asdict(lay) for lay in layouts]

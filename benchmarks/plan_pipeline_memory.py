@@ -90,7 +90,7 @@ def modelled(layout: Layout) -> list[int]:
 
 
 def measured(layout: Layout) -> list[int]:
-    from tests.dist_utils import run_ranks
+    from paratrain.testing.dist_utils import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         return run_ranks(measure_rank, layout.world_size, layout.set_lines(), tmp, timeout=900)

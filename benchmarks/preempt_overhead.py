@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 sys.path.insert(0, ROOT)
 
-from tests.dist_utils import run_ranks  # noqa: E402
+from paratrain.testing.dist_utils import run_ranks  # noqa: E402
 
 
 def rank_main(rounds: int, checks: int) -> list[dict[str, float]]:

@@ -3,9 +3,9 @@ the one-off precompute, memory per rank, and the store's reuse; world 2 on CPU (
 
 Both arms: ``paratrain train --nproc-per-node 2`` with ``parallel.dp_replicate = 2``, DPO
 ``sigmoid`` (beta 0.1), a random Qwen2 policy (seed 0) and a random Qwen2 reference of the same
-shape in another directory (seed 1, ``preference.reference = DIR``; ``tests/hf_models.py``),
+shape in another directory (seed 1, ``preference.reference = DIR``; ``src/paratrain/testing/hf_models.py``),
 hidden ``--hidden`` (4x in the MLP), ``--layers`` layers; the conversational pairs of
-``tests/sft_data.py: preference_pairs`` (distinct pairs, as many as 1.2 x the run's steps x
+``src/paratrain/testing/sft_data.py: preference_pairs`` (distinct pairs, as many as 1.2 x the run's steps x
 global batch, so one epoch holds every step: the precompute runs a forward per row of the
 corpus, repeats included), one pair per row of ``block_size`` (the longest pair rounded up to
 64), global batch ``--batch`` pairs (``--micro`` per micro-batch per process, accumulation filling
@@ -104,7 +104,7 @@ def watched(cmd: list[str], env: dict, every: float = 0.1) -> dict:
     resident set (``VmHWM``, polled every ``every`` s: it only grows, so the last reading before
     the process ends is its peak up to then) and the largest peak of the whole tree from the
     kernel (``wait4``'s ``ru_maxrss``: the process and every descendant it waited for)."""
-    from tests.dist_utils import descendants  # the process tree, from /proc
+    from paratrain.testing.dist_utils import descendants  # the process tree, from /proc
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
@@ -211,8 +211,8 @@ def build(tmp: str, args, env: dict) -> dict:
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
-    from tests.hf_models import save_tiny
-    from tests.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
+    from paratrain.testing.hf_models import save_tiny
+    from paratrain.testing.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
 
     logging.disable_progress_bar()
     paths = {"tok": save_chat_tokenizer(os.path.join(tmp, "tok"))}

@@ -15,7 +15,7 @@ order reversed every other round (prepare, loop, chat, startup, startup, chat, l
 - ``chat N`` (``--compare chat``, N the largest ``--workers``): ``paratrain prepare --format chat``
   on the same documents cut into conversations (turns of about 2 KB at line ends, user and
   assistant alternating), with the same BPE plus ChatML's two special tokens and a ChatML
-  template with ``{% generation %}`` marks (tests/sft_data.py), so the content tokenises the same.
+  template with ``{% generation %}`` marks (src/paratrain/testing/sft_data.py), so the content tokenises the same.
 
 Printed per run and as medians: MB/s of text, tokens/s, the peak memory of the process tree (the
 sum of the PSS of the process and its workers, polled every 0.5 s) and MB per CPU-second (user +
@@ -52,7 +52,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path[:0] = [HERE, REPO]  # paired.py, tests/sft_data.py
+sys.path[:0] = [HERE, REPO]  # paired.py, src/paratrain/testing/sft_data.py
 from paired import summary_line  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
@@ -152,9 +152,9 @@ def conversation(text: str, turn_bytes: int = 2000) -> dict:
 
 def save_chat_tokenizer(out: str, tokenizer: str) -> str:
     """A transformers tokenizer directory: the BPE ``tokenizer`` (a tokenizer.json, or "bytes":
-    tests/sft_data.py's byte-level one) with ChatML's special tokens and template."""
-    from tests.sft_data import CHATML
-    from tests.sft_data import save_chat_tokenizer as save_bytes_chat_tokenizer
+    src/paratrain/testing/sft_data.py's byte-level one) with ChatML's special tokens and template."""
+    from paratrain.testing.sft_data import CHATML
+    from paratrain.testing.sft_data import save_chat_tokenizer as save_bytes_chat_tokenizer
 
     if tokenizer == "bytes":
         return save_bytes_chat_tokenizer(out)

@@ -28,10 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "src")]
 
 from paratrain.distributed.process_group import free_port  # noqa: E402
-from tests.dist_utils import kill_tree  # noqa: E402
-from tests.test_checkpoint import GPT_ARGS  # noqa: E402
-from tests.test_rendezvous_server import SERVED, start_server  # noqa: E402
-from tests.test_resilience import start_node, wait_for_rows  # noqa: E402
+from paratrain.testing.dist_utils import kill_tree  # noqa: E402
+from paratrain.testing.resilience import GPT_ARGS, SERVED, start_node, start_server, wait_for_rows  # noqa: E402
 
 
 def main() -> None:

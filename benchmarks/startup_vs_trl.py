@@ -18,9 +18,9 @@ dynamo and pipelining come with them), transformers 0.96 (to read the model's ``
 the preflight checks themselves 0.03. TRL's one process spends 8.2 s importing (torch,
 transformers, datasets, accelerate, trl) and 1.2 s after. See docs/sft.md (Start-up against TRL).
 
-Data and model (``tests/sft_data.py``, as ``vs_trl.py``): ``--conversations`` chat rows about
+Data and model (``src/paratrain/testing/sft_data.py``, as ``vs_trl.py``): ``--conversations`` chat rows about
 standard-library modules, the byte-level ChatML tokenizer with ``{% generation %}`` marks, and one
-random Qwen2 (``tests/hf_models.py: ARCHS['qwen2']``, hidden ``--hidden``, 4x in the MLP,
+random Qwen2 (``src/paratrain/testing/hf_models.py: ARCHS['qwen2']``, hidden ``--hidden``, 4x in the MLP,
 ``--layers`` layers, seed 0) saved once with ``save_pretrained`` (one safetensors file) and
 loaded by both tools from that directory. Nothing is downloaded (``HF_HUB_OFFLINE=1``).
 
@@ -248,8 +248,8 @@ def build(tmp: str, args) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
 
-    from tests.hf_models import ARCHS
-    from tests.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
+    from paratrain.testing.hf_models import ARCHS
+    from paratrain.testing.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
 
     logging.disable_progress_bar()
     paths = {"tok": save_chat_tokenizer(os.path.join(tmp, "tok")), "model": os.path.join(tmp, "qwen2")}
@@ -335,7 +335,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="paired rounds (each tool once per round)")
     p.add_argument("--steps", type=int, default=3, help="optimiser steps per run (the first is timed)")
     p.add_argument("--batch", type=int, default=4, help="global batch = micro-batch, packed rows of 512")
-    p.add_argument("--conversations", type=int, default=128, help="chat rows (tests/sft_data.py)")
+    p.add_argument("--conversations", type=int, default=128, help="chat rows (src/paratrain/testing/sft_data.py)")
     p.add_argument("--hidden", type=int, default=64, help="the Qwen2's hidden size (4x in the MLP)")
     p.add_argument("--layers", type=int, default=2, help="the Qwen2's decoder layers")
     p.add_argument("--quick", action="store_true", help="1 round, no JSON")

@@ -2,8 +2,8 @@
 conversations, world 2 on CPU (gloo, torchrun).
 
 Data: a byte-level tokenizer with a ChatML template that has ``{% generation %}`` spans and
-``--conversations`` chat rows about standard-library modules (``tests/sft_data.py``), a random
-``transformers`` Llama of that vocabulary (``tests/hf_models.py``). Both tools train on the
+``--conversations`` chat rows about standard-library modules (``src/paratrain/testing/sft_data.py``), a random
+``transformers`` Llama of that vocabulary (``src/paratrain/testing/hf_models.py``). Both tools train on the
 assistant tokens only, whole conversations packed best-fit-decreasing into rows of 512 tokens
 whose documents never attend to each other, with the same global batch of ``--batch`` rows
 (``--micro`` rows per micro-batch, accumulation filling the rest over 2 processes), AdamW
@@ -294,8 +294,8 @@ def build(tmp: str, args, env: dict) -> dict:
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
-    from tests.hf_models import save_tiny
-    from tests.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
+    from paratrain.testing.hf_models import save_tiny
+    from paratrain.testing.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
 
     logging.disable_progress_bar()
     paths = {"tok": save_chat_tokenizer(os.path.join(tmp, "tok")), "model": os.path.join(tmp, "llama")}
@@ -379,7 +379,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch, in packed rows of 512 tokens")
     p.add_argument("--micro", type=int, default=2, help="rows per micro-batch per process")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant, no warmup)")
-    p.add_argument("--conversations", type=int, default=128, help="chat rows (tests/sft_data.py)")
+    p.add_argument("--conversations", type=int, default=128, help="chat rows (src/paratrain/testing/sft_data.py)")
     p.add_argument("--hidden", type=int, default=128, help="the Llama's hidden size (4x in the MLP)")
     p.add_argument("--layers", type=int, default=2, help="the Llama's decoder layers")
     p.add_argument("--skip-check", action="store_true", help="leave out the first-step loss comparison")

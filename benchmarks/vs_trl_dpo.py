@@ -1,11 +1,11 @@
 """paratrain's DPO against TRL's ``DPOTrainer``: the same tiny Qwen2 policy and a differing reference
 model, the same preference pairs, the same global batch, world 2 on CPU (gloo, torchrun).
 
-Data: the conversational pairs of ``tests/sft_data.py: preference_pairs`` (TRL's explicit-prompt
+Data: the conversational pairs of ``src/paratrain/testing/sft_data.py: preference_pairs`` (TRL's explicit-prompt
 form; a user asks what a standard-library module is for, chosen: its docstring), the ChatML
-tokenizer with ``{% generation %}`` spans (``tests/sft_data.py``), a random Qwen2 policy (seed 0)
+tokenizer with ``{% generation %}`` spans (``src/paratrain/testing/sft_data.py``), a random Qwen2 policy (seed 0)
 and a random Qwen2 reference of the same shape (seed 1, so the loss is not log 2)
-(``tests/hf_models.py``). Both tools: DPO ``sigmoid``, beta 0.1, the reference a separate frozen
+(``src/paratrain/testing/hf_models.py``). Both tools: DPO ``sigmoid``, beta 0.1, the reference a separate frozen
 model, global batch ``--batch`` pairs (``--micro`` pairs per micro-batch per process,
 accumulation filling the rest over 2 processes), AdamW (torch's own, lr ``--lr``, betas (0.9,
 0.95), eps 1e-8, no weight decay, no warmup, constant schedule, gradient norm clipped to 1.0),
@@ -165,7 +165,7 @@ def save_policy(path: str, args, *, seed: int, vocab: int, max_positions: int) -
     """The policy both tools load: a random Qwen2 of --hidden x --layers, or of Qwen2.5-0.5B's
     shape (--qwen-05b; stored in bf16, loaded as float32)."""
     if not args.qwen_05b:
-        from tests.hf_models import save_tiny
+        from paratrain.testing.hf_models import save_tiny
 
         h = args.hidden
         shape = dict(vocab_size=vocab, hidden_size=h, intermediate_size=4 * h, num_hidden_layers=args.layers)
@@ -173,7 +173,7 @@ def save_policy(path: str, args, *, seed: int, vocab: int, max_positions: int) -
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.hf_models import QWEN2_05B
+    from paratrain.testing.hf_models import QWEN2_05B
 
     shape = {k: v for k, v in QWEN2_05B.items() if k != "model_type"}
     torch.manual_seed(seed)
@@ -413,7 +413,7 @@ def build(tmp: str, args, env: dict) -> dict:
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
-    from tests.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
+    from paratrain.testing.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
 
     logging.disable_progress_bar()
     paths = {"tok": save_chat_tokenizer(os.path.join(tmp, "tok"))}
@@ -605,7 +605,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help=f"optimiser steps per run; the first {WARMUP} are warm-up")
     add_layout_args(p, micro=4, batch=16)  # --batch in pairs, --micro pairs per micro-batch per process
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant, no warmup)")
-    p.add_argument("--pairs", type=int, default=64, help="distinct preference pairs (tests/sft_data.py)")
+    p.add_argument(
+        "--pairs", type=int, default=64, help="distinct preference pairs (src/paratrain/testing/sft_data.py)"
+    )
     p.add_argument("--hidden", type=int, default=128, help="the Qwen2's hidden size (4x in the MLP)")
     p.add_argument("--layers", type=int, default=2, help="the Qwen2's decoder layers")
     p.add_argument(

@@ -1,10 +1,10 @@
 """paratrain's GRPO against TRL's ``GRPOTrainer``: the same tiny Qwen2 policy, prompts, group
 size and reward, the same global batch, world 2 on CPU (gloo, torchrun).
 
-Data: the conversational prompts ``a+b=`` of ``tests/rl_data.py: addition_rows``, the ChatML
-tokenizer of ``tests/sft_data.py`` and a random Qwen2 (``tests/hf_models.py``, hidden
+Data: the conversational prompts ``a+b=`` of ``src/paratrain/testing/rl_data.py: addition_rows``, the ChatML
+tokenizer of ``src/paratrain/testing/sft_data.py`` and a random Qwen2 (``src/paratrain/testing/hf_models.py``, hidden
 ``--hidden`` x ``--layers``). Both tools: ``G = --group`` completions per prompt of at most
-``--new`` tokens, temperature 1, no top-k or top-p, the reward ``tests/rl_data.py: byte_mix``
+``--new`` tokens, temperature 1, no top-k or top-p, the reward ``src/paratrain/testing/rl_data.py: byte_mix``
 (TRL's signature, so the same function serves both), advantages scaled by the group's std,
 ``loss_type = 'grpo'``, no KL (beta 0), one optimiser step per generation (TRL's default
 ``steps_per_generation`` = the accumulation), global batch ``--batch`` completions = 2 processes
@@ -81,7 +81,7 @@ def trl_worker(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tests.rl_data import byte_mix
+    from paratrain.testing.rl_data import byte_mix
 
     torch.set_num_threads(1)
     with open(args.prompts_file) as f:
@@ -184,7 +184,7 @@ def run_paratrain(paths: dict, out: str, args, env) -> dict:
         "loss.name='grpo'",
         f"rl.group_size={args.group}",
         f"rl.max_new_tokens={args.new}",
-        "rl.rewards=['tests.rl_data:byte_mix']",
+        "rl.rewards=['paratrain.testing.rl_data:byte_mix']",
         *paratrain_layout(args),
         f"batch.global_batch_size={args.batch}",
         f"batch.micro_batch_size={args.micro}",
@@ -248,8 +248,8 @@ def run_trl(paths: dict, out: str, args, env) -> dict:
 
 
 def build(tmp: str, args) -> dict:
-    from tests.rl_data import addition_rows
-    from tests.sft_data import VOCAB, save_chat_tokenizer, write_jsonl
+    from paratrain.testing.rl_data import addition_rows
+    from paratrain.testing.sft_data import VOCAB, save_chat_tokenizer, write_jsonl
 
     prompts = args.steps * args.batch // args.group
     return {

@@ -1,8 +1,8 @@
 """paratrain's reward model against TRL's ``RewardTrainer``: the same tiny Qwen2 sequence
 classifier, the same preference pairs, the same global batch, world 2 on CPU (gloo, torchrun).
 
-Data: the conversational pairs of ``tests/sft_data.py: preference_pairs`` (TRL's explicit-prompt
-form), the ChatML tokenizer of ``tests/sft_data.py`` (pad ``<|endoftext|>``, id 256), and one
+Data: the conversational pairs of ``src/paratrain/testing/sft_data.py: preference_pairs`` (TRL's explicit-prompt
+form), the ChatML tokenizer of ``src/paratrain/testing/sft_data.py`` (pad ``<|endoftext|>``, id 256), and one
 random Qwen2 sequence classifier with one label and its weights (hidden ``--hidden``, 4x in the
 MLP, ``--layers`` layers, seed 2; ``tests/test_preference.py: save_reward_model``'s recipe at this
 size, ``pad_token_id`` 256), loaded by both tools from the same directory. Both tools:
@@ -297,8 +297,8 @@ def save_reward_model(path: str, *, hidden: int, layers: int, pad_id: int, seed:
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from tests.hf_models import ARCHS
-    from tests.sft_data import VOCAB
+    from paratrain.testing.hf_models import ARCHS
+    from paratrain.testing.sft_data import VOCAB
 
     args = {**ARCHS["qwen2"], "vocab_size": VOCAB, "max_position_embeddings": 1024, "num_labels": 1}
     args |= {"hidden_size": hidden, "intermediate_size": 4 * hidden, "num_hidden_layers": layers}
@@ -313,7 +313,7 @@ def build(tmp: str, args, env: dict) -> dict:
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
-    from tests.sft_data import preference_pairs, save_chat_tokenizer, write_jsonl
+    from paratrain.testing.sft_data import preference_pairs, save_chat_tokenizer, write_jsonl
 
     logging.disable_progress_bar()
     paths = {"tok": save_chat_tokenizer(os.path.join(tmp, "tok"))}
@@ -428,7 +428,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16, help="global batch, in pairs")
     p.add_argument("--micro", type=int, default=4, help="pairs per micro-batch per process")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant, no warmup)")
-    p.add_argument("--pairs", type=int, default=64, help="distinct preference pairs (tests/sft_data.py)")
+    p.add_argument(
+        "--pairs", type=int, default=64, help="distinct preference pairs (src/paratrain/testing/sft_data.py)"
+    )
     p.add_argument("--hidden", type=int, default=128, help="the Qwen2's hidden size (4x in the MLP)")
     p.add_argument("--layers", type=int, default=2, help="the Qwen2's decoder layers")
     p.add_argument("--skip-check", action="store_true", help="leave out the first-step loss comparison")

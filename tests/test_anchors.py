@@ -20,8 +20,8 @@ from torch.utils.data import Dataset
 
 import paratrain
 from paratrain.data.stdlib_bytes import stdlib_corpus
-from tests.dist_utils import read_metrics
-from tests.toy import tiny_lm, toy_lm
+from paratrain.testing.dist_utils import read_metrics
+from paratrain.testing.toy import tiny_lm, toy_lm
 
 COMMON = ["run.progress=false", "metrics.plot=false", "metrics.rank_stats_every=0"]
 # Plain SGD (no momentum, decay or schedule): the update is lr x the gradient, nothing hides it.
@@ -110,7 +110,7 @@ def test_resume_with_dropout_is_bitwise(tmp_path):
     """
     cfg = [
         "model.args={n_layer=2,n_head=2,d_model=32,block_size=16,vocab_size=32,dropout=0.3}",
-        "data.factory='tests.toy:toy_lm'",
+        "data.factory='paratrain.testing.toy:toy_lm'",
         "data.args={n=32,seq_len=16,vocab=32}",
         "batch.global_batch_size=8",
         "batch.micro_batch_size=4",
@@ -162,7 +162,7 @@ def test_hf_sgd_step_matches_transformers_forward_and_backward(tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from tests.hf_models import save_tiny
+    from paratrain.testing.hf_models import save_tiny
 
     src = save_tiny("llama", str(tmp_path / "llama"))
     lr, data = 1.0, MaskedTokens()

@@ -9,12 +9,12 @@ import torch
 
 from paratrain.config import ConfigError, DistConfig
 from paratrain.distributed.process_group import _slurm_to_torch_env, resolve_backend
-from tests.dist_utils import run_ranks
+from paratrain.testing.dist_utils import run_ranks
 
 
 def api_rank(out_dir: str) -> list[float]:
     import paratrain
-    from tests.toy import mlp, regression
+    from paratrain.testing.toy import mlp, regression
 
     cfg = paratrain.load_config(
         None,
@@ -89,12 +89,12 @@ def test_train_stays_the_function_after_the_cli_is_imported():
 def test_a_loss_whose_count_disagrees_with_the_targets_fails_on_every_rank(tmp_path):
     """The loss's own item count is checked against the pre-backward count on the dp-reduced
     sums, so every rank raises the same clear error instead of one rank leaving the others."""
-    from tests.dist_utils import train_rank
+    from paratrain.testing.dist_utils import train_rank
 
     bad = [
-        "model.factory='tests.toy:mlp'",
-        "data.factory='tests.toy:regression'",
-        "loss.name='tests.toy:sse_miscounted'",
+        "model.factory='paratrain.testing.toy:mlp'",
+        "data.factory='paratrain.testing.toy:regression'",
+        "loss.name='paratrain.testing.toy:sse_miscounted'",
         "run.steps=1",
         "run.progress=false",
         "batch.global_batch_size=8",

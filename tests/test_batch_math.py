@@ -29,8 +29,8 @@ from paratrain.config import ConfigError, load_config
 from paratrain.data.sampler import rank_micro_batches
 from paratrain.models.batch_norm import GroupBatchNorm, check_groups
 from paratrain.objectives import batch_loss, batch_norm
-from tests import toy
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks
+from paratrain.testing import toy
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks
 
 B, G, STEPS, LR = 32, 8, 3, 0.5
 COMMON = [
@@ -43,18 +43,18 @@ COMMON = [
     "data.shuffle=false",
 ]
 MODELS = {
-    "cnn": ["model.factory='tests.toy:bn_cnn'", "data.factory='tests.toy:images'"],
-    "resnet": ["model.factory='tests.toy:hf_resnet'", "data.factory='tests.toy:images'"],
+    "cnn": ["model.factory='paratrain.testing.toy:bn_cnn'", "data.factory='paratrain.testing.toy:images'"],
+    "resnet": ["model.factory='paratrain.testing.toy:hf_resnet'", "data.factory='paratrain.testing.toy:images'"],
     "dual": [
-        "model.factory='tests.toy:dual_encoder'",
+        "model.factory='paratrain.testing.toy:dual_encoder'",
         "model.args={scale = true}",
-        "data.factory='tests.toy:pairs'",
+        "data.factory='paratrain.testing.toy:pairs'",
         "loss.name='info_nce'",
     ],
     "dual_plain": [
-        "model.factory='tests.toy:dual_encoder'",
+        "model.factory='paratrain.testing.toy:dual_encoder'",
         "model.args={batch_norm = false}",
-        "data.factory='tests.toy:pairs'",
+        "data.factory='paratrain.testing.toy:pairs'",
         "loss.name='info_nce'",
         # tensor parallel: the first layer column-, the last row-wise (outputs replicated over tp)
         "parallel.tp_plan={'tower.0' = 'colwise', 'tower.4' = 'rowwise'}",
@@ -197,7 +197,11 @@ def _scaled(term, factor):
 
 def test_a_user_loss_over_the_global_batch(tmp_path):
     """``loss.over = 'global_batch'`` with the user's own function: micro-batch 8 = 32."""
-    user = ["model.args={batch_norm = false}", "loss.name='tests.toy:in_batch_mean_loss'", "loss.over='global_batch'"]
+    user = [
+        "model.args={batch_norm = false}",
+        "loss.name='paratrain.testing.toy:in_batch_mean_loss'",
+        "loss.over='global_batch'",
+    ]
     whole = train(f"{tmp_path}/whole", "dual", *user, f"batch.micro_batch_size={B}")
     split = train(f"{tmp_path}/split", "dual", *user, "batch.micro_batch_size=4")
     (a, na, _), (b, nb, _) = read_run(whole), read_run(split)
@@ -274,7 +278,11 @@ def test_find_batch_picks_among_micro_batches_that_hold_whole_groups():
     from paratrain.preflight import check_run
 
     def picked(model: str) -> int:
-        over = [f"model.factory='tests.toy:{model}'", "data.factory='tests.toy:images'", "batch.global_batch_size=48"]
+        over = [
+            f"model.factory='paratrain.testing.toy:{model}'",
+            "data.factory='paratrain.testing.toy:images'",
+            "batch.global_batch_size=48",
+        ]
         cfg = load_config(None, [*over, "batch.norm_group=8", "batch.memory_gib=1", "batch.memory_margin=0"])
         dims, _ = check_run(cfg, 1)
         fits_12 = lambda m: m * (1 << 30) // 12  # noqa: E731  (a micro-batch of m fits when m <= 12)
@@ -282,7 +290,9 @@ def test_find_batch_picks_among_micro_batches_that_hold_whole_groups():
 
     assert picked("bn_cnn") == 8 and picked("small_cnn") == 12
     with pytest.raises(ConfigError, match="batch.norm_group = 12 does not divide"):
-        cfg = load_config(None, ["model.factory='tests.toy:bn_cnn'", "data.factory='tests.toy:images'"])
+        cfg = load_config(
+            None, ["model.factory='paratrain.testing.toy:bn_cnn'", "data.factory='paratrain.testing.toy:images'"]
+        )
         cfg.batch.norm_group = 12
         find_micro_batch(cfg, check_run(cfg, 1)[0], device=torch.device("cpu"), method="trial", measure=lambda m: 0)
 

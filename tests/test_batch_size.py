@@ -9,13 +9,13 @@ import weakref
 import pytest
 import torch
 
-from tests.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
+from paratrain.testing.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
 
 DEBUG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "debug.toml")
 
 TOY = [  # the acceptance test's job
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 64, seq_len = 16, vocab = 32}",
     "batch.global_batch_size=8",
     "run.steps=6",
@@ -384,7 +384,7 @@ def test_probe_gives_the_first_micro_batch_gradient():
     from paratrain.loss import build_loss
     from paratrain.objectives import build_objectives
     from paratrain.step import StepContext, train_step
-    from tests.toy import mlp, regression
+    from paratrain.testing.toy import mlp, regression
 
     torch.manual_seed(0)
     model, ds = mlp(), regression()
@@ -432,7 +432,7 @@ class Recording(torch.utils.data.Dataset):
 def _adaptive_run(out_dir, world):
     import paratrain
     from paratrain.data.sampler import GlobalBatchSampler
-    from tests.toy import toy_lm
+    from paratrain.testing.toy import toy_lm
 
     torch.set_num_threads(1)
     cfg = paratrain.load_config(
@@ -501,7 +501,7 @@ def test_estimate_of_a_pretrained_hf_model(tmp_path):
     mixed meta and cpu tensors, and `paratrain plan` of any model.hf failed). Its peak holds at
     least the weights, their gradients and AdamW's two states, and grows with the micro-batch."""
     from paratrain.batch.measure import estimate_peak
-    from tests.hf_models import save_tiny
+    from paratrain.testing.hf_models import save_tiny
 
     torch.set_num_threads(1)
     path = save_tiny("llama", str(tmp_path / "llama"))

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.dist_utils import REPO
+from paratrain.testing.dist_utils import REPO
 
 pytest.importorskip("mlflow")
 

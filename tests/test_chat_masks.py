@@ -13,7 +13,7 @@ import pytest
 
 from paratrain.data.prepare import prepare
 from paratrain.data.tokens import build_tokens
-from tests.sft_data import CHATML, CHATML_PLAIN, save_chat_tokenizer, write_jsonl
+from paratrain.testing.sft_data import CHATML, CHATML_PLAIN, save_chat_tokenizer, write_jsonl
 
 pytest.importorskip("transformers")
 

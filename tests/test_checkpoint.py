@@ -14,47 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 from paratrain.config import ConfigError
-from tests.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
-
-GPT_ARGS = "{n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}"
-TOY = [
-    f"model.args={GPT_ARGS}",
-    "data.factory='tests.toy:toy_lm'",
-    "data.args={n = 64, seq_len = 16, vocab = 32}",
-    "batch.global_batch_size=8",
-    "batch.micro_batch_size=4",  # accumulation 2 on 1 rank, 1 on 2 ranks (and forwards = steps there)
-    "run.steps=6",
-    "run.progress=false",
-    "metrics.plot=false",
-    "optim.lr=3e-3",
-    "optim.warmup_steps=2",
-    "checkpoint.interval=3",
-    "checkpoint.at_end=true",
-    "checkpoint.keep=0",
-]
+from paratrain.testing.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
+from paratrain.testing.resilience import GPT_ARGS, TOY, checkpoint_tensors
 
 
 def run(out: str, world: int, extra: list[str] = ()) -> list[float]:
     """Train on `world` gloo ranks; returns the per-step losses of metrics.jsonl (all steps)."""
     run_ranks(train_rank, world, [*TOY, f"run.out_dir='{out}'", *extra])
     return [r["loss"] for r in read_metrics(out)]
-
-
-def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint (model and optimiser state), read in one process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from paratrain.checkpoint import load_metadata, safe_planner, safe_reader
-
-    md = load_metadata(path)
-    sd = {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in md.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata) and k.startswith(("model.", "optim."))
-    }
-    dcp.load(sd, storage_reader=safe_reader(path), planner=safe_planner(flatten_state_dict=False), no_dist=True)
-    return sd
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +69,7 @@ def test_sigkill_restart_resumes_and_matches(tmp_path, ref):
         x
         for a in [
             *args,
-            "model.factory='tests.toy:gpt_killed_at'",
+            "model.factory='paratrain.testing.toy:gpt_killed_at'",
             f"model.args={GPT_ARGS[:-1]}, kill_at_step = 5, kill_rank = 1}}",
             f"run.out_dir='{run_dir}'",
             "checkpoint.keep=1",
@@ -247,7 +214,7 @@ def test_collective_timeout_names_the_missing_rank(tmp_path):
         "checkpoint.interval=0",
         "checkpoint.at_end=false",
         "run.save_model=false",
-        "model.factory='tests.toy:gpt_stalled_at'",
+        "model.factory='paratrain.testing.toy:gpt_stalled_at'",
         "dist.timeout_s=5",
         f"model.args={GPT_ARGS[:-1]}, stall_at_step = 2, stall_rank = 1, stall_s = 10}}",
     ]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from paratrain.config import ConfigError, LossConfig, load_config
 from paratrain.loss import build_loss
 from paratrain.models.gpt.model import build_gpt
-from tests.test_sft import _config, _gpt, _losses_and_norms, gpt_reference, reference, sft  # noqa: F401
+from paratrain.testing.sft import losses_and_norms, reference, sft_config, sft_gpt
 
 
 def test_chunks_give_the_whole_logits_loss_and_gradients():
@@ -56,14 +56,14 @@ def test_bad_chunk_settings_are_one_line():
         build_loss(LossConfig(chunk_size=64), lambda out, t: (out.sum(), t.numel()))
 
 
-def test_tensor_parallel_loss_parallel_chunks_equal_one_process(sft, gpt_reference):  # noqa: F811
+def test_tensor_parallel_loss_parallel_chunks_equal_one_process(sft, gpt_reference):
     """tp = 2 with loss_parallel: each chunk's logits stay vocabulary-sharded DTensors; losses and
     grad_norm of 3 SGD steps equal the unchunked one-process run."""
-    from tests.dist_utils import run_ranks, train_rank
+    from paratrain.testing.dist_utils import run_ranks, train_rank
 
     name = "gpt_tp_chunked"
-    run_ranks(train_rank, 2, _gpt(sft, name, "parallel.tp=2", "batch.micro_batch_size=4", "loss.chunk_size=100"))
-    losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
+    run_ranks(train_rank, 2, sft_gpt(sft, name, "parallel.tp=2", "batch.micro_batch_size=4", "loss.chunk_size=100"))
+    losses, norms = losses_and_norms(os.path.join(sft["root"], name))
     torch.testing.assert_close(losses, gpt_reference[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(norms, gpt_reference[1], rtol=1e-5, atol=0)
 
@@ -92,38 +92,39 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_every_layout_chunked_equals_one_process_unchunked(sft, gpt_reference, world):  # noqa: F811
-    from tests.dist_utils import run_ranks
-    from tests.test_hf import train_layouts
+def test_every_layout_chunked_equals_one_process_unchunked(sft, gpt_reference, world):
+    from paratrain.testing.dist_utils import run_ranks, train_layouts
 
     runs = {
-        name: [o for o in _gpt(sft, name, *extra, "loss.chunk_size=100") if not o.startswith("run.out_dir")]
+        name: [o for o in sft_gpt(sft, name, *extra, "loss.chunk_size=100") if not o.startswith("run.out_dir")]
         for name, extra in LAYOUTS[world].items()
     }
     run_ranks(train_layouts, world, runs, sft["root"], timeout=900)
     for name in runs:
-        losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
+        losses, norms = losses_and_norms(os.path.join(sft["root"], name))
         tol = 1e-4 if "fsdp" in name or "tp" in name else 1e-5
         torch.testing.assert_close(losses, gpt_reference[0], rtol=tol, atol=0, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(norms, gpt_reference[1], rtol=tol, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow
-def test_hf_model_chunked_equals_transformers_on_each_conversation_alone(sft):  # noqa: F811
+def test_hf_model_chunked_equals_transformers_on_each_conversation_alone(sft):
     """A Llama whose loss runs its lm_head in chunks: val_loss and one SGD step's grad_norm equal
     transformers' own labels= loss on each conversation alone."""
     import paratrain
     from paratrain.data.tokens import build_tokens
     from paratrain.launch.eval_worker import eval_checkpoint
-    from tests.dist_utils import read_metrics
+    from paratrain.testing.dist_utils import read_metrics
 
     ref_loss, ref_items, ref_norm = reference(sft, sft["convs"])
-    cfg = load_config(None, _config(sft, sft["val"], "eval_chunked", "batch.global_batch_size=4", "loss.chunk_size=64"))
+    cfg = load_config(
+        None, sft_config(sft, sft["val"], "eval_chunked", "batch.global_batch_size=4", "loss.chunk_size=64")
+    )
     result = eval_checkpoint(cfg, "")
     assert result["val_items"] == ref_items
     torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
     rows = len(build_tokens(sft["train"], block_size=512))
-    over = _config(sft, sft["train"], "step_chunked", f"batch.global_batch_size={rows}", "run.steps=1")
+    over = sft_config(sft, sft["train"], "step_chunked", f"batch.global_batch_size={rows}", "run.steps=1")
     paratrain.train(load_config(None, over + ["loss.chunk_size=64"]))
     (row,) = read_metrics(os.path.join(sft["root"], "step_chunked"))
     torch.testing.assert_close(row["loss"], ref_loss, rtol=1e-5, atol=0)

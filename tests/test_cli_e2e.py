@@ -15,7 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from paratrain.distributed.process_group import free_port
-from tests.dist_utils import REPO, paratrain_cli, read_metrics
+from paratrain.testing.dist_utils import REPO, paratrain_cli, read_metrics
 
 REQUIRED = {
     "step",
@@ -79,11 +79,11 @@ def test_user_factories_and_mse_train(tmp_path):
         "--set",
         f"run.out_dir='{out}'",
         "--set",
-        "model.factory='tests.toy:mlp'",
+        "model.factory='paratrain.testing.toy:mlp'",
         "--set",
         "model.args={dim = 8, hidden = 16}",
         "--set",
-        "data.factory='tests.toy:regression'",
+        "data.factory='paratrain.testing.toy:regression'",
         "--set",
         "data.args={n = 64}",
         "--set",

@@ -10,7 +10,7 @@ import torch
 from paratrain.config import CommConfig, ConfigError, load_config
 from paratrain.distributed.grad_compression import check_compression
 from paratrain.hardware import bench_comm as bc
-from tests.dist_utils import paratrain_cli, read_metrics, run_ranks
+from paratrain.testing.dist_utils import paratrain_cli, read_metrics, run_ranks
 
 # ----------------------------------------------------------------------------- pure arithmetic
 

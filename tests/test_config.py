@@ -6,7 +6,7 @@ import pytest
 
 from paratrain.cli import main as cli_main
 from paratrain.config import Config, ConfigError, describe_keys, load_config, to_toml
-from tests.dist_utils import paratrain_cli
+from paratrain.testing.dist_utils import paratrain_cli
 
 
 def test_defaults_and_docs():
@@ -52,8 +52,8 @@ def test_toml_and_set_precedence(tmp_path):
         (["optim.schedule='wavy'"], "optim.schedule = 'wavy' is not allowed; use one of"),
         (["optim.min_lr_ratio=2"], "optim.min_lr_ratio = 2.0 must be within [0, 1]"),
         (["model.factory='nope.nothing:build'"], "cannot import module 'nope.nothing'"),
-        (["model.factory='tests.toy:missing'"], "has no attribute 'missing'"),
-        (["model.factory='tests.toy'"], "is malformed; write 'package.module:function'"),
+        (["model.factory='paratrain.testing.toy:missing'"], "has no attribute 'missing'"),
+        (["model.factory='paratrain.testing.toy'"], "is malformed; write 'package.module:function'"),
         (["loss.name='hinge'"], "loss.name = 'hinge' is unknown"),
         (["parallel.dp_replicate=0"], "parallel.dp_replicate = 0 must be >= 1, or -1"),
         (["steps=3"], "--set 'steps=3' is malformed"),

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.distributed.context_parallel import global_indices, shard_sequence, unshard_sequence
-from tests.cp_auto import count_auto_rank
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks
-from tests.test_sft import _gpt, gpt_reference, sft  # noqa: F401 - the SFT data path's fixtures
+from paratrain.testing.cp_auto import count_auto_rank
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks
+from paratrain.testing.sft import sft_gpt
 
 B, H, T, D = 2, 4, 24, 8  # T divisible by 2 x 4, H by 4 (all-to-all)
 
@@ -123,7 +123,7 @@ def test_empty_chunk_pairs_are_skipped_and_the_work_is_even():
 
 TOY = [
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 64, seq_len = 16, vocab = 32}",
     "batch.global_batch_size=4",
     "run.steps=3",
@@ -173,7 +173,7 @@ def test_auto_attention_is_decided_once_per_micro_batch_without_a_collective(tmp
     all-reduces per run) and the choice is today's: all-to-all for one-document rows, the ring for
     packed rows that look like one document on one cp rank only. 2 steps x 2 micro-batches."""
     base = [
-        "data.factory='tests.cp_auto:position_rows'",
+        "data.factory='paratrain.testing.cp_auto:position_rows'",
         "batch.global_batch_size=4",
         "batch.micro_batch_size=2",
         "run.steps=2",
@@ -203,7 +203,7 @@ PP = ["parallel.pp_schedule='1f1b'", "batch.micro_batch_size=4", "parallel.pp_mi
 
 
 @pytest.mark.slow
-def test_gpt_at_cp4_and_composed_layouts_equal_one_process(tmp_path, sft, gpt_reference):  # noqa: F811
+def test_gpt_at_cp4_and_composed_layouts_equal_one_process(tmp_path, sft, gpt_reference):
     """World 4: the causal GPT at cp = 4; packed documents (the SFT data path: a document mask
     per chunk pair, positions restarting per document) at cp = 4 and at cp = 2 x dp_shard = 2."""
     import paratrain
@@ -215,10 +215,12 @@ def test_gpt_at_cp4_and_composed_layouts_equal_one_process(tmp_path, sft, gpt_re
         "toy_cp2_hsdp": [*TOY, "parallel.cp=2", f"run.out_dir='{tmp_path / 'toy_cp2_hsdp'}'"],  # dp_replicate 2
         "toy_cp2_tp2": [*TOY, "parallel.cp=2", "parallel.tp=2", f"run.out_dir='{tmp_path / 'toy_cp2_tp2'}'"],
         "toy_cp2_pp2": [*TOY, "parallel.cp=2", "parallel.pp=2", *PP, f"run.out_dir='{tmp_path / 'toy_cp2_pp2'}'"],
-        "sft_cp2_pp2": _gpt(sft, "sft_cp2_pp2", "parallel.cp=2", "parallel.pp=2", *PP),
-        "sft_cp4": _gpt(sft, "sft_cp4", "parallel.cp=4", "batch.micro_batch_size=4"),
-        "sft_cp4_a2a": _gpt(sft, "sft_cp4_a2a", "parallel.cp=4", "parallel.cp_attention='alltoall'"),
-        "sft_cp2_fsdp2": _gpt(sft, "sft_cp2_fsdp2", "parallel.cp=2", "parallel.dp_shard=2", "batch.micro_batch_size=2"),
+        "sft_cp2_pp2": sft_gpt(sft, "sft_cp2_pp2", "parallel.cp=2", "parallel.pp=2", *PP),
+        "sft_cp4": sft_gpt(sft, "sft_cp4", "parallel.cp=4", "batch.micro_batch_size=4"),
+        "sft_cp4_a2a": sft_gpt(sft, "sft_cp4_a2a", "parallel.cp=4", "parallel.cp_attention='alltoall'"),
+        "sft_cp2_fsdp2": sft_gpt(
+            sft, "sft_cp2_fsdp2", "parallel.cp=2", "parallel.dp_shard=2", "batch.micro_batch_size=2"
+        ),
     }
     run_ranks(_train_many, 4, runs, timeout=600)
     for name in ("toy_cp4", "toy_cp2_hsdp", "toy_cp2_tp2", "toy_cp2_pp2"):
@@ -291,7 +293,7 @@ def test_hsdp_mesh_shards_over_dp_shard_and_cp():
 
 
 @pytest.mark.slow
-def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
+def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):
     """Packed documents at cp = 2 (world 2), with accumulation; and with activation checkpointing
     (full and selective), whose recomputation runs the ring again."""
     runs = {
@@ -299,7 +301,7 @@ def test_packed_gpt_at_cp2_equals_one_process(sft, gpt_reference):  # noqa: F811
         "sft_cp2_ac_full": ["parallel.activation_checkpointing='full'", "batch.micro_batch_size=8"],
         "sft_cp2_ac_sel": ["parallel.activation_checkpointing='selective'", "batch.micro_batch_size=8"],
     }
-    run_ranks(_train_many, 2, {name: _gpt(sft, name, "parallel.cp=2", *extra) for name, extra in runs.items()})
+    run_ranks(_train_many, 2, {name: sft_gpt(sft, name, "parallel.cp=2", *extra) for name, extra in runs.items()})
     for name in runs:
         _assert_same(_norms_and_losses(os.path.join(sft["root"], name)), gpt_reference, name)
 
@@ -330,7 +332,7 @@ def test_hf_model_with_cp_and_tp_or_pp_passes_the_preflight(tmp_path):
     """model.hf at cp x tp and cp x pp are layouts like any other (tested against one process below)."""
     from paratrain.config import load_config
     from paratrain.preflight import check_run
-    from tests.hf_models import save_tiny
+    from paratrain.testing.hf_models import save_tiny
 
     path = save_tiny("llama", str(tmp_path / "llama"), weights=False)
     for extra in (["parallel.pp=2"], ["parallel.tp=2"], ["parallel.tp=2", "parallel.cp_attention='alltoall'"]):
@@ -353,18 +355,18 @@ def test_cp_counts_in_the_world_size():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
-def test_hf_llama_at_cp_equals_transformers_on_each_conversation_alone(sft, cp):  # noqa: F811
+def test_hf_llama_at_cp_equals_transformers_on_each_conversation_alone(sft, cp):
     """A tiny Llama (grouped-query attention, RoPE) through transformers' AttentionInterface at
     cp = 2 and 4, ring and all-to-all, packed conversations: one SGD step's loss and grad_norm equal plain transformers
     run on each conversation alone (tests/test_sft.py's reference), within 1e-5."""
     from paratrain.data.tokens import build_tokens
-    from tests.test_sft import _config, reference
+    from paratrain.testing.sft import reference, sft_config
 
     ref_loss, ref_items, ref_norm = reference(sft, sft["convs"])
     rows = len(build_tokens(sft["train"], block_size=512))
     runs = {
         f"hf_cp{cp}_{kind}": [
-            *_config(sft, sft["train"], f"hf_cp{cp}_{kind}", f"batch.global_batch_size={rows}", "run.steps=1"),
+            *sft_config(sft, sft["train"], f"hf_cp{cp}_{kind}", f"batch.global_batch_size={rows}", "run.steps=1"),
             f"parallel.cp={cp}",
             f"parallel.cp_attention='{kind}'",
             f"batch.micro_batch_size={rows}",
@@ -384,7 +386,7 @@ def test_checkpoints_resume_across_cp_degrees(tmp_path):
     """cp is a layout: a cp = 2 run's step-3 checkpoint (FSDP2 shards over the cp ranks) resumes
     in one process, and one process's resumes at cp = 2; steps 4-6 are the uninterrupted run's."""
     import paratrain
-    from tests.test_checkpoint import TOY as CKPT_TOY
+    from paratrain.testing.resilience import TOY as CKPT_TOY
 
     base = [*CKPT_TOY, *plain_sgd(0.5)]
 
@@ -419,7 +421,7 @@ def test_checkpoints_resume_across_cp_degrees(tmp_path):
 
 
 HF_TOY = [
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 64, seq_len = 16, vocab = 128}",
     "batch.global_batch_size=8",
     "batch.micro_batch_size=4",
@@ -433,7 +435,7 @@ HF_TOY = [
 
 @pytest.mark.slow  # world 4, tiny Llama: about 2 minutes here
 @pytest.mark.timeout(600)  # above run_ranks' own, which names the rank that hangs
-def test_hf_llama_at_cp2_with_tp2_or_pp2_equals_one_process(tmp_path, sft):  # noqa: F811
+def test_hf_llama_at_cp2_with_tp2_or_pp2_equals_one_process(tmp_path, sft):
     """model.hf composed at world 4: cp = 2 x tp = 2 (each tp rank's heads through the ring or the
     all-to-all; grouped-query attention with one key/value head per tp rank) and cp = 2 x pp = 2
     (1F1B; every stage's attention runs cp's and gets the global positions; the default 'auto' picks
@@ -442,8 +444,8 @@ def test_hf_llama_at_cp2_with_tp2_or_pp2_equals_one_process(tmp_path, sft):  # n
     conversation alone (tests/test_sft.py's reference), so the document masks reach every stage."""
     import paratrain
     from paratrain.data.tokens import build_tokens
-    from tests.hf_models import save_tiny
-    from tests.test_sft import _config, reference
+    from paratrain.testing.hf_models import save_tiny
+    from paratrain.testing.sft import reference, sft_config
 
     model = [*HF_TOY, f"model.hf='{save_tiny('llama', str(tmp_path / 'llama'))}'"]
     ref = str(tmp_path / "ref")
@@ -461,7 +463,7 @@ def test_hf_llama_at_cp2_with_tp2_or_pp2_equals_one_process(tmp_path, sft):  # n
     }
     for name, extra in packed.items():
         one_step = [f"batch.global_batch_size={rows}", f"batch.micro_batch_size={rows}", "run.steps=1"]
-        runs[name] = [*_config(sft, sft["train"], name, *one_step), "parallel.cp=2", *extra]
+        runs[name] = [*sft_config(sft, sft["train"], name, *one_step), "parallel.cp=2", *extra]
     run_ranks(_train_many, 4, runs, timeout=540)
     for name in toy:
         _assert_same(_norms_and_losses(str(tmp_path / name)), _norms_and_losses(ref), f"hf {name}")

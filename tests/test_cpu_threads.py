@@ -12,7 +12,7 @@ import torch
 from paratrain.config import ConfigError, load_config
 from paratrain.distributed.process_group import free_port
 from paratrain.launch import worker
-from tests.dist_utils import REPO, read_metrics
+from paratrain.testing.dist_utils import REPO, read_metrics
 
 
 def test_the_thread_rule():

@@ -19,9 +19,9 @@ from paratrain.config import load_config
 from paratrain.data.prepare import prepare
 from paratrain.data.tokens import build_tokens
 from paratrain.objectives.distill import divergence
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
-from tests.hf_models import save_tiny
-from tests.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
+from paratrain.testing.hf_models import save_tiny
+from paratrain.testing.sft_data import VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
 
 pytest.importorskip("transformers")
 

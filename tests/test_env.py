@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from paratrain.hardware.env import collect, compare_ranks, find_problems
-from tests.dist_utils import paratrain_cli
+from paratrain.testing.dist_utils import paratrain_cli
 
 
 def _info(**over) -> dict:

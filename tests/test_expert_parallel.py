@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from paratrain.config import ConfigError
-from tests.dist_utils import run_ranks
-from tests.test_moe import MOE_GPT, assert_same_moe_run, make_moe, moe_runs
+from paratrain.testing.dist_utils import run_ranks
+from paratrain.testing.moe_utils import MOE_GPT, assert_same_moe_run, make_moe, moe_runs
 
 
 def _block_at_ep(n_seq: int, seq: int, seed: int) -> dict:

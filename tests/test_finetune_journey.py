@@ -17,8 +17,8 @@ import torch
 import paratrain
 from paratrain.cli import main as cli_main
 from paratrain.config import load_config
-from tests.hf_models import save_tiny
-from tests.sft_data import CHATML_PLAIN, VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
+from paratrain.testing.hf_models import save_tiny
+from paratrain.testing.sft_data import CHATML_PLAIN, VOCAB, save_chat_tokenizer, stdlib_conversations, write_jsonl
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -249,7 +249,7 @@ def test_sharegpt_rows_are_mapped_and_skips_are_counted_per_reason(chat, tmp_pat
     """ShareGPT's conversations of {from, value} with human/gpt/system roles give the tokens of the
     same conversations as messages; rows with nothing to train are counted per reason."""
     from paratrain.data.prepare import prepare
-    from tests.sft_data import write_jsonl
+    from paratrain.testing.sft_data import write_jsonl
 
     convs = stdlib_conversations(6)
     names = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -285,7 +285,7 @@ def test_the_lora_journey_through_the_cli(chat, tmp_path):
     newest checkpoint and of an older one, generate --chat, export --peft and --merge of the run:
     each exits 0 and prints no warning, and PEFT's AutoPeftModelForCausalLM on the adapter gives
     the merged model's logits."""
-    from tests.dist_utils import paratrain_cli
+    from paratrain.testing.dist_utils import paratrain_cli
 
     data, out = str(tmp_path / "data"), str(tmp_path / "run")
     sets = [
@@ -357,7 +357,7 @@ def test_config_keys_into_a_reader_that_leaves_is_no_error():
     import subprocess
     import sys
 
-    from tests.dist_utils import REPO
+    from paratrain.testing.dist_utils import REPO
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")])}
     proc = subprocess.Popen(
@@ -376,7 +376,7 @@ def test_config_keys_into_a_reader_that_leaves_is_no_error():
 def test_relative_paths_name_the_folder_they_are_read_from(tmp_path, monkeypatch, capsys):
     """A relative model.hf or corpus path from elsewhere: one line naming the current directory and
     that config paths are not read from the config file's folder (it suggested a hub download)."""
-    from tests.dist_utils import REPO
+    from paratrain.testing.dist_utils import REPO
 
     monkeypatch.chdir(tmp_path)
     config = os.path.join(REPO, "configs", "sft.toml")
@@ -401,7 +401,7 @@ def test_generate_of_a_run_it_cannot_decode_names_why(tmp_path, capsys):
     out = str(tmp_path / "run")
     sets = [
         "model.args={n_layer = 1, n_head = 2, d_model = 16, block_size = 16, vocab_size = 128}",
-        "data.factory='tests.toy:toy_lm'",
+        "data.factory='paratrain.testing.toy:toy_lm'",
         "data.args={n = 8, seq_len = 16, vocab = 128}",
         f"run.out_dir='{out}'",
         "run.steps=1",

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks
 
 GPT = [
     "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 31}",
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 64, seq_len = 16, vocab = 31}",
     "batch.global_batch_size=8",
     "run.steps=3",
@@ -23,17 +23,21 @@ GPT = [
     "optim.lr=3e-3",
     "optim.warmup_steps=2",
 ]
-# A user's model (tests/toy.py) with its tensor-parallel plan given as a TOML table.
-USER = [*GPT, "model.factory='tests.toy:tiny_lm'", "model.args={vocab = 32, d = 32, hidden = 64, n_layer = 2}"]
+# A user's model (src/paratrain/testing/toy.py) with its tensor-parallel plan given as a TOML table.
+USER = [
+    *GPT,
+    "model.factory='paratrain.testing.toy:tiny_lm'",
+    "model.args={vocab = 32, d = 32, hidden = 64, n_layer = 2}",
+]
 USER_PLAN = [
     "parallel.tp_plan={emb = 'rowwise', 'layers.*.fc1' = 'colwise', 'layers.*.fc2' = 'rowwise',"
     " head = 'colwise_gather'}"
 ]
 
-# tests/toy.py:gpt_scaled_grad is a layout whose gradient is off by a constant factor (x2 on every
+# src/paratrain/testing/toy.py:gpt_scaled_grad is a layout whose gradient is off by a constant factor (x2 on every
 # rank of a multi-process job), which plain SGD shows: the comparison must fail on it.
 SGD = plain_sgd(0.3)
-DOUBLED = ["model.factory='tests.toy:gpt_scaled_grad'"]
+DOUBLED = ["model.factory='paratrain.testing.toy:gpt_scaled_grad'"]
 
 # vocab_size 31 is split unevenly by tp = 2 and by FSDP.
 # name -> (reference name, overrides). Micro-batches of 2 (1 at dp 4) so every layout accumulates.
@@ -61,7 +65,7 @@ WORLD2 = {
         "user_ref",
         [
             *USER,
-            "parallel.tp_plan_factory='tests.toy:tiny_lm_tp_plan'",
+            "parallel.tp_plan_factory='paratrain.testing.toy:tiny_lm_tp_plan'",
             "parallel.tp=2",
             "batch.micro_batch_size=2",
             "parallel.activation_checkpointing='full'",
@@ -239,7 +243,7 @@ def test_tp_plan_table_expands_patterns():
 
     from paratrain.config import ConfigError
     from paratrain.distributed.tensor_parallel import plan_from_table
-    from tests.toy import tiny_lm
+    from paratrain.testing.toy import tiny_lm
 
     plan = plan_from_table(tiny_lm(n_layer=3), {"layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"})
     assert sorted(plan) == [f"layers.{i}.fc{j}" for i in range(3) for j in (1, 2)]

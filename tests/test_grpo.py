@@ -20,10 +20,10 @@ import paratrain
 from paratrain.config import RL_LOSS_TYPES, load_config
 from paratrain.objectives.policy_gradient import PolicyGradientLoss, token_weights
 from paratrain.rl.rollout import advantages, completion_keys, filtered_probs, pick, sample, training_rows
-from tests.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
-from tests.hf_models import ARCHS, save_tiny
-from tests.rl_data import addition_rows, byte_mix
-from tests.sft_data import VOCAB, save_chat_tokenizer, write_jsonl
+from paratrain.testing.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
+from paratrain.testing.hf_models import ARCHS, save_tiny
+from paratrain.testing.rl_data import addition_rows, byte_mix
+from paratrain.testing.sft_data import VOCAB, save_chat_tokenizer, write_jsonl
 
 pytest.importorskip("transformers")
 
@@ -57,7 +57,7 @@ def _config(rl: dict, name: str, *extra: str) -> list[str]:
         f"rl.temperature={TEMPERATURE}",
         f"rl.beta={BETA}",
         "rl.steps_per_generation=2",
-        "rl.rewards=['tests.rl_data:byte_mix']",
+        "rl.rewards=['paratrain.testing.rl_data:byte_mix']",
         f"run.out_dir='{rl['root']}/{name}'",
         "batch.global_batch_size=8",
         "batch.micro_batch_size=4",
@@ -202,7 +202,11 @@ def test_an_on_policy_step_without_kl_skips_the_recomputation(rl):
     log-probabilities, so none are recomputed (no logp_gap), and the step is still the written-out
     one (its ratio is exp(logp - logp.detach())). With RLOO's leave-one-out baseline and DAPO's
     overlong penalty added to the reward, both written out in the anchor."""
-    extra = ("rl.advantage='rloo'", "rl.rewards=['tests.rl_data:byte_mix', 'overlong']", "rl.overlong_buffer=3")
+    extra = (
+        "rl.advantage='rloo'",
+        "rl.rewards=['paratrain.testing.rl_data:byte_mix', 'overlong']",
+        "rl.overlong_buffer=3",
+    )
     rows, rollouts = _run(rl, "on_policy", "rl.steps_per_generation=1", "rl.beta=0", *extra)
     assert all("logp_gap" not in r for r in rows) and rows[0]["generation_s"] > 0
     assert rows[0]["reward_overlong"] < 0
@@ -225,7 +229,7 @@ def test_the_built_in_gpts_cached_sampler_at_world_2_tensor_parallel_gives_the_o
         "loss.name='grpo'",
         "rl.group_size=4",
         "rl.max_new_tokens=6",
-        "rl.rewards=['tests.rl_data:byte_mix']",
+        "rl.rewards=['paratrain.testing.rl_data:byte_mix']",
         "rl.check_logps=true",  # logp_gap: the cached sampler's log-probabilities against the trainer's
         "batch.global_batch_size=16",
         "batch.micro_batch_size=4",
@@ -425,7 +429,7 @@ def test_bad_rl_input_is_one_line(rl, tmp_path):
     config.write_text("")
     cases = [
         (("batch.global_batch_size=6", "batch.micro_batch_size=2"), "whole groups of rl.group_size = 4"),
-        (("rl.rewards=['tests.rl_data:raises']",), "'tests.rl_data:raises' raised KeyError"),
+        (("rl.rewards=['paratrain.testing.rl_data:raises']",), "'paratrain.testing.rl_data:raises' raised KeyError"),
         ((f"rl.reference='{tmp_path}/none'",), f"rl.reference = '{tmp_path}/none' is not a local directory"),
     ]
     for i, (extra, expected) in enumerate(cases):
@@ -440,7 +444,7 @@ def test_a_reward_of_the_wrong_shape_is_one_line():
     from paratrain.rl.rewards import Rewards
 
     for fn, expected in (("wrong_length", "returned 1 rewards for 2 completions"), ("raises", "raised KeyError")):
-        rewards = Rewards(RLConfig(rewards=[f"tests.rl_data:{fn}"]))
+        rewards = Rewards(RLConfig(rewards=[f"paratrain.testing.rl_data:{fn}"]))
         with pytest.raises(ConfigError, match=expected):
             rewards(["1+1=", "2+2="], ["2", "4"], {"answer": ["2", "4"]})
     with pytest.raises(ConfigError, match="cannot import module 'nope'"):

@@ -1,6 +1,6 @@
 """transformers causal LMs (``[model] hf = DIR``) on every layout against the one-process run.
 
-Three architectures (tests/hf_models.py): Llama, Qwen2 (grouped-query attention, q/k/v biases) and
+Three architectures (src/paratrain/testing/hf_models.py): Llama, Qwen2 (grouped-query attention, q/k/v biases) and
 Qwen3 (tied embeddings, per-head q/k norms). Each run loads the directory's sharded safetensors
 weights after the parallelisms (every rank its own shards) and trains 3 steps of plain SGD, so
 the losses, the logged grad_norm and the final weights must match the reference to 1e-4.
@@ -15,15 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks
-from tests.hf_models import ARCHS, save_tiny
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_layouts
+from paratrain.testing.hf_models import ARCHS, save_tiny
 
 pytest.importorskip("transformers")
 # The module's fixture trains 21 runs in three process groups before the first assertion.
 pytestmark = pytest.mark.timeout(1200)
 
 BASE = [
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 64, seq_len = 16, vocab = 128}",
     "batch.global_batch_size=8",
     "run.steps=3",
@@ -61,22 +61,6 @@ def arch_runs(arch: str, root: str) -> tuple[dict, dict, dict]:
     if not ARCHS[arch].get("tie_word_embeddings"):
         world4[f"{arch}_pp_tp"] = [*model, "parallel.pp=2", "parallel.tp=2", "batch.micro_batch_size=4"]
     return world1, world2, world4
-
-
-def train_layouts(runs: dict, root: str) -> dict:
-    import torch.distributed as dist
-
-    import paratrain
-
-    dist.init_process_group("gloo")
-    out = {}
-    try:
-        for name, overrides in runs.items():
-            summary = paratrain.train(paratrain.load_config(None, [*overrides, f"run.out_dir='{root}/{name}'"]))
-            out[name] = summary["losses"]
-    finally:
-        dist.destroy_process_group()
-    return out
 
 
 def run_world(world: int, runs: dict, root: str) -> dict:

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
-from tests.hf_models import save_tiny
+from paratrain.testing.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
+from paratrain.testing.hf_models import save_tiny
 
 pytest.importorskip("transformers")
 
 BASE = [
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 64, seq_len = 16, vocab = 128}",
     "batch.global_batch_size=8",
     "run.progress=false",
@@ -39,7 +39,7 @@ def test_lr0_loss_equals_transformers_loss(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     import paratrain
-    from tests.toy import toy_lm
+    from paratrain.testing.toy import toy_lm
 
     src = save_tiny(arch, str(tmp_path / arch))
     out = str(tmp_path / "run")
@@ -200,11 +200,11 @@ def test_paratrain_eval_of_an_hf_run(sharded_run, tmp_path):
     """`paratrain eval` builds a model.hf on the meta device as training does: its weights must be
     materialised before the checkpoint loads (it crashed on meta tensors). The checkpoint's
     val_loss at world 1 equals the one the world-2 FSDP run computes for the same checkpoint."""
-    from tests.test_validation import eval_rank
+    from paratrain.testing.dist_utils import eval_rank
 
     _, cfg, out = sharded_run
     ckpt = os.path.join(out, "checkpoints", "step-4")
-    sets = [*cfg, f"run.out_dir='{out}'", "data.val_factory='tests.toy:toy_lm'", "eval.samples=8"]
+    sets = [*cfg, f"run.out_dir='{out}'", "data.val_factory='paratrain.testing.toy:toy_lm'", "eval.samples=8"]
     (one,) = run_ranks(eval_rank, 1, [*sets, "parallel.dp_shard=1"], ckpt)
     two = run_ranks(eval_rank, 2, sets, ckpt)[0]
     assert one["step"] == two["step"] == 4 and 0 < one["val_loss"] < 10

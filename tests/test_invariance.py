@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
 
 TOY = [
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 64, seq_len = 16, vocab = 32}",
     "batch.global_batch_size=8",
     "run.steps=10",
@@ -57,7 +57,7 @@ def test_four_ranks_match_reference(tmp_path, reference):
 def eval_loss(params: dict) -> float:
     """The true loss (mean over every target token) of trained weights on one fixed batch."""
     from paratrain.models import build_gpt
-    from tests.toy import toy_lm
+    from paratrain.testing.toy import toy_lm
 
     model = build_gpt(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=32)
     model.load_state_dict(params)
@@ -74,7 +74,7 @@ def test_mean_of_micro_batch_means_breaks_invariance(tmp_path):
     what training produced: the weights, and the true loss of those weights on one fixed batch.
     """
     # The probe stops this loss at the start (a mean per micro-batch); accepted to see what it trains.
-    bug = ["loss.name='tests.toy:mean_of_means'", "run.layout_dependent=true"]
+    bug = ["loss.name='paratrain.testing.toy:mean_of_means'", "run.layout_dependent=true"]
     one, one_params = run_layout(tmp_path, "acc1", 1, 8, bug)
     four, four_params = run_layout(tmp_path, "acc4", 1, 2, bug)
     with pytest.raises(AssertionError):
@@ -91,7 +91,7 @@ def test_mean_of_micro_batch_means_breaks_invariance(tmp_path):
 # ----------------------------------------------------------------------------- gradient scale
 
 SGD = [*plain_sgd(0.3), "run.steps=4"]  # a dropped dp factor or a schedule's 1/n left on shows
-FAULT = ["model.factory='tests.toy:gpt_scaled_grad'"]  # x2 on every rank of a multi-process job
+FAULT = ["model.factory='paratrain.testing.toy:gpt_scaled_grad'"]  # x2 on every rank of a multi-process job
 
 
 def train_many(runs: list[list[str]]) -> list[list[float]]:
@@ -138,7 +138,7 @@ def sgd_runs(tmp_path, world: int, runs: dict[str, list[str]]) -> dict[str, dict
 
 def test_sgd_gradient_matches_and_a_constant_factor_is_caught(tmp_path):
     """DDP x accumulation under plain SGD: the same grad norms and weights as one process; a
-    layout whose gradient is doubled (tests/toy.py:gpt_scaled_grad) fails the same comparison,
+    layout whose gradient is doubled (src/paratrain/testing/toy.py:gpt_scaled_grad) fails the same comparison,
     while under AdamW its losses would pass."""
     adamw = ["optim.name='adamw'", "optim.lr=3e-3"]
     refs = sgd_runs(

@@ -10,7 +10,7 @@ import pytest
 
 from paratrain.cli import main
 from paratrain.launch.agent import LAUNCHED_ENV, forget_preempted, preempted_code, report_preempted
-from tests.dist_utils import REPO, read_metrics
+from paratrain.testing.dist_utils import REPO, read_metrics
 
 SETS = [
     "run.steps=2",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paratrain.cli import main
-from tests.dist_utils import paratrain_cli
+from paratrain.testing.dist_utils import paratrain_cli
 
 BASE = [
     "--set",
@@ -32,13 +32,13 @@ CASES = [
     (2, ["parallel.cpu_offload=true"], "parallel.cpu_offload = true offloads FSDP2 shards; set parallel.dp_shard > 1"),
     (
         2,
-        ["parallel.tp=2", "model.factory='tests.toy:tiny_lm'", "model.args={}"],
+        ["parallel.tp=2", "model.factory='paratrain.testing.toy:tiny_lm'", "model.args={}"],
         "parallel.tp = 2 needs a tensor-parallel plan for model.factory",
     ),
     (2, ["parallel.tp_plan={head = 'diagonal'}"], "parallel.tp_plan.head = 'diagonal' is not a tensor-parallel style"),
     (
         2,
-        ["parallel.tp_plan={head = 'colwise'}", "parallel.tp_plan_factory='tests.toy:tiny_lm'"],
+        ["parallel.tp_plan={head = 'colwise'}", "parallel.tp_plan_factory='paratrain.testing.toy:tiny_lm'"],
         "parallel.tp_plan and parallel.tp_plan_factory are both set",
     ),
     (2, ["parallel.activation_checkpointing='some'"], "parallel.activation_checkpointing = 'some' is not allowed"),

@@ -25,8 +25,8 @@ from paratrain.models import build
 from paratrain.models.hf import weight_files
 from paratrain.models.lora import adapter_base_name, is_adapter_param, trainable_parameters
 from paratrain.preflight import check_run
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks
-from tests.hf_models import save_tiny
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks
+from paratrain.testing.hf_models import save_tiny
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -38,7 +38,7 @@ LORA = [
     "model.lora.target_modules=['q_proj', 'v_proj', 'mlp.*_proj']",
     "model.lora.modules_to_save=['lm_head']",
 ]
-DATA = ["data.factory='tests.toy:toy_lm'", "data.args={n = 16, seq_len = 16, vocab = 128}"]
+DATA = ["data.factory='paratrain.testing.toy:toy_lm'", "data.args={n = 16, seq_len = 16, vocab = 128}"]
 
 
 def test_lora_equals_peft_get_peft_model(tmp_path):
@@ -189,7 +189,7 @@ def assert_same_lora_run(run_dir: str, ref_dir: str, rtol: float) -> None:
 def test_ddp_and_fsdp2_give_the_one_process_lora_losses(tmp_path):
     """DDP (with accumulation) and FSDP2 at world 2: losses and grad_norm within 1e-5 / 1e-4 of one
     process, base weights unchanged; FSDP2 shards units that hold frozen and trainable parameters."""
-    from tests.test_hf import train_layouts
+    from paratrain.testing.dist_utils import train_layouts
 
     root = str(tmp_path)
     save_tiny("llama", f"{root}/llama")
@@ -262,7 +262,7 @@ def test_lora_checkpoint_resumes_across_ddp_fsdp2_and_world_sizes(tmp_path):
     """An adapter-only checkpoint written by DDP resumes under FSDP2 and back, and at world 1: steps
     3 and 4 give the uninterrupted one-process run's losses and grad_norm (1e-4). SGD with momentum,
     so the optimiser state (the adapters' momentum buffers) is resharded too."""
-    from tests.test_hf import train_layouts
+    from paratrain.testing.dist_utils import train_layouts
 
     root = str(tmp_path)
     save_tiny("llama", f"{root}/llama")
@@ -401,7 +401,7 @@ def test_plan_and_find_batch_know_frozen_weights_hold_no_gradient_nor_optimiser_
     torch.set_num_threads(1)
     base = [
         "model.args={n_layer = 2, n_head = 4, d_model = 64, vocab_size = 256, block_size = 16}",
-        "data.factory='tests.toy:toy_lm'",
+        "data.factory='paratrain.testing.toy:toy_lm'",
         "data.args={n = 16, seq_len = 16, vocab = 256}",
         "batch.global_batch_size=2",
         "batch.micro_batch_size=2",
@@ -452,7 +452,7 @@ def test_tensor_parallel_lora_gives_the_one_process_losses(tmp_path):
     """parallel.tp = 2: the adapters split to follow their base layer (colwise base: B colwise, A
     replicated; rowwise base: A rowwise, B replicated); losses and grad_norm (plain SGD) within 1e-4
     of one process, base weights bitwise the one-process run's, for a Llama, a Qwen2 and the GPT."""
-    from tests.test_hf import train_layouts
+    from paratrain.testing.dist_utils import train_layouts
 
     root = str(tmp_path)
     save_tiny("llama", f"{root}/llama")
@@ -517,7 +517,7 @@ def test_tensor_parallel_plan_splits_each_adapter_like_its_base():
 @pytest.mark.slow
 def test_fsdp2_x_tensor_parallel_lora_gives_the_one_process_losses(tmp_path):
     """dp_shard = 2 x tp = 2 at world 4 (the GPT): losses and grad_norm within 1e-4 of one process."""
-    from tests.test_hf import train_layouts
+    from paratrain.testing.dist_utils import train_layouts
 
     root = str(tmp_path)
     gpt = [
@@ -544,7 +544,7 @@ def test_pipeline_parallel_lora_gives_the_one_process_losses(tmp_path):
     """pp = 2 (1F1B, 2 pipeline micro-batches): the adapters stay with their layers (the split keeps
     the module tree), a Llama's lm_head copy (modules_to_save) on the last stage; losses and
     grad_norm within 1e-4 of one process, base weights bitwise the one-process run's."""
-    from tests.test_hf import train_layouts
+    from paratrain.testing.dist_utils import train_layouts
 
     root = str(tmp_path)
     save_tiny("llama", f"{root}/llama")
@@ -576,11 +576,11 @@ def test_pipeline_parallel_lora_gives_the_one_process_losses(tmp_path):
 
 
 def _train_counting_graphs(runs: dict, root: str) -> dict:
-    """tests.test_hf.train_layouts on one rank, returning what dynamo compiled and where it broke
+    """paratrain.testing.dist_utils.train_layouts on one rank, returning what dynamo compiled and where it broke
     (an eager fallback would compare eager with eager)."""
     from torch._dynamo.utils import counters
 
-    from tests.test_hf import train_layouts
+    from paratrain.testing.dist_utils import train_layouts
 
     counters.clear()
     train_layouts(runs, root)

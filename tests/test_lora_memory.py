@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.lora_memory import check, formula_bytes, measure, measure_all
-from tests.hf_models import save_tiny
+from paratrain.testing.hf_models import save_tiny
 
 LORA = dict(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
 

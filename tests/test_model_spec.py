@@ -66,11 +66,11 @@ def test_activation_checkpointing_follows_the_specs_blocks():
 
 
 def test_the_preflight_takes_the_tp_plan_and_blocks_from_the_spec():
-    check_run(_cfg("stack_spec", "parallel.tp=2", "data.factory='tests.toy:regression'"), 2)
+    check_run(_cfg("stack_spec", "parallel.tp=2", "data.factory='paratrain.testing.toy:regression'"), 2)
     with pytest.raises(ConfigError, match="needs a tensor-parallel plan for model.factory"):
-        check_run(_cfg("plain_stack", "parallel.tp=2", "data.factory='tests.toy:regression'"), 2)
+        check_run(_cfg("plain_stack", "parallel.tp=2", "data.factory='paratrain.testing.toy:regression'"), 2)
     with pytest.raises(ConfigError, match="blocks are in a 'layers'"):
-        check_run(_cfg("plain_stack", "parallel.pp=2", "data.factory='tests.toy:regression'"), 2)
+        check_run(_cfg("plain_stack", "parallel.pp=2", "data.factory='paratrain.testing.toy:regression'"), 2)
 
 
 def test_the_gpt_spec_checks_its_own_heads():
@@ -85,7 +85,7 @@ def test_plan_reads_blocks_through_the_spec():
     from paratrain.plan.enumerate import count_blocks, enumerate_layouts, meta_build
     from paratrain.plan.memory import MemoryModel
 
-    cfg = _cfg("stack_spec", "data.factory='tests.toy:regression'")
+    cfg = _cfg("stack_spec", "data.factory='paratrain.testing.toy:regression'")
     model, spec = meta_build(cfg)
     assert spec.blocks_attr == "blocks" and count_blocks(model, spec) == 3
     stats = ModelStats.of(model, cfg, spec=spec)

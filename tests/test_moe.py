@@ -16,23 +16,9 @@ import torch
 
 from paratrain.config import ConfigError
 from paratrain.models.gpt import build_gpt
-from paratrain.models.gpt.moe import MoE, MoEConfig
+from paratrain.models.gpt.moe import MoE
 from paratrain.objectives.moe import router_layers, take_router_stats
-from tests.dist_utils import plain_sgd, run_ranks
-from tests.moe_utils import assert_same_moe_run, read_moe_run
-
-D = 16
-
-
-def make_moe(seed: int = 0, **kw) -> MoE:
-    from paratrain.models.gpt.model import MLP, GPTConfig
-
-    torch.manual_seed(seed)
-    cfg = MoEConfig(**{"n_experts": 4, "top_k": 2, "aux_loss_weight": 0.5, **kw})
-    moe = MoE(cfg, D, lambda: MLP(GPTConfig(d_model=D, mlp_ratio=2)))
-    for p in moe.parameters():  # larger than the GPT's init: routing far from uniform, outputs O(1)
-        torch.nn.init.normal_(p, std=0.5)
-    return moe
+from paratrain.testing.moe_utils import MOE_GPT, D, assert_same_moe_run, make_moe, moe_runs
 
 
 def reference_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -185,36 +171,6 @@ def test_moe_refuses_what_is_not_built_yet(override, key):
 
 
 # ------------------------------------------------------------------------------ layouts
-
-MOE_GPT = [
-    "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32,"
-    " moe = {n_experts = 4, top_k = 2, n_shared_experts = 1, aux_loss_weight = 0.1}}",
-    "data.factory='tests.toy:toy_lm'",
-    "data.args={n = 64, seq_len = 16, vocab = 32}",
-    "batch.global_batch_size=8",
-    "run.progress=false",
-    "metrics.plot=false",
-    "run.steps=3",
-    *plain_sgd(0.1),
-]
-
-
-def train_many(runs: list[list[str]]) -> None:
-    import torch.distributed as dist
-
-    import paratrain
-
-    dist.init_process_group("gloo")
-    try:
-        for overrides in runs:
-            paratrain.train(paratrain.load_config(None, [*MOE_GPT, *overrides]))
-    finally:
-        dist.destroy_process_group()
-
-
-def moe_runs(tmp_path, world: int, runs: dict[str, list[str]]) -> dict[str, dict]:
-    run_ranks(train_many, world, [[*extra, f"run.out_dir='{tmp_path / name}'"] for name, extra in runs.items()])
-    return {name: read_moe_run(tmp_path / name) for name in runs}
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks
-from tests.hf_models import save_tiny
-from tests.moe_utils import assert_same_moe_run
-from tests.test_moe import MOE_GPT
-from tests.test_moe import moe_runs as gpt_moe_runs
-from tests.test_moe_hf import BASE, moe_runs
-from tests.test_sft import sft  # noqa: F401 - the SFT data path's fixture (packed conversations)
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks
+from paratrain.testing.hf_models import save_tiny
+from paratrain.testing.moe_utils import HF_MOE_BASE, MOE_GPT, assert_same_moe_run, hf_moe_runs
+from paratrain.testing.moe_utils import moe_runs as gpt_moe_runs
 
 pytest.importorskip("transformers")
 
@@ -36,7 +33,7 @@ def qwen3_moe(tmp_path_factory):
     """Tiny Qwen3-MoE (one sparse layer of two) and one process's run of it (micro-batch 8)."""
     tmp = tmp_path_factory.mktemp("moe_cp_qwen3")
     src = save_tiny("qwen3_moe", str(tmp / "src"))
-    return src, moe_runs(tmp, 1, src, {"ref": ["batch.micro_batch_size=8"]})["ref"]
+    return src, hf_moe_runs(tmp, 1, src, {"ref": ["batch.micro_batch_size=8"]})["ref"]
 
 
 @pytest.mark.slow
@@ -45,7 +42,7 @@ def test_hf_moe_at_cp2_equals_one_process(tmp_path, qwen3_moe):
     """cp = 2 at world 2 (ring and all-to-all attention), causal rows: the same three SGD steps."""
     src, ref = qwen3_moe
     assert ref["aux_loss"][0] > 0 and ref["tokens"][0][0] != ref["tokens"][0][1]
-    runs = moe_runs(
+    runs = hf_moe_runs(
         tmp_path,
         2,
         src,
@@ -63,24 +60,24 @@ def test_hf_moe_at_cp2_equals_one_process(tmp_path, qwen3_moe):
 
 @pytest.mark.slow
 @pytest.mark.timeout(540)  # two run_ranks of 240 s
-def test_packed_hf_moe_at_cp2_equals_one_process(tmp_path, sft):  # noqa: F811
+def test_packed_hf_moe_at_cp2_equals_one_process(tmp_path, sft):
     """Packed conversations (tests/test_sft.py's corpus, documents restarting their positions in
     each row: the ring's document masks) through a tiny Qwen3-MoE at cp = 2: two SGD steps equal
     one process. A packed row counts as one sequence of the balance loss, split over the cp ranks."""
     from paratrain.data.tokens import build_tokens
-    from tests.sft_data import VOCAB
-    from tests.test_moe_hf import train_many
-    from tests.test_sft import _config
+    from paratrain.testing.moe_utils import train_runs
+    from paratrain.testing.sft import sft_config
+    from paratrain.testing.sft_data import VOCAB
 
     model = save_tiny("qwen3_moe", str(tmp_path / "moe"), vocab_size=VOCAB, max_position_embeddings=512)
     rows = len(build_tokens(sft["train"], block_size=512))
     common = [f"batch.global_batch_size={rows}", f"batch.micro_batch_size={rows}", "run.steps=2"]
 
     def config(name: str, *extra: str) -> list[str]:
-        return [*_config(sft, sft["train"], name, *common, *extra), f"model.hf='{model}'"]
+        return [*sft_config(sft, sft["train"], name, *common, *extra), f"model.hf='{model}'"]
 
-    run_ranks(train_many, 1, [config("packed_ref")])
-    run_ranks(train_many, 2, [config("packed_cp2", "parallel.cp=2")])
+    run_ranks(train_runs, 1, [config("packed_ref")])
+    run_ranks(train_runs, 2, [config("packed_cp2", "parallel.cp=2")])
     ref, got = (read_metrics(f"{sft['root']}/{n}") for n in ("packed_ref", "packed_cp2"))
     assert ref[0]["aux_loss"] > 0
     for key in ("aux_loss", "loss", "grad_norm", "expert_tokens_min", "expert_tokens_max"):
@@ -173,7 +170,7 @@ def test_compiled_hf_moe_equals_eager_one_process(tmp_path, qwen3_moe):
     """Qwen3-MoE with train.compile = true at ep = 1, one process and DDP 2 (accumulation 2): the
     blocks compiled, transformers' experts eager inside them."""
     src, ref = qwen3_moe
-    base = [*BASE, f"model.hf='{src}'", "run.steps=3", *plain_sgd(0.5), "train.compile=true"]
+    base = [*HF_MOE_BASE, f"model.hf='{src}'", "run.steps=3", *plain_sgd(0.5), "train.compile=true"]
     one = compiled_runs(tmp_path / "w1", 1, base, {"w1": ["batch.micro_batch_size=8"]}, timeout=270)["w1"]
     ddp = compiled_runs(
         tmp_path / "w2", 2, base, {"ddp": ["parallel.dp_replicate=2", "batch.micro_batch_size=2"]}, timeout=270

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.moe_utils import assert_same_moe_run, read_moe_run
-from tests.test_moe import MOE_GPT, moe_runs
+from paratrain.testing.moe_utils import MOE_GPT, assert_same_moe_run, moe_runs, read_moe_run
 
 
 @pytest.fixture(scope="module")

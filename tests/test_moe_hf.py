@@ -2,7 +2,7 @@
 
 Tiny Qwen3-MoE (one sparse layer of two, tied embeddings) and Mixtral (every layer sparse, its
 checkpoint's ``block_sparse_moe.experts.N.w1`` names) from ``from_config`` + ``save_pretrained``
-(tests/hf_models.py MOE_ARCHS). Anchored to transformers itself: at lr = 0 the first loss is its
+(src/paratrain/testing/hf_models.py MOE_ARCHS). Anchored to transformers itself: at lr = 0 the first loss is its
 own forward's language-model loss, the auxiliary loss is its ``load_balancing_loss_func`` applied
 to each sequence and each sparse layer (weighted by ``router_aux_loss_coef``, averaged), and the
 exported directory loads in ``from_pretrained`` with no missing or unexpected key and the same
@@ -19,20 +19,11 @@ import pytest
 import torch
 
 from paratrain.config import ConfigError
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks
-from tests.hf_models import MOE_ARCHS, save_tiny
-from tests.moe_utils import assert_same_moe_run, read_moe_run
+from paratrain.testing.dist_utils import read_metrics, run_ranks
+from paratrain.testing.hf_models import MOE_ARCHS, save_tiny
+from paratrain.testing.moe_utils import HF_MOE_BASE, assert_same_moe_run, hf_moe_runs
 
 pytest.importorskip("transformers")
-
-BASE = [
-    "data.factory='tests.toy:toy_lm'",
-    "data.args={n = 64, seq_len = 16, vocab = 128}",
-    "batch.global_batch_size=8",
-    "run.progress=false",
-    "metrics.plot=false",
-    "metrics.rank_stats_every=0",
-]
 
 
 def transformers_reference(src: str, x: torch.Tensor, y: torch.Tensor) -> dict:
@@ -69,11 +60,11 @@ def test_lr0_losses_are_transformers_own_and_the_export_loads_back(tmp_path, arc
     per-sequence aux loss of transformers, and ``run.save_model``'s HF directory (save_pretrained
     converts back to per-expert names) read by ``from_pretrained`` with the same logits."""
     import paratrain
-    from tests.toy import toy_lm
+    from paratrain.testing.toy import toy_lm
 
     src = save_tiny(arch, str(tmp_path / arch))
     out = str(tmp_path / "run")
-    cfg = [*BASE, f"model.hf='{src}'", "data.shuffle=false", "optim.lr=0", "run.steps=1", f"run.out_dir='{out}'"]
+    cfg = [*HF_MOE_BASE, f"model.hf='{src}'", "data.shuffle=false", "optim.lr=0", "run.steps=1", f"run.out_dir='{out}'"]
     paratrain.train(paratrain.load_config(None, [*cfg, "batch.micro_batch_size=4"]))
     row = read_metrics(out)[0]
     data = toy_lm(n=64, seq_len=16, vocab=128)
@@ -128,30 +119,10 @@ def test_unsupported_hf_moe_is_refused_in_one_line(tmp_path, arch, extra, match)
     from paratrain.preflight import check_run
 
     path = save_tiny(arch, str(tmp_path / arch), weights=False)
-    cfg = paratrain.load_config(None, [f"model.hf='{path}'", "data.factory='tests.toy:toy_lm'", *extra])
+    cfg = paratrain.load_config(None, [f"model.hf='{path}'", "data.factory='paratrain.testing.toy:toy_lm'", *extra])
     with pytest.raises(ConfigError, match=match) as e:
         check_run(cfg, 2 if any("=2" in x for x in extra) else 1)
     assert "\n" not in str(e.value)
-
-
-def train_many(runs: list[list[str]]) -> None:
-    import torch.distributed as dist
-
-    import paratrain
-
-    dist.init_process_group("gloo")
-    try:
-        for overrides in runs:
-            paratrain.train(paratrain.load_config(None, overrides))
-    finally:
-        dist.destroy_process_group()
-
-
-def moe_runs(tmp_path, world: int, src: str, runs: dict[str, list[str]]) -> dict[str, dict]:
-    """Train each run (3 steps of plain SGD) on ``world`` gloo ranks; its metrics and final weights."""
-    base = [*BASE, f"model.hf='{src}'", "run.steps=3", *plain_sgd(0.5)]  # a run's own run.steps wins (later)
-    run_ranks(train_many, world, [[*base, *extra, f"run.out_dir='{tmp_path / name}'"] for name, extra in runs.items()])
-    return {name: read_moe_run(tmp_path / name) for name in runs}
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_ARCHS))
@@ -165,7 +136,7 @@ def moe_reference(request, tmp_path_factory):
         "acc4": ["batch.micro_batch_size=2"],
         "acc2_ac": ["batch.micro_batch_size=4", "parallel.activation_checkpointing='full'"],
     }
-    return src, moe_runs(tmp, 1, src, runs)
+    return src, hf_moe_runs(tmp, 1, src, runs)
 
 
 @pytest.mark.slow
@@ -177,7 +148,7 @@ def test_hf_moe_layouts_at_world_2_equal_one_process(tmp_path, moe_reference):
     assert ref["tokens"][0][0] != ref["tokens"][0][1]
     assert_same_moe_run(one["acc4"], ref, rtol=1e-5, atol_params=1e-6)
     assert_same_moe_run(one["acc2_ac"], ref, rtol=1e-5, atol_params=1e-6)
-    runs = moe_runs(
+    runs = hf_moe_runs(
         tmp_path,
         2,
         src,
@@ -196,7 +167,7 @@ def test_hf_moe_layouts_and_expert_parallel_at_world_4_equal_one_process(tmp_pat
     on 2 ranks: their gradient summed over the ep_replicate group) with DDP, and ep = 4 (one expert
     per rank) with FSDP2."""
     src, one = moe_reference
-    runs = moe_runs(
+    runs = hf_moe_runs(
         tmp_path,
         4,
         src,
@@ -219,10 +190,10 @@ def test_hf_moe_resumes_at_another_layout(tmp_path):
     on 2 ranks: steps 3-4 as uninterrupted."""
     src = save_tiny("mixtral", str(tmp_path / "src"))
     ckpt = ["run.steps=4", "checkpoint.interval=2", "checkpoint.keep=0"]
-    ref = moe_runs(tmp_path / "w1", 1, src, {"ref": ["batch.micro_batch_size=8", *ckpt]})["ref"]
+    ref = hf_moe_runs(tmp_path / "w1", 1, src, {"ref": ["batch.micro_batch_size=8", *ckpt]})["ref"]
     step2 = tmp_path / "w1" / "ref" / "checkpoints" / "step-2"
     resume = [*ckpt, f"checkpoint.resume='{step2}'", "parallel.dp_shard=2", "batch.micro_batch_size=2"]
-    got = moe_runs(tmp_path / "w2", 2, src, {"resumed": resume})["resumed"]
+    got = hf_moe_runs(tmp_path / "w2", 2, src, {"resumed": resume})["resumed"]
     for key in ("loss", "aux_loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key][2:]), rtol=1e-4, atol=0)
     assert got["tokens"] == ref["tokens"][2:]
@@ -310,8 +281,8 @@ def test_hf_moe_expert_parallel_equals_one_process_and_resumes_at_ep_1(tmp_path,
     (ep 1): steps 3-4 as uninterrupted, and the exported weights (gathered rows) equal too."""
     src, one = moe_reference
     ckpt = ["run.steps=4", "checkpoint.interval=2", "checkpoint.keep=0"]
-    ref4 = moe_runs(tmp_path / "w1", 1, src, {"ref4": ["batch.micro_batch_size=8", *ckpt]})["ref4"]
-    runs = moe_runs(
+    ref4 = hf_moe_runs(tmp_path / "w1", 1, src, {"ref4": ["batch.micro_batch_size=8", *ckpt]})["ref4"]
+    runs = hf_moe_runs(
         tmp_path / "w2",
         2,
         src,
@@ -324,7 +295,7 @@ def test_hf_moe_expert_parallel_equals_one_process_and_resumes_at_ep_1(tmp_path,
     assert_same_moe_run(runs["ep2_fsdp"], ref4, rtol=1e-5, atol_params=1e-6)
     step2 = tmp_path / "w2" / "ep2_fsdp" / "checkpoints" / "step-2"
     resume = [*ckpt, f"checkpoint.resume='{step2}'", "batch.micro_batch_size=8"]
-    got = moe_runs(tmp_path / "w1r", 1, src, {"resumed": resume})["resumed"]
+    got = hf_moe_runs(tmp_path / "w1r", 1, src, {"resumed": resume})["resumed"]
     for key in ("loss", "aux_loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref4[key][2:]), rtol=1e-5, atol=0)
     assert got["tokens"] == ref4["tokens"][2:]

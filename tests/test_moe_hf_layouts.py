@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.hf_models import MOE_ARCHS, save_tiny
-from tests.moe_utils import assert_same_moe_run
-from tests.test_moe_hf import moe_runs
+from paratrain.testing.hf_models import MOE_ARCHS, save_tiny
+from paratrain.testing.moe_utils import assert_same_moe_run, hf_moe_runs
 
 pytest.importorskip("transformers")
 
@@ -58,7 +57,7 @@ def test_hf_moe_tp_and_pp_layouts_pass_the_preflight(tmp_path, overrides, world)
     from paratrain.preflight import check_run
 
     src = save_tiny("mixtral", str(tmp_path / "mixtral"), weights=False)
-    cfg = [f"model.hf='{src}'", "data.factory='tests.toy:toy_lm'", "batch.global_batch_size=8"]
+    cfg = [f"model.hf='{src}'", "data.factory='paratrain.testing.toy:toy_lm'", "batch.global_batch_size=8"]
     check_run(paratrain.load_config(None, [*cfg, "batch.micro_batch_size=4", *overrides]), world)
 
 
@@ -68,7 +67,12 @@ def test_hf_moe_with_a_zero_bubble_schedule_is_one_line(tmp_path):
     from paratrain.preflight import check_run
 
     src = save_tiny("mixtral", str(tmp_path / "mixtral"), weights=False)
-    cfg = [f"model.hf='{src}'", "data.factory='tests.toy:toy_lm'", "parallel.pp=2", "parallel.pp_schedule='zbv'"]
+    cfg = [
+        f"model.hf='{src}'",
+        "data.factory='paratrain.testing.toy:toy_lm'",
+        "parallel.pp=2",
+        "parallel.pp_schedule='zbv'",
+    ]
     with pytest.raises(ConfigError, match="runs with parallel.pp_schedule = 'zbv' not yet; use 'gpipe'") as e:
         check_run(paratrain.load_config(None, cfg), 2)
     assert "\n" not in str(e.value)
@@ -83,7 +87,7 @@ def reference(request, tmp_path_factory):
     (Qwen3-MoE's tiny model ties them; tests/test_moe_hf.py trains that one)."""
     tmp = tmp_path_factory.mktemp(f"moe_hf_layouts_{request.param}")
     src = save_tiny(request.param, str(tmp / "src"), tie_word_embeddings=False)
-    ref = moe_runs(tmp, 1, src, {"ref": ["batch.micro_batch_size=8"]})["ref"]
+    ref = hf_moe_runs(tmp, 1, src, {"ref": ["batch.micro_batch_size=8"]})["ref"]
     # The weights move, the balance loss is trained, and the routing is uneven (so counts can differ).
     assert ref["aux_loss"][0] > 0 and abs(ref["loss"][-1] - ref["loss"][0]) > 1e-3
     assert ref["tokens"][0][0] != ref["tokens"][0][1]
@@ -118,7 +122,7 @@ def test_hf_moe_with_tp_and_pp_at_world_2_equals_one_process(tmp_path, reference
             "parallel.activation_checkpointing='full'",
         ],
     }
-    _check(moe_runs(tmp_path, 2, src, runs), ref)
+    _check(hf_moe_runs(tmp_path, 2, src, runs), ref)
 
 
 @pytest.mark.slow
@@ -132,4 +136,4 @@ def test_hf_moe_with_ep_and_tp_or_pp_at_world_4_equals_one_process(tmp_path, ref
         "tp2_ep2_fsdp2": ["parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2", "batch.micro_batch_size=4"],
         "pp2_ep2_dp2": ["parallel.pp=2", "parallel.dp_replicate=2", "parallel.ep=2", "batch.micro_batch_size=4"],
     }
-    _check(moe_runs(tmp_path, 4, src, runs), ref)
+    _check(hf_moe_runs(tmp_path, 4, src, runs), ref)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paratrain.config import ConfigError
-from tests.test_moe import MOE_GPT, assert_same_moe_run, moe_runs
+from paratrain.testing.moe_utils import MOE_GPT, assert_same_moe_run, moe_runs
 
 # ------------------------------------------------------------------------------ fast: the pieces
 

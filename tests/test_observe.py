@@ -12,12 +12,12 @@ import subprocess
 
 import pytest
 
-from tests.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
+from paratrain.testing.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
 
 GPT_ARGS = "n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32"
 TOY = [
     f"model.args={{{GPT_ARGS}}}",
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 64, seq_len = 16, vocab = 32}",
     "batch.global_batch_size=8",
     "run.steps=4",
@@ -66,7 +66,7 @@ def tracked_run(tmp_path_factory):
     os.environ["WANDB_SILENT"] = "true"
     overrides = [
         *TOY,
-        "model.factory='tests.toy:gpt_slow_rank'",
+        "model.factory='paratrain.testing.toy:gpt_slow_rank'",
         f"model.args={{{GPT_ARGS}, slow_rank = 1, sleep_s = 0.1}}",
         f"run.out_dir='{out}'",
         "metrics.wandb=true",

@@ -13,11 +13,11 @@ from torch import nn
 from paratrain.config import ConfigError, load_config
 from paratrain.distributed.pipeline_parallel import balanced_split, check_pp_layout, split_stage, stage_ranges
 from paratrain.models.gpt import build_gpt
-from tests.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks
+from paratrain.testing.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks
 
 TOY = [
     "model.args={n_layer = 4, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 64, seq_len = 16, vocab = 32}",
     "batch.global_batch_size=8",
     "run.steps=3",
@@ -320,7 +320,7 @@ CLI_ERRORS = [
     ),
     (
         2,
-        ["parallel.pp=2", "model.factory='tests.toy:mlp'", "model.args={}"],
+        ["parallel.pp=2", "model.factory='paratrain.testing.toy:mlp'", "model.args={}"],
         "needs a model whose blocks are in a 'layers'",
     ),
     (
@@ -375,7 +375,7 @@ def test_a_miscounting_loss_under_pp_stops_every_rank_and_the_launcher_names_the
     same one-line error together (no rank left in a collective), and the launcher's last line
     names the first failure's own error, not a 'connection closed by peer' of a victim."""
     t0 = time.monotonic()
-    args = _cli_args(tmp_path, ["parallel.pp=2", "loss.name='tests.toy:ce_miscounted'", "run.steps=2"])
+    args = _cli_args(tmp_path, ["parallel.pp=2", "loss.name='paratrain.testing.toy:ce_miscounted'", "run.steps=2"])
     proc = paratrain_cli(*args[:2], "--nproc-per-node", "2", *args[2:], timeout=150)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

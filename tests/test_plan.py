@@ -18,7 +18,7 @@ from paratrain.plan.enumerate import Layout, candidate_layouts, cp_degrees, enum
 from paratrain.plan.memory import MemoryModel, estimate_layout_peak, in_flight
 from paratrain.plan.planner import nothing_fits_error
 from paratrain.preflight import check_run
-from tests.dist_utils import REPO, paratrain_cli, read_metrics, run_ranks
+from paratrain.testing.dist_utils import REPO, paratrain_cli, read_metrics, run_ranks
 
 DEBUG = os.path.join(REPO, "configs", "debug.toml")
 MAIN = os.path.join(REPO, "configs", "main.toml")

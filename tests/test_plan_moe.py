@@ -19,8 +19,8 @@ from paratrain.plan.cost import ModelStats, moe_all_to_all_bytes, step_cost
 from paratrain.plan.enumerate import Layout, enumerate_layouts, meta_build, meta_model
 from paratrain.plan.memory import MemoryModel, estimate_layout_peak
 from paratrain.preflight import check_run
-from tests.hf_models import MOE_ARCHS, save_tiny
-from tests.test_moe import MOE_GPT
+from paratrain.testing.hf_models import MOE_ARCHS, save_tiny
+from paratrain.testing.moe_utils import MOE_GPT
 
 MIB = 1 << 20
 ARGS = dict(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=32)
@@ -137,7 +137,7 @@ def test_fake_tensor_estimate_corrects_the_experts_states_at_ep_with_fsdp2():
 
 def hf_moe_cfg(tmp_path, arch: str, *extra: str):
     src = save_tiny(arch, str(tmp_path / arch), weights=False)  # the planner builds on meta: no weights
-    data = ["data.factory='tests.toy:toy_lm'", "data.args={n = 64, seq_len = 16, vocab = 128}"]
+    data = ["data.factory='paratrain.testing.toy:toy_lm'", "data.args={n = 64, seq_len = 16, vocab = 128}"]
     return load_config(None, [f"model.hf='{src}'", *data, "batch.global_batch_size=8", *extra])
 
 
@@ -191,7 +191,7 @@ def test_fake_tensor_estimate_of_an_hf_moe_matches_its_real_step(tmp_path):
     from paratrain.batch.measure import StepRunner, estimate_peak, measure_peak
 
     src = save_tiny("qwen3_moe", str(tmp_path / "src"))
-    data = ["data.factory='tests.toy:toy_lm'", "data.args={n = 64, seq_len = 16, vocab = 128}"]
+    data = ["data.factory='paratrain.testing.toy:toy_lm'", "data.args={n = 64, seq_len = 16, vocab = 128}"]
     cfg = load_config(None, [f"model.hf='{src}'", *data, "batch.global_batch_size=8"])
     dims = ParallelDims(1, 1, 1, 1, 1)
     fake = estimate_peak(StepRunner(cfg, dims, device=torch.device("cpu")), 2)

@@ -16,11 +16,11 @@ from paratrain.models import build_gpt, spec_of
 from paratrain.models.gpt import gpt_flops_per_token
 from paratrain.observability.mfu import resolve_peak_flops
 from paratrain.precision import build_mp_policy, check_device_supports, check_precision
-from tests.dist_utils import paratrain_cli, read_metrics
+from paratrain.testing.dist_utils import paratrain_cli, read_metrics
 
 TOY = [
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 64, seq_len = 16, vocab = 32}",
     "batch.global_batch_size=8",
     "batch.micro_batch_size=4",

@@ -17,9 +17,8 @@ import torch
 
 from paratrain.checkpoint import verify_checkpoint
 from paratrain.distributed.process_group import free_port
-from tests.dist_utils import REPO, read_metrics, run_ranks, train_rank
-from tests.test_checkpoint import TOY
-from tests.test_resilience import SGD, SLOW, column, wait_for_rows
+from paratrain.testing.dist_utils import REPO, read_metrics, run_ranks, train_rank
+from paratrain.testing.resilience import SGD, SLOW, TOY, column, wait_for_rows
 
 BASE = [*TOY, *SGD, "checkpoint.interval=0", "checkpoint.at_end=false", "dist.timeout_s=60"]
 
@@ -51,7 +50,7 @@ def sigterm_rank(overrides: list[str], *, at_forward: int, rank: int) -> dict:
     its tensor-parallel plan; seeded as the trainer seeds, it starts from the same weights.
     """
     import paratrain
-    from tests.toy import gpt_sigterm_at
+    from paratrain.testing.toy import gpt_sigterm_at
 
     cfg = paratrain.load_config(None, overrides)
     torch.manual_seed(cfg.run.seed)

@@ -21,9 +21,9 @@ from paratrain.config import load_config
 from paratrain.data.prepare import prepare
 from paratrain.data.tokens import build_tokens
 from paratrain.objectives.preference import PreferenceLoss
-from tests.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
-from tests.hf_models import ARCHS, save_tiny
-from tests.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
+from paratrain.testing.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
+from paratrain.testing.hf_models import ARCHS, save_tiny
+from paratrain.testing.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
 
 pytest.importorskip("transformers")
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
 import subprocess
 import sys
-import sysconfig
 
 import numpy as np
 import pytest
@@ -17,36 +15,8 @@ from paratrain.cli import main as cli_main
 from paratrain.config import ConfigError
 from paratrain.data import prepare as prep
 from paratrain.data.prepare import load_tokenizer, prepare, split_of
-from tests.dist_utils import REPO, paratrain_cli
-
-
-def stdlib_texts(n: int, size: int = 3000) -> list[str]:
-    """n real documents: slices of standard-library sources (on every machine, no download)."""
-    root = sysconfig.get_paths()["stdlib"]
-    text = "".join(open(os.path.join(root, name), encoding="utf-8").read() for name in ("json/decoder.py", "glob.py"))
-    return [text[(i * 997) % (len(text) - size) :][: size - i] + f"\n# doc {i}\n" for i in range(n)]
-
-
-def write_corpus(root, texts: list[str]) -> str:
-    """Plain files, a .md, a .jsonl and a .jsonl.gz: all the kinds a directory may hold."""
-    os.makedirs(root, exist_ok=True)
-    k = len(texts) // 4
-    for i, t in enumerate(texts[:k]):
-        open(os.path.join(root, f"a{i:03d}.txt"), "w").write(t)
-    open(os.path.join(root, "b.md"), "w").write(texts[k])
-    with open(os.path.join(root, "c.jsonl"), "w") as f:
-        for t in texts[k + 1 : 2 * k]:
-            f.write(json.dumps({"text": t, "id": 1}) + "\n")
-    with gzip.open(os.path.join(root, "d.jsonl.gz"), "wt") as f:
-        for t in texts[2 * k :]:
-            f.write(json.dumps({"text": t}) + "\n")
-    return str(root)
-
-
-def read_split(out_dir: str, split: str) -> np.ndarray:
-    meta = json.load(open(os.path.join(out_dir, "meta.json")))
-    files = meta["splits"][split]["files"]
-    return np.concatenate([np.fromfile(os.path.join(out_dir, f["name"]), dtype=meta["dtype"]) for f in files])
+from paratrain.testing.corpus import read_split, stdlib_texts, write_corpus
+from paratrain.testing.dist_utils import REPO, paratrain_cli
 
 
 def docs_of(stream: np.ndarray, eos: int = 0) -> list[bytes]:
@@ -218,7 +188,7 @@ def test_prepare_of_chat_never_imports_torch(tmp_path):
     ``AutoTokenizer``, whose module imports torch (1-2 s of CPU before the first row, issue 21):
     `paratrain prepare --format chat` then imports no more than text does. With one worker the
     worker's tokenizer (prepare's saved copy, hf_tokenizer/) loads in this process too."""
-    from tests.sft_data import save_chat_tokenizer, stdlib_conversations, write_jsonl
+    from paratrain.testing.sft_data import save_chat_tokenizer, stdlib_conversations, write_jsonl
 
     tok = save_chat_tokenizer(str(tmp_path / "tok"))
     rows = write_jsonl(str(tmp_path / "chat.jsonl"), stdlib_conversations(8))
@@ -239,7 +209,7 @@ def test_chat_tokenizer_is_the_class_autotokenizer_picks(tmp_path):
     from transformers import AutoTokenizer
 
     from paratrain.data.chat import _tokenizer_class, load_chat_tokenizer
-    from tests.sft_data import save_chat_tokenizer, stdlib_conversations, write_jsonl
+    from paratrain.testing.sft_data import save_chat_tokenizer, stdlib_conversations, write_jsonl
 
     tok = save_chat_tokenizer(str(tmp_path / "tok"))
     model_dir = save_chat_tokenizer(str(tmp_path / "model"))

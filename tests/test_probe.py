@@ -19,7 +19,7 @@ from paratrain.loss import build_loss
 from paratrain.objectives import build_objectives
 from paratrain.preflight.probe import probe_micro_batch
 from paratrain.step import StepContext
-from tests.dist_utils import paratrain_cli
+from paratrain.testing.dist_utils import paratrain_cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,7 +70,7 @@ def noisy_net() -> nn.Module:
 
 
 REGRESSION = [
-    "data.factory='tests.toy:regression'",
+    "data.factory='paratrain.testing.toy:regression'",
     "loss.name='mse'",
     "batch.global_batch_size=8",
     "batch.micro_batch_size=4",
@@ -82,7 +82,7 @@ REGRESSION = [
 GPT = [
     "model.name='gpt'",
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, dropout = 0.1}",
-    "data.factory='tests.toy:toy_lm'",
+    "data.factory='paratrain.testing.toy:toy_lm'",
     "data.args={n = 32, seq_len = 16, vocab = 32}",
     "batch.global_batch_size=8",
     "batch.micro_batch_size=4",
@@ -202,7 +202,7 @@ def test_two_ranks_stop_together_when_only_one_finds_it(tmp_path):
 
 def train_rank_stopped(overrides: list[str]) -> str | None:
     """One rank of a training (run_ranks): the probe's line it stopped with, None when it trained."""
-    from tests.dist_utils import train_rank
+    from paratrain.testing.dist_utils import train_rank
 
     try:
         train_rank(overrides)
@@ -214,7 +214,7 @@ def train_rank_stopped(overrides: list[str]) -> str | None:
 def test_every_rank_raises_the_same_line_without_a_launcher(tmp_path):
     """Without a launcher that ends the other workers when one fails (torchrun's agent does), the
     gathered findings are what stops rank 0: it raises rank 1's line instead of training on."""
-    from tests.dist_utils import run_ranks
+    from paratrain.testing.dist_utils import run_ranks
 
     model = ["model.factory='tests.test_probe:batch_norm_net'", "model.args={rank = 1}", "batch.norm_group=0"]
     lines = run_ranks(

@@ -38,17 +38,17 @@ from paratrain.randomness import (
     site_of,
     uniform,
 )
-from tests.dist_utils import plain_sgd, read_metrics, run_ranks
-from tests.toy import DeepTagger, Tagger, augmented
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks
+from paratrain.testing.toy import DeepTagger, Tagger, augmented
 
 COMMON = [*plain_sgd(0.5), "run.progress=false", "metrics.plot=false", "batch.global_batch_size=8", "run.steps=4"]
-TOKENS = ["data.factory='tests.toy:toy_lm'", "data.args={n = 64, seq_len = 16, vocab = 32}"]
+TOKENS = ["data.factory='paratrain.testing.toy:toy_lm'", "data.args={n = 64, seq_len = 16, vocab = 32}"]
 MODELS = {
     "gpt": ["model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, dropout = 0.1}"]
     + TOKENS,
-    "tagger": ["model.factory='tests.toy:tagger'", *TOKENS],
-    "cnn": ["model.factory='tests.toy:small_cnn'", "data.factory='tests.toy:augmented'"],
-    "drop_path": ["model.factory='tests.toy:deep_tagger'", *TOKENS],
+    "tagger": ["model.factory='paratrain.testing.toy:tagger'", *TOKENS],
+    "cnn": ["model.factory='paratrain.testing.toy:small_cnn'", "data.factory='paratrain.testing.toy:augmented'"],
+    "drop_path": ["model.factory='paratrain.testing.toy:deep_tagger'", *TOKENS],
 }
 
 
@@ -291,7 +291,11 @@ def test_dropout_and_augmentation_give_the_one_process_losses_with_accumulation_
         world1[f"{name}_acc4"] = [*model, "batch.micro_batch_size=2"]
     # Packed documents (positions restart per document): FlexAttention has no dropout, so with
     # dropout the GPT's flex attention takes the documents' dense mask through the keyed SDPA.
-    packed = [*MODELS["gpt"], "data.factory='tests.cp_auto:position_rows'", "data.args={n = 16, packed = true}"]
+    packed = [
+        *MODELS["gpt"],
+        "data.factory='paratrain.testing.cp_auto:position_rows'",
+        "data.args={n = 16, packed = true}",
+    ]
     world1["packed_ref"] = [*packed, "batch.micro_batch_size=8"]
     world1["packed_flex_acc4"] = [*packed, "model.args.attention='flex'", "batch.micro_batch_size=2"]
     world1["gpt_no_dropout"] = [*MODELS["gpt"], "model.args.dropout=0.0", "batch.micro_batch_size=8"]
@@ -359,7 +363,7 @@ def test_keyed_runs_at_world_4_a_transformers_llama_with_lora_and_a_resume_at_an
     with selective checkpointing, and the GPT compiled with FSDP2;
     and the CNN on augmented images checkpointed at step 2 of a world-2 run and resumed at
     world 1 continues the one-process trajectory."""
-    from tests.hf_models import save_tiny
+    from paratrain.testing.hf_models import save_tiny
 
     root = str(tmp_path)
     hf = save_tiny("llama", f"{root}/llama", attention_dropout=0.1)
@@ -368,7 +372,7 @@ def test_keyed_runs_at_world_4_a_transformers_llama_with_lora_and_a_resume_at_an
         "model.lora.r=4",
         "model.lora.dropout=0.1",
         "model.lora.target_modules=['q_proj', 'v_proj']",
-        "data.factory='tests.toy:toy_lm'",
+        "data.factory='paratrain.testing.toy:toy_lm'",
         "data.args={n = 32, seq_len = 16, vocab = 128}",
         "run.save_model=false",
     ]

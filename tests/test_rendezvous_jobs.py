@@ -194,8 +194,8 @@ def test_a_server_down_is_one_line_not_a_flood(capfd, caplog):
     when lost, one when back; no stream of torch's C++ connect errors and stack traces (each
     failed connect of a TCPStore client logged 2 errors and 2 traces: 260-390 lines a minute)."""
     from paratrain.distributed.process_group import free_port
-    from tests.dist_utils import kill_tree
-    from tests.test_rendezvous_server import start_server
+    from paratrain.testing.dist_utils import kill_tree
+    from paratrain.testing.resilience import start_server
 
     port = free_port()
     server, _ = start_server(port)
@@ -263,9 +263,18 @@ def test_two_jobs_on_one_server_each_survive_a_node_loss(tmp_path):
     import subprocess
     import sys
 
-    from tests.dist_utils import REPO, kill_tree
-    from tests.test_rendezvous_server import SERVED, assert_same_losses, start_server
-    from tests.test_resilience import ELASTIC, SGD, SLOW, TOY, run, wait_for_rows
+    from paratrain.testing.dist_utils import REPO, kill_tree
+    from paratrain.testing.resilience import (
+        ELASTIC,
+        SERVED,
+        SGD,
+        SLOW,
+        TOY,
+        assert_same_losses,
+        run,
+        start_server,
+        wait_for_rows,
+    )
 
     jobs = {"a": ([], "secret-of-a", ()), "b": (["run.seed=3"], "secret-of-b", ("--rdzv-id", "team-b"))}
     want = {j: run(str(tmp_path / f"ref-{j}"), 1, [*extra, "run.steps=8"]) for j, (extra, _, _) in jobs.items()}

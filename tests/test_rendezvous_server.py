@@ -14,27 +14,20 @@ import time
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from paratrain import cli
 from paratrain.distributed.process_group import free_port
-from tests.dist_utils import REPO, kill_tree, read_metrics
-from tests.test_checkpoint import GPT_ARGS
-from tests.test_resilience import column, run, start_node, wait_for_rows
-
-# The launcher options of a node of a job whose rendezvous a server hosts (ELASTIC's timeouts).
-SERVED = ("--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1,is_host=false")
-
-
-def start_server(port: int = 0) -> tuple[subprocess.Popen, int]:
-    """`paratrain rendezvous serve` on loopback; returns it and its port once it printed its ready line."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")])}
-    cmd = [sys.executable, "-m", "paratrain", "rendezvous", "serve", "--bind", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()  # the server prints it once it listens (or exits: "")
-    assert line.startswith("paratrain rendezvous: serving on 127.0.0.1:"), (line, proc.stderr.read())
-    return proc, int(line.split("127.0.0.1:")[1].split()[0])
+from paratrain.testing.dist_utils import REPO, kill_tree
+from paratrain.testing.resilience import (
+    GPT_ARGS,
+    SERVED,
+    assert_same_losses,
+    run,
+    start_node,
+    start_server,
+    wait_for_rows,
+)
 
 
 def test_serve_prints_its_address_serves_and_stops_on_sigterm(capsys):
@@ -94,14 +87,6 @@ def test_only_node_rank_0_may_host_the_rendezvous_store():
     assert "is_host" not in conf(0)  # the endpoint's machine decides (rendezvous._create_store)
     assert conf(1).endswith(",is_host=false")
     assert conf(1, "is_host=true").count("is_host") == 1  # the user's word stands
-
-
-def assert_same_losses(out: str, want: list[dict]) -> None:
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, len(want) + 1))
-    assert rows[0]["world_size"] == 2 and rows[-1]["world_size"] == 1
-    torch.testing.assert_close(column(rows, "loss"), column(want, "loss"), rtol=1e-5, atol=0)
-    torch.testing.assert_close(column(rows, "grad_norm"), column(want, "grad_norm"), rtol=1e-5, atol=0)
 
 
 @pytest.fixture(scope="module")

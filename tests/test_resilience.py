@@ -25,30 +25,30 @@ from paratrain.checkpoint import (
     verify_checkpoint,
 )
 from paratrain.config import ConfigError
-from tests.dist_utils import (
+from paratrain.testing.dist_utils import (
     REPO,
     kill_tree,
     paratrain_cli,
-    plain_sgd,
     read_metrics,
     run_ranks,
     train_rank,
     wait_listening,
     worker_pids,
 )
-from tests.test_checkpoint import GPT_ARGS, TOY, checkpoint_tensors
-
-SGD = plain_sgd(0.5)
-
-
-def run(out: str, world: int, extra: list[str] = ()) -> list[dict]:
-    """Train on `world` gloo ranks; returns metrics.jsonl's rows."""
-    run_ranks(train_rank, world, [*TOY, *SGD, f"run.out_dir='{out}'", *extra])
-    return read_metrics(out)
-
-
-def column(rows: list[dict], key: str) -> torch.Tensor:
-    return torch.tensor([r[key] for r in rows], dtype=torch.float64)
+from paratrain.testing.resilience import (
+    GPT_ARGS,
+    SGD,
+    SLOW,
+    TOY,
+    checkpoint_tensors,
+    column,
+    metric_lines,
+    run,
+    start_job,
+    start_node,
+    wait_for,
+    wait_for_rows,
+)
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +109,6 @@ def test_pipeline_same_layout_resume_is_bitwise(tmp_path, ref):
 
 # ----------------------------------------------------------------------------- preemption
 
-SLOW = [
-    "model.factory='tests.toy:gpt_slow'",
-    f"model.args={GPT_ARGS[:-1]}, forward_sleep_s = 0.3}}",
-]
-
 
 def start_train(out: str, extra: list[str], *args: str) -> subprocess.Popen:
     """`paratrain train` on 2 processes in the background (the whole TOY config, slowed)."""
@@ -122,17 +117,6 @@ def start_train(out: str, extra: list[str], *args: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "paratrain", "train", "configs/debug.toml", "--nproc-per-node", "2", *args]
     cmd += [x for s in sets for x in ("--set", s)]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for_rows(out: str, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    path = os.path.join(out, "metrics.jsonl")
-    while time.monotonic() < deadline and proc.poll() is None:
-        if os.path.exists(path) and len(read_metrics(out)) >= n:
-            return
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"no {n} metrics rows within {timeout} s: {proc.communicate()[1][-2000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -321,22 +305,6 @@ def test_powersgd_state_survives_resume(tmp_path):
 
 # ----------------------------------------------------------------------------- elastic node count
 
-ELASTIC = ["--nnodes", "1:2", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=3,keep_alive_interval=1"]
-
-
-def start_node(out: str, port: int, extra: list[str], steps: int = 8, args: tuple[str, ...] = ()) -> subprocess.Popen:
-    """One "node" of an elastic job: `paratrain train --nproc-per-node 1 --nnodes 1:2` in its own
-    process group (so its whole tree can be killed at once); ``args``: more launcher options."""
-    sets = [*[a for a in TOY if not a.startswith(("model.", "run.steps"))], *SLOW, f"run.steps={steps}"]
-    sets += [*SGD, f"run.out_dir='{out}'", "checkpoint.interval=2", *extra]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]), "OMP_NUM_THREADS": "1"}
-    env["PARATRAIN_JOB_SECRET"] = "elastic-test-secret"  # one secret shared by the nodes
-    cmd = [sys.executable, "-m", "paratrain", "train", "configs/debug.toml", "--nproc-per-node", "1", *ELASTIC]
-    cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", *args, *[x for s in sets for x in ("--set", s)]]
-    return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -379,7 +347,7 @@ def test_hung_worker_is_found_and_the_restarted_job_finishes(tmp_path, ref2):
     resumes from step 2 to the end, equal to the uninterrupted run bitwise."""
     out = str(tmp_path / "run")
     hang = [
-        "model.factory='tests.toy:gpt_stalled_at'",
+        "model.factory='paratrain.testing.toy:gpt_stalled_at'",
         f"model.args={GPT_ARGS[:-1]}, stall_at_step = 4, stall_rank = 1, stall_s = 3600, first_attempt_only = true}}",
     ]
     sets = [*[a for a in TOY if not a.startswith("model.")], *SGD, *hang, f"run.out_dir='{out}'"]
@@ -508,14 +476,13 @@ def test_a_worker_stops_when_its_launcher_is_killed(tmp_path):
 def test_no_process_of_the_job_outlives_a_killed_launcher(tmp_path):
     """`kill -9` of a `paratrain train --nproc-per-node 2` launcher's process group: torch elastic's
     workers live in sessions of their own, yet none is left 10 s later."""
-    from tests.dist_utils import descendants
-    from tests.test_security import _metric_lines, _start_job, _wait_for
+    from paratrain.testing.dist_utils import descendants
 
     out = tmp_path / "run"
-    job = _start_job(out, 100_000, "--nproc-per-node", "2")
+    job = start_job(out, 100_000, "--nproc-per-node", "2")
     tree = [job.pid]
     try:
-        _wait_for(lambda: _metric_lines(out) >= 2, 120, "the job's first steps")
+        wait_for(lambda: metric_lines(out) >= 2, 120, "the job's first steps")
         tree = descendants(job.pid)
         assert len(tree) >= 3, tree  # the launcher and its two workers
         os.killpg(job.pid, signal.SIGKILL)

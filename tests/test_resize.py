@@ -16,9 +16,8 @@ from paratrain.batch.adaptive import BatchAdapter
 from paratrain.batch.plan import plan_batch, replan_batch
 from paratrain.config import BatchConfig, ConfigError
 from paratrain.observability.events import read_events
-from tests.dist_utils import read_metrics, run_ranks
-from tests.test_checkpoint import TOY
-from tests.test_resilience import SGD, column, run
+from paratrain.testing.dist_utils import read_metrics, run_ranks
+from paratrain.testing.resilience import SGD, TOY, column, run
 
 
 def train_layouts(runs: list[list[str]]) -> list[dict]:

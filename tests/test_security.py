@@ -11,8 +11,6 @@ import os
 import pickle
 import signal
 import socket
-import subprocess
-import sys
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -23,7 +21,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from paratrain.distributed import rendezvous
 from paratrain.distributed.store_auth import TamperedValue, bound_tcp_store, sign, verify
-from tests.dist_utils import REPO, descendants, read_metrics
+from paratrain.testing.dist_utils import REPO, descendants
+from paratrain.testing.resilience import metric_lines, start_job, wait_for
 
 
 class _Payload:
@@ -153,43 +152,13 @@ def _listening_ports_of(pids: list[int]) -> dict[int, str]:
     return out
 
 
-def _wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def _start_job(out_dir, steps: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "paratrain", "train", "configs/debug.toml", *extra]
-        + ["--set", f"run.steps={steps}", "--set", "run.progress=false", "--set", f"run.out_dir='{out_dir}'"],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group, so the test can end exactly this job
-    )
-
-
-def _metric_lines(out_dir) -> int:
-    try:
-        return len(read_metrics(str(out_dir)))
-    except (OSError, ValueError):
-        return 0
-
-
 @pytest.mark.slow  # > 12 s: make test stays under 10 minutes
 @pytest.mark.timeout(240)
 def test_single_node_job_listens_on_loopback_and_ignores_forged_state(tmp_path):
     out, marker = tmp_path / "run", tmp_path / "code-ran"
-    job = _start_job(out, 100_000, "--nproc-per-node", "2")
+    job = start_job(out, 100_000, "--nproc-per-node", "2")
     try:
-        _wait_for(lambda: _metric_lines(out) >= 2, 120, "the job's first steps")
+        wait_for(lambda: metric_lines(out) >= 2, 120, "the job's first steps")
         pids = descendants(job.pid)
         listening = _listening_ports_of(pids)
         assert len(listening) >= 2, listening  # the agent's stores, the workers' gloo listeners
@@ -204,11 +173,11 @@ def test_single_node_job_listens_on_loopback_and_ignores_forged_state(tmp_path):
                 client.set(key, payload)
                 attacked += 1
         assert attacked >= 1
-        before = _metric_lines(out)
+        before = metric_lines(out)
         time.sleep(12)  # past the 5 s keep-alive, when torch's c10d backend would unpickle it
         assert not marker.exists(), "a forged store value ran code"
         assert job.poll() is None, job.communicate(timeout=10)[0][-3000:]
-        assert _metric_lines(out) > before  # still training
+        assert metric_lines(out) > before  # still training
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGTERM)
@@ -246,7 +215,7 @@ def _json_collectives_rank():
 
 
 def test_json_collectives_carry_data_without_pickle():
-    from tests.dist_utils import run_ranks
+    from paratrain.testing.dist_utils import run_ranks
 
     results = run_ranks(_json_collectives_rank, 3)
     for got, gathered in results:
@@ -330,7 +299,7 @@ def test_store_server_caps_connections_per_host_and_in_all():
         over_all = _raw_client(server.port, "127.0.0.4")
         assert _closed_by_server(over_all), "a 7th connection in all was served"
         held.pop(0).close()  # a slot frees: a legitimate client (another host) connects and works
-        client = _wait_for(lambda: _store_client(server.port), 10, "a free connection slot")
+        client = wait_for(lambda: _store_client(server.port), 10, "a free connection slot")
         client.set("k", "v")
         assert server.server.get("k") == b"v" and client.get("k") == b"v"
     finally:

@@ -23,71 +23,23 @@ from paratrain.data.packing import attention_square, document_mask, pack_best_fi
 from paratrain.data.prepare import prepare
 from paratrain.data.tokens import build_tokens
 from paratrain.launch.eval_worker import eval_checkpoint
-from tests.dist_utils import plain_sgd, read_metrics
-from tests.hf_models import save_tiny
-from tests.sft_data import CHATML_PLAIN, VOCAB, prompt_rows, save_chat_tokenizer, stdlib_conversations, write_jsonl
+from paratrain.testing.dist_utils import read_metrics
+from paratrain.testing.sft import losses_and_norms, reference, sft_config, sft_gpt
+from paratrain.testing.sft_data import (
+    CHATML_PLAIN,
+    prompt_rows,
+    save_chat_tokenizer,
+    write_jsonl,
+)
 
 pytest.importorskip("transformers")
-
-SGD = [*plain_sgd(0.1), "run.progress=false", "metrics.plot=false"]
-
-
-@pytest.fixture(scope="module")
-def sft(tmp_path_factory):
-    """A tokenizer with a chat template, 24 conversations, a tiny Llama of the tokenizer's
-    vocabulary, and two corpora: every conversation in train, and every one in val."""
-    root = tmp_path_factory.mktemp("sft")
-    tok = save_chat_tokenizer(str(root / "tok"))
-    convs = stdlib_conversations(24)
-    chat = write_jsonl(str(root / "chat.jsonl"), convs)
-    model = save_tiny("llama", str(root / "llama"), vocab_size=VOCAB, max_position_embeddings=512)
-    train = str(root / "train")
-    val = str(root / "val")
-    prepare([chat], out_dir=train, tokenizer=tok, fmt="chat", val_fraction=0, progress=False)
-    prepare([chat], out_dir=val, tokenizer=tok, fmt="chat", val_fraction=1, progress=False)
-    return {"root": str(root), "tok": tok, "convs": convs, "chat": chat, "model": model, "train": train, "val": val}
-
-
-def reference(sft: dict, convs: list[dict]) -> tuple[float, int, float]:
-    """(mean loss, trainable tokens, gradient norm) of plain transformers over each conversation
-    alone: its own labels= loss (mean over the conversation's targets), weighted back to a sum."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(sft["tok"])
-    model = AutoModelForCausalLM.from_pretrained(sft["model"], attn_implementation="sdpa")
-    total, count = 0.0, 0
-    model.zero_grad()
-    losses = []
-    for c in convs:
-        out = tok.apply_chat_template(c["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        ids = torch.tensor([out["input_ids"]])
-        mask = torch.tensor([out["assistant_masks"]])
-        labels = torch.where(mask.bool(), ids, -100)
-        n = int((labels[0, 1:] != -100).sum())  # transformers shifts the labels inside
-        loss = model(input_ids=ids, labels=labels).loss * n
-        losses.append(loss)
-        total, count = total + float(loss.detach()), count + n
-    (torch.stack(losses).sum() / count).backward()
-    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-    return total / count, count, float(norm)
-
-
-def _config(sft: dict, corpus: str, name: str, *extra: str) -> list[str]:
-    return [
-        f"model.hf='{sft['model']}'",
-        "data.name='tokens'",
-        f"data.args={{path = '{corpus}', block_size = 512}}",
-        f"run.out_dir='{sft['root']}/{name}'",
-        *SGD,
-        *extra,
-    ]
 
 
 def test_val_loss_and_gradient_equal_transformers_on_each_conversation_alone(sft):
     ref_loss, ref_items, ref_norm = reference(sft, sft["convs"])
     # val_loss of the initial model: what `paratrain eval` runs with no checkpoint, every document
     # once (here in this process; docs/sft.md's recipe runs the command itself).
-    result = eval_checkpoint(load_config(None, _config(sft, sft["val"], "eval", "batch.global_batch_size=4")), "")
+    result = eval_checkpoint(load_config(None, sft_config(sft, sft["val"], "eval", "batch.global_batch_size=4")), "")
     assert result["val_items"] == ref_items
     torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
     # The gradient of one step over every conversation (one global batch of all train rows).
@@ -96,7 +48,7 @@ def test_val_loss_and_gradient_equal_transformers_on_each_conversation_alone(sft
     assert len(ds.lengths) / rows > 2  # rows hold several documents: a leak between them would show
     out = os.path.join(sft["root"], "step")
     paratrain.train(
-        load_config(None, _config(sft, sft["train"], "step", f"batch.global_batch_size={rows}", "run.steps=1"))
+        load_config(None, sft_config(sft, sft["train"], "step", f"batch.global_batch_size={rows}", "run.steps=1"))
     )
     (row,) = read_metrics(out)
     assert row["trainable_tokens"] == ref_items
@@ -169,7 +121,7 @@ def test_batched_chat_masks_are_transformers_assistant_masks(sft, tmp_path, monk
 
     from paratrain.data import chat
     from paratrain.data.chat import _encode_batch, _generation_mask, _render_with_spans
-    from tests.sft_data import CHATML
+    from paratrain.testing.sft_data import CHATML
 
     tricky = [
         [
@@ -245,35 +197,6 @@ def test_bad_chat_input_is_one_line(sft, tmp_path):
 # ----------------------------------------------------------------------------- layouts
 
 
-def _gpt(sft: dict, name: str, *extra: str, packing: str = "documents") -> list[str]:
-    return [
-        "model.name='gpt'",
-        "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 256}",
-        "data.name='tokens'",
-        f"data.args={{path = '{sft['train']}', block_size = 256, packing = '{packing}'}}",
-        "batch.global_batch_size=8",
-        "run.steps=3",
-        f"run.out_dir='{sft['root']}/{name}'",
-        *SGD,
-        *extra,
-    ]
-
-
-def _losses_and_norms(out_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = read_metrics(out_dir)
-    return torch.tensor([r["loss"] for r in rows]), torch.tensor([r["grad_norm"] for r in rows])
-
-
-@pytest.fixture(scope="module")
-def gpt_reference(sft):
-    """The GPT's packed run in one process (the layouts below must give its numbers)."""
-    import paratrain
-
-    name = "gpt_ref"
-    paratrain.train(paratrain.load_config(None, _gpt(sft, name, "batch.micro_batch_size=8")))
-    return _losses_and_norms(os.path.join(sft["root"], name))
-
-
 def test_padded_documents_give_the_packed_losses(sft, gpt_reference):
     """The same documents each on a row of its own (plain causal attention, positions from 0):
     packing changes nothing. Fails if packed rows leak attention or do not restart positions
@@ -281,19 +204,19 @@ def test_padded_documents_give_the_packed_losses(sft, gpt_reference):
     import paratrain
 
     name = "gpt_padded"
-    over = _gpt(sft, name, "batch.micro_batch_size=4", packing="padded")
+    over = sft_gpt(sft, name, "batch.micro_batch_size=4", packing="padded")
     paratrain.train(paratrain.load_config(None, over))
-    losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
+    losses, norms = losses_and_norms(os.path.join(sft["root"], name))
     torch.testing.assert_close(losses, gpt_reference[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(norms, gpt_reference[1], rtol=1e-5, atol=0)
 
 
 def test_two_ranks_with_accumulation_give_the_one_process_losses(sft, gpt_reference):
-    from tests.dist_utils import run_ranks, train_rank
+    from paratrain.testing.dist_utils import run_ranks, train_rank
 
     name = "gpt_ddp_accum"
-    run_ranks(train_rank, 2, _gpt(sft, name, "parallel.dp_replicate=2", "batch.micro_batch_size=1"))
-    losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
+    run_ranks(train_rank, 2, sft_gpt(sft, name, "parallel.dp_replicate=2", "batch.micro_batch_size=1"))
+    losses, norms = losses_and_norms(os.path.join(sft["root"], name))
     torch.testing.assert_close(losses, gpt_reference[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(norms, gpt_reference[1], rtol=1e-5, atol=0)
 
@@ -301,12 +224,12 @@ def test_two_ranks_with_accumulation_give_the_one_process_losses(sft, gpt_refere
 def test_pipeline_stages_get_the_positions(sft, gpt_reference):
     """pp = 2 (1F1B): the second stage builds its document mask from the positions the schedule
     hands every stage. Fails (grad_norm off by 1e-4) if a later stage falls back to the causal mask."""
-    from tests.dist_utils import run_ranks, train_rank
+    from paratrain.testing.dist_utils import run_ranks, train_rank
 
     name = "gpt_pp_1f1b"
-    over = _gpt(sft, name, "parallel.pp=2", "parallel.pp_schedule='1f1b'", "batch.micro_batch_size=4")
+    over = sft_gpt(sft, name, "parallel.pp=2", "parallel.pp_schedule='1f1b'", "batch.micro_batch_size=4")
     run_ranks(train_rank, 2, over + ["parallel.pp_microbatches=2"])
-    losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
+    losses, norms = losses_and_norms(os.path.join(sft["root"], name))
     torch.testing.assert_close(losses, gpt_reference[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(norms, gpt_reference[1], rtol=1e-5, atol=0)
 
@@ -318,7 +241,7 @@ def test_flex_attention_evaluates_like_sdpa_and_refuses_cpu_training(sft):
     import paratrain
 
     def val_loss(attention: str) -> float:
-        over = _gpt(sft, f"flex_{attention}", "batch.micro_batch_size=4")
+        over = sft_gpt(sft, f"flex_{attention}", "batch.micro_batch_size=4")
         over += [
             f"model.args={{n_layer = 2, n_head = 4, d_model = 32, block_size = 256, attention = '{attention}'}}",
             f"data.args={{path = '{sft['val']}', block_size = 256}}",
@@ -326,7 +249,7 @@ def test_flex_attention_evaluates_like_sdpa_and_refuses_cpu_training(sft):
         return eval_checkpoint(load_config(None, over), "")["val_loss"]
 
     torch.testing.assert_close(val_loss("flex"), val_loss("sdpa"), rtol=1e-6, atol=0)
-    over = _gpt(sft, "flex_train", "run.steps=1", "model.args.attention='flex'")
+    over = sft_gpt(sft, "flex_train", "run.steps=1", "model.args.attention='flex'")
     with pytest.raises(ConfigError, match="'flex' trains on GPU only"):
         paratrain.train(paratrain.load_config(None, over))
 
@@ -364,20 +287,19 @@ def test_every_layout_gives_the_one_process_losses(sft, gpt_reference, world):
     """DDP, FSDP2, TP (with sequence parallel), PP (gpipe, 1f1b), FSDP2 x TP, PP x FSDP2, PP x TP,
     activation checkpointing, compile, accumulation and padding at worlds 2 and 4: losses and
     grad_norm within 1e-5 (DP, PP) / 1e-4 (sharded, compiled) of one process."""
-    from tests.dist_utils import run_ranks
-    from tests.test_hf import train_layouts
+    from paratrain.testing.dist_utils import run_ranks, train_layouts
 
     runs = {
         name: [
             o
-            for o in _gpt(sft, name, *extra, packing="padded" if "padded" in name else "documents")
+            for o in sft_gpt(sft, name, *extra, packing="padded" if "padded" in name else "documents")
             if not o.startswith("run.out_dir")
         ]
         for name, extra in SLOW_LAYOUTS[world].items()
     }
     run_ranks(train_layouts, world, runs, sft["root"], timeout=900)
     for name in runs:
-        losses, norms = _losses_and_norms(os.path.join(sft["root"], name))
+        losses, norms = losses_and_norms(os.path.join(sft["root"], name))
         tol = 1e-4 if any(k in name for k in ("fsdp", "tp", "compile")) else 1e-5
         torch.testing.assert_close(losses, gpt_reference[0], rtol=tol, atol=0, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(norms, gpt_reference[1], rtol=tol, atol=0, msg=lambda m: f"{name}: {m}")
@@ -387,12 +309,12 @@ def test_every_layout_gives_the_one_process_losses(sft, gpt_reference, world):
 def test_pipelined_hf_model_equals_transformers_on_each_conversation_alone(sft):
     """A Llama in two pipeline stages (1F1B) at world 2, one SGD step over every conversation:
     loss and grad_norm equal plain transformers on each conversation alone."""
-    from tests.dist_utils import run_ranks, train_rank
+    from paratrain.testing.dist_utils import run_ranks, train_rank
 
     ref_loss, ref_items, ref_norm = reference(sft, sft["convs"])
     rows = len(build_tokens(sft["train"], block_size=512))
     name = "hf_pp"
-    over = _config(sft, sft["train"], name, f"batch.global_batch_size={rows}", "run.steps=1", "parallel.pp=2")
+    over = sft_config(sft, sft["train"], name, f"batch.global_batch_size={rows}", "run.steps=1", "parallel.pp=2")
     run_ranks(train_rank, 2, over + ["parallel.pp_schedule='1f1b'", f"batch.micro_batch_size={rows}"])
     (row,) = read_metrics(os.path.join(sft["root"], name))
     assert row["trainable_tokens"] == ref_items
@@ -424,23 +346,22 @@ def test_lora_on_packed_conversations(sft):
     base); full activation checkpointing, and FSDP2 with selective checkpointing at world 2, give
     the one-process losses and grad_norm over two plain SGD steps."""
     import paratrain
-    from tests.dist_utils import run_ranks
-    from tests.test_hf import train_layouts
+    from paratrain.testing.dist_utils import run_ranks, train_layouts
 
     ref_loss, _, _ = reference(sft, sft["convs"])
     rows = len(build_tokens(sft["train"], block_size=512))
     lora = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules='all-linear'"]
     every = [*lora, f"batch.global_batch_size={rows}", "run.steps=1"]  # one batch of every row
-    paratrain.train(load_config(None, _config(sft, sft["train"], "lora_all", *every)))
+    paratrain.train(load_config(None, sft_config(sft, sft["train"], "lora_all", *every)))
     (first,) = read_metrics(os.path.join(sft["root"], "lora_all"))
     torch.testing.assert_close(first["loss"], ref_loss, rtol=1e-5, atol=0)
 
     two = [*lora, f"batch.global_batch_size={rows - rows % 2}", "run.steps=2"]  # dp 2 divides it
-    paratrain.train(load_config(None, _config(sft, sft["train"], "lora_ref", *two)))
+    paratrain.train(load_config(None, sft_config(sft, sft["train"], "lora_ref", *two)))
     paratrain.train(
-        load_config(None, _config(sft, sft["train"], "lora_ac", *two, "parallel.activation_checkpointing='full'"))
+        load_config(None, sft_config(sft, sft["train"], "lora_ac", *two, "parallel.activation_checkpointing='full'"))
     )
-    fsdp = _config(
+    fsdp = sft_config(
         sft, sft["train"], "lora_fsdp", *two, "parallel.dp_shard=2", "parallel.activation_checkpointing='selective'"
     )
     run_ranks(train_layouts, 2, {"lora_fsdp": fsdp}, sft["root"], timeout=600)

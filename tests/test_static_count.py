@@ -25,8 +25,8 @@ from paratrain.loss import build_loss
 from paratrain.models.gpt import GPT_SPEC, build_gpt
 from paratrain.objectives import BalanceLoss, ItemLoss
 from paratrain.step import GlobalCount, StepContext, count_global_items, train_step
+from paratrain.testing.dist_utils import run_ranks
 from paratrain.trainer import static_item_count
-from tests.dist_utils import run_ranks
 
 GPT_ARGS = dict(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=32)
 SEQ = 16

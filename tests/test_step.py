@@ -18,8 +18,8 @@ from paratrain.loss import build_loss
 from paratrain.models.gpt import GPT_SPEC, build_gpt
 from paratrain.objectives import build_objectives
 from paratrain.step import StepContext, eval_step
-from tests.dist_utils import run_ranks
-from tests.toy import toy_lm
+from paratrain.testing.dist_utils import run_ranks
+from paratrain.testing.toy import toy_lm
 
 GPT_ARGS = dict(n_layer=4, n_head=2, d_model=32, block_size=16, vocab_size=32)
 

@@ -1,4 +1,6 @@
 """The package's shape: no import cycle anywhere in src/paratrain, and imports at the top of files.
+These rules are the library's: ``paratrain.testing`` (the helpers of the tests and benchmarks) is
+outside them, and no module of the library may import it.
 
 The import graph is built with ``ast`` from every module's imports of ``paratrain.*``, top-level
 and function-level alike (a lazy import still closes a cycle when it runs). An edge goes to the
@@ -21,9 +23,15 @@ import paratrain.distributed.process_group
 import paratrain.launch.worker
 
 ROOT = os.path.dirname(paratrain.__file__)
+TESTING = "paratrain.testing"
 
 
-def _modules() -> dict[str, str]:
+def _is_testing(module: str) -> bool:
+    return module == TESTING or module.startswith(TESTING + ".")
+
+
+def _modules(*, testing: bool = False) -> dict[str, str]:
+    """The library's modules by name (with ``testing``: paratrain.testing's as well)."""
     out = {}
     for dirpath, _, files in os.walk(ROOT):
         for f in files:
@@ -31,7 +39,7 @@ def _modules() -> dict[str, str]:
                 path = os.path.join(dirpath, f)
                 rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
                 out[rel.removesuffix(".__init__")] = path
-    return out
+    return out if testing else {m: p for m, p in out.items() if not _is_testing(m)}
 
 
 def _imports(path: str, name: str, modules: dict[str, str]) -> list[tuple[str, int, bool]]:
@@ -59,8 +67,13 @@ def _imports(path: str, name: str, modules: dict[str, str]) -> list[tuple[str, i
 
 
 def _graph() -> dict[str, set[str]]:
-    modules = _modules()
-    return {m: {t for t, _, _ in _imports(p, m, modules) if t != m} for m, p in modules.items()}
+    """The library's modules and what each imports (paratrain.testing's modules among the targets)."""
+    modules = _modules(testing=True)
+    return {m: {t for t, _, _ in _imports(p, m, modules) if t != m} for m, p in modules.items() if not _is_testing(m)}
+
+
+def _imports_of_testing(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return [(m, t) for m, ts in sorted(graph.items()) for t in sorted(ts) if _is_testing(t)]
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -90,6 +103,16 @@ def test_the_import_graph_of_the_package_has_no_cycle():
     assert len(graph) > 30 and "paratrain.trainer" in graph
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_library_never_imports_its_test_helpers():
+    """paratrain.testing imports transformers, starts subprocess jobs and builds toy models: it serves
+    the tests and the benchmarks, and a module of the library that imported it would ship all that.
+    An injected import of it is found (the check can fail)."""
+    graph = _graph()
+    assert not _imports_of_testing(graph), f"the library imports paratrain.testing: {_imports_of_testing(graph)}"
+    graph["paratrain.trainer"] = graph["paratrain.trainer"] | {"paratrain.testing.toy"}
+    assert _imports_of_testing(graph) == [("paratrain.trainer", "paratrain.testing.toy")]
 
 
 def test_the_cycle_finder_finds_a_cycle():

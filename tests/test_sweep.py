@@ -1,11 +1,11 @@
-"""The combination sweep (tests/sweep.py): every pair of the features of paratrain.preflight.support run
+"""The combination sweep (src/paratrain/testing/sweep.py): every pair of the features of paratrain.preflight.support run
 against one process under plain SGD (loss and grad_norm per step), or refused in one line.
 
 Fast tier: the stored design still covers every pair of the declared features, its refused pairs
 are still refused, docs/support.md is rendered from the table, and a seeded sample of the
 layouts (with the pipeline x FSDP2 x chunked-loss layout that once trained wrong losses) equals
 one process. ``PARATRAIN_SWEEP_SEED=N`` picks another sample; the failure message names it.
-Slow tier: every layout of the stored design equals one process (``python -m tests.sweep``
+Slow tier: every layout of the stored design equals one process (``python -m paratrain.testing.sweep``
 rebuilds the design from its seed and runs it).
 """
 
@@ -17,7 +17,7 @@ import random
 import pytest
 
 from paratrain.preflight.support import render_support
-from tests.sweep import (
+from paratrain.testing.sweep import (
     DESIGN_FILE,
     ROOT,
     Layout,
@@ -39,18 +39,20 @@ def corpus(tmp_path_factory):
 
 
 def test_the_stored_design_covers_every_pair_of_the_declared_features():
-    """A feature added to paratrain.preflight.support.FEATURES fails here until `python -m tests.sweep`
+    """A feature added to paratrain.preflight.support.FEATURES fails here until `python -m paratrain.testing.sweep`
     has built a design that holds its pairs (and triples)."""
     missing = sorted(unaccounted(load_design()))
-    assert not missing, f"in no layout of {DESIGN_FILE}: {missing[:5]}; run python -m tests.sweep --design-only"
+    assert not missing, (
+        f"in no layout of {DESIGN_FILE}: {missing[:5]}; run python -m paratrain.testing.sweep --design-only"
+    )
 
 
 def test_refused_pairs_are_still_refused_in_one_line(corpus):
-    from tests.sweep import _complete
+    from paratrain.testing.sweep import _complete
 
     for target, why in load_design().refused.items():
         now = [refusal(_complete(dict(target), dp), corpus) for dp in ("dp_shard", "dp_replicate")]
-        assert all(now), f"{target} is accepted now: run python -m tests.sweep to test it"
+        assert all(now), f"{target} is accepted now: run python -m paratrain.testing.sweep to test it"
         assert why == now[0] and "\n" not in why
 
 
@@ -75,9 +77,9 @@ def test_a_seeded_sample_of_the_sweep_equals_one_process(corpus, tmp_path):
 
 def test_every_stored_layout_is_still_accepted(corpus):
     """A refusal added to paratrain.preflight.support after the design was built fails here until
-    `python -m tests.sweep` has built a design without the layouts it refuses."""
+    `python -m paratrain.testing.sweep` has built a design without the layouts it refuses."""
     refused = {lay.name: why for lay in load_design().layouts if (why := refusal(lay, corpus))}
-    assert not refused, f"refused now: {refused}; run python -m tests.sweep --design-only"
+    assert not refused, f"refused now: {refused}; run python -m paratrain.testing.sweep --design-only"
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from paratrain.distributed.process_group import free_port
-from tests.dist_utils import run_ranks
+from paratrain.testing.dist_utils import run_ranks
 
 
 class _Closable:

@@ -24,8 +24,8 @@ from paratrain.data.tokens import (
     resolve_model_vocab,
 )
 from paratrain.preflight import check_run
-from tests.test_prepare import read_split, stdlib_texts, write_corpus
-from tests.toy import ToyLM
+from paratrain.testing.corpus import read_split, stdlib_texts, write_corpus
+from paratrain.testing.toy import ToyLM
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_corpus_checks(tmp_path, corpora):
     with pytest.raises(ConfigError, match="fewer than block_size"):
         build_tokens(path=corpora[0], block_size=10**9)
     with pytest.raises(ConfigError, match="no validation set"):
-        build_val_dataset(DataConfig(factory="tests.toy:toy_lm"), samples=4)
+        build_val_dataset(DataConfig(factory="paratrain.testing.toy:toy_lm"), samples=4)
     with pytest.raises(ConfigError, match="weight"):
         build_tokens(sources=[{"path": corpora[0], "weight": 0}], block_size=8)
 
@@ -169,7 +169,7 @@ def test_loader_workers_give_the_inline_batches(corpora, kind):
 
 def test_train_then_generate_decodes_with_the_corpus_tokenizer(tmp_path, corpora):
     from paratrain.generate import generate_text
-    from tests.dist_utils import run_ranks, train_rank
+    from paratrain.testing.dist_utils import run_ranks, train_rank
 
     src = write_corpus(tmp_path / "src", stdlib_texts(12))
     corpus = str(tmp_path / "bpe")

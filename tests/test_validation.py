@@ -13,7 +13,7 @@ from paratrain.config import ConfigError, DataConfig, load_config
 from paratrain.data.datasets import build_dataset, build_val_dataset
 from paratrain.data.stdlib_bytes import stdlib_corpus
 from paratrain.distributed.process_group import free_port
-from tests.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
+from paratrain.testing.dist_utils import eval_rank, paratrain_cli, read_metrics, run_ranks, train_rank
 
 # A tiny GPT on a slice of the standard library; SGD without momentum or clipping, so a
 # gradient off by a constant factor would show in the weights and so in val_loss.
@@ -167,18 +167,18 @@ def test_stdlib_val_split_is_held_out_and_train_is_unchanged():
 
 
 def test_val_factory_and_sample_counts(tmp_path):
-    cfg = DataConfig(factory="tests.toy:toy_lm", val_factory="tests.toy:toy_lm", args={"n": 40})
+    cfg = DataConfig(factory="paratrain.testing.toy:toy_lm", val_factory="paratrain.testing.toy:toy_lm", args={"n": 40})
     val = build_val_dataset(cfg, 0, multiple_of=16)
     assert len(val) == 32  # all 40, rounded down to whole global batches
     assert len(build_val_dataset(cfg, 16, multiple_of=16)) == 16
     with pytest.raises(ConfigError, match="fewer than eval.samples = 48"):
         build_val_dataset(cfg, 48, multiple_of=16)
     with pytest.raises(ConfigError, match="has no `split` argument"):
-        build_val_dataset(DataConfig(factory="tests.toy:toy_lm"))
+        build_val_dataset(DataConfig(factory="paratrain.testing.toy:toy_lm"))
     with pytest.raises(ConfigError, match="eval.samples = 20 is not a multiple of batch.global_batch_size"):
         load_config(None, ["eval.samples=20", "batch.global_batch_size=8"])
     with pytest.raises(ConfigError, match="data.val_factory"):
-        load_config(None, ["data.val_factory='tests.toy:nope'"])
+        load_config(None, ["data.val_factory='paratrain.testing.toy:nope'"])
 
 
 def test_eval_micro_batch_must_divide_and_match_pipeline():
@@ -190,13 +190,6 @@ def test_eval_micro_batch_must_divide_and_match_pipeline():
     over += ["model.args={n_layer=2,n_head=2,d_model=32,block_size=16}", "parallel.dp_replicate=1"]
     with pytest.raises(ConfigError, match="with parallel.pp > 1 set it to 0"):
         check_run(load_config(None, over), 2)
-
-
-def eval_rank(overrides: list[str], checkpoint: str) -> dict:
-    """One rank of `paratrain eval` (for run_ranks)."""
-    from paratrain.launch.eval_worker import eval_checkpoint
-
-    return eval_checkpoint(load_config(None, overrides), checkpoint)
 
 
 @pytest.mark.slow  # > 12 s: make test stays under 10 minutes

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.dist_utils import paratrain_cli
+from paratrain.testing.dist_utils import paratrain_cli
 
 CONFIG = """
 [run]
@@ -14,7 +14,7 @@ steps = 3
 [model]
 args = {{ n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 32 }}
 [data]
-factory = "tests.toy:toy_lm"
+factory = "paratrain.testing.toy:toy_lm"
 args = {{ n = 64, seq_len = 16, vocab = 32 }}
 [batch]
 global_batch_size = 8
@@ -65,8 +65,8 @@ def test_verify_passes_on_context_and_expert_parallel(tmp_path, sets):
 
 @pytest.mark.slow
 def test_verify_fails_naming_a_parameter_when_a_rank_scales_its_gradient(tmp_path):
-    # tests/toy.py:gpt_skewed_grad multiplies, on rank 1 only, the gradient leaving block 0.
-    r = verify(tmp_path, "", "model.factory='tests.toy:gpt_skewed_grad'")
+    # src/paratrain/testing/toy.py:gpt_skewed_grad multiplies, on rank 1 only, the gradient leaving block 0.
+    r = verify(tmp_path, "", "model.factory='paratrain.testing.toy:gpt_skewed_grad'")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "verify: FAILED" in r.stdout
     m = re.search(r"first parameter past tolerance: (\S+)", r.stdout)
@@ -75,9 +75,9 @@ def test_verify_fails_naming_a_parameter_when_a_rank_scales_its_gradient(tmp_pat
 
 @pytest.mark.slow
 def test_verify_fails_on_a_gradient_off_by_a_constant_factor(tmp_path):
-    # tests/toy.py:gpt_scaled_grad doubles the whole gradient on every rank of the 2-rank layout:
+    # src/paratrain/testing/toy.py:gpt_scaled_grad doubles the whole gradient on every rank of the 2-rank layout:
     # AdamW would divide the factor out of the updates; the gradient norm of step 1 shows it.
-    r = verify(tmp_path, "", "model.factory='tests.toy:gpt_scaled_grad'")
+    r = verify(tmp_path, "", "model.factory='paratrain.testing.toy:gpt_scaled_grad'")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "verify: FAILED, the gradient norm differs from step 1" in r.stdout, r.stdout
     step1 = re.search(r"^\s+1" + r"\s+(\S+)" * 6, r.stdout, re.M)

@@ -62,7 +62,7 @@ def apply_compile(model: nn.Module, *, device: torch.device, blocks_attr: str = 
     # this process (a second train() through the API), or loaded from inductor's on-disk FX graph
     # and AOTAutograd caches (written by another job on the machine), failed with "Could not
     # resolve the process group registered under the name 13", or reached another group of another
-    # size (a gloo allgather size mismatch; tests/sweep.py, world 4, dp 2 x tp 2 sp x ep 2). So
+    # size (a gloo allgather size mismatch; src/paratrain/testing/sweep.py, world 4, dp 2 x tp 2 sp x ep 2). So
     # each model compiles from scratch when it has process groups: no cache across models or jobs.
     torch._dynamo.reset()
     if dist.is_initialized() and dist.get_world_size() > 1:

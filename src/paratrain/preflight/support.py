@@ -2,7 +2,7 @@
 
 One declarative table instead of checks spread over the code. ``FEATURES`` names each feature a
 user can turn on, how to tell that a config has it, and the settings that turn it on (its
-levels), which is all the combination sweep needs (tests/sweep.py): a feature declared here is
+levels), which is all the combination sweep needs (src/paratrain/testing/sweep.py): a feature declared here is
 swept against one process in every pair with the others. ``REFUSALS`` lists the combinations
 this version cannot run exactly; ``check_support`` (called by preflight.check_run before any
 process starts) raises the first one that a config meets as one line naming the fix, and

@@ -104,7 +104,7 @@ def prompt_rows(conversations: list[dict]) -> list[dict]:
 def write_example(out: str, *, conversations: int = 200) -> None:
     """The committed example of docs/sft.md: ``out/model`` (a tiny Llama's config.json, no weights,
     and the chat tokenizer) and ``out/conversations.jsonl``. Regenerate with
-    ``python -m tests.sft_data configs/sft configs/preference`` (the second: docs/preference.md's pairs)."""
+    ``python -m paratrain.testing.sft_data configs/sft configs/preference`` (the second: docs/preference.md's pairs)."""
     from transformers import AutoConfig
 
     model = os.path.join(out, "model")
@@ -146,6 +146,6 @@ if __name__ == "__main__":
     import sys
 
     write_example(sys.argv[1])
-    if len(sys.argv) > 2:  # python -m tests.sft_data configs/sft configs/preference
+    if len(sys.argv) > 2:  # python -m paratrain.testing.sft_data configs/sft configs/preference
         os.makedirs(sys.argv[2], exist_ok=True)
         write_jsonl(os.path.join(sys.argv[2], "pairs.jsonl"), preference_pairs(200))

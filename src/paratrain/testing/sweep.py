@@ -10,7 +10,7 @@ pairs of (feature, level) not yet covered, until no candidate adds one; a pair t
 layout can hold is shown refused with the preflight's line. A seed fixes the candidates, so a
 design (and a failure) reproduces. A feature declared in FEATURES joins the sweep by itself.
 
-``python -m tests.sweep`` runs the whole sweep and writes ``docs/combinations.md``;
+``python -m paratrain.testing.sweep`` runs the whole sweep and writes ``docs/combinations.md``;
 tests/test_sweep.py runs a seeded sample of it (fast tier) and all of it (slow tier).
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from paratrain.config import ConfigError, load_config
 from paratrain.preflight.support import FEATURES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 GLOBAL_BATCH = 8
 # Two steps: the first step's loss and grad_norm check the forward and backward of the layout, the
 # second's check that the first update (through the layout's sharded parameters) equals one
@@ -257,7 +257,7 @@ def _first_error(message: str) -> str:
 def _run_world(world: int, runs: dict[str, list[str]], root: str, timeout: float) -> dict:
     """Every run of one world size in one process group. When one fails, the runs that finished
     before it are kept, it stands with its error, and the group starts again after it."""
-    from tests.dist_utils import run_ranks
+    from paratrain.testing.dist_utils import run_ranks
 
     out: dict = {}
     todo = dict(runs)
@@ -314,7 +314,7 @@ def render(design: Design, results: dict[Layout, dict], *, seed: int, seconds: f
     lines = [
         "# The combination sweep",
         "",
-        "<!-- Written by `python -m tests.sweep` (tests/sweep.py); do not edit by hand. -->",
+        "<!-- Written by `python -m paratrain.testing.sweep` (src/paratrain/testing/sweep.py); do not edit by hand. -->",
         "",
         f"Every pair of the features of [support.md](support.md) at every level, on a 4-block GPT,"
         f" {STEPS} plain-SGD steps of a global batch of {GLOBAL_BATCH} sequences, at most 4 gloo ranks"
@@ -369,7 +369,7 @@ def load_design(path: str = DESIGN_FILE) -> Design:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.sweep", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m paratrain.testing.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0, help="the seed of the design's candidates")
     p.add_argument("--design-only", action="store_true", help="write tests/sweep_design.json and stop")
     p.add_argument(

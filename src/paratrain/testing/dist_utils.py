@@ -19,7 +19,9 @@ import traceback
 
 from paratrain.distributed.process_group import free_port
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The repository root (src/paratrain/testing/ sits three levels below it in the editable install the
+# tests and benchmarks run from): the working directory of the CLI runs they start.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _worker(fn, rank, world_size, port, q, stacks_file, args, kwargs):
@@ -237,3 +239,27 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> N
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"no rendezvous store on port {port} within {timeout} s (exit {proc.poll()})")
+
+
+def train_layouts(runs: dict, root: str) -> dict:
+    import torch.distributed as dist
+
+    import paratrain
+
+    dist.init_process_group("gloo")
+    out = {}
+    try:
+        for name, overrides in runs.items():
+            summary = paratrain.train(paratrain.load_config(None, [*overrides, f"run.out_dir='{root}/{name}'"]))
+            out[name] = summary["losses"]
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def eval_rank(overrides: list[str], checkpoint: str) -> dict:
+    """One rank of `paratrain eval` (for run_ranks)."""
+    from paratrain.config import load_config
+    from paratrain.launch.eval_worker import eval_checkpoint
+
+    return eval_checkpoint(load_config(None, overrides), checkpoint)

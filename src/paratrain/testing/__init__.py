@@ -1,0 +1,10 @@
+"""Helpers shared by paratrain's tests and benchmarks: ranks on gloo (``dist_utils``), tiny
+transformers models (``hf_models``), fine-tuning and RL data (``sft_data``, ``sft``, ``rl_data``,
+``corpus``), user-side toy models named by factory paths (``toy``, ``cp_auto``), the
+mixture-of-experts and resilience runs (``moe_utils``, ``resilience``), the combination sweep
+(``sweep``) and the benchmarks' statistics and settings (``paired``, ``bench``).
+
+Nothing is imported here, so ``import paratrain.testing`` is cheap; transformers and TRL are
+imported inside the functions that use them. The library itself never imports this package
+(tests/unit/test_structure.py checks it).
+"""
