@@ -37,7 +37,7 @@ run-tokens: $(VENV)/.installed-tokenizers
 	$(VENV)/bin/paratrain train configs/tokens.toml --nproc-per-node $(NPROC)
 	$(VENV)/bin/paratrain generate runs/tokens --prompt "def " --max-new-tokens 100
 
-# The fast default path: every tier (unit, single-rank and multi-rank gloo, CLI end to end) except
+# The fast default path: every tier (tests/unit, tests/distributed: multi-rank gloo, tests/e2e: CLI end to end) except
 # the tests marked slow (long end-to-end runs: docs commands, elastic, HF layouts, the 8B plan).
 test: install-test lint
 	$(PY) -m pytest -q -m "not slow" --durations=10 tests

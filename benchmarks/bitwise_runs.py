@@ -148,7 +148,7 @@ def runs(fixtures: str) -> dict[str, tuple[str, list[str]]]:
 
 def make_fixtures(fixtures: str, tree: str) -> None:
     """A tiny Llama of the chat tokenizer's vocabulary and 24 prepared conversations (the inputs
-    of tests/test_sft.py), and a tiny Qwen3-MoE with untied embeddings (pipeline parallel refuses
+    of tests/distributed/test_sft.py), and a tiny Qwen3-MoE with untied embeddings (pipeline parallel refuses
     tied ones), made once; made with ``tree``'s code, then only read."""
     os.makedirs(fixtures, exist_ok=True)
     if not os.path.exists(f"{fixtures}/qwen3_moe/done"):

@@ -4,7 +4,7 @@
     python benchmarks/elastic_recovery.py --sigterm [--repeats 3]     # SIGTERM -> exit, the main job
 
 Node death (the default): two one-process "nodes" on 127.0.0.1 (`paratrain train --nnodes 1:2
---max-restarts 3`, the same job as tests/test_resilience.py's elastic test: a tiny GPT slowed to
+--max-restarts 3`, the same job as tests/e2e/test_resilience.py's elastic test: a tiny GPT slowed to
 0.3 s per forward, a checkpoint every 2 steps). After the third step, node 2's whole process tree
 is SIGKILLed; node 1 restarts its worker alone and finishes. The worker's events.jsonl
 (src/paratrain/observability/events.py) and the kill time split the gap into
@@ -54,7 +54,7 @@ from paratrain.observability.events import read_events  # noqa: E402
 from paratrain.testing.dist_utils import kill_tree, wait_listening  # noqa: E402 - the elastic test's own helpers
 
 GPT = "{n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, forward_sleep_s = 0.3}"
-JOB = [  # tests/test_resilience.py's elastic job (plain SGD)
+JOB = [  # tests/e2e/test_resilience.py's elastic job (plain SGD)
     "model.factory='paratrain.testing.toy:gpt_slow'",
     f"model.args={GPT}",
     "data.factory='paratrain.testing.toy:toy_lm'",

@@ -50,7 +50,7 @@ Correctness: each tool runs ONE step whose global batch is every packed row of t
 (``--micro`` 1, accumulation over the rest), and its logged first loss is compared with the
 reference: plain ``transformers`` on each conversation alone, unpacked, labels masked with
 ``apply_chat_template(..., return_assistant_tokens_mask=True)``, its ``labels=`` loss times the
-conversation's targets, summed and divided by all targets (``tests/test_sft.py: reference``).
+conversation's targets, summed and divided by all targets (``tests/distributed/test_sft.py: reference``).
 Measured (TRL 1.16.0, transformers 5.24, torch 2.13 CPU; 128 conversations, 38 rows of 512 for
 both tools): both count the reference's 8180 targets and log its loss within 3e-9 (paratrain) and
 2e-8 (TRL) relative (attention across documents moved paratrain's own test by 2.7e-5,

@@ -41,7 +41,7 @@ paratrain is faster). The results go to ``vs_trl_dpo.json`` next to this script.
 Correctness: each tool runs ONE step whose global batch is every pair (``--pairs``), and its
 logged loss is compared with plain ``transformers`` on each pair alone (the prompt and one reply
 rendered by the chat template, the reply's log-probability summed over transformers' assistant
-mask, the DPO formula written out: ``tests/test_preference.py: anchor``), and with the same
+mask, the DPO formula written out: ``tests/distributed/test_preference.py: anchor``), and with the same
 reference counting TRL's way: TRL's completion is everything the template renders after the
 generation prompt (``DPOTrainer._prepare_dataset``), i.e. the assistant span *and* the ``"\\n"``
 after ``<|im_end|>``, one token per side more than the assistant mask. paratrain should match the

@@ -4,7 +4,7 @@ classifier, the same preference pairs, the same global batch, world 2 on CPU (gl
 Data: the conversational pairs of ``src/paratrain/testing/sft_data.py: preference_pairs`` (TRL's explicit-prompt
 form), the ChatML tokenizer of ``src/paratrain/testing/sft_data.py`` (pad ``<|endoftext|>``, id 256), and one
 random Qwen2 sequence classifier with one label and its weights (hidden ``--hidden``, 4x in the
-MLP, ``--layers`` layers, seed 2; ``tests/test_preference.py: save_reward_model``'s recipe at this
+MLP, ``--layers`` layers, seed 2; ``tests/distributed/test_preference.py: save_reward_model``'s recipe at this
 size, ``pad_token_id`` 256), loaded by both tools from the same directory. Both tools:
 Bradley-Terry ``-log sigmoid(r_chosen - r_rejected)`` averaged over the pairs, a reply's reward
 the score at the last token of the prompt and reply rendered by the chat template, global batch
@@ -45,7 +45,7 @@ Correctness: each tool runs ONE step whose global batch is every pair (``--pairs
 logged loss and ``grad_norm`` (before clipping) are compared with plain ``transformers``'
 ``AutoModelForSequenceClassification`` scoring each side alone (a batch of one, no padding: its
 own pooling reads the last token), the Bradley-Terry loss written out (as
-``tests/test_preference.py: reward_anchor``). What TRL 1.16 does differently
+``tests/distributed/test_preference.py: reward_anchor``). What TRL 1.16 does differently
 (``trl/trainer/reward_trainer.py``), none of which moves this comparison:
 
 - the sequence end: nothing. TRL tokenizes ``prompt + reply`` with ``apply_chat_template`` (no
@@ -292,7 +292,7 @@ def run_trl(paths: dict, pairs_file: str, out: str, batch: int, micro: int, step
 
 
 def save_reward_model(path: str, *, hidden: int, layers: int, pad_id: int, seed: int = 2) -> str:
-    """A Qwen2 sequence classifier with one label and random weights (``tests/test_preference.py:
+    """A Qwen2 sequence classifier with one label and random weights (``tests/distributed/test_preference.py:
     save_reward_model``'s recipe, at this benchmark's size)."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification

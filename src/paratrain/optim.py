@@ -28,7 +28,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     # rank. torch 2.13 has no DTensor rule for fused SGD, takes fused AdamW's plain step counts
     # with DTensor parameters nowhere, and its foreach ops refuse a list mixing plain tensors and
     # DTensors (TP leaves some parameters plain): 'auto' fuses plain tensors (DDP) and keeps the
-    # loop for sharded ones (FSDP2, TP, ep). tests/test_optim.py anchors each to torch's loop.
+    # loop for sharded ones (FSDP2, TP, ep). tests/unit/test_optim.py anchors each to torch's loop.
     impl = cfg.implementation
     sharded = any(isinstance(p, DTensor) for p in params)
     if impl == "auto":

@@ -321,7 +321,7 @@ def forward_backward(
                 terms = [objective.loss(output, target) for objective in ctx.objectives]
                 # The output (the logits) is not held through the backward or into the next
                 # micro-batch's forward: 2 logits-sized buffers at the peak otherwise (caught by
-                # tests/test_plan.py's pipeline-memory check against a real run).
+                # tests/distributed/test_plan.py's pipeline-memory check against a real run).
                 del output
             precision.scale(add_terms(terms)).backward()  # fp16: times the GradScaler's loss scale
         for objective in ctx.objectives:

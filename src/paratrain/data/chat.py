@@ -13,7 +13,7 @@ does: the assistant turns' tokens, their end-of-turn token included. Two ways to
 - the template marks them with ``{% generation %}`` ... ``{% endgeneration %}``: transformers'
   ``return_assistant_tokens_mask=True`` gives the mask (a row alone); batches of rows take the
   spans from the same transformers renderer and the same overlap rule without its per-token
-  Python loop (``_generation_mask``; equal to it byte for byte, tests/test_sft.py);
+  Python loop (``_generation_mask``; equal to it byte for byte, tests/distributed/test_sft.py);
 - otherwise the conversation is rendered as growing prefixes: the text before assistant turn
   ``k`` (rendered with ``add_generation_prompt``) and the text up to its end. Both must be prefixes
   of the whole rendering (a template that rewrites earlier turns, e.g. one that drops past

@@ -166,7 +166,7 @@ def apply_expert_fsdp(
             # Sum, then divide by dp: with a factor other than the mesh size FSDP2 would reduce
             # with PREMUL_SUM, which gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with Gloo").
             # Not on one rank: torch 2.13's foreach_reduce then divides by the factor in its
-            # copy and would divide again after (found by tests/test_moe_layouts.py, 2x off).
+            # copy and would divide again after (found by tests/distributed/test_moe_layouts.py, 2x off).
             unit[0].set_force_sum_reduction_for_comms(True)
         for m in unit:
             for p in m.parameters():  # FSDP2 made new (DTensor) parameters: tag them again

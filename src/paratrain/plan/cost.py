@@ -46,7 +46,7 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
   times forward, each hop overlapping the attention of the chunk it holds (up to ``overlap``);
   its backward sends K, V and their gradient so far ``cp - 1`` times and the gradient home once,
   in float32, each hop waited before the next pair (exposed): :func:`ring_bytes`, checked against
-  the bytes the ring sends in tests/test_plan.py and benchmarks/cp_memory.py. All-to-all
+  the bytes the ring sends in tests/distributed/test_plan.py and benchmarks/cp_memory.py. All-to-all
   (Ulysses) runs four all-to-alls forward (q, k, v, out) and four backward, on the critical path.
   A forward recomputed by full checkpointing communicates again. The rank computes ``T / cp``
   tokens of each row, each attending over the whole row: every other term sees ``1/cp`` of the

@@ -260,7 +260,7 @@ def enumerate_layouts(
             reason = untied
         if reason is None:
             # Only the pipeline checks read activation checkpointing (zero-bubble schedules refuse
-            # selective; tests/test_plan.py checks every mode for real): one verdict serves the
+            # selective; tests/distributed/test_plan.py checks every mode for real): one verdict serves the
             # modes the checks do not tell apart.
             ac = (
                 layout.activation_checkpointing

@@ -8,7 +8,7 @@ for the other ranks) is called in ONE place, :func:`estimate_layout_peak`. What 
   its parameters, gradients, optimiser state and saved activations). For the built-in GPT of
   more than 4 blocks the layout is estimated with the model truncated to 1 and 2 blocks and
   extrapolated, ``peak(L) = peak(1) + (L - 1) x (peak(2) - peak(1))``, so an 8B model plans in
-  seconds (checked against the full estimate in tests/test_plan.py). Other models, and a GPT of
+  seconds (checked against the full estimate in tests/distributed/test_plan.py). Other models, and a GPT of
   up to 4 blocks (as cheap whole as the pair), are estimated whole.
 - **Micro-batches are estimated as they are**, not extrapolated: the peak is the largest, over
   the step's moments, of what is alive then, each linear in the micro-batch, so it is convex in

@@ -7,7 +7,7 @@ swept against one process in every pair with the others. ``REFUSALS`` lists the 
 this version cannot run exactly; ``check_support`` (called by preflight.check_run before any
 process starts) raises the first one that a config meets as one line naming the fix, and
 ``docs/support.md`` is rendered from the same table (``render_support``, checked by
-tests/test_sweep.py). A check of one component's own values (a degree that does not divide, a bad schedule
+tests/distributed/test_sweep.py). A check of one component's own values (a degree that does not divide, a bad schedule
 name) stays with that component; only combinations of features live here.
 """
 
@@ -507,12 +507,12 @@ def render_support() -> str:
     lines = [
         "# What composes with what",
         "",
-        "<!-- Rendered from src/paratrain/preflight/support.py (render_support); tests/test_sweep.py checks it. -->",
+        "<!-- Rendered from src/paratrain/preflight/support.py (render_support); tests/distributed/test_sweep.py checks it. -->",
         "",
         "Every feature below composes with every other one unless a row of the second table refuses",
         "the combination (or a component's own check does, such as a pipeline schedule's): `paratrain",
         "train` then exits with code 2 and one line naming the fix, before any process starts. The",
-        "combination sweep (`tests/test_sweep.py`, [combinations.md](combinations.md)) runs every pair",
+        "combination sweep (`tests/distributed/test_sweep.py`, [combinations.md](combinations.md)) runs every pair",
         "of these features, and every triple of those marked for it, against one process.",
         "",
         "| feature | what it is | levels swept | tolerance against one process | in triples |",

@@ -1,5 +1,5 @@
-"""What the ranks of tests/test_context_parallel.py's test of the "auto" attention run, in a module
-that imports no transformers (the test module does, through tests/test_sft.py's fixtures), so
+"""What the ranks of tests/distributed/test_context_parallel.py's test of the "auto" attention run, in a module
+that imports no transformers (the test module does, through tests/distributed/test_sft.py's fixtures), so
 that each spawned rank starts seconds sooner on a loaded machine."""
 
 from __future__ import annotations

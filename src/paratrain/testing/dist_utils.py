@@ -161,7 +161,7 @@ def plain_sgd(lr: float) -> list[str]:
 
 def sgd_step(model, loss, lr: float) -> tuple[float, float]:
     """One plain-SGD step of a plain PyTorch ``model`` on ``loss``, written out (the anchors of
-    tests/test_preference.py, test_distill.py): (loss, gradient norm) as paratrain logs them."""
+    tests/distributed/test_preference.py, test_distill.py): (loss, gradient norm) as paratrain logs them."""
     import torch  # here: this module imports no torch at the top (spawned ranks import it themselves)
 
     model.zero_grad()

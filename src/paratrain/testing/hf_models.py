@@ -43,7 +43,7 @@ REFUSED_ARCHS = {
     # OLMoE: its config has no base_model_pp_plan, which HFCausalLM needs.
     "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, pad_token_id=1, eos_token_id=2, **COMMON),
 }
-# Mixtures of experts (tests/test_moe_hf.py): Qwen3-MoE (every second layer sparse, tied
+# Mixtures of experts (tests/distributed/test_moe_hf.py): Qwen3-MoE (every second layer sparse, tied
 # embeddings) and Mixtral (every layer sparse; checkpoints name the block block_sparse_moe and
 # the experts w1/w2/w3). The router's balance loss is on (output_router_logits), weighted 0.5.
 MOE = dict(output_router_logits=True, router_aux_loss_coef=0.5, num_experts_per_tok=2, **COMMON)

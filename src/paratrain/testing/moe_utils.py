@@ -1,5 +1,5 @@
-"""What the mixture-of-experts layout tests read back of a run and compare (tests/test_moe.py for
-the built-in GPT, tests/test_moe_hf.py for model.hf): one definition for both."""
+"""What the mixture-of-experts layout tests read back of a run and compare (tests/distributed/test_moe.py for
+the built-in GPT, tests/distributed/test_moe_hf.py for model.hf): one definition for both."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prompts and reward functions of the GRPO tests (tests/test_grpo.py): additions of small numbers,
+"""Prompts and reward functions of the GRPO tests (tests/distributed/test_grpo.py): additions of small numbers,
 and rewards that differ within a group from the first step of a random model on, so that the
 advantages, and so the gradient, are never all zero."""
 

@@ -11,7 +11,7 @@ layout can hold is shown refused with the preflight's line. A seed fixes the can
 design (and a failure) reproduces. A feature declared in FEATURES joins the sweep by itself.
 
 ``python -m paratrain.testing.sweep`` runs the whole sweep and writes ``docs/combinations.md``;
-tests/test_sweep.py runs a seeded sample of it (fast tier) and all of it (slow tier).
+tests/distributed/test_sweep.py runs a seeded sample of it (fast tier) and all of it (slow tier).
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ def render(design: Design, results: dict[Layout, dict], *, seed: int, seconds: f
     return "\n".join(lines) + "\n"
 
 
-DESIGN_FILE = os.path.join(ROOT, "tests", "sweep_design.json")
+DESIGN_FILE = os.path.join(ROOT, "tests", "distributed", "sweep_design.json")
 
 
 def save_design(design: Design, path: str = DESIGN_FILE, *, seed: int) -> None:
@@ -371,11 +371,11 @@ def load_design(path: str = DESIGN_FILE) -> Design:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m paratrain.testing.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0, help="the seed of the design's candidates")
-    p.add_argument("--design-only", action="store_true", help="write tests/sweep_design.json and stop")
+    p.add_argument("--design-only", action="store_true", help="write tests/distributed/sweep_design.json and stop")
     p.add_argument(
         "--stored",
         action="store_true",
-        help="run tests/sweep_design.json as stored (what the slow tier runs), no rebuild",
+        help="run tests/distributed/sweep_design.json as stored (what the slow tier runs), no rebuild",
     )
     p.add_argument("--write", default=os.path.join(ROOT, "docs", "combinations.md"), help="the table's path")
     args = p.parse_args(argv)

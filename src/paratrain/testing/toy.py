@@ -309,7 +309,7 @@ def gpt_scaled_grad(factor: float = 2.0, **gpt_args) -> nn.Module:
     return model
 
 
-# --- models and data that draw random numbers (tests/test_randomness.py, issue 35) -----------
+# --- models and data that draw random numbers (tests/distributed/test_randomness.py, issue 35) -----------
 
 
 class Tagger(nn.Module):

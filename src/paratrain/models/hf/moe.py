@@ -46,7 +46,7 @@ from paratrain.objectives.moe import RouterStats
 # The config fields that give a transformers model's routed-expert count (Qwen-MoE and OLMoE,
 # Mixtral, DeepSeek).
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-# The architectures whose sparse block, router and fused experts are checked here (tests/test_moe_hf.py).
+# The architectures whose sparse block, router and fused experts are checked here (tests/distributed/test_moe_hf.py).
 # OLMoE has the same blocks but its config no base_model_pp_plan, which HFCausalLM reads.
 SUPPORTED = ("qwen3_moe", "mixtral")
 
@@ -120,7 +120,7 @@ def fake_grouped_mm():
     same shapes, and transformers takes it itself where ``grouped_mm`` cannot run (fp32 under
     torch.compile); here it runs for fake tensors only. The estimate of a Qwen3-MoE step is then
     as close to the real step's MemTracker peak (+2% at micro-batch 2, +3% at 4) as a dense
-    Llama's (tests/test_plan_moe.py)."""
+    Llama's (tests/unit/test_plan_moe.py)."""
     try:
         from transformers.integrations import moe as hf_moe
     except ImportError:  # no transformers: no model.hf either
@@ -214,7 +214,7 @@ def check_hf_moe_combinations(config, cfg, *, tp: int, pp: int, cp: int, ep: int
             f" '{cfg.parallel.pp_schedule}' not yet; use 'gpipe', '1f1b', 'interleaved1f1b' or 'looped_bfs'"
         )
     for key, on in (
-        # Each is tested with DDP, FSDP2 and ep (tests/test_moe_hf_layouts.py, test_moe_compile_cp.py),
+        # Each is tested with DDP, FSDP2 and ep (tests/distributed/test_moe_hf_layouts.py, test_moe_compile_cp.py),
         # not yet with one another.
         (f"parallel.cp = {cp} with parallel.tp or parallel.pp > 1", cp > 1 and (tp > 1 or pp > 1)),
         ("train.compile = true with parallel.tp or parallel.pp > 1", cfg.train.compile and (tp > 1 or pp > 1)),

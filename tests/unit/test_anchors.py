@@ -104,7 +104,7 @@ def test_val_loss_matches_cross_entropy_over_every_validation_window(tmp_path):
 def test_resume_with_dropout_is_bitwise(tmp_path):
     """Anchor: the same run uninterrupted (the trajectory torch's RNG gives with no checkpoint in
     between). With dropout drawn from the global RNG (run.keyed_random = false; keyed masks need
-    no state and resume at any world size: tests/test_randomness.py), stopping after step 2 and
+    no state and resume at any world size: tests/distributed/test_randomness.py), stopping after step 2 and
     resuming from its checkpoint must restore that state to give bitwise-equal losses. Catches a
     resume that does not restore the random state (``set_rng_state`` skipped).
     """

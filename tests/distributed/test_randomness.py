@@ -358,7 +358,7 @@ def test_dropout_and_augmentation_give_the_one_process_losses_with_accumulation_
 def test_keyed_runs_at_world_4_a_transformers_llama_with_lora_and_a_resume_at_another_world(tmp_path):
     """World 4: the GPT with dropout under HSDP (2 x 2) and DDP with selective checkpointing; a
     transformers Llama with attention dropout 0.1 and LoRA adapters with lora_dropout 0.1 under
-    DDP, FSDP2 (tolerance 1e-4 for its reduce-scatter order, as tests/test_lora.py), tensor
+    DDP, FSDP2 (tolerance 1e-4 for its reduce-scatter order, as tests/distributed/test_lora.py), tensor
     parallel and the context-parallel ring at world 2; a 4-block GPT on an interleaved pipeline
     with selective checkpointing, and the GPT compiled with FSDP2;
     and the CNN on augmented images checkpointed at step 2 of a world-2 run and resumed at

@@ -68,7 +68,7 @@ def test_eval_step_matches_the_reference_on_one_process():
     torch.testing.assert_close(loss_sum, want_sum, rtol=1e-6, atol=0)
 
 
-# pp2 is slow: tests/test_validation.py evaluates a pipeline run's checkpoint on the fast path.
+# pp2 is slow: tests/distributed/test_validation.py evaluates a pipeline run's checkpoint on the fast path.
 @pytest.mark.parametrize("pp,dp", [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)], ids=["dp2", "pp2"])
 def test_eval_step_across_ranks_matches_the_reference(pp, dp):
     want_sum, want_items = _reference()

@@ -2,7 +2,7 @@
 a cp group; docs/moe.md, docs/context-parallel.md): each cp rank holds part of every sequence, so
 the expert counts of the sequence-wise balance loss are summed over the cp ranks and each rank
 differentiates its tokens' share. Whole runs against one process under plain SGD: loss, aux_loss,
-grad_norm, tokens per expert and the final weights (tests/test_moe.py's comparison)."""
+grad_norm, tokens per expert and the final weights (tests/distributed/test_moe.py's comparison)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ TOY = [
     "optim.lr=3e-3",
     "optim.warmup_steps=2",
 ]
-USER = ["model.factory='tests.test_pipeline:layered_lm'", "model.args={}"]
+USER = ["model.factory='tests.distributed.test_pipeline:layered_lm'", "model.args={}"]
 # Every schedule offered, at pp = 2; the multi-stage ones with 2 stages per rank (4 stages,
 # one block each); accumulation 2 is folded into the pipeline micro-batches.
 SCHEDULES = ["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
@@ -325,7 +325,7 @@ CLI_ERRORS = [
     ),
     (
         2,
-        ["parallel.pp=2", "model.factory='tests.test_pipeline:tied_lm'", "model.args={}"],
+        ["parallel.pp=2", "model.factory='tests.distributed.test_pipeline:tied_lm'", "model.args={}"],
         "parameter emb.weight is shared with head.weight (tied weights)",
     ),
 ]

@@ -14,8 +14,7 @@ import pytest
 from benchmarks.moe_ep import a2a_formula, layouts, overrides, param_counts, read_run
 from paratrain.config import load_config
 from paratrain.preflight import check_run
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paratrain.testing.dist_utils import REPO
 
 
 def bench_args(**kw) -> argparse.Namespace:

@@ -44,7 +44,7 @@ def plain_stack(dim: int = 8, n: int = 3) -> nn.Module:
 
 
 def _cfg(factory: str, *sets: str):
-    return load_config(None, [f"model.factory='tests.test_model_spec:{factory}'", "model.args={}", *sets])
+    return load_config(None, [f"model.factory='tests.unit.test_model_spec:{factory}'", "model.args={}", *sets])
 
 
 def test_a_factory_returning_a_spec_gives_the_model_and_its_spec():

@@ -4,7 +4,7 @@
 sequence-wise balance loss sums the expert counts over the cp ranks and each rank differentiates
 its own tokens' share (models/hf/moe.py ``_router_stats``, as models/gpt/moe.py does). Whole runs
 against one process under plain SGD: loss, aux_loss, grad_norm, tokens per expert, final weights
-(tests/test_moe_hf.py's comparison).
+(tests/distributed/test_moe_hf.py's comparison).
 
 ``train.compile = true``: the built-in GPT's MoE at ep = 2 and the ``model.hf`` MoE at ep = 1,
 compiled per block with the token dispatch / the experts kept eager (distributed/expert_parallel.py
@@ -61,7 +61,7 @@ def test_hf_moe_at_cp2_equals_one_process(tmp_path, qwen3_moe):
 @pytest.mark.slow
 @pytest.mark.timeout(540)  # two run_ranks of 240 s
 def test_packed_hf_moe_at_cp2_equals_one_process(tmp_path, sft):
-    """Packed conversations (tests/test_sft.py's corpus, documents restarting their positions in
+    """Packed conversations (tests/distributed/test_sft.py's corpus, documents restarting their positions in
     each row: the ring's document masks) through a tiny Qwen3-MoE at cp = 2: two SGD steps equal
     one process. A packed row counts as one sequence of the balance loss, split over the cp ranks."""
     from paratrain.data.tokens import build_tokens
@@ -121,7 +121,7 @@ def train_counting_graphs(runs: list[list[str]]) -> list[list[int]]:
 
 
 def compiled_runs(tmp_path, world: int, base: list[str], runs: dict[str, list[str]], timeout: float) -> dict:
-    """Each run's metrics and final weights (tests/test_moe_hf.py's ``moe_runs`` form) and every
+    """Each run's metrics and final weights (tests/distributed/test_moe_hf.py's ``moe_runs`` form) and every
     rank's per-step graph counts."""
     dirs = {name: tmp_path / name for name in runs}
     graphs = run_ranks(

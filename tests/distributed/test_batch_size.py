@@ -9,9 +9,9 @@ import weakref
 import pytest
 import torch
 
-from paratrain.testing.dist_utils import paratrain_cli, read_metrics, run_ranks, train_rank
+from paratrain.testing.dist_utils import REPO, paratrain_cli, read_metrics, run_ranks, train_rank
 
-DEBUG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "debug.toml")
+DEBUG = os.path.join(REPO, "configs", "debug.toml")
 
 TOY = [  # the acceptance test's job
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",

@@ -358,7 +358,7 @@ def test_cp_counts_in_the_world_size():
 def test_hf_llama_at_cp_equals_transformers_on_each_conversation_alone(sft, cp):
     """A tiny Llama (grouped-query attention, RoPE) through transformers' AttentionInterface at
     cp = 2 and 4, ring and all-to-all, packed conversations: one SGD step's loss and grad_norm equal plain transformers
-    run on each conversation alone (tests/test_sft.py's reference), within 1e-5."""
+    run on each conversation alone (tests/distributed/test_sft.py's reference), within 1e-5."""
     from paratrain.data.tokens import build_tokens
     from paratrain.testing.sft import reference, sft_config
 
@@ -441,7 +441,7 @@ def test_hf_llama_at_cp2_with_tp2_or_pp2_equals_one_process(tmp_path, sft):
     (1F1B; every stage's attention runs cp's and gets the global positions; the default 'auto' picks
     the all-to-all for the causal rows, the ring for packed documents). Causal rows: three
     SGD steps equal one process; packed conversations: one step equals plain transformers on each
-    conversation alone (tests/test_sft.py's reference), so the document masks reach every stage."""
+    conversation alone (tests/distributed/test_sft.py's reference), so the document masks reach every stage."""
     import paratrain
     from paratrain.data.tokens import build_tokens
     from paratrain.testing.hf_models import save_tiny

@@ -84,7 +84,7 @@ def test_hf_moe_with_a_zero_bubble_schedule_is_one_line(tmp_path):
 @pytest.fixture(scope="module", params=sorted(MOE_ARCHS))
 def reference(request, tmp_path_factory):
     """One process, one micro-batch of 8. Embeddings untied: parallel.pp refuses tied weights
-    (Qwen3-MoE's tiny model ties them; tests/test_moe_hf.py trains that one)."""
+    (Qwen3-MoE's tiny model ties them; tests/distributed/test_moe_hf.py trains that one)."""
     tmp = tmp_path_factory.mktemp(f"moe_hf_layouts_{request.param}")
     src = save_tiny(request.param, str(tmp / "src"), tie_word_embeddings=False)
     ref = hf_moe_runs(tmp, 1, src, {"ref": ["batch.micro_batch_size=8"]})["ref"]

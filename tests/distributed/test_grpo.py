@@ -20,7 +20,7 @@ import paratrain
 from paratrain.config import RL_LOSS_TYPES, load_config
 from paratrain.objectives.policy_gradient import PolicyGradientLoss, token_weights
 from paratrain.rl.rollout import advantages, completion_keys, filtered_probs, pick, sample, training_rows
-from paratrain.testing.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
+from paratrain.testing.dist_utils import REPO, paratrain_cli, plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
 from paratrain.testing.hf_models import ARCHS, save_tiny
 from paratrain.testing.rl_data import addition_rows, byte_mix
 from paratrain.testing.sft_data import VOCAB, save_chat_tokenizer, write_jsonl
@@ -220,7 +220,7 @@ def test_the_built_in_gpts_cached_sampler_at_world_2_tensor_parallel_gives_the_o
     split over 2 ranks, the mask over the cache's slots) and trains: the same completions token
     for token, losses and grad_norm (plain SGD) as one process; and as one process without the
     cache (the whole buffer rerun per token, SDPA's causal mask over the full sequence)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO
     base = [
         "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 32}",
         "data.name='prompts'",
@@ -449,7 +449,7 @@ def test_a_reward_of_the_wrong_shape_is_one_line():
             rewards(["1+1=", "2+2="], ["2", "4"], {"answer": ["2", "4"]})
     with pytest.raises(ConfigError, match="cannot import module 'nope'"):
         Rewards(RLConfig(rewards=["nope:fn"]))
-    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs/rl/rewards.py")
+    recipe = os.path.join(REPO, "configs/rl/rewards.py")
     mine = Rewards(RLConfig(rewards=[f"{recipe}:digits", "exact_match"], reward_weights=[0.5, 1.0]))
     total, columns = mine(["1+1=", "2+2="], ["2", "x4"], {"answer": ["2", "4"]})
     assert columns == [[1.0, 0.5], [1.0, 0.0]] and total == [1.5, 0.25]

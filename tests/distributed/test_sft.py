@@ -23,7 +23,7 @@ from paratrain.data.packing import attention_square, document_mask, pack_best_fi
 from paratrain.data.prepare import prepare
 from paratrain.data.tokens import build_tokens
 from paratrain.launch.eval_worker import eval_checkpoint
-from paratrain.testing.dist_utils import read_metrics
+from paratrain.testing.dist_utils import REPO, read_metrics
 from paratrain.testing.sft import losses_and_norms, reference, sft_config, sft_gpt
 from paratrain.testing.sft_data import (
     CHATML_PLAIN,
@@ -328,7 +328,7 @@ def test_gpu_sft_check_script_runs_on_cpu():
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = REPO
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(repo, "src"), repo]), "OMP_NUM_THREADS": "1"}
     script = os.path.join(repo, "benchmarks", "gpu_sft.py")
     out = subprocess.run(

@@ -1,6 +1,6 @@
 """The loss masks of `prepare --loss-on last/all`, and the batched mask's fallback said once.
 
-The default (`assistant`) is what tests/test_sft.py checks against transformers; these are the
+The default (`assistant`) is what tests/distributed/test_sft.py checks against transformers; these are the
 other choices a user can make, checked on the tokens the training targets hold.
 """
 

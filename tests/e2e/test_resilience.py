@@ -158,7 +158,7 @@ def test_sigterm_to_the_launcher_saves_and_resume_continues_bitwise(tmp_path, re
 def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(tmp_path):
     """Only one worker is signalled (one node preempted): the job exits 0 (the default exit code)
     and the checkpoint of the step rank 0 stopped after is complete, which needs every rank's
-    shard of that step's save. (tests/test_preemption.py compares both ranks' losses with the
+    shard of that step's save. (tests/e2e/test_preemption.py compares both ranks' losses with the
     single-process run.)"""
     out = str(tmp_path / "run")
     proc = start_train(out, ["checkpoint.interval=0", "checkpoint.at_end=false"])

@@ -21,8 +21,8 @@ How each subcommand is shrunk is the table `SHRINK`; a subcommand it does not kn
 so a new one gets a rule. A command already run in full by an earlier page (the same arguments
 after shrinking) runs as a preflight: the README repeats the pages' examples.
 
-`DOCS_TEST_PAGES="docs/x.md" pytest tests/test_docs.py` runs one page's commands while writing it.
-The runner is this file run as a script (`python tests/test_docs.py PLAN.json`): one process
+`DOCS_TEST_PAGES="docs/x.md" pytest tests/e2e/test_docs.py` runs one page's commands while writing it.
+The runner is this file run as a script (`python tests/e2e/test_docs.py PLAN.json`): one process
 imports paratrain once and runs each command through `paratrain.cli.main` in a forked child
 (preflights in the runner itself), which keeps the whole test near a minute.
 """
@@ -51,7 +51,7 @@ from paratrain import cli
 from paratrain.config import ConfigError, load_config
 from paratrain.preflight import check_run
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
 RUN_LANGS = {"bash", "sh", "shell", "console"}
@@ -176,7 +176,7 @@ def subcommand(argv: list[str], where: str) -> str:
         sub = f"bench {argv[2]}"
     if sub not in SHRINK:
         raise DocsError(
-            f"{where}: `paratrain {sub}` has no rule in tests/test_docs.py SHRINK; add how to make it run in seconds"
+            f"{where}: `paratrain {sub}` has no rule in tests/e2e/test_docs.py SHRINK; add how to make it run in seconds"
         )
     return sub
 

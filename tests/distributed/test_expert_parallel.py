@@ -1,7 +1,7 @@
 """Expert parallelism (``parallel.ep``; distributed/expert_parallel.py, docs/moe.md).
 
 The block alone at ep = 2 against the ep = 1 block on the same tokens (outputs, input, router and
-expert gradients), whose own anchor is tests/test_moe.py's per-token float64 loop. Then whole runs
+expert gradients), whose own anchor is tests/distributed/test_moe.py's per-token float64 loop. Then whole runs
 under plain SGD at ep = 2 and 4, with DDP, FSDP2 and HSDP, against one process (loss, aux_loss,
 grad_norm, tokens per expert, final weights), and a checkpoint of ep = 2 resumed at ep = 1 and 4.
 """

@@ -116,7 +116,7 @@ def test_resume_hf_run_at_another_world_size(sharded_run, tmp_path):
 
 
 def refusal(tmp_path, *extra: str, nproc: int = 1) -> str:
-    """`paratrain train` in this process (cli.main, as tests/test_pipeline.py does): the refusal
+    """`paratrain train` in this process (cli.main, as tests/distributed/test_pipeline.py does): the refusal
     comes before the launcher, and no interpreter start per case. test_cli_subprocess_exits_2 there
     covers the console entry point's exit code."""
     import paratrain.cli

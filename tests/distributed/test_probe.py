@@ -112,7 +112,7 @@ def one_error_line(stderr: str) -> str:
 
 
 def test_batch_norm_stops_train_with_exit_2_naming_the_module_and_is_accepted_when_asked(tmp_path):
-    model = "model.factory='tests.test_probe:batch_norm_net'"  # torch's BatchNorm (batch.norm_group = 0)
+    model = "model.factory='tests.distributed.test_probe:batch_norm_net'"  # torch's BatchNorm (batch.norm_group = 0)
     stop = [model, "batch.norm_group=0", f"run.out_dir='{tmp_path}/stop'"]
     res = paratrain_cli("train", *cli_args(tmp_path, *REGRESSION, *stop), timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
@@ -128,11 +128,13 @@ def test_batch_norm_stops_train_with_exit_2_naming_the_module_and_is_accepted_wh
 
 def test_unkeyed_noise_is_named_with_its_cause(tmp_path):
     with pytest.raises(ConfigError) as e:
-        train(tmp_path, *REGRESSION, "model.factory='tests.test_probe:noisy_net'")
+        train(tmp_path, *REGRESSION, "model.factory='tests.distributed.test_probe:noisy_net'")
     msg = str(e.value)
     assert "first differing module: 'noise' (Noise): random draws outside the keyed path" in msg, msg
     # run.probe = false: the run trains (silently layout-dependent, as asked)
-    assert train(tmp_path / "off", *REGRESSION, "model.factory='tests.test_probe:noisy_net'", "run.probe=false")
+    assert train(
+        tmp_path / "off", *REGRESSION, "model.factory='tests.distributed.test_probe:noisy_net'", "run.probe=false"
+    )
 
 
 def test_gpt_dropout_passes_keyed_and_names_the_attention_unkeyed(tmp_path, capsys):
@@ -187,7 +189,11 @@ def test_probe_leaves_generators_buffers_and_modes_as_they_were(net):
 def test_two_ranks_stop_together_when_only_one_finds_it(tmp_path):
     """BatchNorm on rank 1 only: rank 0's own probe passes, yet both ranks stop with exit 2 and
     rank 1's line (the findings are gathered), instead of rank 0 waiting in the first step."""
-    model = ["model.factory='tests.test_probe:batch_norm_net'", "model.args={rank = 1}", "batch.norm_group=0"]
+    model = [
+        "model.factory='tests.distributed.test_probe:batch_norm_net'",
+        "model.args={rank = 1}",
+        "batch.norm_group=0",
+    ]
     res = paratrain_cli(
         "train",
         *cli_args(tmp_path, *REGRESSION, *model, f"run.out_dir='{tmp_path}/run'", "dist.timeout_s=60"),
@@ -216,7 +222,11 @@ def test_every_rank_raises_the_same_line_without_a_launcher(tmp_path):
     gathered findings are what stops rank 0: it raises rank 1's line instead of training on."""
     from paratrain.testing.dist_utils import run_ranks
 
-    model = ["model.factory='tests.test_probe:batch_norm_net'", "model.args={rank = 1}", "batch.norm_group=0"]
+    model = [
+        "model.factory='tests.distributed.test_probe:batch_norm_net'",
+        "model.args={rank = 1}",
+        "batch.norm_group=0",
+    ]
     lines = run_ranks(
         train_rank_stopped, 2, [*REGRESSION, *model, f"run.out_dir='{tmp_path}'", "dist.timeout_s=30"], timeout=90
     )
