@@ -54,7 +54,7 @@ lint: install-test
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
 bench: install
-	$(PY) benchmarks/dp_overhead.py
+	$(PY) benchmarks/overhead/dp_overhead.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -2,7 +2,7 @@
 
 Each subcommand imports what it needs when it runs, and only the invoked subcommand's arguments
 are built, so a command that needs no torch (``prepare``, ``config``, ``report``) starts without
-loading it (about 4 s of CPU on this project's machines; benchmarks/prepare_throughput.py).
+loading it (about 4 s of CPU on this project's machines; benchmarks/overhead/prepare_throughput.py).
 
 Bad input exits with code 2 and one line naming the problem and the fix, never a traceback.
 """

@@ -1,4 +1,4 @@
-"""benchmarks/lora_memory.py: LoRA's gradient and AdamW-state bytes against full fine-tuning.
+"""benchmarks/memory/lora_memory.py: LoRA's gradient and AdamW-state bytes against full fine-tuning.
 
 Byte counts are deterministic (no timing): after one AdamW step every trained parameter holds 4
 bytes of gradient and 8 of moments, a frozen one none, so the ratio LoRA / full equals the ratio
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.lora_memory import check, formula_bytes, measure, measure_all
 from paratrain.testing.hf_models import save_tiny
+from paratrain.testing.lora_memory import check, formula_bytes, measure, measure_all
 
 LORA = dict(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
 

@@ -324,10 +324,10 @@ def test_llama3_8b_on_8_h100_lands_near_torchtitans_measurement(tmp_path):
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_stage_memory_matches_a_real_run(schedule):
     """Each pipeline rank's modelled peak against the live tensor bytes of a real pp = 2 run of the
-    main GPT (benchmarks/plan_pipeline_memory.py): within 10%. Without the receive buffers, the
+    main GPT (benchmarks/parallel/plan_pipeline_memory.py): within 10%. Without the receive buffers, the
     gradients accumulated over the pipeline micro-batches and with logits on the first stage, the
     last 1F1B stage was 18% under and the first GPipe stage 17% over."""
-    from benchmarks.plan_pipeline_memory import measured, modelled  # a script, imported for its helpers
+    from paratrain.testing.pipeline_memory import measured, modelled
 
     layout = Layout(1, 1, 1, 2, 4, pp_schedule=schedule)
     for meas, model in zip(measured(layout), modelled(layout), strict=True):
@@ -360,12 +360,12 @@ def test_zero_bubble_with_selective_checkpointing_is_refused():
 
 @pytest.mark.slow  # about 20 s: six tiny trainings
 def test_gpu_check_script_runs_on_cpu():
-    """benchmarks/gpu_plan.py (the GPU check, for a task lent a device) works end to end here."""
+    """benchmarks/gpu/gpu_plan.py (the GPU check, for a task lent a device) works end to end here."""
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "src"), "OMP_NUM_THREADS": "1"}
-    script = os.path.join(REPO, "benchmarks", "gpu_plan.py")
+    script = os.path.join(REPO, "benchmarks", "gpu", "gpu_plan.py")
     args = ["--dry-run-cpu", "--global-batch", "8", "--min-micro-batch", "4", "--steps", "3"]
     out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

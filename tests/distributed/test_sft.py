@@ -324,13 +324,13 @@ def test_pipelined_hf_model_equals_transformers_on_each_conversation_alone(sft):
 
 @pytest.mark.slow  # about 30 s: four tiny HF trainings
 def test_gpu_sft_check_script_runs_on_cpu():
-    """benchmarks/gpu_sft.py (the GPU check of this issue, for a task lent a device) works here."""
+    """benchmarks/gpu/gpu_sft.py (the GPU check of this issue, for a task lent a device) works here."""
     import subprocess
     import sys
 
     repo = REPO
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(repo, "src"), repo]), "OMP_NUM_THREADS": "1"}
-    script = os.path.join(repo, "benchmarks", "gpu_sft.py")
+    script = os.path.join(repo, "benchmarks", "gpu", "gpu_sft.py")
     out = subprocess.run(
         [sys.executable, script, "--dry-run-cpu"], capture_output=True, text=True, env=env, timeout=600
     )

@@ -1,4 +1,4 @@
-"""benchmarks/chaos.py with a fixed seed: three faults on one elastic loopback job behind a
+"""benchmarks/resilience/chaos.py with a fixed seed: three faults on one elastic loopback job behind a
 rendezvous server (a preemption and its requeue, a full disk on one rank, a worker SIGKILLed),
 and the finished run equals the uninterrupted one; every checkpoint intact, one MLflow run."""
 
@@ -18,7 +18,7 @@ pytest.importorskip("mlflow")
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_three_faults_change_nothing(tmp_path):
-    cmd = [sys.executable, "benchmarks/chaos.py", "--seed", "1", "--faults", "3", "--out", str(tmp_path)]
+    cmd = [sys.executable, "benchmarks/resilience/chaos.py", "--seed", "1", "--faults", "3", "--out", str(tmp_path)]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1400)
     out = res.stdout
     assert res.returncode == 0, out[-3000:] + res.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""benchmarks/moe_ep.py's logic that its figures rest on (no timing, no process started): the dense
+"""benchmarks/parallel/moe_ep.py's logic that its figures rest on (no timing, no process started): the dense
 twin has the MoE's active parameters, every layout it launches passes the preflight as the layout
 it claims, the all_to_all bytes it compares against are plan/cost.py's formula per step, and a
 run whose own files contradict its layout is refused."""
@@ -11,10 +11,10 @@ import os
 
 import pytest
 
-from benchmarks.moe_ep import a2a_formula, layouts, overrides, param_counts, read_run
 from paratrain.config import load_config
 from paratrain.preflight import check_run
 from paratrain.testing.dist_utils import REPO
+from paratrain.testing.moe_ep import a2a_formula, layouts, overrides, param_counts, read_run
 
 
 def bench_args(**kw) -> argparse.Namespace:

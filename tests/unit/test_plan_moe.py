@@ -74,7 +74,7 @@ def test_plan_enumerates_ep_and_prices_the_all_to_all():
 
 
 def test_all_to_all_bytes_formula_is_the_benchmarks():
-    """benchmarks/moe_ep.py measured 4.06 MiB (ep 2) and 5.99 MiB (ep 4) sent per rank in one
+    """benchmarks/parallel/moe_ep.py measured 4.06 MiB (ep 2) and 5.99 MiB (ep 4) sent per rank in one
     forward (2048 tokens, top 2, d_model 256, fp32) against this formula's 4.00 and 6.00."""
     fwd2, bwd2 = moe_all_to_all_bytes(tokens=2048, top_k=2, d_model=256, ep=2)
     fwd4, _ = moe_all_to_all_bytes(tokens=2048, top_k=2, d_model=256, ep=4)

@@ -106,7 +106,7 @@ class PreferencePairs(torch.utils.data.Dataset):
         micro-batch's longest pair, rounded up to a multiple of ``pad_to`` (0: ``block_size`` wide).
 
         TRL pads a micro-batch to its longest reply the same way; rows of ``block_size`` cost the
-        step the padding (1.3x the positions in benchmarks/vs_trl_dpo.py). A pair's numbers do not
+        step the padding (1.3x the positions in benchmarks/peers/vs_trl_dpo.py). A pair's numbers do not
         depend on the cut: each side attends to itself only (its positions restart), and the cut
         columns are padding (position -1, no target). ``pad_to`` is a multiple of tp with sequence
         parallel (the sequence is split over the tp ranks); 0 keeps one shape for train.compile."""

@@ -353,7 +353,7 @@ class AutoAttention(RingAttention):
     Why all-to-all first: it sends ``8 (cp - 1) / cp`` chunks per layer against the ring's ``6 (cp
     - 1) + 2`` and runs one fused SDPA instead of the ring's loop over chunk pairs; on CPU it took
     0.41-0.43 of the ring's step time at cp 2 and 4 (docs/context-parallel.md, measured with
-    benchmarks/cp_ring_vs_alltoall.py).
+    benchmarks/parallel/cp_ring_vs_alltoall.py).
 
     Who decides: a cp rank sees only its chunks of a row, and a row can look like one document in
     one rank's chunks and not in another's. The step sees the whole rows before it cuts them

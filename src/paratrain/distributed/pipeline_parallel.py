@@ -177,7 +177,7 @@ def check_pp_layout(
     if cfg.pp_schedule in ZERO_BUBBLE and cfg.activation_checkpointing == "selective":
         # The deferred weight pass is a second backward through the block, which torch's selective
         # checkpointing refuses ("Trying to backward an extra time", torch 2.13; found by
-        # benchmarks/plan_accuracy.py training every layout `paratrain plan` proposed).
+        # benchmarks/parallel/plan_accuracy.py training every layout `paratrain plan` proposed).
         raise ConfigError(
             f"parallel.pp_schedule = '{cfg.pp_schedule}' runs a second backward for the weights, which"
             " parallel.activation_checkpointing = 'selective' does not allow; use 'full' or 'none', or"

@@ -15,7 +15,7 @@ hosts as far as their clocks agree), its rank, pid, world size and
     worker_failed        an exception left the loop (``error``: its first line): how a peer's death is noticed
 
 That is six lines per start and rank at most, written with one ``open(..., "a")`` each, never
-in the steady loop. ``benchmarks/elastic_recovery.py`` reads them to split a node's death into
+in the steady loop. ``benchmarks/resilience/elastic_recovery.py`` reads them to split a node's death into
 detection, rendezvous, restart, load and first step (docs/resilience.md).
 """
 

@@ -5,7 +5,7 @@ Every step each row carries rank 0's own memory (no collective). Every
 memory, step time, data time and local compute time to all ranks; the row then holds the
 maximum memory and which rank holds it, the per-rank times, the slowest rank and its ratio to
 the median. The collective is a tensor of 5 float64 per rank on the host (gloo) or the device
-(NCCL only), so its cost is one latency-bound all-gather (measured in benchmarks/observe_overhead.py).
+(NCCL only), so its cost is one latency-bound all-gather (measured in benchmarks/overhead/observe_overhead.py).
 
 Why ``local_time_s`` and not only the step time: in synchronous data parallelism every rank
 waits for the slowest one inside the gradient all-reduce, so the wall time of a step is the

@@ -46,7 +46,7 @@ All terms are seconds per optimiser step on the slowest rank's critical path:
   times forward, each hop overlapping the attention of the chunk it holds (up to ``overlap``);
   its backward sends K, V and their gradient so far ``cp - 1`` times and the gradient home once,
   in float32, each hop waited before the next pair (exposed): :func:`ring_bytes`, checked against
-  the bytes the ring sends in tests/distributed/test_plan.py and benchmarks/cp_memory.py. All-to-all
+  the bytes the ring sends in tests/distributed/test_plan.py and benchmarks/parallel/cp_memory.py. All-to-all
   (Ulysses) runs four all-to-alls forward (q, k, v, out) and four backward, on the critical path.
   A forward recomputed by full checkpointing communicates again. The rank computes ``T / cp``
   tokens of each row, each attending over the whole row: every other term sees ``1/cp`` of the
@@ -501,7 +501,7 @@ def moe_all_to_all_bytes(*, tokens: int, top_k: int, d_model: int, ep: int, elem
     2), ``(ep - 1) / ep`` of them to another rank; the backward sends their gradients the other
     way (as much again). Tokens travel in the residual stream's dtype (float32: layer norms run in
     float32 under autocast, and FSDP2's bf16 parameters are refused with ep) and outputs in
-    float32, hence ``elem_bytes`` 4 for both. benchmarks/moe_ep.py measures a whole step's
+    float32, hence ``elem_bytes`` 4 for both. benchmarks/parallel/moe_ep.py measures a whole step's
     (forward and backward, both layers) within the routing's imbalance: 3.998 MiB against 4.000 at
     ep 2 of world 2, 3.110 against 3.000 at ep 4 of world 4 (docs/moe.md)."""
     if ep <= 1:

@@ -18,19 +18,19 @@ A profile holds what the cost model needs of one device and its links:
   DTensor propagates shardings in Python first) and ``fsdp_unit_overhead_s`` is added per FSDP
   unit and collective (FSDP2's hooks, copy-in and copy-out). On a GPU these run ahead of the
   kernels and hide behind them once the kernels are large, so the GPU profiles add nothing; the
-  CPU pays them in full (calibrated at world 1 by benchmarks/plan_accuracy.py).
+  CPU pays them in full (calibrated at world 1 by benchmarks/parallel/plan_accuracy.py).
 - ``optimizer_tensor_overhead_s`` / ``dtensor_optimizer_tensor_overhead_s``: the end of the step
   (gradient norm, clipping, AdamW, zero_grad) per parameter tensor, plain and sharded (FSDP or
   TP: each op on a DTensor propagates shardings in Python). On CPU torch's AdamW loops over the
   tensors one by one (foreach is its default on CUDA only, torch/optim/optimizer.py
   ``_default_to_fused_or_foreach``): 30-33 us a tensor plain and 186-203 us as DTensors at world
-  1 (benchmarks/plan_accuracy.py, two runs), about 12 ms a step for the main GPT under FSDP. On
+  1 (benchmarks/parallel/plan_accuracy.py, two runs), about 12 ms a step for the main GPT under FSDP. On
   a GPU the foreach kernels take whole lists of tensors and the host runs ahead: the GPU
   profiles add nothing.
 - ``collective_sync_s``: what a collective costs inside a step beyond its isolated `bench comm`
   time: the ranks arrive at different moments, and on a CPU the backend's threads compete with
   the compute for the same cores. Added to every collective priced. On this 2-core machine it is
-  measured in place by benchmarks/plan_accuracy.py: a tiny tensor-parallel GPT at the world size
+  measured in place by benchmarks/parallel/plan_accuracy.py: a tiny tensor-parallel GPT at the world size
   (4 all-reduces per block) against the same at world 1 (1.5-2.5 ms a collective at world 2);
   the GPU profiles add nothing (NCCL runs on its own SMs; not measured here).
 
@@ -235,8 +235,8 @@ def cpu_profile() -> Profile:
         sources={
             "flops": "one AVX2 core, 32 FLOP/cycle at ~3 GHz (estimate; calibrate with bench compute)",
             "memory": "/proc/meminfo (the whole machine: ranks share it); bandwidth a DDR4 channel (estimate)",
-            "links": "gloo over loopback TCP (estimate; calibrate with bench comm); 1.5 ms more per collective inside a step, measured in place at world 2 (benchmarks/plan_accuracy.py)",
-            "overhead": "eager dispatch of a small block pass ~1 ms, ~15 ms on DTensors, FSDP2 ~1.5 ms per unit and collective, the step's end 33 us per parameter tensor (200 us on DTensors), measured here at world 1 (benchmarks/plan_accuracy.py)",
+            "links": "gloo over loopback TCP (estimate; calibrate with bench comm); 1.5 ms more per collective inside a step, measured in place at world 2 (benchmarks/parallel/plan_accuracy.py)",
+            "overhead": "eager dispatch of a small block pass ~1 ms, ~15 ms on DTensors, FSDP2 ~1.5 ms per unit and collective, the step's end 33 us per parameter tensor (200 us on DTensors), measured here at world 1 (benchmarks/parallel/plan_accuracy.py)",
         },
     )
 

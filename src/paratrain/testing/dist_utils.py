@@ -180,7 +180,7 @@ def read_metrics(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-# --- process trees and stores of real jobs (tests and benchmarks/elastic_recovery.py) ----------
+# --- process trees and stores of real jobs (tests and benchmarks/resilience/elastic_recovery.py) ----------
 
 
 def child_pids(pid: int) -> list[int]:

@@ -136,7 +136,7 @@ def gpt_sigterm_at(sigterm_at_forward: int = 0, sigterm_rank: int = 1, **gpt_arg
 
 
 def gpt_chaos(chaos_dir: str = "", forward_sleep_s: float = 0.2, **gpt_args) -> nn.Module:
-    """``gpt_slow`` plus two faults benchmarks/chaos.py injects from outside through files in
+    """``gpt_slow`` plus two faults benchmarks/resilience/chaos.py injects from outside through files in
     ``chaos_dir``, each taken (deleted) by the rank it names: ``hang-rank{R}`` makes rank R's next
     forward sleep an hour (its peers time out), ``enospc-rank{R}`` makes rank R's next checkpoint
     write fail with ENOSPC (the disk is full on that node only)."""

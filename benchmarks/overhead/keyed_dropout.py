@@ -1,0 +1,127 @@
+"""Keyed dropout against torch's own dropout: the main job's step time, and the ops alone.
+
+    python benchmarks/overhead/keyed_dropout.py [--pairs 6] [--steps 20] [--nproc 1] [--ops-only]
+
+End to end: configs/main.toml with ``model.args.dropout = 0.1`` (the GPT's attention dropout),
+run as paratrain trains it (keyed, the default) and with ``run.keyed_random = false`` (torch's
+dropout inside ``scaled_dot_product_attention``, each rank's RNG; ``run.layout_dependent`` accepts
+it), alternately, the order swapped every pair. Each run's statistic is the median step time
+after 3 warm-up steps; the pair's observation is keyed / torch, summarised as the median ratio
+and the 95% t-interval of the geometric mean (src/paratrain/testing/paired.py). Each run's log is checked
+for the world size and global batch it claims.
+
+Ops: one attention-probabilities-sized tensor (the main job's micro-batch: 8 x 4 heads x 256 x
+256) through ``keyed_dropout`` and ``F.dropout``, and the attention with keyed dropout (the
+math path: softmax, keyed mask, times v) against ``scaled_dot_product_attention(dropout_p=0.1)``;
+median of 20 timings each, one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+WARMUP = 3
+
+
+def run(out: str, overrides: list[str], *, steps: int, nproc: int) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
+    sets = [
+        f"run.out_dir='{out}'",
+        f"run.steps={steps}",
+        "run.progress=false",
+        "metrics.plot=false",
+        "run.save_model=false",
+        "eval.interval=0",
+        "model.args.dropout=0.1",
+        *overrides,
+    ]
+    cmd = [sys.executable, "-m", "paratrain", "train", "configs/main.toml", "--nproc-per-node", str(nproc)]
+    cmd += [a for s in sets for a in ("--set", s)]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    if res.returncode:
+        sys.exit(f"benchmark run failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
+    if f"world {nproc} on" not in res.stderr:
+        sys.exit(f"the run did not report world {nproc}:\n{res.stderr[-2000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return statistics.median(r["step_time_s"] for r in rows[WARMUP:])
+
+
+def ops() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from paratrain.randomness import KeyedDraws, keyed_dropout, row_keys
+
+    torch.set_num_threads(1)
+    b, h, t, d = 8, 4, 256, 32
+    keys = row_keys(0, [(0, i) for i in range(b)])
+    probs = torch.rand(b, h, t, t)
+    q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    mode = KeyedDraws({}, keys)
+
+    def keyed_attention():
+        with mode:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)
+
+    rows = [
+        ("dropout op", timed(lambda: keyed_dropout(probs, 0.1, keys, 7)), timed(lambda: F.dropout(probs, 0.1))),
+        (
+            "attention with dropout",
+            timed(keyed_attention),
+            timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)),
+        ),
+    ]
+    for name, keyed, plain in rows:
+        print(
+            f"{name}: keyed {keyed * 1e3:.2f} ms, torch {plain * 1e3:.2f} ms, ratio {keyed / plain:.2f} (median of 20)"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--ops-only", action="store_true")
+    args = ap.parse_args()
+    ops()
+    if args.ops_only:
+        return 0
+    from paratrain.testing.paired import summary_line
+
+    variants = {"keyed": [], "torch": ["run.keyed_random=false", "run.layout_dependent=true"]}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.pairs):
+            order = list(variants) if i % 2 == 0 else list(reversed(variants))
+            for name in order:
+                times[name].append(run(f"{tmp}/{name}{i}", variants[name], steps=args.steps, nproc=args.nproc))
+            print(f"pair {i + 1}: keyed {times['keyed'][-1]:.3f} s, torch {times['torch'][-1]:.3f} s", flush=True)
+    ratios = [a / b for a, b in zip(times["keyed"], times["torch"])]
+    print(f"main job, world {args.nproc}, dropout 0.1, median step time per run")
+    print(summary_line("keyed / torch step time", ratios))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

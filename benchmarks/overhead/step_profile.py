@@ -1,0 +1,210 @@
+"""Where a paratrain step's time goes next to the hand-written DDP loop: deterministic counts first.
+
+Runs the main job (world 2, gloo) twice under torchrun, paratrain's loop and the loop of
+src/paratrain/testing/baseline_ddp.py (here with phase timers), each with torch.profiler over steps
+11-20, and prints per step:
+
+- the collectives (the profiler's ``gloo:*`` events, DDP's bucket all-reduce included);
+- the host reads: ``aten::_local_scalar_dense`` (``.item()``, ``float(t)``; AdamW on CPU reads
+  each parameter's step count, in both loops) and ``Tensor.tolist`` calls;
+- the median wall time of each phase (ms): paratrain's count before backward, forward/backward,
+  clip + optimiser step, the wait for the totals reduce, the rest of ``train_step``, and the loop
+  outside ``train_step`` (loader, metrics row, rank stats, checkpoint checks, the row's write);
+  the baseline's data, forward/backward, clip + optimiser step and loss reduce + read.
+
+The counts do not depend on the machine's load; the times do (state ``uptime`` beside them).
+
+    python benchmarks/overhead/step_profile.py [--config configs/main.toml] [--src /path/to/other/src]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+WAIT, ACTIVE = 10, 10  # profiler: steps skipped, steps recorded (after one warm-up step)
+
+
+def name_tolist() -> None:
+    """Make Tensor.tolist (a host read the profiler does not name) a profiler event."""
+    import torch
+    from torch.profiler import record_function
+
+    tolist = torch.Tensor.tolist
+
+    def named(self):
+        with record_function("Tensor.tolist"):
+            return tolist(self)
+
+    torch.Tensor.tolist = named
+
+
+def report(prof, phases: dict, out: str) -> None:
+    counts = {e.key: e.count for e in prof.key_averages()}
+    row = {
+        "collectives": {k: c / ACTIVE for k, c in counts.items() if k.startswith(("gloo:", "nccl:"))},
+        "item_reads": counts.get("aten::_local_scalar_dense", 0) / ACTIVE,
+        "tolist_reads": counts.get("Tensor.tolist", 0) / ACTIVE,
+        "phase_ms": {k: 1e3 * statistics.median(v[2:]) for k, v in phases.items()},
+    }
+    with open(out, "w") as f:
+        json.dump(row, f)
+
+
+def profiler():
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    return profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=WAIT, warmup=1, active=ACTIVE))
+
+
+def baseline(config: str, out: str) -> None:
+    """src/paratrain/testing/baseline_ddp.py's loop, with phase timers."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from paratrain.config import load_config
+    from paratrain.testing.baseline_ddp import setup
+
+    cfg = load_config(config, [f"run.steps={WAIT + ACTIVE + 2}"])
+    rank, model, data, opt, per_rank, mbs, accum, g = setup(cfg)
+    phases = {k: [] for k in ("data", "forward_backward", "clip_optimizer", "loss_reduce_read", "total")}
+    name_tolist()
+    with profiler() as prof:
+        for step in range(cfg.run.steps):
+            prof.step()
+            t0 = time.perf_counter()
+            idx = torch.randint(0, len(data), (cfg.batch.global_batch_size,), generator=g).tolist()
+            mine = idx[rank * per_rank : (rank + 1) * per_rank]
+            t_data = t_fb = 0.0
+            for k in range(accum):
+                a = time.perf_counter()
+                xs, ys = zip(*(data[i] for i in mine[k * mbs : (k + 1) * mbs]))
+                x, y = torch.stack(xs), torch.stack(ys)
+                b = time.perf_counter()
+                with model.no_sync() if k < accum - 1 else torch.enable_grad():
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / accum
+                    loss.backward()
+                t_data, t_fb = t_data + b - a, t_fb + time.perf_counter() - b
+            a = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            b = time.perf_counter()
+            loss_val = loss.detach().clone()
+            dist.all_reduce(loss_val)
+            loss_val.item()
+            c = time.perf_counter()
+            if step > WAIT:
+                for name, v in zip(phases, (t_data, t_fb, b - a, c - b, c - t0)):
+                    phases[name].append(v)
+    if rank == 0:
+        report(prof, phases, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def paratrain(config: str, out: str) -> None:
+    """paratrain's loop as the CLI runs it, its phases timed by wrapping step.py's functions."""
+    import paratrain.step as S
+    import paratrain.trainer as T
+    from paratrain.config import load_config
+
+    tmp = tempfile.mkdtemp(prefix="step_profile-")
+    sets = [f"run.steps={WAIT + ACTIVE + 2}", f"run.out_dir='{tmp}'", "run.progress=false", "metrics.plot=false"]
+    cfg = load_config(config, [*sets, "run.save_model=false", "eval.interval=0"])
+    names = ("count", "forward_backward", "clip_optimizer", "totals_wait", "rest_of_step", "outside_step", "total")
+    phases, cur = {k: [] for k in names}, {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cur[name] = cur.get(name, 0.0) + time.perf_counter() - t
+
+        return wrapper
+
+    S.count_global_items = timed("count", S.count_global_items)
+    S.forward_backward = timed("forward_backward", S.forward_backward)
+    S.finish_step = timed("clip_optimizer", S.finish_step)
+    if hasattr(S, "PendingTotals"):
+        S.PendingTotals.wait = timed("totals_wait", S.PendingTotals.wait)
+    else:  # an older step.py (--src): its reduce waited at once
+        S.reduce_totals = timed("totals_wait", S.reduce_totals)
+    step, state = S.train_step, {"last": None, "n": 0}
+    name_tolist()
+
+    def train_step(*args, **kwargs):
+        now = time.perf_counter()
+        if state["last"] is not None and state["n"] > WAIT + 1:  # the previous step, now complete
+            cur["total"] = now - state["last"]
+            cur["outside_step"] = cur["total"] - cur["step"]
+            cur["rest_of_step"] = cur["step"] - sum(cur.get(k, 0.0) for k in names[:4])
+            for k in names:
+                phases[k].append(cur.get(k, 0.0))
+        cur.clear()
+        state["last"], state["n"] = now, state["n"] + 1
+        prof.step()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            cur["step"] = time.perf_counter() - now
+
+    T.train_step = train_step
+    with profiler() as prof:
+        T.train(cfg)
+    if int(os.environ["RANK"]) == 0:
+        report(prof, phases, out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/main.toml")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--src", default=os.path.join(REPO, "src"), help="paratrain's src/ to profile (e.g. an older checkout)"
+    )
+    p.add_argument("--worker", choices=["paratrain", "baseline"], help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        import torch
+
+        torch.set_num_threads(1)
+        (paratrain if args.worker == "paratrain" else baseline)(args.config, args.out)
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([args.src, REPO])}
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in ("baseline", "paratrain"):
+            out = os.path.join(tmp, f"{variant}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+            cmd += [__file__, "--worker", variant, "--out", out, "--config", args.config]
+            res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+            if res.returncode:
+                sys.exit(f"profile run failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
+            with open(out) as f:
+                rows[variant] = json.load(f)
+    for variant, row in rows.items():
+        coll = ", ".join(f"{k} {v:g}" for k, v in sorted(row["collectives"].items())) or "none"
+        print(
+            f"{variant}: collectives per step: {coll}; host reads per step: {row['item_reads']:g} item/float,"
+            f" {row['tolist_reads']:g} tolist"
+        )
+        print("  median ms: " + ", ".join(f"{k} {v:.2f}" for k, v in row["phase_ms"].items()))
+    print(f"(load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f})")
+
+
+if __name__ == "__main__":
+    main()

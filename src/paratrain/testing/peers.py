@@ -1,0 +1,246 @@
+"""What the comparisons with TRL and Accelerate share (benchmarks/peers/ and the DPO reference
+benchmark): the optimiser settings both tools get, the warm-up left out of a run's median step
+time, the launcher of a run, and the DPO comparison's layout options, rounds and result file.
+transformers, TRL and torch.distributed are imported inside the functions that use them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from paratrain.testing.dist_utils import REPO
+from paratrain.testing.paired import ratio_ci, summary_line
+
+WARMUP = 2  # steps left out of each run's median (first-step allocations, DDP bucket rebuild)
+
+BLOCK = 512  # packed row length of both tools (paratrain's block_size, TRL's max_length)
+
+BETA = 0.1
+
+LORA = dict(r=16, alpha=32)  # --lora: on every linear layer but the output layer, no dropout
+
+
+def optim_sets(lr: float) -> list[str]:
+    """paratrain's optimiser overrides in every comparison: AdamW with the betas, eps, clipping and
+    constant learning rate the peer tool is given, no weight decay, no warm-up."""
+    return [
+        f"optim.lr={lr}",
+        "optim.beta1=0.9",
+        "optim.beta2=0.95",
+        "optim.eps=1e-8",
+        "optim.weight_decay=0",
+        "optim.grad_clip=1.0",
+        "optim.warmup_steps=0",
+        "optim.schedule='constant'",
+    ]
+
+
+def steady(stamps: list[float]) -> float:
+    """Median of the step times (differences of consecutive step-end stamps) after the first WARMUP steps."""
+    diffs = [b - a for a, b in zip(stamps, stamps[1:])]  # diffs[i] is step i + 2 (1-based)
+    return statistics.median(diffs[WARMUP - 1 :])
+
+
+def run(cmd: list[str], env: dict) -> None:
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"{' '.join(cmd[:6])} ... failed ({res.returncode}):\n{res.stderr[-3000:]}")
+
+
+def add_layout_args(p: argparse.ArgumentParser, *, micro: int, batch: int) -> None:
+    """The options that set where and how both tools run (this script's and vs_trl_grpo.py's)."""
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both tools run (default cpu)")
+    p.add_argument("--procs", type=int, default=2, help="processes (data-parallel ranks) of each tool (default 2)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 weights in both tools (else fp32)")
+    p.add_argument("--qwen-05b", action="store_true", help="Qwen2.5-0.5B's shape, random weights (the GPU check)")
+    p.add_argument("--batch", type=int, default=batch, help=f"global batch (default {batch})")
+    p.add_argument("--micro", type=int, default=micro, help=f"per micro-batch per process (default {micro})")
+
+
+def trl_layout(args) -> dict:
+    """TRL's settings for the layout: the device, the process group's backend, the precision."""
+    cpu = args.device == "cpu"
+    return {"use_cpu": cpu, "ddp_backend": "gloo" if cpu else "nccl", "bf16": args.bf16}
+
+
+def paratrain_layout(args) -> list[str]:
+    """paratrain's --set lines for the same layout (bf16: autocast over fp32 master weights, as TRL's bf16)."""
+    return [
+        f"parallel.dp_replicate={args.procs}",
+        f"dist.device='{args.device}'",
+        f"precision.dtype='{'bf16' if args.bf16 else 'fp32'}'",
+    ]
+
+
+def worker_layout(args) -> list[str]:
+    """The layout options handed on to the TRL worker."""
+    return ["--device", args.device, "--procs", str(args.procs), *(["--bf16"] if args.bf16 else [])]
+
+
+def describe_layout(args) -> str:
+    what = f"{args.procs} process{'es' if args.procs > 1 else ''} on {args.device}"
+    return what + (", bf16 autocast" if args.bf16 else ", float32")
+
+
+def check_trl_world(trainer, args) -> int:
+    """TRL's world, backend and batch settings must be the ones asked for; else the run is void."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    backend = dist.get_backend() if dist.is_initialized() else trl_layout(args)["ddp_backend"]
+    a = trainer.args
+    if world != args.procs or a.world_size != args.procs or backend != trl_layout(args)["ddp_backend"]:
+        raise SystemExit(f"TRL joined a world of {world} ({a.world_size}) on {backend}, not {args.procs}: void")
+    if a.per_device_train_batch_size != args.micro or a.gradient_accumulation_steps != args.accum:
+        raise SystemExit(
+            f"TRL runs micro {a.per_device_train_batch_size} x accum {a.gradient_accumulation_steps}: void"
+        )
+    if a.bf16 != args.bf16:
+        raise SystemExit(f"TRL's bf16 = {a.bf16}, not {args.bf16}: void")
+    return world
+
+
+def gather(obj) -> list:
+    """``obj`` of every rank (a world of one when TRL's launcher made no process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def save_policy(path: str, args, *, seed: int, vocab: int, max_positions: int) -> str:
+    """The policy both tools load: a random Qwen2 of --hidden x --layers, or of Qwen2.5-0.5B's
+    shape (--qwen-05b; stored in bf16, loaded as float32)."""
+    if not args.qwen_05b:
+        from paratrain.testing.hf_models import save_tiny
+
+        h = args.hidden
+        shape = dict(vocab_size=vocab, hidden_size=h, intermediate_size=4 * h, num_hidden_layers=args.layers)
+        return save_tiny("qwen2", path, max_position_embeddings=max_positions, seed=seed, **shape)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from paratrain.testing.hf_models import QWEN2_05B
+
+    shape = {k: v for k, v in QWEN2_05B.items() if k != "model_type"}
+    torch.manual_seed(seed)
+    with torch.device(args.device):  # initialised on the GPU: seconds, not a minute of CPU
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", max_position_embeddings=2048, **shape))
+    model.to(torch.bfloat16).save_pretrained(path)
+    del model
+    return path
+
+
+def shape_of(args) -> str:
+    return "Qwen2.5-0.5B's shape (random)" if args.qwen_05b else f"Qwen2 hidden {args.hidden} x {args.layers} layers"
+
+
+def pair_positions(corpus: str, block: int, micro: int, draws: int = 200) -> float:
+    """paratrain's positions per pair: a row ends at its micro-batch's longest pair rounded up to
+    8 (``data.args.pad_to``'s default), so this is the mean width of its own collate over ``draws``
+    micro-batches of ``micro`` pairs drawn at random (seed 0), as the shuffled sampler draws them."""
+    import random
+
+    from paratrain.data.tokens import build_tokens
+
+    pairs = build_tokens(path=corpus, block_size=block, pad_to=8)
+    pick = random.Random(0)
+    widths = [
+        pairs.collate([pairs[i] for i in pick.sample(range(len(pairs)), micro)])[0].shape[-1] for _ in range(draws)
+    ]
+    return sum(widths) / len(widths)
+
+
+def rounds_and_check(args, paths: dict, tmp: str, env: dict, *, run_paratrain, run_trl, correctness) -> dict:
+    """The paired rounds (paratrain and TRL alternating, the order swapped every round), their
+    summary, and the first-step loss check: what main() of this script and vs_trl_reward.py share."""
+    ratios, ours, theirs, inner, loads = [], [], [], [], []
+    for r in range(args.rounds):
+        order = ("paratrain", "trl") if r % 2 == 0 else ("trl", "paratrain")
+        got = {}
+        for tool in order:
+            out = os.path.join(tmp, f"{tool}{r}")
+            if tool == "paratrain":
+                corpus = paths["corpus_pairs_timing"]
+                got[tool] = run_paratrain(paths, corpus, out, args.batch, args.micro, args.steps, args, env)
+            else:
+                pairs = paths["pairs_timing"]
+                got[tool] = run_trl(paths, pairs, out, args.batch, args.micro, args.steps, args, env)
+        a, b = got["paratrain"]["step_s"], got["trl"]["step_s"]
+        ours.append(a)
+        theirs.append(b)
+        inner.append(got["trl"]["inner_s"])
+        ratios.append(a / b)
+        loads.append(os.getloadavg()[0])
+        print(
+            f"round {r}: paratrain {a * 1e3:.1f} ms/step, TRL {b * 1e3:.1f} ms/step"
+            f" (begin->end {inner[-1] * 1e3:.1f}), ratio {ratios[-1]:.3f}, load {loads[-1]:.1f}",
+            flush=True,
+        )
+    mine, other = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+    print(f"median step: paratrain {mine:.1f} ms, TRL {other:.1f} ms")
+    print(f"paired ratios: {', '.join(f'{x:.3f}' for x in ratios)} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+    print(summary_line("ratio paratrain/TRL", ratios))
+    work = {t: {k: got[t][k] for k in ("positions_per_pair", "tokens_per_pair")} for t in ("paratrain", "trl")}
+    print(
+        "positions the forward passes compute per pair (real tokens, prompt twice):"
+        f" paratrain {work['paratrain']['positions_per_pair']:.0f} ({work['paratrain']['tokens_per_pair']:.0f}),"
+        f" TRL {work['trl']['positions_per_pair']:.0f} ({work['trl']['tokens_per_pair']:.0f})"
+    )
+    # Real (unpadded) tokens trained on per second: one count for both tools (TRL's attention
+    # mask over the same pairs; paratrain's `tokens` column counts otherwise), over the median step.
+    for t, step_s in (("paratrain", mine), ("trl", other)):
+        work[t]["tokens_per_s"] = args.batch * work["trl"]["tokens_per_pair"] / (step_s / 1e3)
+    print(
+        f"real tokens/s (median step): paratrain {work['paratrain']['tokens_per_s']:.0f},"
+        f" TRL {work['trl']['tokens_per_s']:.0f}"
+    )
+    check = None if args.skip_check else correctness(paths, tmp, args, env)
+    return {
+        "ratios": ratios,
+        "ours": ours,
+        "theirs": theirs,
+        "inner": inner,
+        "loads": loads,
+        "work": work,
+        "check": check,
+    }
+
+
+def write_result(result_path: str, args, paths: dict, setup: str, got: dict) -> None:
+    """The rounds' results (``rounds_and_check``) as JSON next to the script."""
+    ratios, ours, theirs, inner, loads, work, check = (
+        got[k] for k in ("ratios", "ours", "theirs", "inner", "loads", "work", "check")
+    )
+    gmean, lo, hi = ratio_ci(ratios)
+    import torch
+    import transformers
+    import trl
+
+    result = {
+        "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]]),
+        "setup": setup,
+        "args": {k: v for k, v in vars(args).items() if v is not None and k not in ("worker", "quick")},
+        "block_size": paths["block"],
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
+        "paratrain_step_s": ours,
+        "trl_step_s": theirs,
+        "trl_begin_to_end_s": inner,
+        "load_average": loads,
+        "ratios": ratios,
+        "ratio_median": statistics.median(ratios),
+        "ratio_geometric_mean": gmean,
+        "ratio_ci95": [lo, hi],
+        "positions_per_pair": work,
+        "check": check,
+    }
+    with open(result_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {os.path.relpath(result_path, REPO)}")
