@@ -1,4 +1,7 @@
+import logging
 import os
+
+import pytest
 
 # pytest puts the repository root on sys.path (tests/ is a package), so factory paths into test
 # modules (``tests.distributed.test_pipeline:layered_lm``) resolve here and in spawned ranks; the
@@ -21,3 +24,17 @@ def _guarded_exit(code: int = 0):
 
 
 os._exit = _guarded_exit
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """Each test leaves the root and ``paratrain`` loggers as it found them. A run in this process
+    (paratrain.train, cli.main) gives the ``paratrain`` logger a handler on the sys.stderr of that
+    moment, which is a test's capture stream: left in place, a later test's warnings go to a closed
+    file and each prints a "--- Logging error ---" trace instead of one line."""
+    loggers = [logging.getLogger(), logging.getLogger("paratrain")]
+    saved = [(lg.handlers[:], lg.level, lg.propagate, lg.disabled) for lg in loggers]
+    yield
+    for lg, (handlers, level, propagate, disabled) in zip(loggers, saved):
+        lg.handlers[:] = handlers
+        lg.level, lg.propagate, lg.disabled = level, propagate, disabled
