@@ -278,11 +278,11 @@ print(json.dumps([b - a for a, b in zip(t, t[1:])]))
 PHASE_NAMES = (
     "import torch",
     "import torch.distributed.run (what torchrun's launcher adds)",
-    "import paratrain's launcher (through paratrain.checkpoint: DCP, DTensor, dynamo, pipelining)",
-    "import paratrain.preflight (the rest; alone it pulls the same through three modules)",
+    "import paratrain's launcher (cli, agent, rendezvous backend: no parallelism's modules)",
+    "import paratrain.preflight (its checks, the models' and data's modules: no DCP, FSDP2, DTensor, dynamo)",
     "import transformers (its lazy module table)",
     "check_run (preflight: the model's config.json by AutoConfig, the corpus)",
-    "import the worker (trainer, checkpointer: already loaded above)",
+    "import the worker (trainer, checkpointer: DCP, DTensor, FSDP2, dynamo, pipelining, in the worker only)",
     "import transformers' Qwen2 modeling",
 )
 

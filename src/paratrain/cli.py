@@ -115,7 +115,7 @@ def check_out_dir(cfg: Config, *, one_node: bool) -> None:
     nothing is removed here, so a check that stops before the launch changes nothing). The
     second check is for one-node jobs: every node of a multi-node job runs this command, and a
     node that joins an elastic job late finds the job's own outputs there."""
-    from paratrain.checkpoint.export import run_outputs  # lazy: see the module docstring
+    from paratrain.checkpoint.manifest import run_outputs  # lazy: see the module docstring
 
     out = cfg.run.out_dir
     # The folders this check creates are removed after it: a command refused later (a wrong job

@@ -11,7 +11,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+
+# DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
+# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.config import ConfigError, LossConfig, resolve_callable
@@ -167,8 +169,8 @@ def _checked(user: Callable) -> Callable:
     return call
 
 
-def _data_parallel_shards(weight: DTensor) -> tuple[str, ...]:
-    """The mesh dimensions other than ``tp`` over which ``weight`` is sharded (FSDP2's)."""
+def _data_parallel_shards(weight: torch.Tensor) -> tuple[str, ...]:
+    """The mesh dimensions other than ``tp`` over which ``weight`` (a DTensor) is sharded (FSDP2's)."""
     names = weight.device_mesh.mesh_dim_names or ()
     return tuple(n for n, p in zip(names, weight.placements) if n != "tp" and p.is_shard())
 
@@ -204,6 +206,8 @@ class ChunkedCrossEntropy:
         self.head, self.loss_parallel = head, loss_parallel
 
     def __call__(self, hidden: torch.Tensor, target: torch.Tensor):
+        from torch.distributed.tensor import DTensor, Replicate
+
         if self.head is None:
             raise RuntimeError(
                 "loss.chunk_size > 0 but no output layer was handed to the loss (ModelSpec.hand_head_to)"
@@ -236,6 +240,8 @@ class ChunkedCrossEntropy:
         return total, (target != self.ignore_index).sum()
 
     def _chunk(self, h, t, weight, bias):
+        from torch.distributed.tensor import DTensor
+
         logits = F.linear(h, weight, bias)
         if isinstance(logits, DTensor) and not self.loss_parallel:
             logits = logits.full_tensor()

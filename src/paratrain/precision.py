@@ -20,7 +20,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from paratrain.config import ConfigError, PrecisionConfig
 
@@ -98,6 +97,10 @@ def build_mp_policy(cfg: PrecisionConfig, *, compression: str = "none"):
         reduce = compression
     if cfg.dtype == "fp32" and reduce == "fp32":
         return None
+    # Here, not at the top: FSDP2 imports DTensor (about 1.5 s), which the launcher's preflight,
+    # reading check_precision and DTYPES, must not pay (tests/test_startup.py).
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     return MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.dtype], reduce_dtype=DTYPES[reduce], output_dtype=None, cast_forward_inputs=True
     )

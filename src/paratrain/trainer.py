@@ -25,7 +25,8 @@ from paratrain.batch.lr_scaling import LRScaling
 from paratrain.batch.plan import BatchPlan, replan_batch
 from paratrain.build import build_parallel_with_weights, key_detected_draws, precompute_reference
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
-from paratrain.checkpoint.export import clear_run_outputs, save_full_weights
+from paratrain.checkpoint.export import save_full_weights
+from paratrain.checkpoint.manifest import clear_run_outputs
 from paratrain.config import Config, ConfigError, LossConfig, to_dict, to_toml
 from paratrain.data.datasets import build_dataset, build_val_dataset, static_items_per_sample, tensor_items_per_sample
 from paratrain.data.loader import StepLoader

@@ -7,24 +7,56 @@
 - export.py        a checkpoint's model as one safetensors file
 """
 
-from paratrain.checkpoint.checkpointer import (
-    Checkpointer,
-    CheckpointSaveError,
-    build_checkpointer,
-    config_changes,
-    resume_spec,
-)
-from paratrain.checkpoint.export import export_safetensors, read_model_weights
-from paratrain.checkpoint.manifest import (
-    CheckpointInvalid,
-    find_latest,
-    list_checkpoints,
-    resolve_checkpoint,
-    verify_checkpoint,
-    write_manifest,
-)
-from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_reader
-from paratrain.checkpoint.state import DataclassState, ModelState, OptimizerState, rng_state, set_rng_state
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # The same names, for readers and type checkers (and tests/test_structure.py's import graph).
+    from paratrain.checkpoint.checkpointer import (
+        Checkpointer,
+        CheckpointSaveError,
+        build_checkpointer,
+        config_changes,
+        resume_spec,
+    )
+
+    # typing only, as above
+    from paratrain.checkpoint.export import export_safetensors, read_model_weights
+
+    # typing only, as above
+    from paratrain.checkpoint.manifest import (
+        CheckpointInvalid,
+        find_latest,
+        list_checkpoints,
+        resolve_checkpoint,
+        verify_checkpoint,
+        write_manifest,
+    )
+
+    # typing only, as above
+    from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_reader
+
+    # typing only, as above
+    from paratrain.checkpoint.state import DataclassState, ModelState, OptimizerState, rng_state, set_rng_state
+
+# Where each name lives. The package imports them on first use only (PEP 562): its modules pull
+# torch.distributed.checkpoint, DTensor and pipelining, which the launcher (``paratrain train``
+# before any worker starts) needs none of; it reads manifest.py's constants and run_outputs only.
+_HOMES = {
+    "checkpointer": ("Checkpointer", "CheckpointSaveError", "build_checkpointer", "config_changes", "resume_spec"),
+    "export": ("export_safetensors", "read_model_weights"),
+    "manifest": (
+        "CheckpointInvalid",
+        "find_latest",
+        "list_checkpoints",
+        "resolve_checkpoint",
+        "verify_checkpoint",
+        "write_manifest",
+    ),
+    "safe_load": ("load_metadata", "safe_planner", "safe_reader"),
+    "state": ("DataclassState", "ModelState", "OptimizerState", "rng_state", "set_rng_state"),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
     "Checkpointer",
@@ -49,3 +81,11 @@ __all__ = [
     "verify_checkpoint",
     "write_manifest",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _HOME_OF:
+        raise AttributeError(f"module 'paratrain.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"paratrain.checkpoint.{_HOME_OF[name]}"), name)
+    globals()[name] = value
+    return value

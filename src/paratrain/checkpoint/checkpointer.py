@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from paratrain.checkpoint.manifest import (
     _STEP_DIR,
     CONFIG_FILE,
+    ELASTIC_ENV,
     MANIFEST,
     list_checkpoints,
     resolve_checkpoint,
@@ -556,9 +557,6 @@ def _guarded(fn) -> str | None:
         return f"{type(exc).__name__}: {exc}".splitlines()[0] if exc is not None else "CheckpointException"
     except OSError as e:
         return f"{type(e).__name__}: {e}".splitlines()[0]
-
-
-ELASTIC_ENV = "PARATRAIN_ELASTIC"  # set by `paratrain train --nnodes MIN:MAX` in its workers
 
 
 def resume_spec(cfg: CheckpointConfig) -> tuple[str, str]:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from paratrain.checkpoint.manifest import CONFIG_FILE, MANIFEST, list_checkpoints, resolve_checkpoint
+from paratrain.checkpoint.manifest import CONFIG_FILE, MANIFEST, RUN_WEIGHTS, list_checkpoints, resolve_checkpoint
 from paratrain.checkpoint.safe_load import load_metadata, safe_planner, safe_reader
 from paratrain.config import ConfigError
 from paratrain.distributed.expert_parallel import gather_expert_weights
@@ -47,36 +47,6 @@ def read_model_weights(checkpoint: str) -> tuple[dict[str, torch.Tensor], dict, 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load({"model": weights}, storage_reader=safe_reader(path), planner=safe_planner(), no_dist=True)
     return weights, manifest, path
-
-
-RUN_WEIGHTS = "model.safetensors"  # a finished run's final weights (trainer.finish)
-# What a run leaves in run.out_dir (trainer.py): a folder with any of them, or with step-N
-# checkpoints, holds a run; ``--overwrite`` removes them and the files beside them.
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", RUN_WEIGHTS, "hf", "adapter")
-RUN_FILES = ("config.toml", "metrics.png")
-
-
-def run_outputs(out_dir: str, checkpoint_dir: str = "") -> list[str]:
-    """The outputs of a run found in ``out_dir`` (and its checkpoints), by name; [] for none."""
-    found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(out_dir, n))]
-    checkpoints = checkpoint_dir or os.path.join(out_dir, "checkpoints")
-    if list_checkpoints(checkpoints):
-        found.append(checkpoint_dir or "checkpoints")
-    return found
-
-
-def clear_run_outputs(out_dir: str, checkpoint_dir: str = "") -> None:
-    """``run.overwrite``: remove the old run's outputs and its checkpoints under ``out_dir`` (a
-    ``checkpoint.dir`` of its own is the user's to clear; events.jsonl stays: it is appended to,
-    and this run's first lines are in it already)."""
-    import shutil
-
-    for name in (*RUN_OUTPUTS, *RUN_FILES, "checkpoints" if not checkpoint_dir else ""):
-        path = os.path.join(out_dir, name) if name else ""
-        if path and os.path.isdir(path):
-            shutil.rmtree(path)
-        elif path and os.path.exists(path):
-            os.remove(path)
 
 
 def read_export_source(source: str) -> tuple[dict[str, torch.Tensor], dict, str, str]:

@@ -1,6 +1,7 @@
 """The sha256 manifest: a checkpoint is complete exactly when ``manifest.json`` exists (written
 last, through an atomic rename), and intact exactly when the checksums match. Listing, finding the
-newest intact checkpoint, and resolving ``checkpoint.resume``.
+newest intact checkpoint, and resolving ``checkpoint.resume``; what a run leaves in its
+``run.out_dir``. Light on purpose (no torch): the launcher reads it before any worker starts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ log = logging.getLogger("paratrain")
 MANIFEST = "manifest.json"
 CONFIG_FILE = "config.toml"
 FORMAT = "paratrain-checkpoint/1"
+ELASTIC_ENV = "PARATRAIN_ELASTIC"  # set by `paratrain train --nnodes MIN:MAX` in its workers (resume_spec)
+
+RUN_WEIGHTS = "model.safetensors"  # a finished run's final weights (trainer.finish)
+# What a run leaves in run.out_dir (trainer.py): a folder with any of them, or with step-N
+# checkpoints, holds a run; ``--overwrite`` removes them and the files beside them.
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", RUN_WEIGHTS, "hf", "adapter")
+RUN_FILES = ("config.toml", "metrics.png")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -134,3 +142,26 @@ def resolve_checkpoint(spec: str, root: str) -> str | None:
     except CheckpointInvalid as e:
         raise ConfigError(f"checkpoint.resume = {spec!r}: {e}")
     return spec
+
+
+def run_outputs(out_dir: str, checkpoint_dir: str = "") -> list[str]:
+    """The outputs of a run found in ``out_dir`` (and its checkpoints), by name; [] for none."""
+    found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(out_dir, n))]
+    checkpoints = checkpoint_dir or os.path.join(out_dir, "checkpoints")
+    if list_checkpoints(checkpoints):
+        found.append(checkpoint_dir or "checkpoints")
+    return found
+
+
+def clear_run_outputs(out_dir: str, checkpoint_dir: str = "") -> None:
+    """``run.overwrite``: remove the old run's outputs and its checkpoints under ``out_dir`` (a
+    ``checkpoint.dir`` of its own is the user's to clear; events.jsonl stays: it is appended to,
+    and this run's first lines are in it already)."""
+    import shutil
+
+    for name in (*RUN_OUTPUTS, *RUN_FILES, "checkpoints" if not checkpoint_dir else ""):
+        path = os.path.join(out_dir, name) if name else ""
+        if path and os.path.isdir(path):
+            shutil.rmtree(path)
+        elif path and os.path.exists(path):
+            os.remove(path)

@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+
+# DTensor and FSDP2 are imported in the functions that use them: importing them costs seconds, which
+# the launcher, whose preflight reads this module through the models, must not pay (tests/test_startup.py).
 
 # Set on each expert parameter by apply_ep: its ExpertGroup (the gradient reduce and norm read it).
 EP_ATTR = "_paratrain_expert_group"
@@ -93,7 +94,7 @@ def all_to_all(x: torch.Tensor, *, out_splits: list[int], in_splits: list[int], 
 # 2-core CPU machine at load 10: compile time, not a hang.
 # Eager: 5 graphs, 24 s at the same load, and no recompile (the output has the fixed shape
 # (N k, d), so the router, weighting and slot-order combine around it compile once).
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, importing dynamo at the first call, not here
 def dispatch(
     flat: torch.Tensor, experts: torch.Tensor, local: Sequence[nn.Module], n_experts: int, ep: ExpertGroup
 ) -> torch.Tensor:
@@ -150,6 +151,8 @@ def apply_expert_fsdp(
     other weights get (bf16 casts the experts too). Gradients: the reduce-scatter sums over
     ``mesh`` and divides by ``divide_factor`` (dp; module docstring). Call after :func:`apply_ep`,
     before the model's own FSDP2, which then leaves the experts to these units."""
+    from torch.distributed.fsdp import fully_shard
+
     for unit in _expert_units(model):
         ep = getattr(next(iter(unit[0].parameters())), EP_ATTR)
         # One group for the layer's experts: the MoE calls each expert, never their container,
@@ -177,6 +180,8 @@ def apply_expert_fsdp(
 def _expert_units(model: nn.Module) -> list[list[nn.Module]]:
     """The modules holding one layer's experts: the largest modules whose parameters are all
     expert parameters; a container (ModuleDict/ModuleList, never called itself) gives its children."""
+    from torch.distributed.tensor import DTensor
+
     units = []
 
     def visit(m: nn.Module) -> None:
@@ -216,6 +221,8 @@ def reduce_expert_grads(params) -> None:
 def expert_norm_power(grads: list[torch.Tensor], ep: ExpertGroup, norm_type: float) -> torch.Tensor:
     """The ``norm_type``-th power of the norm of all of the ep group's expert gradients (each
     rank holds different experts: a sum over the ep group; the max for the inf norm)."""
+    from torch.distributed.tensor import DTensor
+
     # Two kinds of expert gradients reach here, never mixed in one model: FSDP2-sharded over
     # ep_replicate (apply_expert_fsdp: the norm of the whole experts, full_tensor), or a
     # DTensor's own rows on the ep group's mesh (models/hf/moe.py), which grad_norm passes local.
@@ -235,6 +242,8 @@ def gather_expert_weights(model: nn.Module, sd: dict) -> dict:
     """``sd`` (a full state dict) with every expert of the ep group, under the names ep = 1 uses
     (each rank holds some; the model's own names already are the global ones): a collective of
     the ep group, for the full-weights export."""
+    from torch.distributed.tensor import DTensor
+
     # DTensor rows over the ep group (models/hf/moe.py) came out of get_model_state_dict whole
     # already; FSDP2's expert shards (DTensors too, tagged EP_FSDP_ATTR) are gathered below.
     local = {
@@ -257,6 +266,8 @@ def gather_expert_weights(model: nn.Module, sd: dict) -> dict:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 

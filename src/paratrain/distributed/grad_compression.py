@@ -39,40 +39,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.config import CommConfig, ConfigError
+from paratrain.distributed.layout_checks import check_compression as check_compression  # its old home
 from paratrain.precision import DTYPES
 
 log = logging.getLogger("paratrain")
 
 HALF_DTYPES = {name: DTYPES[name] for name in ("bf16", "fp16")}
-
-
-def check_compression(cfg: CommConfig, *, dp_replicate: int, dp_shard: int, tp: int = 1, pp: int = 1) -> None:
-    """Refuse, before any process starts, a compression the layout cannot apply."""
-    if cfg.compression != "none" and pp > 1 and dp_shard == 1:
-        raise ConfigError(
-            f"comm.compression = {cfg.compression!r} is not applied to pipeline stages;"
-            " set comm.compression = 'none' with parallel.pp > 1 (or shard with parallel.dp_shard)"
-        )
-    if cfg.compression != "none" and tp > 1 and dp_shard == 1 and dp_replicate > 1:
-        # dp_replicate x tp runs torch's FSDP2-based replicate (DDP cannot hold DTensors), which
-        # takes no DDP communication hook.
-        raise ConfigError(
-            f"comm.compression = {cfg.compression!r} needs DDP or FSDP2; with parallel.tp = {tp}"
-            " shard the data-parallel dimension (parallel.dp_shard) or set comm.compression = 'none'"
-        )
-    if cfg.compression == "powersgd":
-        if dp_shard > 1:
-            raise ConfigError(
-                f"comm.compression = 'powersgd' cannot work with parallel.dp_shard = {dp_shard}: FSDP2's"
-                " reduce-scatter takes no communication hook; use comm.compression = 'bf16' or set parallel.dp_shard = 1"
-            )
-        if cfg.powersgd_start_step < 2:
-            # DDP rebuilds its buckets after the first iteration, and PowerSGD's error feedback is
-            # keyed by bucket: torch refuses a start before the second step.
-            raise ConfigError(
-                f"comm.powersgd_start_step = {cfg.powersgd_start_step} must be >= 2 (PowerSGD with"
-                " error feedback can only start once DDP's buckets are final)"
-            )
 
 
 class CountingGroup:

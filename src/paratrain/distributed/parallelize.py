@@ -40,33 +40,11 @@ from paratrain.distributed.compile import apply_compile
 from paratrain.distributed.context_parallel import apply_cp
 from paratrain.distributed.data_parallel import apply_ddp, apply_fsdp, apply_replicate
 from paratrain.distributed.expert_parallel import ExpertGroup, apply_ep, apply_expert_fsdp
+from paratrain.distributed.layout_checks import check_parallel_layout as check_parallel_layout  # its old home
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.pipeline_parallel import ZERO_BUBBLE, apply_pp, is_pipeline_stage
-from paratrain.distributed.tensor_parallel import STYLE_NAMES, apply_tp
+from paratrain.distributed.tensor_parallel import apply_tp
 from paratrain.precision import build_mp_policy
-
-
-def check_parallel_layout(dims: ParallelDims, *, parallel: ParallelConfig) -> None:
-    """Every check of the parallel layout that needs only the config: run in the launcher, before
-    any process or process group starts. Raises ConfigError naming the key and the fix."""
-    if parallel.sequence_parallel and dims.tp == 1:
-        raise ConfigError(
-            "parallel.sequence_parallel = true needs tensor parallelism; set parallel.tp > 1"
-            " or parallel.sequence_parallel = false"
-        )
-    if parallel.cpu_offload and dims.dp_shard == 1:
-        raise ConfigError(
-            "parallel.cpu_offload = true offloads FSDP2 shards; set parallel.dp_shard > 1"
-            " or parallel.cpu_offload = false"
-        )
-    if parallel.tp_plan and parallel.tp_plan_factory:
-        raise ConfigError("parallel.tp_plan and parallel.tp_plan_factory are both set; keep one of them")
-    for pattern, style in parallel.tp_plan.items():
-        if style not in STYLE_NAMES:
-            raise ConfigError(
-                f"parallel.tp_plan.{pattern} = {style!r} is not a tensor-parallel style;"
-                f" use one of {', '.join(STYLE_NAMES)}"
-            )
 
 
 def parallelize(

@@ -39,16 +39,25 @@ from torch.distributed.tensor.parallel import (
 )
 
 from paratrain.config import ConfigError, resolve_callable
+from paratrain.distributed.layout_checks import STYLE_NAMES
 
-# Style names a [parallel.tp_plan] table may use, and what each one is.
-STYLE_NAMES = {
-    "colwise": "split output features; input replicated, output sharded on the last dim",
-    "rowwise": "split input features; input sharded on the last dim, output replicated (all-reduce)",
-    "colwise_gather": "colwise with the output gathered (replicated), e.g. an output layer",
-    "sequence": "a norm/pointwise module on sequence-sharded activations (dim 1)",
-    "rowwise_to_sequence": "rowwise whose output is reduce-scattered along the sequence (dim 1)",
-    "sequence_to_colwise": "colwise whose input comes sequence-sharded (dim 1) and is all-gathered",
-}
+
+class ReplicateWithGradAllReduce(ParallelStyle):
+    """Replicated parameters of a module that sees a head-sharded input (dim -2, local heads): the
+    ``replicated_with_grad_allreduce`` entry of a transformers plan (models/hf/parallel.py)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            dt = DTensor.from_local(p.data, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+        def to_dtensor(mod, args):
+            x = args[0]
+            return (DTensor.from_local(x, device_mesh, [Shard(x.dim() - 2)], run_check=False), *args[1:])
+
+        module.register_forward_pre_hook(to_dtensor)
+        module.register_forward_hook(lambda mod, args, out: out.to_local() if isinstance(out, DTensor) else out)
+        return module
 
 
 def style_from_name(name: str, module: nn.Module, key: str) -> ParallelStyle:

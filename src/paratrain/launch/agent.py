@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from paratrain.checkpoint.checkpointer import ELASTIC_ENV
+from paratrain.checkpoint.manifest import ELASTIC_ENV
 from paratrain.config import Config, ConfigError, to_dict
 from paratrain.distributed import rendezvous
 from paratrain.distributed.store_auth import BIND_ENV, SECRET_ENV, interface_of, load_secret, new_secret, route_source

@@ -33,7 +33,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+
+# DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
+# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.objectives.base import Objective
@@ -95,6 +97,8 @@ class DistillLoss(Objective):
         self._forward = forward  # the teacher runs per micro-batch, in loss(): one logits tensor at a time
 
     def loss(self, output, target) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
         teacher = self.teacher(self._forward, self._k)
         self._k += 1
         student = output.full_tensor() if isinstance(output, DTensor) else output

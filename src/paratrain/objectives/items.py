@@ -5,8 +5,9 @@ over the global count of target items."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
+# DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
+# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
 from paratrain.config import ConfigError
 from paratrain.loss import Loss, rows
 from paratrain.objectives.base import Objective
@@ -70,6 +71,8 @@ class ItemLoss(Objective):
 
 def plain(s: torch.Tensor) -> torch.Tensor:
     # loss_parallel: a replicated scalar DTensor
+    from torch.distributed.tensor import DTensor
+
     return s.full_tensor() if isinstance(s, DTensor) else s
 
 

@@ -42,8 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
+# DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
+# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
 from paratrain.config import PREFERENCE_LOSS_TYPES as LOSS_TYPES
 from paratrain.config import ConfigError
 from paratrain.loss import pair_count, rows
@@ -62,6 +63,8 @@ def side_scores(scores, target: torch.Tensor, cp: CPGroup | None = None) -> tupl
     ``cp``: the rows are this context-parallel rank's part (its two chunks): the last token's
     global index is agreed over the cp ranks (a MAX), the one rank that holds it gives its score
     and the others 0, summed with the gradient (``torch.distributed.nn``'s all-reduce)."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(scores, DTensor):
         scores = scores.full_tensor()
     scores = scores[..., 0].float()
@@ -106,6 +109,8 @@ class CPGroup:
 def side_logps(logits, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``(chosen, rejected)`` log-probability sums ``(B, 2)`` (float32) and their
     target-token counts ``(B, 2)``, from the logits ``(B, T, V)`` and the pair target ``(B, 2, T)``."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(logits, DTensor):  # tensor parallel without loss_parallel: replicated logits
         logits = logits.full_tensor()
     tokens, side = target[:, 0], target[:, 1]

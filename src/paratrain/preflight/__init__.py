@@ -19,10 +19,8 @@ from paratrain.config import Config, ConfigError
 from paratrain.data.datasets import dataset_builder
 from paratrain.data.packing import IGNORE_INDEX
 from paratrain.data.tokens import resolve_model_vocab, resolve_packing, tokens_meta
-from paratrain.distributed.grad_compression import check_compression
+from paratrain.distributed.layout_checks import check_compression, check_parallel_layout, check_pp_layout, check_untied
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.distributed.parallelize import check_parallel_layout
-from paratrain.distributed.pipeline_parallel import check_pp_layout, check_untied
 from paratrain.models import build, resolve, spec_of
 from paratrain.models.hf import check_hf_moe_layout
 from paratrain.models.lora import import_peft

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paratrain.config import Config, ConfigError
+from paratrain.distributed.layout_checks import ZERO_BUBBLE
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.distributed.pipeline_parallel import ZERO_BUBBLE
 
 Check = Callable[[Config, ParallelDims], bool]
 

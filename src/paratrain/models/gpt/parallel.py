@@ -25,25 +25,34 @@ own tp rank's positions (a local slice, no communication).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
 
 from paratrain.config import ConfigError
 from paratrain.models.gpt.model import GPTConfig, build_gpt, gpt_flops
 from paratrain.models.gpt.moe import MoE, MoEConfig
 from paratrain.models.spec import ExpertLayer, ModelSpec
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+# torch's tensor-parallel styles (DTensor) are imported in gpt_tp_plan: importing DTensor costs
+# seconds, which the launcher, whose preflight reads this module through the models, must not pay
+# (tests/test_startup.py).
+
 
 def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
     """The Megatron plan for paratrain's GPT (modules that a pipeline stage dropped are skipped)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     plan: dict[str, ParallelStyle] = {}
     if getattr(model, "tok_emb", None) is not None:

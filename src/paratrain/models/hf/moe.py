@@ -34,11 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
+# DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
+# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
 from paratrain.config import ConfigError
 from paratrain.distributed.expert_parallel import ExpertGroup, dispatch
-from paratrain.distributed.pipeline_parallel import ZERO_BUBBLE
+from paratrain.distributed.layout_checks import ZERO_BUBBLE
 from paratrain.models.gpt.moe import sequence_balance_loss
 from paratrain.models.spec import ExpertLayer
 from paratrain.objectives.moe import RouterStats
@@ -254,6 +255,8 @@ def _local_expert(experts: nn.Module, gate_up: torch.Tensor, down: torch.Tensor,
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
     return t.to_local() if isinstance(t, DTensor) else t  # to_local is differentiable: grads land on the DTensor
 
 
@@ -283,6 +286,7 @@ def enable_expert_parallel(experts: nn.Module, ep: ExpertGroup) -> list[nn.Param
     DTensors ``Shard(0)`` over the ep group, and run the module through
     :func:`ep_experts_forward`. Returns the (DTensor) parameters. A meta model stays on meta
     (the loader fills each rank's rows)."""
+    from torch.distributed.tensor import DTensor, Shard
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     rows = ep.local_experts(experts.num_experts)
@@ -313,7 +317,7 @@ def keep_experts_eager(model: nn.Module) -> None:
         block.experts.forward = types.MethodType(_eager_experts_forward, block.experts)
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, importing dynamo at the first call, not here
 def _eager_experts_forward(experts: nn.Module, *args, **kwargs):
     return type(experts).forward(experts, *args, **kwargs)  # the class's: transformers' dispatch
 

@@ -30,33 +30,27 @@ and so do the dense MLPs of a model that mixes both (Qwen3-MoE's ``mlp_only_laye
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from paratrain.config import ConfigError
-from paratrain.distributed.tensor_parallel import plan_from_table
 from paratrain.models.hf.moe import sparse_blocks
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
-class ReplicateWithGradAllReduce(ParallelStyle):
-    """Replicated parameters of a module that sees a head-sharded input (dim -2, local heads)."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        for name, p in list(module.named_parameters(recurse=False)):
-            dt = DTensor.from_local(p.data, device_mesh, [Replicate()], run_check=False)
-            module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
-
-        def to_dtensor(mod, args):
-            x = args[0]
-            return (DTensor.from_local(x, device_mesh, [Shard(x.dim() - 2)], run_check=False), *args[1:])
-
-        module.register_forward_pre_hook(to_dtensor)
-        module.register_forward_hook(lambda mod, args, out: out.to_local() if isinstance(out, DTensor) else out)
-        return module
+# torch's tensor-parallel styles (DTensor) and distributed/tensor_parallel.py are imported in the
+# functions that build a plan: importing DTensor costs seconds, which the launcher, whose
+# preflight reads this module through the models, must not pay (tests/test_startup.py).
 
 
 def style_of(name: str, key: str) -> ParallelStyle:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from paratrain.distributed.tensor_parallel import ReplicateWithGradAllReduce  # DTensor: see the imports
+
     styles = {
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(),
@@ -90,6 +84,8 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool
             "parallel.sequence_parallel = true is not supported for model.hf (its plan keeps the residual stream"
             " replicated); set it to false"
         )
+    from paratrain.distributed.tensor_parallel import plan_from_table  # DTensor: see the imports
+
     # Mixture of experts: the modules of the sparse blocks (router, fused experts) stay replicated.
     moe = {id(m) for block in sparse_blocks(model) for m in block.modules()}
     plan = plan_from_table(

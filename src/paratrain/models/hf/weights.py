@@ -34,9 +34,9 @@ import shutil
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+# DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
+# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
 from paratrain.config import ConfigError
 from paratrain.models.hf.model import causal_lm_from_config
 from paratrain.models.lora import adapter_base_name
@@ -122,6 +122,9 @@ def _read_converted(name: str, converter, sources: list[tuple], handle) -> torch
 
 def _local_slice(p: torch.Tensor) -> tuple[slice, ...] | None:
     """This rank's region of parameter ``p`` in the full tensor (None: the whole of it)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     if not isinstance(p, DTensor):
         return None
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
@@ -171,6 +174,8 @@ def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device, 
     ``converted`` (:func:`converted_sources`) says how to make the tensors the files hold under
     other names. Returns the number of elements this rank read (its share of the model).
     """
+    from torch.distributed.tensor import DTensor
+
     read = 0
     handles: dict[str, object] = {}
     converted = converted or {}
