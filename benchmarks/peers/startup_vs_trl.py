@@ -1,22 +1,22 @@
 """Start-up: time to the first optimiser step of paratrain's SFT against TRL's ``SFTTrainer``, the
 same tiny Qwen2 on the same conversations, one process each on CPU.
 
-Measured (TRL 1.16.0, transformers 5.25, torch 2.13 CPU; defaults: 128 conversations packed into
-38 rows of 512 by both tools, Qwen2 hidden 64 x 2 layers, a first step of 4 rows, 5 rounds; this
-2-core machine shared with other jobs, load average 2.9 to 4.2), seconds from the command to the
-end of the first optimiser step, medians: paratrain ``train`` 13.37 (``prepare`` 2.10 more), TRL
-9.51, TRL under ``torchrun`` 11.21; total wall of the 3-step runs 15.86 against 12.45. Paired
-ratio paratrain/TRL: ``train`` median 1.321 (geometric mean 1.358, 95% CI [1.064, 1.732]),
-``prepare + train`` 1.500 ([1.244, 1.957]); against TRL under ``torchrun`` 1.150 ([0.951,
-1.596]). paratrain starts about 30% slower than TRL in a plain ``python``; the first step itself
-is not the difference (0.27 s against 0.35 s). Where paratrain's 13.4 s went (its events, median
-seconds from the command): its launcher until the worker process exists 6.4, the worker's
-imports 3.8, building the run 2.7 (transformers' import, the Qwen2 modeling module, the weights),
-the first step 0.56. The launcher's part, each piece timed in a fresh interpreter: torch 1.44,
-paratrain's launcher and preflight modules 1.76 (torch.distributed.checkpoint, DTensor, FSDP2,
-dynamo and pipelining come with them), transformers 0.96 (to read the model's ``config.json``),
-the preflight checks themselves 0.03. TRL's one process spends 8.2 s importing (torch,
-transformers, datasets, accelerate, trl) and 1.2 s after. See docs/sft.md (Start-up against TRL).
+Measured with ``--rounds 8`` (TRL 1.16.0, transformers 5.25, torch 2.13 CPU; 128 conversations
+packed into 38 rows of 512 by both tools, Qwen2 hidden 64 x 2 layers, a first step of 4 rows; this
+2-core machine shared with other jobs, load average 6.1 to 9.2, every figure about 1.8 times its
+quiet value), seconds from the command to the end of the first optimiser step, medians: paratrain
+``train`` 17.21 (``prepare`` 2.00 more), TRL 13.97, TRL under ``torchrun`` 17.37; total wall of the
+3-step runs 19.38 against 17.77. Paired ratio paratrain/TRL: ``train`` median 1.200 (geometric
+mean 1.154, 95% CI [0.967, 1.378]), ``prepare + train`` 1.348 ([1.087, 1.515]); against TRL under
+``torchrun`` 0.964 ([0.769, 1.179]). Before paratrain's launcher stopped importing the parallelisms
+(5 rounds at load 2.9 to 4.2): 1.321 ([1.064, 1.732]), 1.500, 1.150. Where paratrain's 17.2 s go
+(its events): its launcher until the worker process exists 6.1, the worker's imports 6.4,
+building the run 4.2, the first step 0.64. The launcher's part, each piece timed in a fresh
+interpreter at the same load: torch 2.77, paratrain's launcher and preflight modules 0.42 (none
+of DCP, FSDP2, DTensor, dynamo, pipelining: tests/e2e/test_startup.py), transformers 2.12 (to read the
+model's ``config.json``), the preflight checks 0.06. The worker reaches its first step 11.2 s
+after it starts, sooner than TRL's one process (14.0): what is left is the launcher's own torch
+and transformers. See docs/sft.md (Start-up against TRL).
 
 Data and model (``src/paratrain/testing/sft_data.py``, as ``vs_trl.py``): ``--conversations`` chat rows about
 standard-library modules, the byte-level ChatML tokenizer with ``{% generation %}`` marks, and one
@@ -50,7 +50,7 @@ of each round is the observation, summarised by ``paired.summary_line``: the med
 corpus already prepared: what every run after the first pays) and ``prepare + train`` (from the
 same jsonl as TRL). The results go to ``startup_vs_trl.json`` next to this script.
 
-    python benchmarks/peers/startup_vs_trl.py            # 5 paired rounds
+    python benchmarks/peers/startup_vs_trl.py            # 5 paired rounds (--rounds 8 was measured)
     python benchmarks/peers/startup_vs_trl.py --quick    # 1 round, no JSON
 
 Needs ``pip install trl`` (1.16 was measured) in the same environment.

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
-# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
+# whose preflight reads this module through the models, must not pay (tests/e2e/test_startup.py).
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.config import ConfigError, LossConfig, resolve_callable

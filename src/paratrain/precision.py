@@ -98,7 +98,7 @@ def build_mp_policy(cfg: PrecisionConfig, *, compression: str = "none"):
     if cfg.dtype == "fp32" and reduce == "fp32":
         return None
     # Here, not at the top: FSDP2 imports DTensor (about 1.5 s), which the launcher's preflight,
-    # reading check_precision and DTYPES, must not pay (tests/test_startup.py).
+    # reading check_precision and DTYPES, must not pay (tests/e2e/test_startup.py).
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    # The same names, for readers and type checkers (and tests/test_structure.py's import graph).
+    # The same names, for readers and type checkers (and tests/unit/test_structure.py's import graph).
     from paratrain.checkpoint.checkpointer import (
         Checkpointer,
         CheckpointSaveError,

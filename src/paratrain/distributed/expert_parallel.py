@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 # DTensor and FSDP2 are imported in the functions that use them: importing them costs seconds, which
-# the launcher, whose preflight reads this module through the models, must not pay (tests/test_startup.py).
+# the launcher, whose preflight reads this module through the models, must not pay (tests/e2e/test_startup.py).
 
 # Set on each expert parameter by apply_ep: its ExpertGroup (the gradient reduce and norm read it).
 EP_ATTR = "_paratrain_expert_group"

@@ -4,7 +4,7 @@ parallelism use the same tables.
 
 Light on purpose: torch (``nn`` only) and paratrain's config, none of torch.distributed's
 pipelining, FSDP2, DTensor or checkpoint modules that the ``apply_*`` modules import (``paratrain
-train`` reads this in the launcher, which then only starts the workers; tests/test_startup.py).
+train`` reads this in the launcher, which then only starts the workers; tests/e2e/test_startup.py).
 Each check sits here, not in its parallelism's module: ``check_pp_layout`` and the schedule table
 for pipeline_parallel.py, ``STYLE_NAMES`` for tensor_parallel.py, ``check_parallel_layout`` for
 parallelize.py, ``check_compression`` for grad_compression.py (each re-exports its own).

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 # DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
-# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
+# whose preflight reads this module through the models, must not pay (tests/e2e/test_startup.py).
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.objectives.base import Objective

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 # DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
-# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
+# whose preflight reads this module through the models, must not pay (tests/e2e/test_startup.py).
 from paratrain.config import ConfigError
 from paratrain.loss import Loss, rows
 from paratrain.objectives.base import Objective

@@ -44,7 +44,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 # DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
-# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
+# whose preflight reads this module through the models, must not pay (tests/e2e/test_startup.py).
 from paratrain.config import PREFERENCE_LOSS_TYPES as LOSS_TYPES
 from paratrain.config import ConfigError
 from paratrain.loss import pair_count, rows

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 # torch's tensor-parallel styles (DTensor) are imported in gpt_tp_plan: importing DTensor costs
 # seconds, which the launcher, whose preflight reads this module through the models, must not pay
-# (tests/test_startup.py).
+# (tests/e2e/test_startup.py).
 
 
 def gpt_tp_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:

@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 
 # DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
-# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
+# whose preflight reads this module through the models, must not pay (tests/e2e/test_startup.py).
 from paratrain.config import ConfigError
 from paratrain.distributed.expert_parallel import ExpertGroup, dispatch
 from paratrain.distributed.layout_checks import ZERO_BUBBLE

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 # torch's tensor-parallel styles (DTensor) and distributed/tensor_parallel.py are imported in the
 # functions that build a plan: importing DTensor costs seconds, which the launcher, whose
-# preflight reads this module through the models, must not pay (tests/test_startup.py).
+# preflight reads this module through the models, must not pay (tests/e2e/test_startup.py).
 
 
 def style_of(name: str, key: str) -> ParallelStyle:

@@ -36,7 +36,7 @@ from safetensors import safe_open
 from torch import nn
 
 # DTensor is imported in the functions that use it: its import costs seconds, which the launcher,
-# whose preflight reads this module through the models, must not pay (tests/test_startup.py).
+# whose preflight reads this module through the models, must not pay (tests/e2e/test_startup.py).
 from paratrain.config import ConfigError
 from paratrain.models.hf.model import causal_lm_from_config
 from paratrain.models.lora import adapter_base_name

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from tests.hf_models import save_tiny
+from paratrain.testing.hf_models import save_tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the launcher must not import (each costs 0.1 to 1.5 s on a 2-core CPU; the workers import them).
