@@ -8,6 +8,7 @@ same objectives bound to what the parallelisms made, the same ``StepContext``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -27,7 +28,7 @@ from paratrain.distributed.context_parallel import global_indices
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
-from paratrain.distributed.pipeline_parallel import PipelineModel
+from paratrain.distributed.pipeline_parallel import PipelineModel, pipeline_forward_each
 from paratrain.distributed.tensor_parallel import loss_parallel_enabled
 from paratrain.loss import Loss
 from paratrain.models import build
@@ -41,7 +42,7 @@ from paratrain.objectives.preference import CPGroup
 from paratrain.objectives.reference_store import ReferenceStore, fill
 from paratrain.precision import Precision
 from paratrain.randomness import draws_in_forward, has_dropout, site_names
-from paratrain.step import StepContext, no_grad_forward, to_device
+from paratrain.step import StepContext, no_grad_forward, stage_inputs, to_device
 
 log = logging.getLogger("paratrain")
 
@@ -129,8 +130,14 @@ def build_parallel(
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
     for objective in objectives:  # a pipeline rank holds some of the model's modules
         objective.bind(model)
+    if isinstance(own, PreferenceLoss):  # under pp its loss is the schedule's, on the last stage
+        own.pipelined = isinstance(model, PipelineModel)
     if uses_reference(own):
-        own.reference = preference_reference(cfg, dims, model, initial, spec=spec, device=device)
+        reference = preference_reference(cfg, dims, model, initial, spec=spec, device=device, precision=precision)
+        if isinstance(model, PipelineModel):
+            own.pipeline_reference = reference
+        else:
+            own.reference = reference
     if isinstance(own, DistillLoss):
         own.teacher = distill_teacher(cfg, dims, device=device, vocab=vocab)
     step_ctx = StepContext(
@@ -239,20 +246,51 @@ def reference_kind(cfg: Config) -> str:
 
 
 def preference_reference(
-    cfg: Config, dims: ParallelDims, model: nn.Module, initial: nn.Module | None, *, spec: ModelSpec, device
+    cfg: Config,
+    dims: ParallelDims,
+    model: nn.Module,
+    initial: nn.Module | None,
+    *,
+    spec: ModelSpec,
+    device,
+    precision: Precision | None = None,
 ):
     """``reference(forward, k)`` for objectives/preference.py and policy_gradient.py: micro-batch
     ``k``'s logits from the reference, laid out like the policy (``model``, parallelised).
     ``initial``: the policy as built, copied before the parallelisms (``preference.reference =
-    'initial'``), of ``spec``."""
+    'initial'``), of ``spec``.
+
+    Under pipeline parallel (``model`` a PipelineModel) ``reference(batches, target, fn)`` instead:
+    the rank's rows forward through the reference's own pipeline (its stages split like the
+    policy's), or through the policy's with its adapters off, ``fn`` on each piece's output on
+    the last stage (pipeline_parallel.pipeline_forward_each), where the pair loss runs."""
     kind = reference_kind(cfg)
     key = "rl.reference" if cfg.loss.name == "grpo" else "preference.reference"
+    pipelined = isinstance(model, PipelineModel)
+
+    def through_pipeline(pipeline: PipelineModel, *, adapters_off: bool):
+        def reference(batches, target, fn):
+            with adapters_disabled(model) if adapters_off else contextlib.nullcontext():
+                pipeline_forward_each(
+                    pipeline,
+                    batches,
+                    fn=fn,
+                    target=target,
+                    device=device,
+                    autocast=precision.autocast(),
+                    split_inputs=stage_inputs,
+                )
+
+        return reference
+
     if kind == "adapters_off":
         if not cfg.model.lora.enabled:
             raise ConfigError(
                 f"{key} = 'adapters_off' is the policy without its LoRA adapters; enable model.lora or"
                 f" set {key} = 'initial' or a model directory"
             )
+        if pipelined:
+            return through_pipeline(model, adapters_off=True)
 
         def adapters_off(forward, k):
             with adapters_disabled(model):
@@ -265,6 +303,8 @@ def preference_reference(
         reference, spec = frozen_model(cfg, kind, key)
     reference = frozen_like_policy(cfg, dims, reference, spec=spec, device=device)
     log.info("%s: %s, frozen, laid out like the policy", key, kind)
+    if pipelined:
+        return through_pipeline(reference, adapters_off=False)
     return lambda forward, k: forward(k, reference)
 
 
@@ -329,7 +369,7 @@ def frozen_like_policy(cfg: Config, dims: ParallelDims, model: nn.Module, *, spe
     """A frozen model with the policy's sharding (FSDP2, HSDP, tensor parallel) and its weights;
     under plain data parallel a whole copy per rank (DDP has no gradient of it to reduce)."""
     model.requires_grad_(False)
-    sharded = dims.fsdp_enabled or dims.tp > 1
+    sharded = dims.fsdp_enabled or dims.tp > 1 or dims.pp > 1  # pp: this rank's stages of it
     if spec.materialize is not None and not sharded:
         spec.materialize(model, device=device)
     if sharded:

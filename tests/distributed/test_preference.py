@@ -208,6 +208,56 @@ def test_context_parallel_gives_the_one_process_numbers(pref):
     torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
 
 
+def test_pipeline_parallel_gives_the_one_process_numbers(pref):
+    """pp 2: the pair loss is the schedule's loss on the last stage, per piece of 2 pairs (4
+    pieces per step), with the reference's log-probabilities from the reference's own pipeline
+    kept per row there; rows are block_size wide (pad_to 0), one process's as wide as its
+    longest pair. DPO with a differing reference, and
+    the reward model, against one process, under plain SGD."""
+    ref = f"preference.reference='{pref['ref']}'"
+    # Rows of 256 (the longest pair has 247 tokens); one process cuts them to its longest pair.
+    data = f"data.args={{path = '{pref['corpus']}', block_size = 256}}"
+    pp = (data, "parallel.pp=2", "parallel.pp_microbatches=4", "batch.micro_batch_size=8")
+    one = _run(pref, "pp_one", ref, "batch.micro_batch_size=8")
+    two = _run(pref, "pp_two", ref, *pp, world=2)
+    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
+    assert [r["reward_accuracy"] for r in two[2]] == [r["reward_accuracy"] for r in one[2]]
+    rm = (f"model.hf='{pref['rm']}'", "model.head='score'", "loss.name='reward'")
+    one = _run(pref, "pp_rm_one", *rm, "batch.micro_batch_size=8")
+    two = _run(pref, "pp_rm_two", *rm, *pp, world=2)
+    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_pipeline_with_data_parallel_accumulation_and_lora(pref):
+    """pp 2 x dp_replicate 2 (world 4) with accumulation 2 and pieces of one pair (the frozen
+    reference's stages are not wrapped in DDP: no gradient), and pp 2 with LoRA, whose reference
+    is the policy's own pipeline with its adapters off, against one process."""
+    ref = f"preference.reference='{pref['ref']}'"
+    data = f"data.args={{path = '{pref['corpus']}', block_size = 256}}"
+    one = _run(pref, "ppdp_one", ref, "batch.micro_batch_size=8")
+    four = _run(
+        pref,
+        "ppdp_four",
+        ref,
+        data,
+        "parallel.pp=2",
+        "parallel.dp_replicate=2",
+        "parallel.pp_microbatches=2",
+        "batch.micro_batch_size=2",
+        world=4,
+    )
+    torch.testing.assert_close(four[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(four[1], one[1], rtol=1e-4, atol=0)
+    one = _run(pref, "pplora_one", *LORA)
+    two = _run(pref, "pplora_two", *LORA, data, "parallel.pp=2", "batch.micro_batch_size=4", world=2)
+    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
+    assert abs(two[0][1] - two[0][0]) > 1e-5  # the reference is not the policy with its adapters on
+
+
 def test_lora_reference_is_the_policy_with_adapters_off(pref):
     """LoRA: the default reference is the same model with its adapters off. At step 1 the
     adapters are zero, so the loss is log 2; a reference computed with the adapters on would keep
@@ -250,12 +300,14 @@ def test_rows_end_at_the_micro_batchs_longest_pair(pref, tmp_path):
         check_run(cfg, world)
         return cfg.data.args["pad_to"]
 
-    assert resolved() == 8 and resolved("train.compile=true") == 0
+    assert resolved() == 8 and resolved("train.compile=true") == 0 and resolved("parallel.pp=2", world=2) == 0
     assert resolved("parallel.tp=2", "parallel.sequence_parallel=true", world=2) == 8
     with pytest.raises(ConfigError, match=r"pad_to = 4: rows must split into equal parts over tp = 8 \(sequence"):
         resolved("parallel.tp=8", "parallel.sequence_parallel=true", "data.args.pad_to=4", world=8)
     with pytest.raises(ConfigError, match=r"pad_to = -8 must be an integer >= 0"):
         resolved("data.args.pad_to=-8")  # -8 % 8 == 0: refused before the worker builds the data
+    with pytest.raises(ConfigError, match=r"pad_to = 8 with parallel.pp = 2: pipeline stages run one row width"):
+        resolved("parallel.pp=2", "data.args.pad_to=8", world=2)
     text = tmp_path / "a.txt"
     text.write_text("plain text, no pairs\n" * 50)
     corpus = str(tmp_path / "text")
@@ -334,10 +386,11 @@ def test_bad_preference_input_is_one_line(pref, tmp_path):
     assert "\n" not in line and "bad.jsonl:3" in line and "'rejected'" in line, line
     config = tmp_path / "empty.toml"
     config.write_text("")
-    sets = [a for o in _config(pref, "pp", "parallel.pp=2") for a in ("--set", o)]
+    sets = [a for o in _config(pref, "pp", "parallel.pp=2", "preference.precompute=true") for a in ("--set", o)]
     out = paratrain_cli("train", str(config), "--nproc-per-node", "2", *sets)
     line = out.stderr.strip()
-    assert out.returncode == 2 and "parallel.pp = 2" in line and "\n" not in line, out.stderr[-2000:]
+    tail = out.stderr[-2000:]
+    assert out.returncode == 2 and "parallel.pp = 2" in line and "precompute" in line and "\n" not in line, tail
 
 
 def reward_anchor(pref: dict, *, lr: float = 0.5, steps: int = 2):

@@ -166,8 +166,9 @@ def parallelize(
             blocks_attr=blocks_attr,
             keep_root_unsharded=loss_owns_head,
         )
-    # 6. Replicated data parallel, last: it wraps whatever the model has become.
-    elif dims.dp_replicate > 1:
+    # 6. Replicated data parallel, last: it wraps whatever the model has become (not a frozen
+    #    one, a preference loss's reference under pp: no gradient to reduce, which DDP refuses).
+    elif dims.dp_replicate > 1 and any(p.requires_grad for p in model.parameters()):
         if dims.tp > 1:
             # DDP cannot bucket DTensor parameters: FSDP2's replicate all-reduces TP shards.
             apply_replicate(model, dims.submesh("dp_replicate"), blocks_attr=blocks_attr)

@@ -332,10 +332,7 @@ def pipeline_forward_backward(
             )
     # The rank's whole batch, cut into accum x pp_microbatches pieces by the schedule (the
     # concatenated micro-batches in order, so piece k is a slice of micro-batch k // m).
-    inputs = torch.cat([x for x, _ in batches]).to(device)
-    target = torch.cat([t for _, t in batches]).to(device)
-    if model.schedule is None:
-        model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=loss.loss_fn)
+    inputs, target = _whole_batch(model, batches, loss, device)
     scaled = model.loss
     scaled.scale, scaled.sums, scaled.counts = loss.scale, [], []
     args, kwargs = _stage_inputs(model, inputs, split_inputs)
@@ -353,7 +350,65 @@ def pipeline_forward_backward(
             if o.modules:
                 stack.enter_context(_stage_terms(model, o))
         model.schedule.step(*args, target=target if model.has_last else None, return_outputs=False, **kwargs)
-    loss.add(*_local_sums(model, device))
+    _add_sums(model, loss, device)
+
+
+def _whole_batch(model: PipelineModel, batches: list[tuple], loss, device: torch.device):
+    """The rank's inputs and targets concatenated, and the schedule built at the first run with
+    the loss objective's per-piece function: its ``pipeline_loss`` when it has one (a loss that
+    keeps its own sums per row, objectives/preference.py, whose ``pipeline_target`` adds each
+    row's index to the target, so a piece knows its rows), else its ``loss_fn``."""
+    inputs = torch.cat([x for x, _ in batches]).to(device)
+    target = torch.cat([t for _, t in batches]).to(device)
+    if hasattr(loss, "pipeline_target"):
+        target = loss.pipeline_target(target)
+    fn = getattr(loss, "pipeline_loss", None) or loss.loss_fn
+    if model.schedule is None:
+        model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=fn)
+    model.loss.loss_fn = fn  # a forward-only pass (pipeline_forward_each) may have used the schedule
+    return inputs, target
+
+
+def _add_sums(model: PipelineModel, loss, device: torch.device) -> None:
+    """The loss objective's sums of the step's pieces: its own (``pipeline_done``) or the
+    schedule's loss sums and counts (``add``)."""
+    if hasattr(loss, "pipeline_done"):
+        loss.pipeline_done(last=model.has_last)
+    else:
+        loss.add(*_local_sums(model, device))
+
+
+def pipeline_forward_each(
+    model: PipelineModel,
+    batches: list[tuple],
+    *,
+    fn: Callable,
+    target: torch.Tensor,
+    device: torch.device,
+    autocast,
+    split_inputs: Callable = _no_split,
+) -> None:
+    """Forward only through ``model``'s schedule, ``fn(output, target piece)`` on the last stage
+    for each pipeline piece of this rank's rows (its return value unused): an objective's first
+    pass, e.g. a preference loss's reference log-probabilities, kept on the last stage where the
+    loss runs. ``target``: the whole target the pieces are cut from (the rows' indices in it tell
+    ``fn`` which rows a piece holds; torch's first run also calls the loss once on piece 0 to infer
+    shapes, which a function writing per row simply repeats). ``model`` may be the policy
+    itself (a LoRA policy with its adapters off): its training loss is put back by the next
+    training run (:func:`_whole_batch`)."""
+    inputs = torch.cat([x for x, _ in batches]).to(device)
+
+    def each(output, piece):
+        fn(output, piece)
+        return torch.zeros((), device=device), 0
+
+    if model.schedule is None:
+        model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=each)
+    scaled = model.loss
+    scaled.loss_fn, scaled.sums, scaled.counts = each, [], []
+    args, kwargs = _stage_inputs(model, inputs, split_inputs)
+    with autocast, torch.no_grad(), _forward_actions_only(model.schedule):
+        model.schedule.eval(*args, target=target.to(device) if model.has_last else None, **kwargs)
 
 
 class _AuxLoss(torch.autograd.Function):
@@ -427,16 +482,13 @@ def pipeline_forward(
 ) -> None:
     """Forward only through the schedule (``eval()``, torch >= 2.9, running only the forward
     actions, see :func:`_forward_actions_only`): the loss objective's sums as above."""
-    inputs = torch.cat([x for x, _ in batches]).to(device)
-    target = torch.cat([t for _, t in batches]).to(device)
-    if model.schedule is None:
-        model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=loss.loss_fn)
+    inputs, target = _whole_batch(model, batches, loss, device)
     scaled = model.loss
     scaled.sums, scaled.counts = [], []
     args, kwargs = _stage_inputs(model, inputs, split_inputs)
     with autocast, torch.no_grad(), _forward_actions_only(model.schedule):
         model.schedule.eval(*args, target=target if model.has_last else None, **kwargs)
-    loss.add(*_local_sums(model, device))
+    _add_sums(model, loss, device)
 
 
 # The actions of torch's lowered (compute + comm) schedule that a forward-only run keeps, by

@@ -30,7 +30,9 @@ bradley_terry    ``-logsig(r_c - r_r)``, a reward model's scores  Bradley & Terr
 ``loss.name = 'reward'``, the model's output layer a one-label score head.) The *reference* log-probabilities come from ``reference(forward, k)``, given by the
 build (build.py): the same model with its LoRA adapters off, or a frozen model (the initial
 policy, another directory). They are computed in the phase before the micro-batch loop, without a
-graph, for this rank's micro-batches.
+graph, for this rank's micro-batches. Under pipeline parallel the loss is the schedule's, run on
+the last stage per piece of rows (:meth:`PreferenceLoss.pipeline_loss`), and the reference's
+values are computed through a pipeline into that stage, per row (docs/preference.md, Layouts).
 """
 
 from __future__ import annotations
@@ -160,6 +162,12 @@ class PreferenceLoss(Objective):
         self.reference = reference
         # The reference's numbers precomputed (objectives/reference_store.py), looked up by pair.
         self.store = None
+        # Pipeline parallel (set by the build): the loss runs as the schedule's loss on the last
+        # stage, per piece of rows (pipeline_loss), and ``pipeline_reference(batches, target, fn)``
+        # runs the reference forward through a pipeline, calling ``fn(output, target piece)`` per
+        # piece on the last stage (distributed/pipeline_parallel.py's pipeline_forward_each).
+        self.pipelined = False
+        self.pipeline_reference: Callable | None = None
         self.scale = 1.0
         self.refs: list[torch.Tensor] = []
         self._eval = [0.0] * 4  # pairs, chosen and rejected rewards, correct: summed over eval steps
@@ -192,12 +200,26 @@ class PreferenceLoss(Objective):
                 "an unpaired corpus (prepare --format unpaired) trains with preference.loss_type = 'kto', and 'kto'"
                 " takes no other: set preference.loss_type or data.args.path to match"
             )
+        if self.pipelined:
+            if self.loss_type == "kto":  # preflight refuses it (its KL pass is not pipelined)
+                raise ConfigError(
+                    "preference.loss_type = 'kto' with parallel.pp > 1 is not supported; set parallel.pp = 1"
+                )
+            rows = sum(len(t) for _, t in batches)
+            # Per row of the rank's batch: the loss, 1 for a pair, the two rewards, ranked right.
+            self.row_sums = torch.zeros(rows, len(SUMS), dtype=torch.float64, device=self.device)
+            self.ref_rows = torch.zeros(rows, 2, device=self.device)
         if not self.uses_reference:
             return
         if self.store is not None:
             for inputs, _ in batches:
                 values = self.store.lookup(inputs, self.device)
                 self.refs.append(self._normalised(values[:, :2].float(), values[:, 2:].float()))
+            if self.pipelined:
+                self.ref_rows = torch.cat(self.refs)
+        elif self.pipelined and self.pipeline_reference is not None:
+            target = self.pipeline_target(torch.cat([t for _, t in batches]))
+            self.pipeline_reference(batches, target, self._reference_piece)
         elif self.reference is None:
             raise RuntimeError("the preference loss's reference was never set (build.py preference_reference)")
         else:
@@ -222,6 +244,41 @@ class PreferenceLoss(Objective):
             dist.all_reduce(total, group=self.dp_group)
         return (total[0] / total[1].clamp(min=1)).clamp(min=0).float()  # stays on the device: no sync
 
+    # --- pipeline parallel: the loss on the last stage, per piece of rows
+
+    def pipeline_target(self, target: torch.Tensor) -> torch.Tensor:
+        """The rank's whole target ``(R, C, T)`` with each row's index ``(R, 1, T)`` after it: the
+        schedule cuts both alike, so a piece knows which rows (and reference values) it holds."""
+        rows = torch.arange(len(target), device=target.device, dtype=target.dtype)
+        return torch.cat([target, rows[:, None, None].expand(-1, 1, target.shape[-1])], 1)
+
+    @torch.no_grad()
+    def _reference_piece(self, output, target: torch.Tensor) -> None:
+        rows = target[:, -1, 0]
+        logps, counts = self._sides(output, target[:, :-1], grad=False)
+        self.ref_rows[rows] = self._normalised(logps, counts)
+
+    def pipeline_loss(self, output, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The schedule's loss for one piece of rows (pairs: a piece never splits one): the sum
+        of its pair losses with its graph, which the schedule scales by ``scale``, and its pair
+        count; each row's numbers are kept by its index (torch's first run calls this once more
+        on piece 0 to infer shapes, whose rows the real piece 0 then overwrites)."""
+        rows, target = target[:, -1, 0], target[:, :-1]
+        ref = self.ref_rows[rows] if self.uses_reference else None
+        losses, real, rewards, counted = self._pair_terms(output, target, ref)
+        r = torch.where(real[:, None], rewards.detach().double(), 0.0)
+        self.row_sums[rows] = torch.stack(
+            [losses.detach().double(), real.double(), r[:, 0], r[:, 1], (counted & real).double()], -1
+        )
+        s = losses.sum()
+        return (s if self.cp is None else s / self.cp.size), real.sum()
+
+    def pipeline_done(self, *, last: bool) -> None:
+        """After the schedule's run: the rows' sums (on the last stage; the step's reduce runs
+        over the pipeline ranks too, so each pair is counted once)."""
+        if last and (self.cp is None or self.cp.rank == 0):
+            self.totals += self.row_sums.sum(0)
+
     def _sides(self, output, target: torch.Tensor, *, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' ``(chosen, rejected)`` log-probabilities (a reward model: scores) and token
         counts, whole: summed over the context-parallel ranks that each hold part of a row."""
@@ -236,10 +293,19 @@ class PreferenceLoss(Objective):
         return logps / counts.clamp(min=1) if self.loss_type in MEAN_LOGPS else logps
 
     def loss(self, output, target) -> torch.Tensor:
+        ref = self.refs[self._k] if self.uses_reference else None
+        self._k += 1
+        losses, real, rewards, counted = self._pair_terms(output, target, ref)
+        self._last = (losses.sum().detach(), real, rewards.detach(), counted.detach())
+        return losses.sum() * (self.scale if self.cp is None else self.scale / self.cp.size)
+
+    def _pair_terms(self, output, target: torch.Tensor, ref: torch.Tensor | None):
+        """The rows' losses (0 for a row without a pair), whether each holds a pair, the rewards
+        ``(B, 2)`` and the fifth sum's flags, from the policy's output and the reference values."""
         logps, counts = self._sides(output, target)
         policy = self._normalised(logps, counts)
-        ref = self.refs[self._k] if self.uses_reference else torch.zeros_like(policy)
-        self._k += 1
+        if ref is None:
+            ref = torch.zeros_like(policy)
         if self.loss_type == "kto":
             desirable = target[:, 2, 0] == 1
             losses, rewards = self.kto_losses(policy[:, 0] - ref[:, 0], desirable)
@@ -248,9 +314,7 @@ class PreferenceLoss(Objective):
             losses, rewards = self.pair_losses(policy, ref)
             counted = rewards[:, 0] > rewards[:, 1]  # the fifth sum: the pairs ranked right
         real = (counts > 0).all(-1)  # a filled-up validation row has no pair
-        losses = torch.where(real, losses, 0.0)
-        self._last = (losses.sum().detach(), real, rewards.detach(), counted.detach())
-        return losses.sum() * (self.scale if self.cp is None else self.scale / self.cp.size)
+        return torch.where(real, losses, 0.0), real, rewards, counted
 
     def kto_losses(self, ratio: torch.Tensor, desirable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """KTO's per-example losses ``(B,)`` from ``log pi - log ref`` of each example and its

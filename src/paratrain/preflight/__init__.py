@@ -226,15 +226,23 @@ def resolve_pad_to(cfg: Config, dims: ParallelDims) -> None:
     """A preference corpus's rows end at their micro-batch's longest pair (data/preference.py),
     rounded up to ``data.args.pad_to``: by default 8, a multiple of tp with sequence parallel (each
     tp rank holds an equal part of the sequence) and of 2 x cp with context parallel (a row is cut
-    into 2 x cp chunks), and 0 (rows of block_size, one shape, one graph) under train.compile.
+    into 2 x cp chunks), and 0 (rows of block_size, one shape, one graph) under train.compile and
+    pipeline parallel (whose schedule runs one shape).
     Written into ``data.args`` so that config.toml records it."""
     sp = dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else 1
     parts = math.lcm(sp, 2 * dims.cp if dims.cp > 1 else 1)
     pad_to = cfg.data.args.get("pad_to")
     if pad_to is None:
-        cfg.data.args = {**cfg.data.args, "pad_to": 0 if cfg.train.compile else math.lcm(8, parts)}
+        one_shape = cfg.train.compile or dims.pp > 1
+        cfg.data.args = {**cfg.data.args, "pad_to": 0 if one_shape else math.lcm(8, parts)}
     elif not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 0:
         raise ConfigError(f"data.args.pad_to = {pad_to!r} must be an integer >= 0 (0: every row block_size wide)")
+    elif pad_to and dims.pp > 1:
+        # A pipeline schedule runs the shapes of its first step's pieces (its stages' buffers).
+        raise ConfigError(
+            f"data.args.pad_to = {pad_to} with parallel.pp = {dims.pp}: pipeline stages run one row width;"
+            " set data.args.pad_to = 0 (rows of block_size)"
+        )
     elif pad_to % parts:
         why = " and ".join(
             w for w, on in ((f"tp = {sp} (sequence parallel)", sp > 1), (f"2 x cp = {2 * dims.cp}", dims.cp > 1)) if on

@@ -217,6 +217,17 @@ def _preference(cfg: Config) -> bool:
     return cfg.loss.name in ("preference", "reward", "distill")
 
 
+def _pp_unbuilt(cfg: Config) -> str | None:
+    """What of a preference or distillation run pipeline parallel does not run yet (None: it runs)."""
+    if cfg.loss.name == "distill":
+        return "loss.name = 'distill'"
+    if cfg.loss.name == "preference" and cfg.preference.loss_type == "kto":
+        return "preference.loss_type = 'kto'"
+    if cfg.loss.name == "preference" and cfg.preference.precompute:
+        return "preference.precompute = true"
+    return None
+
+
 def _preference_refusal(degree: str) -> Refusal:
     return Refusal(
         ("preference", degree),
@@ -274,7 +285,16 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         "the gradient-noise probe reads a micro-batch's own gradient, which a loss over the whole batch does not have",
     ),
-    _preference_refusal("pp"),
+    Refusal(
+        ("preference", "pp"),
+        lambda c, d: d.pp > 1 and _pp_unbuilt(c) is not None,
+        lambda c, d: (
+            f"{_pp_unbuilt(c)} with parallel.pp = {d.pp} is not supported yet (the pair losses, the reward model"
+            " and their reference run under pp); set parallel.pp = 1 (docs/preference.md)"
+        ),
+        "distillation's teacher, KTO's KL pass and the reference's precomputation run a second forward per"
+        " micro-batch outside the schedule: not built through the pipeline yet (the pair losses and the reward model are)",
+    ),
     Refusal(
         ("preference precompute", "cp"),
         lambda c, d: _preference(c) and c.loss.name != "distill" and c.preference.precompute and d.cp > 1,
