@@ -130,8 +130,22 @@ def build_parallel(
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
     for objective in objectives:  # a pipeline rank holds some of the model's modules
         objective.bind(model)
-    if isinstance(own, PreferenceLoss):  # under pp its loss is the schedule's, on the last stage
-        own.pipelined = isinstance(model, PipelineModel)
+    if isinstance(own, PreferenceLoss) and isinstance(model, PipelineModel):
+        # Under pp its loss is the schedule's, on the last stage; KTO's KL pass runs the policy forward.
+        own.pipelined, own.pp_group = True, model.pp_group
+
+        def policy_forward(batches, target, fn, model=model):
+            pipeline_forward_each(
+                model,
+                batches,
+                fn=fn,
+                target=target,
+                device=device,
+                autocast=precision.autocast(),
+                split_inputs=stage_inputs,
+            )
+
+        own.pipeline_policy = policy_forward
     if uses_reference(own):
         reference = preference_reference(cfg, dims, model, initial, spec=spec, device=device, precision=precision)
         if isinstance(model, PipelineModel):

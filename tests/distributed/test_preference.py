@@ -577,6 +577,24 @@ def test_kto_at_world_2_with_micro_batches_of_one_and_context_parallel(pref, tmp
     torch.testing.assert_close(cp[1], norms, rtol=1e-4, atol=0)
 
 
+def test_kto_at_pp_2_equals_one_process(pref, tmp_path):
+    """pp 2: KTO's KL pass runs the policy forward through its pipeline (the rows' KL estimates
+    on the last stage, summed over the stages and ranks), the reference through its own; pieces
+    of 2 examples, against one process under plain SGD, the logged kto_kl too."""
+    rows = unpaired_rows(pref["rows"])
+    data = write_jsonl(str(tmp_path / "unpaired.jsonl"), rows)
+    corpus = str(tmp_path / "kto")
+    prepare([data], out_dir=corpus, tokenizer=pref["tok"], fmt="unpaired", val_fraction=0, progress=False)
+    kto = ("preference.loss_type='kto'", f"preference.reference='{pref['ref']}'")
+    one = _run(pref, "kto_pp_one", *kto, f"data.args={{path = '{corpus}', block_size = 512}}")
+    pp = ("parallel.pp=2", "parallel.pp_microbatches=4", "batch.micro_batch_size=8")
+    two = _run(pref, "kto_pp_two", *kto, f"data.args={{path = '{corpus}', block_size = 256}}", *pp, world=2)
+    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
+    torch.testing.assert_close([r["kto_kl"] for r in two[2]], [r["kto_kl"] for r in one[2]], rtol=1e-5, atol=1e-7)
+    assert one[2][0]["kto_kl"] > 0  # z0 is not clamped to 0 here: the KL pass counts
+
+
 def test_a_corpus_and_a_loss_that_do_not_match_are_one_line(pref, tmp_path):
     """A preference corpus trained with another loss, a pair loss on another corpus, a teacher of
     another vocabulary: each a ConfigError naming the fix (exit 2 and one line from the CLI),

@@ -168,6 +168,10 @@ class PreferenceLoss(Objective):
         # piece on the last stage (distributed/pipeline_parallel.py's pipeline_forward_each).
         self.pipelined = False
         self.pipeline_reference: Callable | None = None
+        # KTO's KL pass: the policy's forward through its pipeline the same way, and the pipeline
+        # group over which the last stage's KL sums reach every stage (the logged kto_kl).
+        self.pipeline_policy: Callable | None = None
+        self.pp_group = None
         self.scale = 1.0
         self.refs: list[torch.Tensor] = []
         self._eval = [0.0] * 4  # pairs, chosen and rejected rewards, correct: summed over eval steps
@@ -201,10 +205,6 @@ class PreferenceLoss(Objective):
                 " takes no other: set preference.loss_type or data.args.path to match"
             )
         if self.pipelined:
-            if self.loss_type == "kto":  # preflight refuses it (its KL pass is not pipelined)
-                raise ConfigError(
-                    "preference.loss_type = 'kto' with parallel.pp > 1 is not supported; set parallel.pp = 1"
-                )
             rows = sum(len(t) for _, t in batches)
             # Per row of the rank's batch: the loss, 1 for a pair, the two rewards, ranked right.
             self.row_sums = torch.zeros(rows, len(SUMS), dtype=torch.float64, device=self.device)
@@ -235,7 +235,20 @@ class PreferenceLoss(Objective):
         averaged over the whole global batch (Ethayarajh et al. 2024). TRL averages it per
         micro-batch (then over devices), so it changes with the micro-batch size."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for k, (_, target) in enumerate(batches):
+        if self.pipelined:  # per row on the last stage, zeros elsewhere, then summed over the stages
+            per_row = torch.zeros(len(self.ref_rows), 2, dtype=torch.float64, device=self.device)
+
+            def piece(output, target):
+                rows = target[:, -1, 0]
+                policy, counts = self._sides(output, target[:, :-1], grad=False)
+                real = counts[:, 1] > 0
+                gap = torch.where(real, policy[:, 1] - self.ref_rows[rows, 1], 0.0).double()
+                per_row[rows] = torch.stack([gap, real.double()], -1)
+
+            self.pipeline_policy(batches, self.pipeline_target(torch.cat([t for _, t in batches])), piece)
+            total += per_row.sum(0)
+            dist.all_reduce(total, group=self.pp_group)
+        for k, (_, target) in enumerate(batches if not self.pipelined else ()):
             policy, counts = self._sides(forward(k), target.to(self.device), grad=False)
             real = counts[:, 1] > 0
             gap = torch.where(real, policy[:, 1] - self.refs[k][:, 1], 0.0).double()

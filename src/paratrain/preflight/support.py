@@ -221,8 +221,6 @@ def _pp_unbuilt(cfg: Config) -> str | None:
     """What of a preference or distillation run pipeline parallel does not run yet (None: it runs)."""
     if cfg.loss.name == "distill":
         return "loss.name = 'distill'"
-    if cfg.loss.name == "preference" and cfg.preference.loss_type == "kto":
-        return "preference.loss_type = 'kto'"
     if cfg.loss.name == "preference" and cfg.preference.precompute:
         return "preference.precompute = true"
     return None
@@ -290,10 +288,10 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c, d: d.pp > 1 and _pp_unbuilt(c) is not None,
         lambda c, d: (
             f"{_pp_unbuilt(c)} with parallel.pp = {d.pp} is not supported yet (the pair losses, the reward model"
-            " and their reference run under pp); set parallel.pp = 1 (docs/preference.md)"
+            ", KTO and their reference run under pp); set parallel.pp = 1 (docs/preference.md)"
         ),
-        "distillation's teacher, KTO's KL pass and the reference's precomputation run a second forward per"
-        " micro-batch outside the schedule: not built through the pipeline yet (the pair losses and the reward model are)",
+        "distillation's teacher and the reference's precomputation run a second forward per micro-batch outside"
+        " the schedule: not built through the pipeline yet (the pair losses, KTO and the reward model are)",
     ),
     Refusal(
         ("preference precompute", "cp"),
