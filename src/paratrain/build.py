@@ -335,10 +335,14 @@ def precompute_reference(cfg: Config, dims: ParallelDims, model: nn.Module, step
     collate = torch.utils.data.default_collate
     micro = plan.micro_batch_size
     t0 = time.perf_counter()
+    pipelined = isinstance(model, PipelineModel)  # the reference's pipeline; every rank gets the values
     computed, pairs = fill(
         store,
         datasets,
         reference=own.reference,
+        pipeline=own.pipeline_reference,
+        holds=model.has_last if pipelined else True,
+        share_group=dist.group.WORLD if pipelined else None,
         forward_of=lambda batches: no_grad_forward(model, batches, step_ctx, None),
         batches_of=lambda samples: [collate(samples[i : i + micro]) for i in range(0, len(samples), micro)],
         global_batch_size=plan.global_batch_size,
@@ -355,7 +359,7 @@ def precompute_reference(cfg: Config, dims: ParallelDims, model: nn.Module, step
         pairs - computed,
         path,
     )
-    own.store, own.reference = store, None  # the reference model goes with its last holder
+    own.store, own.reference, own.pipeline_reference = store, None, None  # the reference goes with its last holder
 
 
 def reference_identity(cfg: Config) -> dict:

@@ -386,11 +386,11 @@ def test_bad_preference_input_is_one_line(pref, tmp_path):
     assert "\n" not in line and "bad.jsonl:3" in line and "'rejected'" in line, line
     config = tmp_path / "empty.toml"
     config.write_text("")
-    sets = [a for o in _config(pref, "pp", "parallel.pp=2", "preference.precompute=true") for a in ("--set", o)]
+    sets = [a for o in _config(pref, "pp", "parallel.pp=2", "data.args.pad_to=8") for a in ("--set", o)]
     out = paratrain_cli("train", str(config), "--nproc-per-node", "2", *sets)
     line = out.stderr.strip()
     tail = out.stderr[-2000:]
-    assert out.returncode == 2 and "parallel.pp = 2" in line and "precompute" in line and "\n" not in line, tail
+    assert out.returncode == 2 and "parallel.pp = 2" in line and "pad_to = 0" in line and "\n" not in line, tail
 
 
 def reward_anchor(pref: dict, *, lr: float = 0.5, steps: int = 2):
@@ -474,8 +474,9 @@ def test_reward_models_on_two_ranks(pref):
             ("parallel.dp_shard=2", "model.lora.target_modules=['q_proj', 'v_proj']", "model.lora.r=4"),
             marks=pytest.mark.slow,
         ),
+        pytest.param(("parallel.pp=2",), marks=pytest.mark.slow),  # the reference's pipeline fills it
     ],
-    ids=["one_process", "ddp", "fsdp2", "fsdp2_lora"],
+    ids=["one_process", "ddp", "fsdp2", "fsdp2_lora", "pp"],
 )
 def test_precomputed_reference_equals_the_per_step_one(pref, layout):
     """preference.precompute: the reference's numbers computed once into a store keyed by the

@@ -108,6 +108,14 @@ class CPGroup:
         return x
 
 
+def row_indexed(target: torch.Tensor) -> torch.Tensor:
+    """Pipeline parallel: the rank's whole target ``(R, C, T)`` with each row's index ``(R, 1, T)``
+    after it. The schedule cuts both alike, so a piece knows which rows (and reference values) it
+    holds: ``target[:, -1, 0]``."""
+    rows = torch.arange(len(target), device=target.device, dtype=target.dtype)
+    return torch.cat([target, rows[:, None, None].expand(-1, 1, target.shape[-1])], 1)
+
+
 def side_logps(logits, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``(chosen, rejected)`` log-probability sums ``(B, 2)`` (float32) and their
     target-token counts ``(B, 2)``, from the logits ``(B, T, V)`` and the pair target ``(B, 2, T)``."""
@@ -260,10 +268,7 @@ class PreferenceLoss(Objective):
     # --- pipeline parallel: the loss on the last stage, per piece of rows
 
     def pipeline_target(self, target: torch.Tensor) -> torch.Tensor:
-        """The rank's whole target ``(R, C, T)`` with each row's index ``(R, 1, T)`` after it: the
-        schedule cuts both alike, so a piece knows which rows (and reference values) it holds."""
-        rows = torch.arange(len(target), device=target.device, dtype=target.dtype)
-        return torch.cat([target, rows[:, None, None].expand(-1, 1, target.shape[-1])], 1)
+        return row_indexed(target)
 
     @torch.no_grad()
     def _reference_piece(self, output, target: torch.Tensor) -> None:

@@ -104,14 +104,23 @@ def fill(
     dp_group,
     device,
     is_main: bool,
+    pipeline=None,
+    holds: bool = True,
+    share_group=None,
 ) -> tuple[int, int]:
     """Compute the pairs of ``datasets`` the store lacks, over the data-parallel ranks in global
     batches (every rank runs the same number of forwards: FSDP2 and tensor parallel gather in
     them), gather them and save (rank 0). ``reference(forward, k)``: micro-batch ``k``'s reference
     logits; ``forward_of(batches)``: step.no_grad_forward's ``forward``; ``batches_of(samples)``:
     this rank's samples collated into micro-batches. Returns ``(computed, pairs)``: the pairs
-    computed now and the distinct pairs of ``datasets``."""
-    from paratrain.objectives.preference import side_logps  # the one definition of a side's log-probability
+    computed now and the distinct pairs of ``datasets``.
+
+    Pipeline parallel: ``pipeline(batches, target, fn)`` runs the reference's pipeline instead
+    (objectives/preference.py's ``pipeline_reference``), the values land on the last stage
+    (``holds``), and they are shared over ``share_group`` (every rank: each needs the store) in
+    place of the data-parallel group."""
+    # the one definition of a side's log-probability, and the pipeline's row-indexed target
+    from paratrain.objectives.preference import row_indexed, side_logps
 
     todo, seen = [], set()
     for d, dataset in enumerate(datasets):
@@ -129,18 +138,33 @@ def fill(
         chunk += chunk[:1] * (g - len(chunk))  # the last global batch filled up (duplicates: the same key)
         # Every rank the same number of micro-batches (their rows cut to each one's longest pair).
         batches = batches_of([datasets[d][i] for d, i in chunk[dp_rank * (g // dp) : (dp_rank + 1) * (g // dp)]])
+        if pipeline is not None:
+            target = row_indexed(torch.cat([t for _, t in batches])).to(device)
+            rows = torch.zeros(len(target), 4, dtype=torch.float64, device=device)
+
+            def piece(output, t, rows=rows):
+                logps, counts = side_logps(output, t[:, :-1])
+                rows[t[:, -1, 0]] = torch.cat([logps.double(), counts.double()], -1)
+
+            pipeline(batches, target, piece)
+            if holds:
+                keys = [key for inputs, _ in batches for key in row_keys(inputs)]
+                computed += list(zip(keys, rows.cpu().tolist(), strict=True))
+            continue
         forward = forward_of(batches)
         for k, (inputs, target) in enumerate(batches):
             logps, counts = side_logps(reference(forward, k), target.to(device))
             values = torch.cat([logps.double(), counts.double()], -1).cpu().tolist()
             computed += list(zip(row_keys(inputs), values, strict=True))
-    if dp > 1:
-        gathered: list = [None] * dp
-        dist.all_gather_object(gathered, computed, group=dp_group)
+    group = share_group if pipeline is not None else dp_group
+    ranks = dist.get_world_size(group) if pipeline is not None else dp
+    if ranks > 1:
+        gathered: list = [None] * ranks
+        dist.all_gather_object(gathered, computed, group=group)
         computed = [kv for part in gathered for kv in part]
     store.values.update(dict(computed))
     if is_main and computed:
         store.save()
-    if dp > 1:
-        dist.barrier(group=dp_group)  # every rank reads a complete store from here on
+    if ranks > 1:
+        dist.barrier(group=group)  # every rank reads a complete store from here on
     return len({k for k, _ in computed}), len(seen)

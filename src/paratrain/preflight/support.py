@@ -221,8 +221,6 @@ def _pp_unbuilt(cfg: Config) -> str | None:
     """What of a preference or distillation run pipeline parallel does not run yet (None: it runs)."""
     if cfg.loss.name == "distill":
         return "loss.name = 'distill'"
-    if cfg.loss.name == "preference" and cfg.preference.precompute:
-        return "preference.precompute = true"
     return None
 
 
@@ -290,8 +288,8 @@ REFUSALS: tuple[Refusal, ...] = (
             f"{_pp_unbuilt(c)} with parallel.pp = {d.pp} is not supported yet (the pair losses, the reward model"
             ", KTO and their reference run under pp); set parallel.pp = 1 (docs/preference.md)"
         ),
-        "distillation's teacher and the reference's precomputation run a second forward per micro-batch outside"
-        " the schedule: not built through the pipeline yet (the pair losses, KTO and the reward model are)",
+        "distillation's teacher runs a second forward per micro-batch outside the schedule: not built through"
+        " the pipeline yet (the pair losses, KTO, the reward model and their reference are)",
     ),
     Refusal(
         ("preference precompute", "cp"),
