@@ -133,19 +133,7 @@ def build_parallel(
     if isinstance(own, PreferenceLoss) and isinstance(model, PipelineModel):
         # Under pp its loss is the schedule's, on the last stage; KTO's KL pass runs the policy forward.
         own.pipelined, own.pp_group = True, model.pp_group
-
-        def policy_forward(batches, target, fn, model=model):
-            pipeline_forward_each(
-                model,
-                batches,
-                fn=fn,
-                target=target,
-                device=device,
-                autocast=precision.autocast(),
-                split_inputs=stage_inputs,
-            )
-
-        own.pipeline_policy = policy_forward
+        own.pipeline_policy = forward_through(model, device=device, precision=precision)
     if uses_reference(own):
         reference = preference_reference(cfg, dims, model, initial, spec=spec, device=device, precision=precision)
         if isinstance(model, PipelineModel):
@@ -281,22 +269,6 @@ def preference_reference(
     kind = reference_kind(cfg)
     key = "rl.reference" if cfg.loss.name == "grpo" else "preference.reference"
     pipelined = isinstance(model, PipelineModel)
-
-    def through_pipeline(pipeline: PipelineModel, *, adapters_off: bool):
-        def reference(batches, target, fn):
-            with adapters_disabled(model) if adapters_off else contextlib.nullcontext():
-                pipeline_forward_each(
-                    pipeline,
-                    batches,
-                    fn=fn,
-                    target=target,
-                    device=device,
-                    autocast=precision.autocast(),
-                    split_inputs=stage_inputs,
-                )
-
-        return reference
-
     if kind == "adapters_off":
         if not cfg.model.lora.enabled:
             raise ConfigError(
@@ -304,7 +276,7 @@ def preference_reference(
                 f" set {key} = 'initial' or a model directory"
             )
         if pipelined:
-            return through_pipeline(model, adapters_off=True)
+            return forward_through(model, device=device, precision=precision, around=lambda: adapters_disabled(model))
 
         def adapters_off(forward, k):
             with adapters_disabled(model):
@@ -318,8 +290,29 @@ def preference_reference(
     reference = frozen_like_policy(cfg, dims, reference, spec=spec, device=device)
     log.info("%s: %s, frozen, laid out like the policy", key, kind)
     if pipelined:
-        return through_pipeline(reference, adapters_off=False)
+        return forward_through(reference, device=device, precision=precision)
     return lambda forward, k: forward(k, reference)
+
+
+def forward_through(pipeline: PipelineModel, *, device, precision: Precision, around=contextlib.nullcontext):
+    """``run(batches, target, fn)``: the rank's rows forward through ``pipeline`` (inside
+    ``around()``: a LoRA policy's adapters off), ``fn(output, target piece)`` per piece on its
+    last stage (pipeline_parallel.pipeline_forward_each): a preference loss's reference or KTO's
+    KL pass under pp."""
+
+    def run(batches, target, fn):
+        with around():
+            pipeline_forward_each(
+                pipeline,
+                batches,
+                fn=fn,
+                target=target,
+                device=device,
+                autocast=precision.autocast(),
+                split_inputs=stage_inputs,
+            )
+
+    return run
 
 
 def precompute_reference(cfg: Config, dims: ParallelDims, model: nn.Module, step_ctx: StepContext, datasets, *, plan):
