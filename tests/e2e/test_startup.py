@@ -16,9 +16,9 @@ import os
 import subprocess
 import sys
 
+from paratrain.testing.dist_utils import REPO
 from paratrain.testing.hf_models import save_tiny
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the launcher must not import (each costs 0.1 to 1.5 s on a 2-core CPU; the workers import them).
 HEAVY = (
     "torch.distributed.checkpoint",

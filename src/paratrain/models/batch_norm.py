@@ -19,7 +19,7 @@ is a property of the run (``batch.norm_group``), not of a worker:
 - eval mode is torch's own ``BatchNorm`` (the running statistics), untouched.
 
 At ``G`` = the global batch on one process with one micro-batch this is torch's ``BatchNorm``,
-bit for bit (tests/test_batch_norm.py).
+bit for bit (tests/distributed/test_batch_math.py).
 """
 
 from __future__ import annotations
