@@ -2,7 +2,7 @@
 
 The launcher parses the config, runs the preflight and starts torchrun's agent; the workers
 import what training needs. torch.distributed's checkpoint (DCP), FSDP2, DTensor, pipelining
-and dynamo took about 1.8 s of the launcher's start (benchmarks/startup_vs_trl.py, docs/sft.md
+and dynamo took about 1.8 s of the launcher's start (benchmarks/peers/startup_vs_trl.py, docs/sft.md
 "Start-up against TRL"): the preflight's checks now live in light modules
 (distributed/layout_checks.py, checkpoint/manifest.py) and the modules the preflight reads
 through the models import DTensor and FSDP2 in the functions that use them. No timing here: the
