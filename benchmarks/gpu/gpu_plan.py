@@ -50,13 +50,12 @@ def main() -> int:
         print("gpu_plan.py needs a CUDA device; nothing measured. On CPU: benchmarks/parallel/plan_accuracy.py")
         return 0
 
-    from plan_accuracy import spearman
-
     import paratrain
     from paratrain.plan import get_profile
     from paratrain.plan.cost import ModelStats, step_cost
     from paratrain.plan.enumerate import enumerate_layouts, meta_model
     from paratrain.plan.memory import MemoryModel
+    from paratrain.testing.paired import spearman
 
     T = 32 if dry else 1024
     model = "n_layer=2, n_head=2, d_model=32" if dry else "n_layer=12, n_head=12, d_model=768"

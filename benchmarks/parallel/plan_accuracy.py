@@ -38,6 +38,7 @@ from paratrain.plan.cost import ModelStats, step_cost
 from paratrain.plan.enumerate import Layout, enumerate_layouts, meta_model
 from paratrain.plan.memory import MemoryModel
 from paratrain.plan.planner import Planned
+from paratrain.testing.paired import spearman
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -186,21 +187,6 @@ def run_world(config: str, layouts: list[Layout], world: int, steps: int) -> lis
     with tempfile.TemporaryDirectory() as tmp:
         dicts = [dataclasses.asdict(lay) for lay in layouts]
         return run_ranks(measure_rank, world, config, dicts, steps, tmp, timeout=600)[0]
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x):
-        order = sorted(range(len(x)), key=x.__getitem__)
-        r = [0.0] * len(x)
-        for i, j in enumerate(order):
-            r[j] = i
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    n = len(a)
-    ma, mb = sum(ra) / n, sum(rb) / n
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
 def sample(items: list, k: int) -> list:

@@ -46,3 +46,20 @@ def summary_line(name: str, ratios: list[float]) -> str:
         f"{name}: median {statistics.median(ratios):.3f} (geometric mean {g:.3f},"
         f" 95% CI [{lo:.3f}, {hi:.3f}], {len(ratios)} pairs)"
     )
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation of a and b (ties ranked by position): does a order cases as b does?"""
+
+    def ranks(x):
+        order = sorted(range(len(x)), key=x.__getitem__)
+        r = [0.0] * len(x)
+        for i, j in enumerate(order):
+            r[j] = i
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
