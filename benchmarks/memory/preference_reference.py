@@ -64,7 +64,6 @@ load 4.9 to 5.9):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -76,7 +75,7 @@ import tempfile
 import time
 
 from paratrain.testing.paired import ratio_ci, summary_line
-from paratrain.testing.peers import BETA, WARMUP, optim_sets, run, steady
+from paratrain.testing.peers import BETA, WARMUP, longest_pair, optim_sets, run, script_parser, steady
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preference_reference.json")
@@ -223,12 +222,7 @@ def build(tmp: str, args, env: dict) -> dict:
         / MIB
     )
     tok = AutoTokenizer.from_pretrained(paths["tok"])
-    longest = 0
-    for r in rows:
-        sides = [
-            tok.apply_chat_template(r["prompt"] + r[k], tokenize=True, return_dict=True) for k in ("chosen", "rejected")
-        ]
-        longest = max(longest, sum(len(s["input_ids"]) for s in sides))
+    longest = longest_pair(tok, rows)
     paths["block"] = 64 * math.ceil(longest / 64)
     paths["longest"], paths["pairs"] = longest, len(rows)
     data = write_jsonl(os.path.join(tmp, "pairs.jsonl"), rows)
@@ -243,11 +237,7 @@ def relative(a: list[float], b: list[float]) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="\n".join(line.strip() for line in __doc__.splitlines() if line.startswith("    python ")),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = script_parser(__doc__)
     p.add_argument("--rounds", type=int, default=6, help="paired rounds (per-step and precompute once each)")
     p.add_argument("--steps", type=int, default=6, help=f"optimiser steps per run; the first {WARMUP} are warm-up")
     p.add_argument("--batch", type=int, default=8, help="global batch, in pairs")

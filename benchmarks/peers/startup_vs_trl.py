@@ -67,7 +67,7 @@ import tempfile
 import time
 
 from paratrain.testing.paired import ratio_ci, summary_line
-from paratrain.testing.peers import BLOCK, optim_sets, run
+from paratrain.testing.peers import BLOCK, optim_sets, peer_env, run, script_parser, trl_optim_kwargs, trl_run_kwargs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup_vs_trl.json")
@@ -113,29 +113,15 @@ def trl_worker(args) -> None:
         max_steps=args.steps,
         per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=1,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        adam_epsilon=1e-8,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
+        **trl_optim_kwargs(1e-3),
         use_cpu=True,
         bf16=False,  # TRL's default is bf16 mixed precision; paratrain runs float32 here
-        gradient_checkpointing=False,  # TRL's default is on; paratrain's is off
         assistant_only_loss=True,
         packing=True,
         packing_strategy="bfd",
         padding_free=True,
         max_length=BLOCK,
-        dataloader_num_workers=0,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
+        **trl_run_kwargs(),
     )
     trainer = Counted(
         model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[First()]
@@ -319,11 +305,7 @@ def breakdown(name: str, runs: list[dict]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="\n".join(line.strip() for line in __doc__.splitlines() if line.startswith("    python ")),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = script_parser(__doc__)
     p.add_argument("--rounds", type=int, default=5, help="paired rounds (each tool once per round)")
     p.add_argument("--steps", type=int, default=3, help="optimiser steps per run (the first is timed)")
     p.add_argument("--batch", type=int, default=4, help="global batch = micro-batch, packed rows of 512")
@@ -339,16 +321,7 @@ def main() -> None:
         return trl_worker(args)
     if args.quick:
         args.rounds = 1
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]),
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",  # everything is local; TRL's trainer would otherwise send a telemetry ping
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "HF_DATASETS_OFFLINE": "1",
-    }
-    os.environ.update({k: env[k] for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM")})
+    env = peer_env()
     with tempfile.TemporaryDirectory() as tmp:
         paths = build(tmp, args)
         setup = (

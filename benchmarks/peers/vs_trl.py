@@ -77,10 +77,20 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 from paratrain.testing.paired import summary_line
-from paratrain.testing.peers import BLOCK, WARMUP, optim_sets, run, steady
+from paratrain.testing.peers import (
+    BLOCK,
+    WARMUP,
+    optim_sets,
+    peer_env,
+    run,
+    script_parser,
+    steady,
+    step_timer,
+    trl_optim_kwargs,
+    trl_run_kwargs,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,7 +103,7 @@ def trl_worker(args) -> None:
     import torch
     import torch.distributed as dist
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(1)
@@ -109,49 +119,23 @@ def trl_worker(args) -> None:
             self.micro.append((self.collated.pop(0), local, float(num_items_in_batch)))
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    class Steps(TrainerCallback):
-        def __init__(self):
-            self.begin, self.end, self.steps = [], [], []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.begin.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.end.append(time.perf_counter())
-            self.steps.append(list(trainer.micro))
-            trainer.micro.clear()
-
-    def make(micro: int, accum: int, steps: int, timer: Steps | None) -> Counted:
+    def make(micro: int, accum: int, steps: int, timer) -> Counted:
         config = SFTConfig(
             output_dir=args.out,
             max_steps=steps,
             per_device_train_batch_size=micro,
             gradient_accumulation_steps=accum,
-            learning_rate=args.lr,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            adam_epsilon=1e-8,
-            max_grad_norm=1.0,
-            optim="adamw_torch",  # torch.optim.AdamW, as paratrain (not the fused kernel)
+            **trl_optim_kwargs(args.lr),
             use_cpu=True,
             ddp_backend="gloo",
             bf16=False,  # TRL's default is bf16 mixed precision; paratrain runs float32 here
-            gradient_checkpointing=False,  # TRL's default is on; paratrain's is off
             assistant_only_loss=True,
             packing=True,
             packing_strategy="bfd",
             padding_free=True,
             max_length=BLOCK,
-            dataloader_num_workers=0,
             dataloader_drop_last=True,
-            report_to=[],
-            logging_steps=1,
-            save_strategy="no",
-            disable_tqdm=True,
-            seed=0,
+            **trl_run_kwargs(),
         )
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="sdpa", dtype=torch.float32)
         t = Counted(
@@ -182,8 +166,9 @@ def trl_worker(args) -> None:
     accum = batch // (micro * 2)
     if accum * micro * 2 != batch:
         raise SystemExit(f"--batch {batch} is not a multiple of 2 x --micro {micro}")
-    timer = Steps()
+    timer = step_timer()
     trainer = make(micro, accum, steps, timer)
+    timer.trainer = trainer
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != 2 or dist.get_backend() != "gloo" or trainer.args.world_size != 2:
         raise SystemExit(f"TRL joined a world of {world} ({trainer.args.world_size}), not 2 on gloo: void")
@@ -347,11 +332,7 @@ def correctness(paths: dict, tmp: str, args, env: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="\n".join(line.strip() for line in __doc__.splitlines() if line.startswith("    python ")),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = script_parser(__doc__)
     p.add_argument("--rounds", type=int, default=4, help="paired rounds (paratrain and TRL once each)")
     p.add_argument("--steps", type=int, default=8, help=f"optimiser steps per run; the first {WARMUP} are warm-up")
     p.add_argument("--batch", type=int, default=8, help="global batch, in packed rows of 512 tokens")
@@ -372,16 +353,7 @@ def main() -> None:
         args.rounds, args.steps = 1, WARMUP + 2
     if args.steps <= WARMUP + 1:
         raise SystemExit(f"--steps must exceed {WARMUP + 1} (the first {WARMUP} are warm-up)")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]),
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",  # everything is local; TRL's trainer would otherwise send a telemetry ping
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "HF_DATASETS_OFFLINE": "1",
-    }
-    os.environ.update({k: env[k] for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM")})
+    env = peer_env()
     with tempfile.TemporaryDirectory() as tmp:
         paths = build(tmp, args, env)
         print(

@@ -81,7 +81,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 from paratrain.testing.peers import (
     BETA,
@@ -91,15 +90,21 @@ from paratrain.testing.peers import (
     check_trl_world,
     describe_layout,
     gather,
+    longest_pair,
     optim_sets,
     pair_positions,
     paratrain_layout,
+    peer_env,
     rounds_and_check,
     run,
     save_policy,
+    script_parser,
     shape_of,
     steady,
+    step_timer,
     trl_layout,
+    trl_optim_kwargs,
+    trl_run_kwargs,
     worker_layout,
     write_result,
 )
@@ -119,7 +124,7 @@ def trl_worker(args) -> None:
     import torch
     import torch.distributed as dist
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     torch.set_num_threads(1)
@@ -136,18 +141,6 @@ def trl_worker(args) -> None:
             self.real.append(int(inputs["attention_mask"].sum()))
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    class Steps(TrainerCallback):
-        def __init__(self):
-            self.begin, self.end, self.steps = [], [], []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.begin.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.end.append(time.perf_counter())
-            self.steps.append(list(trainer.micro))
-            trainer.micro.clear()
-
     def load(path: str):
         return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
 
@@ -156,30 +149,16 @@ def trl_worker(args) -> None:
         max_steps=steps,
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        adam_epsilon=1e-8,
-        max_grad_norm=1.0,
-        optim="adamw_torch",  # torch.optim.AdamW, as paratrain (not the fused kernel)
+        **trl_optim_kwargs(args.lr),
         ddp_find_unused_parameters=False,  # every parameter has a gradient
         **trl_layout(args),  # TRL's default is bf16 mixed precision; float32 unless --bf16
-        gradient_checkpointing=False,  # TRL's default is on; paratrain's is off
         beta=BETA,
         loss_type=["sigmoid"],
         max_length=args.block,  # per side; every side is shorter, so nothing is cut
-        dataloader_num_workers=0,
         dataloader_drop_last=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
+        **trl_run_kwargs(),
     )
-    timer = Steps()
+    timer = step_timer()
     lora = None
     if args.lora:  # the reference is then the policy with its adapters off (TRL's ref_model=None)
         from peft import LoraConfig
@@ -195,6 +174,7 @@ def trl_worker(args) -> None:
         peft_config=lora,
     )
     trainer.micro, trainer.positions, trainer.real = [], [], []
+    timer.trainer = trainer
     world = check_trl_world(trainer, args)
     if args.lora and not hasattr(trainer.model, "peft_config"):
         raise SystemExit("TRL's model has no LoRA adapters: void")
@@ -310,12 +290,7 @@ def build(tmp: str, args, env: dict) -> dict:
         paths[name] = save_policy(os.path.join(tmp, name), args, seed=seed, vocab=VOCAB, max_positions=1024)
     paths.setdefault("ref", "")
     tok = AutoTokenizer.from_pretrained(paths["tok"])
-    longest = 0
-    for r in rows:
-        sides = [
-            tok.apply_chat_template(r["prompt"] + r[k], tokenize=True, return_dict=True) for k in ("chosen", "rejected")
-        ]
-        longest = max(longest, sum(len(s["input_ids"]) for s in sides))
+    longest = longest_pair(tok, rows)
     paths["block"] = 64 * math.ceil(longest / 64)
     paths["longest"] = longest
     repeat = math.ceil(1.2 * args.steps * args.batch / len(rows))  # one epoch holds every timed step
@@ -396,11 +371,7 @@ def correctness(paths: dict, tmp: str, args, env: dict) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="\n".join(line.strip() for line in __doc__.splitlines() if line.startswith("    python ")),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = script_parser(__doc__)
     p.add_argument("--rounds", type=int, default=10, help="paired rounds (paratrain and TRL once each)")
     p.add_argument("--steps", type=int, default=10, help=f"optimiser steps per run; the first {WARMUP} are warm-up")
     add_layout_args(p, micro=4, batch=16)  # --batch in pairs, --micro pairs per micro-batch per process
@@ -432,21 +403,7 @@ def main() -> None:
         raise SystemExit(f"--batch {args.batch} is not a multiple of --procs {args.procs} x --micro {args.micro}")
     # the loss check compares float32 losses with a separate reference model
     args.skip_check = args.skip_check or args.bf16 or args.lora
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [REPO, os.path.join(REPO, "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-        ),
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",  # everything is local; TRL's trainer would otherwise send a telemetry ping
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "USE_HUB_KERNELS": "0",  # transformers >= 5.2x would fetch kernels from the Hub on CUDA
-    }
-    os.environ.update(
-        {k: env[k] for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM", "USE_HUB_KERNELS")}
-    )
+    env = peer_env(inherit_pythonpath=True, hub_kernels_off=True)
     with tempfile.TemporaryDirectory() as tmp:
         paths = build(tmp, args, env)
         accum = args.batch // (args.procs * args.micro)

@@ -60,11 +60,15 @@ from paratrain.testing.peers import (
     describe_layout,
     gather,
     paratrain_layout,
+    peer_env,
     run,
     save_policy,
     shape_of,
     steady,
+    step_timer,
     trl_layout,
+    trl_optim_kwargs,
+    trl_run_kwargs,
     worker_layout,
 )
 
@@ -77,7 +81,7 @@ def trl_worker(args) -> None:
     import torch
     import torch.distributed as dist
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from paratrain.testing.rl_data import byte_mix
@@ -100,15 +104,6 @@ def trl_worker(args) -> None:
             self.micro.append(int(inputs["completion_ids"].shape[0]))
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    class Steps(TrainerCallback):
-        def __init__(self):
-            self.end, self.steps = [], []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.end.append(time.perf_counter())
-            self.steps.append(list(trainer.micro))
-            trainer.micro.clear()
-
     config = GRPOConfig(
         output_dir=args.out,
         max_steps=args.steps,
@@ -122,25 +117,14 @@ def trl_worker(args) -> None:
         beta=0.0,
         loss_type="grpo",
         scale_rewards="group",
-        learning_rate=1e-5,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
+        **trl_optim_kwargs(1e-5, adam=False),  # betas and eps at both tools' defaults
         ddp_find_unused_parameters=False,
         **trl_layout(args),
-        gradient_checkpointing=False,
         use_vllm=False,
         shuffle_dataset=False,
-        dataloader_num_workers=0,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
+        **trl_run_kwargs(),
     )
-    timer = Steps()
+    timer = step_timer()
     trainer = Counted(
         model=AutoModelForCausalLM.from_pretrained(args.policy, attn_implementation="sdpa", dtype=torch.float32),
         reward_funcs=[byte_mix],
@@ -150,6 +134,7 @@ def trl_worker(args) -> None:
         callbacks=[timer],
     )
     trainer.micro, trainer.gen_s, trainer.gen_tokens = [], [], []
+    timer.trainer = trainer
     world = check_trl_world(trainer, args)
     trainer.train()
     everyone = gather((timer.steps, trainer.gen_s, trainer.gen_tokens))
@@ -280,21 +265,7 @@ def main() -> None:
         args.rounds, args.steps = 1, WARMUP + 2
     if args.batch % (args.procs * args.micro) or (args.procs * args.micro) % args.group:
         raise SystemExit("--batch must be a multiple of --procs x --micro, itself a multiple of --group")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [REPO, os.path.join(REPO, "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-        ),
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "USE_HUB_KERNELS": "0",  # transformers >= 5.2x would fetch kernels from the Hub on CUDA
-    }
-    os.environ.update(
-        {k: env[k] for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM", "USE_HUB_KERNELS")}
-    )
+    env = peer_env(inherit_pythonpath=True, hub_kernels_off=True)
     accum = args.batch // (args.procs * args.micro)
     setup = (
         f"{shape_of(args)}, G {args.group}, at most {args.new} new tokens;"

@@ -92,9 +92,21 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
-from paratrain.testing.peers import WARMUP, optim_sets, pair_positions, rounds_and_check, run, steady, write_result
+from paratrain.testing.peers import (
+    WARMUP,
+    optim_sets,
+    pair_positions,
+    peer_env,
+    rounds_and_check,
+    run,
+    script_parser,
+    steady,
+    step_timer,
+    trl_optim_kwargs,
+    trl_run_kwargs,
+    write_result,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vs_trl_reward.json")
@@ -109,7 +121,7 @@ def trl_worker(args) -> None:
     import torch
     import torch.distributed as dist
     from datasets import Dataset
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
     torch.set_num_threads(1)
@@ -128,48 +140,22 @@ def trl_worker(args) -> None:
             self.real.append(int(inputs["attention_mask"].sum()))
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    class Steps(TrainerCallback):
-        def __init__(self):
-            self.begin, self.end, self.steps = [], [], []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.begin.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.end.append(time.perf_counter())
-            self.steps.append(list(trainer.micro))
-            trainer.micro.clear()
-
     config = RewardConfig(
         output_dir=args.out,
         max_steps=steps,
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        adam_epsilon=1e-8,
-        max_grad_norm=1.0,
-        optim="adamw_torch",  # torch.optim.AdamW, as paratrain (not the fused kernel)
+        **trl_optim_kwargs(args.lr),
         use_cpu=True,
         ddp_backend="gloo",
         ddp_find_unused_parameters=False,  # every parameter has a gradient
         bf16=False,  # TRL's default is bf16 mixed precision; paratrain runs float32 here
-        gradient_checkpointing=False,  # TRL's default is on; paratrain's is off
         center_rewards_coefficient=None,  # TRL's default: no centering term (priced in the check)
         max_length=args.block,  # a filter on each side, not a cut: every side is shorter
-        dataloader_num_workers=0,
         dataloader_drop_last=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
+        **trl_run_kwargs(),
     )
-    timer = Steps()
+    timer = step_timer()
     trainer = Counted(
         model=AutoModelForSequenceClassification.from_pretrained(
             args.model, attn_implementation="sdpa", dtype=torch.float32
@@ -180,6 +166,7 @@ def trl_worker(args) -> None:
         callbacks=[timer],
     )
     trainer.micro, trainer.positions, trainer.real = [], [], []
+    timer.trainer = trainer
     world = dist.get_world_size() if dist.is_initialized() else 1
     a = trainer.args
     if world != 2 or dist.get_backend() != "gloo" or a.world_size != 2:
@@ -410,11 +397,7 @@ def correctness(paths: dict, tmp: str, args, env: dict) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="\n".join(line.strip() for line in __doc__.splitlines() if line.startswith("    python ")),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = script_parser(__doc__)
     p.add_argument("--rounds", type=int, default=10, help="paired rounds (paratrain and TRL once each)")
     p.add_argument("--steps", type=int, default=10, help=f"optimiser steps per run; the first {WARMUP} are warm-up")
     p.add_argument("--batch", type=int, default=16, help="global batch, in pairs")
@@ -441,16 +424,7 @@ def main() -> None:
         raise SystemExit(f"--steps must exceed {WARMUP + 1} (the first {WARMUP} are warm-up)")
     if args.batch % (2 * args.micro):
         raise SystemExit(f"--batch {args.batch} is not a multiple of 2 x --micro {args.micro}")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]),
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",  # everything is local; TRL's trainer would otherwise send a telemetry ping
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "HF_DATASETS_OFFLINE": "1",
-    }
-    os.environ.update({k: env[k] for k in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM")})
+    env = peer_env()
     with tempfile.TemporaryDirectory() as tmp:
         paths = build(tmp, args, env)
         accum = args.batch // (2 * args.micro)

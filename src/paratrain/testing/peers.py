@@ -1,6 +1,8 @@
 """What the comparisons with TRL and Accelerate share (benchmarks/peers/ and the DPO reference
-benchmark): the optimiser settings both tools get, the warm-up left out of a run's median step
-time, the launcher of a run, and the DPO comparison's layout options, rounds and result file.
+benchmark): the optimiser settings both tools get (``optim_sets`` for paratrain,
+``trl_optim_kwargs`` for TRL) and TRL's other config keywords, TRL's step-timing callback, the
+processes' environment, the warm-up left out of a run's median step time, the launcher of a run,
+the scripts' parser, and the DPO comparison's layout options, rounds and result file.
 transformers, TRL and torch.distributed are imported inside the functions that use them."""
 
 from __future__ import annotations
@@ -37,6 +39,107 @@ def optim_sets(lr: float) -> list[str]:
         "optim.warmup_steps=0",
         "optim.schedule='constant'",
     ]
+
+
+def trl_optim_kwargs(lr: float, *, adam: bool = True) -> dict:
+    """TRL's twin of ``optim_sets``: the config keywords that give TRL's trainer the optimiser
+    paratrain is given. ``adam=False`` leaves the betas and eps at TRL's defaults (vs_trl_grpo.py,
+    whose paratrain side keeps its own defaults too)."""
+    kw = dict(
+        learning_rate=lr,
+        lr_scheduler_type="constant",  # TRL's default is linear decay; paratrain's schedule is set constant
+        warmup_steps=0,
+        weight_decay=0.0,
+    )
+    if adam:
+        kw.update(adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8)  # TRL's default beta2 is 0.999
+    kw.update(
+        max_grad_norm=1.0,
+        optim="adamw_torch",  # torch.optim.AdamW, as paratrain (not the fused kernel)
+        gradient_checkpointing=False,  # TRL's default is on; paratrain's is off
+    )
+    return kw
+
+
+def trl_run_kwargs() -> dict:
+    """The rest of every TRL config here: data in the main process, no reports, saves or progress
+    bars, a loss logged every step, seed 0."""
+    return dict(
+        dataloader_num_workers=0,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+
+
+def step_timer():
+    """A ``TrainerCallback`` that stamps each optimiser step's begin and end (``time.perf_counter``)
+    and keeps the micro-batch counts its trainer (set ``.trainer`` once built) gathered in
+    ``trainer.micro`` during the step."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class Steps(TrainerCallback):
+        def __init__(self):
+            self.begin, self.end, self.steps, self.trainer = [], [], [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.end.append(time.perf_counter())
+            self.steps.append(list(self.trainer.micro))
+            self.trainer.micro.clear()
+
+    return Steps()
+
+
+def peer_env(*, inherit_pythonpath: bool = False, hub_kernels_off: bool = False) -> dict:
+    """The environment of both tools' processes: the repository on the path, one thread per
+    process, nothing fetched from the Hub; the Hub and tokenizer settings are set in this process too."""
+    path = [REPO, os.path.join(REPO, "src")]
+    if inherit_pythonpath:
+        path += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(path),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",  # everything is local; TRL's trainer would otherwise send a telemetry ping
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    keep = ["HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TOKENIZERS_PARALLELISM"]
+    if hub_kernels_off:
+        env["USE_HUB_KERNELS"] = "0"  # transformers >= 5.2x would fetch kernels from the Hub on CUDA
+        keep.append("USE_HUB_KERNELS")
+    os.environ.update({k: env[k] for k in keep})
+    return env
+
+
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring's first paragraph as the description, its
+    ``    python ...`` example lines as the epilog."""
+    return argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        epilog="\n".join(line.strip() for line in doc.splitlines() if line.startswith("    python ")),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def longest_pair(tok, rows: list[dict]) -> int:
+    """Tokens of the longest preference pair: its prompt + chosen and prompt + rejected sides
+    through ``tok``'s chat template, together."""
+    longest = 0
+    for r in rows:
+        sides = [
+            tok.apply_chat_template(r["prompt"] + r[k], tokenize=True, return_dict=True) for k in ("chosen", "rejected")
+        ]
+        longest = max(longest, sum(len(s["input_ids"]) for s in sides))
+    return longest
 
 
 def steady(stamps: list[float]) -> float:
