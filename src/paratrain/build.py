@@ -141,7 +141,9 @@ def build_parallel(
         else:
             own.reference = reference
     if isinstance(own, DistillLoss):
-        own.teacher = distill_teacher(cfg, dims, device=device, vocab=vocab)
+        pipeline = model if isinstance(model, PipelineModel) else None
+        own.pipelined = pipeline is not None  # under pp its loss is the schedule's, on the last stage
+        own.teacher = distill_teacher(cfg, dims, device=device, vocab=vocab, pipeline=pipeline, precision=precision)
     step_ctx = StepContext(
         objectives=objectives,
         device=device,
@@ -210,20 +212,60 @@ def own_loss(
     )
 
 
-def distill_teacher(cfg: Config, dims: ParallelDims, *, device, vocab: int | None = None):
+def distill_teacher(
+    cfg: Config,
+    dims: ParallelDims,
+    *,
+    device,
+    vocab: int | None = None,
+    pipeline: PipelineModel | None = None,
+    precision: Precision | None = None,
+):
     """``teacher(forward, k)`` for objectives/distill.py: micro-batch ``k``'s logits from the
     frozen teacher (``distill.teacher``), laid out like the student (``vocab``: the student's
-    output size, which the teacher's must equal)."""
+    output size, which the teacher's must equal).
+
+    Under pipeline parallel (``pipeline``: the student's PipelineModel) ``teacher(inputs)``
+    instead, the logits of a piece's input rows on the last stage, where the loss runs: a whole
+    teacher on each last-stage rank, not split into stages (preflight refuses the layouts that
+    would shard it: FSDP2, tensor and context parallel with pp); the other stages hold none."""
+    if pipeline is not None:
+        if not pipeline.has_last:
+
+            def nowhere(inputs):
+                raise RuntimeError("the distillation teacher runs on the pipeline's last stage only")
+
+            return nowhere
+        teacher, spec = frozen_model(cfg, cfg.distill.teacher, "distill.teacher")
+        check_teacher_vocab(teacher, spec, vocab)
+        teacher.requires_grad_(False)
+        if spec.materialize is not None:
+            spec.materialize(teacher, device=device)
+        teacher = teacher.to(device).eval()
+        log.info(
+            "distill: teacher %s (%s), frozen, whole on the last stage", cfg.distill.teacher, cfg.distill.divergence
+        )
+
+        def rows(inputs):
+            with torch.no_grad(), precision.autocast():
+                return teacher(inputs)
+
+        return rows
     teacher, spec = frozen_model(cfg, cfg.distill.teacher, "distill.teacher")
+    check_teacher_vocab(teacher, spec, vocab)
+    teacher = frozen_like_policy(cfg, dims, teacher, spec=spec, device=device)
+    log.info("distill: teacher %s (%s), frozen, laid out like the student", cfg.distill.teacher, cfg.distill.divergence)
+    return lambda forward, k: forward(k, teacher)
+
+
+def check_teacher_vocab(teacher: nn.Module, spec: ModelSpec, vocab: int | None) -> None:
+    """The teacher's output size must be the student's (``vocab``)."""
     theirs = getattr(getattr(teacher, spec.head_attr or "", None), "out_features", None)
     if vocab is not None and theirs is not None and theirs != vocab:
         raise ConfigError(
             f"distill.teacher has a vocabulary of {theirs} tokens and the student {vocab}; distil from a teacher"
             " of the student's tokenizer"
         )
-    teacher = frozen_like_policy(cfg, dims, teacher, spec=spec, device=device)
-    log.info("distill: teacher %s (%s), frozen, laid out like the student", cfg.distill.teacher, cfg.distill.divergence)
-    return lambda forward, k: forward(k, teacher)
 
 
 def frozen_model(cfg: Config, path: str, key: str) -> tuple[nn.Module, ModelSpec]:

@@ -132,6 +132,32 @@ def test_two_ranks_with_accumulation_give_the_one_process_numbers(kd):
     torch.testing.assert_close(two[1], one[1], rtol=1e-5, atol=0)
 
 
+def test_pipeline_parallel_gives_the_one_process_numbers(kd):
+    """pp 2 (world 2) with accumulation 2: the divergence is the schedule's loss on the last
+    stage, per pipeline piece of rows (4 pieces of one row per step), the teacher (another
+    architecture, whole on the last stage) run on each piece's own input rows (their indices ride
+    the target); forward KL against one process, under plain SGD."""
+    assert kd["rows"] == 4  # two micro-batches of 2 rows, each cut into 2 pieces of one row
+    one = _run(kd, "pp_one")
+    two = _run(kd, "pp_two", "parallel.pp=2", "parallel.pp_microbatches=2", "batch.micro_batch_size=2", world=2)
+    torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
+    assert [r["student_ce"] for r in two[2]] == pytest.approx([r["student_ce"] for r in one[2]], rel=1e-5)
+
+
+def test_pipeline_refuses_only_a_sharded_teacher(kd):
+    """Under pp the teacher is whole on each last-stage rank: FSDP2, tensor or context parallel
+    beside the pipeline is one line before any process starts; pp with DDP passes."""
+    from paratrain.config import ConfigError
+    from paratrain.preflight import check_run
+
+    check_run(load_config(None, _config(kd, "pp_ok", "parallel.pp=2", "parallel.dp_replicate=2")), 4)
+    for degree in ("dp_shard", "tp", "cp"):
+        cfg = load_config(None, _config(kd, "pp_no", "parallel.pp=2", f"parallel.{degree}=2"))
+        with pytest.raises(ConfigError, match=rf"loss.name = 'distill' with parallel.{degree} = 2 and parallel.pp = 2"):
+            check_run(cfg, 4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",

@@ -25,6 +25,12 @@ student (build.py frozen_like_policy: FSDP2 shards it, tensor parallel splits it
 larger than one device fits. Each divergence is computed over chunks of positions in float32,
 recomputed in the backward (torch.utils.checkpoint), so no ``[tokens, vocab]`` float32 tensor
 is held for either model beyond the logits the models return.
+
+Under pipeline parallel the loss is the schedule's, on the last stage, per pipeline piece of rows
+(:meth:`DistillLoss.pipeline_loss`): each row's index rides the target (``pipeline_target``), the
+piece's input rows are looked up in the rank's inputs kept for the step and run through the
+teacher there (a whole copy on each last-stage rank, built by build.py), so one piece's logits of
+each model are held at a time (docs/preference.md, Layouts).
 """
 
 from __future__ import annotations
@@ -81,6 +87,9 @@ class DistillLoss(Objective):
         self.kind, self.temperature, self.beta, self.top_k = kind, temperature, beta, top_k
         self.ignore_index = ignore_index
         self.teacher = None  # teacher(forward, k): micro-batch k's teacher logits; set by the build
+        # Pipeline parallel (set by the build): teacher(inputs) instead, the logits of these input
+        # rows, run on the last stage per piece (pipeline_loss).
+        self.pipelined = False
         self.scale = 1.0
 
     def count(self, inputs, target) -> torch.Tensor:
@@ -95,12 +104,50 @@ class DistillLoss(Objective):
         if self.teacher is None:
             raise RuntimeError("the distillation loss's teacher was never set (build.py)")
         self._forward = forward  # the teacher runs per micro-batch, in loss(): one logits tensor at a time
+        if self.pipelined:  # the rank's input rows, for the pieces' teacher runs (pipeline_loss)
+            self._inputs = torch.cat([x for x, _ in batches]).to(self.device)
+            self._pieces: dict[int, tuple] = {}
 
     def loss(self, output, target) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
         teacher = self.teacher(self._forward, self._k)
         self._k += 1
+        total, n, ce = self._terms(output, teacher, target)
+        self._last = (total.detach(), n, ce)
+        return total * self.scale
+
+    # --- pipeline parallel: the loss on the last stage, per piece of rows
+
+    def pipeline_target(self, target: torch.Tensor) -> torch.Tensor:
+        """The rank's whole target ``(R, T)`` with each row's index as a second plane, ``(R, 2,
+        T)``: the schedule cuts both alike, so a piece knows which input rows it holds."""
+        rows = torch.arange(len(target), device=target.device, dtype=target.dtype)
+        return torch.stack([target, rows[:, None].expand_as(target)], 1)
+
+    def pipeline_loss(self, output, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The schedule's loss for one piece of rows: the teacher on the piece's input rows, the
+        sum of the divergence over its target tokens (with its graph; the schedule scales it by
+        ``scale``) and its token count. The piece's sums are kept by its first row (torch's first
+        run calls this once more on piece 0 to infer shapes, which the real piece 0 overwrites)."""
+        rows, target = target[:, 1, 0], target[:, 0]
+        teacher = self.teacher(self._inputs[rows])
+        total, n, ce = self._terms(output, teacher, target)
+        self._pieces[int(rows[0])] = (total.detach(), n, ce)
+        return total, n
+
+    def pipeline_done(self, *, last: bool) -> None:
+        """After the schedule's run: the pieces' sums (on the last stage; the step's reduce runs
+        over the pipeline ranks too, so each token is counted once)."""
+        if last:
+            for total, n, ce in self._pieces.values():
+                self._last = (total, n, ce)
+                self.end_micro_batch()
+        self._pieces, self._inputs = {}, None
+
+    def _terms(self, output, teacher, target) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """The divergence summed over ``target``'s target tokens (with the student's graph), their
+        count and the student's cross-entropy summed over them (no graph)."""
+        from torch.distributed.tensor import DTensor
+
         student = output.full_tensor() if isinstance(output, DTensor) else output
         teacher = teacher.full_tensor() if isinstance(teacher, DTensor) else teacher
         keep = (target != self.ignore_index).reshape(-1)
@@ -114,8 +161,7 @@ class DistillLoss(Objective):
         total = torch.stack([p.sum() for p in parts]).sum() if parts else s.sum() * 0
         with torch.no_grad():
             ce = F.cross_entropy(s.float(), target.reshape(-1)[rows], reduction="sum") if len(rows) else total * 0
-        self._last = (total.detach(), len(rows), ce)
-        return total * self.scale
+        return total, len(rows), ce
 
     def _chunk(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return divergence(s, t, kind=self.kind, temperature=self.temperature, beta=self.beta, top_k=self.top_k)

@@ -217,11 +217,14 @@ def _preference(cfg: Config) -> bool:
     return cfg.loss.name in ("preference", "reward", "distill")
 
 
-def _pp_unbuilt(cfg: Config) -> str | None:
-    """What of a preference or distillation run pipeline parallel does not run yet (None: it runs)."""
-    if cfg.loss.name == "distill":
-        return "loss.name = 'distill'"
-    return None
+def _pp_unbuilt(cfg: Config, dims) -> str | None:
+    """What of a preference or distillation run pipeline parallel does not run yet (None: it runs).
+    Distillation runs a whole teacher on each last-stage rank (build.py distill_teacher): not one
+    sharded by FSDP2 or split by tensor or context parallel beside the pipeline."""
+    if cfg.loss.name != "distill":
+        return None
+    sharded = [f"parallel.{k} = {getattr(dims, k)}" for k in ("dp_shard", "tp", "cp") if getattr(dims, k) > 1]
+    return "loss.name = 'distill' with " + " and ".join(sharded) if sharded else None
 
 
 def _preference_refusal(degree: str) -> Refusal:
@@ -283,13 +286,15 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("preference", "pp"),
-        lambda c, d: d.pp > 1 and _pp_unbuilt(c) is not None,
+        lambda c, d: d.pp > 1 and _pp_unbuilt(c, d) is not None,
         lambda c, d: (
-            f"{_pp_unbuilt(c)} with parallel.pp = {d.pp} is not supported yet (the pair losses, the reward model"
-            ", KTO and their reference run under pp); set parallel.pp = 1 (docs/preference.md)"
+            f"{_pp_unbuilt(c, d)} and parallel.pp = {d.pp} is not supported yet (under pp the teacher runs whole"
+            " on each last-stage rank, beside DDP only); set parallel.pp = 1 or those degrees to 1"
+            " (docs/preference.md)"
         ),
-        "distillation's teacher runs a second forward per micro-batch outside the schedule: not built through"
-        " the pipeline yet (the pair losses, KTO, the reward model and their reference are)",
+        "distillation under pp runs a whole teacher on each last-stage rank: not one sharded by FSDP2, tensor or"
+        " context parallel yet (the pair losses, KTO, the reward model, their reference and distillation beside"
+        " DDP run)",
     ),
     Refusal(
         ("preference precompute", "cp"),
