@@ -7,6 +7,8 @@ and dynamo took about 1.8 s of the launcher's start (benchmarks/peers/startup_vs
 (distributed/layout_checks.py, checkpoint/manifest.py) and the modules the preflight reads
 through the models import DTensor and FSDP2 in the functions that use them. No timing here: the
 test names the modules, so an import that brings one back fails it, whatever the machine's load.
+A job of one process trains in the launcher's own process (launch/agent.py, run_here): the
+worker's imports are then the launcher's, paid once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from paratrain.testing.dist_utils import REPO
 from paratrain.testing.hf_models import save_tiny
@@ -88,3 +92,47 @@ def test_the_launcher_of_an_hf_run_imports_no_parallelism(tmp_path):
     )
     assert "transformers.models.qwen2.configuration_qwen2" in modules  # the preflight read the model's config
     assert loaded == [], f"paratrain train's launcher imported {loaded}; keep them in the workers (module docstring)"
+
+
+def test_a_one_process_job_trains_in_the_launchers_own_process(tmp_path, monkeypatch):
+    """One process on one node: the worker's main runs in the launcher (no second interpreter
+    importing torch and transformers again), as rank 0 of a world of one with no MASTER_ADDR (a
+    shell's or a scheduler's never reaches it: the lone process needs no port), and the launcher's
+    environment is as it was afterwards."""
+    import paratrain.launch.worker as worker
+    from paratrain.cli import main
+
+    seen = []
+
+    def train(cfg):
+        seen.append((os.getpid(), {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}))
+        return {}
+
+    monkeypatch.setattr(worker, "train", train)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    before = dict(os.environ)
+    config = os.path.join(REPO, "configs", "debug.toml")
+    assert main(["train", config, "--set", f"run.out_dir='{tmp_path}'"]) == 0
+    assert seen == [(os.getpid(), {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": None})]
+    assert dict(os.environ) == before
+    # Restarts are the agent's: with --max-restarts the worker is a process of its own again.
+    monkeypatch.setattr("paratrain.launch.agent._launch", lambda *a, **k: seen.append("agent") or 0)
+    assert main(["train", config, "--max-restarts", "1", "--set", f"run.out_dir='{tmp_path}'"]) == 0
+    assert seen[-1] == "agent"
+
+
+@pytest.mark.slow  # two runs of the debug config
+def test_the_launchers_own_process_trains_what_a_worker_process_trains(tmp_path):
+    """The same 3 steps in the launcher's process and in a worker started by torchrun's agent
+    (--max-restarts 1 keeps the agent): the same losses and grad_norms, bitwise."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
+    rows = []
+    for name, extra in (("here", []), ("agent", ["--max-restarts", "1"])):
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "paratrain", "train", "configs/debug.toml", *extra]
+        cmd += ["--set", "run.steps=3", "--set", "metrics.plot=false", "--set", f"run.out_dir='{out}'"]
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        with open(out / "metrics.jsonl") as f:
+            rows.append([(r["loss"], r["grad_norm"]) for r in map(json.loads, f)])
+    assert len(rows[0]) == 3 and rows[0] == rows[1], rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import re
@@ -11,6 +12,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -247,17 +249,24 @@ def prepare_node(spec: LaunchSpec) -> tuple[str, Callable[[], None]]:
     return bind, restore
 
 
+# Workers whose ``main(argv)`` a job of one process runs in the launcher's own process (run_here).
+IN_PROCESS = ("paratrain.launch.worker", "paratrain.launch.eval_worker")
+
+
 def launch(spec: LaunchSpec, module: str, module_args: list[str], *, job: Config | None = None) -> int:
     """Run ``python -m module module_args`` on ``spec``'s processes; returns the exit code
     (``checkpoint.exit_code_on_preempt`` when the workers stopped on SIGTERM with a checkpoint).
     ``job``: a training job's config, which gives a multi-node job its rendezvous id (unless
     ``spec.rdzv_id``) and tells its nodes apart from another job's on a shared server.
+    A job of one process with nothing for torch elastic's agent to do runs here (run_here).
 
     The caller's environment is restored afterwards: torchrun's ``run()`` sets variables in this
     process for its workers (TORCHELASTIC_SIGNALS_TO_HANDLE, OMP_NUM_THREADS), and so does this
     function; a later launch or a run in the same process (verify runs two) must not inherit them.
     """
     spec.validate()
+    if module in IN_PROCESS and alone(spec):
+        return run_here(module, module_args)
     saved_env = dict(os.environ)
     reports = tempfile.mkdtemp(prefix="paratrain-launch-")  # this node's workers report a preemption here
     try:
@@ -267,6 +276,40 @@ def launch(spec: LaunchSpec, module: str, module_args: list[str], *, job: Config
     finally:
         shutil.rmtree(reports, ignore_errors=True)
         restore_environ(saved_env)
+
+
+def alone(spec: LaunchSpec) -> bool:
+    """One process on one node, never restarted: the agent would only start it and wait."""
+    return spec.world_size == 1 and max(spec.nnodes, spec.max_nnodes) == 1 and spec.max_restarts == 0
+
+
+def run_here(module: str, module_args: list[str]) -> int:
+    """``module``'s ``main(module_args)`` in this process, as the job's only rank.
+
+    A second process would import torch, transformers and the trainer again after the launcher
+    has: 5 to 6 s of a tiny SFT run's 17 s to its first step on a loaded 2-core CPU, where TRL's
+    one process took 14 (benchmarks/peers/startup_vs_trl.py, docs/sft.md "Start-up against
+    TRL"). The rank takes no address from the environment: without MASTER_ADDR a lone process
+    joins a group of one on an in-memory store (process_group.init_distributed): no port is
+    opened and nothing a shell or Slurm exported (RANK, MASTER_ADDR, SLURM_PROCID) reaches it.
+    What the agent adds for one process is not needed: SIGTERM reaches the trainer's own handler
+    (preemption.py), and its error line is printed by the worker itself (worker.report_failure).
+    The environment is restored afterwards, as launch does.
+    """
+    saved = dict(os.environ)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID", LAUNCHED_ENV):
+        os.environ.pop(key, None)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0")
+    try:
+        return importlib.import_module(module).main(module_args)
+    except SystemExit as e:  # the worker's argparse
+        return e.code if isinstance(e.code, int) else 1
+    except Exception as e:  # a bug: its traceback, then the launcher's one line, as after a worker's
+        traceback.print_exc()
+        print(f"paratrain: error: the run failed: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        return 1
+    finally:
+        restore_environ(saved)
 
 
 def _launch(spec: LaunchSpec, module: str, module_args: list[str], *, reports: str, job: Config | None = None) -> int:
