@@ -145,14 +145,27 @@ def test_pipeline_parallel_gives_the_one_process_numbers(kd):
     assert [r["student_ce"] for r in two[2]] == pytest.approx([r["student_ce"] for r in one[2]], rel=1e-5)
 
 
-def test_pipeline_refuses_only_a_sharded_teacher(kd):
-    """Under pp the teacher is whole on each last-stage rank: FSDP2, tensor or context parallel
-    beside the pipeline is one line before any process starts; pp with DDP passes."""
+@pytest.mark.slow  # world 4
+def test_pipeline_with_fsdp2_shards_the_teacher_over_the_last_stage(kd):
+    """pp 2 x dp_shard 2 (world 4): the teacher sharded by FSDP2 over the last stage's two ranks
+    (its all-gathers among them only), forward KL against one process under plain SGD."""
+    one = _run(kd, "pp_fsdp_one")
+    layout = ("parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=2", "batch.micro_batch_size=2")
+    four = _run(kd, "pp_fsdp", *layout, world=4)
+    torch.testing.assert_close(four[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(four[1], one[1], rtol=1e-4, atol=0)
+
+
+def test_pipeline_refuses_a_teacher_split_by_tp_or_cp(kd):
+    """Under pp the teacher is held by the last stage's ranks, whole or sharded by FSDP2: tensor
+    or context parallel beside the pipeline is one line before any process starts; pp with DDP
+    or FSDP2 passes."""
     from paratrain.config import ConfigError
     from paratrain.preflight import check_run
 
-    check_run(load_config(None, _config(kd, "pp_ok", "parallel.pp=2", "parallel.dp_replicate=2")), 4)
-    for degree in ("dp_shard", "tp", "cp"):
+    for dp in ("dp_replicate", "dp_shard"):
+        check_run(load_config(None, _config(kd, "pp_ok", "parallel.pp=2", f"parallel.{dp}=2")), 4)
+    for degree in ("tp", "cp"):
         cfg = load_config(None, _config(kd, "pp_no", "parallel.pp=2", f"parallel.{degree}=2"))
         with pytest.raises(ConfigError, match=rf"loss.name = 'distill' with parallel.{degree} = 2 and parallel.pp = 2"):
             check_run(cfg, 4)

@@ -219,11 +219,11 @@ def _preference(cfg: Config) -> bool:
 
 def _pp_unbuilt(cfg: Config, dims) -> str | None:
     """What of a preference or distillation run pipeline parallel does not run yet (None: it runs).
-    Distillation runs a whole teacher on each last-stage rank (build.py distill_teacher): not one
-    sharded by FSDP2 or split by tensor or context parallel beside the pipeline."""
+    Distillation holds its teacher on the last stage's ranks (build.py distill_teacher), whole or
+    sharded by FSDP2 over them: not split by tensor or context parallel beside the pipeline."""
     if cfg.loss.name != "distill":
         return None
-    sharded = [f"parallel.{k} = {getattr(dims, k)}" for k in ("dp_shard", "tp", "cp") if getattr(dims, k) > 1]
+    sharded = [f"parallel.{k} = {getattr(dims, k)}" for k in ("tp", "cp") if getattr(dims, k) > 1]
     return "loss.name = 'distill' with " + " and ".join(sharded) if sharded else None
 
 
@@ -288,13 +288,12 @@ REFUSALS: tuple[Refusal, ...] = (
         ("preference", "pp"),
         lambda c, d: d.pp > 1 and _pp_unbuilt(c, d) is not None,
         lambda c, d: (
-            f"{_pp_unbuilt(c, d)} and parallel.pp = {d.pp} is not supported yet (under pp the teacher runs whole"
-            " on each last-stage rank, beside DDP only); set parallel.pp = 1 or those degrees to 1"
+            f"{_pp_unbuilt(c, d)} and parallel.pp = {d.pp} is not supported yet (under pp the teacher is held by"
+            " the last stage's ranks, whole or sharded by FSDP2); set parallel.pp = 1 or those degrees to 1"
             " (docs/preference.md)"
         ),
-        "distillation under pp runs a whole teacher on each last-stage rank: not one sharded by FSDP2, tensor or"
-        " context parallel yet (the pair losses, KTO, the reward model, their reference and distillation beside"
-        " DDP run)",
+        "distillation under pp holds the teacher on the last stage's ranks, whole or sharded by FSDP2: not split"
+        " by tensor or context parallel yet (the pair losses, KTO, the reward model and their reference run)",
     ),
     Refusal(
         ("preference precompute", "cp"),
