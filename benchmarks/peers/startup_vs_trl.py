@@ -1,22 +1,16 @@
 """Start-up: time to the first optimiser step of paratrain's SFT against TRL's ``SFTTrainer``, the
 same tiny Qwen2 on the same conversations, one process each on CPU.
 
-Measured with ``--rounds 8`` (TRL 1.16.0, transformers 5.25, torch 2.13 CPU; 128 conversations
+Measured with ``--rounds 6`` (TRL 1.16.0, transformers 5.25, torch 2.13 CPU; 128 conversations
 packed into 38 rows of 512 by both tools, Qwen2 hidden 64 x 2 layers, a first step of 4 rows; this
-2-core machine shared with other jobs, load average 6.1 to 9.2, every figure about 1.8 times its
-quiet value), seconds from the command to the end of the first optimiser step, medians: paratrain
-``train`` 17.21 (``prepare`` 2.00 more), TRL 13.97, TRL under ``torchrun`` 17.37; total wall of the
-3-step runs 19.38 against 17.77. Paired ratio paratrain/TRL: ``train`` median 1.200 (geometric
-mean 1.154, 95% CI [0.967, 1.378]), ``prepare + train`` 1.348 ([1.087, 1.515]); against TRL under
-``torchrun`` 0.964 ([0.769, 1.179]). Before paratrain's launcher stopped importing the parallelisms
-(5 rounds at load 2.9 to 4.2): 1.321 ([1.064, 1.732]), 1.500, 1.150. Where paratrain's 17.2 s go
-(its events): its launcher until the worker process exists 6.1, the worker's imports 6.4,
-building the run 4.2, the first step 0.64. The launcher's part, each piece timed in a fresh
-interpreter at the same load: torch 2.77, paratrain's launcher and preflight modules 0.42 (none
-of DCP, FSDP2, DTensor, dynamo, pipelining: tests/e2e/test_startup.py), transformers 2.12 (to read the
-model's ``config.json``), the preflight checks 0.06. The worker reaches its first step 11.2 s
-after it starts, sooner than TRL's one process (14.0): what is left is the launcher's own torch
-and transformers. See docs/sft.md (Start-up against TRL).
+2-core machine beside a test run, load average 2.0 to 4.3), seconds from the command to the end of
+the first optimiser step, medians: paratrain ``train`` 9.36 (``prepare`` 1.49 more), TRL 16.13, TRL
+under ``torchrun`` 12.43. Paired ratio paratrain/TRL: ``train`` median 0.673 (geometric mean 0.649,
+95% CI [0.508, 0.829]), ``prepare + train`` 0.776 ([0.585, 1.031]); against TRL under ``torchrun``
+0.829 ([0.642, 1.017]). A job of one process trains in the launcher's own process
+(launch/agent.py ``run_here``): torch, transformers and the trainer are imported once. Before,
+with a launcher and a worker process: 1.200 ([0.967, 1.378], 8 rounds at load 6.1 to 9.2).
+See docs/sft.md (Start-up against TRL).
 
 Data and model (``src/paratrain/testing/sft_data.py``, as ``vs_trl.py``): ``--conversations`` chat rows about
 standard-library modules, the byte-level ChatML tokenizer with ``{% generation %}`` marks, and one
@@ -241,8 +235,9 @@ def build(tmp: str, args) -> dict:
     return paths
 
 
-# What paratrain's launcher does before it starts the worker, and what the worker imports, each
-# timed in a fresh interpreter (time.perf_counter around each import or call, in this order).
+# What paratrain's launcher does before it trains, and what the worker adds, each timed in a fresh
+# interpreter (time.perf_counter around each import or call, in this order). A job of one process
+# pays each once: the worker runs in the launcher's process (launch/agent.py run_here).
 PHASES = """
 import json, sys, time
 t = [time.perf_counter()]
@@ -263,12 +258,12 @@ print(json.dumps([b - a for a, b in zip(t, t[1:])]))
 """
 PHASE_NAMES = (
     "import torch",
-    "import torch.distributed.run (what torchrun's launcher adds)",
+    "import torch.distributed.run (torchrun's launcher: a job of several processes)",
     "import paratrain's launcher (cli, agent, rendezvous backend: no parallelism's modules)",
     "import paratrain.preflight (its checks, the models' and data's modules: no DCP, FSDP2, DTensor, dynamo)",
     "import transformers (its lazy module table)",
     "check_run (preflight: the model's config.json by AutoConfig, the corpus)",
-    "import the worker (trainer, checkpointer: DCP, DTensor, FSDP2, dynamo, pipelining, in the worker only)",
+    "import the worker (trainer, checkpointer: DCP, DTensor, FSDP2, dynamo, pipelining, after the preflight)",
     "import transformers' Qwen2 modeling",
 )
 
@@ -378,7 +373,7 @@ def main() -> None:
     breakdown("paratrain train", ours)
     breakdown("TRL", theirs)
     breakdown("TRL under torchrun", theirs_torchrun)
-    print("paratrain's start, each piece in a fresh interpreter (median of 3; the launcher pays the first six):")
+    print("paratrain's start, each piece in a fresh interpreter (median of 3; one process pays each once):")
     for label, sec in zip(PHASE_NAMES, split):
         print(f"  {sec:5.2f} s  {label}")
     if args.quick:
