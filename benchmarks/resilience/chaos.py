@@ -140,6 +140,11 @@ class Job:
             raise RuntimeError(f"node {node} has no worker process now")
         return mains[0]
 
+    def last_words(self, name: str) -> str:
+        """The last lines of a node's log: why it exited, in the error that says it did."""
+        with open(os.path.join(self.root, f"node-{name}.log"), errors="replace") as f:
+            return "".join(f.readlines()[-5:])
+
     def close(self) -> None:
         for p in [*self.nodes.values(), self.server]:
             kill_tree(p.pid)
@@ -209,7 +214,10 @@ def inject(job: Job, kind: str, rng: random.Random) -> list[tuple[str, dict]]:
         for name in list(job.nodes):
             rc = job.nodes[name].wait(timeout=600)
             if rc != 0:
-                raise RuntimeError(f"node {name} exited {rc} after the preemption, not 0; see {job.root}")
+                raise RuntimeError(
+                    f"node {name} exited {rc} after the preemption, not 0; see {job.root}; its log ends:\n"
+                    + job.last_words(name)
+                )
         t_exit = time.time()
         for name in list(job.nodes):  # the scheduler requeues the job: both nodes start again
             job.start(name)
@@ -296,7 +304,7 @@ def main() -> int:
         for name, proc in chaos.nodes.items():
             rc = proc.wait(timeout=900)
             if rc != 0:
-                raise RuntimeError(f"node {name} exited {rc}; see {root}/node-{name}.log")
+                raise RuntimeError(f"node {name} exited {rc}; its log ends:\n{chaos.last_words(name)}")
     finally:
         chaos.close()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 
@@ -118,23 +117,20 @@ def check_out_dir(cfg: Config, *, one_node: bool) -> None:
     from paratrain.checkpoint.manifest import run_outputs  # lazy: see the module docstring
 
     out = cfg.run.out_dir
-    # The folders this check creates are removed after it: a command refused later (a wrong job
-    # secret, another check) leaves nothing behind.
-    created = os.path.abspath(out)
-    while not os.path.exists(os.path.dirname(created)) and os.path.dirname(created) != created:
-        created = os.path.dirname(created)
-    created = None if os.path.exists(created) else created
+    # The probe is a folder of a unique name in run.out_dir, or in its nearest existing parent
+    # when it is not there yet: the check makes nothing of the run's own, so a command refused
+    # later (a wrong job secret, another check) leaves nothing behind, and the nodes of one job
+    # checking the same new folder at once never remove it under each other (it did: a node
+    # exited 2, "cannot be written", in benchmarks/resilience/chaos.py's two-node job).
+    where = os.path.abspath(out)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
     try:
-        os.makedirs(out, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".paratrain-write-check-"):
-            pass
+        os.rmdir(tempfile.mkdtemp(dir=where, prefix=".paratrain-write-check-"))
     except OSError as e:
         raise ConfigError(
             f"run.out_dir = {out!r} cannot be written ({e.strerror or e}); pick a folder you can write to"
         ) from None
-    finally:
-        if created:
-            shutil.rmtree(created, ignore_errors=True)
     if cfg.checkpoint.resume or cfg.run.overwrite or not one_node:
         return
     found = run_outputs(out, cfg.checkpoint.dir)

@@ -6,6 +6,7 @@ import builtins
 import errno
 import json
 import os
+import threading
 
 import pytest
 
@@ -146,3 +147,31 @@ def test_the_kept_history_summarizes_as_the_rows_do_in_a_twentieth_of_the_memory
 
     as_list, as_history = kept(list), kept(RowHistory)
     assert as_list > 500 and as_history < 100, (as_list, as_history)  # about 0.7-0.9 KiB and 60 B a step
+
+
+def test_nodes_checking_one_new_out_dir_at_once_both_pass_and_leave_nothing(tmp_path):
+    """Every node of a job runs check_out_dir on the same run.out_dir as it starts. The check once
+    made the missing folder and removed it again: the other node's probe then found no folder and
+    that node exited 2 (the chaos benchmark's two-node job, 286 times in 300 here before the fix)."""
+    from paratrain.cli import check_out_dir
+    from paratrain.config import ConfigError, load_config
+
+    cfg = load_config("configs/debug.toml", [])
+    for i in range(50):
+        cfg.run.out_dir = str(tmp_path / f"job{i}" / "run")
+        errors, start = [], threading.Barrier(2)
+
+        def node():
+            start.wait()
+            try:
+                check_out_dir(cfg, one_node=False)
+            except ConfigError as e:
+                errors.append(str(e))
+
+        nodes = [threading.Thread(target=node) for _ in range(2)]
+        for t in nodes:
+            t.start()
+        for t in nodes:
+            t.join()
+        assert not errors, errors[0]
+    assert os.listdir(tmp_path) == [], "a check leaves nothing behind"
