@@ -25,7 +25,6 @@ from paratrain.config import Config, ConfigError
 from paratrain.data.sampler import rank_micro_batches
 from paratrain.distributed.compile import run_eagerly
 from paratrain.distributed.context_parallel import global_indices
-from paratrain.distributed.data_parallel import apply_fsdp
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
@@ -41,7 +40,7 @@ from paratrain.objectives import DistillLoss, PreferenceLoss, build_objectives
 from paratrain.objectives.policy_gradient import PolicyGradientLoss
 from paratrain.objectives.preference import CPGroup
 from paratrain.objectives.reference_store import ReferenceStore, fill
-from paratrain.precision import Precision, build_mp_policy
+from paratrain.precision import Precision
 from paratrain.randomness import draws_in_forward, has_dropout, site_names
 from paratrain.step import StepContext, no_grad_forward, stage_inputs, to_device
 
@@ -228,11 +227,13 @@ def distill_teacher(
 
     Under pipeline parallel (``pipeline``: the student's PipelineModel) ``teacher(inputs)``
     instead, the logits of a piece's input rows on the last stage, where the loss runs: the
-    teacher is not split into stages but held by the last stage's ranks, whole on each or, with
-    FSDP2 (HSDP), sharded over the last stage's own dp_shard ranks (the student's "fsdp" sub-mesh
-    holds one stage's ranks only, and they run the same pieces in the same order, so its
-    all-gathers pair up); the other stages hold none. Tensor and context parallel beside pp are
-    refused by the preflight (the teacher would need their sequence and head splits too)."""
+    teacher is not split into stages but held by the last stage's ranks, laid out as one more
+    stage of theirs (parallelize applies the stage's own tensor-parallel and dp_shard sub-meshes,
+    not the pipeline split): whole on each rank, split by tensor parallel over the stage's tp
+    ranks, sharded by FSDP2 (HSDP) over its dp_shard ranks. Those ranks run the same pieces in
+    the same order, so the teacher's collectives pair up; the other stages hold none. Context
+    parallel beside pp is refused by the preflight (the pieces' rows would need the cp chunks'
+    positions too)."""
     if pipeline is not None:
         if not pipeline.has_last:
 
@@ -242,21 +243,15 @@ def distill_teacher(
             return nowhere
         teacher, spec = frozen_model(cfg, cfg.distill.teacher, "distill.teacher")
         check_teacher_vocab(teacher, spec, vocab)
-        teacher.requires_grad_(False)
-        if dims.fsdp_enabled:
-            apply_fsdp(
-                teacher,
-                dims.submesh("fsdp"),
-                reshard_after_forward=cfg.parallel.reshard_after_forward,
-                cpu_offload=cfg.parallel.cpu_offload,
-                mp_policy=build_mp_policy(cfg.precision),
-                blocks_attr=spec.blocks_attr,
-            )
-        if spec.materialize is not None:
-            spec.materialize(teacher, device=device)
-        teacher = (teacher if dims.fsdp_enabled else teacher.to(device)).eval()
-        where = "sharded over the last stage's dp_shard ranks" if dims.fsdp_enabled else "whole on the last stage"
-        log.info("distill: teacher %s (%s), frozen, %s", cfg.distill.teacher, cfg.distill.divergence, where)
+        teacher._paratrain_pp_stage = True  # parallelize: lay it out as a stage, never split it
+        teacher = frozen_like_policy(cfg, dims, teacher, spec=spec, device=device)
+        where = [f"{k} {getattr(dims, k)}" for k in ("tp", "dp_shard") if getattr(dims, k) > 1]
+        log.info(
+            "distill: teacher %s (%s), frozen, on the last stage's ranks%s",
+            cfg.distill.teacher,
+            cfg.distill.divergence,
+            f", split over their {' x '.join(where)}" if where else ", whole on each",
+        )
 
         def rows(inputs):
             with torch.no_grad(), precision.autocast():

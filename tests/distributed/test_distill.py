@@ -132,13 +132,20 @@ def test_two_ranks_with_accumulation_give_the_one_process_numbers(kd):
     torch.testing.assert_close(two[1], one[1], rtol=1e-5, atol=0)
 
 
+def _pp_one(kd: dict):
+    """The one-process run the pipeline layouts compare with, once per test process."""
+    if "pp_one" not in kd:
+        kd["pp_one"] = _run(kd, "pp_one")
+    return kd["pp_one"]
+
+
 def test_pipeline_parallel_gives_the_one_process_numbers(kd):
     """pp 2 (world 2) with accumulation 2: the divergence is the schedule's loss on the last
     stage, per pipeline piece of rows (4 pieces of one row per step), the teacher (another
     architecture, whole on the last stage) run on each piece's own input rows (their indices ride
     the target); forward KL against one process, under plain SGD."""
     assert kd["rows"] == 4  # two micro-batches of 2 rows, each cut into 2 pieces of one row
-    one = _run(kd, "pp_one")
+    one = _pp_one(kd)
     two = _run(kd, "pp_two", "parallel.pp=2", "parallel.pp_microbatches=2", "batch.micro_batch_size=2", world=2)
     torch.testing.assert_close(two[0], one[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
@@ -146,29 +153,30 @@ def test_pipeline_parallel_gives_the_one_process_numbers(kd):
 
 
 @pytest.mark.slow  # world 4
-def test_pipeline_with_fsdp2_shards_the_teacher_over_the_last_stage(kd):
-    """pp 2 x dp_shard 2 (world 4): the teacher sharded by FSDP2 over the last stage's two ranks
-    (its all-gathers among them only), forward KL against one process under plain SGD."""
-    one = _run(kd, "pp_fsdp_one")
-    layout = ("parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=2", "batch.micro_batch_size=2")
-    four = _run(kd, "pp_fsdp", *layout, world=4)
+@pytest.mark.parametrize("degree", ["dp_shard", "tp"])
+def test_pipeline_lays_the_teacher_out_like_the_last_stage(kd, degree):
+    """pp 2 x dp_shard 2 or pp 2 x tp 2 (world 4): the teacher sharded by FSDP2 or split by tensor
+    parallel over the last stage's two ranks (its collectives among them only), forward KL
+    against one process under plain SGD."""
+    one = _pp_one(kd)
+    layout = ("parallel.pp=2", f"parallel.{degree}=2", "parallel.pp_microbatches=2", "batch.micro_batch_size=2")
+    four = _run(kd, f"pp_{degree}", *layout, world=4)
     torch.testing.assert_close(four[0], one[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(four[1], one[1], rtol=1e-4, atol=0)
 
 
-def test_pipeline_refuses_a_teacher_split_by_tp_or_cp(kd):
-    """Under pp the teacher is held by the last stage's ranks, whole or sharded by FSDP2: tensor
-    or context parallel beside the pipeline is one line before any process starts; pp with DDP
-    or FSDP2 passes."""
+def test_pipeline_refuses_a_teacher_split_by_cp(kd):
+    """Under pp the teacher is held by the last stage's ranks, whole, tensor parallel or sharded
+    by FSDP2: context parallel beside the pipeline is one line before any process starts; pp
+    with DDP, FSDP2 or tp passes."""
     from paratrain.config import ConfigError
     from paratrain.preflight import check_run
 
-    for dp in ("dp_replicate", "dp_shard"):
-        check_run(load_config(None, _config(kd, "pp_ok", "parallel.pp=2", f"parallel.{dp}=2")), 4)
-    for degree in ("tp", "cp"):
-        cfg = load_config(None, _config(kd, "pp_no", "parallel.pp=2", f"parallel.{degree}=2"))
-        with pytest.raises(ConfigError, match=rf"loss.name = 'distill' with parallel.{degree} = 2 and parallel.pp = 2"):
-            check_run(cfg, 4)
+    for degree in ("dp_replicate", "dp_shard", "tp"):
+        check_run(load_config(None, _config(kd, "pp_ok", "parallel.pp=2", f"parallel.{degree}=2")), 4)
+    cfg = load_config(None, _config(kd, "pp_no", "parallel.pp=2", "parallel.cp=2"))
+    with pytest.raises(ConfigError, match=r"loss.name = 'distill' with parallel.cp = 2 and parallel.pp = 2"):
+        check_run(cfg, 4)
 
 
 @pytest.mark.slow
