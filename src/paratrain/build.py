@@ -228,12 +228,10 @@ def distill_teacher(
     Under pipeline parallel (``pipeline``: the student's PipelineModel) ``teacher(inputs)``
     instead, the logits of a piece's input rows on the last stage, where the loss runs: the
     teacher is not split into stages but held by the last stage's ranks, laid out as one more
-    stage of theirs (parallelize applies the stage's own tensor-parallel and dp_shard sub-meshes,
-    not the pipeline split): whole on each rank, split by tensor parallel over the stage's tp
-    ranks, sharded by FSDP2 (HSDP) over its dp_shard ranks. Those ranks run the same pieces in
-    the same order, so the teacher's collectives pair up; the other stages hold none. Context
-    parallel beside pp is refused by the preflight (the pieces' rows would need the cp chunks'
-    positions too)."""
+    stage of theirs (parallelize applies the stage's own tp, cp and dp_shard sub-meshes, not the
+    pipeline split): whole on each rank, split by tensor parallel, run on the cp chunks the stage
+    holds with the ring attention, sharded by FSDP2 (HSDP). Those ranks run the same pieces in the
+    same order, so the teacher's collectives pair up; the other stages hold none."""
     if pipeline is not None:
         if not pipeline.has_last:
 
@@ -245,7 +243,7 @@ def distill_teacher(
         check_teacher_vocab(teacher, spec, vocab)
         teacher._paratrain_pp_stage = True  # parallelize: lay it out as a stage, never split it
         teacher = frozen_like_policy(cfg, dims, teacher, spec=spec, device=device)
-        where = [f"{k} {getattr(dims, k)}" for k in ("tp", "dp_shard") if getattr(dims, k) > 1]
+        where = [f"{k} {getattr(dims, k)}" for k in ("tp", "cp", "dp_shard") if getattr(dims, k) > 1]
         log.info(
             "distill: teacher %s (%s), frozen, on the last stage's ranks%s",
             cfg.distill.teacher,

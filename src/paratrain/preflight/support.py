@@ -217,16 +217,6 @@ def _preference(cfg: Config) -> bool:
     return cfg.loss.name in ("preference", "reward", "distill")
 
 
-def _pp_unbuilt(cfg: Config, dims) -> str | None:
-    """What of a preference or distillation run pipeline parallel does not run yet (None: it runs).
-    Distillation holds its teacher on the last stage's ranks, laid out as one more stage of theirs
-    (build.py distill_teacher: whole, tensor parallel, FSDP2): not split by context parallel, whose
-    chunks' positions the pieces' rows do not carry to the teacher."""
-    if cfg.loss.name != "distill" or dims.cp == 1:
-        return None
-    return f"loss.name = 'distill' with parallel.cp = {dims.cp}"
-
-
 def _preference_refusal(degree: str) -> Refusal:
     return Refusal(
         ("preference", degree),
@@ -283,17 +273,6 @@ REFUSALS: tuple[Refusal, ...] = (
             " gradient-noise probe does not see; turn it off"
         ),
         "the gradient-noise probe reads a micro-batch's own gradient, which a loss over the whole batch does not have",
-    ),
-    Refusal(
-        ("preference", "pp"),
-        lambda c, d: d.pp > 1 and _pp_unbuilt(c, d) is not None,
-        lambda c, d: (
-            f"{_pp_unbuilt(c, d)} and parallel.pp = {d.pp} is not supported yet (under pp the teacher is held by"
-            " the last stage's ranks, whole, tensor parallel or sharded by FSDP2); set parallel.pp = 1 or"
-            " parallel.cp = 1 (docs/preference.md)"
-        ),
-        "distillation under pp holds the teacher on the last stage's ranks (whole, tensor parallel or FSDP2):"
-        " not split by context parallel yet (the pair losses, KTO and the reward model run beside every degree)",
     ),
     Refusal(
         ("preference precompute", "cp"),
