@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paratrain.config import Config, ConfigError
 from paratrain.data.sampler import rank_micro_batches
 from paratrain.distributed.compile import run_eagerly
-from paratrain.distributed.context_parallel import global_indices
+from paratrain.distributed.context_parallel import gather_sequence, global_indices
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
@@ -42,7 +42,7 @@ from paratrain.objectives.preference import CPGroup
 from paratrain.objectives.reference_store import ReferenceStore, fill
 from paratrain.precision import Precision
 from paratrain.randomness import draws_in_forward, has_dropout, site_names
-from paratrain.step import StepContext, no_grad_forward, stage_inputs, to_device
+from paratrain.step import StepContext, cp_local_batch, no_grad_forward, stage_inputs, to_device
 
 log = logging.getLogger("paratrain")
 
@@ -170,8 +170,14 @@ def cp_group(dims: ParallelDims) -> CPGroup | None:
     """The context-parallel group of a preference loss's rows (objectives/preference.py)."""
     if dims.cp == 1:
         return None
-    rank = dims.local_rank_in("cp")
-    return CPGroup(dims.group("cp"), dims.cp, rank, functools.partial(global_indices, cp=dims.cp, rank=rank))
+    rank, group = dims.local_rank_in("cp"), dims.group("cp")
+    return CPGroup(
+        group,
+        dims.cp,
+        rank,
+        functools.partial(global_indices, cp=dims.cp, rank=rank),
+        functools.partial(gather_sequence, group=group),
+    )
 
 
 def own_loss(
@@ -385,6 +391,8 @@ def precompute_reference(cfg: Config, dims: ParallelDims, model: nn.Module, step
         share_group=dist.group.WORLD if pipelined else None,
         forward_of=lambda batches: no_grad_forward(model, batches, step_ctx, None),
         batches_of=lambda samples: [collate(samples[i : i + micro]) for i in range(0, len(samples), micro)],
+        cut=lambda batches: [cp_local_batch(x, t, step_ctx) for x, t in batches],
+        cp=own.cp,
         global_batch_size=plan.global_batch_size,
         dp_rank=dims.local_rank_in("dp"),
         dp=dims.dp,

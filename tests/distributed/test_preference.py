@@ -479,15 +479,19 @@ def test_reward_models_on_two_ranks(pref):
             marks=pytest.mark.slow,
         ),
         pytest.param(("parallel.pp=2",), marks=pytest.mark.slow),  # the reference's pipeline fills it
+        ("parallel.cp=2",),  # the chunks' sums summed over cp, keyed by the whole row
+        pytest.param(("parallel.pp=2", "parallel.cp=2"), marks=pytest.mark.slow),  # over the last stage's cp ranks
     ],
-    ids=["one_process", "ddp", "fsdp2", "fsdp2_lora", "pp"],
+    ids=["one_process", "ddp", "fsdp2", "fsdp2_lora", "pp", "cp", "pp_cp"],
 )
 def test_precomputed_reference_equals_the_per_step_one(pref, layout):
     """preference.precompute: the reference's numbers computed once into a store keyed by the
     pair give the per-step reference's losses and gradients (1e-6); a second run with the same
-    store computes nothing (its values file is not rewritten; checked on one process)."""
+    store computes nothing (its values file is not rewritten; checked on one process, and for a
+    store filled at cp 2, whose keys are the whole rows', by one process: keys of the cp chunks
+    would find nothing)."""
     name = "_".join(x.split("=")[0].split(".")[-1] for x in layout)
-    world = 1 if name == "seed" else 2
+    world = 1 if name == "seed" else 4 if name == "pp_cp" else 2
     ref = "" if "lora" in name else f"preference.reference='{pref['ref']}'"
     extra = [x for x in (ref, *layout, "batch.micro_batch_size=2") if x]
     step = _run(pref, f"p_step_{name}", *extra, world=world)
@@ -495,12 +499,14 @@ def test_precomputed_reference_equals_the_per_step_one(pref, layout):
     pre = _run(pref, f"p_pre_{name}", *extra, "preference.precompute=true", f"preference.store='{store}'", world=world)
     torch.testing.assert_close(pre[0], step[0], rtol=1e-6, atol=0)
     torch.testing.assert_close(pre[1], step[1], rtol=1e-6, atol=0)
-    if world > 1:
+    if world > 1 and name != "cp":
         return
     values = os.path.join(store, "values.pt")
     written = os.stat(values).st_mtime_ns
-    again = _run(pref, f"p_again_{name}", *extra, "preference.precompute=true", f"preference.store='{store}'")
-    assert again[0] == pre[0] and os.stat(values).st_mtime_ns == written
+    one = [x for x in extra if x != "parallel.cp=2"]
+    again = _run(pref, f"p_again_{name}", *one, "preference.precompute=true", f"preference.store='{store}'")
+    assert os.stat(values).st_mtime_ns == written
+    torch.testing.assert_close(again[0], pre[0], rtol=0 if world == 1 else 1e-5, atol=0)
 
 
 def unpaired_rows(rows: list[dict]) -> list[dict]:

@@ -81,6 +81,14 @@ def unshard_sequence(parts: list[torch.Tensor], *, dim: int) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
+def gather_sequence(x: torch.Tensor, *, group) -> torch.Tensor:
+    """The whole rows from every cp rank's part of them (``x``: this rank's, sequence last): an
+    all-gather over the cp group, then :func:`unshard_sequence`."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return unshard_sequence(parts, dim=-1)
+
+
 # --- one chunk pair -------------------------------------------------------------------------
 
 

@@ -99,6 +99,9 @@ class CPGroup:
     # The global sequence index of each of this rank's local positions (context_parallel.py's
     # global_indices, handed in by build.py: objectives sit below distributed/).
     indices: Callable[[int], torch.Tensor]
+    # The whole rows from every cp rank's part of them (context_parallel.py's gather_sequence):
+    # the reference store is keyed by a pair's whole row.
+    whole: Callable[[torch.Tensor], torch.Tensor]
 
     def sum(self, x: torch.Tensor, *, grad: bool = True) -> torch.Tensor:
         if grad and x.requires_grad:
@@ -221,7 +224,7 @@ class PreferenceLoss(Objective):
             return
         if self.store is not None:
             for inputs, _ in batches:
-                values = self.store.lookup(inputs, self.device)
+                values = self.store.lookup(inputs if self.cp is None else self.cp.whole(inputs), self.device)
                 self.refs.append(self._normalised(values[:, :2].float(), values[:, 2:].float()))
             if self.pipelined:
                 self.ref_rows = torch.cat(self.refs)

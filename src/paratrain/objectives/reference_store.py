@@ -107,6 +107,8 @@ def fill(
     pipeline=None,
     holds: bool = True,
     share_group=None,
+    cut=None,
+    cp=None,
 ) -> tuple[int, int]:
     """Compute the pairs of ``datasets`` the store lacks, over the data-parallel ranks in global
     batches (every rank runs the same number of forwards: FSDP2 and tensor parallel gather in
@@ -118,7 +120,11 @@ def fill(
     Pipeline parallel: ``pipeline(batches, target, fn)`` runs the reference's pipeline instead
     (objectives/preference.py's ``pipeline_reference``), the values land on the last stage
     (``holds``), and they are shared over ``share_group`` (every rank: each needs the store) in
-    place of the data-parallel group."""
+    place of the data-parallel group.
+
+    Context parallel: ``cut(batches)`` gives this rank's chunks of the rows (step.cp_local_batch),
+    which the forwards run on; each pair's sums over its chunks are summed over ``cp``
+    (objectives/preference.py's CPGroup) and keyed by the whole row, as without it."""
     # the one definition of a side's log-probability, and the pipeline's row-indexed target
     from paratrain.objectives.preference import row_indexed, side_logps
 
@@ -137,7 +143,8 @@ def fill(
         chunk = todo[start : start + g]
         chunk += chunk[:1] * (g - len(chunk))  # the last global batch filled up (duplicates: the same key)
         # Every rank the same number of micro-batches (their rows cut to each one's longest pair).
-        batches = batches_of([datasets[d][i] for d, i in chunk[dp_rank * (g // dp) : (dp_rank + 1) * (g // dp)]])
+        whole = batches_of([datasets[d][i] for d, i in chunk[dp_rank * (g // dp) : (dp_rank + 1) * (g // dp)]])
+        batches = whole if cut is None else cut(whole)
         if pipeline is not None:
             target = row_indexed(torch.cat([t for _, t in batches])).to(device)
             rows = torch.zeros(len(target), 4, dtype=torch.float64, device=device)
@@ -148,14 +155,16 @@ def fill(
 
             pipeline(batches, target, piece)
             if holds:
-                keys = [key for inputs, _ in batches for key in row_keys(inputs)]
+                rows = rows if cp is None else cp.sum(rows, grad=False)  # the last stage's cp ranks
+                keys = [key for inputs, _ in whole for key in row_keys(inputs)]
                 computed += list(zip(keys, rows.cpu().tolist(), strict=True))
             continue
         forward = forward_of(batches)
-        for k, (inputs, target) in enumerate(batches):
+        for k, ((inputs, _), (_, target)) in enumerate(zip(whole, batches, strict=True)):
             logps, counts = side_logps(reference(forward, k), target.to(device))
-            values = torch.cat([logps.double(), counts.double()], -1).cpu().tolist()
-            computed += list(zip(row_keys(inputs), values, strict=True))
+            values = torch.cat([logps.double(), counts.double()], -1)
+            values = values if cp is None else cp.sum(values, grad=False)
+            computed += list(zip(row_keys(inputs), values.cpu().tolist(), strict=True))
     group = share_group if pipeline is not None else dp_group
     ranks = dist.get_world_size(group) if pipeline is not None else dp
     if ranks > 1:

@@ -274,15 +274,6 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         "the gradient-noise probe reads a micro-batch's own gradient, which a loss over the whole batch does not have",
     ),
-    Refusal(
-        ("preference precompute", "cp"),
-        lambda c, d: _preference(c) and c.loss.name != "distill" and c.preference.precompute and d.cp > 1,
-        lambda c, d: (
-            f"preference.precompute with parallel.cp = {d.cp} is not supported: the store is keyed by whole"
-            " pairs, which a context-parallel rank does not hold; set preference.precompute = false"
-        ),
-        "the reference store is keyed by a pair's whole row; a context-parallel rank holds two chunks of it",
-    ),
     _preference_refusal("ep"),
     Refusal(
         ("preference", "noise_probe"),
