@@ -208,6 +208,18 @@ def test_context_parallel_gives_the_one_process_numbers(pref):
     torch.testing.assert_close(two[1], one[1], rtol=1e-4, atol=0)
 
 
+@pytest.mark.slow
+def test_compiled_dpo_equals_eager(pref):
+    """train.compile: the policy's blocks compiled (rows of block_size, one shape; the frozen
+    reference runs eagerly); DPO's losses and gradient norms equal the eager run's with the same
+    rows (bitwise on CPU with torch 2.13; checked to 1e-6)."""
+    ref = f"preference.reference='{pref['ref']}'"
+    eager = _run(pref, "compile_eager", ref, "batch.micro_batch_size=4", "data.args.pad_to=0")
+    compiled = _run(pref, "compile_on", ref, "batch.micro_batch_size=4", "train.compile=true")
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-6, atol=0)
+
+
 def test_pipeline_parallel_gives_the_one_process_numbers(pref):
     """pp 2: the pair loss is the schedule's loss on the last stage, per piece of 2 pairs (4
     pieces per step), with the reference's log-probabilities from the reference's own pipeline
