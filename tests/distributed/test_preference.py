@@ -245,7 +245,7 @@ def test_pipeline_parallel_gives_the_one_process_numbers(pref):
 @pytest.mark.slow
 def test_pipeline_with_data_parallel_accumulation_and_lora(pref):
     """pp 2 x dp_replicate 2 (world 4) with accumulation 2 and pieces of one pair (the frozen
-    reference's stages are not wrapped in DDP: no gradient), pp 2 x cp 2, and pp 2 with LoRA,
+    reference's stages are not wrapped in DDP: no gradient), pp 2 x cp 2, pp 2 x tp 2, and pp 2 with LoRA,
     whose reference is the policy's own pipeline with its adapters off, against one process."""
     ref = f"preference.reference='{pref['ref']}'"
     data = f"data.args={{path = '{pref['corpus']}', block_size = 256}}"
@@ -265,6 +265,10 @@ def test_pipeline_with_data_parallel_accumulation_and_lora(pref):
     torch.testing.assert_close(four[1], one[1], rtol=1e-4, atol=0)
     pp_cp = ("parallel.pp=2", "parallel.cp=2", "parallel.pp_microbatches=4", "batch.micro_batch_size=8")
     four = _run(pref, "ppcp_four", ref, data, *pp_cp, world=4)  # the last stage's sides summed over cp
+    torch.testing.assert_close(four[0], one[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(four[1], one[1], rtol=1e-4, atol=0)
+    pp_tp = ("parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=4", "batch.micro_batch_size=8")
+    four = _run(pref, "pptp_four", ref, data, *pp_tp, world=4)  # both models' stages split over tp
     torch.testing.assert_close(four[0], one[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(four[1], one[1], rtol=1e-4, atol=0)
     one = _run(pref, "pplora_one", *LORA)
