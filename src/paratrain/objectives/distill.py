@@ -30,8 +30,8 @@ Under pipeline parallel the loss is the schedule's, on the last stage, per pipel
 (:meth:`DistillLoss.pipeline_loss`): each row's index rides the target (``pipeline_target``), the
 piece's input rows are looked up in the rank's inputs kept for the step and run through the
 teacher there (held by the last stage's ranks, laid out as one more stage of theirs: whole,
-tensor or context parallel, or sharded by FSDP2 over them, build.py distill_teacher), so one piece's logits of each model are held at a time
-(docs/preference.md, Layouts).
+tensor or context parallel, or sharded by FSDP2 over them, build.py distill_teacher), so one
+piece's logits of each model are held at a time (docs/preference.md, Layouts).
 """
 
 from __future__ import annotations

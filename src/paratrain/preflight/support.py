@@ -222,7 +222,7 @@ def _preference_refusal(degree: str) -> Refusal:
         ("preference", degree),
         lambda c, d: _preference(c) and getattr(d, degree) > 1,
         lambda c, d: (
-            f"loss.name = {c.loss.name!r} runs on DDP, FSDP2, HSDP, tensor parallel, context parallel and"
+            f"loss.name = {c.loss.name!r} runs on DDP, FSDP2, HSDP, tensor, context and pipeline parallel and"
             f" accumulation, not with parallel.{degree} = {getattr(d, degree)} yet; set parallel.{degree} = 1"
             " (docs/preference.md)"
         ),
