@@ -281,10 +281,28 @@ def test_pipeline_with_data_parallel_accumulation_and_lora(pref):
 def test_lora_reference_is_the_policy_with_adapters_off(pref):
     """LoRA: the default reference is the same model with its adapters off. At step 1 the
     adapters are zero, so the loss is log 2; a reference computed with the adapters on would keep
-    it there (the policy against itself): step 2 must move."""
+    it there (the policy against itself): step 2 must move. The trained adapters export with
+    --peft and --merge, and both exports compute the same."""
     losses, _, _ = _run(pref, "lora1", *LORA)
     assert losses[0] == pytest.approx(0.6931472, abs=1e-6)
     assert abs(losses[1] - losses[0]) > 1e-5
+    # The DPO-trained adapters export as for SFT: PEFT's model of them (its own LoRA modules)
+    # computes what the merged transformers export does, and not what the base model does.
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from paratrain.cli import main as cli_main
+
+    run, out = os.path.join(pref["root"], "lora1"), os.path.join(pref["root"], "lora1_export")
+    assert cli_main(["export", run, "--peft", f"{out}/peft"]) == 0
+    assert cli_main(["export", run, "--hf", f"{out}/merged", "--merge"]) == 0
+    x = torch.arange(1, 33)[None]
+    with torch.no_grad():
+        peft = AutoPeftModelForCausalLM.from_pretrained(f"{out}/peft").eval()(x).logits
+        merged = AutoModelForCausalLM.from_pretrained(f"{out}/merged").eval()(x).logits
+        base = AutoModelForCausalLM.from_pretrained(pref["policy"]).eval()(x).logits
+    torch.testing.assert_close(peft, merged, rtol=1e-5, atol=1e-5)
+    assert (merged - base).abs().max() > 1e-4
 
 
 @pytest.mark.slow
