@@ -213,11 +213,14 @@ def loop(cfg: Config, run: Run) -> RowHistory:
             run.lr_scaling.update(global_batch_size=plan.global_batch_size, noise_scale=run.adapter.noise_samples)
             row.update(grad_noise_scale=run.adapter.noise_samples, lr_scale=run.lr_scaling.factor)
         run.scheduler.step()
+        run.profiler.end(state.step)  # reads the CUDA peak before rank_stats resets it
+        row.update(run.rank_stats.row(step=state.step, step_time_s=row["step_time_s"], data_time_s=data_time))
+        # No collective between step N's checkpoint and its metrics row: one there (rank_stats'
+        # all-gather) fails when a peer is lost after the save, and the resumed run would have
+        # checkpoint step-N without row N.
         blocked = run.ckpt.after_step(state.step)
         if blocked is not None:
             row["checkpoint_blocked_s"] = blocked
-        run.profiler.end(state.step)  # reads the CUDA peak before rank_stats resets it
-        row.update(run.rank_stats.row(step=state.step, step_time_s=row["step_time_s"], data_time_s=data_time))
         history.append(row)
         run.writer.log_step(row)
         if len(history) == 1:

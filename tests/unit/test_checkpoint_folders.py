@@ -77,3 +77,31 @@ def test_another_runs_checkpoint_is_moved_aside_and_never_pruned(tmp_path, caplo
     assert names[0].startswith("step-2.replaced-") and names[1:] == ["step-3"], names
     with open(tmp_path / names[0] / MANIFEST) as f:
         assert json.load(f)["run_id"] == other.run_id
+
+
+def test_a_failure_after_a_checkpoint_never_leaves_it_without_its_metrics_row(tmp_path, monkeypatch):
+    """Step N's metrics row is written before anything that can fail after step N's checkpoint:
+    a collective there (the per-rank stats' all-gather) once failed on a peer lost after the
+    save, and the resumed run had checkpoint step-4 and rows 1-3, 5-8. Here the stats fail at
+    step 2, whose checkpoint (interval 2) must then not exist without row 2."""
+    import paratrain
+    from paratrain.config import load_config
+    from paratrain.observability.rank_stats import RankStats
+
+    row = RankStats.row
+
+    def lost_peer(self, *, step, **kw):
+        if step == 2:
+            raise RuntimeError("a peer was lost")
+        return row(self, step=step, **kw)
+
+    monkeypatch.setattr(RankStats, "row", lost_peer)
+    out = tmp_path / "run"
+    tiny = ["model.args={n_layer = 1, n_head = 2, d_model = 16, block_size = 32}", "data.args.max_bytes=20000"]
+    sets = [*tiny, f"run.out_dir='{out}'", "run.steps=4", "run.progress=false", "metrics.plot=false"]
+    with pytest.raises(RuntimeError, match="a peer was lost"):
+        paratrain.train(load_config("configs/debug.toml", [*sets, "checkpoint.interval=2"]))
+    rows = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    folders = os.listdir(out / "checkpoints") if (out / "checkpoints").exists() else []
+    saved = [int(d.split("-")[1]) for d in folders if (out / "checkpoints" / d / MANIFEST).exists()]
+    assert all(step in rows for step in saved), (saved, rows)
