@@ -8,8 +8,8 @@ PY := $(VENV)/bin/python
 NPROC ?= 2
 # Test processes (pytest-xdist), for both tiers: 2 on the 2-core reference machine cut the fast tier
 # from 669 s to 465 s (most cases wait on spawned ranks and their imports) and the slow tier from
-# 2492 s to 2148 s, every elastic, hang and timeout case passing with another case beside it.
-# TEST_JOBS=0 runs in pytest's own process.
+# 2492 s to 1820 s, every elastic, hang and timeout case passing with another case beside it;
+# .ci/run from a clean clone took 38 min. TEST_JOBS=0 runs in pytest's own process.
 TEST_JOBS ?= 2
 
 .PHONY: run run-tokens test test-slow test-all lint install install-test bench clean
