@@ -80,10 +80,10 @@ def test_another_runs_checkpoint_is_moved_aside_and_never_pruned(tmp_path, caplo
 
 
 def test_a_failure_after_a_checkpoint_never_leaves_it_without_its_metrics_row(tmp_path, monkeypatch):
-    """Step N's metrics row is written before anything that can fail after step N's checkpoint:
-    a collective there (the per-rank stats' all-gather) once failed on a peer lost after the
-    save, and the resumed run had checkpoint step-4 and rows 1-3, 5-8. Here the stats fail at
-    step 2, whose checkpoint (interval 2) must then not exist without row 2."""
+    """Nothing that can fail sits between step N's checkpoint and its metrics row: a collective
+    there (the per-rank stats' all-gather) fails when a peer is lost after the save, and the
+    resumed run would hold checkpoint step-N without row N (an elastic job lost row 4 that way).
+    Here the stats fail at step 2, whose checkpoint (interval 2) must then not exist without row 2."""
     import paratrain
     from paratrain.config import load_config
     from paratrain.observability.rank_stats import RankStats

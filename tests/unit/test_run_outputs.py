@@ -150,9 +150,10 @@ def test_the_kept_history_summarizes_as_the_rows_do_in_a_twentieth_of_the_memory
 
 
 def test_nodes_checking_one_new_out_dir_at_once_both_pass_and_leave_nothing(tmp_path):
-    """Every node of a job runs check_out_dir on the same run.out_dir as it starts. The check once
-    made the missing folder and removed it again: the other node's probe then found no folder and
-    that node exited 2 (the chaos benchmark's two-node job, 286 times in 300 here before the fix)."""
+    """Every node of a job runs check_out_dir on the same run.out_dir as it starts. A check that
+    makes the missing folder and removes it again removes it under the other node's probe, and
+    that node exits 2 (286 of 300 such pairs of checks failed so, as in the chaos benchmark's
+    two-node job)."""
     from paratrain.cli import check_out_dir
     from paratrain.config import ConfigError, load_config
 
