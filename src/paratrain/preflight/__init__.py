@@ -22,7 +22,7 @@ from paratrain.data.tokens import resolve_model_vocab, resolve_packing, tokens_m
 from paratrain.distributed.layout_checks import check_compression, check_parallel_layout, check_pp_layout, check_untied
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.models import build, resolve, spec_of
-from paratrain.models.hf import check_hf_moe_layout
+from paratrain.models.hf import check_hf_moe_layout, hf_balance_loss
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
 from paratrain.precision import check_precision
@@ -227,16 +227,25 @@ def resolve_pad_to(cfg: Config, dims: ParallelDims) -> None:
     rounded up to ``data.args.pad_to``: by default 8, a multiple of tp with sequence parallel (each
     tp rank holds an equal part of the sequence) and of 2 x cp with context parallel (a row is cut
     into 2 x cp chunks), and 0 (rows of block_size, one shape, one graph) under train.compile and
-    pipeline parallel (whose schedule runs one shape).
+    pipeline parallel (whose schedule runs one shape), and for a mixture of experts with a balance
+    loss, which counts every position of a row (models/gpt/moe.py sequence_balance_loss): a row
+    cut to its micro-batch's longest pair would change it with the micro-batch size.
     Written into ``data.args`` so that config.toml records it."""
     sp = dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else 1
     parts = math.lcm(sp, 2 * dims.cp if dims.cp > 1 else 1)
     pad_to = cfg.data.args.get("pad_to")
+    moe = hf_balance_loss(cfg) if cfg.model.hf else cfg.model.args.get("moe") is not None
     if pad_to is None:
         one_shape = cfg.train.compile or dims.pp > 1
-        cfg.data.args = {**cfg.data.args, "pad_to": 0 if one_shape else math.lcm(8, parts)}
+        cfg.data.args = {**cfg.data.args, "pad_to": 0 if one_shape or moe else math.lcm(8, parts)}
     elif not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 0:
         raise ConfigError(f"data.args.pad_to = {pad_to!r} must be an integer >= 0 (0: every row block_size wide)")
+    elif pad_to and moe:
+        raise ConfigError(
+            f"data.args.pad_to = {pad_to} with a mixture of experts: its balance loss counts every position of a"
+            " row, so rows cut to their micro-batch's longest pair would change it with the micro-batch size;"
+            " set data.args.pad_to = 0 (rows of block_size)"
+        )
     elif pad_to and dims.pp > 1:
         # A pipeline schedule runs the shapes of its first step's pieces (its stages' buffers).
         raise ConfigError(

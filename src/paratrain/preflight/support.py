@@ -217,19 +217,6 @@ def _preference(cfg: Config) -> bool:
     return cfg.loss.name in ("preference", "reward", "distill")
 
 
-def _preference_refusal(degree: str) -> Refusal:
-    return Refusal(
-        ("preference", degree),
-        lambda c, d: _preference(c) and getattr(d, degree) > 1,
-        lambda c, d: (
-            f"loss.name = {c.loss.name!r} runs on DDP, FSDP2, HSDP, tensor, context and pipeline parallel and"
-            f" accumulation, not with parallel.{degree} = {getattr(d, degree)} yet; set parallel.{degree} = 1"
-            " (docs/preference.md)"
-        ),
-        "a pair's loss, or a teacher's distribution, with its second model: not built for this degree yet",
-    )
-
-
 def _grpo_refusal(degree: str) -> Refusal:
     return Refusal(
         ("grpo", degree),
@@ -274,7 +261,6 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         "the gradient-noise probe reads a micro-batch's own gradient, which a loss over the whole batch does not have",
     ),
-    _preference_refusal("ep"),
     Refusal(
         ("preference", "noise_probe"),
         lambda c, d: _preference(c) and _noise_probe(c),

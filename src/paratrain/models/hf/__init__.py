@@ -14,7 +14,7 @@ from torch import nn
 
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
-from paratrain.models.hf.moe import active_params, check_hf_moe_combinations, expert_layers
+from paratrain.models.hf.moe import active_params, check_hf_moe_combinations, expert_layers, is_moe
 from paratrain.models.hf.parallel import check_hf_layout, hf_cp_attention, hf_tp_plan
 from paratrain.models.hf.weights import converted_sources, load_into, save_hf, weight_files
 from paratrain.models.lora import apply_lora
@@ -101,6 +101,12 @@ def check_hf_moe_layout(cfg, *, tp: int, pp: int, cp: int, ep: int, dp_shard: in
     """A ``model.hf`` mixture of experts with a layout it does not run with: one line (preflight)."""
     config = load_hf_config(cfg.model.hf, cfg.model.args)
     check_hf_moe_combinations(config, cfg, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard)
+
+
+def hf_balance_loss(cfg) -> bool:
+    """Does ``model.hf`` train with a mixture-of-experts balance loss (moe.aux_loss_weight > 0)?"""
+    config = load_hf_config(cfg.model.hf, cfg.model.args)
+    return is_moe(config) and bool(getattr(config, "output_router_logits", False))
 
 
 def export_hf(state_dict: dict, *, model_cfg: ModelConfig, out_dir: str) -> None:
