@@ -22,11 +22,11 @@ from paratrain.data.tokens import resolve_model_vocab, resolve_packing, tokens_m
 from paratrain.distributed.layout_checks import check_compression, check_parallel_layout, check_pp_layout, check_untied
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.models import build, resolve, spec_of
-from paratrain.models.hf import check_hf_moe_layout, hf_balance_loss
+from paratrain.models.hf import check_hf_moe_layout, hf_is_moe
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
 from paratrain.precision import check_precision
-from paratrain.preflight.support import check_support
+from paratrain.preflight.support import check_support, gpt_moe
 
 log = logging.getLogger("paratrain")
 
@@ -227,14 +227,14 @@ def resolve_pad_to(cfg: Config, dims: ParallelDims) -> None:
     rounded up to ``data.args.pad_to``: by default 8, a multiple of tp with sequence parallel (each
     tp rank holds an equal part of the sequence) and of 2 x cp with context parallel (a row is cut
     into 2 x cp chunks), and 0 (rows of block_size, one shape, one graph) under train.compile and
-    pipeline parallel (whose schedule runs one shape), and for a mixture of experts with a balance
-    loss, which counts every position of a row (models/gpt/moe.py sequence_balance_loss): a row
-    cut to its micro-batch's longest pair would change it with the micro-batch size.
+    pipeline parallel (whose schedule runs one shape), and for a mixture of experts, whose balance
+    loss and expert counts take every position of a row (models/gpt/moe.py sequence_balance_loss):
+    a row cut to its micro-batch's longest pair would change them with the micro-batch size.
     Written into ``data.args`` so that config.toml records it."""
     sp = dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else 1
     parts = math.lcm(sp, 2 * dims.cp if dims.cp > 1 else 1)
     pad_to = cfg.data.args.get("pad_to")
-    moe = hf_balance_loss(cfg) if cfg.model.hf else cfg.model.args.get("moe") is not None
+    moe = hf_is_moe(cfg) if cfg.model.hf else gpt_moe(cfg)
     if pad_to is None:
         one_shape = cfg.train.compile or dims.pp > 1
         cfg.data.args = {**cfg.data.args, "pad_to": 0 if one_shape or moe else math.lcm(8, parts)}

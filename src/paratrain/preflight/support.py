@@ -50,7 +50,7 @@ def _noise_probe(cfg: Config) -> bool:
     return cfg.batch.adaptive or cfg.optim.lr_scaling == "adascale"
 
 
-def _gpt_moe(cfg: Config) -> bool:
+def gpt_moe(cfg: Config) -> bool:
     return cfg.model.args.get("moe") is not None and not (cfg.model.hf or cfg.model.factory)
 
 
@@ -111,7 +111,7 @@ FEATURES: dict[str, Feature] = {
         Feature(
             "moe",
             "the built-in GPT's mixture of experts",
-            lambda c, d: _gpt_moe(c),
+            lambda c, d: gpt_moe(c),
             {"4x2": ("model.args.moe={n_experts = 4, top_k = 2}",)},
             math=True,
             # A router's top-k turns a rounding difference in its scores into another expert's
@@ -355,7 +355,7 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("ep", "no moe"),
-        lambda c, d: d.ep > 1 and not c.model.hf and not _gpt_moe(c),
+        lambda c, d: d.ep > 1 and not c.model.hf and not gpt_moe(c),
         lambda c, d: (
             "parallel.ep > 1 needs the built-in GPT with a mixture of experts (model.args.moe); set parallel.ep = 1"
         ),
@@ -374,7 +374,7 @@ REFUSALS: tuple[Refusal, ...] = (
     # loss's path too.
     Refusal(
         ("moe", "pp zero-bubble"),
-        lambda c, d: _gpt_moe(c) and d.pp > 1 and c.parallel.pp_schedule in ZERO_BUBBLE,
+        lambda c, d: gpt_moe(c) and d.pp > 1 and c.parallel.pp_schedule in ZERO_BUBBLE,
         lambda c, d: (
             f"model.args.moe with parallel.pp_schedule = '{c.parallel.pp_schedule}' is not supported"
             " yet; use 'gpipe', '1f1b', 'interleaved1f1b' or 'looped_bfs'"
@@ -383,7 +383,7 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("moe", "noise_probe"),
-        lambda c, d: _gpt_moe(c) and _noise_probe(c),
+        lambda c, d: gpt_moe(c) and _noise_probe(c),
         lambda c, d: f"model.args.moe with {_probe_name(c)} is not supported yet; turn it off (see docs/moe.md)",
         "not tested together (docs/moe.md)",
     ),

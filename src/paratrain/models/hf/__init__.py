@@ -103,10 +103,9 @@ def check_hf_moe_layout(cfg, *, tp: int, pp: int, cp: int, ep: int, dp_shard: in
     check_hf_moe_combinations(config, cfg, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard)
 
 
-def hf_balance_loss(cfg) -> bool:
-    """Does ``model.hf`` train with a mixture-of-experts balance loss (moe.aux_loss_weight > 0)?"""
-    config = load_hf_config(cfg.model.hf, cfg.model.args)
-    return is_moe(config) and bool(getattr(config, "output_router_logits", False))
+def hf_is_moe(cfg) -> bool:
+    """Is ``model.hf`` a mixture of experts (models/hf/moe.py)?"""
+    return is_moe(load_hf_config(cfg.model.hf, cfg.model.args))
 
 
 def export_hf(state_dict: dict, *, model_cfg: ModelConfig, out_dir: str) -> None:
