@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import Config, ConfigError
-from paratrain.data.sampler import rank_micro_batches
+from paratrain.data.sampler import collate_of, micro_batches, rank_micro_batches
 from paratrain.distributed.compile import run_eagerly
 from paratrain.distributed.context_parallel import gather_sequence, global_indices
 from paratrain.distributed.grad_compression import GradCompression, apply_grad_compression
@@ -368,32 +368,43 @@ def forward_through(pipeline: PipelineModel, *, device, precision: Precision, ar
     return run
 
 
-def precompute_reference(cfg: Config, dims: ParallelDims, model: nn.Module, step_ctx: StepContext, datasets, *, plan):
-    """``preference.precompute``: the reference's numbers of every pair of ``datasets`` (training,
-    validation) into the store (objectives/reference_store.py), computed over the data-parallel
-    ranks in the run's global and micro-batches; then the reference model is dropped and each
-    step looks its pairs up."""
+def precompute_reference(
+    cfg: Config, dims: ParallelDims, model: nn.Module, step_ctx: StepContext, *, dataset, sampler, evaluator, plan
+):
+    """``preference.precompute``: the reference's numbers of every row the run will read into the
+    store (objectives/reference_store.py): the micro-batches of its ``run.steps`` global batches
+    from ``sampler`` and of the ``evaluator``'s validation set, collated as the loader and the
+    evaluator collate them (so each row has the width the per-step reference would see), computed
+    over the data-parallel ranks; then the reference model is dropped and each step looks its
+    rows up."""
     own = step_ctx.objectives[0]
     if not (cfg.preference.precompute and isinstance(own, PreferenceLoss) and own.uses_reference):
         return
     path = cfg.preference.store or os.path.join(cfg.run.out_dir, "reference_store")
     store = ReferenceStore(path, reference_identity(cfg))
-    collate = torch.utils.data.default_collate
     micro = plan.micro_batch_size
+    samples = cfg.run.steps * plan.global_batch_size  # batch.adaptive is refused with a preference loss
+    if cfg.run.max_samples > 0:
+        samples = min(samples, -(-cfg.run.max_samples // plan.global_batch_size) * plan.global_batch_size)
+    # The stream in micro-batches: the same groups whatever dp and accumulation (data/sampler.py).
+    stream = [[i for _, i in sampler.global_samples(p, micro)] for p in range(0, samples, micro)]
+    walks = [(functools.partial(load_rows, dataset), stream, plan.accum_steps)]
+    if evaluator is not None:
+        indices = list(range(len(evaluator.dataset)))  # its filled-up end too: the evaluator reads it
+        val = micro_batches(indices, evaluator.plan.micro_batch_size)
+        walks.append((functools.partial(load_rows, evaluator.dataset), val, evaluator.plan.accum_steps))
     t0 = time.perf_counter()
     pipelined = isinstance(model, PipelineModel)  # the reference's pipeline; every rank gets the values
     computed, pairs = fill(
         store,
-        datasets,
+        walks,
         reference=own.reference,
         pipeline=own.pipeline_reference,
         holds=model.has_last if pipelined else True,
         share_group=dist.group.WORLD if pipelined else None,
         forward_of=lambda batches: no_grad_forward(model, batches, step_ctx, None),
-        batches_of=lambda samples: [collate(samples[i : i + micro]) for i in range(0, len(samples), micro)],
         cut=lambda batches: [cp_local_batch(x, t, step_ctx) for x, t in batches],
         cp=own.cp,
-        global_batch_size=plan.global_batch_size,
         dp_rank=dims.local_rank_in("dp"),
         dp=dims.dp,
         dp_group=dims.group("dp"),
@@ -401,13 +412,18 @@ def precompute_reference(cfg: Config, dims: ParallelDims, model: nn.Module, step
         is_main=dist.get_rank() == 0 if dist.is_initialized() else True,
     )
     log.info(
-        "preference: reference of %d pair(s) computed in %.1f s, %d found in %s",
+        "preference: reference of %d row(s) computed in %.1f s, %d found in %s",
         computed,
         time.perf_counter() - t0,
         pairs - computed,
         path,
     )
     own.store, own.reference, own.pipeline_reference = store, None, None  # the reference goes with its last holder
+
+
+def load_rows(dataset, indices: list[int]):
+    """One micro-batch of ``dataset`` collated as the loader collates it (data/loader.py)."""
+    return collate_of(dataset)([dataset[i] for i in indices])
 
 
 def reference_identity(cfg: Config) -> dict:
@@ -427,7 +443,7 @@ def reference_identity(cfg: Config) -> dict:
         "args": cfg.model.args,
         "seed": cfg.run.seed if kind == "initial" else None,  # a model without weights: the seed's init
         "precision": cfg.precision.dtype,
-        "keys": 2,  # the pair's own tokens and positions, without the row's padding (reference_store.row_keys)
+        "keys": 3,  # the pair's own tokens and positions and the row's width (reference_store.row_keys)
     }
 
 

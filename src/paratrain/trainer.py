@@ -439,8 +439,8 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
             "validation: %d samples every %d steps (%s)", evaluator.samples, cfg.eval.interval, eval_plan.describe()
         )
 
-    # preference.precompute: the reference's numbers of every pair, once (objectives/reference_store.py).
-    precompute_reference(cfg, dims, model, step_ctx, [dataset, *([evaluator.dataset] if evaluator else [])], plan=plan)
+    # preference.precompute: the reference's numbers of the rows the run reads (objectives/reference_store.py).
+    precompute_reference(cfg, dims, model, step_ctx, dataset=dataset, sampler=sampler, evaluator=evaluator, plan=plan)
 
     # Checkpoints (paratrain.checkpoint): resume before the loop, save after steps.
     ckpt = build_checkpointer(

@@ -110,8 +110,9 @@ def _run(kd: dict, name: str, *extra: str, world: int = 1):
 
 
 def test_forward_kl_equals_transformers_on_each_conversation_alone(kd):
-    losses, norms = anchor(kd, "forward_kl")
-    got_losses, got_norms, rows = _run(kd, "fkl")
+    """At temperature 1.5: the student's and the teacher's logits both divided by it."""
+    losses, norms = anchor(kd, "forward_kl", temperature=1.5)
+    got_losses, got_norms, rows = _run(kd, "fkl", "distill.temperature=1.5")
     torch.testing.assert_close(got_losses, losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=0)
     assert rows[0]["student_ce"] > 0
@@ -209,5 +210,10 @@ def test_divergences_are_the_written_out_formulas():
     pk = t.gather(-1, top).softmax(-1)
     want = (pk * (pk.log() - q.gather(-1, top).log())).sum(-1)
     torch.testing.assert_close(divergence(s, t, kind="forward_kl", top_k=3).double(), want, rtol=1e-5, atol=1e-6)
+    # A temperature other than 1 divides both the student's and the teacher's logits.
+    pt, qt = (t / 2.0).softmax(-1), (s / 2.0).softmax(-1)
+    for kind, want in (("forward_kl", kl(pt, qt)), ("reverse_kl", kl(qt, pt))):
+        got = divergence(s, t, kind=kind, temperature=2.0).double()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # The same distributions: zero.
     assert divergence(s, s, kind="jsd").abs().max() < 1e-6 and math.isfinite(float(divergence(s, t, kind="jsd")[0]))

@@ -423,6 +423,32 @@ def test_completions_are_keyed_by_the_sample_not_the_batch():
     assert len({tuple(t.tolist()) for t in four}) == 4
 
 
+def test_a_drawn_stop_token_is_kept_in_the_tokens_the_lengths_and_the_loss():
+    """The stop token ends a completion and belongs to it (TRL keeps the EOS the model drew): it
+    is in the tokens, counted in the length and a target of the training row. The stop set is
+    each row's third free-running token, certain to be drawn since the draws are keyed."""
+    from paratrain.models.gpt.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=16, block_size=32)).eval()
+    prompts = torch.tensor([[5, 6, 7, 0, 0], [9, 0, 0, 0, 0], [1, 2, 3, 4, 5]])
+    lengths = torch.tensor([3, 1, 5])
+    keys = completion_keys(torch.tensor([11, 22, 33]), 1)
+    free, free_logps, _ = sample(model, prompts, lengths, keys, max_new_tokens=6)
+    stop = tuple(sorted({int(x) for x in free[:, 2]}))
+    tokens, logps, count = sample(model, prompts, lengths, keys, max_new_tokens=6, stop=stop)
+    ends = [next(t for t in range(6) if int(free[i, t]) in stop) + 1 for i in range(3)]  # each row's length
+    assert count.tolist() == ends and max(ends) > 1
+    for i, n in enumerate(ends):
+        assert tokens[i, :n].tolist() == free[i, :n].tolist() and int(tokens[i, n - 1]) in stop
+        assert (tokens[i, n:] == -1).all() and torch.equal(logps[i, :n], free_logps[i, :n])
+    _, target = training_rows(prompts, lengths, tokens, logps, torch.ones(3), torch.ones(3))
+    for i, n in enumerate(ends):  # the completion's tokens are the targets, the stop token among them
+        k = int(lengths[i])
+        assert target[i, 0, k - 1 : k - 1 + n].tolist() == [float(x) for x in free[i, :n]]
+        assert (target[i, 0, k - 1 + n :] == -1).all()
+
+
 @pytest.mark.timeout(900)  # three CLI launches, each under paratrain_cli's own 240 s
 def test_bad_rl_input_is_one_line(rl, tmp_path):
     config = tmp_path / "empty.toml"

@@ -56,7 +56,16 @@ def test_state_round_trips_through_json_every_field():
 def test_signed_values_refuse_tampering_and_replay():
     v = sign("k1", "key", {"a": 1})
     assert verify("k1", "key", v) == {"a": 1}
-    for secret, key, value in [("k2", "key", v), ("k1", "other", v), ("k1", "key", v.replace("1}", "2}"))]:
+    body = v.partition(":")[2]
+    forged = [
+        ("k2", "key", v),  # another job's secret
+        ("k1", "other", v),  # replayed under another key
+        ("k1", "key", v.replace("1}", "2}")),  # the body changed
+        ("k1", "key", ":" + body),  # no signature at all: a prefix check would accept it
+        ("k1", "key", v[:20] + ":" + body),  # a truncated signature
+        ("k1", "key", body),  # no separator
+    ]
+    for secret, key, value in forged:
         with pytest.raises(TamperedValue):
             verify(secret, key, value)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from paratrain.config import LossConfig
@@ -104,3 +105,38 @@ def test_a_new_objective_plugs_in_through_its_hooks_alone():
     assert results["zero"].grad_norm == results["none"].grad_norm
     assert one.loss == results["none"].loss and one.items == results["none"].items == 64
     assert "mean_logit_square" not in results["none"].extras
+
+
+def test_kto_reference_point_is_one_mean_over_the_global_batch():
+    """KTO's ``z0`` (Ethayarajh et al. 2024): one mean of the KL estimates over every example of
+    the global batch that has a KL document, not a mean of per-micro-batch means; micro-batches
+    of unequal real counts (a row without a KL target) tell the two apart."""
+    from paratrain.objectives.preference import PreferenceLoss
+
+    g = torch.Generator().manual_seed(0)
+    t, v = 6, 5
+    logits = [torch.randn(2, t, v, generator=g) for _ in range(2)]
+    batches, kl_rows = [], []
+    for k in range(2):
+        target = torch.full((2, 3, t), -1, dtype=torch.long)
+        target[:, 0] = -100
+        for row in range(2):
+            if k == 1 and row == 1:
+                continue  # this example's KL document has no target: not counted
+            target[row, 0, 3:5] = torch.tensor([1 + row, 2 + k])
+            target[row, 1, 3:5] = 1  # side 1: the KL document (the prompt with another completion)
+            kl_rows.append((k, row))
+        batches.append((torch.zeros(2, 2, t, dtype=torch.long), target))
+    objective = PreferenceLoss("kto")
+    objective.start(scale=1.0, device=torch.device("cpu"))
+    objective.refs = [torch.tensor([[0.0, -20.0], [0.0, -30.0]]), torch.tensor([[0.0, -25.0], [0.0, -1.0]])]
+    z0 = objective._kl(batches, lambda k: logits[k])
+    gaps = []
+    for k, row in kl_rows:
+        logp = logits[k][row].log_softmax(-1)
+        tokens = batches[k][1][row, 0]
+        policy = sum(logp[i, tokens[i]] for i in range(t) if tokens[i] >= 0)
+        gaps.append(float(policy) - float(objective.refs[k][row, 1]))
+    want = max(0.0, sum(gaps) / len(gaps))
+    assert len(gaps) == 3 and want > 0
+    assert float(z0) == pytest.approx(want, rel=1e-6)

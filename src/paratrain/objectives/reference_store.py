@@ -2,19 +2,31 @@
 
 A preference loss compares the policy with a frozen reference on every pair. Computing the
 reference at every step costs a forward per pair per step and, for a reference that is not the
-policy itself, a second model in memory. Precomputed, the reference runs once over the run's
-pairs (training and validation) before the first step, its model is then dropped, and each step
-looks its numbers up.
+policy itself, a second model in memory. Precomputed, the reference runs before the first step
+over the very micro-batches the run's steps and validations will read, its model is then
+dropped, and each step looks its numbers up.
 
-The store is **keyed by the pair**: a row's key is a hash of its token ids and positions (the
-pair as the step sees it, ``[chosen | rejected]`` cut to the row), so a lookup does not depend on
-the layout, the sampler's order, the split or the run: a store filled by one run serves another of
-the same pairs and reference (``preference.store``), and only pairs it lacks are computed (a run
-stopped while filling it resumes there). The store's ``identity`` (the reference model and what
-changes its numbers) must match, else it is refused in one line.
+**The rows training sees.** A micro-batch's rows end at its longest pair (``data.args.pad_to``),
+so a pair's row width depends on its neighbours, and the reference's sums depend on the width by
+a rounding: one ulp in 1 of 32 pairs between rows of 512 and 216 columns under context parallel
+(its chunk boundaries move with the width), and the kernels may differ with it on another CPU.
+The store is therefore filled with the data set's own ``collate`` on the micro-batches of the
+run's sample stream (``sampler.global_samples``, cut in micro-batches: the same groups on every
+data-parallel degree and accumulation, data/sampler.py ``rank_micro_batches``) and of its
+validation set, so each value is computed on the same row, at the same width, by the same
+kernels as the per-step reference: the two are equal bit for bit (tests/distributed/
+test_preference.py, zero tolerance).
+
+The store is **keyed by the row**: a hash of the pair's token ids and positions and the row's
+width, so a lookup does not depend on the rank, the accumulation or the run: a store filled by
+one run serves another of the same pairs, reference and micro-batch size (``preference.store``;
+a resume, another world size), and only the rows it lacks are computed (a run stopped while
+filling it resumes there; another micro-batch size computes its own widths). The store's
+``identity`` (the reference model and what changes its numbers) must match, else it is refused
+in one line.
 
 Files: ``identity.json`` and ``values.pt`` (``keys``: the rows' 16-byte keys as hex strings,
-``values``: float64 ``[pairs, 4]``: the chosen and rejected log-probability sums and token counts).
+``values``: float64 ``[rows, 4]``: the chosen and rejected log-probability sums and token counts).
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import struct
 
 import torch
 import torch.distributed as dist
@@ -33,14 +46,15 @@ log = logging.getLogger("paratrain")
 
 
 def row_keys(inputs: torch.Tensor) -> list[str]:
-    """Each row's key: a hash of its token ids and positions, without the padding after the pair
-    (position -1): a micro-batch cuts its rows to its longest pair (``data.args.pad_to``), so the
-    padding a row carries depends on its neighbours, its key must not."""
+    """Each row's key: a hash of its pair's token ids and positions (the leading columns, position
+    >= 0) and of the row's width, which the reference's rounding depends on (module docstring)."""
     rows = inputs.detach().to("cpu", torch.int64)
+    width = struct.pack("<q", rows.shape[-1])
     keys = []
     for row in rows:
         n = int((row[1] >= 0).sum())  # the pair's columns lead the row
-        keys.append(hashlib.blake2b(row[:, :n].contiguous().numpy().tobytes(), digest_size=16).hexdigest())
+        pair = row[:, :n].contiguous().numpy().tobytes()
+        keys.append(hashlib.blake2b(pair + width, digest_size=16).hexdigest())
     return keys
 
 
@@ -93,12 +107,10 @@ def _differ(a: dict, b: dict) -> str:
 @torch.no_grad()
 def fill(
     store: ReferenceStore,
-    datasets: list,
+    walks: list,
     *,
     reference,
     forward_of,
-    batches_of,
-    global_batch_size: int,
     dp_rank: int,
     dp: int,
     dp_group,
@@ -110,12 +122,15 @@ def fill(
     cut=None,
     cp=None,
 ) -> tuple[int, int]:
-    """Compute the pairs of ``datasets`` the store lacks, over the data-parallel ranks in global
-    batches (every rank runs the same number of forwards: FSDP2 and tensor parallel gather in
-    them), gather them and save (rank 0). ``reference(forward, k)``: micro-batch ``k``'s reference
-    logits; ``forward_of(batches)``: step.no_grad_forward's ``forward``; ``batches_of(samples)``:
-    this rank's samples collated into micro-batches. Returns ``(computed, pairs)``: the pairs
-    computed now and the distinct pairs of ``datasets``.
+    """Compute the rows the store lacks, over the data-parallel ranks, gather them and save (rank 0).
+
+    ``walks``: ``(load, micro_batches, per_rank)`` each: the micro-batches (sample index lists) in
+    the order the run reads them, ``load(indices)`` collates one as the loader does, and each
+    rank runs ``per_rank`` of them per round (every rank the same number of forwards: FSDP2 and
+    tensor parallel gather in them; the last round filled up with a repeat). A micro-batch whose
+    rows are all stored is skipped. ``reference(forward, k)``: micro-batch ``k``'s reference
+    logits; ``forward_of(batches)``: step.no_grad_forward's ``forward``. Returns ``(computed,
+    rows)``: the rows computed now and the distinct rows of the walks.
 
     Pipeline parallel: ``pipeline(batches, target, fn)`` runs the reference's pipeline instead
     (objectives/preference.py's ``pipeline_reference``), the values land on the last stage
@@ -128,43 +143,44 @@ def fill(
     # the one definition of a side's log-probability, and the pipeline's row-indexed target
     from paratrain.objectives.preference import row_indexed, side_logps
 
-    todo, seen = [], set()
-    for d, dataset in enumerate(datasets):
-        n = getattr(dataset, "real", len(dataset))  # a filled-up validation set: its real pairs
-        for i in range(n):
-            key = row_keys(dataset[i][0][None])[0]
-            if key not in seen:  # a pair repeated in the data is computed once
-                seen.add(key)
-                if key not in store.values:
-                    todo.append((d, i))
+    rows, seen, todo = set(), set(), []
+    for load, micro, per in walks:
+        lacking = []
+        for mb in micro:
+            keys = tuple(row_keys(load(mb)[0]))
+            rows.update(keys)
+            if keys not in seen and any(k not in store.values for k in keys):
+                lacking.append(mb)
+            seen.add(keys)
+        todo.append((load, lacking, per))
     computed: list[tuple[str, list[float]]] = []
-    g = global_batch_size
-    for start in range(0, len(todo), g):
-        chunk = todo[start : start + g]
-        chunk += chunk[:1] * (g - len(chunk))  # the last global batch filled up (duplicates: the same key)
-        # Every rank the same number of micro-batches (their rows cut to each one's longest pair).
-        whole = batches_of([datasets[d][i] for d, i in chunk[dp_rank * (g // dp) : (dp_rank + 1) * (g // dp)]])
-        batches = whole if cut is None else cut(whole)
-        if pipeline is not None:
-            target = row_indexed(torch.cat([t for _, t in batches])).to(device)
-            rows = torch.zeros(len(target), 4, dtype=torch.float64, device=device)
+    for load, lacking, per in todo:
+        span = dp * per
+        for start in range(0, len(lacking), span):
+            chunk = lacking[start : start + span]
+            chunk += chunk[:1] * (span - len(chunk))  # the last round filled up (a repeat: the same keys)
+            whole = [load(mb) for mb in chunk[dp_rank * per : (dp_rank + 1) * per]]
+            batches = whole if cut is None else cut(whole)
+            if pipeline is not None:
+                target = row_indexed(torch.cat([t for _, t in batches])).to(device)
+                values = torch.zeros(len(target), 4, dtype=torch.float64, device=device)
 
-            def piece(output, t, rows=rows):
-                logps, counts = side_logps(output, t[:, :-1])
-                rows[t[:, -1, 0]] = torch.cat([logps.double(), counts.double()], -1)
+                def piece(output, t, values=values):
+                    logps, counts = side_logps(output, t[:, :-1])
+                    values[t[:, -1, 0]] = torch.cat([logps.double(), counts.double()], -1)
 
-            pipeline(batches, target, piece)
-            if holds:
-                rows = rows if cp is None else cp.sum(rows, grad=False)  # the last stage's cp ranks
-                keys = [key for inputs, _ in whole for key in row_keys(inputs)]
-                computed += list(zip(keys, rows.cpu().tolist(), strict=True))
-            continue
-        forward = forward_of(batches)
-        for k, ((inputs, _), (_, target)) in enumerate(zip(whole, batches, strict=True)):
-            logps, counts = side_logps(reference(forward, k), target.to(device))
-            values = torch.cat([logps.double(), counts.double()], -1)
-            values = values if cp is None else cp.sum(values, grad=False)
-            computed += list(zip(row_keys(inputs), values.cpu().tolist(), strict=True))
+                pipeline(batches, target, piece)
+                if holds:
+                    values = values if cp is None else cp.sum(values, grad=False)  # the last stage's cp ranks
+                    keys = [key for inputs, _ in whole for key in row_keys(inputs)]
+                    computed += list(zip(keys, values.cpu().tolist(), strict=True))
+                continue
+            forward = forward_of(batches)
+            for k, ((inputs, _), (_, target)) in enumerate(zip(whole, batches, strict=True)):
+                logps, counts = side_logps(reference(forward, k), target.to(device))
+                values = torch.cat([logps.double(), counts.double()], -1)
+                values = values if cp is None else cp.sum(values, grad=False)
+                computed += list(zip(row_keys(inputs), values.cpu().tolist(), strict=True))
     group = share_group if pipeline is not None else dp_group
     ranks = dist.get_world_size(group) if pipeline is not None else dp
     if ranks > 1:
@@ -176,4 +192,4 @@ def fill(
         store.save()
     if ranks > 1:
         dist.barrier(group=group)  # every rank reads a complete store from here on
-    return len({k for k, _ in computed}), len(seen)
+    return len({k for k, _ in computed}), len(rows)
