@@ -185,6 +185,17 @@ def test_injected_faults_fail_the_comparison(tmp_path, monkeypatch):
             assert_matches(train(f"{tmp_path}/scaled", "dual", f"batch.micro_batch_size={G}"), dual)
 
 
+def test_world_2_with_groups_across_ranks_and_accumulation(tmp_path):
+    """The fast tier's multi-rank case: DDP 2 with micro-batches of 4, so every group of 8 spans
+    both ranks (its sums all-reduced, its running variance unbiased over the whole group, not
+    over one rank's rows) and each rank accumulates 4 micro-batches, whose shared logit scale's
+    cached gradient is split over the micro-batches of every rank (dp x accumulation), against
+    the plain-PyTorch reference. Both faults are invisible at world 1."""
+    runs = {"dual_ddp2_span": ["dual", "parallel.dp_replicate=2", "batch.micro_batch_size=4"]}
+    run_ranks(train_runs, 2, runs, str(tmp_path), timeout=300)
+    assert_matches(f"{tmp_path}/dual_ddp2_span", reference("dual"))
+
+
 def _one_group(module, x):
     out = F.batch_norm(x, None, None, module.weight, module.bias, True, 0.0, module.eps)
     var, mean = torch.var_mean(x.detach(), dim=[0, 2, 3], correction=1)
