@@ -81,7 +81,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preference_reference.json")
 MIB = 1024**2
 # rank 0's line after the precompute (build.py precompute_reference)
-PRECOMPUTED = re.compile(r"preference: reference of (\d+) pair\(s\) computed in ([\d.]+) s, (\d+) found in (\S+)")
+PRECOMPUTED = re.compile(
+    r"preference: reference of (\d+) (?:pair|row)\(s\) computed in ([\d.]+) s, (\d+) found in (\S+)"
+)
 
 
 # ----------------------------------------------------------------------------- one run, watched

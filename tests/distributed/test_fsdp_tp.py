@@ -12,6 +12,14 @@ from safetensors.torch import load_file
 
 from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks
 
+# src/paratrain/testing/toy.py:gpt_scaled_grad is a layout whose gradient is off by a constant factor (x2 on every
+# rank of a multi-process job), which plain SGD shows: the comparison must fail on it. Plain SGD also keeps the
+# layouts' rounding differences at rounding size over the steps, where AdamW turns a near-zero gradient's sign
+# into a step of lr and lets them grow past the tolerance on some machines' kernels.
+SGD = plain_sgd(0.3)
+DOUBLED = ["model.factory='paratrain.testing.toy:gpt_scaled_grad'"]
+CLIP = ["optim.grad_clip=0.05"]  # below every step's norm: each step is clipped
+
 GPT = [
     "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 16, vocab_size = 31}",
     "data.factory='paratrain.testing.toy:toy_lm'",
@@ -20,8 +28,7 @@ GPT = [
     "run.steps=3",
     "run.progress=false",
     "metrics.plot=false",
-    "optim.lr=3e-3",
-    "optim.warmup_steps=2",
+    *SGD,
 ]
 # A user's model (src/paratrain/testing/toy.py) with its tensor-parallel plan given as a TOML table.
 USER = [
@@ -34,11 +41,6 @@ USER_PLAN = [
     " head = 'colwise_gather'}"
 ]
 
-# src/paratrain/testing/toy.py:gpt_scaled_grad is a layout whose gradient is off by a constant factor (x2 on every
-# rank of a multi-process job), which plain SGD shows: the comparison must fail on it.
-SGD = plain_sgd(0.3)
-DOUBLED = ["model.factory='paratrain.testing.toy:gpt_scaled_grad'"]
-
 # vocab_size 31 is split unevenly by tp = 2 and by FSDP.
 # name -> (reference name, overrides). Micro-batches of 2 (1 at dp 4) so every layout accumulates.
 WORLD1 = {
@@ -46,7 +48,9 @@ WORLD1 = {
     "ac_full": [*GPT, "batch.micro_batch_size=2", "parallel.activation_checkpointing='full'"],
     "ac_selective": [*GPT, "batch.micro_batch_size=2", "parallel.activation_checkpointing='selective'"],
     "user_ref": [*USER, "batch.micro_batch_size=2"],
-    "sgd_ref": [*GPT, *SGD, "batch.micro_batch_size=2"],
+    # Clipping under plain SGD (the update is lr x the clipped gradient): a norm taken per shard
+    # or per tp rank instead of over the whole model clips by another factor.
+    "clip_ref": [*GPT, *CLIP, "batch.micro_batch_size=2"],
 }
 WORLD2 = {
     "dp_shard2": ("ref", [*GPT, "parallel.dp_shard=2", "batch.micro_batch_size=2"]),
@@ -55,9 +59,9 @@ WORLD2 = {
         [*GPT, "parallel.dp_shard=2", "parallel.reshard_after_forward=false", "batch.micro_batch_size=2"],
     ),
     "tp2": ("ref", [*GPT, "parallel.tp=2", "batch.micro_batch_size=2"]),
-    "sgd_dp_shard2": ("sgd_ref", [*GPT, *SGD, "parallel.dp_shard=2", "batch.micro_batch_size=2"]),
-    "sgd_tp2": ("sgd_ref", [*GPT, *SGD, "parallel.tp=2", "batch.micro_batch_size=2"]),
-    "sgd_dp_shard2_doubled": ("sgd_ref", [*GPT, *SGD, *DOUBLED, "parallel.dp_shard=2", "batch.micro_batch_size=2"]),
+    "clip_dp_shard2": ("clip_ref", [*GPT, *CLIP, "parallel.dp_shard=2", "batch.micro_batch_size=2"]),
+    "clip_tp2": ("clip_ref", [*GPT, *CLIP, "parallel.tp=2", "batch.micro_batch_size=2"]),
+    "sgd_dp_shard2_doubled": ("ref", [*GPT, *DOUBLED, "parallel.dp_shard=2", "batch.micro_batch_size=2"]),
     "tp2_gathered_logits": ("ref", [*GPT, "parallel.tp=2", "parallel.loss_parallel=false", "batch.micro_batch_size=4"]),
     "tp2_sp": ("ref", [*GPT, "parallel.tp=2", "parallel.sequence_parallel=true", "batch.micro_batch_size=2"]),
     "user_tp2_plan_table": ("user_ref", [*USER, *USER_PLAN, "parallel.tp=2", "batch.micro_batch_size=2"]),
@@ -85,7 +89,6 @@ WORLD4 = {
         ],
     ),
     "dp_shard2_tp2": ("ref", [*GPT, "parallel.dp_shard=2", "parallel.tp=2", "batch.micro_batch_size=2"]),
-    "sgd_dp_shard2_tp2": ("sgd_ref", [*GPT, *SGD, "parallel.dp_shard=2", "parallel.tp=2", "batch.micro_batch_size=2"]),
     "dp_shard2_tp2_sp_ac_selective": (
         "ref",
         [
@@ -172,7 +175,7 @@ def assert_matches(got, ref):
     losses, params, _, grad_norms = got
     ref_losses, ref_params, _, ref_grad_norms = ref
     assert len(losses) == len(ref_losses) == 3
-    # The logged norm is the whole model's (global over shards), before clipping (default 1.0).
+    # The logged norm is the whole model's (global over shards).
     torch.testing.assert_close(
         torch.tensor(grad_norms), torch.tensor(ref_grad_norms), rtol=1e-4, atol=0, msg=lambda m: f"grad_norm: {m}"
     )
@@ -180,6 +183,15 @@ def assert_matches(got, ref):
     assert params.keys() == ref_params.keys()  # the gathered weights keep the model's names
     for k in ref_params:
         torch.testing.assert_close(params[k], ref_params[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_clipping_clips_the_reference(references):
+    """The clipped reference is another run than the unclipped one (the clip is at work), so the
+    clipped layouts' comparison with it checks the global norm the clip divides by."""
+    clipped, plain = references["clip_ref"], references["ref"]
+    assert clipped[0][0] == pytest.approx(plain[0][0], rel=1e-6)  # step 1: before any update
+    assert all(n > 0.05 for n in clipped[3])  # every step's norm is over the clip
+    assert clipped[0][1] != pytest.approx(plain[0][1], rel=1e-4)  # a clipped update moved less
 
 
 @pytest.mark.parametrize("mode", ["ac_full", "ac_selective"])
@@ -198,7 +210,7 @@ def test_two_ranks_match_reference(references, world2, name):
 def test_a_doubled_gradient_fails_the_comparison(references, world2):
     """The comparison can fail: FSDP2 with the gradient x2 (the test-only gpt_scaled_grad) is
     caught by the grad_norm of step 1, before any loss could differ."""
-    got, ref = world2["sgd_dp_shard2_doubled"], references["sgd_ref"]
+    got, ref = world2["sgd_dp_shard2_doubled"], references["ref"]
     with pytest.raises(AssertionError, match="grad_norm"):
         assert_matches(got, ref)
     assert got[3][0] == pytest.approx(2 * ref[3][0], rel=1e-5)

@@ -319,7 +319,7 @@ def test_lora_on_fsdp2_gives_the_one_process_numbers(pref):
 
 def test_rows_end_at_the_micro_batchs_longest_pair(pref, tmp_path):
     """data.args.pad_to: a micro-batch's rows are cut to its longest pair, rounded up to pad_to; the
-    cut columns are padding only, and a pair's reference-store key does not see the cut. The
+    cut columns are padding only, and a row's reference-store key holds its width. The
     default is 8, 0 (rows of block_size) under train.compile, a multiple of tp with sequence
     parallel; pad_to on a corpus without pairs is one line."""
     from paratrain.config import ConfigError
@@ -335,7 +335,10 @@ def test_rows_end_at_the_micro_batchs_longest_pair(pref, tmp_path):
     w = x.shape[-1]
     assert torch.equal(fx[..., :w], x) and torch.equal(ft[..., :w], t)
     assert (fx[:, 1, w:] == -1).all() and (ft[:, 0, w:] == -100).all()  # what was cut is padding
-    assert row_keys(x) == row_keys(fx) == [row_keys(s[0][None])[0] for s in samples]
+    # A row's store key is its pair and its width (the reference's rounding depends on the width):
+    # the same pairs in another order keep their keys, the same pair cut to another width is another row.
+    assert row_keys(cut.collate(samples[::-1])[0]) == row_keys(x)[::-1]
+    assert row_keys(fx) == [row_keys(s[0][None])[0] for s in samples] and not set(row_keys(fx)) & set(row_keys(x))
 
     def resolved(*extra: str, world: int = 1):
         cfg = load_config(None, _config(pref, "pad", *extra))

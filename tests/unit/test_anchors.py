@@ -54,6 +54,7 @@ def test_clipped_sgd_steps_match_plain_pytorch(tmp_path):
     cfg += ["batch.global_batch_size=8", "batch.micro_batch_size=4"]  # accumulation 2
     _, rows = train(str(tmp_path), cfg, model=model, dataset=data)
 
+    # Clipping is the point; by a factor > 10 it is a smooth rescale, not a sign: measured at most 2.9e-7 (2 steps).
     opt = torch.optim.SGD(ref.parameters(), lr=lr)
     x, y = data.x, data.y
     for row in rows:

@@ -16,7 +16,7 @@ from paratrain.models import build_gpt, spec_of
 from paratrain.models.gpt import gpt_flops_per_token
 from paratrain.observability.mfu import resolve_peak_flops
 from paratrain.precision import build_mp_policy, check_device_supports, check_precision
-from paratrain.testing.dist_utils import paratrain_cli, read_metrics
+from paratrain.testing.dist_utils import paratrain_cli, plain_sgd, read_metrics
 
 TOY = [
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
@@ -118,18 +118,21 @@ def test_fsdp_mixed_precision_policy():
 # ----------------------------------------------------------------------------- compile
 
 
-def test_compile_runs_and_matches_eager(tmp_path, fp32, caplog):
+def test_compile_runs_and_matches_eager(tmp_path, caplog):
     """inductor works on this CPU machine (gcc): each block is compiled, the losses are eager's.
 
     Without proof that compilation happened, an eager fallback would compare eager with eager:
     dynamo's counters must show the probe's graph (distributed/compile.py) and the blocks' (one graph for
     both: the same code), compiled through AOTAutograd, with no graph break."""
+    # Plain SGD: inductor's kernels round differently from eager's, and AdamW would grow that over the 6 steps.
+    sgd = [*MOVING, *plain_sgd(0.3)]
+    eager, _ = _train(tmp_path, "eager", sgd)
     counters.clear()
-    losses, _ = _train(tmp_path, "compiled", [*MOVING, "train.compile=true"])
+    losses, _ = _train(tmp_path, "compiled", [*sgd, "train.compile=true"])
     assert counters["frames"]["ok"] >= 2 and counters["stats"]["unique_graphs"] >= 2, dict(counters["stats"])
     assert counters["aot_autograd"]["ok"] >= 2, dict(counters["aot_autograd"])
     assert not counters["graph_break"], dict(counters["graph_break"])
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(fp32[0]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-5, atol=0)
 
 
 def test_compile_falls_back_with_a_warning(monkeypatch, caplog):

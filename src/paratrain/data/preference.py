@@ -107,8 +107,10 @@ class PreferencePairs(torch.utils.data.Dataset):
 
         TRL pads a micro-batch to its longest reply the same way; rows of ``block_size`` cost the
         step the padding (1.3x the positions in benchmarks/peers/vs_trl_dpo.py). A pair's numbers do not
-        depend on the cut: each side attends to itself only (its positions restart), and the cut
-        columns are padding (position -1, no target). ``pad_to`` is a multiple of tp with sequence
+        depend on the cut but by rounding: each side attends to itself only (its positions
+        restart), and the cut columns are padding (position -1, no target); the kernels' order of
+        sums may change with the width, so the reference store keys a row by it too
+        (objectives/reference_store.py). ``pad_to`` is a multiple of tp with sequence
         parallel (the sequence is split over the tp ranks); 0 keeps one shape for train.compile."""
         inputs, target = torch.utils.data.default_collate(samples)
         if self.pad_to:
