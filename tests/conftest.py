@@ -1,5 +1,8 @@
+import atexit
 import logging
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -8,6 +11,15 @@ import pytest
 # CLI subprocesses the tests start find them through PYTHONPATH.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+
+# Each test process compiles into a fresh inductor cache (issue 53), as on a new machine: a cache
+# left by earlier runs (under other ATen kernels, `make test-kernels`) crashed the compile test
+# here with "malloc(): unaligned tcache chunk detected", and passed with a fresh one. Spawned
+# ranks and CLI subprocesses inherit it; TORCHINDUCTOR_CACHE_DIR set by hand is kept.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="paratrain-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+    atexit.register(shutil.rmtree, _INDUCTOR_CACHE, True)
 
 # A worker's entry point ends its process with os._exit (distributed/process_group.run_then_exit).
 # Run inside pytest's own process by mistake, it would end the session with exit code 0 and no
