@@ -333,6 +333,9 @@ def test_torchs_own_keys_on_the_rendezvous_store_are_signed():
         handler = rendezvous.create_handler(params)
     finally:
         rendezvous.set_agent_secret(None)
+    done = _state(0, participants=[A])
+    done.complete = True
+    handler.backend.set_state(pickle.dumps(done))  # a complete round: its key signs the round's values
     store = handler._get_store()
     info = RendezvousStoreInfo.build(0, store, "127.0.0.1", 4321)
     assert (info.master_addr, info.master_port) == ("127.0.0.1", 4321)

@@ -361,3 +361,259 @@ def test_store_server_refuses_oversized_values_and_too_many_bytes():
         assert client.get("k1") == b"y" * mib  # legitimate traffic goes on
     finally:
         server.close()
+
+
+# --- a launch's values are its own (issue 55, item 1) ------------------------------
+
+_BOOTSTRAP = ["torch.rendezvous.job.0/MASTER_ADDR", "torch.rendezvous.job.0/MASTER_PORT"]
+
+
+def _launch_handlers(port: int, nodes: int = 2) -> list:
+    """The rendezvous handlers of one launch of a job of ``nodes`` nodes on the server at ``port``:
+    the same run id and secret at every launch (a requeue, or a cluster's secret)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    params = RendezvousParameters(
+        "paratrain", f"127.0.0.1:{port}", "job", nodes, nodes, is_host="false", local_addr="127.0.0.1",
+        bind_addr="127.0.0.1", join_timeout=30, read_timeout=10,
+    )  # fmt: skip
+    rendezvous.set_agent_secret("the-job-secret")
+    try:
+        return [rendezvous.create_handler(params) for _ in range(nodes)]
+    finally:
+        rendezvous.set_agent_secret(None)
+
+
+def _join(handlers: list) -> list:
+    """Each handler's ``next_rendezvous`` at once, in threads: its RendezvousInfo or what it raised."""
+    import threading
+
+    out: list = [None] * len(handlers)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = handlers[i].next_rendezvous()
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
+def _shutdown(handlers: list) -> None:
+    for h in handlers:
+        try:
+            h.shutdown()
+        except Exception:  # noqa: BLE001 - a handler whose rendezvous failed may have nothing to close
+            pass
+
+
+@pytest.mark.timeout(120)
+def test_bootstrap_values_replayed_from_an_earlier_launch_are_refused():
+    """The attack of issue 55 (item 1), in one process: launch 1 of a two-node job
+    meets on a rendezvous server; a peer without the secret copies its signed MASTER_ADDR and
+    MASTER_PORT, deletes the job's state key (so launch 2 starts again at round 0, under the same
+    keys) and writes the copies back every 2 ms while launch 2 meets. No node of launch 2 takes the
+    old address, and each stops with one line naming the replay: the node that read a copy, and
+    its peer at its next read of the round (torch's rank assignment waits for the other node's role
+    info, which the refusing node never writes). Before the fix both nodes took launch 1's address."""
+    import threading
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousInfo
+
+    from paratrain.distributed.store_auth import serve_bounded
+
+    server = serve_bounded("127.0.0.1", 0, timedelta(seconds=30))  # as `paratrain rendezvous serve`
+    peer = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    first, second, stop = _launch_handlers(server.port), [], threading.Event()
+    try:
+        infos = _join(first)
+        assert all(isinstance(i, RendezvousInfo) for i in infos), infos
+        old = (infos[0].bootstrap_store_info.master_addr, infos[0].bootstrap_store_info.master_port)
+        copies = peer.multi_get(_BOOTSTRAP)
+        _shutdown(first)
+        peer.delete_key("paratrain.rendezvous.job")
+
+        def replay() -> None:
+            for _ in range(15_000):  # 30 s at most
+                if stop.is_set():
+                    return
+                peer.multi_set(_BOOTSTRAP, copies)
+                time.sleep(0.002)
+
+        threading.Thread(target=replay, daemon=True).start()
+        second = _launch_handlers(server.port)
+        outcomes = _join(second)
+        taken = [(o.rank, o.bootstrap_store_info.master_port) for o in outcomes if isinstance(o, RendezvousInfo)]
+        assert all(
+            (o.bootstrap_store_info.master_addr, o.bootstrap_store_info.master_port) != old
+            for o in outcomes
+            if isinstance(o, RendezvousInfo)
+        ), f"a node of launch 2 took launch 1's bootstrap address {old}: (rank, port) {taken}"
+        lines = []
+        for got in outcomes:
+            if isinstance(got, RendezvousInfo):
+                with pytest.raises(RendezvousStateError) as stopped:
+                    got.store.get(f"torchelastic/role_info/{1 - got.rank}")
+                got = stopped.value
+            assert isinstance(got, RendezvousStateError), repr(got)
+            lines.append(str(got))
+    finally:
+        stop.set()
+        _shutdown([*first, *second])
+        server.close()
+    for line in lines:
+        assert "\n" not in line and "refused the value of torch.rendezvous.job.0/MASTER_" in line, line
+        assert "signed by this job for another launch or round" in line, line
+    assert sum(line.startswith("refused") for line in lines) >= 1, lines  # at least one node read a copy
+
+
+# --- refusals are counted, not logged one line each (issue 55, item 4) ---------------
+
+
+def _front_counts(lines: list[str]) -> dict[str, int]:
+    """{address: refused connections} said by the front's lines: the first one's address, then the counts."""
+    import re
+
+    counts: dict[str, int] = {}
+    for line in lines:
+        if first := re.match(r"paratrain: refused a store connection from (\S+): over the connection cap$", line):
+            counts[first[1]] = counts.get(first[1], 0) + 1
+        for host, n in re.findall(r"(\d+\.\d+\.\d+\.\d+) x(\d+)", line):
+            counts[host] = counts.get(host, 0) + int(n)
+    return counts
+
+
+@pytest.mark.timeout(60)
+def test_store_front_summarises_refused_connections(capfd):
+    """2000 connections over the caps (1500 from an address at its own cap, 500 from one over the
+    cap in all) give a handful of lines: the first refusal at once, then one line per interval (1 s
+    here, 10 s by default) with the counts per address; the counts add up to every refusal.
+    Before: one line per connection (1750 lines for 2000 idle connections)."""
+    from paratrain.distributed.store_auth import serve_bounded
+
+    server = serve_bounded(
+        "127.0.0.1", 0, timedelta(seconds=10), max_connections=6, max_per_host=4, log_interval_s=1
+    )  # fmt: skip
+    want = {"127.0.0.2": 1500, "127.0.0.4": 500}
+    try:
+        held = [_raw_client(server.port, "127.0.0.2") for _ in range(4)]
+        held += [_raw_client(server.port, "127.0.0.3") for _ in range(2)]
+        assert not any(_closed_by_server(s, 0.3) for s in held)  # the caps are full
+        capfd.readouterr()
+        start = time.monotonic()
+        for host, n in want.items():
+            for _ in range(n):
+                socket.create_connection(("127.0.0.1", server.port), timeout=5, source_address=(host, 0)).close()
+        flood_s = time.monotonic() - start
+        out = ""
+        for _ in range(100):  # 10 s at most: the last count comes at the end of its interval
+            out += capfd.readouterr().err
+            lines = [line for line in out.splitlines() if line.startswith("paratrain: ")]
+            if _front_counts(lines) == want:
+                break
+            time.sleep(0.1)
+    finally:
+        server.close()
+    assert _front_counts(lines) == want, "\n".join(lines)
+    assert len(lines) <= 3 + flood_s, f"{len(lines)} lines for a flood of {flood_s:.1f} s:\n" + "\n".join(lines)
+    assert len(lines) <= 8, "\n".join(lines)
+    assert "refused or closed" in lines[-1] and "over the connection cap: 127.0.0.2 x" in out, "\n".join(lines)
+
+
+def test_refusal_log_names_kinds_and_the_busiest_addresses(caplog):
+    from paratrain.distributed.store_front import RefusalLog
+
+    refusals = RefusalLog(interval=60)
+    with caplog.at_level("WARNING", logger="paratrain"):
+        refusals.note(
+            "paratrain: closed a store connection from 10.0.0.1: a value of 9 bytes", "a value over 8 bytes", "10.0.0.1"
+        )
+        for i in range(8):
+            for _ in range(i + 1):
+                refusals.note("-", "over the connection cap", f"10.0.1.{i}")
+        refusals.note("-", "a value over 8 bytes", "10.0.0.1")
+        assert len(caplog.records) == 1 and refusals.wait_s() > 50  # counted until the interval ends
+        refusals.flush(force=True)
+    first, summary = (r.getMessage() for r in caplog.records)
+    assert first.endswith("from 10.0.0.1: a value of 9 bytes")
+    assert summary.startswith("paratrain: refused or closed 37 more store connections in the last 0.0 s (")
+    assert "a value over 8 bytes: 10.0.0.1 x1; over the connection cap: 10.0.1.7 x8, 10.0.1.6 x7, " in summary
+    assert summary.endswith("10.0.1.3 x4, 3 more addresses x6)"), summary
+
+
+@pytest.mark.slow  # > 12 s: two launches of a two-node job
+@pytest.mark.timeout(600)
+def test_a_requeued_job_refuses_bootstrap_values_replayed_from_its_last_launch(tmp_path):
+    """The attack of issue 55 (item 1) on real launches: a two-node job on
+    `paratrain rendezvous serve` runs to its end; a peer without the secret copies the signed
+    MASTER_ADDR/MASTER_PORT of round 0, deletes the job's state key, starts its own TCPStore on
+    the old port and writes the copies back every 2 ms; the job is launched again with the same
+    config, secret and id. Before: rank 1's worker set up its process group through the peer's
+    store and rank 0 hung without a word. Now each node exits 2 with one line naming the replay,
+    and nobody connects to the peer's store."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    from paratrain.testing.resilience import start_server
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")]), "OMP_NUM_THREADS": "1"}
+    env["PARATRAIN_JOB_SECRET"] = "the-secret-of-every-launch"
+    server, port = start_server()
+
+    def node(rank: int, out) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "paratrain", "train", "configs/debug.toml", "--nnodes", "2"]
+        cmd += ["--nproc-per-node", "1", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        cmd += ["--rdzv-conf", "is_host=false", "--rdzv-id", "requeued"]
+        cmd += ["--set", "run.steps=2", "--set", "run.progress=false", "--set", f"run.out_dir='{out}'"]
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    keys = ["torch.rendezvous.requeued.0/MASTER_ADDR", "torch.rendezvous.requeued.0/MASTER_PORT"]
+    stop, nodes, attacker = threading.Event(), [], None
+    try:
+        nodes = [node(r, tmp_path / "launch1") for r in (0, 1)]
+        outs = [p.communicate(timeout=240)[0] for p in nodes]
+        assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-2000:] for o in outs)
+
+        peer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        copies = peer.multi_get(keys)
+        body = json.loads(copies[1].partition(b":")[2])  # signed, not secret: HMAC:JSON of base64
+        old_port = int(base64.b64decode(body["value"] if isinstance(body, dict) else body))
+        peer.delete_key("paratrain.rendezvous.requeued")
+        attacker = dist.TCPStore("127.0.0.1", old_port, is_master=True, wait_for_workers=False)
+
+        def replay() -> None:
+            for _ in range(150_000):  # 300 s at most
+                if stop.is_set():
+                    return
+                peer.multi_set(keys, copies)
+                time.sleep(0.002)
+
+        threading.Thread(target=replay, daemon=True).start()
+        nodes = [node(r, tmp_path / "launch2") for r in (0, 1)]
+        outs = []
+        for p in nodes:
+            try:
+                outs.append(p.communicate(timeout=120)[0])
+            except subprocess.TimeoutExpired:
+                p.kill()
+                outs.append("(hung: killed after 120 s)\n" + p.communicate()[0])
+        redirected = attacker.list_keys()
+    finally:
+        stop.set()
+        for p in [*nodes, server]:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert not redirected, f"a worker of launch 2 used the peer's store: {redirected}"
+    for p, out in zip(nodes, outs):
+        errors = [line for line in out.splitlines() if line.startswith("paratrain: error:")]
+        assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+        assert "signed by this job for another launch or round" in errors[0], errors[0]
+    assert not (tmp_path / "launch2" / "metrics.jsonl").exists()

@@ -15,6 +15,11 @@ one torch's state holder applies to bytes this backend itself made from verified
 (``RendezvousBackend`` trades in pickled bytes); the bytes it is handed come from this process
 and still go through an unpickler that admits only the state's classes.
 
+Every value is bound to its launch: each state names its nodes by descriptors unique to their
+launch (a random ``local_id``), each complete round carries a key drawn when it completed, and
+torch's own values under that round are signed with it (:class:`SignedStore`): a value signed in
+an earlier launch of the same job, same secret and same round number, is refused.
+
 Stores bind to one address (``store_auth.bound_tcp_store``): the rendezvous store to the
 endpoint's address, the store the workers share (``TORCHELASTIC_USE_AGENT_STORE``) to the
 node's ``local_addr``, which the launcher sets to 127.0.0.1 for one node.
@@ -40,7 +45,9 @@ import hashlib
 import io
 import json
 import logging
+import os
 import pickle
+import secrets
 import signal
 import socket
 import threading
@@ -63,6 +70,7 @@ def handler_creator():
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousStateError,
     RendezvousTimeoutError,
@@ -177,7 +185,7 @@ def _loads_local_state(bits: bytes) -> _RendezvousState:
 
 
 class SignedStore(dist.Store):
-    """A store whose values are signed on the way in and verified on the way out.
+    """A store whose values are signed on the way in and verified on the way out, for one round.
 
     torch elastic keeps values of its own on the rendezvous store (through the handler's
     ``_get_store``): ``MASTER_ADDR``/``MASTER_PORT`` of the workers' bootstrap, each node's role
@@ -189,39 +197,90 @@ class SignedStore(dist.Store):
     ``check``) cannot be signed: a peer can make a barrier end early or wait for its timeout,
     nothing more.
 
+    Each value is signed together with ``launch``, the key of the round it belongs to (drawn when
+    the round completed, in the signed state: ``ParatrainRendezvousBackend.launch``). The key and
+    secret alone do not tell launches apart: a requeued job (same config, same secret, same
+    rendezvous id) whose state key a peer deleted starts again at round 0 under the same keys, and
+    a peer replayed launch 1's signed ``MASTER_ADDR``/``MASTER_PORT`` into launch 2 and took its
+    workers' bootstrap (issue 55, item 1). A value of another launch is refused now.
+
+    A node that refuses a value writes why under ``paratrain.refused.<launch>`` (signed too), and a
+    read here that waits for a key (``get``, ``multi_get``: torch's rank assignment waits for each
+    node's role info) ends with that line once it is there: the refusing node never writes its
+    keys, so every node of the round stops with one line instead of waiting for the store timeout.
+
     ``current`` returns the store to use now (the rendezvous backend's client, which it replaces
     after a server restart; a client a caller kept from before would stay broken). Keep a
     Python reference to this object as long as a C++ store (a PrefixStore) wraps it: torch
     finds the Python methods through it.
     """
 
-    def __init__(self, current, secret: str):
+    def __init__(self, current, secret: str, launch: str, node: str = "?"):
         super().__init__()
-        self._current, self._secret = current, secret
+        self._current, self._secret, self._launch, self._node = current, secret, launch, node
+        self._refused_key = "paratrain.refused." + launch
 
     def _seal(self, key: str, value) -> str:
         data = value.encode() if isinstance(value, str) else bytes(value)
-        return sign(self._secret, key, base64.b64encode(data).decode("ascii"))
+        return sign(self._secret, key, {"launch": self._launch, "value": base64.b64encode(data).decode("ascii")})
 
     def _open(self, key: str, raw) -> bytes:
         try:
-            return base64.b64decode(verify(self._secret, key, bytes(raw)), validate=True)
+            body = verify(self._secret, key, bytes(raw))
+            if not isinstance(body, dict) or set(body) != {"launch", "value"}:
+                raise ValueError("not a value of a paratrain round")
+            data = base64.b64decode(body["value"], validate=True)
         except (TamperedValue, ValueError, TypeError) as e:
-            raise TamperedStoreValue(
-                f"refused the value of {key} on the rendezvous store: it fails the job-secret check (written by"
-                " someone who reaches the port without the secret, or by a node with another secret)"
-            ) from e
+            why = (
+                "it fails the job-secret check (written by someone who reaches the port without the secret,"
+                " or by a node with another secret)"
+            )
+            raise self._refuse(key, why) from e
+        if body["launch"] != self._launch:
+            raise self._refuse(
+                key, "it was signed by this job for another launch or round (a replay by someone who reaches the port)"
+            )
+        return data
+
+    def _refuse(self, key: str, why: str) -> TamperedStoreValue:
+        line = (
+            f"refused the value of {key} on the rendezvous store: {why}; nothing was used from it. Keep the"
+            " rendezvous port reachable by the job's nodes only (docs/security.md) and start the job again"
+        )
+        try:  # the round's other nodes may wait for a key this node will now never write
+            self._current().set(self._refused_key, self._seal(self._refused_key, f"node {self._node} {line}"))
+        except (RuntimeError, ValueError):
+            pass  # the store is gone: they stop on its error
+        return TamperedStoreValue(line)
+
+    def refusal(self) -> str | None:
+        """The line of a node of this round that refused a value (None if none did)."""
+        store = self._current()
+        if not store.check([self._refused_key]):
+            return None
+        return "the rendezvous stopped: " + self._open(self._refused_key, store.get(self._refused_key)).decode()
+
+    def _wait_for(self, keys: list[str]) -> None:
+        """Until ``keys`` exist (at most the store's timeout, as its get), or a node of this round refused a value."""
+        store = self._current()
+        deadline = time.monotonic() + store.timeout.total_seconds()
+        while not store.check(keys) and time.monotonic() < deadline:
+            if (line := self.refusal()) is not None:
+                raise TamperedStoreValue(line)
+            time.sleep(0.05)
 
     def set(self, key, value):
         self._current().set(key, self._seal(key, value))
 
     def get(self, key):
+        self._wait_for([key])
         return self._open(key, self._current().get(key))
 
     def multi_set(self, keys, values):
         self._current().multi_set(list(keys), [self._seal(k, v) for k, v in zip(keys, values)])
 
     def multi_get(self, keys):
+        self._wait_for(list(keys))
         return [self._open(k, v) for k, v in zip(keys, self._current().multi_get(list(keys)))]
 
     def compare_set(self, key, expected, desired):
@@ -275,6 +334,11 @@ class ParatrainRendezvousBackend(RendezvousBackend):
         # the state it replaces plus one (compare-and-set makes that history linear), so an older
         # one read back is a replay (or a restarted server given an older state) and is refused.
         self._seen: tuple[int, int] = (-1, -1)
+        # (round, key) of the last verified state when its round is complete: the key every value
+        # torch keeps under that round is signed with (SignedStore). Drawn by the node whose write
+        # completes the round and kept while it stays complete, so a round's key is newer than
+        # each of its participants' joins: nothing signed in an earlier launch carries it.
+        self._launch: tuple[int, str] | None = None
         self._reconnect = reconnect  # a new client of the store (None: this node hosts it)
         self._broken = False  # the client failed once: it never recovers, the next call reconnects
         self._retry_s = retry_s  # how often torch's keep-alive calls (and so retries), for the log line
@@ -293,7 +357,11 @@ class ParatrainRendezvousBackend(RendezvousBackend):
         return self._decode(self._call("get", self._key))
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
-        body = {"job": self._job, "version": self._seen[1] + 1, "state": encode_state(_loads_local_state(state))}
+        new = _loads_local_state(state)
+        launch = None
+        if new.complete:
+            launch = self._launch[1] if self._launch and self._launch[0] == new.round else secrets.token_hex(16)
+        body = {"job": self._job, "version": self._seen[1] + 1, "launch": launch, "state": encode_state(new)}
         value = sign(self._secret, self._key, body)
         if token is not None and not isinstance(token, bytes):
             result = self.get_state()
@@ -312,6 +380,11 @@ class ParatrainRendezvousBackend(RendezvousBackend):
     @property
     def secret(self) -> str:
         return self._secret
+
+    @property
+    def launch(self) -> str | None:
+        """The key of the round of the last verified state (None while it is not complete)."""
+        return self._launch[1] if self._launch else None
 
     def _call(self, op: str, *args):
         """``op`` on the store; a client that failed is replaced by a new one (at most once per call).
@@ -367,16 +440,19 @@ class ParatrainRendezvousBackend(RendezvousBackend):
             body = verify(self._secret, self._key, raw)
             if (
                 not isinstance(body, dict)
-                or set(body) != {"job", "version", "state"}
+                or set(body) != {"job", "version", "launch", "state"}
                 or type(body["version"]) is not int
             ):
                 raise ValueError("not a paratrain rendezvous value")
-            state, version = decode_state(body["state"]), body["version"]
+            state, version, launch = decode_state(body["state"]), body["version"], body["launch"]
+            if not (launch is None or isinstance(launch, str)) or state.complete != (launch is not None):
+                raise ValueError("a complete round without its key, or a key without one")
         except (TamperedValue, ValueError, TypeError, KeyError) as exc:
             bad = exc
         else:
             if (state.round, version) >= self._seen:
                 self._seen = (state.round, version)
+                self._launch = (state.round, launch) if state.complete else None
                 bits = pickle.dumps(state)
                 self._last_good, self._last_raw = bits, raw
                 return bits, raw
@@ -466,28 +542,62 @@ def default_rdzv_id(job: str) -> str:
     return f"job-{job}" if job else "none"
 
 
+class _LaunchNodeDescGenerator:
+    """torch's node descriptor (address, pid, local_id) with a random local_id, unique to a launch.
+
+    The descriptor is how a state names a node. torch counts local_id 0, 1, ... per process, and a
+    requeued container often gets the same pid: the next launch's node would then be named exactly
+    as in the previous launch's states, and one of those replayed would make it a participant of a
+    round completed before it started (whose bootstrap values and key are the old launch's). A
+    random local_id (63 bits) makes a round that names this node one it joined (issue 55, item 1).
+    """
+
+    def generate(self, local_addr: str | None = None) -> _NodeDesc:
+        return _NodeDesc(local_addr or socket.getfqdn(), os.getpid(), secrets.randbits(63))
+
+
 class ParatrainRendezvousHandler(DynamicRendezvousHandler):
     """torch's handler, with the store it shares with the workers bound to this node's address,
     and a rendezvous store that may go away for a while (a restarted ``rendezvous serve``)."""
 
+    _node_desc_generator = _LaunchNodeDescGenerator()
     bind_addr: str = "127.0.0.1"
     backend: ParatrainRendezvousBackend | None = None
-    _signed: SignedStore | None = None
 
     def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:
         return bound_tcp_store(master_addr, master_port, bind_addr=self.bind_addr, timeout=timedelta(seconds=300))
 
     def _get_store(self) -> dist.Store:
         """The store torch keeps its own values on (``MASTER_ADDR``/``MASTER_PORT``, each node's
-        rank, the exit barrier), under ``torch.rendezvous.<id>.<round>/``: signed and verified
-        (store_auth.SignedStore), and always the backend's current client (after a reconnect a
-        client kept from before is a broken connection)."""
+        rank, the exit barrier), under ``torch.rendezvous.<id>.<round>/``: signed and verified with
+        the round's key (SignedStore), and always the backend's current client (after a reconnect a
+        client kept from before is a broken connection). torch asks for it once this node is a
+        participant of a complete round, which always has a key."""
         if self.backend is None:
             return self._wrap_store(self._store)
-        if self._signed is None:  # referenced here for as long as torch's PrefixStore wraps it
-            backend = self.backend
-            self._signed = SignedStore(lambda: backend.store, backend.secret)
-        return self._wrap_store(self._signed)
+        signed = self._signed_store()
+        if signed is None:
+            raise RendezvousStateError("the rendezvous round is not complete: it has no key to sign its values with")
+        return self._wrap_store(signed)
+
+    def _signed_store(self) -> SignedStore | None:
+        """The SignedStore of the round of the last verified state (None while it is not complete)."""
+        backend, launch = self.backend, self.backend.launch
+        if launch is None:
+            return None
+        signed = vars(self).setdefault("_signed", {})  # referenced for as long as torch's PrefixStore wraps them
+        if launch not in signed:
+            node = f"{self._this_node.addr} pid {self._this_node.pid}"
+            signed[launch] = SignedStore(lambda: backend.store, backend.secret, launch, node)
+        return signed[launch]
+
+    def _peer_refusal(self) -> str | None:
+        """The line of a node that refused a value of this node's last complete round, if one did."""
+        signed = self._signed_store() if self.backend is not None else None
+        try:
+            return signed.refusal() if signed is not None else None
+        except RuntimeError:  # the store is gone: nothing more to say than torch's error
+            return None
 
     def num_nodes_waiting(self) -> int:
         # The agent asks every monitor interval while the workers run: an unreachable store
@@ -505,6 +615,14 @@ class ParatrainRendezvousHandler(DynamicRendezvousHandler):
                     self._reopen_a_finished_launch()
                 self._joined_once = True
                 return super().next_rendezvous()
+            except RendezvousClosedError:
+                # A node that refused a value of the round closes the rendezvous on its way out,
+                # often before this node (still waiting to join) saw the round complete: its line,
+                # not torch's bare "closed" (issue 55, item 1).
+                line = self._peer_refusal()
+                if line is None:
+                    raise
+                raise TamperedStoreValue(line) from None
             except RendezvousConnectionError as exc:
                 if time.monotonic() >= deadline:
                     raise RendezvousTimeoutError(

@@ -21,6 +21,11 @@ What it enforces (docs/security.md, "Someone who reaches the rendezvous port"):
   values written through it would hold more than ``max_total`` bytes in all, or when a command
   is one it does not know (a newer torch: fail closed rather than forward what it cannot bound).
 
+What it refuses it logs in a few lines, whatever the rate (:class:`RefusalLog`): the first
+refusal after a quiet interval at once, then per interval (10 s) one line with the counts per
+kind and address. One line per connection made a flood of the log itself: 2000 idle connections
+gave 1750 lines (issue 55, item 4).
+
 The total is counted conservatively: per key its length, ``ENTRY`` bytes and the last size set
 under it (a compare-and-set counts as if it succeeded, appends and queue pushes add up, a delete
 frees), plus every byte of the requests not complete yet (the server buffers a request until it
@@ -52,10 +57,63 @@ MAX_CONNECTIONS = 4096  # lowered to what the descriptor limit allows (two per c
 MAX_PER_HOST = 256  # one node's processes all come from one address (127.0.0.1 on one node)
 MAX_VALUE = 1 << 20
 MAX_TOTAL = 64 << 20
+LOG_INTERVAL_S = 10  # refusals are summarised per this many seconds
+LOG_ADDRESSES = 5  # addresses named per kind in a summary line; the rest are counted
 
 
 class Refused(Exception):
-    """A request over a bound: its connection is closed before the server sees it."""
+    """A request over a bound: its connection is closed before the server sees it.
+
+    ``kind`` names the bound without the figures of this request: refusals are counted per kind."""
+
+    def __init__(self, detail: str, kind: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+class RefusalLog:
+    """Refused and closed connections as a few lines: the first after a quiet ``interval`` at once
+    (with its detail), the others counted per (kind, address) and said in one line per interval."""
+
+    def __init__(self, interval: float = LOG_INTERVAL_S):
+        self.interval = interval
+        self.counts: dict[tuple[str, str], int] = {}
+        self.since = self.until = 0.0  # the interval being counted: [since, until)
+
+    def note(self, line: str, kind: str, host: str) -> None:
+        now = time.monotonic()
+        if not self.counts and now >= self.until:
+            log.warning("%s", line)
+            self.since, self.until = now, now + self.interval
+            return
+        self.counts[(kind, host)] = self.counts.get((kind, host), 0) + 1
+
+    def wait_s(self) -> float | None:
+        """How long the front may wait for an event before :meth:`flush` is due (None: no count pending)."""
+        return max(0.0, self.until - time.monotonic()) if self.counts else None
+
+    def flush(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.counts or (now < self.until and not force):
+            return
+        kinds: dict[str, list[tuple[int, str]]] = {}
+        for (kind, host), n in self.counts.items():
+            kinds.setdefault(kind, []).append((n, host))
+        parts = []
+        for kind, hosts in sorted(kinds.items()):
+            hosts.sort(key=lambda item: (-item[0], item[1]))
+            named = ", ".join(f"{host} x{n}" for n, host in hosts[:LOG_ADDRESSES])
+            rest = hosts[LOG_ADDRESSES:]
+            more = f", {len(rest)} more addresses x{sum(n for n, _ in rest)}" if rest else ""
+            parts.append(f"{kind}: {named}{more}")
+        log.warning(
+            "paratrain: refused or closed %d more store connections in the last %.1f s (%s)",
+            sum(self.counts.values()),
+            now - self.since,
+            "; ".join(parts),
+        )
+        self.counts.clear()
+        self.since, self.until = now, now + self.interval
 
 
 def _u64():
@@ -66,21 +124,21 @@ def _u64():
 def _key():
     n = yield from _u64()
     if n > MAX_KEY:
-        raise Refused(f"a key of {n} bytes")
+        raise Refused(f"a key of {n} bytes", f"a key over {MAX_KEY} bytes")
     return (yield n, True) if n else b""
 
 
 def _length(limit: int):
     n = yield from _u64()
     if n > limit:
-        raise Refused(f"a value of {n} bytes (at most {limit})")
+        raise Refused(f"a value of {n} bytes (at most {limit})", f"a value over {limit} bytes")
     return n
 
 
 def _count():
     n = yield from _u64()
     if n > MAX_KEYS:
-        raise Refused(f"{n} keys in one request")
+        raise Refused(f"{n} keys in one request", f"over {MAX_KEYS} keys in one request")
     return n
 
 
@@ -114,7 +172,7 @@ class _Parser:
     def _within(self, total: int, n: int) -> None:
         """Refused if the store would hold more than ``max_total`` (``total`` counted, ``n`` more in flight)."""
         if total + self.front.inflight + n > self.front.max_total:
-            raise Refused(f"the store would hold more than {self.front.max_total} bytes")
+            raise Refused(f"the store would hold more than {self.front.max_total} bytes", "the store's byte budget")
 
     def _spend(self, n: int) -> None:
         self._within(self.front.total, n)
@@ -179,7 +237,7 @@ class _Parser:
                 for _ in range((yield from _count())):
                     yield from _key()
             elif cmd not in (GETNUMKEYS, CANCEL_WAIT, LIST_KEYS):
-                raise Refused(f"an unknown command {cmd}")
+                raise Refused(f"an unknown command {cmd}", "an unknown command")
 
 
 class StoreFront:
@@ -194,8 +252,10 @@ class StoreFront:
         max_per_host: int = MAX_PER_HOST,
         max_value: int = MAX_VALUE,
         max_total: int = MAX_TOTAL,
+        log_interval_s: float = LOG_INTERVAL_S,
     ):
         self.listener, self.backend_addr = listener, backend
+        self.refusals = RefusalLog(log_interval_s)
         self.max_connections, self.max_per_host = max_connections, max_per_host
         self.max_value, self.max_total = max_value, max_total
         self.sizes: dict[bytes, int] = {}  # key -> bytes its value holds, as counted
@@ -215,7 +275,9 @@ class StoreFront:
         self._sel.register(parent, selectors.EVENT_READ)
         try:
             while True:
-                for key, events in self._sel.select():
+                events_now = self._sel.select(self.refusals.wait_s())
+                self.refusals.flush()
+                for key, events in events_now:
                     sock = key.fileobj
                     if sock is parent:
                         return  # the hosting process (and its server) is gone
@@ -227,6 +289,7 @@ class StoreFront:
                         if events & selectors.EVENT_READ and sock in self._peer:
                             self._read(sock)
         finally:
+            self.refusals.flush(force=True)  # what was counted since the last line
             for sock in [*self._peer, self.listener]:
                 sock.close()
 
@@ -238,7 +301,8 @@ class StoreFront:
             return
         host = addr[0]
         if len(self._parser) >= self.max_connections or self.per_host.get(host, 0) >= self.max_per_host:
-            log.warning("paratrain: refused a store connection from %s: over the connection cap", host)
+            line = f"paratrain: refused a store connection from {host}: over the connection cap"
+            self.refusals.note(line, "over the connection cap", host)
             client.close()
             return
         try:
@@ -271,7 +335,8 @@ class StoreFront:
             try:
                 parser.feed(data)
             except Refused as e:
-                log.warning("paratrain: closed a store connection from %s: %s", sock_peer(sock), e)
+                host = self._host[sock]
+                self.refusals.note(f"paratrain: closed a store connection from {host}: {e}", e.kind, host)
                 return self._close(sock)
         peer = self._peer[sock]
         self._out[peer] += data
@@ -321,13 +386,6 @@ class StoreFront:
             s.close()
 
 
-def sock_peer(sock: socket.socket) -> str:
-    try:
-        return str(sock.getpeername()[0])
-    except OSError:
-        return "?"
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("listen_fd", type=int)
@@ -337,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         ("max-per-host", MAX_PER_HOST),
         ("max-value", MAX_VALUE),
         ("max-total", MAX_TOTAL),
+        ("log-interval-s", LOG_INTERVAL_S),
     ]:
         p.add_argument("--" + name, type=int, default=default)
     a = p.parse_args(argv)
@@ -360,6 +419,7 @@ def main(argv: list[str] | None = None) -> None:
         max_per_host=a.max_per_host,
         max_value=a.max_value,
         max_total=a.max_total,
+        log_interval_s=a.log_interval_s,
     )
     front.run(sys.stdin)
 

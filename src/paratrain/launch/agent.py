@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from paratrain.checkpoint.manifest import ELASTIC_ENV
 from paratrain.config import Config, ConfigError, to_dict
 from paratrain.distributed import rendezvous
-from paratrain.distributed.store_auth import BIND_ENV, SECRET_ENV, interface_of, load_secret, new_secret, route_source
+from paratrain.distributed.store_auth import (
+    BIND_ENV,
+    SECRET_ENV,
+    TamperedValue,
+    interface_of,
+    load_secret,
+    new_secret,
+    route_source,
+)
 from paratrain.preemption import EXIT_NOW, forward_to_children
 
 # Set in the workers' environment by `paratrain train`: a folder of this node's launcher. A
@@ -352,7 +360,9 @@ def _launch(spec: LaunchSpec, module: str, module_args: list[str], *, reports: s
         # e.g. a node with the wrong job secret: one line, no traceback.
         # Some carry no message (RendezvousClosedError): their type is the line then.
         print(f"paratrain: error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
-        return 1
+        # A store value refused (forged, or replayed from another launch) is a refusal: 2, and
+        # starting again as is meets the same peer (issue 55, item 1).
+        return 2 if isinstance(e, TamperedValue) else 1
     except ChildFailedError as e:
         print(f"paratrain: error: {failure_summary(e.failures)}", file=sys.stderr)
         if terms:  # ended by SIGTERM (a second one, or the grace period ran out)
