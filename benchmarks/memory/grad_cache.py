@@ -99,8 +99,8 @@ class Paratrain:
     def __init__(self, cfg, ctx, dataset):
         from paratrain.build import build_parallel_with_weights, key_detected_draws
         from paratrain.data.sampler import GlobalBatchSampler, load_batches, rank_micro_batches
-        from paratrain.loss import build_loss
         from paratrain.models import build
+        from paratrain.objectives.registry import build_loss
         from paratrain.optim import build_optimizer
         from paratrain.precision import build_precision
         from paratrain.preflight import check_run
@@ -120,7 +120,7 @@ class Paratrain:
             device=ctx.device,
             loss_fn=loss_fn,
             precision=precision,
-            items_per_sample=static_item_count(dataset, cfg.loss, user_loss=False),
+            items_per_sample=static_item_count(dataset, cfg.loss, loss_fn.plugin),
         )
         self.optimizer = build_optimizer(self.model, cfg.optim)
         # The first global batch of the training stream, cut as the loader cuts it (dp 1).

@@ -77,8 +77,8 @@ def _rank_body(rank: int, world: int, port: int, args, q) -> None:
 
     from paratrain.config import LossConfig, ParallelConfig
     from paratrain.distributed.pipeline_parallel import apply_pp
-    from paratrain.loss import build_loss
     from paratrain.models.gpt import build_gpt
+    from paratrain.objectives.registry import build_loss
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))

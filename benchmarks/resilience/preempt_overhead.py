@@ -37,9 +37,9 @@ def rank_main(rounds: int, checks: int) -> list[dict[str, float]]:
     import torch.distributed as dist
 
     from paratrain.config import LossConfig
-    from paratrain.loss import build_loss
     from paratrain.objectives import ItemLoss
     from paratrain.objectives.items import check_count
+    from paratrain.objectives.registry import build_loss
     from paratrain.step import StepContext, launch_totals
 
     dist.init_process_group("gloo")

@@ -40,6 +40,7 @@ from paratrain.objectives import DistillLoss, PreferenceLoss, build_objectives
 from paratrain.objectives.policy_gradient import PolicyGradientLoss
 from paratrain.objectives.preference import CPGroup
 from paratrain.objectives.reference_store import ReferenceStore, fill
+from paratrain.objectives.registry import own_objective, plugin_of
 from paratrain.precision import Precision
 from paratrain.randomness import draws_in_forward, has_dropout, site_names
 from paratrain.step import StepContext, cp_local_batch, no_grad_forward, stage_inputs, to_device
@@ -89,7 +90,7 @@ def build_parallel(
     loss_parallel = loss_parallel_enabled(
         tp=dims.tp,
         requested=cfg.parallel.loss_parallel and dims.pp == 1,
-        builtin_cross_entropy=loss_fn.builtin and cfg.loss.name == "cross_entropy",
+        builtin_cross_entropy=loss_fn.plugin is not None and loss_fn.plugin.loss_parallel,
         user_plan=bool(cfg.parallel.tp_plan or cfg.parallel.tp_plan_factory),
         supported=spec.loss_parallel,
     )
@@ -97,7 +98,7 @@ def build_parallel(
     check_batch_math(cfg, dims, model, loss_fn, keyed=keyed)
     norm = batch_norm_layout(cfg, dims, model) if batch_norm_groups else None
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
-    own = own_loss(cfg, loss_fn, dp_group=dims.group("dp"), cp=cp_group(dims))
+    own = own_objective(cfg, loss_fn, dp_group=dims.group("dp"), cp=cp_group(dims))
     # The initial policy as a preference loss's reference: the model as built, before any
     # parallelism (on the meta device when its weights arrive later: they are read for it too).
     needs_initial = uses_reference(own) and reference_kind(cfg) == "initial"
@@ -180,44 +181,6 @@ def cp_group(dims: ParallelDims) -> CPGroup | None:
     )
 
 
-def own_loss(
-    cfg: Config, loss_fn: Loss, *, dp_group=None, cp: CPGroup | None = None
-) -> PreferenceLoss | DistillLoss | PolicyGradientLoss | None:
-    """A loss that is its own objective with a second model, which is set once the model is
-    parallelised: ``loss.name = 'preference'`` or ``'reward'`` (:func:`preference_reference`),
-    ``'distill'`` (:func:`distill_teacher`), ``'grpo'`` (its reference with ``rl.beta > 0``); None
-    for any other loss. The layouts they do not cover yet are refused before any process starts
-    (preflight/support.py)."""
-    if not loss_fn.builtin or loss_fn.name not in ("preference", "reward", "distill", "grpo"):
-        return None
-    if loss_fn.name == "grpo":
-        r = cfg.rl
-        return PolicyGradientLoss(
-            r.loss_type,
-            epsilon=r.epsilon,
-            epsilon_high=r.epsilon_high,
-            beta=r.beta,
-            temperature=r.temperature,
-            max_new_tokens=r.max_new_tokens,
-        )
-    if loss_fn.name == "distill":
-        d = cfg.distill
-        return DistillLoss(
-            kind=d.divergence, temperature=d.temperature, beta=d.beta, top_k=d.top_k, ignore_index=cfg.loss.ignore_index
-        )
-    p = cfg.preference
-    loss_type = "bradley_terry" if loss_fn.name == "reward" else p.loss_type
-    return PreferenceLoss(
-        loss_type,
-        beta=p.beta,
-        label_smoothing=p.label_smoothing,
-        gamma=p.gamma,
-        weights=(p.desirable_weight, p.undesirable_weight),
-        dp_group=dp_group,
-        cp=cp,
-    )
-
-
 def distill_teacher(
     cfg: Config,
     dims: ParallelDims,
@@ -293,10 +256,17 @@ def uses_reference(own) -> bool:
     return isinstance(own, (PreferenceLoss, PolicyGradientLoss)) and own.uses_reference
 
 
+def reference_key(cfg: Config) -> str:
+    """The config key of the loss's reference (its plug-in's ``reference``: ``preference.reference``,
+    ``rl.reference`` for GRPO)."""
+    return plugin_of(cfg.loss).reference or "preference.reference"
+
+
 def reference_kind(cfg: Config) -> str:
-    """``preference.reference`` (``rl.reference`` for GRPO), its default resolved: the adapters
-    off with LoRA, else the initial model."""
-    chosen = cfg.rl.reference if cfg.loss.name == "grpo" else cfg.preference.reference
+    """The loss's reference (:func:`reference_key`), its default resolved: the adapters off with
+    LoRA, else the initial model."""
+    section, key = reference_key(cfg).split(".")
+    chosen = getattr(getattr(cfg, section), key)
     return chosen or ("adapters_off" if cfg.model.lora.enabled else "initial")
 
 
@@ -320,7 +290,7 @@ def preference_reference(
     policy's), or through the policy's with its adapters off, ``fn`` on each piece's output on
     the last stage (pipeline_parallel.pipeline_forward_each), where the pair loss runs."""
     kind = reference_kind(cfg)
-    key = "rl.reference" if cfg.loss.name == "grpo" else "preference.reference"
+    key = reference_key(cfg)
     pipelined = isinstance(model, PipelineModel)
     if kind == "adapters_off":
         if not cfg.model.lora.enabled:

@@ -805,12 +805,16 @@ def validate(cfg: Config) -> None:
         if ref:
             resolve_callable(ref, key)
     validate_lora(cfg.model.lora)
-    if ":" in cfg.loss.name:
-        resolve_callable(cfg.loss.name, "loss.name")
+    if ":" in cfg.loss.name:  # a function, or an objectives.registry.Plugin (it has an objective)
+        user = resolve_callable(cfg.loss.name, "loss.name", allow=object)
+        if not callable(user) and not hasattr(user, "objective"):
+            raise ConfigError(
+                f"loss.name = {cfg.loss.name!r} is neither a function nor an objectives.registry.Plugin; point it at one"
+            )
     elif cfg.loss.name not in ("cross_entropy", "mse", "info_nce", "preference", "reward", "distill", "grpo"):
         raise ConfigError(
             f"loss.name = {cfg.loss.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce', 'preference', 'reward',"
-            " 'distill', 'grpo' or 'package.module:function'"
+            " 'distill', 'grpo' or 'package.module:name' (a function or a Plugin: docs/objectives.md)"
         )
     validate_distill(cfg)
     if (cfg.loss.name == "reward") != (cfg.model.head == "score"):
@@ -927,10 +931,11 @@ def validate_lora(lora: LoraConfig) -> None:
         )
 
 
-def resolve_callable(ref: str, key: str) -> typing.Callable:
+def resolve_callable(ref: str, key: str, *, allow: type | None = None) -> typing.Callable:
     """Import 'package.module:function' or 'path/to/file.py:function' (a file of one's own,
     relative to the working directory, as a recipe's reward functions), raising ConfigError with
-    the fix when it fails."""
+    the fix when it fails. ``allow``: a type whose instances are taken too, callable or not (a
+    user's objectives.registry.Plugin)."""
     module_name, sep, attr = ref.rpartition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{key} = {ref!r} is malformed; write 'package.module:function' or 'file.py:function'")
@@ -943,7 +948,7 @@ def resolve_callable(ref: str, key: str) -> typing.Callable:
         if not hasattr(obj, part):
             raise ConfigError(f"{key} = {ref!r}: module '{module_name}' has no attribute '{attr}'; check the name")
         obj = getattr(obj, part)
-    if not callable(obj):
+    if not callable(obj) and not (allow is not None and isinstance(obj, allow)):
         raise ConfigError(f"{key} = {ref!r} is not callable; point it at a function")
     return obj
 

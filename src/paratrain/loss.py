@@ -16,7 +16,7 @@ from torch import nn
 # whose preflight reads this module through the models, must not pay (tests/e2e/test_startup.py).
 from torch.utils.checkpoint import checkpoint
 
-from paratrain.config import ConfigError, LossConfig, resolve_callable
+from paratrain.config import ConfigError, LossConfig
 
 
 class Loss:
@@ -25,6 +25,7 @@ class Loss:
 
     def __init__(self, fn: Callable, count: Callable, name: str, *, builtin: bool = True, over_batch: bool = False):
         self.fn, self._count, self.name, self.builtin = fn, count, name, builtin
+        self.plugin = None  # the objectives/registry.py Plugin it was built from (build_loss sets it)
         # A loss over the whole global batch: fn(outputs, targets) -> its mean (objectives/batch_loss.py).
         self.over_batch = over_batch
 
@@ -40,62 +41,60 @@ class Loss:
         return isinstance(self.fn, ChunkedCrossEntropy)
 
 
-def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
+# The losses by kind; objectives/registry.py picks one by ``loss.name`` (the one place that does).
+
+
+def count_not_ignored(cfg: LossConfig) -> Callable:
+    """The items of a target: its elements not equal to ``loss.ignore_index``."""
     ignore = cfg.ignore_index
 
-    def count_not_ignored(target: torch.Tensor) -> torch.Tensor:
+    def count(target: torch.Tensor) -> torch.Tensor:
         return (target != ignore).sum()
 
-    if cfg.chunk_size < 0:
-        raise ConfigError(f"loss.chunk_size = {cfg.chunk_size} must be >= 0 (0: no chunking)")
-    if cfg.chunk_size and (fn is not None or cfg.name != "cross_entropy"):
-        # Checked before the user's loss is taken: a chunk size it would silently ignore is refused.
-        raise ConfigError(
-            f"loss.chunk_size = {cfg.chunk_size} chunks the built-in cross_entropy only, not"
-            f" {'the loss passed to train()' if fn is not None else repr(cfg.name)}; set loss.chunk_size = 0"
+    return count
+
+
+def cross_entropy_loss(cfg: LossConfig) -> Loss:
+    """The token (or class) cross-entropy, summed; chunked over positions with ``loss.chunk_size``."""
+    count, ignore = count_not_ignored(cfg), cfg.ignore_index
+    if cfg.chunk_size:
+        return Loss(ChunkedCrossEntropy(cfg.chunk_size, ignore), count, "cross_entropy")
+
+    def cross_entropy(logits: torch.Tensor, target: torch.Tensor):
+        s = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=ignore, reduction="sum"
         )
-    if cfg.name in ("preference", "reward") and fn is None:  # objectives/preference.py's, over pairs
-        return Loss(_its_objectives, pair_count, cfg.name)
-    if cfg.name == "distill" and fn is None:  # objectives/distill.py's, over target tokens
-        return Loss(_its_objectives, count_not_ignored, "distill")
-    if cfg.name == "grpo" and fn is None:  # objectives/policy_gradient.py's, over completions
-        return Loss(_its_objectives, rows, "grpo")
-    if cfg.name == "info_nce" and fn is None:
-        return Loss(info_nce(cfg.temperature), rows, "info_nce", over_batch=True)
+        return s, count(target)
+
+    return Loss(cross_entropy, count, "cross_entropy")
+
+
+def mse_loss(cfg: LossConfig) -> Loss:
+    def mse(output: torch.Tensor, target: torch.Tensor):
+        return F.mse_loss(output.float(), target.float(), reduction="sum"), target.numel()
+
+    return Loss(mse, lambda t: t.numel(), "mse")
+
+
+def info_nce_loss(cfg: LossConfig) -> Loss:
+    return Loss(info_nce(cfg.temperature), rows, "info_nce", over_batch=True)
+
+
+def user_loss(cfg: LossConfig, user: Callable) -> Loss:
+    """A user's function: ``(sum_of_item_losses, item_count)`` of a micro-batch, or with
+    ``loss.over = 'global_batch'`` the mean over the whole global batch's outputs."""
+    name = getattr(user, "__name__", "user")
     if cfg.over == "global_batch":
-        if fn is None and ":" not in cfg.name:
-            raise ConfigError(
-                f"loss.over = 'global_batch' takes 'info_nce' or a 'package.module:function' loss, not {cfg.name!r};"
-                " set loss.name so, or loss.over = 'items'"
-            )
-        user = fn if fn is not None else resolve_callable(cfg.name, "loss.name")
-        return Loss(user, rows, getattr(user, "__name__", "user"), builtin=False, over_batch=True)
-    if fn is not None or ":" in cfg.name:
-        user = fn if fn is not None else resolve_callable(cfg.name, "loss.name")
-        # A user loss may say how it counts with a `count(target)` attribute; by default the
-        # items are the target elements not equal to loss.ignore_index.
-        count = getattr(user, "count", count_not_ignored)
-        return Loss(_checked(user), count, getattr(user, "__name__", "user"), builtin=False)
-    if cfg.name == "cross_entropy" and cfg.chunk_size:
-        return Loss(ChunkedCrossEntropy(cfg.chunk_size, ignore), count_not_ignored, "cross_entropy")
-    if cfg.name == "cross_entropy":
+        return Loss(user, rows, name, builtin=False, over_batch=True)
+    # A user loss may say how it counts with a `count(target)` attribute; by default the
+    # items are the target elements not equal to loss.ignore_index.
+    return Loss(_checked(user), getattr(user, "count", count_not_ignored(cfg)), name, builtin=False)
 
-        def cross_entropy(logits: torch.Tensor, target: torch.Tensor):
-            s = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=ignore, reduction="sum"
-            )
-            return s, count_not_ignored(target)
 
-        return Loss(cross_entropy, count_not_ignored, "cross_entropy")
-    if cfg.name == "mse":
-
-        def mse(output: torch.Tensor, target: torch.Tensor):
-            return F.mse_loss(output.float(), target.float(), reduction="sum"), target.numel()
-
-        return Loss(mse, lambda t: t.numel(), "mse")
-    raise ConfigError(
-        f"loss.name = {cfg.name!r} is unknown; use 'cross_entropy', 'mse', 'info_nce' or 'package.module:function'"
-    )
+def objective_loss(name: str, count: Callable) -> Loss:
+    """The Loss of an objective that computes its own terms (objectives/preference.py,
+    distill.py, policy_gradient.py): its count; its function is never called."""
+    return Loss(_its_objectives, count, name)
 
 
 def _its_objectives(output, target):

@@ -37,10 +37,10 @@ from paratrain.distributed.json_collectives import broadcast_json
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.process_group import DistContext, close_distributed, init_distributed
 from paratrain.evaluate import Evaluator, eval_due
-from paratrain.loss import build_loss
 from paratrain.models import build, lora_base, spec_of, with_lora
 from paratrain.models.hf import export_hf
 from paratrain.models.lora import is_adapter_param, trainable_parameters
+from paratrain.objectives.registry import Plugin, build_loss
 from paratrain.observability.events import EventLog, process_start_time
 from paratrain.observability.metrics import (
     MetricsWriter,
@@ -248,26 +248,25 @@ def validate(run: Run) -> dict:
     }
 
 
-def val_pad_target(cfg: Config, *, user_loss: bool) -> int | None:
-    """The target that fills up the validation set's last batch (data/__init__.py): the built-in
-    cross-entropy's ignore index, which adds nothing to the loss's sum or count (nor to the
-    distillation's, nor a pair's: a row of ignored targets holds no pair); None (round down to
-    whole batches) for any other loss, whose count we do not know."""
-    counts_targets = cfg.loss.name in ("cross_entropy", "distill", "preference", "reward")
-    return cfg.loss.ignore_index if counts_targets and not user_loss else None
+def val_pad_target(cfg: Config, plugin: Plugin) -> int | None:
+    """The target that fills up the validation set's last batch (data/__init__.py): the ignore
+    index, for a loss whose sum and count it adds nothing to (the plug-in's ``pads_with_ignore``:
+    the built-in cross-entropy, distillation, a pair's: a row of ignored targets holds no pair);
+    None (round down to whole batches) for any other loss, whose count we do not know."""
+    return cfg.loss.ignore_index if plugin.pads_with_ignore else None
 
 
-def static_item_count(dataset: Dataset, loss_cfg: LossConfig, *, user_loss: bool) -> int | None:
-    """The dataset's static count (data/datasets.py) when the loss counts every target element:
-    the built-in losses, with a negative ignore index for cross-entropy (a class id never is).
-    A user loss counts its own way, so its items are counted and reduced as before."""
-    counts_all = loss_cfg.name == "mse" or (loss_cfg.name == "cross_entropy" and loss_cfg.ignore_index < 0)
-    if not counts_all or user_loss:
+def static_item_count(dataset: Dataset, loss_cfg: LossConfig, plugin: Plugin) -> int | None:
+    """The dataset's static count (data/datasets.py) when the loss's plug-in counts from the
+    targets alone (``static_count``: mse, every element; cross-entropy with a negative ignore
+    index, which a class id never is, every element not equal to it). A user loss counts its own
+    way, so its items are counted and reduced as before."""
+    if not plugin.static_count(loss_cfg):
         return None
     declared = static_items_per_sample(dataset)
     if declared is not None:
         return declared
-    return tensor_items_per_sample(dataset, ignore_index=None if loss_cfg.name == "mse" else loss_cfg.ignore_index)
+    return tensor_items_per_sample(dataset, ignore_index=loss_cfg.ignore_index if plugin.ignores else None)
 
 
 def finished(cfg: Config, state: TrainState) -> bool:
@@ -333,7 +332,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         cfg.data.args = {**cfg.data.args, "tokenizer": cfg.model.hf}  # the model's own tokenizer
     dataset = dataset if dataset is not None else build_dataset(cfg.data)
     loss_fn = build_loss(cfg.loss, loss)
-    check_pairs(cfg, dataset)
+    check_pairs(cfg, dataset, loss_fn.plugin)
     # Batch-size adjustment (batch/): 'auto' resolves before any model exists, to the same
     # micro-batch on every rank; plan_batch then keeps the global batch.
     if cfg.batch.micro_batch_size == "auto":
@@ -365,7 +364,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})",
     )
     # A plain token stream knows its global item count: the step skips the count's all-reduce.
-    items_per_sample = static_item_count(dataset, cfg.loss, user_loss=loss is not None)
+    items_per_sample = static_item_count(dataset, cfg.loss, loss_fn.plugin)
     model, step_ctx, compression = build_parallel_with_weights(
         cfg,
         dims,
@@ -409,7 +408,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         norm_group=step_ctx.norm_group,  # BatchNorm groups wider than a micro-batch span ranks
     )
     rollouts = None
-    if cfg.loss.name == "grpo":
+    if loss_fn.plugin.source == "rollouts":  # the loss's batches are generated (objectives/registry.py)
         rollouts = Rollouts(
             cfg.rl,
             model=model,
@@ -432,7 +431,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
             cfg.data,
             cfg.eval.samples,
             multiple_of=eval_plan.global_batch_size,
-            pad_target=val_pad_target(cfg, user_loss=loss is not None),
+            pad_target=val_pad_target(cfg, loss_fn.plugin),
         )
         evaluator = Evaluator(val_set, eval_plan, dp_rank=dp_rank)
         log.info(
@@ -533,13 +532,16 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     )
 
 
-def check_pairs(cfg: Config, dataset) -> None:
-    """A preference corpus (a pair per row, data/preference.py) goes with a loss over pairs, and a
-    loss over pairs with such a corpus: one line each instead of a shape error inside the step."""
-    if cfg.loss.name == "grpo" and not getattr(dataset, "prompts_of_rows", False):
-        raise ConfigError("loss.name = 'grpo' generates from prompts: set data.name = 'prompts' (docs/grpo.md)")
+def check_pairs(cfg: Config, dataset, plugin: Plugin) -> None:
+    """The data the loss's plug-in trains on (its ``rows``): a preference corpus (a pair per row,
+    data/preference.py) goes with a loss over pairs, and a loss over pairs with such a corpus;
+    prompts with a loss that generates: one line each instead of a shape error inside the step."""
+    if plugin.rows == "prompts" and not getattr(dataset, "prompts_of_rows", False):
+        raise ConfigError(
+            f"loss.name = {cfg.loss.name!r} generates from prompts: set data.name = 'prompts' (docs/grpo.md)"
+        )
     pairs = bool(getattr(dataset, "pairs_of_rows", False))
-    over_pairs = cfg.loss.name in ("preference", "reward")
+    over_pairs = plugin.rows == "pairs"
     if pairs and not over_pairs:
         raise ConfigError(
             f"data.args.path is a preference corpus (a pair per row) but loss.name = {cfg.loss.name!r}; set loss.name"

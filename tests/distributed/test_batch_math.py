@@ -351,7 +351,7 @@ def test_layouts_not_covered_are_refused_in_one_line():
     from types import SimpleNamespace
 
     from paratrain.build import check_batch_math
-    from paratrain.loss import build_loss
+    from paratrain.objectives.registry import build_loss
 
     def refused(model, *over, tp=1, pp=1, keyed=True):
         cfg = load_config(None, [*COMMON, *MODELS[model], *over])

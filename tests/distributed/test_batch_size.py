@@ -382,8 +382,8 @@ def test_probe_gives_the_first_micro_batch_gradient():
     from paratrain.batch.adaptive import BatchAdapter
     from paratrain.batch.plan import plan_batch
     from paratrain.config import BatchConfig, LossConfig
-    from paratrain.loss import build_loss
     from paratrain.objectives import build_objectives
+    from paratrain.objectives.registry import build_loss
     from paratrain.step import StepContext, train_step
     from paratrain.testing.toy import mlp, regression
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.config import ConfigError, LossConfig, load_config
-from paratrain.loss import build_loss
 from paratrain.models.gpt.model import build_gpt
+from paratrain.objectives.registry import build_loss
 from paratrain.testing.sft import losses_and_norms, reference, sft_config, sft_gpt
 
 

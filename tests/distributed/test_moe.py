@@ -236,8 +236,8 @@ def test_the_step_adds_the_aux_loss_over_the_global_sequence_count():
     """Fast, the step alone: four micro-batches of 2 sequences give one micro-batch of 8's loss,
     aux_loss, grad_norm and tokens per expert, and the aux term is really differentiated."""
     from paratrain.config import LossConfig
-    from paratrain.loss import build_loss
     from paratrain.objectives import build_objectives
+    from paratrain.objectives.registry import build_loss
     from paratrain.step import StepContext, train_step
 
     torch.manual_seed(0)

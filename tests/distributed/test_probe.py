@@ -15,8 +15,8 @@ from torch import nn
 
 import paratrain
 from paratrain.config import ConfigError, load_config
-from paratrain.loss import build_loss
 from paratrain.objectives import build_objectives
+from paratrain.objectives.registry import build_loss
 from paratrain.preflight.probe import probe_micro_batch
 from paratrain.step import StepContext
 from paratrain.testing.dist_utils import paratrain_cli

@@ -21,9 +21,9 @@ from paratrain.data.sampler import load_batches, rank_slice
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.process_group import close_distributed, init_distributed
-from paratrain.loss import build_loss
 from paratrain.models.gpt import GPT_SPEC, build_gpt
 from paratrain.objectives import BalanceLoss, ItemLoss
+from paratrain.objectives.registry import build_loss, plugin_of
 from paratrain.step import GlobalCount, StepContext, count_global_items, train_step
 from paratrain.testing.dist_utils import run_ranks
 from paratrain.trainer import static_item_count
@@ -105,11 +105,12 @@ def test_static_count_is_the_counted_one_and_a_wrong_one_is_caught():
 def test_which_data_paths_declare_a_static_count():
     stdlib = build_dataset(DataConfig(name="stdlib_bytes", args={"block_size": 16, "max_bytes": 20_000}))
     assert static_items_per_sample(stdlib) == 16
-    assert static_item_count(stdlib, LossConfig(), user_loss=False) == 16
-    assert static_item_count(stdlib, LossConfig(name="mse"), user_loss=False) == 16
+    counted = lambda cfg, fn=None: static_item_count(stdlib, cfg, plugin_of(cfg, fn))  # noqa: E731
+    assert counted(LossConfig()) == 16
+    assert counted(LossConfig(name="mse")) == 16
     # A loss that could skip a target, or counts its own way: counted and reduced as before.
-    assert static_item_count(stdlib, LossConfig(ignore_index=0), user_loss=False) is None
-    assert static_item_count(stdlib, LossConfig(), user_loss=True) is None
+    assert counted(LossConfig(ignore_index=0)) is None
+    assert counted(LossConfig(), lambda output, target: (output.sum(), 1)) is None
     assert static_items_per_sample(torch.utils.data.Subset(stdlib, range(4))) is None  # wrappers hide it
     assert static_items_per_sample(Stream(items_per_sample=None)) is None
     with pytest.raises(ConfigError, match="items_per_sample"):
@@ -121,15 +122,19 @@ def test_a_tensor_dataset_s_count_is_read_off_its_targets():
     index (cross-entropy) or every one counts (mse); counted and reduced otherwise."""
     from torch.utils.data import TensorDataset
 
+    def counted(dataset, cfg, fn=None):
+        return static_item_count(dataset, cfg, plugin_of(cfg, fn))
+
+    user = lambda output, target: (output.sum(), 1)  # noqa: E731  (a loss of one's own: counts its own way)
     x, y = torch.zeros(6, 8, dtype=torch.long), torch.ones(6, 8, dtype=torch.long)
-    assert static_item_count(TensorDataset(x, y), LossConfig(), user_loss=False) == 8
-    assert static_item_count(TensorDataset(x, y.float()), LossConfig(name="mse"), user_loss=False) == 8
+    assert counted(TensorDataset(x, y), LossConfig()) == 8
+    assert counted(TensorDataset(x, y.float()), LossConfig(name="mse")) == 8
     y[3, 2] = -100  # one ignored target: the count varies by sample
-    assert static_item_count(TensorDataset(x, y), LossConfig(), user_loss=False) is None
-    assert static_item_count(TensorDataset(x, y), LossConfig(name="mse"), user_loss=False) == 8
-    assert static_item_count(TensorDataset(x, y.float()), LossConfig(), user_loss=False) is None  # soft targets
-    assert static_item_count(TensorDataset(x, x, y), LossConfig(), user_loss=False) is None
-    assert static_item_count(TensorDataset(x, torch.ones(6, 8, dtype=torch.long)), LossConfig(), user_loss=True) is None
+    assert counted(TensorDataset(x, y), LossConfig()) is None
+    assert counted(TensorDataset(x, y), LossConfig(name="mse")) == 8
+    assert counted(TensorDataset(x, y.float()), LossConfig()) is None  # soft targets
+    assert counted(TensorDataset(x, x, y), LossConfig()) is None
+    assert counted(TensorDataset(x, torch.ones(6, 8, dtype=torch.long)), LossConfig(), user) is None
 
 
 def _trainer_rank(out_dir: str) -> tuple:

@@ -14,9 +14,9 @@ from paratrain.data.sampler import load_batches, rank_slice
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.process_group import close_distributed, init_distributed
-from paratrain.loss import build_loss
 from paratrain.models.gpt import GPT_SPEC, build_gpt
 from paratrain.objectives import build_objectives
+from paratrain.objectives.registry import build_loss
 from paratrain.step import StepContext, eval_step
 from paratrain.testing.dist_utils import run_ranks
 from paratrain.testing.toy import toy_lm

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from paratrain.config import LossConfig
-from paratrain.loss import build_loss
 from paratrain.models.gpt import build_gpt
 from paratrain.objectives import Objective, build_objectives
+from paratrain.objectives.registry import build_loss
 from paratrain.step import StepContext, train_step
 
 GPT_ARGS = dict(n_layer=2, n_head=2, d_model=32, block_size=8, vocab_size=32)

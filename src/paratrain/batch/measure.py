@@ -24,11 +24,12 @@ from paratrain.config import Config, ConfigError
 from paratrain.data.datasets import build_dataset
 from paratrain.data.sampler import load_batches
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.loss import Loss, build_loss
+from paratrain.loss import Loss
 from paratrain.models import build, spec_of
 from paratrain.models.batch_norm import check_groups, has_batch_norm, norm_group
 from paratrain.models.hf.moe import fake_grouped_mm
 from paratrain.models.spec import ModelSpec
+from paratrain.objectives.registry import build_loss
 from paratrain.optim import build_optimizer
 from paratrain.precision import build_precision
 from paratrain.step import StepContext, train_step

@@ -24,9 +24,9 @@ from paratrain.data.datasets import build_val_dataset
 from paratrain.distributed.process_group import close_distributed, init_distributed, run_then_exit
 from paratrain.evaluate import Evaluator
 from paratrain.launch.worker import stop_with_launcher
-from paratrain.loss import build_loss
 from paratrain.models import build
 from paratrain.models.lora import is_adapter_param
+from paratrain.objectives.registry import build_loss
 from paratrain.observability.metrics import setup_logging
 from paratrain.precision import build_precision
 from paratrain.preflight import check_eval, check_run
@@ -51,21 +51,16 @@ def eval_checkpoint(cfg: Config, checkpoint: str) -> dict:
         torch.manual_seed(cfg.run.seed)
         model, spec = build(cfg.model)
         precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.fsdp_enabled)
+        loss_fn = build_loss(cfg.loss, None)
         model, step_ctx, _ = build_parallel_with_weights(
-            cfg,
-            dims,
-            model,
-            spec=spec,
-            device=ctx.device,
-            loss_fn=build_loss(cfg.loss, None),
-            precision=precision,
+            cfg, dims, model, spec=spec, device=ctx.device, loss_fn=loss_fn, precision=precision
         )
         step = 0 if not checkpoint else resume_model(cfg, checkpoint, model=model, dims=dims, ctx=ctx)
         val_set = build_val_dataset(
             cfg.data,
             cfg.eval.samples,
             multiple_of=eval_plan.global_batch_size,
-            pad_target=val_pad_target(cfg, user_loss=False),
+            pad_target=val_pad_target(cfg, loss_fn.plugin),
         )
         evaluator = Evaluator(val_set, eval_plan, dp_rank=dims.local_rank_in("dp"))
         val_loss = evaluator(model, step_ctx)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from paratrain.config import Config, ConfigError
 from paratrain.distributed.layout_checks import ZERO_BUBBLE
 from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.objectives.registry import BUILTIN, Plugin
 
 Check = Callable[[Config, ParallelDims], bool]
 
@@ -211,16 +212,28 @@ def _cp_refusal(name: str, what: str, when: Callable[[Config], bool]) -> Refusal
     )
 
 
+def _builtin(cfg: Config) -> Plugin | None:
+    """The built-in objective of ``loss.name`` (objectives/registry.py); None for a user's loss."""
+    return BUILTIN.get(cfg.loss.name)
+
+
 def _preference(cfg: Config) -> bool:
-    """A loss that is its own objective (objectives/preference.py over pairs, a reward model's
-    included; distill.py against a teacher)."""
-    return cfg.loss.name in ("preference", "reward", "distill")
+    """A loss the memory estimate and the noise probe do not price (its plug-in's ``priced``: a
+    pair per row and a reference, a teacher: objectives/preference.py, distill.py)."""
+    plugin = _builtin(cfg)
+    return plugin is not None and not plugin.priced
+
+
+def _grpo(cfg: Config) -> bool:
+    """A loss that generates its rows from prompts (its plug-in's ``rows``: GRPO)."""
+    plugin = _builtin(cfg)
+    return plugin is not None and plugin.rows == "prompts"
 
 
 def _grpo_refusal(degree: str) -> Refusal:
     return Refusal(
         ("grpo", degree),
-        lambda c, d: c.loss.name == "grpo" and getattr(d, degree) > 1,
+        lambda c, d: _grpo(c) and getattr(d, degree) > 1,
         lambda c, d: (
             f"loss.name = 'grpo' generates with the training layout on DDP, FSDP2, HSDP and tensor parallel, not with"
             f" parallel.{degree} = {getattr(d, degree)} yet; set parallel.{degree} = 1 (docs/grpo.md)"
@@ -232,7 +245,8 @@ def _grpo_refusal(degree: str) -> Refusal:
 
 def _over_batch(cfg: Config) -> bool:
     """A loss over the whole global batch (objectives/batch_loss.py, the gradient cache)."""
-    return cfg.loss.name == "info_nce" or cfg.loss.over == "global_batch"
+    plugin = _builtin(cfg)
+    return (plugin is not None and plugin.over_batch) or cfg.loss.over == "global_batch"
 
 
 def _over_batch_refusal(degree: str) -> Refusal:
@@ -283,7 +297,7 @@ REFUSALS: tuple[Refusal, ...] = (
     # The sampler's forwards of one new token cannot be cut along the sequence over the tp ranks.
     Refusal(
         ("grpo", "tp+sp"),
-        lambda c, d: c.loss.name == "grpo" and d.tp > 1 and c.parallel.sequence_parallel,
+        lambda c, d: _grpo(c) and d.tp > 1 and c.parallel.sequence_parallel,
         lambda c, d: (
             "loss.name = 'grpo' with parallel.sequence_parallel = true is not supported: the sampler's one-token"
             " forwards cannot be split along the sequence; set parallel.sequence_parallel = false"
@@ -292,7 +306,7 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("grpo", "batch size adjustment"),
-        lambda c, d: c.loss.name == "grpo" and (_noise_probe(c) or c.batch.micro_batch_size == "auto"),
+        lambda c, d: _grpo(c) and (_noise_probe(c) or c.batch.micro_batch_size == "auto"),
         lambda c, d: (
             "loss.name = 'grpo' keeps batch.global_batch_size fixed (a whole number of groups per step) and does not"
             " price generation in the memory estimate; set batch.adaptive = false, optim.lr_scaling other than"
