@@ -7,6 +7,7 @@ import datetime
 import gc
 import logging
 import os
+import random
 import socket
 import sys
 from collections.abc import Callable
@@ -205,6 +206,33 @@ def run_then_exit(main: Callable[[], int | None]) -> NoReturn:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free on every address, drawn below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(("127.0.0.1", 0))`` comes from the ephemeral range,
+    from which it also picks every client connection's local port: between this call and the
+    store's bind, a connection elsewhere on the machine can take it (EADDRINUSE in a CI run where
+    a test opened 2000 connections beside the others, issue 55). Below the range no client
+    connection lands; the draw is random per call (not the ``random`` module's state, which a
+    test may seed) and checked by binding the wildcard address."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: the kernel's own pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
