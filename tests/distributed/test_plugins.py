@@ -64,5 +64,7 @@ def test_the_registry_is_the_one_place_that_names_the_losses():
     assert plugin_of(LossConfig(name="tests.plugins.sample_nll:plugin")).name == "sample_nll"
     user = plugin_of(LossConfig(), lambda output, target: (output.sum(), 1))
     assert isinstance(user, Plugin) and not user.builtin and user.objective is None
+    with pytest.raises(ConfigError, match="names an Objective class; name a Plugin"):
+        plugin_of(LossConfig(name="tests.plugins.sample_nll:SampleNLL"))
     with pytest.raises(ConfigError, match="loss.name = 'hinge' is unknown; use one of 'cross_entropy'"):
         plugin_of(LossConfig(name="hinge"))

@@ -578,7 +578,7 @@ def test_a_requeued_job_refuses_bootstrap_values_replayed_from_its_last_launch(t
     stop, nodes, attacker = threading.Event(), [], None
     try:
         nodes = [node(r, tmp_path / "launch1") for r in (0, 1)]
-        outs = [p.communicate(timeout=240)[0] for p in nodes]
+        outs = [p.communicate(timeout=150)[0] for p in nodes]  # 2 x 150 + 2 x 120 s: inside the case's 600 s
         assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-2000:] for o in outs)
 
         peer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))

@@ -188,6 +188,11 @@ def plugin_of(cfg: LossConfig, fn: Callable | None = None) -> Plugin:
     user = fn if fn is not None else resolve_callable(cfg.name, "loss.name", allow=Plugin)
     if isinstance(user, Plugin):
         return user
+    if isinstance(user, type) and issubclass(user, Objective):  # callable, but not a loss function
+        raise ConfigError(
+            f"loss.name = {cfg.name!r} names an Objective class; name a Plugin that builds it instead,"
+            " e.g. Plugin('mine', objective=lambda cfg, **_: Mine()) (docs/objectives.md)"
+        )
     over_batch = cfg.over == "global_batch"
     return Plugin(
         getattr(user, "__name__", "user"),
