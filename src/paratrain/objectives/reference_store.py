@@ -143,6 +143,9 @@ def fill(
     # the one definition of a side's log-probability, and the pipeline's row-indexed target
     from paratrain.objectives.preference import row_indexed, side_logps
 
+    # Every rank reads every micro-batch's keys (not only its own) so that all agree on what is
+    # lacking without a collective; a lacking one is collated again when computed, rather than
+    # held: the first fill of a long run would hold all of its rows.
     rows, seen, todo = set(), set(), []
     for load, micro, per in walks:
         lacking = []
