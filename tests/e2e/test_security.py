@@ -210,6 +210,25 @@ def test_heartbeats_are_signed_and_forged_ones_refused(caplog):
     assert "refused the heartbeat of rank 1" in caplog.text
 
 
+def test_a_diagnosis_asks_for_last_collectives_and_a_silent_rank_is_named():
+    """Beats carry no flight-recorder dump (its torch reader races with a main thread that makes
+    groups); a diagnosis asks, a beating rank answers within two beats, a silent one is named."""
+    from paratrain.distributed.hang import HangWatch
+
+    store = dist.HashStore()
+    watch = HangWatch(store, rank=0, world_size=3, timeout_s=1, secret="s")
+    beating = HangWatch(store, rank=1, world_size=3, timeout_s=1, secret="s").start()
+    HangWatch(store, rank=2, world_size=3, timeout_s=1, secret="s").start().stop()  # beat once, then silent
+    try:
+        assert "last" not in watch.heartbeats()[1]
+        beats = watch.ask()
+        assert "last" in beats[1] and beats[1]["answered"] == 1 and "last" not in beats[2]
+        text = watch.diagnose(RuntimeError("gloo: Timed out"))
+    finally:
+        beating.stop()
+    assert "rank 2: did not answer" in text and "ranks without a recent heartbeat: [2]" in text, text
+
+
 def _json_collectives_rank():
     from paratrain.distributed.json_collectives import all_gather_json, broadcast_json
 

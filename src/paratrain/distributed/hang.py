@@ -8,14 +8,22 @@ cost of one store write per rank every few seconds:
   per-process ring buffer when ``TORCH_FR_BUFFER_SIZE`` is set before the process group is made
   (``TORCH_NCCL_TRACE_BUFFER_SIZE`` is the NCCL-only older name). Each entry carries the group,
   the collective's sequence number in that group and its name (e.g. ``gloo:all_reduce``).
-- A heartbeat thread per rank that publishes, in the job's TCPStore, the time and the last
-  collective it entered in each group, as JSON signed with the job secret (store_auth; a
-  value that fails the check is refused, never decoded). It keeps beating while the main thread is stuck in a
-  collective or in user code (both release the GIL), and stops when the process dies.
-- On a collective failure, :func:`watch_collectives` reads every rank's heartbeat: a rank whose
-  last sequence number in the failed group is below the failing rank's never entered that
-  collective; a rank whose heartbeat stopped is dead or frozen. The error says both, plus the
-  last collective of every rank.
+- A heartbeat thread per rank that publishes, in the job's TCPStore, the time as JSON signed with
+  the job secret (store_auth; a value that fails the check is refused, never decoded). It keeps
+  beating while the main thread is stuck in a collective or in user code (both release the GIL),
+  and stops when the process dies.
+- On a collective failure, :func:`watch_collectives` asks every rank (a counter in the store) for
+  the last collective it entered in each group; each heartbeat thread answers at its next beat
+  from its flight recorder. A rank whose last sequence number in the failed group is below the
+  failing rank's never entered that collective; a rank whose heartbeat stopped is dead or
+  frozen. The error says both, plus the last collective of every rank.
+
+The recorder is read only when asked, never on every beat: torch 2.13's dump reads parts of the
+recorder outside its lock (``getPgConfigJson`` and ``getPgStatusJson`` iterate maps that a new
+process group inserts into), a data race with a main thread that makes groups. A CI run whose
+beats dumped the recorder every interval lost a rank to SIGSEGV in a job of eleven successive
+runs (test_randomness); the race is the one native call the beat made beside training, though
+not proven the cause. When a rank answers, its main thread is stuck or failed, not making groups.
 
 Checkpoint saves add ``dist.monitored_barrier(wait_all_ranks=True)`` (gloo), which names missing
 ranks by itself (see paratrain.checkpoint).
@@ -38,6 +46,9 @@ from paratrain.distributed.store_auth import SECRET_ENV, TamperedValue, signed_g
 log = logging.getLogger("paratrain")
 
 _KEY = "paratrain/heartbeat/{rank}"
+# How many diagnoses have asked for the ranks' last collectives: store.add makes it one atomic
+# counter however many ranks fail at once, and a beat reads it with add(0), one round trip.
+_ASKED = "paratrain/heartbeat/asked"
 
 
 class CollectiveTimeout(RuntimeError):
@@ -85,10 +96,11 @@ class HangWatch:
         self.secret = secret
         self.interval_s = max(0.2, min(10.0, timeout_s / 4))
         self._stop = threading.Event()
+        self._answer: dict = {}  # the last answer to a diagnosis: {'last': ..., 'answered': n}
         self._thread = threading.Thread(target=self._run, name="paratrain-heartbeat", daemon=True)
 
     def start(self) -> HangWatch:
-        self.beat()
+        self.beat(answer=False)
         self._thread.start()
         return self
 
@@ -101,8 +113,13 @@ class HangWatch:
             if self._thread.is_alive():
                 log.warning("paratrain: the heartbeat of rank %d did not stop within a minute", self.rank)
 
-    def beat(self) -> None:
-        payload = {"time": time.time(), "pid": os.getpid(), "last": last_collectives()}
+    def beat(self, *, answer: bool = True) -> None:
+        """Publish this rank's time; if a diagnosis has asked since the last answer, its last collectives too."""
+        asked = self.store.add(_ASKED, 0) if answer else 0
+        if asked > self._answer.get("answered", 0):
+            self._answer = {"last": last_collectives(), "answered": asked}
+        # The answer rides on every later beat too: a diagnosis may read between two beats.
+        payload = {"time": time.time(), "pid": os.getpid(), **self._answer}
         signed_set(self.store, self.secret, _KEY.format(rank=self.rank), payload)
 
     def _run(self) -> None:
@@ -127,13 +144,24 @@ class HangWatch:
                 out[r] = None
         return out
 
+    def ask(self) -> dict[int, dict | None]:
+        """Every rank's heartbeat once its thread has answered this request (or two beats have passed)."""
+        try:
+            asked = self.store.add(_ASKED, 1)
+        except Exception:  # noqa: BLE001 - the store is gone too
+            return {}
+        deadline = time.monotonic() + 2 * self.interval_s + 1
+        while True:
+            beats = self.heartbeats()
+            pending = [r for r, hb in beats.items() if r != self.rank and (hb or {}).get("answered", 0) < asked]
+            if not pending or time.monotonic() > deadline:
+                return beats
+            time.sleep(0.1)
+
     def diagnose(self, error: BaseException) -> str:
         """One paragraph: what failed on this rank, which ranks did not arrive, each rank's last collective."""
         mine = last_collectives()
-        try:
-            beats = self.heartbeats()
-        except Exception:  # noqa: BLE001 - the store is gone too
-            beats = {}
+        beats = self.ask()
         beats[self.rank] = {"time": time.time(), "last": mine}
         # The failed collective: this rank's most recent entry (the recorder logs it on entry).
         failed_group, failed = max(mine.items(), key=lambda kv: kv[1]["t"], default=(None, None))
@@ -146,12 +174,17 @@ class HangWatch:
                 lines.append(f"rank {r}: no heartbeat")
                 continue
             age = now - hb["time"]
-            entry = hb["last"].get(failed_group) if failed_group is not None else None
+            if "last" not in hb:  # its heartbeat thread did not answer within two beats
+                dead.append(r)
+                lines.append(f"rank {r}: did not answer (heartbeat {age:.0f} s old: dead or frozen?)")
+                continue
+            last = hb["last"]
+            entry = last.get(failed_group) if failed_group is not None else None
             if age > 3 * self.interval_s + 1:
                 dead.append(r)
             if failed is not None and r != self.rank and (entry is None or entry["seq"] < failed["seq"]):
                 missing.append(r)
-            last_any = max(hb["last"].values(), key=lambda e: e["t"], default=None)
+            last_any = max(last.values(), key=lambda e: e["t"], default=None)
             lines.append(
                 f"rank {r}: last entered {_describe(entry or last_any)}"
                 + (f" (heartbeat {age:.0f} s old: dead or frozen?)" if r in dead else "")

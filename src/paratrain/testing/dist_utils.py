@@ -30,6 +30,9 @@ def _worker(fn, rank, world_size, port, q, stacks_file, args, kwargs):
     # so it works even when a deadlocked thread holds the GIL.
     stacks = open(stacks_file, "w")  # noqa: SIM115 - open until os._exit
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # A crash (SIGSEGV, SIGABRT, ...) writes every thread's Python stack to the same file, which the
+    # parent shows for a rank that died by a signal: a bare exit code -11 names no line.
+    faulthandler.enable(file=stacks, all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -92,15 +95,21 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240, **kwargs) -> lis
     for p in procs:
         p.start()
     results, errors = {}, []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, ok, payload = q.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, ok, payload = q.get(timeout=1)
+            except queue.Empty:
+                # A rank killed by a signal never reports: say so now, not after the whole timeout.
+                crashed = {r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)}
+                if crashed:
+                    errors.append(f"ranks {sorted(crashed)} died without a result")
+                elif time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    errors.append(f"timed out after {timeout}s waiting for ranks {missing}")
+                continue
             (results.__setitem__(rank, payload) if ok else errors.append(f"rank {rank}:\n{payload}"))
-            if errors:
-                break
-    except queue.Empty:
-        missing = sorted(set(range(world_size)) - set(results))
-        errors.append(f"timed out after {timeout}s waiting for ranks {missing}")
     finally:
         for r, p in enumerate(procs):
             p.join(timeout=5 if errors else 30)
@@ -109,6 +118,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240, **kwargs) -> lis
                     errors.append(_stacks(p, r, files[r]))
                 p.kill()
                 p.join()
+            elif p.exitcode is not None and p.exitcode < 0:  # killed by a signal: faulthandler's stacks
+                with open(files[r]) as f:
+                    errors.append(f"rank {r} was killed by signal {-p.exitcode}; its stacks:\n{f.read()}")
         shutil.rmtree(tmp, ignore_errors=True)
     if errors:
         codes = ", ".join(f"rank {r}: {p.exitcode}" for r, p in enumerate(procs))
