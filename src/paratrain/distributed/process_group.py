@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import gc
 import logging
 import os
@@ -188,6 +189,9 @@ def run_then_exit(main: Callable[[], int | None]) -> NoReturn:
     (pytorch#56297, see close_distributed). The process ends anyway: its output and logs are
     flushed, then ``os._exit`` with ``main``'s code (what ``sys.exit(main())`` would exit with).
     """
+    # A crash in native code (SIGSEGV, SIGABRT) prints every thread's Python stack to stderr,
+    # which torchrun keeps per worker: an exit code -11 alone names no line.
+    faulthandler.enable(all_threads=True)
     try:
         code = main()
     except SystemExit as e:  # argparse, or sys.exit inside main
