@@ -23,7 +23,8 @@ from paratrain.batch.adaptive import BatchAdapter, build_batch_adapter
 from paratrain.batch.auto import resolve_auto_micro_batch
 from paratrain.batch.lr_scaling import LRScaling
 from paratrain.batch.plan import BatchPlan, replan_batch
-from paratrain.build import build_parallel_with_weights, key_detected_draws, precompute_reference
+from paratrain.build import build_parallel_with_weights, key_detected_draws
+from paratrain.build.frozen import precompute_reference
 from paratrain.checkpoint import Checkpointer, build_checkpointer, resume_spec
 from paratrain.checkpoint.export import save_full_weights
 from paratrain.checkpoint.manifest import clear_run_outputs

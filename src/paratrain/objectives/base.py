@@ -55,6 +55,20 @@ class Objective:
         """Once, with the model the step runs (after the parallelisms: a pipeline rank holds
         only some of the modules)."""
 
+    # The frozen models this objective asks for, by name: "reference" (the model its plug-in's
+    # ``reference`` config key names: the initial policy, the policy with its adapters off, or a
+    # model directory), "teacher" (``distill.teacher``). The build copies the initial policy
+    # before the parallelisms only when a reference is asked for.
+    frozen: tuple[str, ...] = ()
+
+    def attach(self, world) -> None:
+        """Once, after :meth:`bind`: take what this objective needs of the laid-out run from
+        ``world`` (build/frozen.py ``Frozen``): ``world.pipeline`` (the PipelineModel, or None),
+        ``world.reference()`` and ``world.teacher()`` (the frozen models of :attr:`frozen`, laid
+        out like the policy), ``world.policy_forward()`` (under pp: rows forward through the
+        policy's pipeline). One interface for every objective: the build sets no attribute of a
+        concrete objective (issue 54)."""
+
     def start(self, *, scale: float, device: torch.device) -> None:
         """A new step: the sums are zero; each micro-batch term is times ``scale`` (``dp x cp /
         units``: DDP and FSDP average gradients over the ranks, times dp x cp makes that the sum)."""

@@ -21,7 +21,7 @@ divergence is taken over them (the student's log-probabilities still from its wh
 a teacher's stored top-k logits allow. The divergence is not multiplied by ``t^2``.
 
 The teacher runs in the step, micro-batch by micro-batch, without a graph, laid out like the
-student (build.py frozen_like_policy: FSDP2 shards it, tensor parallel splits it), so a teacher
+student (build/frozen.py frozen_like_policy: FSDP2 shards it, tensor parallel splits it), so a teacher
 larger than one device fits. Each divergence is computed over chunks of positions in float32,
 recomputed in the backward (torch.utils.checkpoint), so no ``[tokens, vocab]`` float32 tensor
 is held for either model beyond the logits the models return.
@@ -30,7 +30,7 @@ Under pipeline parallel the loss is the schedule's, on the last stage, per pipel
 (:meth:`DistillLoss.pipeline_loss`): each row's index rides the target (``pipeline_target``), the
 piece's input rows are looked up in the rank's inputs kept for the step and run through the
 teacher there (held by the last stage's ranks, laid out as one more stage of theirs: whole,
-tensor or context parallel, or sharded by FSDP2 over them, build.py distill_teacher), so one
+tensor or context parallel, or sharded by FSDP2 over them, build/frozen.py distill_teacher), so one
 piece's logits of each model are held at a time (docs/preference.md, Layouts).
 """
 
@@ -87,11 +87,17 @@ class DistillLoss(Objective):
     def __init__(self, *, kind: str, temperature: float, beta: float, top_k: int, ignore_index: int = -100):
         self.kind, self.temperature, self.beta, self.top_k = kind, temperature, beta, top_k
         self.ignore_index = ignore_index
-        self.teacher = None  # teacher(forward, k): micro-batch k's teacher logits; set by the build
-        # Pipeline parallel (set by the build): teacher(inputs) instead, the logits of these input
+        self.teacher = None  # teacher(forward, k): micro-batch k's teacher logits; taken in attach
+        # Pipeline parallel (attach): teacher(inputs) instead, the logits of these input
         # rows, run on the last stage per piece (pipeline_loss).
         self.pipelined = False
         self.scale = 1.0
+
+    frozen = ("teacher",)
+
+    def attach(self, world) -> None:
+        self.pipelined = world.pipeline is not None  # under pp its loss is the schedule's, on the last stage
+        self.teacher = world.teacher()
 
     def count(self, inputs, target) -> torch.Tensor:
         return (target != self.ignore_index).sum()

@@ -91,13 +91,21 @@ class PolicyGradientLoss(Objective):
         self.on_policy = True
         self.unit = "completion token" if loss_type in TOKEN_UNITS else "completion"
         self.scale, self._last = 1.0, None
-        # reference(forward, k): micro-batch k's reference output (build.py preference_reference),
+        # reference(forward, k): micro-batch k's reference output (build/frozen.py preference_reference),
         # run by the generation phase when beta > 0.
         self.reference = None
 
     @property
     def uses_reference(self) -> bool:
         return self.beta > 0
+
+    @property
+    def frozen(self) -> tuple[str, ...]:
+        return ("reference",) if self.uses_reference else ()
+
+    def attach(self, world) -> None:
+        if self.uses_reference:  # pipeline parallel is refused with GRPO (preflight/support.py)
+            self.reference = world.reference()
 
     def count(self, inputs, target) -> torch.Tensor:
         tokens = target[:, TOKEN] >= 0

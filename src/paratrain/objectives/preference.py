@@ -168,12 +168,12 @@ class PreferenceLoss(Objective):
         # sides, so each adds 1/cp of it (their gradients add up to one) and cp rank 0 alone
         # counts it in the step's sums (they are reduced over dp x cp).
         self.cp = cp
-        # reference(forward, k): micro-batch k's reference output, set by the build once the
+        # reference(forward, k): micro-batch k's reference output, taken in attach once the
         # policy is parallelised (None for a reference-free loss: uses_reference).
         self.reference = reference
         # The reference's numbers precomputed (objectives/reference_store.py), looked up by pair.
         self.store = None
-        # Pipeline parallel (set by the build): the loss runs as the schedule's loss on the last
+        # Pipeline parallel (attach): the loss runs as the schedule's loss on the last
         # stage, per piece of rows (pipeline_loss), and ``pipeline_reference(batches, target, fn)``
         # runs the reference forward through a pipeline, calling ``fn(output, target piece)`` per
         # piece on the last stage (distributed/pipeline_parallel.py's pipeline_forward_each).
@@ -193,6 +193,22 @@ class PreferenceLoss(Objective):
     @property
     def uses_reference(self) -> bool:
         return self.loss_type not in NO_REFERENCE
+
+    @property
+    def frozen(self) -> tuple[str, ...]:
+        return ("reference",) if self.uses_reference else ()
+
+    def attach(self, world) -> None:
+        if world.pipeline is not None:
+            # Under pp its loss is the schedule's, on the last stage; KTO's KL pass runs the policy forward.
+            self.pipelined, self.pp_group = True, world.pipeline.pp_group
+            self.pipeline_policy = world.policy_forward()
+        if self.uses_reference:
+            reference = world.reference()
+            if self.pipelined:
+                self.pipeline_reference = reference
+            else:
+                self.reference = reference
 
     def count(self, inputs, target) -> torch.Tensor:
         return pair_count(target)
@@ -232,7 +248,7 @@ class PreferenceLoss(Objective):
             target = self.pipeline_target(torch.cat([t for _, t in batches]))
             self.pipeline_reference(batches, target, self._reference_piece)
         elif self.reference is None:
-            raise RuntimeError("the preference loss's reference was never set (build.py preference_reference)")
+            raise RuntimeError("the preference loss's reference was never set (build/frozen.py preference_reference)")
         else:
             for k, (_, target) in enumerate(batches):
                 logps, counts = self._sides(self.reference(forward, k), target.to(self.device), grad=False)
