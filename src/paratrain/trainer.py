@@ -30,7 +30,7 @@ from paratrain.checkpoint.export import save_full_weights
 from paratrain.checkpoint.manifest import clear_run_outputs
 from paratrain.config import Config, ConfigError, LossConfig, to_dict, to_toml
 from paratrain.data.datasets import build_dataset, build_val_dataset, static_items_per_sample, tensor_items_per_sample
-from paratrain.data.loader import StepLoader
+from paratrain.data.loader import BatchSource, StepLoader
 from paratrain.data.sampler import GlobalBatchSampler
 from paratrain.distributed.grad_compression import GradCompression
 from paratrain.distributed.hang import enable_flight_recorder, watch_collectives
@@ -61,7 +61,6 @@ from paratrain.preemption import Preemption
 from paratrain.preflight import check_eval, check_run
 from paratrain.preflight.probe import first_micro_batch, layout_probe
 from paratrain.randomness import draws_random
-from paratrain.rl.rollout import Rollouts
 from paratrain.step import StepContext, StepResult, no_grad_forward, train_step
 
 log = logging.getLogger("paratrain")
@@ -112,7 +111,8 @@ class Run:
     n_params: int
     data_info: dict
     resumed_from: int | None
-    rollouts: Rollouts | None = None  # loss.name = 'grpo': the generation phase makes each step's rows
+    # The step's batches (trainer.loop): the loader, or the loss's plug-in's own (objectives/registry.py)
+    source: BatchSource
 
 
 def train(
@@ -173,22 +173,16 @@ def loop(cfg: Config, run: Run) -> RowHistory:
     while not finished(cfg, state):
         t0 = time.perf_counter()
         run.profiler.begin(state.step + 1)
-        keys = None
-        if run.rollouts is not None:  # loss.name = 'grpo': generated completions (rl/rollout.py)
-            batches, keys = run.rollouts.batches(
-                state.step, state.consumed_samples, plan.global_batch_size, plan.micro_batch_size
-            )
-        else:
-            batches = run.loader.batches(state.consumed_samples, plan.global_batch_size, plan.micro_batch_size)
+        batches, keys = run.source.for_step(
+            state.step,
+            state.consumed_samples,
+            plan.global_batch_size,
+            plan.micro_batch_size,
+            keyed=run.step_ctx.draw_sites is not None,  # keyed dropout: the rows' keys (paratrain/randomness.py)
+        )
         data_time = time.perf_counter() - t0
         lr = run.scheduler.get_last_lr()[0]
         probe = run.adapter.probe(run.model, batches[0], run.step_ctx.loss_fn) if run.adapter else None
-        if run.step_ctx.draw_sites is None:
-            keys = None
-        elif run.rollouts is None:  # keyed dropout: the rows' keys (paratrain/randomness.py)
-            keys = run.loader.keys(
-                state.consumed_samples, plan.global_batch_size, plan.micro_batch_size, seed=cfg.run.seed
-            )
         result = train_step(
             run.model,
             run.optimizer,
@@ -198,14 +192,10 @@ def loop(cfg: Config, run: Run) -> RowHistory:
             stop_flag=run.preemption.requested,
             keys=keys,
         )
-        if run.rollouts is not None:  # the stream is prompts, consumed a round at a time
-            state.consumed_samples += run.rollouts.consumed_after(state.step, plan.global_batch_size)
-        else:
-            state.consumed_samples += plan.global_batch_size
+        state.consumed_samples += run.source.consumed_after(state.step, plan.global_batch_size)
         state.step += 1
         row = metrics_row(run, result, plan=plan, lr=lr, seq_len=seq_len_of(batches[0][0]), t0=t0)
-        if run.rollouts is not None:
-            row.update(run.rollouts.metrics)
+        row.update(run.source.metrics)
         if run.evaluator and eval_due(state.step, interval=cfg.eval.interval, last=finished(cfg, state)):
             row.update(validate(run))
         if run.adapter:  # adaptive batch: next step's plan and lr scale, before the scheduler reads it
@@ -226,8 +216,9 @@ def loop(cfg: Config, run: Run) -> RowHistory:
         run.writer.log_step(row)
         if len(history) == 1:
             run.events.record("first_step_done", step=state.step)
-        # GRPO stops between generation rounds only: a round's completions are not checkpointed.
-        between = run.rollouts is None or run.rollouts.between_rounds(state.step)
+        # A source may allow stops at some steps only (GRPO: between generation rounds, whose
+        # completions are not checkpointed).
+        between = run.source.between_rounds(state.step)
         if run.preemption.should_stop(state.step, agreed=result.stop and between):
             break
     # Preempted: a synchronous checkpoint of the step every rank stopped after, whatever the config says.
@@ -408,23 +399,17 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         keyed_seed=cfg.run.seed if cfg.run.keyed_random and draws_random(dataset) else None,
         norm_group=step_ctx.norm_group,  # BatchNorm groups wider than a micro-batch span ranks
     )
-    rollouts = None
-    if loss_fn.plugin.source == "rollouts":  # the loss's batches are generated (objectives/registry.py)
-        rollouts = Rollouts(
-            cfg.rl,
-            model=model,
-            step_ctx=step_ctx,
-            loader=loader,
-            dataset=dataset,
-            dp=dims.dp,
-            dp_group=dims.group("dp"),
-            # FSDP2 and tensor parallel gather or split in the forward: every rank runs as many
-            agree=dims.fsdp_enabled or dims.tp > 1,
-            seed=cfg.run.seed,
-            out_dir=cfg.run.out_dir,
-            is_main=ctx.is_main,
-            forward_of=lambda batches, keys: no_grad_forward(model, batches, step_ctx, keys),
-        )
+    # Where the step's batches come from: the step loader, or the plug-in's own (GRPO's rollouts).
+    source = loss_fn.plugin.source(
+        cfg,
+        model=model,
+        step_ctx=step_ctx,
+        loader=loader,
+        dataset=dataset,
+        dims=dims,
+        is_main=ctx.is_main,
+        forward_of=lambda batches, keys: no_grad_forward(model, batches, step_ctx, keys),
+    )
     evaluator = None
     if cfg.eval.interval:
         eval_plan = check_eval(cfg, dims, plan)
@@ -529,7 +514,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         n_params=n_params,
         data_info=data_info,
         resumed_from=resumed_from,
-        rollouts=rollouts,
+        source=source,
     )
 
 

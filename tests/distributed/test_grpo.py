@@ -19,7 +19,7 @@ import torch
 import paratrain
 from paratrain.config import RL_LOSS_TYPES, load_config
 from paratrain.objectives.policy_gradient import PolicyGradientLoss, token_weights
-from paratrain.rl.rollout import advantages, completion_keys, filtered_probs, pick, sample, training_rows
+from paratrain.objectives.rl.rollout import advantages, completion_keys, filtered_probs, pick, sample, training_rows
 from paratrain.testing.dist_utils import REPO, paratrain_cli, plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
 from paratrain.testing.hf_models import ARCHS, save_tiny
 from paratrain.testing.rl_data import addition_rows, byte_mix
@@ -369,7 +369,7 @@ def test_the_overlong_penalty_is_dapos():
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) with L_max = 8, L_cache = 4, from
     the completions' token ids as TRL passes them; and its buffer checked before the run."""
     from paratrain.config import ConfigError, RLConfig, validate_rl
-    from paratrain.rl.rewards import Rewards
+    from paratrain.objectives.rl.rewards import Rewards
 
     rewards = Rewards(RLConfig(rewards=["overlong"], max_new_tokens=8, overlong_buffer=4))
     ids = [[1] * n for n in (2, 4, 5, 7, 8)]
@@ -467,7 +467,7 @@ def test_bad_rl_input_is_one_line(rl, tmp_path):
 
 def test_a_reward_of_the_wrong_shape_is_one_line():
     from paratrain.config import ConfigError, RLConfig
-    from paratrain.rl.rewards import Rewards
+    from paratrain.objectives.rl.rewards import Rewards
 
     for fn, expected in (("wrong_length", "returned 1 rewards for 2 completions"), ("raises", "raised KeyError")):
         rewards = Rewards(RLConfig(rewards=[f"paratrain.testing.rl_data:{fn}"]))

@@ -130,7 +130,7 @@ LAYERS = (
     ("config", "preemption"),
     ("loss", "optim", "precision", "randomness"),
     ("objectives",),
-    ("distributed", "data", "rl"),
+    ("distributed", "data"),
     ("models", "checkpoint", "hardware", "step"),
     ("observability", "build"),
     ("batch", "generate"),

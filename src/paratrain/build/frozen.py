@@ -246,8 +246,8 @@ def precompute_reference(
     over the data-parallel ranks; then the reference model is dropped and each step looks its
     rows up."""
     own = step_ctx.objectives[0]
-    over_pairs = step_ctx.loss_fn.plugin is not None and step_ctx.loss_fn.plugin.reference == "preference.reference"
-    if not (cfg.preference.precompute and over_pairs and "reference" in own.frozen):
+    # The preference losses' reference only (GRPO's changes with the rollouts: rl.reference).
+    if not (cfg.preference.precompute and "reference" in own.frozen and reference_key(cfg) == "preference.reference"):
         return
     path = cfg.preference.store or os.path.join(cfg.run.out_dir, "reference_store")
     store = ReferenceStore(path, reference_identity(cfg))

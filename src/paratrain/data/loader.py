@@ -17,6 +17,7 @@ copy with ``non_blocking=True`` (PyTorch's "pinned memory" tutorial).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -116,6 +117,21 @@ def to_device(batch, device: torch.device):
     return type(batch)(to_device(b, device) for b in batch)
 
 
+class BatchSource(Protocol):
+    """Where the loop's batches come from (trainer.loop): the step loader by default, or the
+    loss's plug-in's own (objectives/registry.py ``Plugin.source``: GRPO's rollouts)."""
+
+    metrics: dict  # columns of the step's metrics row (GRPO: reward, completion length)
+
+    def for_step(
+        self, step: int, consumed: int, global_batch_size: int, micro_batch_size: int, *, keyed: bool
+    ) -> tuple[list, list | None]: ...
+
+    def consumed_after(self, step: int, global_batch_size: int) -> int: ...
+
+    def between_rounds(self, steps_done: int) -> bool: ...
+
+
 class StepLoader:
     """The trainer's view: the collated micro-batches of the step at ``position``.
 
@@ -191,6 +207,29 @@ class StepLoader:
             self._it = iter(loader)
         self._expect = (position + global_batch_size, global_batch_size, micro_batch_size)
         return next(self._it)
+
+    # --- the loop's batch source (trainer.loop): the default; a plug-in may give another
+    # (objectives/registry.py Plugin.source: GRPO's rollouts, objectives/rl/rollout.py)
+
+    @property
+    def metrics(self) -> dict:
+        """A source's columns of the step's metrics row: none here."""
+        return {}
+
+    def for_step(self, step: int, consumed: int, global_batch_size: int, micro_batch_size: int, *, keyed: bool):
+        """This rank's micro-batches of optimiser step ``step`` (0-based), which begins at sample
+        ``consumed``, and, when ``keyed`` (the model's draws keyed by the sample), their rows' keys."""
+        batches = self.batches(consumed, global_batch_size, micro_batch_size)
+        keys = self.keys(consumed, global_batch_size, micro_batch_size, seed=self.seed) if keyed else None
+        return batches, keys
+
+    def consumed_after(self, step: int, global_batch_size: int) -> int:
+        """The samples step ``step`` consumed: its global batch."""
+        return global_batch_size
+
+    def between_rounds(self, steps_done: int) -> bool:
+        """Whether the run may stop after ``steps_done`` steps (a preemption): always."""
+        return True
 
     def close(self) -> None:
         """End the workers (dropping the iterator shuts them down)."""

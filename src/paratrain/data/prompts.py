@@ -11,7 +11,7 @@ it is read and tokenised when the run starts, on every rank alike, not prepared 
 tokenised without special tokens, as TRL's GRPOTrainer does.
 
 A sample is ``(ids, target)``: the prompt's ids right-padded with 0 to ``max_prompt_length``, and
-``[row index, prompt length]``, from which the generation phase (paratrain/rl/rollout.py) finds the
+``[row index, prompt length]``, from which the generation phase (paratrain/objectives/rl/rollout.py) finds the
 row's fields.
 """
 

@@ -52,7 +52,7 @@ statistics over fixed groups (objectives/batch_norm.py) and the preference losse
 micro-batch) and GRPO's policy-gradient losses (objectives/policy_gradient.py: unit = a
 completion or a completion token) are built. GRPO's generation is not a hook of the step: it
 makes the batches of a whole round of steps (``rl.steps_per_generation``), so it is a phase of
-the loop (paratrain/rl/rollout.py) whose rows carry everything the loss needs (old and reference
+the loop (paratrain/objectives/rl/rollout.py) whose rows carry everything the loss needs (old and reference
 log-probabilities, advantages, weights; docs/structure.md).
 """
 

@@ -1,6 +1,6 @@
 """Group-relative policy-gradient losses over the policy's own completions (docs/grpo.md).
 
-The completions come from the generation phase (paratrain/rl/rollout.py), which writes each row's
+The completions come from the generation phase (paratrain/objectives/rl/rollout.py), which writes each row's
 numbers into its target ``(B, 5, T)`` (float64): the next token to score at each position (-1:
 none; the completion's tokens, the stop token included), the log-probability of that token under
 the policy that generated it (``old``, for the importance ratio), the reference's (the KL term),
@@ -42,7 +42,7 @@ from paratrain.objectives.base import Objective
 
 TOKEN_UNITS = ("dapo", "bnpo", "token_mean")
 MEAN_OVER_TOKENS = ("grpo", "seq_mean_token_mean")  # w = 1 / |o|
-# The target's rows (rl/rollout.py writes them).
+# The target's rows (objectives/rl/rollout.py writes them).
 TOKEN, OLD, REF, ADVANTAGE, WEIGHT = range(5)
 SUMS = ("loss", "units", "tokens", "clipped", "kl")
 
@@ -162,7 +162,7 @@ class PolicyGradientLoss(Objective):
         if round(reduced[1]) != units:
             raise ConfigError(
                 f"the policy-gradient loss saw {round(reduced[1])} {self.unit}s but the step counted {units};"
-                " the rows must come from the generation phase (paratrain/rl/rollout.py)"
+                " the rows must come from the generation phase (paratrain/objectives/rl/rollout.py)"
             )
         tokens = max(reduced[2], 1)
         return {

@@ -19,8 +19,12 @@ A run's loss is a :class:`Plugin`: what the run needs to know of it besides the 
   vocabulary-sharded logits under tensor parallel), ``chunks`` (``loss.chunk_size``),
   ``priced`` (the memory estimate and the gradient-noise probe cover it; False: refused beside
   them, preflight/support.py), ``reference`` (the config key of the frozen reference it may ask
-  for), ``source`` (where its batches come from: ``"loader"``, the step loader; ``"rollouts"``,
-  the generation phase, rl/rollout.py).
+  for), ``source`` (where its batches come from: by default the step loader, data/loader.py;
+  GRPO's, the generation phase, objectives/rl/rollout.py). A source answers ``for_step(step,
+  consumed, global_batch_size, micro_batch_size, keyed=...) -> (batches, keys)``,
+  ``consumed_after(step, global_batch_size)``, ``metrics`` (metrics-row columns) and
+  ``between_rounds(steps_done)`` (whether a preemption may stop the run there); the loop reads
+  nothing else of it and never asks which objective it serves.
 
 ``loss.name = 'package.module:name'`` names a user's function (a ``(sum, count)`` loss, or a loss
 over the global batch with ``loss.over = 'global_batch'``) or a user's own :class:`Plugin`, which
@@ -55,6 +59,32 @@ def _never(cfg: LossConfig) -> bool:
     return False
 
 
+def _step_loader(cfg: Config, *, loader, **_):
+    """The default batch source: the step loader's micro-batches of the data set."""
+    return loader
+
+
+def _rollouts(cfg: Config, *, model, step_ctx, loader, dataset, dims, is_main: bool, forward_of):
+    """GRPO's batch source: each round's completions, generated with the training layout."""
+    from paratrain.objectives.rl.rollout import Rollouts  # DTensor: not in the launcher
+
+    return Rollouts(
+        cfg.rl,
+        model=model,
+        step_ctx=step_ctx,
+        loader=loader,
+        dataset=dataset,
+        dp=dims.dp,
+        dp_group=dims.group("dp"),
+        # FSDP2 and tensor parallel gather or split in the forward: every rank runs as many forwards
+        agree=dims.fsdp_enabled or dims.tp > 1,
+        seed=cfg.run.seed,
+        out_dir=cfg.run.out_dir,
+        is_main=is_main,
+        forward_of=forward_of,
+    )
+
+
 @dataclass(frozen=True)
 class Plugin:
     """An objective as the run sees it (module docstring)."""
@@ -71,7 +101,8 @@ class Plugin:
     chunks: bool = False
     priced: bool = True
     reference: str = ""
-    source: str = "loader"
+    # source(cfg, model=, step_ctx=, loader=, dataset=, dims=, is_main=, forward_of=): the batch source
+    source: Callable[..., object] = field(default=_step_loader)
     builtin: bool = True
 
 
@@ -158,7 +189,7 @@ BUILTIN: dict[str, Plugin] = {
             objective=_grpo,
             rows="prompts",
             reference="rl.reference",
-            source="rollouts",
+            source=_rollouts,
         ),
     )
 }

@@ -207,7 +207,7 @@ def plot_metrics(rows: list[dict], path: str) -> None:
 
     steps = [r["step"] for r in rows]
     rewards = any("reward_accuracy" in r for r in rows)
-    rl = any("completion_length" in r for r in rows)  # reinforcement learning (rl/rollout.py)
+    rl = any("completion_length" in r for r in rows)  # reinforcement learning (objectives/rl/rollout.py)
     fig, axes = plt.subplots(1, 3 if rewards or rl else 2, figsize=(15 if rewards or rl else 10, 3.6))
     ax1, ax2 = axes[:2]
     if rl:  # the mean reward of the step's completions, and each reward function's

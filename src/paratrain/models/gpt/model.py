@@ -123,7 +123,7 @@ class Block(nn.Module):
 
 class KVCache:
     """The keys and values of every layer so far, for the sampler of reinforcement learning
-    (rl/rollout.py): each forward appends its new tokens' along the sequence."""
+    (objectives/rl/rollout.py): each forward appends its new tokens' along the sequence."""
 
     def __init__(self):
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -181,7 +181,7 @@ class GPT(nn.Module):
         gets positions from 0 and attends to itself only. A pipeline stage gets the ids (or the
         hidden states) and the ``positions`` (B, T) apart: only the first stage sees the input.
 
-        ``cache``: the sampler's KVCache (rl/rollout.py, as ``model.hf``'s DynamicCache): ``idx``
+        ``cache``: the sampler's KVCache (objectives/rl/rollout.py, as ``model.hf``'s DynamicCache): ``idx``
         holds the new tokens only, at ``positions`` (B, T), and ``key_mask`` (B, cached + T)
         marks the cached and new slots each row may attend to (not its prompt's padding).
         """

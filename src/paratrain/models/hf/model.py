@@ -196,13 +196,13 @@ class HFCausalLM(nn.Module):
         return f"{self._decoder_prefix}.{name}" if self._decoder_prefix else name
 
     def new_cache(self):
-        """transformers' own cache for the sampler's forwards (rl/rollout.py)."""
+        """transformers' own cache for the sampler's forwards (objectives/rl/rollout.py)."""
         from transformers import DynamicCache
 
         return DynamicCache(config=self.config)
 
     def _cached_forward(self, x: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor):
-        """The forward of new tokens against a KV cache (the sampler's, rl/rollout.py): the
+        """The forward of new tokens against a KV cache (the sampler's, objectives/rl/rollout.py): the
         decoder layers as transformers' own model runs them with ``use_cache``."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -266,7 +266,7 @@ class HFCausalLM(nn.Module):
         starts a one-token sequence of its own for the mask and rotates as position 0. A
         pipeline stage gets the ids (or the hidden states) and the ``positions`` (B, T) apart.
 
-        ``cache``: transformers' ``DynamicCache`` of the generation phase (rl/rollout.py): ``x``
+        ``cache``: transformers' ``DynamicCache`` of the generation phase (objectives/rl/rollout.py): ``x``
         holds the new tokens only, at ``positions`` (B, T), and ``key_mask`` (B, cached + T)
         marks the cached and new slots each row may attend to (not its prompt's padding).
         """

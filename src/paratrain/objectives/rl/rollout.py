@@ -4,7 +4,7 @@ Every ``steps_per_generation x epochs_per_generation`` optimiser steps (a *round
 data-parallel rank takes its share of the next ``steps_per_generation`` global batches of prompts
 (``batch.global_batch_size / rl.group_size`` prompts each, in the sampler's order, split over the
 ranks like any global batch), generates ``G = rl.group_size`` completions per prompt with the
-current policy, scores them (paratrain/rl/rewards.py), and turns each group's rewards into
+current policy, scores them (paratrain/objectives/rl/rewards.py), and turns each group's rewards into
 advantages. Optimiser step ``s`` of the round then trains on the completions of the prompts of
 global batch ``s mod steps_per_generation``: whole groups, the same completions on every layout.
 
@@ -49,8 +49,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import ConfigError, RLConfig
 from paratrain.objectives.policy_gradient import ADVANTAGE, OLD, REF, TOKEN, WEIGHT, token_logps, token_weights
+from paratrain.objectives.rl.rewards import Rewards
 from paratrain.randomness import key_of, site_of, uniform
-from paratrain.rl.rewards import Rewards
 
 log = logging.getLogger("paratrain")
 
@@ -215,8 +215,10 @@ def training_rows(
 
 
 class Rollouts:
-    """The round's completions as each step's micro-batches (the loop's data for ``loss.name =
-    'grpo'``): :meth:`batches` generates at a round's first step."""
+    """The round's completions as each step's micro-batches: GRPO's batch source (``loss.name =
+    'grpo'``, objectives/registry.py), which the loop reads as it reads the step loader
+    (:meth:`for_step`, :meth:`consumed_after`, :attr:`metrics`, :meth:`between_rounds`);
+    :meth:`batches` generates at a round's first step."""
 
     def __init__(
         self,
@@ -249,6 +251,13 @@ class Rollouts:
 
     def prompts_per_step(self, global_batch_size: int) -> int:
         return global_batch_size // self.cfg.group_size
+
+    def for_step(self, step: int, consumed: int, global_batch_size: int, micro_batch_size: int, *, keyed: bool):
+        """This rank's micro-batches for optimiser step ``step`` (0-based), whose prompts begin at
+        ``consumed`` in the sampler's stream, and their row keys when ``keyed`` (the batch source's
+        interface, data/loader.py StepLoader.for_step)."""
+        batches, keys = self.batches(step, consumed, global_batch_size, micro_batch_size)
+        return batches, keys if keyed else None
 
     def batches(self, step: int, consumed: int, global_batch_size: int, micro_batch_size: int):
         """This rank's micro-batches and their row keys for optimiser step ``step`` (0-based),
