@@ -173,58 +173,62 @@ def loop(cfg: Config, run: Run) -> RowHistory:
     while not finished(cfg, state):
         t0 = time.perf_counter()
         run.profiler.begin(state.step + 1)
-        batches, keys = run.source.for_step(
-            state.step,
-            state.consumed_samples,
-            plan.global_batch_size,
-            plan.micro_batch_size,
-            keyed=run.step_ctx.draw_sites is not None,  # keyed dropout: the rows' keys (paratrain/randomness.py)
-        )
+        keyed = run.step_ctx.draw_sites is not None  # keyed dropout: the rows' keys (paratrain/randomness.py)
+        at = (state.step, state.consumed_samples, plan.global_batch_size, plan.micro_batch_size)
+        batches, keys = run.source.for_step(*at, keyed=keyed)
         data_time = time.perf_counter() - t0
         lr = run.scheduler.get_last_lr()[0]
         probe = run.adapter.probe(run.model, batches[0], run.step_ctx.loss_fn) if run.adapter else None
         result = train_step(
-            run.model,
-            run.optimizer,
-            batches,
-            run.step_ctx,
-            after_backward=probe,
-            stop_flag=run.preemption.requested,
-            keys=keys,
-        )
+            run.model, run.optimizer, batches, run.step_ctx,
+            after_backward=probe, stop_flag=run.preemption.requested, keys=keys,
+        )  # fmt: skip
         state.consumed_samples += run.source.consumed_after(state.step, plan.global_batch_size)
         state.step += 1
         row = metrics_row(run, result, plan=plan, lr=lr, seq_len=seq_len_of(batches[0][0]), t0=t0)
         row.update(run.source.metrics)
         if run.evaluator and eval_due(state.step, interval=cfg.eval.interval, last=finished(cfg, state)):
             row.update(validate(run))
-        if run.adapter:  # adaptive batch: next step's plan and lr scale, before the scheduler reads it
-            plan = run.adapter.after_step(result=result, step=state.step)
-            state.global_batch_size, state.grad_noise = plan.global_batch_size, run.adapter.state_dict()
-            run.lr_scaling.update(global_batch_size=plan.global_batch_size, noise_scale=run.adapter.noise_samples)
-            row.update(grad_noise_scale=run.adapter.noise_samples, lr_scale=run.lr_scaling.factor)
+        plan = adapt_batch(run, result, plan, row)
         run.scheduler.step()
         run.profiler.end(state.step)  # reads the CUDA peak before rank_stats resets it
-        row.update(run.rank_stats.row(step=state.step, step_time_s=row["step_time_s"], data_time_s=data_time))
-        # No collective between step N's checkpoint and its metrics row: one there (rank_stats'
-        # all-gather) fails when a peer is lost after the save, and the resumed run would have
-        # checkpoint step-N without row N.
-        blocked = run.ckpt.after_step(state.step)
-        if blocked is not None:
-            row["checkpoint_blocked_s"] = blocked
-        history.append(row)
-        run.writer.log_step(row)
-        if len(history) == 1:
-            run.events.record("first_step_done", step=state.step)
+        log_step(run, row, history, data_time=data_time)
         # A source may allow stops at some steps only (GRPO: between generation rounds, whose
         # completions are not checkpointed).
-        between = run.source.between_rounds(state.step)
-        if run.preemption.should_stop(state.step, agreed=result.stop and between):
+        if run.preemption.should_stop(state.step, agreed=result.stop and run.source.between_rounds(state.step)):
             break
     # Preempted: a synchronous checkpoint of the step every rank stopped after, whatever the config says.
     run.ckpt.at_end(state.step, force=run.preemption.stopped_at_step is not None)
     run.plan = plan
     return history
+
+
+def adapt_batch(run: Run, result: StepResult, plan: BatchPlan, row: dict) -> BatchPlan:
+    """Adaptive batch (batch/adaptive.py): the next step's plan and lr scale, before the scheduler reads it."""
+    if not run.adapter:
+        return plan
+    state = run.state
+    plan = run.adapter.after_step(result=result, step=state.step)
+    state.global_batch_size, state.grad_noise = plan.global_batch_size, run.adapter.state_dict()
+    run.lr_scaling.update(global_batch_size=plan.global_batch_size, noise_scale=run.adapter.noise_samples)
+    row.update(grad_noise_scale=run.adapter.noise_samples, lr_scale=run.lr_scaling.factor)
+    return plan
+
+
+def log_step(run: Run, row: dict, history: RowHistory, *, data_time: float) -> None:
+    """The step's rank statistics, its checkpoint, then its metrics row."""
+    step = run.state.step
+    row.update(run.rank_stats.row(step=step, step_time_s=row["step_time_s"], data_time_s=data_time))
+    # No collective between step N's checkpoint and its metrics row: one there (rank_stats'
+    # all-gather) fails when a peer is lost after the save, and the resumed run would have
+    # checkpoint step-N without row N.
+    blocked = run.ckpt.after_step(step)
+    if blocked is not None:
+        row["checkpoint_blocked_s"] = blocked
+    history.append(row)
+    run.writer.log_step(row)
+    if len(history) == 1:
+        run.events.record("first_step_done", step=step)
 
 
 def validate(run: Run) -> dict:
@@ -329,32 +333,12 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     # micro-batch on every rank; plan_batch then keeps the global batch.
     if cfg.batch.micro_batch_size == "auto":
         plan = resolve_auto_micro_batch(cfg, dims=dims, device=ctx.device, model=model, dataset=dataset, loss=loss_fn)
-    torch.manual_seed(cfg.run.seed)  # the init is a function of the seed, the same on every rank
-    if model is not None:
-        spec = spec_of(cfg.model, model)
-        model = with_lora(model, cfg.model, spec)  # the adapters build() gives the config's models
-    else:
-        model, spec = build(cfg.model)
-    n_params = sum(p.numel() for p in model.parameters())
-    data_info = getattr(dataset, "description", {"samples": len(dataset)})
-    log.info("paratrain: world %d on %s | %s", ctx.world_size, ctx.device, dims.describe())
-    log.info("batch: %s (per rank %d)", plan.describe(), plan.per_rank_batch_size)
-    log.info("model: %.2fM parameters | data: %s", n_params / 1e6, json.dumps(data_info))
-    base = None  # a LoRA run's frozen base, hashed whole before any parallelism (its checkpoints hold adapters only)
-    if cfg.model.lora.enabled:
-        trainable, _ = trainable_parameters(model)
-        log.info("lora: %d trainable parameters (%.3f%%), the rest frozen", trainable, 100 * trainable / n_params)
-        base = lora_base(cfg.model, model) if ctx.is_main else None
+    model, spec, base, n_params = build_model(cfg, ctx, dims, plan, model=model, dataset=dataset)
 
     # Communication and hardware: precision, MFU, the parallelisms, gradient compression.
     precision = build_precision(cfg.precision, device=ctx.device, fsdp_enabled=dims.fsdp_enabled)
     flops_per_token = spec.flops_per_token(model)  # from the whole model, before any split
-    peak_flops, peak_source = resolve_peak_flops(cfg.hardware, device=ctx.device, dtype=cfg.precision.dtype)
-    log.info(
-        "precision: %s | MFU peak: %s",
-        cfg.precision.dtype,
-        f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})",
-    )
+    peak_flops = peak_flops_of(cfg, ctx)
     # A plain token stream knows its global item count: the step skips the count's all-reduce.
     items_per_sample = static_item_count(dataset, cfg.loss, loss_fn.plugin)
     model, step_ctx, compression = build_parallel_with_weights(
@@ -371,25 +355,12 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     if cfg.comm.compression != "none":  # said at start, like every other choice that changes the step
         log.info("comm: gradient compression %s (%s)", cfg.comm.compression, compression_where(compression, dims))
 
-    optimizer = build_optimizer(model, cfg.optim)
-    state = TrainState(global_batch_size=plan.global_batch_size)
-    lr_scaling = LRScaling(cfg.optim, global_batch_size=plan.global_batch_size, log=log.info)
-    adapter = build_batch_adapter(cfg.batch, lr_scaling=cfg.optim.lr_scaling, plan=plan, dp_group=dims.group("dp"))
-    if adapter is not None and cfg.batch.adaptive:
-        log.info(
-            "adaptive batch: global batch %d, grown by accumulation up to %d while the gradient noise scale"
-            " exceeds it (decided every %d steps)",
-            plan.global_batch_size,
-            adapter.max_global,
-            cfg.batch.adapt_every,
-        )
-    scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.run.steps, scale=lr_scaling)
+    optimizer, state, lr_scaling, adapter, scheduler = build_optimization(cfg, dims, plan, model)
     sampler = GlobalBatchSampler(len(dataset), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
-    dp_rank = dims.local_rank_in("dp")
     loader = StepLoader(
         dataset,
         sampler,
-        dp_rank=dp_rank,
+        dp_rank=dims.local_rank_in("dp"),
         dp=dims.dp,
         workers=cfg.data.workers,
         prefetch=cfg.data.prefetch,
@@ -410,19 +381,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         is_main=ctx.is_main,
         forward_of=lambda batches, keys: no_grad_forward(model, batches, step_ctx, keys),
     )
-    evaluator = None
-    if cfg.eval.interval:
-        eval_plan = check_eval(cfg, dims, plan)
-        val_set = build_val_dataset(
-            cfg.data,
-            cfg.eval.samples,
-            multiple_of=eval_plan.global_batch_size,
-            pad_target=val_pad_target(cfg, loss_fn.plugin),
-        )
-        evaluator = Evaluator(val_set, eval_plan, dp_rank=dp_rank)
-        log.info(
-            "validation: %d samples every %d steps (%s)", evaluator.samples, cfg.eval.interval, eval_plan.describe()
-        )
+    evaluator = build_evaluator(cfg, dims, plan, loss_fn.plugin)
 
     # preference.precompute: the reference's numbers of the rows the run reads (objectives/reference_store.py).
     precompute_reference(cfg, dims, model, step_ctx, dataset=dataset, sampler=sampler, evaluator=evaluator, plan=plan)
@@ -443,47 +402,10 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         model_keys=is_adapter_param if cfg.model.lora.enabled else None,
     )
     preemption = Preemption(grace_s=cfg.checkpoint.preempt_grace_s)
-    t0 = time.perf_counter()
-    resumed_from = ckpt.resume(*resume_spec(cfg.checkpoint))
-    events.record("checkpoint_loaded", step=resumed_from, load_s=time.perf_counter() - t0)
-    if resumed_from is not None and ctx.is_main:
-        truncate_metrics(cfg.run.out_dir, resumed_from)  # rows after the checkpoint are redone
-    plan = resumed_plan(cfg, plan, state=state, lr_scaling=lr_scaling, adapter=adapter)
-    if not state.world_sizes or state.world_sizes[-1][1] != ctx.world_size:
-        if state.world_sizes:  # resumed (an elastic restart, or by hand) on another number of ranks
-            log.warning(
-                "world size %d -> %d at step %d: %s",
-                state.world_sizes[-1][1],
-                ctx.world_size,
-                state.step,
-                plan.describe(),
-            )
-        state.world_sizes = [*state.world_sizes, [state.step, ctx.world_size]]
-
-    if ctx.is_main:
-        if cfg.run.overwrite and resumed_from is None:  # `train --overwrite`: the old run goes first
-            clear_run_outputs(cfg.run.out_dir, cfg.checkpoint.dir)
-        os.makedirs(cfg.run.out_dir, exist_ok=True)
-        with open(os.path.join(cfg.run.out_dir, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
-    trackers = (
-        build_trackers(
-            cfg.metrics, out_dir=cfg.run.out_dir, config=to_dict(cfg), resume=state.tracker_runs, start_step=state.step
-        )
-        if ctx.is_main
-        else ()
+    plan, resumed_from = resume(
+        cfg, ctx, ckpt, plan, state=state, lr_scaling=lr_scaling, adapter=adapter, events=events
     )
-    if cfg.metrics.wandb or cfg.metrics.mlflow:  # every rank's checkpointed TrainState holds rank 0's run ids
-        runs = {t.name: t.run_id for t in trackers if t.run_id}
-        state.tracker_runs = broadcast_json(runs, device=ctx.device) if ctx.world_size > 1 else runs
-    writer = MetricsWriter(
-        cfg.run.out_dir,
-        enabled=ctx.is_main,
-        total_steps=cfg.run.steps,
-        progress=cfg.run.progress,
-        trackers=trackers,
-        start_step=state.step,
-    )
+    writer = build_writer(cfg, ctx, state, resumed_from=resumed_from)
     return Run(
         ctx=ctx,
         dims=dims,
@@ -511,10 +433,139 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
         profiler=build_profiler(cfg.profile, rank=ctx.rank, out_dir=cfg.run.out_dir, device=ctx.device),
         flops_per_token=flops_per_token,
         peak_flops=peak_flops,
-        n_params=n_params,
-        data_info=data_info,
+        n_params=n_params,  # of the whole model, before any parallelism
+        data_info=getattr(dataset, "description", {"samples": len(dataset)}),
         resumed_from=resumed_from,
         source=source,
+    )
+
+
+def peak_flops_of(cfg: Config, ctx: DistContext) -> float | None:
+    """The device's peak FLOP/s for MFU (hardware/), logged with the precision."""
+    peak_flops, peak_source = resolve_peak_flops(cfg.hardware, device=ctx.device, dtype=cfg.precision.dtype)
+    log.info(
+        "precision: %s | MFU peak: %s",
+        cfg.precision.dtype,
+        f"{peak_flops:.3g} FLOP/s per device from {peak_source}" if peak_flops else f"unknown ({peak_source})",
+    )
+    return peak_flops
+
+
+def build_model(cfg: Config, ctx: DistContext, dims, plan: BatchPlan, *, model, dataset):
+    """The model (the user's, with the config's adapters, or the config's), its spec, a LoRA run's
+    frozen base (hashed whole before any parallelism: its checkpoints hold adapters only) and its
+    parameter count."""
+    torch.manual_seed(cfg.run.seed)  # the init is a function of the seed, the same on every rank
+    if model is not None:
+        spec = spec_of(cfg.model, model)
+        model = with_lora(model, cfg.model, spec)  # the adapters build() gives the config's models
+    else:
+        model, spec = build(cfg.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    data_info = getattr(dataset, "description", {"samples": len(dataset)})
+    log.info("paratrain: world %d on %s | %s", ctx.world_size, ctx.device, dims.describe())
+    log.info("batch: %s (per rank %d)", plan.describe(), plan.per_rank_batch_size)
+    log.info("model: %.2fM parameters | data: %s", n_params / 1e6, json.dumps(data_info))
+    base = None
+    if cfg.model.lora.enabled:
+        trainable, _ = trainable_parameters(model)
+        log.info("lora: %d trainable parameters (%.3f%%), the rest frozen", trainable, 100 * trainable / n_params)
+        base = lora_base(cfg.model, model) if ctx.is_main else None
+    return model, spec, base, n_params
+
+
+def build_optimization(cfg: Config, dims, plan: BatchPlan, model: nn.Module):
+    """The optimiser, the train state, the lr scaling, the adaptive batch (or None), the schedule."""
+    optimizer = build_optimizer(model, cfg.optim)
+    state = TrainState(global_batch_size=plan.global_batch_size)
+    lr_scaling = LRScaling(cfg.optim, global_batch_size=plan.global_batch_size, log=log.info)
+    adapter = build_batch_adapter(cfg.batch, lr_scaling=cfg.optim.lr_scaling, plan=plan, dp_group=dims.group("dp"))
+    if adapter is not None and cfg.batch.adaptive:
+        log.info(
+            "adaptive batch: global batch %d, grown by accumulation up to %d while the gradient noise scale"
+            " exceeds it (decided every %d steps)",
+            plan.global_batch_size,
+            adapter.max_global,
+            cfg.batch.adapt_every,
+        )
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.run.steps, scale=lr_scaling)
+    return optimizer, state, lr_scaling, adapter, scheduler
+
+
+def build_evaluator(cfg: Config, dims, plan: BatchPlan, plugin: Plugin) -> Evaluator | None:
+    """The validation loss ([eval]), or None when eval.interval = 0."""
+    if not cfg.eval.interval:
+        return None
+    eval_plan = check_eval(cfg, dims, plan)
+    val_set = build_val_dataset(
+        cfg.data,
+        cfg.eval.samples,
+        multiple_of=eval_plan.global_batch_size,
+        pad_target=val_pad_target(cfg, plugin),
+    )
+    evaluator = Evaluator(val_set, eval_plan, dp_rank=dims.local_rank_in("dp"))
+    log.info("validation: %d samples every %d steps (%s)", evaluator.samples, cfg.eval.interval, eval_plan.describe())
+    return evaluator
+
+
+def resume(
+    cfg: Config,
+    ctx: DistContext,
+    ckpt: Checkpointer,
+    plan: BatchPlan,
+    *,
+    state: TrainState,
+    lr_scaling,
+    adapter,
+    events,
+):
+    """Resume from the checkpoint the config names (if any): the plan of the first step after it,
+    and the step resumed from (None: a fresh start). A new world size is logged and recorded."""
+    t0 = time.perf_counter()
+    resumed_from = ckpt.resume(*resume_spec(cfg.checkpoint))
+    events.record("checkpoint_loaded", step=resumed_from, load_s=time.perf_counter() - t0)
+    if resumed_from is not None and ctx.is_main:
+        truncate_metrics(cfg.run.out_dir, resumed_from)  # rows after the checkpoint are redone
+    plan = resumed_plan(cfg, plan, state=state, lr_scaling=lr_scaling, adapter=adapter)
+    if not state.world_sizes or state.world_sizes[-1][1] != ctx.world_size:
+        if state.world_sizes:  # resumed (an elastic restart, or by hand) on another number of ranks
+            log.warning(
+                "world size %d -> %d at step %d: %s",
+                state.world_sizes[-1][1],
+                ctx.world_size,
+                state.step,
+                plan.describe(),
+            )
+        state.world_sizes = [*state.world_sizes, [state.step, ctx.world_size]]
+    return plan, resumed_from
+
+
+def build_writer(cfg: Config, ctx: DistContext, state: TrainState, *, resumed_from: int | None) -> MetricsWriter:
+    """The run's outputs (rank 0): config.toml, the trackers (their run ids in every rank's
+    state), metrics.jsonl's writer."""
+    if ctx.is_main:
+        if cfg.run.overwrite and resumed_from is None:  # `train --overwrite`: the old run goes first
+            clear_run_outputs(cfg.run.out_dir, cfg.checkpoint.dir)
+        os.makedirs(cfg.run.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.run.out_dir, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
+    trackers = (
+        build_trackers(
+            cfg.metrics, out_dir=cfg.run.out_dir, config=to_dict(cfg), resume=state.tracker_runs, start_step=state.step
+        )
+        if ctx.is_main
+        else ()
+    )
+    if cfg.metrics.wandb or cfg.metrics.mlflow:  # every rank's checkpointed TrainState holds rank 0's run ids
+        runs = {t.name: t.run_id for t in trackers if t.run_id}
+        state.tracker_runs = broadcast_json(runs, device=ctx.device) if ctx.world_size > 1 else runs
+    return MetricsWriter(
+        cfg.run.out_dir,
+        enabled=ctx.is_main,
+        total_steps=cfg.run.steps,
+        progress=cfg.run.progress,
+        trackers=trackers,
+        start_step=state.step,
     )
 
 

@@ -325,7 +325,7 @@ def pipeline_forward_backward(
     """
     loss, others = objectives[0], objectives[1:]
     for o in others:
-        if not hasattr(o, "take"):
+        if not o.pipeline_stage_term:
             raise ConfigError(
                 f"the objective {o.name!r} is not computed from modules of the model, which parallel.pp > 1"
                 " needs for every objective but the loss; set parallel.pp = 1"
@@ -360,9 +360,9 @@ def _whole_batch(model: PipelineModel, batches: list[tuple], loss, device: torch
     row's index to the target, so a piece knows its rows), else its ``loss_fn``."""
     inputs = torch.cat([x for x, _ in batches]).to(device)
     target = torch.cat([t for _, t in batches]).to(device)
-    if hasattr(loss, "pipeline_target"):
+    if loss.pipeline_rows:  # objectives/base.py declares the pipeline hooks
         target = loss.pipeline_target(target)
-    fn = getattr(loss, "pipeline_loss", None) or loss.loss_fn
+    fn = loss.pipeline_loss if loss.pipeline_rows else loss.loss_fn
     if model.schedule is None:
         model.build_schedule(micro_batch_size=len(batches[0][1]), accum_steps=len(batches), loss_fn=fn)
     model.loss.loss_fn = fn  # a forward-only pass (pipeline_forward_each) may have used the schedule
@@ -372,7 +372,7 @@ def _whole_batch(model: PipelineModel, batches: list[tuple], loss, device: torch
 def _add_sums(model: PipelineModel, loss, device: torch.device) -> None:
     """The loss objective's sums of the step's pieces: its own (``pipeline_done``) or the
     schedule's loss sums and counts (``add``)."""
-    if hasattr(loss, "pipeline_done"):
+    if loss.pipeline_rows:
         loss.pipeline_done(last=model.has_last)
     else:
         loss.add(*_local_sums(model, device))

@@ -83,6 +83,27 @@ class Objective:
     def end_micro_batch(self) -> None:
         """After the micro-batch (its backward, in training): keep what it summed."""
 
+    # --- under pipeline parallel (distributed/pipeline_parallel.py), declared here, never probed.
+    # The first objective is the schedule's loss on the last stage: by default its ``loss_fn``
+    # (a loss.py function, objectives/items.py), whose sums the schedule keeps and hands back
+    # through ``add``. The others must be terms left by modules of the model, which each stage
+    # takes for the modules it holds (``take``/``add``: the MoE routers, objectives/moe.py).
+    pipeline_stage_term = False  # this objective's term is taken per stage (take/add)
+    pipeline_rows = False  # as the loss: it keeps its own sums per row (the three hooks below)
+
+    def pipeline_target(self, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's target for the rank's whole batch (e.g. with each row's index, so a
+        piece of rows knows which rows it holds)."""
+        return target
+
+    def pipeline_loss(self, output, target: torch.Tensor):
+        """The schedule's loss of one piece of rows on the last stage: ``(sum times scale, count)``."""
+        raise NotImplementedError
+
+    def pipeline_done(self, *, last: bool) -> None:
+        """After the schedule's run: gather the pieces' sums (``last``: this rank holds the last stage)."""
+        raise NotImplementedError
+
     # --- 4. the reduce
 
     def sums(self) -> torch.Tensor | None:

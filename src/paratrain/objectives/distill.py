@@ -82,6 +82,7 @@ class DistillLoss(Objective):
 
     name = "loss"
     unit = "target token"
+    pipeline_rows = True  # under pp: pipeline_target, pipeline_loss, pipeline_done
     first_pass_in_eval = True  # the eval step gets the teacher's forward too
 
     def __init__(self, *, kind: str, temperature: float, beta: float, top_k: int, ignore_index: int = -100):

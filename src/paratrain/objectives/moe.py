@@ -82,6 +82,8 @@ class BalanceLoss(Objective):
     elsewhere). A stage's sum joins its own backward (distributed/pipeline_parallel.py).
     """
 
+    pipeline_stage_term = True  # under pp each stage takes its routers' sums (take/add)
+
     name = "moe_balance"
     unit = "sequence"
 

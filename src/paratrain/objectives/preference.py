@@ -188,6 +188,7 @@ class PreferenceLoss(Objective):
         self._eval = [0.0] * 4  # pairs, chosen and rejected rewards, correct: summed over eval steps
 
     # The eval step runs before_micro_batches too: the reference is part of the loss's value.
+    pipeline_rows = True  # under pp: pipeline_target, pipeline_loss, pipeline_done
     first_pass_in_eval = True
 
     @property
