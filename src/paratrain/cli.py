@@ -229,14 +229,23 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
         help="relative tolerance of losses, gradient norms and parameters (default 1e-4)",
     )
     p.add_argument("--out-dir", default="", help="where both runs write (default: RUN.OUT_DIR/verify)")
+    p.add_argument(
+        "--layouts",
+        default="",
+        help="instead of the config's layout, a set of layouts of its objective against one process under plain"
+        " SGD: comma-separated among accum, ddp, fsdp, tp, pp, cp, or 'all' (docs/objectives.md)",
+    )
     add_launch_arguments(p)
     add_set_argument(p)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
 
-    from paratrain.verify import verify  # lazy: see the module docstring
+    from paratrain.verify import verify, verify_layouts  # lazy: see the module docstring
 
+    if args.layouts:
+        names = [n.strip() for n in args.layouts.split(",") if n.strip()]
+        return verify_layouts(args.config, args.overrides, names, steps=args.steps, tol=args.tol, out_dir=args.out_dir)
     return verify(
         args.config, args.overrides, spec=launch_spec(args), steps=args.steps, tol=args.tol, out_dir=args.out_dir
     )

@@ -1058,3 +1058,21 @@ def check_kwargs(fn: typing.Callable, args: dict, key: str, args_key: str, accep
     for name in args:
         if name not in names:
             raise ConfigError(f"{args_key}.{name} is not accepted by {key}; accepted: {', '.join(names)}")
+
+
+def plain_sgd(lr: float) -> list[str]:
+    """Overrides for plain SGD: no momentum, decay, clipping, warmup or schedule.
+
+    AdamW divides each update by the gradient's own running scale and clipping rescales it, so a
+    layout whose gradient is off by a constant factor trains the same losses under them. Plain SGD
+    moves the weights by lr x gradient, and the logged grad_norm shows the factor from step 1.
+    """
+    return [
+        "optim.name='sgd'",
+        f"optim.lr={lr}",
+        "optim.beta1=0",
+        "optim.weight_decay=0",
+        "optim.grad_clip=0",
+        "optim.warmup_steps=0",
+        "optim.schedule='constant'",
+    ]

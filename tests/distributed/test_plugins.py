@@ -11,7 +11,7 @@ import torch
 
 from paratrain.config import ConfigError, LossConfig
 from paratrain.objectives.registry import BUILTIN, Plugin, plugin_of
-from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
+from paratrain.testing.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, train_rank
 
 TOY = [
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
@@ -68,3 +68,39 @@ def test_the_registry_is_the_one_place_that_names_the_losses():
         plugin_of(LossConfig(name="tests.plugins.sample_nll:SampleNLL"))
     with pytest.raises(ConfigError, match="loss.name = 'hinge' is unknown; use one of 'cross_entropy'"):
         plugin_of(LossConfig(name="hinge"))
+
+
+VERIFY = """
+[run]
+steps = 2
+[model]
+args = { n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32 }
+[data]
+factory = "paratrain.testing.toy:toy_lm"
+args = { n = 64, seq_len = 16, vocab = 32 }
+[batch]
+global_batch_size = 8
+[loss]
+name = "tests.plugins.sample_nll:plugin"
+[optim]
+lr = 0.3
+"""
+
+
+def test_verify_layouts_reports_a_users_plugin_exact_and_its_per_micro_batch_mean_off(tmp_path):
+    """`paratrain verify --layouts` on the user's plug-in: dp 2 x accumulation 2 within 1e-4 of one
+    process under plain SGD, cp refused as the plug-in declares, pp refused (no pipeline hooks);
+    the per-micro-batch variant is reported with its relative differences and exit code 1."""
+    cfg = tmp_path / "plugin.toml"
+    cfg.write_text(VERIFY)
+    r = paratrain_cli("verify", str(cfg), "--layouts", "ddp,cp,pp", "--steps", "2", "--out-dir", str(tmp_path / "ok"))
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "verify: OK" in r.stdout and "cp      refused: " in r.stdout and "pipeline hooks" in r.stdout, r.stdout
+    ddp = next(line.split() for line in r.stdout.splitlines() if line.startswith("ddp "))
+    assert max(float(x) for x in ddp[2:5]) < 1e-4, r.stdout  # loss, grad_norm, parameters
+    wrong = "loss.name='tests.plugins.sample_nll:per_micro_batch'"
+    r = paratrain_cli(
+        "verify", str(cfg), "--layouts", "ddp", "--steps", "2", "--out-dir", str(tmp_path / "wrong"), "--set", wrong
+    )
+    assert r.returncode == 1, r.stdout + r.stderr[-3000:]
+    assert "verify: FAILED past tolerance 1e-04: ddp (loss, grad_norm, parameters)" in r.stdout, r.stdout

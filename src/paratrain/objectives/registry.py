@@ -19,7 +19,9 @@ A run's loss is a :class:`Plugin`: what the run needs to know of it besides the 
   vocabulary-sharded logits under tensor parallel), ``chunks`` (``loss.chunk_size``),
   ``priced`` (the memory estimate and the gradient-noise probe cover it; False: refused beside
   them, preflight/support.py), ``reference`` (the config key of the frozen reference it may ask
-  for), ``source`` (where its batches come from: by default the step loader, data/loader.py;
+  for), ``pipeline`` (its objective declares the pipeline hooks), ``refuses`` (parallel degrees it
+  does not run with, and why: rows of the support matrix, preflight/support.py), ``source``
+  (where its batches come from: by default the step loader, data/loader.py;
   GRPO's, the generation phase, objectives/rl/rollout.py). A source answers ``for_step(step,
   consumed, global_batch_size, micro_batch_size, keyed=...) -> (batches, keys)``,
   ``consumed_after(step, global_batch_size)``, ``metrics`` (metrics-row columns) and
@@ -103,6 +105,12 @@ class Plugin:
     reference: str = ""
     # source(cfg, model=, step_ctx=, loader=, dataset=, dims=, is_main=, forward_of=): the batch source
     source: Callable[..., object] = field(default=_step_loader)
+    # Its objective declares the pipeline hooks (Objective.pipeline_rows): without them a plug-in
+    # with an objective is refused under parallel.pp (a loss function runs there as it is).
+    pipeline: bool = False
+    # Parallel degrees it does not run with, each with the reason: merged into the support
+    # matrix (preflight/support.py) and its page, docs/support.md.
+    refuses: tuple[tuple[str, str], ...] = ()
     builtin: bool = True
 
 
@@ -144,6 +152,12 @@ def _grpo(cfg: Config, **_) -> Objective:
     )
 
 
+# GRPO's sampler reruns the model's whole forward per token.
+_GENERATES = (
+    "the sampler reruns the model's whole forward per token, which a pipeline stage, a context-parallel chunk or"
+    " an expert shard does not hold alone: not built yet (docs/grpo.md)"
+)
+
 BUILTIN: dict[str, Plugin] = {
     p.name: p
     for p in (
@@ -167,6 +181,7 @@ BUILTIN: dict[str, Plugin] = {
             pads_with_ignore=True,  # a row of ignored targets holds no pair
             priced=False,
             reference="preference.reference",
+            pipeline=True,
         ),
         Plugin(
             "reward",
@@ -175,6 +190,7 @@ BUILTIN: dict[str, Plugin] = {
             rows="pairs",
             pads_with_ignore=True,
             priced=False,
+            pipeline=True,
         ),
         Plugin(
             "distill",
@@ -182,6 +198,7 @@ BUILTIN: dict[str, Plugin] = {
             objective=_distill,
             pads_with_ignore=True,
             priced=False,
+            pipeline=True,
         ),
         Plugin(
             "grpo",
@@ -190,6 +207,7 @@ BUILTIN: dict[str, Plugin] = {
             rows="prompts",
             reference="rl.reference",
             source=_rollouts,
+            refuses=tuple((degree, _GENERATES) for degree in ("pp", "cp", "ep")),
         ),
     )
 }

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from paratrain.config import Config, ConfigError
 from paratrain.distributed.layout_checks import ZERO_BUBBLE
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.objectives.registry import BUILTIN, Plugin
+from paratrain.objectives.registry import BUILTIN, Plugin, plugin_of
 
 Check = Callable[[Config, ParallelDims], bool]
 
@@ -230,17 +230,62 @@ def _grpo(cfg: Config) -> bool:
     return plugin is not None and plugin.rows == "prompts"
 
 
-def _grpo_refusal(degree: str) -> Refusal:
-    return Refusal(
-        ("grpo", degree),
-        lambda c, d: _grpo(c) and getattr(d, degree) > 1,
-        lambda c, d: (
-            f"loss.name = 'grpo' generates with the training layout on DDP, FSDP2, HSDP and tensor parallel, not with"
-            f" parallel.{degree} = {getattr(d, degree)} yet; set parallel.{degree} = 1 (docs/grpo.md)"
-        ),
-        "the sampler reruns the model's whole forward per token, which a pipeline stage, a context-parallel"
-        " chunk or an expert shard does not hold alone: not built yet",
+def _plugin_refusals() -> tuple[Refusal, ...]:
+    """The refusals the plug-ins declare (objectives/registry.py ``Plugin.refuses``, ``pipeline``):
+    a row per built-in's refused degree, and one for a user's objective without pipeline hooks."""
+    rows = [
+        Refusal(
+            (p.name, degree),
+            lambda c, d, p=p, degree=degree: _builtin(c) is p and getattr(d, degree) > 1,
+            lambda c, d, degree=degree, why=why: (
+                f"loss.name = {c.loss.name!r} does not run with parallel.{degree} = {getattr(d, degree)}: {why};"
+                f" set parallel.{degree} = 1"
+            ),
+            why,
+        )
+        for p in BUILTIN.values()
+        for degree, why in p.refuses
+    ]
+    rows.append(
+        Refusal(
+            ("a user's objective", "the degrees it refuses"),
+            lambda c, d: _user_refused(c, d) is not None,
+            lambda c, d: (
+                f"loss.name = {c.loss.name!r} does not run with parallel.{_user_refused(c, d)[0]} ="
+                f" {getattr(d, _user_refused(c, d)[0])}: {_user_refused(c, d)[1]}; set parallel.{_user_refused(c, d)[0]} = 1"
+            ),
+            "its plug-in declares them (Plugin.refuses, docs/objectives.md)",
+        )
     )
+    rows.append(
+        Refusal(
+            ("a user's objective", "pp"),
+            lambda c, d: d.pp > 1 and _user_objective_without_pipeline(c),
+            lambda c, d: (
+                f"loss.name = {c.loss.name!r}: its objective declares no pipeline hooks (Objective.pipeline_rows,"
+                " objectives/base.py; Plugin(pipeline=True)); set parallel.pp = 1 or give it them (docs/objectives.md)"
+            ),
+            "the schedule runs the loss per piece of rows on the last stage: an objective declares how (docs/objectives.md)",
+        )
+    )
+    return tuple(rows)
+
+
+def _user_plugin(cfg: Config) -> Plugin | None:
+    if _builtin(cfg) is not None or ":" not in cfg.loss.name:
+        return None
+    return plugin_of(cfg.loss)  # the user's module, imported here as the run would
+
+
+def _user_refused(cfg: Config, dims: ParallelDims) -> tuple[str, str] | None:
+    """The first degree > 1 that the user's plug-in refuses, with its reason."""
+    plugin = _user_plugin(cfg)
+    return next(((k, why) for k, why in (plugin.refuses if plugin else ()) if getattr(dims, k, 1) > 1), None)
+
+
+def _user_objective_without_pipeline(cfg: Config) -> bool:
+    plugin = _user_plugin(cfg)
+    return plugin is not None and plugin.objective is not None and not plugin.pipeline
 
 
 def _over_batch(cfg: Config) -> bool:
@@ -293,7 +338,7 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         "the memory estimate does not price these losses (a pair per row, a reference or a teacher) yet",
     ),
-    *(_grpo_refusal(degree) for degree in ("pp", "cp", "ep")),
+    *_plugin_refusals(),
     # The sampler's forwards of one new token cannot be cut along the sequence over the tp ranks.
     Refusal(
         ("grpo", "tp+sp"),

@@ -17,6 +17,7 @@ import tempfile
 import time
 import traceback
 
+from paratrain.config import plain_sgd  # noqa: F401 - the tests' name for it
 from paratrain.distributed.process_group import free_port
 
 # The repository root (src/paratrain/testing/ sits three levels below it in the editable install the
@@ -151,24 +152,6 @@ def paratrain_cli(*args: str, timeout: float = 240, env: dict | None = None, cwd
         env=full_env,
         cwd=cwd or REPO,
     )
-
-
-def plain_sgd(lr: float) -> list[str]:
-    """Overrides for plain SGD: no momentum, decay, clipping, warmup or schedule.
-
-    AdamW divides each update by the gradient's own running scale and clipping rescales it, so a
-    layout whose gradient is off by a constant factor trains the same losses under them. Plain SGD
-    moves the weights by lr x gradient, and the logged grad_norm shows the factor from step 1.
-    """
-    return [
-        "optim.name='sgd'",
-        f"optim.lr={lr}",
-        "optim.beta1=0",
-        "optim.weight_decay=0",
-        "optim.grad_clip=0",
-        "optim.warmup_steps=0",
-        "optim.schedule='constant'",
-    ]
 
 
 def sgd_step(model, loss, lr: float) -> tuple[float, float]:
