@@ -324,17 +324,9 @@ def frozen_like_policy(cfg: Config, dims: ParallelDims, model: nn.Module, *, spe
     if spec.materialize is not None and not sharded:
         spec.materialize(model, device=device)
     if sharded:
+        # Not compiled, no loss: parallelize's defaults (compile off, no loss parallel, no head handed to a loss).
         model = parallelize(
-            model,
-            dims,
-            spec=spec,
-            cfg=cfg.parallel,
-            device=device,
-            comm=cfg.comm,
-            precision=cfg.precision,
-            compile_enabled=False,
-            loss_parallel=False,
-            loss_owns_head=False,
+            model, dims, spec=spec, cfg=cfg.parallel, device=device, comm=cfg.comm, precision=cfg.precision
         )
         if spec.materialize is not None:
             spec.materialize(model, device=device)

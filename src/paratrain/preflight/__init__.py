@@ -25,7 +25,7 @@ from paratrain.models import build, resolve, spec_of
 from paratrain.models.hf import check_hf_moe_layout, hf_is_moe
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
-from paratrain.objectives.registry import BUILTIN
+from paratrain.objectives.registry import builtin_of
 from paratrain.precision import check_precision
 from paratrain.preflight.support import check_support, gpt_moe
 
@@ -78,7 +78,7 @@ def check_rl(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> None:
     """``loss.name = 'grpo'`` (docs/grpo.md): a step's global batch is whole groups of completions,
     each data-parallel rank holds whole groups, the data are prompts, a checkpoint falls between
     generation rounds."""
-    plugin = BUILTIN.get(cfg.loss.name)  # a user's loss never generates (objectives/registry.py)
+    plugin = builtin_of(cfg.loss)  # a user's loss never generates (objectives/registry.py)
     if plugin is None or plugin.rows != "prompts":
         if cfg.data.name == "prompts" and not cfg.data.factory:
             raise ConfigError(

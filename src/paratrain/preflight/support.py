@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from paratrain.config import Config, ConfigError
 from paratrain.distributed.layout_checks import ZERO_BUBBLE
 from paratrain.distributed.parallel_dims import ParallelDims
-from paratrain.objectives.registry import BUILTIN, Plugin, plugin_of
+from paratrain.objectives.registry import BUILTIN, Plugin, builtin_of, users_plugin
 
 Check = Callable[[Config, ParallelDims], bool]
 
@@ -214,7 +214,7 @@ def _cp_refusal(name: str, what: str, when: Callable[[Config], bool]) -> Refusal
 
 def _builtin(cfg: Config) -> Plugin | None:
     """The built-in objective of ``loss.name`` (objectives/registry.py); None for a user's loss."""
-    return BUILTIN.get(cfg.loss.name)
+    return builtin_of(cfg.loss)
 
 
 def _preference(cfg: Config) -> bool:
@@ -271,20 +271,14 @@ def _plugin_refusals() -> tuple[Refusal, ...]:
     return tuple(rows)
 
 
-def _user_plugin(cfg: Config) -> Plugin | None:
-    if _builtin(cfg) is not None or ":" not in cfg.loss.name:
-        return None
-    return plugin_of(cfg.loss)  # the user's module, imported here as the run would
-
-
 def _user_refused(cfg: Config, dims: ParallelDims) -> tuple[str, str] | None:
     """The first degree > 1 that the user's plug-in refuses, with its reason."""
-    plugin = _user_plugin(cfg)
+    plugin = users_plugin(cfg.loss)
     return next(((k, why) for k, why in (plugin.refuses if plugin else ()) if getattr(dims, k, 1) > 1), None)
 
 
 def _user_objective_without_pipeline(cfg: Config) -> bool:
-    plugin = _user_plugin(cfg)
+    plugin = users_plugin(cfg.loss)
     return plugin is not None and plugin.objective is not None and not plugin.pipeline
 
 
