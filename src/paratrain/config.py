@@ -835,7 +835,7 @@ def validate(cfg: Config) -> None:
 
 
 def validate_distill(cfg: Config) -> None:
-    """[distill]'s single values (the teacher directory is read when it is built, build.py)."""
+    """[distill]'s single values (the teacher directory is read when it is built, build/frozen.py)."""
     d = cfg.distill
     if cfg.loss.name == "distill" and not d.teacher:
         raise ConfigError(
@@ -850,7 +850,7 @@ def validate_distill(cfg: Config) -> None:
 
 
 def validate_preference(p: PreferenceConfig) -> None:
-    """[preference]'s single values (the reference model is checked when it is built, build.py)."""
+    """[preference]'s single values (the reference model is checked when it is built, build/frozen.py)."""
     if p.loss_type not in PREFERENCE_LOSS_TYPES:
         raise ConfigError(
             f"preference.loss_type = {p.loss_type!r} is unknown; use one of {', '.join(PREFERENCE_LOSS_TYPES)}"

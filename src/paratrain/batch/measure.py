@@ -186,7 +186,7 @@ class StepRunner:
             else:
                 model, spec = build(self.cfg.model, meta_enabled=False)
             self.moe = moe_shape(model, spec)  # before the wrappers: whole (not sharded) expert weights
-            # The real step's build (build.py, as training runs it): vocabulary-sharded logits
+            # The real step's build (build/__init__.py, as training runs it): vocabulary-sharded logits
             # change the activation memory, ZeRO-3's per-micro-batch sync the gradient memory, a
             # mixture of experts' auxiliary loss (its router probabilities) the activations.
             # The step's own mixed precision: autocast changes the activations' dtype.

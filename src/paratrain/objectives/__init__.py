@@ -14,7 +14,8 @@ at all when every objective can say its count from the shapes alone (:meth:`Obje
 An objective's life (objectives/base.py; ``count``, ``start``, ``loss`` are required, the other
 hooks have defaults that do nothing):
 
-0. ``bind(model)`` once, with the parallelised model (a pipeline rank holds some modules).
+0. ``bind(model)`` once, with the parallelised model (a pipeline rank holds some modules), then
+   ``attach(world)``: the frozen models it names in ``frozen`` and the pipeline (build/frozen.py).
 1. ``count(inputs, target)`` per micro-batch, before any forward (whole rows: before context
    parallel cuts them); ``static_count(inputs)`` when the count needs no collective.
 2. ``start(scale=..., device=...)`` with ``scale = dp x cp / units`` (DDP and FSDP average
@@ -90,7 +91,7 @@ def build_objectives(
     ``pipeline`` a stage holds some of its layers, and the stages' layers are bound after the
     split, ``BalanceLoss.bind``), then BatchNorm's running statistics when ``norm`` (the model's
     BatchNorm groups, models/batch_norm.py) is given (:class:`NormStatistics`). ``own``: a loss
-    that is its own objective, built with its second model by build.py (:class:`PreferenceLoss`
+    that is its own objective, built with its second model by build/frozen.py (:class:`PreferenceLoss`
     over pairs with its reference, :class:`DistillLoss` with its teacher)."""
     if own is not None:
         first = own

@@ -110,7 +110,7 @@ class DistillLoss(Objective):
 
     def before_micro_batches(self, model, batches, *, forward=None) -> None:
         if self.teacher is None:
-            raise RuntimeError("the distillation loss's teacher was never set (build.py)")
+            raise RuntimeError("the distillation loss's teacher was never set (attach, build/frozen.py)")
         self._forward = forward  # the teacher runs per micro-batch, in loss(): one logits tensor at a time
         if self.pipelined:  # the rank's input rows, for the pieces' teacher runs (pipeline_loss)
             self._inputs = torch.cat([x for x, _ in batches]).to(self.device)

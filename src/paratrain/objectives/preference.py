@@ -28,7 +28,7 @@ bradley_terry    ``-logsig(r_c - r_r)``, a reward model's scores  Bradley & Terr
 (``m``: a reply's mean token log-probability, ``o = m - log(1 - exp m)`` its log-odds; ``e``: ``label_smoothing``, ``b``: ``beta``, ``g``:
 ``gamma``; ``r``: a reward model's score of the whole prompt + reply at its last token,
 ``loss.name = 'reward'``, the model's output layer a one-label score head.) The *reference* log-probabilities come from ``reference(forward, k)``, given by the
-build (build.py): the same model with its LoRA adapters off, or a frozen model (the initial
+build (build/frozen.py): the same model with its LoRA adapters off, or a frozen model (the initial
 policy, another directory). They are computed in the phase before the micro-batch loop, without a
 graph, for this rank's micro-batches. Under pipeline parallel the loss is the schedule's, run on
 the last stage per piece of rows (:meth:`PreferenceLoss.pipeline_loss`), and the reference's
@@ -97,7 +97,7 @@ class CPGroup:
     size: int
     rank: int
     # The global sequence index of each of this rank's local positions (context_parallel.py's
-    # global_indices, handed in by build.py: objectives sit below distributed/).
+    # global_indices, handed in by build/__init__.py: objectives sit below distributed/).
     indices: Callable[[int], torch.Tensor]
     # The whole rows from every cp rank's part of them (context_parallel.py's gather_sequence):
     # the reference store is keyed by a pair's whole row.
