@@ -227,6 +227,8 @@ def test_a_diagnosis_asks_for_last_collectives_and_a_silent_rank_is_named():
     finally:
         beating.stop()
     assert "rank 2: did not answer" in text and "ranks without a recent heartbeat: [2]" in text, text
+    # A second diagnosis does not take rank 1's earlier answer for a new one.
+    assert "rank 1: did not answer" in watch.diagnose(RuntimeError("gloo: Timed out"))
 
 
 def _json_collectives_rank():

@@ -97,6 +97,7 @@ class HangWatch:
         self.interval_s = max(0.2, min(10.0, timeout_s / 4))
         self._stop = threading.Event()
         self._answer: dict = {}  # the last answer to a diagnosis: {'last': ..., 'answered': n}
+        self._asked = 0  # the request this rank's diagnosis made (ask): an older answer is stale
         self._thread = threading.Thread(target=self._run, name="paratrain-heartbeat", daemon=True)
 
     def start(self) -> HangWatch:
@@ -147,7 +148,7 @@ class HangWatch:
     def ask(self) -> dict[int, dict | None]:
         """Every rank's heartbeat once its thread has answered this request (or two beats have passed)."""
         try:
-            asked = self.store.add(_ASKED, 1)
+            asked = self._asked = self.store.add(_ASKED, 1)
         except Exception:  # noqa: BLE001 - the store is gone too
             return {}
         deadline = time.monotonic() + 2 * self.interval_s + 1
@@ -162,7 +163,7 @@ class HangWatch:
         """One paragraph: what failed on this rank, which ranks did not arrive, each rank's last collective."""
         mine = last_collectives()
         beats = self.ask()
-        beats[self.rank] = {"time": time.time(), "last": mine}
+        beats[self.rank] = {"time": time.time(), "last": mine, "answered": self._asked}
         # The failed collective: this rank's most recent entry (the recorder logs it on entry).
         failed_group, failed = max(mine.items(), key=lambda kv: kv[1]["t"], default=(None, None))
         now = time.time()
@@ -174,7 +175,7 @@ class HangWatch:
                 lines.append(f"rank {r}: no heartbeat")
                 continue
             age = now - hb["time"]
-            if "last" not in hb:  # its heartbeat thread did not answer within two beats
+            if hb.get("answered", 0) < self._asked:  # its heartbeat thread did not answer within two beats
                 dead.append(r)
                 lines.append(f"rank {r}: did not answer (heartbeat {age:.0f} s old: dead or frozen?)")
                 continue
