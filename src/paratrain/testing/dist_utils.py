@@ -34,6 +34,7 @@ def _worker(fn, rank, world_size, port, q, stacks_file, args, kwargs):
     # A crash (SIGSEGV, SIGABRT, ...) writes every thread's Python stack to the same file, which the
     # parent shows for a rank that died by a signal: a bare exit code -11 names no line.
     faulthandler.enable(file=stacks, all_threads=True)
+    _die_with_parent()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -57,6 +58,17 @@ def _worker(fn, rank, world_size, port, q, stacks_file, args, kwargs):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank when the process that spawned it dies. A pytest killed by
+    `timeout` or a CI step's end otherwise leaves its ranks running (three were found at 7% CPU
+    each, 1 h 45 min after their test, loading every later run)."""
+    if sys.platform.startswith("linux"):
+        import ctypes  # here: Linux only
+
+        PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _stacks(proc, rank: int, stacks_file: str) -> str:
