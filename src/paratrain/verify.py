@@ -261,6 +261,7 @@ def verify_layouts(
     common += ["run.progress=false", "metrics.plot=false", "checkpoint.interval=0", "checkpoint.at_end=false"]
     common += ["checkpoint.resume=''"]
     runs = {"reference": (1, [*common, f"batch.micro_batch_size={gbs}"])}
+    check_run(load_config(config, runs["reference"][1]), 1)  # a refused reference: exit 2 before any run
     refused: dict[str, str] = {}
     for name in names:
         world, parallel, pieces = LAYOUTS[name]
@@ -274,8 +275,13 @@ def verify_layouts(
             refused[name] = str(e)
             continue
         runs[name] = (world, sets)
+    if len(runs) == 1:  # every layout refused: nothing to compare, so no run and no "OK"
+        for name, why in refused.items():
+            print(f"{name:<7} refused: {why}", file=out)
+        print("verify: nothing verified, every layout asked for is refused", file=out)
+        return 1
     print(
-        f"verify: {cfg.loss.name} on {', '.join(n for n in runs if n != 'reference') or 'no layout'} against one"
+        f"verify: {cfg.loss.name} on {', '.join(n for n in runs if n != 'reference')} against one"
         f" process, plain SGD (lr {cfg.optim.lr:g}), {steps} steps, tolerance {tol:.0e} (outputs in {root})",
         file=out,
         flush=True,

@@ -95,6 +95,9 @@ def test_verify_layouts_reports_a_users_plugin_exact_and_its_per_micro_batch_mea
     assert "verify: OK" in r.stdout and "cp      refused: " in r.stdout and "pipeline hooks" in r.stdout, r.stdout
     ddp = next(line.split() for line in r.stdout.splitlines() if line.startswith("ddp "))
     assert max(float(x) for x in ddp[2:5]) < 1e-4, r.stdout  # loss, grad_norm, parameters
+    # Every layout asked for refused: nothing verified, never an "OK".
+    r = paratrain_cli("verify", str(cfg), "--layouts", "cp,pp", "--out-dir", str(tmp_path / "none"))
+    assert r.returncode == 1 and "verify: nothing verified" in r.stdout, r.stdout + r.stderr[-2000:]
     wrong = "loss.name='tests.plugins.sample_nll:per_micro_batch'"
     r = paratrain_cli(
         "verify", str(cfg), "--layouts", "accum", "--steps", "1", "--out-dir", str(tmp_path / "wrong"), "--set", wrong

@@ -237,10 +237,7 @@ def _plugin_refusals() -> tuple[Refusal, ...]:
         Refusal(
             (p.name, degree),
             lambda c, d, p=p, degree=degree: _builtin(c) is p and getattr(d, degree) > 1,
-            lambda c, d, degree=degree, why=why: (
-                f"loss.name = {c.loss.name!r} does not run with parallel.{degree} = {getattr(d, degree)}: {why};"
-                f" set parallel.{degree} = 1"
-            ),
+            lambda c, d, degree=degree, why=why: _refused_line(c, d, degree, why),
             why,
         )
         for p in BUILTIN.values()
@@ -250,10 +247,7 @@ def _plugin_refusals() -> tuple[Refusal, ...]:
         Refusal(
             ("a user's objective", "the degrees it refuses"),
             lambda c, d: _user_refused(c, d) is not None,
-            lambda c, d: (
-                f"loss.name = {c.loss.name!r} does not run with parallel.{_user_refused(c, d)[0]} ="
-                f" {getattr(d, _user_refused(c, d)[0])}: {_user_refused(c, d)[1]}; set parallel.{_user_refused(c, d)[0]} = 1"
-            ),
+            lambda c, d: _refused_line(c, d, *_user_refused(c, d)),
             "its plug-in declares them (Plugin.refuses, docs/objectives.md)",
         )
     )
@@ -269,6 +263,13 @@ def _plugin_refusals() -> tuple[Refusal, ...]:
         )
     )
     return tuple(rows)
+
+
+def _refused_line(cfg: Config, dims: ParallelDims, degree: str, why: str) -> str:
+    return (
+        f"loss.name = {cfg.loss.name!r} does not run with parallel.{degree} = {getattr(dims, degree)}: {why};"
+        f" set parallel.{degree} = 1"
+    )
 
 
 def _user_refused(cfg: Config, dims: ParallelDims) -> tuple[str, str] | None:
