@@ -90,18 +90,22 @@ def test_verify_layouts_reports_a_users_plugin_exact_and_its_per_micro_batch_mea
     accumulation 4 its step-1 gradient is four micro-batch means, 4 times the global mean's."""
     cfg = tmp_path / "plugin.toml"
     cfg.write_text(VERIFY)
-    r = paratrain_cli("verify", str(cfg), "--layouts", "ddp,cp,pp", "--steps", "2", "--out-dir", str(tmp_path / "ok"))
+    # The three waits (140 + 50 + 90 s) fit inside pytest's 300 s: a hang reports its own command.
+    r = paratrain_cli(
+        "verify", str(cfg), "--layouts", "ddp,cp,pp", "--steps", "2", "--out-dir", str(tmp_path / "ok"), timeout=140
+    )
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "verify: OK" in r.stdout and "cp      refused: " in r.stdout and "pipeline hooks" in r.stdout, r.stdout
     ddp = next(line.split() for line in r.stdout.splitlines() if line.startswith("ddp "))
     assert max(float(x) for x in ddp[2:5]) < 1e-4, r.stdout  # loss, grad_norm, parameters
     # Every layout asked for refused: nothing verified, never an "OK".
-    r = paratrain_cli("verify", str(cfg), "--layouts", "cp,pp", "--out-dir", str(tmp_path / "none"))
+    r = paratrain_cli("verify", str(cfg), "--layouts", "cp,pp", "--out-dir", str(tmp_path / "none"), timeout=50)
     assert r.returncode == 1 and "verify: nothing verified" in r.stdout, r.stdout + r.stderr[-2000:]
     wrong = "loss.name='tests.plugins.sample_nll:per_micro_batch'"
     r = paratrain_cli(
-        "verify", str(cfg), "--layouts", "accum", "--steps", "1", "--out-dir", str(tmp_path / "wrong"), "--set", wrong
-    )
+        "verify", str(cfg), "--layouts", "accum", "--steps", "1", "--out-dir", str(tmp_path / "wrong"), "--set", wrong,
+        timeout=90,
+    )  # fmt: skip
     assert r.returncode == 1, r.stdout + r.stderr[-3000:]
     assert "verify: FAILED past tolerance 1e-04: accum (grad_norm, parameters)" in r.stdout, r.stdout
     accum = next(line.split() for line in r.stdout.splitlines() if line.startswith("accum "))
