@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -143,6 +143,8 @@ class GlobalCount:
 def to_device(obj, device: torch.device):
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
+    if is_dataclass(obj):  # a typed batch, e.g. objectives/policy_gradient.py Rollout
+        return replace(obj, **{f.name: to_device(getattr(obj, f.name), device) for f in fields(obj)})
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(o, device) for o in obj)
     if isinstance(obj, dict):

@@ -285,11 +285,10 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
         "items": result.items,
         "tokens": result.tokens,
         # Token inputs: the targets of the loss (a fine-tuning corpus masks prompts and padding);
-        # a loss over pairs (objectives/preference.py) or completions (policy_gradient.py) counts
-        # those, in "items" alone.
+        # a loss over pairs or completions counts those, in "items" alone.
         **(
             {"trainable_tokens": result.items}
-            if seq_len > 1 and run.step_ctx.objectives[0].unit not in ("pair", "completion")
+            if seq_len > 1 and run.step_ctx.objectives[0].counts_target_tokens
             else {}
         ),
         "consumed_samples": state.consumed_samples,

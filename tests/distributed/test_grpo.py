@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields
 
 import pytest
 import torch
 
 import paratrain
 from paratrain.config import RL_LOSS_TYPES, load_config
-from paratrain.objectives.policy_gradient import PolicyGradientLoss, token_weights
+from paratrain.objectives.policy_gradient import PolicyGradientLoss, Rollout, token_weights
 from paratrain.objectives.rl.rollout import advantages, completion_keys, filtered_probs, pick, sample, training_rows
 from paratrain.testing.dist_utils import REPO, paratrain_cli, plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
 from paratrain.testing.hf_models import ARCHS, save_tiny
@@ -316,13 +317,15 @@ def test_each_variant_is_its_papers_formula(loss_type):
     lengths_t = torch.tensor(lengths)
     inputs, target = training_rows(prompts, torch.full((6,), 3), tokens, old, adv, token_weights(loss_type, lengths_t))
     ref = old - 0.3
-    target[:, 2, 2 : 2 + tokens.shape[1]] = torch.where(tokens >= 0, ref, 0.0).double()
-    objective = PolicyGradientLoss(loss_type, epsilon=0.2, epsilon_high=0.28, beta=0.1, max_new_tokens=4)
-    objective.on_policy = False
-    units = sum(int(objective.count(None, t)) for t in target.split(3))
+    target.ref[:, 2 : 2 + tokens.shape[1]] = torch.where(tokens >= 0, ref, 0.0).double()
+    objective = PolicyGradientLoss(
+        loss_type, epsilon=0.2, epsilon_high=0.28, beta=0.1, max_new_tokens=4, on_policy=False
+    )
+    halves = [Rollout(*(getattr(target, f.name)[a : a + 3] for f in fields(Rollout))) for a in (0, 3)]
+    units = sum(int(objective.count(None, t)) for t in halves)
     objective.start(scale=1 / units, device=torch.device("cpu"))
     total = 0
-    for part, t in zip(logits.split(3), target.split(3), strict=True):
+    for part, t in zip(logits.split(3), halves, strict=True):
         total = total + objective.loss(part, t)
         objective.end_micro_batch()
     # written out: each completion's tokens scored at the positions before them
@@ -445,8 +448,8 @@ def test_a_drawn_stop_token_is_kept_in_the_tokens_the_lengths_and_the_loss():
     _, target = training_rows(prompts, lengths, tokens, logps, torch.ones(3), torch.ones(3))
     for i, n in enumerate(ends):  # the completion's tokens are the targets, the stop token among them
         k = int(lengths[i])
-        assert target[i, 0, k - 1 : k - 1 + n].tolist() == [float(x) for x in free[i, :n]]
-        assert (target[i, 0, k - 1 + n :] == -1).all()
+        assert target.tokens[i, k - 1 : k - 1 + n].tolist() == free[i, :n].tolist()
+        assert (target.tokens[i, k - 1 + n :] == -1).all()
 
 
 @pytest.mark.timeout(900)  # three CLI launches, each under paratrain_cli's own 240 s

@@ -20,6 +20,9 @@ class Objective:
 
     name = "objective"
     unit = "item"  # what count() counts, in words (docs, errors)
+    # Whether the units of token rows are their target tokens: the metrics' trainable_tokens
+    # (trainer.metrics_row). Not a pair's or a completion's count.
+    counts_target_tokens = True
     # Modules whose forward leaves this objective's micro-batch sum; () for a loss of the output.
     modules: tuple[nn.Module, ...] = ()
 

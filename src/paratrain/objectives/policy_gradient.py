@@ -1,10 +1,10 @@
 """Group-relative policy-gradient losses over the policy's own completions (docs/grpo.md).
 
-The completions come from the generation phase (paratrain/objectives/rl/rollout.py), which writes each row's
-numbers into its target ``(B, 5, T)`` (float64): the next token to score at each position (-1:
-none; the completion's tokens, the stop token included), the log-probability of that token under
-the policy that generated it (``old``, for the importance ratio), the reference's (the KL term),
-the row's advantage, and the token's weight in its unit. With the ratio
+The completions come from the generation phase (paratrain/objectives/rl/rollout.py), which writes
+each micro-batch's numbers into its target, a :class:`Rollout` of ``(B, T)`` tensors: the next token
+to score at each position (-1: none; the completion's tokens, the stop token included), the
+log-probability of that token under the policy that generated it (``old``, for the importance
+ratio), the reference's (the KL term), the row's advantage, and the token's weight in its unit. With the ratio
 ``r = exp(log pi - log pi_old)``, the advantage ``A`` and ``e_lo, e_hi`` = ``rl.epsilon``,
 ``rl.epsilon_high``, a token's loss is PPO's clipped surrogate plus the k3 estimate of the KL to
 the reference (Schulman et al. 2017; Shao et al. 2024, GRPO):
@@ -34,6 +34,8 @@ accumulation twice), verl#5625 (a token mean per micro-batch).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields, replace
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -42,9 +44,25 @@ from paratrain.objectives.base import Objective
 
 TOKEN_UNITS = ("dapo", "bnpo", "token_mean")
 MEAN_OVER_TOKENS = ("grpo", "seq_mean_token_mean")  # w = 1 / |o|
-# The target's rows (objectives/rl/rollout.py writes them).
-TOKEN, OLD, REF, ADVANTAGE, WEIGHT = range(5)
 SUMS = ("loss", "units", "tokens", "clipped", "kl")
+
+
+@dataclass
+class Rollout:
+    """A micro-batch's completions as the loss reads them, each ``(B, T)`` at the positions of the
+    rows' inputs (a completion token is scored at the position before it): ``tokens`` (int64, -1:
+    nothing to score), the sampler's or the old policy's log-probabilities ``old``, the
+    reference's ``ref`` (0 until written), the row's ``advantage`` and the token's ``weight`` in
+    its unit (float64: the generation phase's own precision, cast where the loss uses them)."""
+
+    tokens: torch.Tensor
+    old: torch.Tensor
+    ref: torch.Tensor
+    advantage: torch.Tensor
+    weight: torch.Tensor
+
+    def to(self, device) -> Rollout:
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def token_weights(loss_type: str, lengths: torch.Tensor) -> torch.Tensor:
@@ -80,6 +98,7 @@ class PolicyGradientLoss(Objective):
         beta: float = 0.0,
         temperature: float = 1.0,
         max_new_tokens: int = 16,
+        on_policy: bool = True,
     ):
         if loss_type not in RL_LOSS_TYPES:
             raise ConfigError(f"rl.loss_type = {loss_type!r} is unknown; use one of {', '.join(RL_LOSS_TYPES)}")
@@ -88,8 +107,9 @@ class PolicyGradientLoss(Objective):
         self.max_new_tokens = max_new_tokens
         # On-policy (one optimiser step per generation, one epoch): the old policy is the one
         # differentiated, r = 1 exactly and its gradient is A grad log pi (TRL, verl do the same).
-        self.on_policy = True
+        self.on_policy = on_policy
         self.unit = "completion token" if loss_type in TOKEN_UNITS else "completion"
+        self.counts_target_tokens = loss_type in TOKEN_UNITS
         self.scale, self._last = 1.0, None
         # reference(forward, k): micro-batch k's reference output (build/frozen.py preference_reference),
         # run by the generation phase when beta > 0.
@@ -107,8 +127,8 @@ class PolicyGradientLoss(Objective):
         if self.uses_reference:  # pipeline parallel is refused with GRPO (preflight/support.py)
             self.reference = world.reference()
 
-    def count(self, inputs, target) -> torch.Tensor:
-        tokens = target[:, TOKEN] >= 0
+    def count(self, inputs, target: Rollout) -> torch.Tensor:
+        tokens = target.tokens >= 0
         if self.loss_type in TOKEN_UNITS:
             return tokens.sum()
         completions = tokens.any(-1).sum()
@@ -121,22 +141,21 @@ class PolicyGradientLoss(Objective):
         self.totals = torch.zeros(len(SUMS), device=device, dtype=torch.float64)
         self._last = None
 
-    def loss(self, output, target) -> torch.Tensor:
+    def loss(self, output, target: Rollout) -> torch.Tensor:
         target = target.to(self.device)
-        tokens = target[:, TOKEN].long()
-        mask = tokens >= 0
-        logp = token_logps(output, tokens, self.temperature)
-        old = logp.detach() if self.on_policy else target[:, OLD].float()
+        mask = target.tokens >= 0
+        logp = token_logps(output, target.tokens, self.temperature)
+        old = logp.detach() if self.on_policy else target.old.float()
         ratio = torch.exp(logp - old)
-        advantage = target[:, ADVANTAGE].float()
+        advantage = target.advantage.float()
         surrogate = torch.minimum(ratio * advantage, ratio.clamp(self.low, self.high) * advantage)
         per_token = -surrogate
         kl = torch.zeros_like(logp)
         if self.beta:
-            gap = target[:, REF].float() - logp
+            gap = target.ref.float() - logp
             kl = torch.exp(gap) - gap - 1
             per_token = per_token + self.beta * kl
-        weight = torch.where(mask, target[:, WEIGHT], 0.0)
+        weight = torch.where(mask, target.weight, 0.0)
         loss_sum = (per_token.double() * weight).sum()
         with torch.no_grad():
             clipped = ((ratio < self.low) & (advantage < 0)) | ((ratio > self.high) & (advantage > 0))

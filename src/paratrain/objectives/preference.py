@@ -145,6 +145,7 @@ class PreferenceLoss(Objective):
 
     name = "loss"
     unit = "pair"
+    counts_target_tokens = False
 
     def __init__(
         self,

@@ -73,7 +73,9 @@ def _rollouts(cfg: Config, *, model, step_ctx, loader, dataset, dims, is_main: b
     return Rollouts(
         cfg.rl,
         model=model,
-        step_ctx=step_ctx,
+        objective=step_ctx.objectives[0],
+        device=step_ctx.device,
+        autocast=step_ctx.amp.autocast,
         loader=loader,
         dataset=dataset,
         dp=dims.dp,
@@ -149,6 +151,7 @@ def _grpo(cfg: Config, **_) -> Objective:
         beta=r.beta,
         temperature=r.temperature,
         max_new_tokens=r.max_new_tokens,
+        on_policy=r.steps_per_generation * r.epochs_per_generation == 1,
     )
 
 

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import ConfigError, RLConfig
-from paratrain.objectives.policy_gradient import ADVANTAGE, OLD, REF, TOKEN, WEIGHT, token_logps, token_weights
+from paratrain.objectives.policy_gradient import PolicyGradientLoss, Rollout, token_logps, token_weights
 from paratrain.objectives.rl.rewards import Rewards
 from paratrain.randomness import key_of, site_of, uniform
 
@@ -193,24 +193,26 @@ def training_rows(
     sampler_logps: torch.Tensor,
     advantage: torch.Tensor,
     weights: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, Rollout]:
     """The rows the step trains on: inputs ``(B, P + N)`` = ``[prompt | completion | 0s]`` and
-    targets ``(B, 5, P + N)`` float64 (objectives/policy_gradient.py), each completion token
-    scored at the position before it. The OLD row holds the sampler's log-probabilities until
-    the recomputation replaces them; REF holds 0 until the reference's are written."""
+    their :class:`~paratrain.objectives.policy_gradient.Rollout`, each completion token scored at
+    the position before it. ``old`` holds the sampler's log-probabilities until the recomputation
+    replaces them; ``ref`` holds 0 until the reference's are written."""
     rows, p = prompts.shape
     n = tokens.shape[1]
     inputs = torch.zeros(rows, p + n, dtype=torch.long)
-    target = torch.zeros(rows, 5, p + n, dtype=torch.float64)
-    target[:, TOKEN] = -1
+    target = Rollout(
+        torch.full((rows, p + n), -1, dtype=torch.long),
+        *(torch.zeros(rows, p + n, dtype=torch.float64) for _ in range(4)),
+    )
     for i in range(rows):
         k, c = int(lengths[i]), int((tokens[i] >= 0).sum())
         inputs[i, :k] = prompts[i, :k]
         inputs[i, k : k + c] = tokens[i, :c]
-        target[i, TOKEN, k - 1 : k - 1 + c] = tokens[i, :c].double()
-        target[i, OLD, k - 1 : k - 1 + c] = sampler_logps[i, :c].double()
-        target[i, ADVANTAGE, k - 1 : k - 1 + c] = float(advantage[i])
-        target[i, WEIGHT, k - 1 : k - 1 + c] = float(weights[i])
+        target.tokens[i, k - 1 : k - 1 + c] = tokens[i, :c]
+        target.old[i, k - 1 : k - 1 + c] = sampler_logps[i, :c].double()
+        target.advantage[i, k - 1 : k - 1 + c] = float(advantage[i])
+        target.weight[i, k - 1 : k - 1 + c] = float(weights[i])
     return inputs, target
 
 
@@ -225,7 +227,9 @@ class Rollouts:
         cfg: RLConfig,
         *,
         model: nn.Module,
-        step_ctx,
+        objective: PolicyGradientLoss,
+        device: torch.device,
+        autocast,
         loader,
         dataset,
         dp: int,
@@ -236,13 +240,12 @@ class Rollouts:
         is_main: bool,
         forward_of,
     ):
-        self.cfg, self.model, self.step_ctx, self.loader, self.dataset = cfg, model, step_ctx, loader, dataset
+        self.cfg, self.model, self.objective, self.loader, self.dataset = cfg, model, objective, loader, dataset
+        self.device, self.autocast = device, autocast  # autocast(): the step's (precision.py), or None
         self.dp, self.dp_group, self.agree, self.seed = dp, dp_group, agree, seed
         self.rewards = Rewards(cfg)
         self.stop = tuple(cfg.stop) or ((dataset.eos_id,) if dataset.eos_id is not None else ())
         self.round_steps = cfg.steps_per_generation * cfg.epochs_per_generation
-        self.objective = step_ctx.objectives[0]
-        self.objective.on_policy = self.round_steps == 1
         self.forward_of = forward_of  # step.no_grad_forward bound to the model and step context
         self.path = os.path.join(out_dir, "rollouts.jsonl") if is_main else None
         self.steps: list[tuple[list, list]] = []  # per global batch s: (micro-batches, their keys)
@@ -328,7 +331,7 @@ class Rollouts:
         index, lengths = meta[:, 0].repeat_interleave(g), meta[:, 1].repeat_interleave(g)
         prompts = prompt_ids.repeat_interleave(g, dim=0)
         keys = completion_keys(prompt_keys, g)
-        device = self.step_ctx.device
+        device = self.device
         tokens, logps = [], []
         # A generation batch is rl.generation_batch_size rows (0: all of this rank's rows of the
         # step, as TRL generates a whole batch at once: fewer, wider forwards, what a GPU wants),
@@ -349,7 +352,7 @@ class Rollouts:
                 top_p=self.cfg.top_p,
                 stop=self.stop,
                 agree=self.agree,
-                autocast=self.step_ctx.amp.autocast(),
+                autocast=self.autocast(),
                 cached=self.cfg.kv_cache and hasattr(self._sampler(), "new_cache"),
             )
             pad = self.cfg.max_new_tokens - t.shape[1]
@@ -410,14 +413,14 @@ class Rollouts:
         gap = torch.zeros(1, dtype=torch.float64)
         reference = self.objective.reference
         for k, (_, target) in enumerate(batches):
-            tokens = target[:, TOKEN].long().to(self.step_ctx.device)
+            tokens = target.tokens.to(self.device)
             mine = token_logps(forward(k), tokens, self.cfg.temperature).double().cpu()
-            mask = target[:, TOKEN] >= 0
-            gap = torch.maximum(gap, torch.where(mask, (mine - target[:, OLD]).abs(), 0.0).amax().reshape(1))
-            target[:, OLD] = torch.where(mask, mine, 0.0)
+            mask = target.tokens >= 0
+            gap = torch.maximum(gap, torch.where(mask, (mine - target.old).abs(), 0.0).amax().reshape(1))
+            target.old = torch.where(mask, mine, 0.0)
             if reference is not None:
                 ref = token_logps(reference(forward, k), tokens, self.cfg.temperature).double().cpu()
-                target[:, REF] = torch.where(mask, ref, 0.0)
+                target.ref = torch.where(mask, ref, 0.0)
         return gap
 
     def _write(self, step: int, per_step: list[list[dict]]) -> None:
