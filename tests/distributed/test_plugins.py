@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratrain.config import ConfigError, LossConfig
+from paratrain.config import ConfigError, LossConfig, load_config
 from paratrain.objectives.registry import BUILTIN, Plugin, plugin_of
+from paratrain.preflight import check_run
 from paratrain.testing.dist_utils import paratrain_cli, plain_sgd, read_metrics, run_ranks, train_rank
 
 TOY = [
@@ -64,6 +65,8 @@ def test_the_registry_is_the_one_place_that_names_the_losses():
         plugin_of(LossConfig(name="tests.plugins.sample_nll:SampleNLL"))
     with pytest.raises(ConfigError, match="loss.name = 'hinge' is unknown; use one of 'cross_entropy'"):
         plugin_of(LossConfig(name="hinge"))
+    with pytest.raises(ConfigError, match="loss.name = 'hinge' is unknown"):  # before any process starts
+        check_run(load_config(None, ["loss.name='hinge'"]), 1)
 
 
 VERIFY = """
