@@ -20,9 +20,9 @@ class Objective:
 
     name = "objective"
     unit = "item"  # what count() counts, in words (docs, errors)
-    # Whether the units of token rows are their target tokens: the metrics' trainable_tokens
-    # (trainer.metrics_row). Not a pair's or a completion's count.
-    counts_target_tokens = True
+    # Whether its units are target tokens (logged as trainable_tokens too, trainer.metrics_row),
+    # not samples, pairs or completions.
+    counts_target_tokens = False
     # Modules whose forward leaves this objective's micro-batch sum; () for a loss of the output.
     modules: tuple[nn.Module, ...] = ()
 

@@ -82,6 +82,7 @@ class DistillLoss(Objective):
 
     name = "loss"
     unit = "target token"
+    counts_target_tokens = True
     pipeline_rows = True  # under pp: pipeline_target, pipeline_loss, pipeline_done
     first_pass_in_eval = True  # the eval step gets the teacher's forward too
 

@@ -26,6 +26,7 @@ class ItemLoss(Objective):
 
     name = "loss"
     unit = "target item"
+    counts_target_tokens = True
 
     def __init__(self, loss_fn: Loss, *, items_per_sample: int | None = None):
         self.loss_fn, self.items_per_sample = loss_fn, items_per_sample

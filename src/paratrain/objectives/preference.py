@@ -145,7 +145,6 @@ class PreferenceLoss(Objective):
 
     name = "loss"
     unit = "pair"
-    counts_target_tokens = False
 
     def __init__(
         self,

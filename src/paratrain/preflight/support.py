@@ -253,8 +253,8 @@ def _plugin_refusals() -> tuple[Refusal, ...]:
     )
     rows.append(
         Refusal(
-            ("a user's objective", "pp"),
-            lambda c, d: d.pp > 1 and _user_objective_without_pipeline(c),
+            ("an objective without pipeline hooks", "pp"),
+            lambda c, d: d.pp > 1 and _objective_without_pipeline(c),
             lambda c, d: (
                 f"loss.name = {c.loss.name!r}: its objective declares no pipeline hooks (Objective.pipeline_rows,"
                 " objectives/base.py; Plugin(pipeline=True)); set parallel.pp = 1 or give it them (docs/objectives.md)"
@@ -278,8 +278,9 @@ def _user_refused(cfg: Config, dims: ParallelDims) -> tuple[str, str] | None:
     return next(((k, why) for k, why in (plugin.refuses if plugin else ()) if getattr(dims, k, 1) > 1), None)
 
 
-def _user_objective_without_pipeline(cfg: Config) -> bool:
-    plugin = users_plugin(cfg.loss)
+def _objective_without_pipeline(cfg: Config) -> bool:
+    """A built-in's or a user's plug-in with an objective and no ``pipeline=True``."""
+    plugin = _builtin(cfg) or users_plugin(cfg.loss)
     return plugin is not None and plugin.objective is not None and not plugin.pipeline
 
 
