@@ -317,14 +317,14 @@ def _layout_table(
             io.StringIO(),
         )
         others = {k: v for k, v in worst.items() if k not in _JUDGED}
-        other = max(others.items(), key=lambda kv: kv[1], default=("-", 0.0))
+        other = max(others.items(), key=lambda kv: kv[1], default=None)
         # Judged: the loss, the gradient, the count and the weights. The other columns locate a
         # failure (the term that breaks); a value formed by cancellation (a DPO margin: a difference
         # of differences of sums of hundreds) can show float rounding past --tol on its own.
         bad = [k for k in _JUDGED if not worst.get(k, 0.0) <= tol] + ([] if params_ok else ["parameters"])
         print(
             f"{name:<7} {world:>5}  {worst.get('loss', math.inf):>9.2e}  {worst.get('grad_norm', math.inf):>9.2e}"
-            f"  {params:>9.2e}  {other[0]} {other[1]:.2e}{'  <- ' + ', '.join(bad) if bad else ''}",
+            f"  {params:>9.2e}  {f'{other[0]} {other[1]:.2e}' if other else '-'}{'  <- ' + ', '.join(bad) if bad else ''}",
             file=out,
         )
         if bad:
