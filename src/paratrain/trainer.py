@@ -42,7 +42,7 @@ from paratrain.models import build, lora_base, spec_of, with_lora
 from paratrain.models.hf import export_hf
 from paratrain.models.lora import is_adapter_param, trainable_parameters
 from paratrain.objectives.registry import Plugin, build_loss
-from paratrain.observability.events import EventLog, process_start_time
+from paratrain.observability.events import EventLog, process_start_time, startup
 from paratrain.observability.metrics import (
     MetricsWriter,
     RowHistory,
@@ -136,10 +136,15 @@ def train(
         with watch_collectives(rank=ctx.rank, world_size=ctx.world_size, timeout_s=cfg.dist.timeout_s):
             run = build_run(cfg, ctx, model=model, dataset=dataset, loss=loss, events=events)
             try:
+                if cfg.run.probe:
+                    log.info(startup("layout probe: the first micro-batch whole and split in two"))
                 if cfg.run.keyed_random:  # draws no dropout rate announced (noise, stochastic depth) keyed too
                     first = first_micro_batch(run, seed=cfg.run.seed)[0]
                     run.step_ctx = key_detected_draws(cfg, run.dims, run.model, run.step_ctx, first)
                 layout_probe(run, run_cfg=cfg.run)  # before the first step: a layout-dependent model stops here
+                log.info(
+                    startup(f"first step{' (torch.compile compiles each block first)' if cfg.train.compile else ''}")
+                )
                 history = loop(cfg, run)
             except BaseException as e:
                 events.record(
@@ -322,6 +327,7 @@ def metrics_row(run: Run, result: StepResult, *, plan: BatchPlan, lr: float, seq
 def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: EventLog) -> Run:
     """Make every object of the run from ``cfg`` (user objects replace the config's builders), resume."""
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
+    log.info(startup(f"process group of {ctx.world_size} ready; checking the config, reading the data"))
     dims, plan = check_run(cfg, ctx.world_size, model=model)
     if cfg.data.name == "prompts" and cfg.model.hf and "tokenizer" not in cfg.data.args:
         cfg.data.args = {**cfg.data.args, "tokenizer": cfg.model.hf}  # the model's own tokenizer
@@ -404,7 +410,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     plan, resumed_from = resume(
         cfg, ctx, ckpt, plan, state=state, lr_scaling=lr_scaling, adapter=adapter, events=events
     )
-    writer = build_writer(cfg, ctx, state, resumed_from=resumed_from)
+    writer = build_writer(cfg, ctx, state, resumed_from, [p for o in step_ctx.objectives for p in o.watched])
     return Run(
         ctx=ctx,
         dims=dims,
@@ -454,6 +460,7 @@ def build_model(cfg: Config, ctx: DistContext, dims, plan: BatchPlan, *, model, 
     """The model (the user's, with the config's adapters, or the config's), its spec, a LoRA run's
     frozen base (hashed whole before any parallelism: its checkpoints hold adapters only) and its
     parameter count."""
+    log.info(startup("building the model" + (f" of {cfg.model.hf}" if cfg.model.hf and model is None else "")))
     torch.manual_seed(cfg.run.seed)  # the init is a function of the seed, the same on every rank
     if model is not None:
         spec = spec_of(cfg.model, model)
@@ -539,9 +546,11 @@ def resume(
     return plan, resumed_from
 
 
-def build_writer(cfg: Config, ctx: DistContext, state: TrainState, *, resumed_from: int | None) -> MetricsWriter:
+def build_writer(
+    cfg: Config, ctx: DistContext, state: TrainState, resumed_from: int | None, watched: list[str]
+) -> MetricsWriter:
     """The run's outputs (rank 0): config.toml, the trackers (their run ids in every rank's
-    state), metrics.jsonl's writer."""
+    state), metrics.jsonl's writer (``watched``: the objectives' console values)."""
     if ctx.is_main:
         if cfg.run.overwrite and resumed_from is None:  # `train --overwrite`: the old run goes first
             clear_run_outputs(cfg.run.out_dir, cfg.checkpoint.dir)
@@ -565,6 +574,7 @@ def build_writer(cfg: Config, ctx: DistContext, state: TrainState, *, resumed_fr
         progress=cfg.run.progress,
         trackers=trackers,
         start_step=state.step,
+        watched=watched,
     )
 
 

@@ -45,6 +45,21 @@ def test_train_debug_two_processes_writes_every_output(tmp_path):
         "metrics.tensorboard=true",
     )
     assert res.returncode == 0, res.stderr[-3000:]
+    # A line per start-up phase, in order, each with the seconds since the command, before the
+    # first step (issue 60: a loaded machine printed nothing for 50 s).
+    lines = res.stderr.splitlines()
+    phases = (
+        "config and layout checked; starting 2 worker process(es)",
+        "torch and the trainer imported",
+        "process group of 2 ready",
+        "building the model",
+        "laying out the model",
+        "layout probe:",
+        "first step",
+    )
+    at = [next((i for i, line in enumerate(lines) if line.startswith("start ") and p in line), -1) for p in phases]
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/"))
+    assert -1 not in at and at == sorted(at) and at[-1] < first_step, res.stderr
     for name in ("config.toml", "metrics.jsonl", "summary.json", "metrics.png", "model.safetensors"):
         assert (out / name).stat().st_size > 0, name
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(out / "tensorboard"))

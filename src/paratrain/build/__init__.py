@@ -35,6 +35,7 @@ from paratrain.models.spec import ModelSpec
 from paratrain.objectives import build_objectives
 from paratrain.objectives.preference import CPGroup
 from paratrain.objectives.registry import own_objective
+from paratrain.observability.events import startup
 from paratrain.precision import Precision
 from paratrain.randomness import draws_in_forward, has_dropout, site_names
 from paratrain.step import StepContext, to_device
@@ -50,6 +51,8 @@ def build_parallel_with_weights(
     Plain DDP broadcasts rank 0's parameters when it wraps the model, so there they are read
     before. Training and ``paratrain eval`` (whose checkpoint then overwrites them) both call this."""
     ddp_wraps = dims.dp_replicate > 1 and not dims.fsdp_enabled and dims.tp == 1
+    weights = ", reading its weights" if spec.materialize is not None else ""
+    log.info(startup(f"laying out the model: {dims.describe()}{weights}"))
     if spec.materialize is not None and ddp_wraps:
         spec.materialize(model, device=device)
     model, step_ctx, compression = build_parallel(cfg, dims, model, spec=spec, device=device, **kwargs)

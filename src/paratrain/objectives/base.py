@@ -23,6 +23,9 @@ class Objective:
     # Whether its units are target tokens (logged as trainable_tokens too, trainer.metrics_row),
     # not samples, pairs or completions.
     counts_target_tokens = False
+    # The metrics-row keys (fnmatch patterns) a user watches for this objective, shown on the
+    # console beside the loss (observability/metrics.py progress_fields): issue 60.
+    watched: tuple[str, ...] = ()
     # Modules whose forward leaves this objective's micro-batch sum; () for a loss of the output.
     modules: tuple[nn.Module, ...] = ()
 

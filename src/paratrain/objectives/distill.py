@@ -83,6 +83,7 @@ class DistillLoss(Objective):
     name = "loss"
     unit = "target token"
     counts_target_tokens = True
+    watched = ("student_ce",)  # the loss is the divergence itself
     pipeline_rows = True  # under pp: pipeline_target, pipeline_loss, pipeline_done
     first_pass_in_eval = True  # the eval step gets the teacher's forward too
 

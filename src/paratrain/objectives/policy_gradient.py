@@ -88,6 +88,9 @@ class PolicyGradientLoss(Objective):
     whose ratio was clipped and the mean KL to the reference per token."""
 
     name = "loss"
+    # The rollouts' rewards (their mean, spread and each function's mean: objectives/rl/rollout.py)
+    # and the KL to the reference; the loss itself is near 0 on-policy (docs/grpo.md).
+    watched = ("reward", "reward_*", "kl")
 
     def __init__(
         self,

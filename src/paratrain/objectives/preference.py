@@ -145,6 +145,7 @@ class PreferenceLoss(Objective):
 
     name = "loss"
     unit = "pair"
+    watched = ("reward_accuracy", "reward_margin", "kto_kl")
 
     def __init__(
         self,

@@ -21,11 +21,42 @@ detection, rendezvous, restart, load and first step (docs/resilience.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 
 EVENTS_FILE = "events.jsonl"
+# When the command started (time.time()): set by the launcher, inherited by its workers, so every
+# start-up line counts from the moment the user pressed enter (issue 60: nothing was printed
+# for the first 50 s of a two-process run on a loaded machine).
+STARTED_AT = "PARATRAIN_STARTED_AT"
+
+
+@contextlib.contextmanager
+def command_started():
+    """The command starts now (unless a launcher above it said so first): its workers, which
+    inherit the environment, count from here. Gone afterwards: a caller's environment in this
+    process is left as it was."""
+    if STARTED_AT in os.environ:
+        yield
+        return
+    os.environ[STARTED_AT] = repr(time.time())
+    try:
+        yield
+    finally:
+        os.environ.pop(STARTED_AT, None)
+
+
+def startup(what: str) -> str:
+    """A start-up line: the seconds since the command started (a worker started some other
+    way, e.g. by torchrun: since its own process started), then what happens now."""
+    at = os.environ.get(STARTED_AT)
+    try:
+        t0 = float(at) if at else process_start_time()
+    except ValueError:
+        t0 = None
+    return f"start {time.time() - t0 if t0 is not None else 0.0:5.1f}s  {what}"
 
 
 def process_start_time() -> float | None:

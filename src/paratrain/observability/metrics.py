@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import logging
 import math
@@ -40,8 +41,10 @@ class MetricsWriter:
         progress: bool,
         trackers: Sequence[Tracker] = (),
         start_step: int = 0,
+        watched: Sequence[str] = (),
     ):
         self.enabled = enabled
+        self.watched = tuple(watched)  # the objectives' values for the console (Objective.watched)
         self.trackers = list(trackers)
         self._file = self._bar = None
         self._line_every = 0
@@ -80,12 +83,14 @@ class MetricsWriter:
         except OSError as e:  # a torn row is dropped by truncate_metrics when the run resumes
             raise _write_error(self.path, f"writing step {row['step']} to", e) from None
         if self._bar is not None:  # tqdm shows the ETA itself
-            self._bar.set_postfix(progress_fields(row), refresh=False)
+            self._bar.set_postfix(progress_fields(row, self.watched), refresh=False)
             self._bar.update(1)
+            if "val_loss" in row:  # kept above the bar, not only until the next step's postfix
+                self._bar.write(validation_line(row, self.total_steps), file=sys.stderr)
         elif self._line_every and (row["step"] % self._line_every == 0 or row["step"] == self.total_steps):
             done = row["step"] - self._start_step
             eta = (time.perf_counter() - self._t_start) / max(done, 1) * (self.total_steps - row["step"])
-            fields = "  ".join(f"{k} {v}" for k, v in progress_fields(row).items())
+            fields = "  ".join(f"{k} {v}" for k, v in progress_fields(row, self.watched).items())
             log.info(
                 "step %d/%d  %s  lr %.2e  grad_norm %.3f  ETA %s",
                 row["step"],
@@ -95,6 +100,8 @@ class MetricsWriter:
                 row["grad_norm"],
                 format_eta(eta),
             )
+        elif self._line_every and "val_loss" in row:  # every validation result, not only on a progress line's step
+            log.info("%s", validation_line(row, self.total_steps))
         for t in self.trackers:
             t.log(row)
 
@@ -112,16 +119,33 @@ class MetricsWriter:
         self._bar = self._file = None
 
 
-def progress_fields(row: dict) -> dict[str, str]:
-    """Loss, tokens/s, MFU when known and memory: what the bar and the log lines show."""
-    out = {"loss": f"{row['loss']:.4f}", "tok/s": f"{row['tokens_per_s']:.0f}"}
-    if "val_loss" in row:
-        out["val_loss"] = f"{row['val_loss']:.4f}"
+def progress_fields(row: dict, watched: Sequence[str] = ()) -> dict[str, str]:
+    """Loss, the objectives' watched values (``watched``: patterns of row keys, e.g. GRPO's
+    rewards, a preference loss's accuracy and margin), tokens/s, the validation values when
+    computed, MFU when known and memory: what the bar and the log lines show."""
+    out = {"loss": f"{row['loss']:.4f}"}
+    out.update((k, _value(row[k])) for k in row if any(fnmatch.fnmatchcase(k, p) for p in watched))
+    out["tok/s"] = f"{row['tokens_per_s']:.0f}"
+    out.update(validation_fields(row))
     if "mfu" in row:
         out["mfu"] = f"{100 * row['mfu']:.1f}%"
     if "memory_gib" in row:
         out["mem"] = f"{row['memory_gib']:.2f}GiB"
     return out
+
+
+def validation_fields(row: dict) -> dict[str, str]:
+    """The row's validation values (val_loss and the objectives' val_*), without their bookkeeping."""
+    return {k: _value(v) for k, v in row.items() if k.startswith("val_") and k not in ("val_items", "val_time_s")}
+
+
+def validation_line(row: dict, total_steps: int) -> str:
+    fields = "  ".join(f"{k} {v}" for k, v in validation_fields(row).items())
+    return f"step {row['step']}/{total_steps}  validation: {fields}"
+
+
+def _value(v) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
 def format_eta(seconds: float) -> str:
