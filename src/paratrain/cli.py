@@ -267,19 +267,20 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from paratrain.generate import chat_reply, generate_text  # lazy: see the module docstring
+    from paratrain.generate import chat_turn, generate_text  # lazy: see the module docstring
 
     if args.chat is not None:
-        print(
-            chat_reply(
-                args.out_dir,
-                args.chat,
-                max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                seed=args.seed,
-            )
+        reply, note = chat_turn(
+            args.out_dir,
+            args.chat,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
         )
+        print(reply)
+        if note:  # on stderr: stdout stays the reply alone
+            print(note, file=sys.stderr)
         return 0
     print(
         generate_text(

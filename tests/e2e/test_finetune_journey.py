@@ -92,6 +92,22 @@ def test_a_lora_run_generates_a_reply_quietly(chat, lora_run, capsys):
     assert out.startswith("import ") and not err, err
 
 
+def test_a_reply_that_ends_at_once_is_said_so(chat, lora_run, capsys, monkeypatch):
+    """A model whose first token is end-of-turn: the empty reply on stdout, and a note on stderr
+    (it printed an empty line alone)."""
+    import paratrain.generate
+
+    def ends_at_once(model, tok, ids, **kw):
+        return torch.cat([ids, torch.tensor([[tok.eos_token_id, 5]])], dim=1)
+
+    monkeypatch.setattr(paratrain.generate, "_sample_hf", ends_at_once)
+    capsys.readouterr()
+    assert cli_main(["generate", lora_run, "--chat", "What is the module os for?"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n", out
+    assert err.startswith("(the reply ended at once: the model's first token was end-of-turn '"), err
+
+
 def test_generate_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         cli_main(["generate", "--help"])
