@@ -279,19 +279,20 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from paratrain.generate import chat_reply, generate_text  # lazy: see the module docstring
+    from paratrain.generate import chat_turn, generate_text  # lazy: see the module docstring
 
     if args.chat is not None:
-        print(
-            chat_reply(
-                args.out_dir,
-                args.chat,
-                max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                seed=args.seed,
-            )
+        reply, note = chat_turn(
+            args.out_dir,
+            args.chat,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
         )
+        print(reply)
+        if note:  # on stderr: stdout stays the reply alone
+            print(note, file=sys.stderr)
         return 0
     print(
         generate_text(
@@ -467,6 +468,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def export_lora(checkpoint: str, *, peft: str | None, merged: str | None) -> int:
     """A LoRA checkpoint's (or run's) adapters -> a PEFT adapter directory, or merged into the base (docs/lora.md)."""
     from paratrain.checkpoint.export import read_export_source  # lazy: see the module docstring
+    from paratrain.models.hf.weights import weight_files  # lazy: transformers, an optional extra
     from paratrain.models.lora_export import adapters_of, export_merged, export_peft  # lazy: see the module docstring
 
     weights, manifest, path, config_file = read_export_source(checkpoint)
@@ -478,14 +480,23 @@ def export_lora(checkpoint: str, *, peft: str | None, merged: str | None) -> int
             " export it with --to FILE or --hf DIR"
         )
     adapters = adapters_of(weights, path=path, flag=flag)
+    # A run's final weights hold the very base it trained on (a checkpoint, adapters only).
+    base = {k: v for k, v in weights.items() if k not in adapters} if "files" not in manifest else None
     if peft:
-        n = export_peft(adapters, model_cfg=cfg.model, out_dir=peft)
+        n, base_path = export_peft(adapters, model_cfg=cfg.model, out_dir=peft, base_weights=base)
         print(f"exported {n} adapter tensors of step {manifest['step']} from {path} to {peft} (PEFT adapter)")
+        if base_path and base_path.startswith(os.path.abspath(peft) + os.sep):
+            print(f"its base, made from the run's seed ({cfg.model.hf} holds no weights), written to {base_path}")
+        elif base_path and os.path.isdir(base_path) and not weight_files(base_path):
+            print(
+                f"note: its base {cfg.model.hf} holds no weights (the run trained on a base made from its seed), so"
+                " AutoPeftModelForCausalLM cannot load this adapter; export the finished run's run.out_dir, which"
+                " writes that base beside the adapter"
+            )
         return 0
     if not cfg.model.hf:
         raise ConfigError(f"export --merge: {path} is not of a model.hf run; export its adapters with --peft DIR")
-    # A run's final weights hold the very base it trained on: merged into that, no hash to check.
-    base = {k: v for k, v in weights.items() if k not in adapters} if "files" not in manifest else None
+    # Merged into the run's own base: no hash to check.
     export_merged(adapters, model_cfg=cfg.model, out_dir=merged, base=manifest.get("base"), base_weights=base)
     print(f"exported the base with {len(adapters)} adapter tensors of step {manifest['step']} merged to {merged}")
     return 0

@@ -1047,14 +1047,20 @@ def check_kwargs(fn: typing.Callable, args: dict, key: str, args_key: str, accep
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return
-    names = [p.name for p in params if p.kind is not p.VAR_KEYWORD]
+    # What a call fn(**args) can fill: not *args nor positional-only parameters.
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if any(p.kind is p.VAR_KEYWORD for p in params):
         if not accepted:
             return
         names = list(accepted)
     for name in args:
-        if name not in names:
-            raise ConfigError(f"{args_key}.{name} is not accepted by {key}; accepted: {', '.join(names)}")
+        if name in names:
+            continue
+        if not names:  # it said "accepted: " and nothing (issue 60)
+            raise ConfigError(
+                f"{args_key}.{name} is set, but {key} takes no arguments; remove [{args_key}] (or --set '{args_key}={{}}')"
+            )
+        raise ConfigError(f"{args_key}.{name} is not accepted by {key}; accepted: {', '.join(names)}")
 
 
 def plain_sgd(lr: float) -> list[str]:

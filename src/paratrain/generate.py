@@ -88,6 +88,15 @@ def chat_reply(
     out_dir: str, message: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0
 ) -> str:
     """One reply of a fine-tuned run to ``message`` (a user turn) through its corpus's chat template."""
+    return chat_turn(out_dir, message, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)[
+        0
+    ]
+
+
+def chat_turn(
+    out_dir: str, message: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+) -> tuple[str, str | None]:
+    """:func:`chat_reply`, and a note when the reply is empty (:func:`empty_reply_note`), else None."""
     hf = _is_hf_run(out_dir)
     model, cfg = (None, _run_config(out_dir)) if hf else _load_run(out_dir)
     tok = _hf_tokenizer(out_dir, cfg, chat=True)
@@ -111,7 +120,18 @@ def chat_reply(
     reply = out[0, len(ids) :].tolist()
     if tok.eos_token_id in reply:
         reply = reply[: reply.index(tok.eos_token_id)]
-    return tok.decode(reply, skip_special_tokens=True)
+    text = tok.decode(reply, skip_special_tokens=True)
+    return text, empty_reply_note(text, reply, eos=tok.eos_token)
+
+
+def empty_reply_note(text: str, reply: list[int], *, eos: str | None) -> str | None:
+    """Why a reply prints as an empty line (a bare empty line looks like a failure), or None when
+    it does not: the reply ended at once, or its tokens decode to nothing visible."""
+    if text.strip():
+        return None
+    if not reply:
+        return f"(the reply ended at once: the model's first token was end-of-turn {eos!r})"
+    return f"(the reply is {len(reply)} tokens that print as nothing: special tokens or white space)"
 
 
 def _run_config(out_dir: str):

@@ -28,6 +28,7 @@ is layout-exact on its own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import zlib
 from collections.abc import Iterator
@@ -251,36 +252,98 @@ _ANY_DRAWS = (
 )
 
 
-class _DrawDetector(TorchFunctionMode):
-    """Records the first random draw of a forward (its function's name); runs everything as is."""
+@dataclasses.dataclass
+class Draws:
+    """What a forward draws (:func:`draws_in_forward`): the first draw's name, and the first draw
+    the keyed path leaves to the global generator (its name and shape), None when it keys them all."""
 
-    first: str | None = None
+    first: str
+    unkeyed: str | None = None
+    why: str = ""  # why ``unkeyed`` is not keyed
+
+    def __str__(self) -> str:
+        """The start-up line's words: "keyed by the sample" only when every draw seen is."""
+        if self.unkeyed is None:
+            return f"the forward draws ({self.first}): keyed by the sample"
+        # Said as keyed before the probe found it unkeyed (issue 60): a draw whose first
+        # dimension is not the rows is not one of KeyedDraws' (_row_draw returns None for it).
+        return (
+            f"the forward draws ({self.first}); {self.unkeyed} is not keyed by the sample ({self.why}): its numbers"
+            " may depend on the layout, which the layout probe checks"
+        )
+
+
+class _DrawDetector(TorchFunctionMode):
+    """Records the first random draw of a forward (its function's name) and the first one that
+    :class:`KeyedDraws` would not key for ``rows`` rows; runs everything as is."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.rows, self.first, self.unkeyed, self.why = rows, None, None, ""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.first is None:
-            if func is F.dropout:
-                p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-                training = kwargs.get("training", args[2] if len(args) > 2 else True)
-                if training and p:
-                    self.first = "dropout"
-            elif func is F.scaled_dot_product_attention:
-                if _sdpa_reference(*args, **kwargs)[4]:
-                    self.first = "attention dropout"
-            elif func in _ANY_DRAWS and "generator" not in kwargs:
-                self.first = getattr(func, "__name__", str(func))
+        if func is F.dropout:
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            if training and p:
+                self.first = self.first or "dropout"  # keyed, or refused in one line (KeyedDraws._check_rows)
+        elif func is F.scaled_dot_product_attention:
+            if _sdpa_reference(*args, **kwargs)[4]:
+                self.first = self.first or "attention dropout"
+        elif func in _ANY_DRAWS and "generator" not in kwargs:
+            name = getattr(func, "__name__", str(func))
+            self.first = self.first or name
+            if self.unkeyed is None and not _keyed_row_draw(func, args, kwargs, self.rows):
+                out = func(*args, **kwargs)
+                shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
+                self.unkeyed = f"{name} of shape {shape}"
+                self.why = (
+                    f"its first dimension is not the micro-batch's {self.rows} rows"
+                    if func in _ROW_DRAWS
+                    else "the keyed path takes rand, randn, their _like forms and bernoulli of the rows"
+                )
+                return out
         return func(*args, **kwargs)
 
 
-def draws_in_forward(model: nn.Module, inputs) -> str | None:
-    """The first random draw (its name) of ``model``'s train-mode forward on ``inputs``, or None
-    when it draws nothing: what no static look at a model can tell (noise, stochastic depth, a
-    user's own sampling). No gradient; the generators' states are as before afterwards."""
+def _keyed_row_draw(func, args, kwargs, rows: int) -> bool:
+    """Whether :meth:`KeyedDraws._row_draw` keys this draw (the same tests): one of ``_ROW_DRAWS``
+    over a tensor whose first dimension is the micro-batch's ``rows``."""
+    if func not in _ROW_DRAWS:
+        return False
+    if func in (torch.rand, torch.randn):
+        size = tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+        return bool(size) and size[0] == rows and kwargs.get("out") is None
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != rows:
+        return False
+    p = args[1] if len(args) > 1 else kwargs.get("p")
+    return not isinstance(p, torch.Tensor)
+
+
+def draws_in_forward(model: nn.Module, inputs) -> Draws | None:
+    """What ``model``'s train-mode forward on ``inputs`` draws (:class:`Draws`), or None when it
+    draws nothing: what no static look at a model can tell (noise, stochastic depth, a user's own
+    sampling). No gradient; the generators' states are as before afterwards."""
     devices = [inputs.device] if isinstance(inputs, torch.Tensor) and inputs.device.type == "cuda" else []
-    detector = _DrawDetector()
+    first = next(iter(t for t in _tensors_of(inputs)), None)
+    detector = _DrawDetector(rows=first.shape[0] if first is not None and first.dim() else 0)
     with torch.random.fork_rng(devices=devices), torch.no_grad(), detector:
         model(inputs)
-    return detector.first
+    return None if detector.first is None else Draws(detector.first, detector.unkeyed, detector.why)
+
+
+def _tensors_of(obj):
+    """The tensors of a batch's inputs (a tensor, or a tuple, list or dict of them), in order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors_of(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors_of(o)
 
 
 def _sdpa_reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -635,7 +635,10 @@ def save_lora_adapter(sd: dict, cfg: Config, out_dir: str) -> None:
     from paratrain.models.lora_export import export_peft  # peft: only LoRA runs import it
 
     adapter = os.path.join(out_dir, "adapter")
-    export_peft({k: v for k, v in sd.items() if is_adapter_param(k)}, model_cfg=cfg.model, out_dir=adapter)
+    adapters = {k: v for k, v in sd.items() if is_adapter_param(k)}
+    # The frozen rest: written beside the adapter when model.hf has no weights (lora_export.peft_base_path).
+    base = {k: v for k, v in sd.items() if k not in adapters}
+    export_peft(adapters, model_cfg=cfg.model, out_dir=adapter, base_weights=base)
     merge = f"; merged into the base: paratrain export {out_dir} --hf DIR --merge" if cfg.model.hf else ""
     log.info("lora: the adapters in %s (PEFT: PeftModel.from_pretrained(base, DIR))%s", adapter, merge)
 

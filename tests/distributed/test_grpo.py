@@ -472,7 +472,8 @@ def test_a_reward_of_the_wrong_shape_is_one_line():
     from paratrain.config import ConfigError, RLConfig
     from paratrain.objectives.rl.rewards import Rewards
 
-    for fn, expected in (("wrong_length", "returned 1 rewards for 2 completions"), ("raises", "raised KeyError")):
+    raised = r"raised KeyError: 'solution' \(at \S*src/paratrain/testing/rl_data\.py:54\); fix it"  # the line inside it
+    for fn, expected in (("wrong_length", "returned 1 rewards for 2 completions"), ("raises", raised)):
         rewards = Rewards(RLConfig(rewards=[f"paratrain.testing.rl_data:{fn}"]))
         with pytest.raises(ConfigError, match=expected):
             rewards(["1+1=", "2+2="], ["2", "4"], {"answer": ["2", "4"]})

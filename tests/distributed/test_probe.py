@@ -50,11 +50,19 @@ class Noise(nn.Module):
         return x + 0.1 * torch.empty_like(x).normal_() if self.training else x
 
 
+class SharedNoise(nn.Module):
+    """Noise of one row shared by every row (``torch.randn(1, d)``): not a draw the keyed path
+    takes (its first dimension is not the rows)."""
+
+    def forward(self, x):
+        return x + 0.1 * torch.randn(1, x.shape[-1]) if self.training else x
+
+
 class NoisyNet(nn.Module):
-    def __init__(self, dim: int = 8, hidden: int = 16):
+    def __init__(self, dim: int = 8, hidden: int = 16, shared: bool = False):
         super().__init__()
         self.fc = nn.Linear(dim, hidden)
-        self.noise = Noise()
+        self.noise = SharedNoise() if shared else Noise()
         self.head = nn.Linear(hidden, 1)
 
     def forward(self, x):
@@ -65,8 +73,8 @@ def batch_norm_net(rank: int | None = None) -> nn.Module:
     return BatchNormNet(rank=rank)
 
 
-def noisy_net() -> nn.Module:
-    return NoisyNet()
+def noisy_net(shared: bool = False) -> nn.Module:
+    return NoisyNet(shared=shared)
 
 
 REGRESSION = [
@@ -137,6 +145,22 @@ def test_unkeyed_noise_is_named_with_its_cause(tmp_path):
     )
 
 
+def test_a_draw_shared_by_the_rows_is_not_said_to_be_keyed(tmp_path, capsys):
+    """torch.randn(1, d) in a forward: the start-up line says it is not keyed by the sample (it
+    said "keyed by the sample", which the probe then contradicted), and the probe names it."""
+    with pytest.raises(ConfigError) as e:
+        train(
+            tmp_path,
+            *REGRESSION,
+            "model.factory='tests.distributed.test_probe:noisy_net'",
+            "model.args={shared = true}",
+        )
+    said = capsys.readouterr().err
+    assert "random draws: the forward draws (randn); randn of shape (1, 16) is not keyed by the sample" in said, said
+    assert "): keyed by the sample" not in said, said
+    assert "first differing module: 'noise' (SharedNoise): random draws outside the keyed path" in str(e.value)
+
+
 def test_gpt_dropout_passes_keyed_and_names_the_attention_unkeyed(tmp_path, capsys):
     assert train(tmp_path / "keyed", *GPT)["steps"] == 1
     said = capsys.readouterr().err
@@ -204,6 +228,9 @@ def test_two_ranks_stop_together_when_only_one_finds_it(tmp_path):
     assert res.returncode == 2, res.stderr[-3000:]
     err = one_error_line(res.stderr)
     assert "(rank 1); first differing module: 'bn' (BatchNorm1d)" in err, err
+    # The launcher's rank is the finder's: rank 0 stops a moment after it (it was a race, and
+    # "worker rank 0 failed first" stood beside "(rank 1)").
+    assert err.startswith("paratrain: error: worker rank 1 failed first (exit code 2): layout probe:"), err
 
 
 def train_rank_stopped(overrides: list[str]) -> str | None:

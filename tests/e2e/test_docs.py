@@ -16,6 +16,9 @@ An HTML comment on the lines just above a block's opening fence changes how it r
                                              the layout at that world size, trackers; no process starts
     <!-- docs-test: replace OLD NEW; ... --> text substitutions for the shrunk run, e.g. a checkpoint
                                              step that two steps reach
+    <!-- docs-test: python -->               a ```python block, run as a script in the page's directory
+                                             after the commands above it (must exit 0); other python
+                                             blocks are not run
 
 How each subcommand is shrunk is the table `SHRINK`; a subcommand it does not know fails the test,
 so a new one gets a rule. A command already run in full by an earlier page (the same arguments
@@ -87,7 +90,7 @@ class Command:
     page: str  # path relative to the repository
     line: int  # 1-based line of the command's first line
     text: str  # as written (continuations joined, replacements applied)
-    mode: str  # "run" | "preflight" | "skip" | "assign"
+    mode: str  # "run" | "preflight" | "skip" | "assign" | "python" (text: the script)
     argv: list[str] = dataclasses.field(default_factory=list)  # what runs: ["paratrain", SUB, ...] or ["torchrun", ...]
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # leading NAME=VALUE words
     expect_rc: int = 0
@@ -100,11 +103,13 @@ def doc_pages() -> list[str]:
 
 
 def parse_marker(text: str, where: str) -> dict:
-    """`skip (why)`, `preflight (why)` or `replace OLD NEW; replace OLD NEW` -> {mode, reason, replace}."""
+    """`skip (why)`, `preflight (why)`, `python` or `replace OLD NEW; replace OLD NEW` -> {mode, reason, replace}."""
     out = {"mode": "run", "reason": "", "replace": []}
-    for part in (p.strip() for p in re.split(r";\s*(?=(?:skip|preflight|replace)\b)", text)):
+    for part in (p.strip() for p in re.split(r";\s*(?=(?:skip|preflight|replace|python)\b)", text)):
         word, _, rest = part.partition(" ")
-        if word in ("skip", "preflight"):
+        if word == "python":
+            out["mode"] = "python"
+        elif word in ("skip", "preflight"):
             reason = rest.strip().strip("()").strip()
             if not reason:
                 raise DocsError(f"{where}: `docs-test: {word}` needs a reason in parentheses")
@@ -115,7 +120,7 @@ def parse_marker(text: str, where: str) -> dict:
                 raise DocsError(f"{where}: `docs-test: replace OLD NEW` takes two words, got {rest!r}")
             out["replace"].append(pair)
         else:
-            raise DocsError(f"{where}: unknown docs-test marker {part!r} (skip, preflight or replace)")
+            raise DocsError(f"{where}: unknown docs-test marker {part!r} (skip, preflight, python or replace)")
     return out
 
 
@@ -196,9 +201,16 @@ def extract(page: str, text: str | None = None) -> list[Command]:
             text = f.read()
     out = []
     for first, lang, lines, marker in blocks(page, text):
+        opts = parse_marker(marker, f"{page}:{first}") if marker else {"mode": "run", "reason": "", "replace": []}
+        if (lang == "python") != (opts["mode"] == "python"):
+            if opts["mode"] == "python":
+                raise DocsError(f"{page}:{first}: `docs-test: python` marks a ```{lang} block; mark a ```python block")
+            continue
+        if lang == "python":  # the docs' own Python, e.g. loading what the commands above wrote
+            out.append(Command(page, first, "\n".join(lines), "python"))
+            continue
         if lang not in RUN_LANGS:
             continue
-        opts = parse_marker(marker, f"{page}:{first}") if marker else {"mode": "run", "reason": "", "replace": []}
         for n, raw, nxt in logical_lines(first, lines):
             where = f"{page}:{n}"
             line = raw.strip()
@@ -269,6 +281,13 @@ def test_rules_on_a_sample_page():
             "```",
             "paratrain train CONFIG [--set ...]",
             "```",
+            "```python",
+            "import not_run",
+            "```",
+            "<!-- docs-test: python -->",
+            "```python",
+            "print(1)",
+            "```",
         ]
     )
     cmds = extract("sample.md", page)
@@ -279,7 +298,9 @@ def test_rules_on_a_sample_page():
         (13, "skip"),
         (17, "run"),
         (19, "run"),
+        (30, "python"),
     ]
+    assert cmds[-1].text == "print(1)"
     assert cmds[0].argv[-6:] == ["--set", "parallel.tp=2", *TRAIN_STEPS]
     assert cmds[2].argv[-4:] == TRAIN_STEPS and cmds[2].reason == "four processes"
     assert cmds[4].argv == ["paratrain", "export", "runs/x/checkpoints/step-1", "--to", "m.safetensors"]
@@ -513,6 +534,20 @@ def run_plan(plan_file: str, root: str) -> int:
         where = f"{c['page']}:{c['line']}"
         if c["mode"] == "skip":
             print(f"docs-test skip      {where}  ({c['reason']}): {c['text']}", flush=True)
+            continue
+        if c["mode"] == "python":
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, "-c", c["text"]], capture_output=True, text=True)
+            sys.stderr.write(p.stderr[-2000:])
+            status = "ok  " if p.returncode == 0 else "FAIL"
+            print(
+                f"docs-test {status} {time.perf_counter() - t0:5.1f}s {where} [python]: {p.stdout.strip()[-200:]}",
+                flush=True,
+            )
+            if p.returncode:
+                last = ([line for line in p.stderr.strip().split("\n") if line.strip()] or ["(no output)"])[-1]
+                print(f"docs-test FAIL {where}: the python block exited {p.returncode}; last line: {last}", flush=True)
+                failed += 1
             continue
         if c["mode"] == "assign":
             name = c["text"].split("=", 1)[0]

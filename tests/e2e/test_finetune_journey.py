@@ -92,6 +92,22 @@ def test_a_lora_run_generates_a_reply_quietly(chat, lora_run, capsys):
     assert out.startswith("import ") and not err, err
 
 
+def test_a_reply_that_ends_at_once_is_said_so(chat, lora_run, capsys, monkeypatch):
+    """A model whose first token is end-of-turn: the empty reply on stdout, and a note on stderr
+    (it printed an empty line alone)."""
+    import paratrain.generate
+
+    def ends_at_once(model, tok, ids, **kw):
+        return torch.cat([ids, torch.tensor([[tok.eos_token_id, 5]])], dim=1)
+
+    monkeypatch.setattr(paratrain.generate, "_sample_hf", ends_at_once)
+    capsys.readouterr()
+    assert cli_main(["generate", lora_run, "--chat", "What is the module os for?"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n", out
+    assert err.startswith("(the reply ended at once: the model's first token was end-of-turn '"), err
+
+
 def test_generate_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         cli_main(["generate", "--help"])
@@ -204,6 +220,42 @@ def test_an_unwritable_out_dir_is_one_line_before_any_process(capsys):
     err = capsys.readouterr().err.strip()
     assert "run.out_dir = '/proc/paratrain-test/run' cannot be written (" in err, err
     assert "\n" not in err and not launched, err
+
+
+def test_the_adapter_of_a_base_without_weights_loads_with_the_auto_class(chat, tmp_path, capsys):
+    """model.hf of a config and tokenizer only (as configs/sft/model): the run trained on a base
+    made from its seed. `export RUN --peft DIR` writes that base to DIR/base and names it, so
+    AutoPeftModelForCausalLM.from_pretrained(DIR) loads from any folder and gives the merged
+    model's logits; the run's own adapter has it too. A checkpoint (adapters only) names model.hf
+    and says the auto class cannot load it. (Before: OSError, no model.safetensors in model.hf.)"""
+    import shutil
+
+    bare = str(tmp_path / "bare")
+    shutil.copytree(chat["model"], bare, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    out = str(tmp_path / "run")
+    sets = [*_overrides(chat, out, "run.steps=2", "checkpoint.interval=1"), f"model.hf='{bare}'"]
+    paratrain.train(load_config("configs/sft.toml", sets))
+    adapter, merged = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    capsys.readouterr()
+    assert cli_main(["export", out, "--peft", adapter]) == 0
+    said = capsys.readouterr().out
+    assert f"holds no weights), written to {os.path.join(adapter, 'base')}" in said, said
+    for folder in (adapter, os.path.join(out, "adapter")):
+        config = json.load(open(os.path.join(folder, "adapter_config.json")))
+        assert config["base_model_name_or_path"] == os.path.join(os.path.abspath(folder), "base")
+    assert cli_main(["export", out, "--hf", merged, "--merge"]) == 0
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        peft_logits, merged_logits = _peft_and_merged_logits(adapter, merged)
+    finally:
+        os.chdir(cwd)
+    torch.testing.assert_close(peft_logits, merged_logits, rtol=1e-5, atol=1e-5)
+    capsys.readouterr()
+    assert cli_main(["export", f"{out}/checkpoints/step-2", "--peft", str(tmp_path / "from_checkpoint")]) == 0
+    said = capsys.readouterr().out
+    assert "holds no weights (the run trained on a base made from its seed), so AutoPeftModelForCausalLM" in said, said
+    assert not os.path.exists(tmp_path / "from_checkpoint" / "base")
 
 
 def test_export_never_replaces_a_file_or_model_unasked(chat, lora_run, tmp_path, capsys):

@@ -149,7 +149,14 @@ def _bad_inputs(tmp_path) -> list[tuple[list[str], str]]:
         (["prepare", str(tmp_path / "empty"), *out], "empty corpus"),
         (["prepare", str(tmp_path / "bad.jsonl"), *out], "bad.jsonl:2: no string field 'text'"),
         (["prepare", src, "--out", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "tok.json")], "is unreadable"),
-        (["prepare", src, "--out", str(other), "--tokenizer", "bpe:300"], "holds a different corpus"),
+        (
+            ["prepare", src, "--out", str(other), "--tokenizer", "bpe:300"],
+            "holds a different corpus (prepared with --tokenizer bytes there, bpe:300 in this command)",
+        ),
+        (
+            ["prepare", src, "--out", str(other), "--tokenizer", "bytes", "--val-fraction", "0.2"],
+            "holds a different corpus (prepared with --val-fraction 0.005 there, 0.2 in this command); choose another",
+        ),
         (["prepare", src, *out, "--tokenizer", "bpe:100"], "VOCAB >= 257"),
         (["prepare", src, "--out", src, "--tokenizer", "bytes"], "is not empty and holds no prepared corpus"),
     ]

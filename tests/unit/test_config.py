@@ -104,6 +104,10 @@ def test_bad_file(tmp_path):
         ),
         (["train", "missing.toml"], "config file 'missing.toml' not found"),
         (["train", "configs/debug.toml", "--set", "model.args.n_layr=2"], "model.args.n_layr is not accepted"),
+        (  # debug.toml sets model.args for its GPT; this factory takes none (it listed an empty "accepted: ")
+            ["train", "configs/debug.toml", "--set", "model.factory='tests.unit.test_config:model_of_no_arguments'"],
+            "model.args.n_layer is set, but model.factory takes no arguments; remove [model.args] (or --set 'model.args={}')",
+        ),
         (["train", "configs/debug.toml", "--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint"),
         (["generate", "/nonexistent"], "not found; pass the run.out_dir"),
     ],
@@ -113,6 +117,13 @@ def test_cli_bad_input_exit_2_one_line(argv, needle, capsys):
     err = capsys.readouterr().err.strip()
     assert needle in err, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def model_of_no_arguments():
+    """A model.factory that takes no arguments."""
+    import torch
+
+    return torch.nn.Linear(4, 4)
 
 
 def test_cli_subprocess_exit_code_and_no_traceback():

@@ -229,7 +229,7 @@ def key_detected_draws(cfg: Config, dims: ParallelDims, model: nn.Module, step_c
         draws = draws_in_forward(inner, to_device(inputs, step_ctx.device))
     if draws is None or not keyed_dropout_enabled(cfg, model, draws=draws):
         return step_ctx
-    log.info("random draws: the forward draws (%s): keyed by the sample (docs/randomness.md)", draws)
+    log.info("random draws: %s (docs/randomness.md)", draws)  # "keyed" only when each draw is (randomness.Draws)
     return dataclasses.replace(step_ctx, draw_sites=draw_sites(model))
 
 

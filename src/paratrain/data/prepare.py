@@ -622,8 +622,8 @@ def _check_out_dir(out_dir: str, fingerprint: dict) -> None:
             old = None
         if old != fingerprint:
             raise ConfigError(
-                f"--out {out_dir} holds a different corpus (meta.json of another input or tokenizer);"
-                " choose another --out or delete that directory"
+                f"--out {out_dir} holds a different corpus ({fingerprint_difference(old, fingerprint)});"
+                " choose another --out, or delete that directory to prepare this one there"
             )
     elif os.path.isdir(out_dir):
         foreign = [n for n in os.listdir(out_dir) if not _ours(n)]
@@ -638,6 +638,45 @@ def _check_out_dir(out_dir: str, fingerprint: dict) -> None:
         if _ours(name) and name != TOKENIZER_FILE:
             path = os.path.join(out_dir, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+# The option of `paratrain prepare` each fingerprint key records, to name what differs.
+FINGERPRINT_OPTIONS = {
+    "inputs": "INPUT",
+    "tokenizer": "--tokenizer",
+    "text_field": "--text-field",
+    "val_fraction": "--val-fraction",
+    "eos": "--eos",
+    "exclude": "--exclude",
+    "format": "--format",
+    "chat_template": "--chat-template",
+    "loss_on": "--loss-on",
+    "max_length": "--max-length",
+}
+
+
+def fingerprint_difference(old, new: dict) -> str:
+    """What differs between the corpus in a folder and the one asked for, by the option that sets
+    it: "prepared with --val-fraction 0.1, this command's is 0.2" (it said "another input or
+    tokenizer" whatever differed, issue 60)."""
+    if not isinstance(old, dict):
+        return f"its {META} records no fingerprint: written by another version, or damaged"
+    keys = [*FINGERPRINT_OPTIONS, *sorted((set(old) | set(new)) - set(FINGERPRINT_OPTIONS))]
+    diffs = [
+        f"{FINGERPRINT_OPTIONS.get(k, k)} {_shown(old.get(k))} there, {_shown(new.get(k))} in this command"
+        for k in keys
+        if old.get(k) != new.get(k)
+    ]
+    return "prepared with " + "; ".join(diffs)
+
+
+def _shown(value) -> str:
+    """A fingerprint value for a one-line message (an empty --chat-template is the tokenizer's own)."""
+    if value is None or value == "":
+        return "(none)"
+    if isinstance(value, list):
+        return " ".join(map(str, value)) if value else "(none)"
+    return str(value)
 
 
 def _ours(name: str) -> bool:

@@ -93,9 +93,18 @@ def adapters_of(weights: dict[str, torch.Tensor], *, path: str, flag: str) -> di
     return adapters
 
 
-def export_peft(adapters: dict[str, torch.Tensor], *, model_cfg: ModelConfig, out_dir: str) -> int:
+def export_peft(
+    adapters: dict[str, torch.Tensor],
+    *,
+    model_cfg: ModelConfig,
+    out_dir: str,
+    base_weights: dict[str, torch.Tensor] | None = None,
+) -> tuple[int, str | None]:
     """Write a PEFT adapter directory that ``PeftModel.from_pretrained(base, out_dir)`` loads;
-    returns the number of tensors written."""
+    returns the number of tensors written and the base ``adapter_config.json`` names (None: not
+    a ``model.hf`` run). ``base_weights``: the frozen weights under paratrain's names (a finished
+    run's model.safetensors), written as ``out_dir/base`` when model.hf holds no weights of its own
+    (:func:`peft_base_path`)."""
     from peft.utils import get_peft_model_state_dict  # optional: paratrain[lora]
 
     peft_model, sd = peft_model_of(model_cfg, adapters)
@@ -109,15 +118,51 @@ def export_peft(adapters: dict[str, torch.Tensor], *, model_cfg: ModelConfig, ou
         metadata={"format": "pt"},
     )
     config = peft_model.peft_config[ADAPTER]
+    base_path = None
     if model_cfg.hf:
         # What PEFT writes for a transformers causal LM, so that AutoPeftModelForCausalLM.from_pretrained(DIR)
         # finds its class and its base: the task, and the base directory as an absolute path (the config's
         # may be relative to wherever training ran).
         config.task_type = "CAUSAL_LM"
-        config.base_model_name_or_path = os.path.abspath(model_cfg.hf) if os.path.isdir(model_cfg.hf) else model_cfg.hf
+        config.base_model_name_or_path = base_path = peft_base_path(model_cfg, out_dir, base_weights)
     config.inference_mode = True
     config.save_pretrained(out_dir)
-    return len(saved)
+    return len(saved), base_path
+
+
+BASE_DIR = "base"  # export --peft: the base beside the adapter when model.hf has no weights
+
+
+def peft_base_path(model_cfg: ModelConfig, out_dir: str, base_weights: dict[str, torch.Tensor] | None) -> str:
+    """The base an adapter's ``base_model_name_or_path`` names: model.hf (absolute) when it holds
+    weights, as PEFT itself writes it. A model.hf of a config and tokenizer only (a trial, like
+    configs/sft/model) trained on a base made from the run's seed, which only the run's
+    model.safetensors holds: with those weights at hand, they are written as a transformers
+    directory ``out_dir/base`` (config and tokenizer copied from model.hf) and named instead, so
+    ``AutoPeftModelForCausalLM.from_pretrained(out_dir)`` loads the very base the adapters trained
+    on (issue 60). Without them (a checkpoint holds adapters only) model.hf is named as is."""
+    hf = model_cfg.hf
+    if not os.path.isdir(hf):
+        return hf
+    if base_weights is None or weight_files(hf):
+        return os.path.abspath(hf)
+    base_dir = os.path.join(out_dir, BASE_DIR)
+    save_hf(
+        hf_base_weights(model_cfg, base_weights),
+        config=load_hf_config(hf, model_cfg.args),
+        out_dir=base_dir,
+        source_dir=hf,
+        hf_name=lambda n: n,
+    )
+    return os.path.abspath(base_dir)
+
+
+def hf_base_weights(model_cfg: ModelConfig, base_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA run's frozen weights (paratrain's names, PEFT's ``base_layer`` inside) under the
+    transformers model's own names."""
+    with torch.device("meta"):
+        names = HFCausalLM(causal_lm_from_config(load_hf_config(model_cfg.hf, model_cfg.args)))
+    return {names.hf_name(adapter_base_name(k)): v for k, v in base_weights.items()}
 
 
 @torch.no_grad()
@@ -134,10 +179,7 @@ def export_merged(
     ``base_weights``: the frozen weights under paratrain's names (a finished run's model.safetensors
     holds the very base it trained on, also one made from the seed): merged into those instead."""
     if base_weights is not None:
-        with torch.device("meta"):
-            names = HFCausalLM(causal_lm_from_config(load_hf_config(model_cfg.hf, model_cfg.args)))
-        hf_base = {names.hf_name(adapter_base_name(k)): v for k, v in base_weights.items()}
-        return _merge_and_save(adapters, hf_base, model_cfg=model_cfg, out_dir=out_dir)
+        return _merge_and_save(adapters, hf_base_weights(model_cfg, base_weights), model_cfg=model_cfg, out_dir=out_dir)
     files = weight_files(model_cfg.hf)
     if not files:
         raise ConfigError(

@@ -62,6 +62,12 @@ log = logging.getLogger("paratrain")
 # still 30x below that dropout's output difference (not measured on a GPU here).
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 5e-4}
 
+# Seconds the ranks that did not find what stops the run wait before stopping with the finder's
+# line, so that the finder's failure is the first one recorded (layout_probe). Raising and
+# recording a failure takes milliseconds; a second covers a loaded machine and costs a run that
+# is stopping anyway.
+FOLLOW_S = 1.0
+
 ACCEPT = "set run.layout_dependent = true to accept a run whose losses depend on the layout (docs/layout-probe.md)"
 
 
@@ -87,7 +93,7 @@ def layout_probe(run, *, run_cfg: RunConfig) -> None:
     finding = probe_micro_batch(
         run.model, inputs, target, ctx=run.step_ctx, keys=keys, dtype=run.precision.dtype, rank=run.ctx.rank
     )
-    line, seconds = agree(finding, world_size=run.ctx.world_size, device=run.ctx.device)
+    line, seconds, finder = agree(finding, rank=run.ctx.rank, world_size=run.ctx.world_size, device=run.ctx.device)
     if line is None:
         log.info(
             "layout probe: the first micro-batch's loss and output (%d rows) are the same whole and split in two (probe: %.2f s)",
@@ -98,6 +104,12 @@ def layout_probe(run, *, run_cfg: RunConfig) -> None:
     if run_cfg.layout_dependent:
         log.warning("%s (run.layout_dependent = true: going on; probe: %.2f s)", line, seconds)
         return
+    if run.ctx.rank != finder:
+        # Every rank stops with the finder's line, and the launcher names the worker that failed
+        # first (launch/agent.first_failure, by when each recorded its failure): the others stop
+        # a moment after the finder, or "worker rank 1 failed first" stood beside the finding's
+        # "(rank 0)" (issue 60). A rank that the agent ends meanwhile loses nothing.
+        time.sleep(FOLLOW_S)
     raise ConfigError(f"{line}; {ACCEPT}")
 
 
@@ -135,15 +147,17 @@ def first_micro_batch(run, *, seed: int):
     return inputs, target, keys
 
 
-def agree(finding: Finding, *, world_size: int, device: torch.device) -> tuple[str | None, float]:
-    """Every rank's finding gathered: the lowest rank's line (the same on every rank) and the
-    longest time. Without it the ranks that found nothing would wait in the first step's
-    collectives for the ones that stopped."""
+def agree(finding: Finding, *, rank: int = 0, world_size: int, device: torch.device) -> tuple[str | None, float, int]:
+    """Every rank's finding gathered: the lowest finding rank's line (the same on every rank), the
+    longest time and that rank (``rank`` itself when none found anything). Without it the ranks
+    that found nothing would wait in the first step's collectives for the ones that stopped."""
     if world_size == 1 or not dist.is_initialized():
-        return finding.line, finding.seconds
+        return finding.line, finding.seconds, rank
     found = all_gather_json([finding.line, finding.seconds], device=device)
-    lines = [line for line, _ in found if line is not None]
-    return (lines[0] if lines else None), max(s for _, s in found)
+    finders = [r for r, (line, _) in enumerate(found) if line is not None]
+    if not finders:
+        return None, max(s for _, s in found), rank
+    return found[finders[0]][0], max(s for _, s in found), finders[0]
 
 
 # --- one rank's probe, no collectives of its own ---------------------------------------------

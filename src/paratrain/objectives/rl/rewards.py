@@ -20,7 +20,10 @@ naming it.
 from __future__ import annotations
 
 import math
+import os
 import re
+import sysconfig
+import traceback
 from collections.abc import Callable
 
 from paratrain.config import ConfigError, RLConfig, resolve_callable
@@ -70,6 +73,19 @@ def overlong(max_new_tokens: int, buffer: int) -> Callable:
     return reward
 
 
+def _where(e: BaseException) -> str:
+    """``file:line`` of the frame that raised ``e`` inside the reward function: the innermost frame
+    outside Python's own library and installed packages (the user's code), else the innermost one."""
+    frames = traceback.extract_tb(e.__traceback__)[1:]  # [0] is the call in Rewards.__call__
+    if not frames:
+        return "?"
+    library = tuple({sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} - {None})
+    own = [f for f in frames if not os.path.abspath(f.filename).startswith(library)]
+    frame = (own or frames)[-1]
+    path = os.path.relpath(frame.filename) if frame.filename.startswith(os.getcwd() + os.sep) else frame.filename
+    return f"{path}:{frame.lineno}"
+
+
 class Rewards:
     """The run's reward functions and weights: :meth:`__call__` scores a batch of completions."""
 
@@ -105,7 +121,9 @@ class Rewards:
                 raise
             except Exception as e:  # noqa: BLE001 - the user's function: its error, named, in one line
                 first = (str(e).strip().splitlines() or [""])[0][:200]
-                raise ConfigError(f"reward function {name!r} raised {type(e).__name__}: {first}; fix it") from None
+                raise ConfigError(
+                    f"reward function {name!r} raised {type(e).__name__}: {first} (at {_where(e)}); fix it"
+                ) from None
             if not isinstance(out, (list, tuple)) or len(out) != len(completions):
                 got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
                 raise ConfigError(
