@@ -269,28 +269,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.generate import chat_reply, generate_text  # lazy: see the module docstring
 
-    if args.chat is not None:
-        print(
-            chat_reply(
-                args.out_dir,
-                args.chat,
-                max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                seed=args.seed,
-            )
-        )
-        return 0
-    print(
-        generate_text(
-            args.out_dir,
-            args.prompt,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            seed=args.seed,
-        )
-    )
+    sample, text = (chat_reply, args.chat) if args.chat is not None else (generate_text, args.prompt)
+    options = {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_k", "seed")}
+    print(sample(args.out_dir, text, **options))
     return 0
 
 
