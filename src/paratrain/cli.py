@@ -281,29 +281,14 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.generate import chat_turn, generate_text  # lazy: see the module docstring
 
+    options = {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_k", "seed")}
     if args.chat is not None:
-        reply, note = chat_turn(
-            args.out_dir,
-            args.chat,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            seed=args.seed,
-        )
+        reply, note = chat_turn(args.out_dir, args.chat, **options)
         print(reply)
         if note:  # on stderr: stdout stays the reply alone
             print(note, file=sys.stderr)
         return 0
-    print(
-        generate_text(
-            args.out_dir,
-            args.prompt,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            seed=args.seed,
-        )
-    )
+    print(generate_text(args.out_dir, args.prompt, **options))
     return 0
 
 

@@ -114,27 +114,21 @@ def estimate_ranks(dims: ParallelDims) -> list[int]:
     return [s * per_stage for s in range(dims.pp)]
 
 
+def _estimate(cfg: Config, dims: ParallelDims, **kw) -> SearchResult:
+    """The fake-tensor estimate one process makes for every rank (no other rank searches: no agreement)."""
+    return find_micro_batch(cfg, dims, method="estimate", agree=False, **kw)
+
+
 def estimate_without_group(
     cfg: Config, dims: ParallelDims, *, device: torch.device, local_processes: int, model=None, dataset=None, loss=None
 ) -> SearchResult:
     """The estimate in a process without a process group: fake groups emulate the layout's ranks."""
     rep = replica_dims(dims)
+    objects = dict(device=device, local_processes=local_processes, model=model, dataset=dataset, loss=loss)
     results = []
     for rank in estimate_ranks(rep):
         with fake_process_group(rep.world_size, rank):
-            results.append(
-                find_micro_batch(
-                    cfg,
-                    dims,
-                    device=device,
-                    method="estimate",
-                    local_processes=local_processes,
-                    model=model,
-                    dataset=dataset,
-                    loss=loss,
-                    agree=False,
-                )
-            )
+            results.append(_estimate(cfg, dims, **objects))
     # The rank that fits least decides.
     return min(results, key=lambda r: (r.micro_batch_size or 0, -(r.peak_bytes or 0)))
 
@@ -163,16 +157,8 @@ def resolve_auto_micro_batch(
         reply = None
         if rank == 0:
             if rep.world_size == 1:
-                result = find_micro_batch(
-                    cfg,
-                    dims,
-                    device=device,
-                    method="estimate",
-                    local_processes=local,
-                    model=model,
-                    dataset=dataset,
-                    loss=loss,
-                    agree=False,
+                result = _estimate(
+                    cfg, dims, device=device, local_processes=local, model=model, dataset=dataset, loss=loss
                 )
             else:
                 result = _estimate_in_subprocess(cfg, dims, model=model, dataset=dataset, loss=loss)

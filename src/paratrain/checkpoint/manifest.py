@@ -30,11 +30,8 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()  # Python 3.11: reads in blocks
 
 
 def write_manifest(path: str, info: dict) -> dict:

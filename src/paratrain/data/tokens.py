@@ -351,22 +351,18 @@ def _build_packed(
             f"data.args: the {split} split of {path!r} has no document with a target; prepare more conversations"
             + (" (or --val-fraction > 0)" if split == "val" else "")
         )
-    ds.vocab_size, ds.eos_id, ds.meta = meta["vocab_size"], meta["eos_id"], {**meta, "path": path}
-    ds.description = {
-        "name": "tokens",
-        "split": split,
-        "packing": packing,
-        "path": path,
-        "documents": int(len(ds.lengths)),
-        "rows": len(ds),
-        "truncated_documents": ds.truncated,
-        "documents_without_target": ds.dropped,
-        "tokenizer": meta["tokenizer"]["spec"],
-        "vocab_size": meta["vocab_size"],
-        "block_size": block_size,
-        "samples": len(ds),
-    }
-    return ds
+    return _describe(
+        ds,
+        meta,
+        split=split,
+        block_size=block_size,
+        packing=packing,
+        path=path,
+        documents=int(len(ds.lengths)),
+        rows=len(ds),
+        truncated_documents=ds.truncated,
+        documents_without_target=ds.dropped,
+    )
 
 
 def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing: str, pad_to: int | None):
@@ -384,17 +380,29 @@ def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing:
             f"data.args: the {split} split of {path!r} has no pair with a target on both sides; prepare more pairs"
             + (" (or --val-fraction > 0)" if split == "val" else " or raise data.args.block_size")
         )
-    ds.vocab_size, ds.eos_id, ds.meta = meta["vocab_size"], meta["eos_id"], {**meta, "path": path}
     ds.pairs_of_rows = True  # objectives/preference.py: a row is a pair, [chosen | rejected]
+    return _describe(
+        ds,
+        meta,
+        split=split,
+        block_size=block_size,
+        format=meta["document_format"],
+        path=path,
+        pairs=len(ds),
+        truncated_pairs=ds.truncated,
+        pairs_without_target=ds.dropped,
+        pad_to=ds.pad_to,
+    )
+
+
+def _describe(ds, meta: dict, *, split: str, block_size: int, **fields):
+    """``ds`` with the corpus's vocabulary, EOS and meta, and its description (``fields``, its path among them,
+    after the split)."""
+    ds.vocab_size, ds.eos_id, ds.meta = meta["vocab_size"], meta["eos_id"], {**meta, "path": fields["path"]}
     ds.description = {
         "name": "tokens",
         "split": split,
-        "format": meta["document_format"],
-        "path": path,
-        "pairs": len(ds),
-        "truncated_pairs": ds.truncated,
-        "pairs_without_target": ds.dropped,
-        "pad_to": ds.pad_to,
+        **fields,
         "tokenizer": meta["tokenizer"]["spec"],
         "vocab_size": meta["vocab_size"],
         "block_size": block_size,

@@ -142,17 +142,11 @@ def styles_around_adapters(model: nn.Module, styles: dict[str, ParallelStyle]) -
 
 
 def _adapter_styles(fqn: str, adapter: str, style: ParallelStyle, key: str) -> dict[str, ParallelStyle]:
-    if type(style) is ColwiseParallel:
+    # A colwise layer's output dimension is lora_B's, a rowwise layer's input dimension lora_A's.
+    part = {ColwiseParallel: "lora_B", RowwiseParallel: "lora_A"}.get(type(style))
+    if part is not None:
         return {
-            f"{fqn}.lora_B.{adapter}": ColwiseParallel(
-                input_layouts=style.input_layouts[0],
-                output_layouts=style.output_layouts[0],
-                use_local_output=style.use_local_output,
-            )
-        }
-    if type(style) is RowwiseParallel:
-        return {
-            f"{fqn}.lora_A.{adapter}": RowwiseParallel(
+            f"{fqn}.{part}.{adapter}": type(style)(
                 input_layouts=style.input_layouts[0],
                 output_layouts=style.output_layouts[0],
                 use_local_output=style.use_local_output,

@@ -45,6 +45,7 @@ from paratrain.config import ConfigError
 from paratrain.distributed.json_collectives import all_gather_json
 from paratrain.distributed.process_group import init_env_process_group
 from paratrain.hardware.collectives import bandwidths, bus_factor
+from paratrain.hardware.env import add_backend_argument
 from paratrain.precision import DTYPES
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
@@ -156,49 +157,33 @@ def analyse_pairs(pair_times: dict[tuple[int, int], float], node_of: list, facto
     ``pair_times[(a, b)]``: seconds of one exchange between ranks a < b; ``node_of[r]``: r's node.
     """
     flags = []
+
+    def flag(what: str, kind: str, field: str, times: dict, value=lambda k: k) -> None:
+        flags.extend(
+            {
+                "what": what,
+                "kind": kind,
+                field: value(k),
+                "time_s": times[k],
+                "median_s": statistics.median(times.values()),
+            }
+            for k in flag_slow(times, factor)
+        )
+
     for kind in ("intra-node", "inter-node"):
         same = {p: t for p, t in pair_times.items() if (node_of[p[0]] == node_of[p[1]]) == (kind == "intra-node")}
-        for a, b in flag_slow(same, factor):
-            flags.append(
-                {
-                    "what": "pair",
-                    "kind": kind,
-                    "ranks": [a, b],
-                    "time_s": same[(a, b)],
-                    "median_s": statistics.median(same.values()),
-                }
-            )
+        flag("pair", kind, "ranks", same, list)
         per_rank: dict[int, list[float]] = {}
         for (a, b), t in same.items():
             per_rank.setdefault(a, []).append(t)
             per_rank.setdefault(b, []).append(t)
-        rank_med = {r: statistics.median(ts) for r, ts in per_rank.items()}
-        for r in flag_slow(rank_med, factor):
-            flags.append(
-                {
-                    "what": "rank",
-                    "kind": kind,
-                    "rank": r,
-                    "time_s": rank_med[r],
-                    "median_s": statistics.median(rank_med.values()),
-                }
-            )
+        flag("rank", kind, "rank", {r: statistics.median(ts) for r, ts in per_rank.items()})
         if kind == "inter-node":
             per_node: dict[tuple, list[float]] = {}
             for (a, b), t in same.items():
                 key = tuple(sorted((str(node_of[a]), str(node_of[b]))))
                 per_node.setdefault(key, []).append(t)
-            node_med = {k: statistics.median(ts) for k, ts in per_node.items()}
-            for k in flag_slow(node_med, factor):
-                flags.append(
-                    {
-                        "what": "node pair",
-                        "kind": kind,
-                        "nodes": list(k),
-                        "time_s": node_med[k],
-                        "median_s": statistics.median(node_med.values()),
-                    }
-                )
+            flag("node pair", kind, "nodes", {k: statistics.median(ts) for k, ts in per_node.items()}, list)
     return {"flags": flags}
 
 
@@ -383,12 +368,7 @@ def plot_busbw(rows: list[dict], path: str, *, title: str = "") -> None:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--backend",
-        choices=("auto", "gloo", "nccl"),
-        default="auto",
-        help="process-group backend (auto: nccl on CUDA, else gloo)",
-    )
+    add_backend_argument(p, "process-group backend (auto: nccl on CUDA, else gloo)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     p.add_argument("--min-bytes", type=int, default=4 * KIB, help="smallest message (default 4 KiB)")
     p.add_argument("--max-bytes", type=int, default=64 * MIB, help="largest message (default 64 MiB)")

@@ -380,13 +380,12 @@ def format_report(info: dict, problems: list[dict], *, ranks: list[dict] | None 
     return "\n".join(lines)
 
 
+def add_backend_argument(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help=help)
+
+
 def add_env_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--backend",
-        choices=("auto", "gloo", "nccl"),
-        default="auto",
-        help="the backend the job will use (checks that depend on it)",
-    )
+    add_backend_argument(p, "the backend the job will use (checks that depend on it)")
     p.add_argument(
         "--json", nargs="?", const="-", default="", help="write the report as JSON to FILE (or to stdout with no FILE)"
     )

@@ -15,6 +15,7 @@ ignores steps it already has, MLflow records the redone steps a second time with
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
@@ -34,6 +35,14 @@ def scalars(row: dict) -> dict[str, float]:
         elif isinstance(v, list):
             out.update({f"{k}/{i}": float(x) for i, x in enumerate(v) if isinstance(x, (int, float))})
     return out
+
+
+def _require(module: str, extra: str, key: str, off: str):
+    """The optional package ``module`` a tracker needs, or one line: install the extra or turn it off."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:  # the extras are optional
+        raise ConfigError(f"{key} needs the {extra} package ({e}); pip install 'paratrain[{extra}]' or set {off}")
 
 
 class Tracker:
@@ -56,14 +65,10 @@ class TensorBoardTracker(Tracker):
     name = "tensorboard"
 
     def __init__(self, out_dir: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:  # the extra is optional
-            raise ConfigError(
-                f"metrics.tensorboard = true needs the tensorboard package ({e}); "
-                "pip install 'paratrain[tensorboard]' or set metrics.tensorboard = false"
-            )
-        self.summary_writer = SummaryWriter
+        tensorboard = _require(
+            "torch.utils.tensorboard", "tensorboard", "metrics.tensorboard = true", "metrics.tensorboard = false"
+        )
+        self.summary_writer = tensorboard.SummaryWriter
         self.log_dir = _writable_dir(os.path.join(out_dir, "tensorboard"), "metrics.tensorboard")
         self.writer = None
 
@@ -89,13 +94,7 @@ class WandbTracker(Tracker):
     name = "wandb"
 
     def __init__(self, cfg: MetricsConfig, out_dir: str):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ConfigError(
-                f"metrics.wandb = true needs the wandb package ({e}); pip install 'paratrain[wandb]' or set metrics.wandb = false"
-            )
-        self.wandb = wandb
+        self.wandb = _require("wandb", "wandb", "metrics.wandb = true", "metrics.wandb = false")
         mode = cfg.wandb_mode
         if mode == "auto":  # online only with a key at hand: never a login prompt or a network wait unasked
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
@@ -146,13 +145,7 @@ class MlflowTracker(Tracker):
     name = "mlflow"
 
     def __init__(self, cfg: MetricsConfig, out_dir: str):
-        try:
-            import mlflow
-        except ImportError as e:
-            raise ConfigError(
-                f"metrics.mlflow needs the mlflow package ({e}); pip install 'paratrain[mlflow]' or set metrics.mlflow = ''"
-            )
-        self.mlflow = mlflow
+        self.mlflow = _require("mlflow", "mlflow", "metrics.mlflow", "metrics.mlflow = ''")
         uri = cfg.mlflow
         if uri.startswith("file:"):
             _writable_dir(uri.removeprefix("file://").removeprefix("file:"), "metrics.mlflow")

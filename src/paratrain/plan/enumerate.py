@@ -90,19 +90,12 @@ class Layout:
 
     def apply(self, cfg: Config) -> Config:
         """``cfg`` with this layout (the same as passing ``set_lines`` to --set); shares the other sections."""
-        parallel = dataclasses.replace(
-            cfg.parallel,
-            dp_replicate=self.dp_replicate,
-            dp_shard=self.dp_shard,
-            tp=self.tp,
-            pp=self.pp,
-            cp=self.cp,
-            ep=self.ep if self.ep is not None else cfg.parallel.ep,
-            activation_checkpointing=self.activation_checkpointing,
-            reshard_after_forward=self.reshard_after_forward,
-            pp_schedule=self.pp_schedule if self.pp > 1 else cfg.parallel.pp_schedule,
-            pp_virtual_stages=self.pp_virtual_stages if self.pp > 1 else cfg.parallel.pp_virtual_stages,
-        )
+        keys = ["dp_replicate", "dp_shard", "tp", "pp", "cp", "activation_checkpointing", "reshard_after_forward"]
+        if self.ep is not None:  # else a model without experts: its ep stays as configured
+            keys.append("ep")
+        if self.pp > 1:  # else no pipeline: its schedule stays as configured
+            keys += ["pp_schedule", "pp_virtual_stages"]
+        parallel = dataclasses.replace(cfg.parallel, **{k: getattr(self, k) for k in keys})
         batch = dataclasses.replace(cfg.batch, micro_batch_size=self.micro_batch_size)
         return dataclasses.replace(cfg, parallel=parallel, batch=batch)
 

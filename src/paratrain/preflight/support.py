@@ -55,60 +55,33 @@ def gpt_moe(cfg: Config) -> bool:
     return cfg.model.args.get("moe") is not None and not (cfg.model.hf or cfg.model.factory)
 
 
+def _degree(name: str, doc: str, levels: dict[str, tuple[str, ...]] | None = None, **kw) -> Feature:
+    """A parallel degree: on above 1, swept at 2 (or at ``levels``), in the triples."""
+    levels = levels or {"2": (f"parallel.{name}=2",)}
+    return Feature(name, doc, lambda c, d: getattr(d, name) > 1, levels, triples=True, **kw)
+
+
 FEATURES: dict[str, Feature] = {
     f.name: f
     for f in (
-        Feature(
-            "dp_replicate",
-            "replicated data parallel (DDP; HSDP's outer dimension with dp_shard)",
-            lambda c, d: d.dp_replicate > 1,
-            {"2": ("parallel.dp_replicate=2",)},
-            tolerance=1e-5,
-            triples=True,
-        ),
-        Feature(
-            "dp_shard",
-            "sharded data parallel (FSDP2)",
-            lambda c, d: d.dp_shard > 1,
-            {"2": ("parallel.dp_shard=2",)},
-            triples=True,
-        ),
-        Feature(
+        _degree("dp_replicate", "replicated data parallel (DDP; HSDP's outer dimension with dp_shard)", tolerance=1e-5),
+        _degree("dp_shard", "sharded data parallel (FSDP2)"),
+        _degree(
             "tp",
             "tensor parallel (DTensor), with or without sequence parallel",
-            lambda c, d: d.tp > 1,
             {"2": ("parallel.tp=2",), "2+sp": ("parallel.tp=2", "parallel.sequence_parallel=true")},
-            triples=True,
         ),
-        Feature(
+        _degree(
             "pp",
             "pipeline parallel, by schedule",
-            lambda c, d: d.pp > 1,
-            {
-                "1f1b": ("parallel.pp=2", "parallel.pp_schedule='1f1b'"),
-                "gpipe": ("parallel.pp=2", "parallel.pp_schedule='gpipe'"),
-                "interleaved1f1b": ("parallel.pp=2", "parallel.pp_schedule='interleaved1f1b'"),
-                "zbv": ("parallel.pp=2", "parallel.pp_schedule='zbv'"),
-            },
-            triples=True,
+            {s: ("parallel.pp=2", f"parallel.pp_schedule='{s}'") for s in ("1f1b", "gpipe", "interleaved1f1b", "zbv")},
         ),
-        Feature(
+        _degree(
             "cp",
             "context parallel, by attention",
-            lambda c, d: d.cp > 1,
-            {
-                "ring": ("parallel.cp=2", "parallel.cp_attention='ring'"),
-                "alltoall": ("parallel.cp=2", "parallel.cp_attention='alltoall'"),
-            },
-            triples=True,
+            {a: ("parallel.cp=2", f"parallel.cp_attention='{a}'") for a in ("ring", "alltoall")},
         ),
-        Feature(
-            "ep",
-            "expert parallel (needs a mixture of experts)",
-            lambda c, d: d.ep > 1,
-            {"2": ("parallel.ep=2",)},
-            triples=True,
-        ),
+        _degree("ep", "expert parallel (needs a mixture of experts)"),
         Feature(
             "moe",
             "the built-in GPT's mixture of experts",

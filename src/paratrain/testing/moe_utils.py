@@ -67,21 +67,10 @@ MOE_GPT = [
 ]
 
 
-def train_moe_gpt(runs: list[list[str]]) -> None:
-    import torch.distributed as dist
-
-    import paratrain
-
-    dist.init_process_group("gloo")
-    try:
-        for overrides in runs:
-            paratrain.train(paratrain.load_config(None, [*MOE_GPT, *overrides]))
-    finally:
-        dist.destroy_process_group()
-
-
 def moe_runs(tmp_path, world: int, runs: dict[str, list[str]]) -> dict[str, dict]:
-    run_ranks(train_moe_gpt, world, [[*extra, f"run.out_dir='{tmp_path / name}'"] for name, extra in runs.items()])
+    run_ranks(
+        train_runs, world, [[*MOE_GPT, *extra, f"run.out_dir='{tmp_path / name}'"] for name, extra in runs.items()]
+    )
     return {name: read_moe_run(tmp_path / name) for name in runs}
 
 

@@ -7,7 +7,17 @@ from torch import nn
 from torch.utils.data import Dataset
 
 
-class ToyLM(Dataset):
+class Samples(Dataset):
+    """Samples ``(x[i], y[i])`` of two tensors a subclass fills."""
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class ToyLM(Samples):
     """Random token sequences whose samples carry different numbers of ignored targets."""
 
     def __init__(self, n: int = 64, seq_len: int = 16, vocab: int = 32, seed: int = 1234):
@@ -18,28 +28,16 @@ class ToyLM(Dataset):
         for i, k in enumerate(ignored.tolist()):
             self.y[i, :k] = -100
 
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
 
 def toy_lm(n: int = 64, seq_len: int = 16, vocab: int = 32, seed: int = 1234) -> ToyLM:
     return ToyLM(n, seq_len, vocab, seed)
 
 
-class Regression(Dataset):
+class Regression(Samples):
     def __init__(self, n: int = 64, dim: int = 8):
         g = torch.Generator().manual_seed(7)
         self.x = torch.randn(n, dim, generator=g)
         self.y = self.x @ torch.randn(dim, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
 
 
 def regression(n: int = 64, dim: int = 8) -> Regression:
@@ -59,6 +57,23 @@ def mean_of_means(output, target):
 mean_of_means.count = lambda target: 1
 
 
+def _gpt_acting_at(gpt_args: dict, act) -> nn.Module:
+    """The built-in GPT calling ``act(n)`` before its n-th training forward (the start-of-run
+    probe's forwards, without grad, are not training forwards and are not counted)."""
+    from paratrain.models import build_gpt
+
+    model = build_gpt(**gpt_args)
+    calls = [0]
+
+    def hook(module, args):
+        if torch.is_grad_enabled():
+            calls[0] += 1
+            act(calls[0])
+
+    model.register_forward_pre_hook(hook)
+    return model
+
+
 def gpt_killed_at(kill_at_step: int = 0, kill_rank: int = 1, **gpt_args) -> nn.Module:
     """The built-in GPT, plus a test-only failure: on the first attempt of a torchrun job (no
     restart yet), rank ``kill_rank`` SIGKILLs itself in the forward of step ``kill_at_step``
@@ -66,24 +81,15 @@ def gpt_killed_at(kill_at_step: int = 0, kill_rank: int = 1, **gpt_args) -> nn.M
     import os
     import signal
 
-    from paratrain.models import build_gpt
-
-    model = build_gpt(**gpt_args)
-    calls = [0]
-
-    def maybe_die(module, args):
-        if not torch.is_grad_enabled():  # the start-of-run probe's forwards are not training forwards
-            return
-        calls[0] += 1
+    def maybe_die(n):
         if (
-            calls[0] == kill_at_step
+            n == kill_at_step
             and int(os.environ.get("RANK", "-1")) == kill_rank
             and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
         ):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    model.register_forward_pre_hook(maybe_die)
-    return model
+    return _gpt_acting_at(gpt_args, maybe_die)
 
 
 def gpt_stalled_at(
@@ -95,22 +101,13 @@ def gpt_stalled_at(
     import os
     import time
 
-    from paratrain.models import build_gpt
-
-    model = build_gpt(**gpt_args)
-    calls = [0]
-
-    def maybe_stall(module, args):
-        if not torch.is_grad_enabled():  # the start-of-run probe's forwards are not training forwards
-            return
-        calls[0] += 1
+    def maybe_stall(n):
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-        if calls[0] == stall_at_step and int(os.environ.get("RANK", "-1")) == stall_rank:
+        if n == stall_at_step and int(os.environ.get("RANK", "-1")) == stall_rank:
             if not (first_attempt_only and restarted):
                 time.sleep(stall_s)
 
-    model.register_forward_pre_hook(maybe_stall)
-    return model
+    return _gpt_acting_at(gpt_args, maybe_stall)
 
 
 def gpt_sigterm_at(sigterm_at_forward: int = 0, sigterm_rank: int = 1, **gpt_args) -> nn.Module:
@@ -119,20 +116,11 @@ def gpt_sigterm_at(sigterm_at_forward: int = 0, sigterm_rank: int = 1, **gpt_arg
     import os
     import signal
 
-    from paratrain.models import build_gpt
-
-    model = build_gpt(**gpt_args)
-    calls = [0]
-
-    def maybe_signal(module, args):
-        if not torch.is_grad_enabled():  # the start-of-run probe's forwards are not training forwards
-            return
-        calls[0] += 1
-        if calls[0] == sigterm_at_forward and int(os.environ.get("RANK", "-1")) == sigterm_rank:
+    def maybe_signal(n):
+        if n == sigterm_at_forward and int(os.environ.get("RANK", "-1")) == sigterm_rank:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    model.register_forward_pre_hook(maybe_signal)
-    return model
+    return _gpt_acting_at(gpt_args, maybe_signal)
 
 
 def gpt_chaos(chaos_dir: str = "", forward_sleep_s: float = 0.2, **gpt_args) -> nn.Module:
@@ -332,7 +320,7 @@ def tagger(vocab: int = 32, dim: int = 32, p: float = 0.1) -> nn.Module:
     return Tagger(vocab, dim, p)
 
 
-class Augmented(Dataset):
+class Augmented(Samples):
     """Small images whose ``__getitem__`` draws a random flip, shift and noise from torch's,
     Python's and numpy's global RNGs, as torchvision-style transforms do."""
 
@@ -340,9 +328,6 @@ class Augmented(Dataset):
         g = torch.Generator().manual_seed(5)
         self.x = torch.randn(n, 1, size, size, generator=g)
         self.y = torch.randint(0, classes, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
 
     def __getitem__(self, i):
         import random
@@ -409,19 +394,13 @@ def deep_tagger(vocab: int = 32, dim: int = 32, depth: int = 3, p: float = 0.3) 
 # --- batch math (models/batch_norm.py, objectives/batch_loss.py) ------------------------------
 
 
-class Images(Dataset):
+class Images(Samples):
     """Fixed small images and labels, no augmentation."""
 
     def __init__(self, n: int = 64, size: int = 6, classes: int = 4):
         g = torch.Generator().manual_seed(11)
         self.x = torch.randn(n, 2, size, size, generator=g)
         self.y = torch.randint(0, classes, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
 
 
 def images(n: int = 64, size: int = 6, classes: int = 4) -> Images:
@@ -439,19 +418,14 @@ def bn_cnn(size: int = 6, classes: int = 4, momentum: float | None = 0.1) -> nn.
     )
 
 
-class Pairs(Dataset):
+class Pairs(Samples):
     """(query, document) feature pairs: the document is a noisy copy of its query."""
 
     def __init__(self, n: int = 64, dim: int = 8):
         g = torch.Generator().manual_seed(12)
         q = torch.randn(n, dim, generator=g)
         self.x = torch.stack([q, q + 0.5 * torch.randn(n, dim, generator=g)], dim=1)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], torch.tensor(0)
+        self.y = torch.zeros(n, dtype=torch.long)  # no label: the loss pairs the batch's rows
 
 
 def pairs(n: int = 64, dim: int = 8) -> Pairs:

@@ -266,9 +266,8 @@ class HFCausalLM(nn.Module):
         starts a one-token sequence of its own for the mask and rotates as position 0. A
         pipeline stage gets the ids (or the hidden states) and the ``positions`` (B, T) apart.
 
-        ``cache``: transformers' ``DynamicCache`` of the generation phase (objectives/rl/rollout.py): ``x``
-        holds the new tokens only, at ``positions`` (B, T), and ``key_mask`` (B, cached + T)
-        marks the cached and new slots each row may attend to (not its prompt's padding).
+        ``cache``: transformers' ``DynamicCache`` of the generation phase (objectives/rl/rollout.py),
+        with ``x``, ``positions`` and ``key_mask`` as in the built-in GPT's (models/gpt/model.py).
         """
         if cache is not None:
             return self._cached_forward(x, positions, cache, key_mask)
