@@ -132,7 +132,8 @@ LAYERS = (
     ("objectives",),
     ("distributed", "data"),
     ("models", "checkpoint", "hardware", "step"),
-    ("observability", "build"),
+    ("observability",),
+    ("build",),  # its start-up line (observability/events.py startup)
     ("batch", "generate"),
     ("preflight", "evaluate"),
     ("plan", "trainer"),
