@@ -1,12 +1,15 @@
 """A multi-node job needs one run.out_dir that every node sees (preflight/shared.py, issue 55 item
 2): two ranks whose folders differ, as two nodes with node-local disks, are both refused with the
-same one line; one shared folder passes, and the check leaves nothing in it."""
+same one line; one shared folder passes, and the check leaves nothing in it. And a resume that
+finds no checkpoint where the run's metrics record steps is refused, not started over."""
 
 from __future__ import annotations
 
+import json
 import os
 
-from paratrain.testing.dist_utils import run_ranks
+from paratrain.testing.dist_utils import run_ranks, train_rank
+from paratrain.testing.resilience import TOY
 
 
 def _check(folders: list[str]) -> str | None:
@@ -40,3 +43,24 @@ def test_one_shared_folder_passes_and_keeps_nothing(tmp_path):
     shared = str(tmp_path / "run")
     assert run_ranks(_check, 2, [shared, shared], timeout=120) == [None, None]
     assert os.listdir(shared) == []
+
+
+def _refusal(overrides: list[str]) -> str | None:
+    from paratrain.config import ConfigError
+
+    try:
+        train_rank(overrides)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_resume_without_checkpoints_over_recorded_steps_is_refused_on_every_rank(tmp_path):
+    """The issue's (b): the node that got rank 0 found no checkpoint and trained 30 steps again,
+    exit 0. Both ranks refuse with rank 0's line; nothing is trained or written."""
+    rows = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 31))
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    sets = [*TOY, f"run.out_dir='{tmp_path}'", "checkpoint.resume='latest'"]
+    lines = run_ranks(_refusal, 2, sets, timeout=180)
+    assert lines[0] == lines[1] and "records 30 steps" in lines[0] and "--overwrite" in lines[0], lines
+    assert (tmp_path / "metrics.jsonl").read_text() == rows
