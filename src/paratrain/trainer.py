@@ -59,7 +59,9 @@ from paratrain.optim import build_optimizer, build_scheduler
 from paratrain.precision import Precision, build_precision
 from paratrain.preemption import Preemption
 from paratrain.preflight import check_eval, check_run
+from paratrain.preflight.memory import check_memory
 from paratrain.preflight.probe import first_micro_batch, layout_probe
+from paratrain.preflight.shared import check_shared_folders, shared_folders
 from paratrain.randomness import draws_random
 from paratrain.step import StepContext, StepResult, no_grad_forward, train_step
 
@@ -126,6 +128,11 @@ def train(
     called = time.time()
     enable_flight_recorder()  # before the process group exists: hang reports name collectives
     ctx = init_distributed(cfg.dist)
+    try:  # before anything is written or resumed: one folder every node sees (preflight/shared.py)
+        check_shared_folders(shared_folders(cfg), rank=ctx.rank, world_size=ctx.world_size, device=ctx.device)
+    except ConfigError:
+        close_distributed(ctx, barrier=False)
+        raise
     # A few wall-clock lines per start (observability/events.py): where an elastic restart's seconds go.
     events = EventLog(cfg.run.out_dir, rank=ctx.rank, world_size=ctx.world_size)
     events.record("worker_start", t=process_start_time())
@@ -329,6 +336,8 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
     log.info(startup(f"process group of {ctx.world_size} ready; checking the config, reading the data"))
     dims, plan = check_run(cfg, ctx.world_size, model=model)
+    if model is None:  # before the model's first allocation (a model passed in has made its own)
+        check_memory(cfg, dims, device=ctx.device)
     if cfg.data.name == "prompts" and cfg.model.hf and "tokenizer" not in cfg.data.args:
         cfg.data.args = {**cfg.data.args, "tokenizer": cfg.model.hf}  # the model's own tokenizer
     dataset = dataset if dataset is not None else build_dataset(cfg.data)

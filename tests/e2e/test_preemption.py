@@ -80,13 +80,14 @@ def start_node(out: str, port: int, extra: list[str]) -> subprocess.Popen:
 def test_sigterm_to_one_node_every_launcher_returns_exit_code_on_preempt(tmp_path):
     """Two one-process nodes; only the second node's launcher gets SIGTERM. Every rank stops after
     the same step with a checkpoint, and BOTH launchers return checkpoint.exit_code_on_preempt
-    (a scheduler requeues on it: a 0 from the node that got no signal would say "done"). Each
-    node has its own run.out_dir, as on machines without a shared disk (the checkpoints go to
-    one shared checkpoint.dir): a launcher cannot learn of the preemption from rank 0's summary."""
+    (a scheduler requeues on it: a 0 from the node that got no signal would say "done"). The
+    nodes share run.out_dir and checkpoint.dir (a multi-node job needs one folder every node sees,
+    docs/checkpoints.md), but each launcher learns of the preemption from its own workers, not
+    from rank 0's summary, which may lie on another node's launcher's side of the job."""
     ckpts, port = str(tmp_path / "checkpoints"), free_port()
     extra = ["checkpoint.interval=0", "checkpoint.at_end=false", "checkpoint.exit_code_on_preempt=3"]
     extra += [f"checkpoint.dir='{ckpts}'"]
-    outs = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    outs = [str(tmp_path / "run")] * 2
     first = start_node(outs[0], port, extra)
     time.sleep(1.0)  # the first node hosts the rendezvous store
     second = start_node(outs[1], port, extra)

@@ -176,3 +176,36 @@ def test_nodes_checking_one_new_out_dir_at_once_both_pass_and_leave_nothing(tmp_
             t.join()
         assert not errors, errors[0]
     assert os.listdir(tmp_path) == [], "a check leaves nothing behind"
+
+
+def test_a_run_that_failed_before_its_first_step_does_not_block_the_same_command(tmp_path):
+    """What a run leaves when it fails before step 1 (an empty metrics.jsonl, config.toml,
+    events.jsonl) is not a run: the same command is not refused (issue 55). A row is one."""
+    from paratrain.cli import check_out_dir
+    from paratrain.config import ConfigError, load_config
+
+    cfg = load_config("configs/debug.toml", [f"run.out_dir='{tmp_path}'"])
+    for name in ("metrics.jsonl", "config.toml", "events.jsonl"):
+        (tmp_path / name).write_text("")
+    check_out_dir(cfg, one_node=True)
+    _rows(tmp_path / "metrics.jsonl", [1])
+    with pytest.raises(ConfigError, match=r"holds another run \(metrics.jsonl\)"):
+        check_out_dir(cfg, one_node=True)
+
+
+def test_resume_that_finds_no_checkpoint_where_metrics_record_steps_is_refused(tmp_path):
+    """--resume with no checkpoint where the run's metrics.jsonl records steps: one line naming
+    both and the fix, not a silent start at step 0 (issue 55, item 2b); a fresh folder starts."""
+    from paratrain.checkpoint.manifest import resolve_checkpoint
+    from paratrain.config import ConfigError
+
+    root = str(tmp_path / "checkpoints")
+    assert resolve_checkpoint("latest", root, out_dir=str(tmp_path)) is None  # nothing there: a fresh start
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert resolve_checkpoint("latest", root, out_dir=str(tmp_path)) is None
+    _rows(tmp_path / "metrics.jsonl", range(1, 31))
+    with pytest.raises(ConfigError) as e:
+        resolve_checkpoint("latest", root, out_dir=str(tmp_path))
+    assert "no checkpoint in" in str(e.value) and "records 30 steps" in str(e.value) and "--overwrite" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert resolve_checkpoint("latest", root) is None  # no out_dir: --overwrite, or a restart's own rows

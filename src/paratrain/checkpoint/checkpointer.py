@@ -95,8 +95,10 @@ class Checkpointer:
         device: torch.device,
         timeout_s: float,
         base: dict | None = None,
+        overwrite: bool = False,
     ):
         self.cfg = cfg
+        self.out_dir, self.overwrite = out_dir, overwrite  # run.overwrite: a resume may start over
         # A LoRA run's frozen base ({"sha256", "of"}, rank 0): written into each manifest, and a
         # checkpoint of adapters trained on another base is refused on resume.
         self.base = base
@@ -349,9 +351,12 @@ class Checkpointer:
         choice: list[Any] = [None]
         if self.rank == 0:  # one rank hashes the files; every rank learns the verdict
             try:
-                path = resolve_checkpoint(spec, self.root)
+                # What the user asked to resume (--resume), with no checkpoint where the run's
+                # metrics record steps, is refused; not under --overwrite, which starts over.
+                out_dir = self.out_dir if self.cfg.resume and not self.overwrite else ""
+                path = resolve_checkpoint(spec, self.root, out_dir=out_dir)
                 if path is None and fallback:
-                    path = resolve_checkpoint(fallback, self.root)
+                    path = resolve_checkpoint(fallback, self.root, out_dir=out_dir)
                 choice[0] = {"path": path}
                 if path is not None:
                     self._check_base(path)
@@ -617,4 +622,5 @@ def build_checkpointer(
         device=device,
         timeout_s=cfg.dist.timeout_s,
         base=base,
+        overwrite=cfg.run.overwrite,
     )

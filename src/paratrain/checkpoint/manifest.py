@@ -6,6 +6,7 @@ newest intact checkpoint, and resolving ``checkpoint.resume``; what a run leaves
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -120,12 +121,24 @@ def find_latest(root: str) -> str | None:
     return None
 
 
-def resolve_checkpoint(spec: str, root: str) -> str | None:
-    """The checkpoint that ``checkpoint.resume = spec`` names: None for a fresh start."""
+def resolve_checkpoint(spec: str, root: str, *, out_dir: str = "") -> str | None:
+    """The checkpoint that ``checkpoint.resume = spec`` names: None for a fresh start.
+
+    ``out_dir``: the run's folder, whose metrics.jsonl says whether a run was there; a 'latest'
+    that finds no checkpoint where it records steps is refused, not started over (issue 55: a
+    node that saw none of the checkpoints trained a finished job's 30 steps again, exit 0).
+    """
     if not spec:
         return None
     if spec == "latest":
         path = find_latest(root)
+        steps = recorded_steps(out_dir) if out_dir and path is None else 0
+        if steps:
+            raise ConfigError(
+                f"--resume: no checkpoint in {root}, but {os.path.join(out_dir, 'metrics.jsonl')} records {steps}"
+                " steps of a run; bring its checkpoints back (or set checkpoint.dir to them), or start over with"
+                " --overwrite (removes that run's outputs)"
+            )
         if path is None:
             log.info("checkpoint.resume = 'latest': no complete checkpoint in %s, starting at step 0", root)
         return path
@@ -141,9 +154,23 @@ def resolve_checkpoint(spec: str, root: str) -> str | None:
     return spec
 
 
+def recorded_steps(out_dir: str) -> int:
+    """The last step ``out_dir/metrics.jsonl`` records (0: no file, or no complete row)."""
+    last = 0
+    with contextlib.suppress(OSError), open(os.path.join(out_dir, "metrics.jsonl"), "rb") as f:
+        for line in f:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                last = max(last, int(json.loads(line)["step"]))
+    return last
+
+
 def run_outputs(out_dir: str, checkpoint_dir: str = "") -> list[str]:
-    """The outputs of a run found in ``out_dir`` (and its checkpoints), by name; [] for none."""
+    """The outputs of a run found in ``out_dir`` (and its checkpoints), by name; [] for none.
+    A metrics.jsonl without a row is none: a run that failed before its first step leaves
+    nothing that refuses the same command again."""
     found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(out_dir, n))]
+    if "metrics.jsonl" in found and not recorded_steps(out_dir):
+        found.remove("metrics.jsonl")
     checkpoints = checkpoint_dir or os.path.join(out_dir, "checkpoints")
     if list_checkpoints(checkpoints):
         found.append(checkpoint_dir or "checkpoints")

@@ -522,7 +522,7 @@ def _claimed_job(raw: bytes) -> str:
 
 
 # What defines a run's math (checkpointer.config_changes): the same on every node of a job,
-# whatever its node-local paths (run.out_dir may differ between machines without a shared disk).
+# whatever its paths (one shared run.out_dir may be mounted at another path on each machine).
 JOB_KEYS = ("model", "data", "loss", "optim", "batch.global_batch_size", "run.seed", "run.steps")
 
 
