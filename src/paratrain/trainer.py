@@ -336,8 +336,6 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
     log.info(startup(f"process group of {ctx.world_size} ready; checking the config, reading the data"))
     dims, plan = check_run(cfg, ctx.world_size, model=model)
-    if model is None:  # before the model's first allocation (a model passed in has made its own)
-        check_memory(cfg, dims, device=ctx.device)
     if cfg.data.name == "prompts" and cfg.model.hf and "tokenizer" not in cfg.data.args:
         cfg.data.args = {**cfg.data.args, "tokenizer": cfg.model.hf}  # the model's own tokenizer
     dataset = dataset if dataset is not None else build_dataset(cfg.data)
@@ -470,6 +468,8 @@ def build_model(cfg: Config, ctx: DistContext, dims, plan: BatchPlan, *, model, 
     frozen base (hashed whole before any parallelism: its checkpoints hold adapters only) and its
     parameter count."""
     log.info(startup("building the model" + (f" of {cfg.model.hf}" if cfg.model.hf and model is None else "")))
+    if model is None:  # before the model's first allocation (a model passed in has made its own)
+        check_memory(cfg, dims, device=ctx.device)
     torch.manual_seed(cfg.run.seed)  # the init is a function of the seed, the same on every rank
     if model is not None:
         spec = spec_of(cfg.model, model)

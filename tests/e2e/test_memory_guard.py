@@ -15,7 +15,7 @@ import torch
 from paratrain.checkpoint.manifest import run_outputs
 from paratrain.config import load_config
 from paratrain.preflight import check_run, memory
-from paratrain.testing.dist_utils import REPO
+from paratrain.testing.dist_utils import REPO, error_lines
 
 
 def test_a_model_that_cannot_fit_exits_2_in_one_line_before_allocating(tmp_path):
@@ -31,7 +31,7 @@ def test_a_model_that_cannot_fit_exits_2_in_one_line_before_allocating(tmp_path)
     cmd = [sys.executable, "-m", "paratrain", "train", "configs/debug.toml", "--set", "model.args.n_layer=100000"]
     cmd += ["--set", f"run.out_dir='{tmp_path}'"]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, preexec_fn=limit)
-    lines = (res.stdout + res.stderr).strip().splitlines()
+    lines = error_lines(res.stdout + res.stderr)
     assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
     assert lines[0].startswith("paratrain: error: the model needs at least 18.9 GiB per rank"), lines[0]
     assert "address space capped at 7.6 GiB" in lines[0] and "model.args.n_layer" in lines[0]

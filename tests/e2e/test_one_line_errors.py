@@ -11,6 +11,7 @@ import pytest
 
 from paratrain.launch import worker
 from paratrain.launch.agent import LAUNCHED_ENV, _TorchFailureEcho
+from paratrain.testing.dist_utils import error_lines
 
 
 @pytest.mark.parametrize(
@@ -84,7 +85,6 @@ def test_a_bad_lora_target_in_two_workers_is_one_line(tmp_path):
         timeout=170,
     )
     assert proc.returncode == 2, proc.stderr
-    # The start-up lines (issue 60: "start 3.1s ...") say what happened before; the error is one line.
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("start ")]
+    lines = error_lines(proc.stderr)  # the start-up lines say what happened before; the error is one line
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("paratrain: error: worker rank") and "matches no layer" in lines[0], lines

@@ -166,6 +166,12 @@ def paratrain_cli(*args: str, timeout: float = 240, env: dict | None = None, cwd
     )
 
 
+def error_lines(output: str) -> list[str]:
+    """A command's output without its start-up lines ("start  3.1s ...": what happened before,
+    observability/events.py): a bad input leaves exactly one line here."""
+    return [line for line in output.splitlines() if line.strip() and not line.startswith("start ")]
+
+
 def sgd_step(model, loss, lr: float) -> tuple[float, float]:
     """One plain-SGD step of a plain PyTorch ``model`` on ``loss``, written out (the anchors of
     tests/distributed/test_preference.py, test_distill.py): (loss, gradient norm) as paratrain logs them."""
