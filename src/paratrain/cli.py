@@ -25,7 +25,7 @@ from paratrain.config import (
     resume_overrides,
     to_toml,
 )
-from paratrain.observability.events import command_started, startup
+from paratrain.observability.events import command_started
 
 
 class NodesAction(argparse.Action):
@@ -148,7 +148,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from paratrain.launch.agent import alone, launch  # lazy: see the module docstring
+    from paratrain.launch.agent import launch  # lazy: see the module docstring
     from paratrain.observability.trackers import check_trackers  # lazy: see the module docstring
     from paratrain.preflight import check_run  # lazy: see the module docstring
 
@@ -173,13 +173,6 @@ def _train(args: argparse.Namespace) -> int:
     check_trackers(cfg.metrics, out_dir=cfg.run.out_dir)  # and a tracker that could not start
     check_out_dir(cfg, one_node=spec.max_nnodes == 1)  # last: the refusals above leave the folder as it was
     module_args = [args.config] + [a for o in args.overrides for a in ("--set", o)]
-    # Not before the checks: a refused config is one line (ConfigError) and nothing else.
-    starting = (
-        "config and layout checked; training in this process"
-        if alone(spec)
-        else f"config and layout checked; starting {spec.nproc_per_node} worker process(es) on this node"
-    )
-    print(startup(starting), file=sys.stderr, flush=True)
     # After a preemption the workers leave checkpoint.exit_code_on_preempt to their node's launcher.
     return launch(spec, "paratrain.launch.worker", module_args, job=cfg)
 

@@ -49,7 +49,7 @@ def test_train_debug_two_processes_writes_every_output(tmp_path):
     # first step (issue 60: a loaded machine printed nothing for 50 s).
     lines = res.stderr.splitlines()
     phases = (
-        "config and layout checked; starting 2 worker process(es)",
+        "checks passed; starting 2 worker process(es)",
         "torch and the trainer imported",
         "process group of 2 ready",
         "building the model",

@@ -29,6 +29,7 @@ from paratrain.distributed.store_auth import (
     new_secret,
     route_source,
 )
+from paratrain.observability.events import startup
 from paratrain.preemption import EXIT_NOW, forward_to_children
 
 # Set in the workers' environment by `paratrain train`: a folder of this node's launcher. A
@@ -304,6 +305,7 @@ def run_here(module: str, module_args: list[str]) -> int:
     (preemption.py), and its error line is printed by the worker itself (worker.report_failure).
     The environment is restored afterwards, as launch does.
     """
+    print(startup("checks passed; training in this process"), file=sys.stderr)
     saved = dict(os.environ)
     for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID", LAUNCHED_ENV):
         os.environ.pop(key, None)
@@ -336,6 +338,8 @@ def _launch(spec: LaunchSpec, module: str, module_args: list[str], *, reports: s
         # they share the agent's rendezvous TCP store; a store of their own avoids it.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args(torchrun_args(spec, module, module_args, bind=bind, job=job))
+    # After every check of the launcher: a refused job is its one error line and nothing else.
+    print(startup(f"checks passed; starting {spec.nproc_per_node} worker process(es) on this node"), file=sys.stderr)
     terms = []
 
     def forward_sigterm(signum, frame) -> None:

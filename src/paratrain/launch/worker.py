@@ -21,7 +21,7 @@ from paratrain.config import ConfigError, add_resume_argument, add_set_argument,
 from paratrain.distributed.hang import CollectiveTimeout
 from paratrain.distributed.process_group import run_then_exit
 from paratrain.launch.agent import LAUNCHED_ENV, forget_preempted, report_preempted
-from paratrain.observability.events import startup
+from paratrain.observability.events import STARTED_AT, startup
 from paratrain.observability.metrics import MetricsWriteError
 from paratrain.trainer import train
 
@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     add_set_argument(parser)
     add_resume_argument(parser)
     args = parser.parse_args(argv)
-    if os.environ.get("RANK", "0") == "0":  # before the logger exists (trainer.build_run sets it up)
+    # Under paratrain's launcher (it set the command's start), before the logger exists (trainer.build_run).
+    if os.environ.get("RANK", "0") == "0" and STARTED_AT in os.environ:
         print(startup("torch and the trainer imported; joining the process group"), file=sys.stderr, flush=True)
     try:
         cfg = load_config(args.config, [*args.overrides, *resume_overrides(args.resume)])
