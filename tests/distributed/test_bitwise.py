@@ -73,3 +73,25 @@ def test_without_bitwise_the_layouts_differ(runs):
     ref = runs[False]["1x16"]
     for name in ("1x4-acc4", "2x4-acc2"):
         assert differences(runs[False][name], ref), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bitwise_world_4_and_resume_at_world_1_with_keyed_dropout(tmp_path):
+    """World 4 (accumulation 2) and a world-2 run's step-3 checkpoint resumed at world 1 with
+    accumulation 4 give the one-process run's bits, with dropout keyed by the sample
+    (run.keyed_random, the default)."""
+    drop = [
+        *BITWISE,
+        "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, dropout = 0.1}",
+        "checkpoint.interval=3",
+    ]
+    ref = run_layout(tmp_path, "ref", 1, 16, drop)
+    assert differences(run_layout(tmp_path, "w4", 4, 2, drop), ref) == []
+    run_layout(tmp_path, "w2", 2, 8, drop)
+    src = tmp_path / "w2" / "checkpoints" / "step-3"
+    resumed = run_layout(tmp_path, "resumed", 1, 4, [*drop, f"checkpoint.resume='{src}'"])
+    assert [resumed[k] for k in ("losses", "grad_norm", "items")] == [
+        ref[k][3:] for k in ("losses", "grad_norm", "items")
+    ]
+    assert [k for k in ref["weights"] if not torch.equal(resumed["weights"][k], ref["weights"][k])] == []
