@@ -61,6 +61,14 @@ class RunConfig:
         True,
         "Run the start-of-run layout probe: before the first step, the first micro-batch's loss whole and split in two halves on each process, forward only; a difference (BatchNorm, random draws outside the keyed path, a loss over the batch) stops the run with exit 2 naming the first module that differs, unless run.layout_dependent = true (docs/layout-probe.md).",
     )
+    bitwise: bool = opt(
+        False,
+        "Make the weights after every step the same bits on any number of processes (DDP) and any accumulation: each backward runs on run.bitwise_grain rows and the gradients are summed in one fixed binary tree over the global batch (docs/bitwise.md). Costs smaller matmuls and a gather of the gradients instead of DDP's all-reduce; refuses the layouts not built for it (docs/support.md).",
+    )
+    bitwise_grain: int = opt(
+        0,
+        "Rows of each forward and backward under run.bitwise (required there, > 0): every layout's micro-batch must be a multiple of it, and the grains per rank and the data-parallel ranks powers of two.",
+    )
     overwrite: bool = opt(
         False,
         "Let `paratrain train` start over in an out_dir that holds another run's outputs (metrics, weights, checkpoints), removing them first; otherwise it is refused unless the run resumes (--resume). `paratrain train --overwrite` sets it.",
@@ -733,6 +741,7 @@ def validate(cfg: Config) -> None:
 
     positive("run.steps", cfg.run.steps)
     positive("run.max_samples", cfg.run.max_samples, allow_zero=True)
+    positive("run.bitwise_grain", cfg.run.bitwise_grain, allow_zero=True)
     positive("batch.global_batch_size", cfg.batch.global_batch_size)
     if isinstance(cfg.batch.micro_batch_size, str):
         if cfg.batch.micro_batch_size != "auto":

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.config import ConfigError
 from paratrain.data.packing import attention_square, count_input_tokens, split_packed
+from paratrain.distributed.bitwise import GrainTree, split_grains
 from paratrain.distributed.context_parallel import (
     AutoAttention,
     auto_attentions,
@@ -99,6 +100,9 @@ class StepContext:
     # BatchNorm's groups (models/batch_norm.py, batch.norm_group; 0: the model has none): groups
     # wider than a micro-batch lay the rows out over ranks (data/sampler.py rank_micro_batches).
     norm_group: int = 0
+    # run.bitwise (distributed/bitwise.py): the rows of each backward, summed in one fixed tree;
+    # 0: off, the micro-batch loop with DDP's or FSDP's own reduce.
+    bitwise_grain: int = 0
 
     @property
     def amp(self) -> Precision:
@@ -243,7 +247,8 @@ def train_step(
         # back into the sum over ranks, so the gradient is d(global sum)/d(theta) / units. dp is
         # a power of two in practice, which makes the round trip exact in floating point. With
         # context parallel FSDP2 averages over the dp x cp ranks (each holding part of the rows).
-        objective.start(scale=ctx.dp * ctx.cp / units, device=ctx.device)
+        # run.bitwise sums the ranks' gradients itself: 1 / units, the same scale on every layout.
+        objective.start(scale=(1 if ctx.bitwise_grain else ctx.dp * ctx.cp) / units, device=ctx.device)
         objective.before_micro_batches(model, batches, forward=no_grad_forward(model, batches, ctx, keys))
     if isinstance(model, PipelineModel):  # the schedule runs forward and backward
         with (
@@ -259,6 +264,9 @@ def train_step(
                 split_inputs=split_inputs,
             )
         pp_group = model.pp_group
+    elif ctx.bitwise_grain:
+        bitwise_forward_backward(model, batches, ctx, keys=keys)
+        pp_group = None
     else:
         forward_backward(
             model, batches, ctx, after_backward=after_backward, autos=autos, decisions=decisions, keys=keys
@@ -330,6 +338,17 @@ def forward_backward(
             objective.end_micro_batch()
         if after_backward is not None:
             after_backward(k)
+
+
+def bitwise_forward_backward(model: nn.Module, batches: list[tuple], ctx: StepContext, *, keys) -> None:
+    """run.bitwise (distributed/bitwise.py): the loop over grains of ``ctx.bitwise_grain`` rows
+    instead of micro-batches, each grain's gradient carried into the fixed tree, whose sum over
+    every rank is left in ``p.grad`` for the clip and the optimiser step."""
+    grains, grain_keys = split_grains(batches, keys, ctx.bitwise_grain)
+    tree = GrainTree(model)
+    with tree.no_sync():
+        forward_backward(model, grains, ctx, after_backward=tree.push, keys=grain_keys)
+    tree.write_grads(group=ctx.dp_group, dp=ctx.dp)
 
 
 def no_grad_forward(model: nn.Module, batches: list[tuple], ctx: StepContext, keys) -> Callable:

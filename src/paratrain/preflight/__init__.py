@@ -19,6 +19,7 @@ from paratrain.config import Config, ConfigError
 from paratrain.data.datasets import dataset_builder
 from paratrain.data.packing import IGNORE_INDEX
 from paratrain.data.tokens import resolve_model_vocab, resolve_packing, tokens_meta
+from paratrain.distributed.bitwise import check_grains
 from paratrain.distributed.layout_checks import check_compression, check_parallel_layout, check_pp_layout, check_untied
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.models import build, resolve, spec_of
@@ -64,6 +65,13 @@ def check_run(
     if dims.cp > 1:
         check_cp_rows(cfg, dims, spec or spec_of(cfg.model, model))
     check_eval(cfg, dims, plan)
+    if cfg.run.bitwise:  # after the refusals of support.py: DDP and accumulation only
+        check_grains(
+            grain=cfg.run.bitwise_grain,
+            micro_batch_size=plan.micro_batch_size,
+            per_rank=plan.per_rank_batch_size,
+            dp=dims.dp,
+        )
     check_rl(cfg, dims, plan)
     if dims.tp > 1 or dims.pp > 1:
         meta_model, spec = model_on_meta(cfg, model, spec)

@@ -278,6 +278,102 @@ def _over_batch_refusal(degree: str) -> Refusal:
     )
 
 
+def _own_objective(cfg: Config) -> bool:
+    """A plug-in whose objective computes its own terms (preference, distillation, GRPO, a user's)."""
+    plugin = _builtin(cfg) or users_plugin(cfg.loss)
+    return plugin is not None and plugin.objective is not None
+
+
+def _bitwise(name: str, when: Check, what: str, fix: str, why: str) -> Refusal:
+    """A feature run.bitwise (distributed/bitwise.py, docs/bitwise.md) is not built for yet."""
+    return Refusal(
+        ("bitwise", name),
+        lambda c, d: c.run.bitwise and when(c, d),
+        lambda c, d: f"run.bitwise = true does not run with {what(c, d) if callable(what) else what} ({why}); {fix}",
+        why,
+    )
+
+
+def _bitwise_degree(degree: str, why: str) -> Refusal:
+    return _bitwise(
+        degree,
+        lambda c, d: getattr(d, degree) > 1,
+        lambda c, d: f"parallel.{degree} = {getattr(d, degree)}",
+        f"set parallel.{degree} = 1 or run.bitwise = false",
+        why,
+    )
+
+
+# run.bitwise, first slice (issue 59): one process, accumulation and DDP. Each row below is a sum
+# over samples whose order the grain tree does not fix yet, or a feature not checked bit for bit.
+BITWISE_REFUSALS: tuple[Refusal, ...] = (
+    _bitwise_degree("dp_shard", "FSDP2 reduce-scatters in its own order; use parallel.dp_replicate (DDP)"),
+    _bitwise_degree("tp", "a tensor-parallel matmul sums over ranks in the collective's order"),
+    _bitwise_degree("pp", "the pipeline schedule cuts the rows itself, not into grains"),
+    _bitwise_degree("cp", "context-parallel attention sums over ranks in the collective's order"),
+    _bitwise_degree("ep", "the experts' gradients are reduced outside the grain tree"),
+    _bitwise(
+        "compression",
+        lambda c, d: c.comm.compression != "none",
+        lambda c, d: f"comm.compression = {c.comm.compression!r}",
+        "set comm.compression = 'none'",
+        "the gradients are gathered whole, in float32",
+    ),
+    _bitwise(
+        "fp16",
+        lambda c, d: c.precision.dtype == "fp16",
+        "precision.dtype = 'fp16'",
+        "use precision.dtype = 'bf16' or 'fp32'",
+        "its loss scale is not checked bit for bit yet",
+    ),
+    _bitwise(
+        "compile",
+        lambda c, d: c.train.compile,
+        "train.compile = true",
+        "set train.compile = false",
+        # Checked: compiled runs agree bit for bit across layouts (1 process x16, x4 accumulation 4,
+        # 2 ranks x4; 6 steps, no validation). But validation at a layout's own micro-batch can
+        # make torch.compile recompile the blocks for dynamic shapes, whose kernels may round otherwise.
+        "a validation at the layout's micro-batch may recompile the blocks for dynamic shapes",
+    ),
+    _bitwise(
+        "batch size adjustment",
+        lambda c, d: _noise_probe(c) or c.batch.micro_batch_size == "auto",
+        lambda c, d: _probe_name(c) if _noise_probe(c) else "batch.micro_batch_size = 'auto'",
+        "give batch.micro_batch_size as a multiple of run.bitwise_grain and keep the batch fixed",
+        "the micro-batch must be a multiple of the grain chosen before the run",
+    ),
+    _bitwise(
+        "loss over the global batch",
+        lambda c, d: _over_batch(c),
+        lambda c, d: f"loss {c.loss.name!r} (over the whole global batch)",
+        "use a loss per item or sample",
+        "its terms are not per row, so a grain's gradient is not its rows' own",
+    ),
+    _bitwise(
+        "an objective of its own",
+        lambda c, d: _own_objective(c),
+        lambda c, d: f"loss.name = {c.loss.name!r}",
+        "use an item loss ((sum, count) per row)",
+        "its terms (pairs, groups, a teacher) are not checked bit for bit yet",
+    ),
+    _bitwise(
+        "moe",
+        lambda c, d: gpt_moe(c),
+        "model.args.moe",
+        "use a dense model",
+        "the balance loss's statistics are a sum over the micro-batch's tokens",
+    ),
+    _bitwise(
+        "packing padded",
+        lambda c, d: c.data.args.get("packing") == "padded",
+        "data.args.packing = 'padded'",
+        "use data.args.packing = 'documents' (the same losses)",
+        "a padded row's width depends on its micro-batch",
+    ),
+)
+
+
 REFUSALS: tuple[Refusal, ...] = (
     *(_over_batch_refusal(degree) for degree in ("pp", "cp", "ep")),
     Refusal(
@@ -496,6 +592,7 @@ REFUSALS: tuple[Refusal, ...] = (
     _cp_refusal("noise_probe", "the gradient-noise probe (batch.adaptive, adascale)", _noise_probe),
     _cp_refusal("auto micro-batch", "batch.micro_batch_size = 'auto'", lambda c: c.batch.micro_batch_size == "auto"),
     _cp_refusal("packing padded", "data.args.packing = 'padded'", lambda c: c.data.args.get("packing") == "padded"),
+    *BITWISE_REFUSALS,
 )
 
 

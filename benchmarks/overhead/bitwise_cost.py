@@ -1,0 +1,76 @@
+"""run.bitwise's cost: the main job's step time with and without it, paired (issue 59).
+
+    python benchmarks/overhead/bitwise_cost.py [--pairs 4] [--steps 20] [--nproc 2] [--grain 8]
+
+configs/main.toml (global batch 32, micro-batch 8: at world 2 two micro-batches per rank) run
+as it is and with ``run.bitwise = true, run.bitwise_grain = GRAIN``, alternately, the order
+swapped every pair. Each run's statistic is the median step time after 3 warm-up steps; the
+pair's observation is bitwise / default, summarised as the median ratio and the 95% t-interval of the geometric mean
+(src/paratrain/testing/paired.py). The target of the issue: at most 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+WARMUP = 3
+
+
+def run(out: str, overrides: list[str], *, steps: int, nproc: int) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
+    sets = [
+        f"run.out_dir='{out}'",
+        f"run.steps={steps}",
+        "run.progress=false",
+        "metrics.plot=false",
+        "run.save_model=false",
+        "eval.interval=0",
+        *overrides,
+    ]
+    cmd = [sys.executable, "-m", "paratrain", "train", "configs/main.toml", "--nproc-per-node", str(nproc)]
+    cmd += [a for s in sets for a in ("--set", s)]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    if res.returncode:
+        sys.exit(f"benchmark run failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
+    if f"world {nproc} on" not in res.stderr:
+        sys.exit(f"the run did not report world {nproc}:\n{res.stderr[-2000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return statistics.median(r["step_time_s"] for r in rows[WARMUP:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--grain", type=int, default=8)
+    args = ap.parse_args()
+    from paratrain.testing.paired import summary_line
+
+    variants = {"bitwise": ["run.bitwise=true", f"run.bitwise_grain={args.grain}"], "default": []}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.pairs):
+            order = list(variants) if i % 2 == 0 else list(reversed(variants))
+            for name in order:
+                times[name].append(run(f"{tmp}/{name}{i}", variants[name], steps=args.steps, nproc=args.nproc))
+            print(
+                f"pair {i + 1}: bitwise {times['bitwise'][-1]:.3f} s, default {times['default'][-1]:.3f} s", flush=True
+            )
+    ratios = [a / b for a, b in zip(times["bitwise"], times["default"])]
+    print(f"main job, world {args.nproc}, run.bitwise_grain {args.grain}, median step time per run")
+    print(summary_line("bitwise / default step time", ratios))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""run.bitwise's preflight (docs/bitwise.md): the layouts its tree covers, one line for the others;
+and the tree itself: the binary counter on one rank is the pairwise tree over the grains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratrain.config import ConfigError, load_config
+from paratrain.distributed.bitwise import GrainTree
+from paratrain.preflight import check_run
+
+BASE = ["batch.global_batch_size=16", "run.steps=1", "run.bitwise=true", "run.bitwise_grain=2"]
+
+
+def check(*sets: str, world: int = 2):
+    return check_run(load_config(None, [*BASE, *sets]), world)
+
+
+def test_accepts_ddp_and_accumulation():
+    check("batch.micro_batch_size=2", world=2)
+    check("batch.micro_batch_size=4", world=4)
+
+
+@pytest.mark.parametrize(
+    "sets,world,match",
+    [
+        (["run.bitwise_grain=0"], 2, "needs run.bitwise_grain"),
+        (["batch.global_batch_size=12", "batch.micro_batch_size=2"], 2, r"grains per rank \(6 rows"),
+        (["batch.micro_batch_size=4", "run.bitwise_grain=3"], 2, "must divide batch.micro_batch_size = 4"),
+        (["batch.global_batch_size=12", "batch.micro_batch_size=2"], 3, "powers of two"),
+        (["parallel.dp_shard=2"], 2, "parallel.dp_shard = 2"),
+        (["parallel.tp=2"], 2, "parallel.tp = 2"),
+        (["batch.micro_batch_size='auto'"], 2, "micro_batch_size = 'auto'"),
+        (["loss.name='info_nce'"], 2, "over the whole global batch"),
+        (["train.compile=true"], 2, "train.compile"),
+    ],
+)
+def test_refusals_name_the_fix(sets, world, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        check(*sets, world=world)
+    assert "\n" not in str(e.value)
+
+
+def test_counter_is_the_pairwise_tree():
+    # 4 grains of one parameter: the counter must give (g0 + g1) + (g2 + g3), not ((g0 + g1) + g2) + g3.
+    p = torch.nn.Parameter(torch.zeros(()))
+    model = torch.nn.Module()
+    model.p = p
+    tree = GrainTree(model)
+    grads = [torch.tensor(v) for v in (1.0, 1e8, -1e8, 1.0)]  # float32: 1e8 + 1 rounds to 1e8
+    for g in grads:
+        p.grad = g.clone()
+        tree.push()
+    tree.write_grads(group=None, dp=1)
+    assert p.grad.item() == (grads[0] + grads[1] + (grads[2] + grads[3])).item() == 0.0
+    assert ((grads[0] + grads[1]) + grads[2] + grads[3]).item() == 1.0  # the sequential order differs
