@@ -12,39 +12,10 @@ pair's observation is bitwise / default, summarised as the median ratio and the 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-WARMUP = 3
-
-
-def run(out: str, overrides: list[str], *, steps: int, nproc: int) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
-    sets = [
-        f"run.out_dir='{out}'",
-        f"run.steps={steps}",
-        "run.progress=false",
-        "metrics.plot=false",
-        "run.save_model=false",
-        "eval.interval=0",
-        *overrides,
-    ]
-    cmd = [sys.executable, "-m", "paratrain", "train", "configs/main.toml", "--nproc-per-node", str(nproc)]
-    cmd += [a for s in sets for a in ("--set", s)]
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    if res.returncode:
-        sys.exit(f"benchmark run failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
-    if f"world {nproc} on" not in res.stderr:
-        sys.exit(f"the run did not report world {nproc}:\n{res.stderr[-2000:]}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return statistics.median(r["step_time_s"] for r in rows[WARMUP:])
+from keyed_dropout import run  # the same main-job runner (this folder is the script's sys.path[0])
 
 
 def main() -> int:

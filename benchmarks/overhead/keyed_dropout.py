@@ -33,6 +33,7 @@ WARMUP = 3
 
 
 def run(out: str, overrides: list[str], *, steps: int, nproc: int) -> float:
+    """The median step time (after WARMUP) of the main job with ``overrides`` (also bitwise_cost.py's)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])}
     sets = [
         f"run.out_dir='{out}'",
@@ -41,7 +42,6 @@ def run(out: str, overrides: list[str], *, steps: int, nproc: int) -> float:
         "metrics.plot=false",
         "run.save_model=false",
         "eval.interval=0",
-        "model.args.dropout=0.1",
         *overrides,
     ]
     cmd = [sys.executable, "-m", "paratrain", "train", "configs/main.toml", "--nproc-per-node", str(nproc)]
@@ -115,7 +115,14 @@ def main() -> int:
         for i in range(args.pairs):
             order = list(variants) if i % 2 == 0 else list(reversed(variants))
             for name in order:
-                times[name].append(run(f"{tmp}/{name}{i}", variants[name], steps=args.steps, nproc=args.nproc))
+                times[name].append(
+                    run(
+                        f"{tmp}/{name}{i}",
+                        ["model.args.dropout=0.1", *variants[name]],
+                        steps=args.steps,
+                        nproc=args.nproc,
+                    )
+                )
             print(f"pair {i + 1}: keyed {times['keyed'][-1]:.3f} s, torch {times['torch'][-1]:.3f} s", flush=True)
     ratios = [a / b for a, b in zip(times["keyed"], times["torch"])]
     print(f"main job, world {args.nproc}, dropout 0.1, median step time per run")
