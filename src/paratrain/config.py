@@ -546,7 +546,7 @@ class CheckpointConfig:
     )
     resume: str = opt(
         "",
-        "'' starts at step 0; 'latest' continues from the newest complete checkpoint in dir (step 0 if none); or a checkpoint path.",
+        "'' starts at step 0; 'latest' continues from the newest complete checkpoint in dir (step 0 if there is none and run.out_dir's metrics.jsonl records no step; with recorded steps it is refused: --overwrite starts over); or a checkpoint path.",
     )
     on_error: Literal["stop", "warn"] = opt(
         "stop",

@@ -209,3 +209,23 @@ def test_resume_that_finds_no_checkpoint_where_metrics_record_steps_is_refused(t
     assert "no checkpoint in" in str(e.value) and "records 30 steps" in str(e.value) and "--overwrite" in str(e.value)
     assert "\n" not in str(e.value)
     assert resolve_checkpoint("latest", root) is None  # no out_dir: --overwrite, or a restart's own rows
+
+
+def test_a_restarted_attempt_of_a_resumed_run_starts_over_instead_of_refusing_its_own_rows(tmp_path, monkeypatch):
+    """--resume --max-restarts: an attempt that failed after logging rows but before its first
+    checkpoint leaves metrics.jsonl rows; the restarted attempt (resume_spec: 'latest' with the
+    config's resume as fallback) starts over as before, while the first attempt refuses."""
+    from types import SimpleNamespace
+
+    from paratrain.checkpoint.checkpointer import Checkpointer, resume_spec
+    from paratrain.config import CheckpointConfig, ConfigError
+
+    _rows(tmp_path / "metrics.jsonl", range(1, 4))
+    cfg = CheckpointConfig(resume="latest")
+    me = SimpleNamespace(
+        rank=0, world_size=1, cfg=cfg, overwrite=False, out_dir=str(tmp_path), root=str(tmp_path / "c")
+    )
+    with pytest.raises(ConfigError, match="records 3 steps"):
+        Checkpointer.resume(me, *resume_spec(cfg))  # the first attempt
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert Checkpointer.resume(me, *resume_spec(cfg)) is None  # a restart: step 0, as before

@@ -37,7 +37,7 @@ from paratrain.objectives.preference import CPGroup
 from paratrain.objectives.registry import own_objective
 from paratrain.observability.events import startup
 from paratrain.precision import Precision
-from paratrain.randomness import draws_in_forward, has_dropout, site_names
+from paratrain.randomness import Draws, draws_in_forward, has_dropout, site_names
 from paratrain.step import StepContext, to_device
 
 log = logging.getLogger("paratrain")
@@ -214,7 +214,7 @@ def check_batch_math(cfg: Config, dims: ParallelDims, model: nn.Module, loss_fn:
             )
 
 
-def keyed_dropout_enabled(cfg: Config, model: nn.Module, *, draws: str | None = None) -> bool:
+def keyed_dropout_enabled(cfg: Config, model: nn.Module, *, draws: Draws | None = None) -> bool:
     """Whether the step keys the model's random draws by the sample (paratrain/randomness.py):
     run.keyed_random and a model that draws (``draws`` names a draw seen in a forward,
     randomness.draws_in_forward; None asks randomness.has_dropout)."""

@@ -352,8 +352,10 @@ class Checkpointer:
         if self.rank == 0:  # one rank hashes the files; every rank learns the verdict
             try:
                 # What the user asked to resume (--resume), with no checkpoint where the run's
-                # metrics record steps, is refused; not under --overwrite, which starts over.
-                out_dir = self.out_dir if self.cfg.resume and not self.overwrite else ""
+                # metrics record steps, is refused; not under --overwrite, which starts over, and
+                # not in a restarted or elastic attempt (a fallback: resume_spec), whose rows may
+                # be its failed predecessor's, written before any checkpoint.
+                out_dir = self.out_dir if self.cfg.resume and not fallback and not self.overwrite else ""
                 path = resolve_checkpoint(spec, self.root, out_dir=out_dir)
                 if path is None and fallback:
                     path = resolve_checkpoint(fallback, self.root, out_dir=out_dir)

@@ -61,11 +61,23 @@ def split_grains(batches: list[tuple], keys: list[torch.Tensor] | None, grain: i
     their rows' keys (keyed dropout); ``(grain_batches, grain_keys or None)``."""
     out, out_keys = [], [] if keys else None
     for k, (inputs, target) in enumerate(batches):
-        for a in range(0, len(target), grain):
+        rows = _count_rows(inputs)  # not len(target): a (y, w) target's len is its fields
+        if rows % grain:
+            raise ConfigError(f"run.bitwise_grain = {grain} does not divide a micro-batch of {rows} rows")
+        for a in range(0, rows, grain):
             out.append((_rows(inputs, a, a + grain), _rows(target, a, a + grain)))
             if keys:
                 out_keys.append(keys[k][a : a + grain])
     return out, out_keys
+
+
+def _count_rows(obj) -> int:
+    """The rows of a micro-batch's input: the first dimension of its first tensor."""
+    if isinstance(obj, torch.Tensor):
+        return obj.shape[0]
+    for v in obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ():
+        return _count_rows(v)
+    raise ConfigError(f"run.bitwise cuts micro-batches into grains of rows but got a {type(obj).__name__} batch")
 
 
 def _rows(obj, a: int, b: int):

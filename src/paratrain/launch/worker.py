@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         print(startup("torch and the trainer imported; joining the process group"), file=sys.stderr, flush=True)
     try:
         cfg = load_config(args.config, [*args.overrides, *resume_overrides(args.resume)])
-        threads = cpu_threads(cfg.dist.cpu_threads, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        threads = cpu_threads(cfg.dist.cpu_threads, world_size=world, bitwise=cfg.run.bitwise)
         if threads:
             torch.set_num_threads(threads)
         forget_preempted()  # an earlier attempt's report (torchrun restarts) is not this one's
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def cpu_threads(setting: int, *, world_size: int) -> int | None:
+def cpu_threads(setting: int, *, world_size: int, bitwise: bool = False) -> int | None:
     """The intra-op CPU threads of each process of a job: ``dist.cpu_threads`` when set, else 1
     when the job has more than one process and None (torch's default, one per core) for one.
 
@@ -67,7 +68,8 @@ def cpu_threads(setting: int, *, world_size: int) -> int | None:
     """
     if setting > 0:
         return setting
-    return 1 if world_size > 1 else None
+    # run.bitwise: one thread on every layout, one process's included (docs/bitwise.md).
+    return 1 if world_size > 1 or bitwise else None
 
 
 def report_failure(line: str, *, exit_code: int) -> None:

@@ -216,6 +216,15 @@ BUILTIN: dict[str, Plugin] = {
 }
 
 
+def check_known(cfg: LossConfig) -> None:
+    """An unknown built-in ``loss.name`` in one line (``'package.module:name'`` is the user's)."""
+    if ":" not in cfg.name and cfg.name not in BUILTIN:
+        raise ConfigError(
+            f"loss.name = {cfg.name!r} is unknown; use one of {', '.join(map(repr, BUILTIN))} or"
+            " 'package.module:function'"
+        )
+
+
 def plugin_of(cfg: LossConfig, fn: Callable | None = None) -> Plugin:
     """The run's loss: ``fn`` (a function passed to ``train()``), a built-in by ``loss.name``, or
     the user's function or :class:`Plugin` that ``'package.module:name'`` names."""
@@ -233,10 +242,7 @@ def plugin_of(cfg: LossConfig, fn: Callable | None = None) -> Plugin:
                 f"loss.over = 'global_batch' takes 'info_nce' or a 'package.module:function' loss, not {cfg.name!r};"
                 " set loss.name so, or loss.over = 'items'"
             )
-        raise ConfigError(
-            f"loss.name = {cfg.name!r} is unknown; use one of {', '.join(map(repr, BUILTIN))} or"
-            " 'package.module:function'"
-        )
+        check_known(cfg)
     user = fn if fn is not None else resolve_callable(cfg.name, "loss.name", allow=Plugin)
     if isinstance(user, Plugin):
         return user
@@ -294,4 +300,4 @@ def own_objective(cfg: Config, loss_fn: Loss, *, dp_group=None, cp=None) -> Obje
     return plugin.objective(cfg, dp_group=dp_group, cp=cp)
 
 
-__all__ = ["BUILTIN", "Plugin", "build_loss", "builtin_of", "own_objective", "plugin_of", "users_plugin"]
+__all__ = ["BUILTIN", "Plugin", "build_loss", "builtin_of", "check_known", "own_objective", "plugin_of", "users_plugin"]

@@ -26,7 +26,7 @@ from paratrain.models import build, resolve, spec_of
 from paratrain.models.hf import check_hf_moe_layout, hf_is_moe
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
-from paratrain.objectives.registry import builtin_of, plugin_of
+from paratrain.objectives.registry import builtin_of, check_known
 from paratrain.precision import check_precision
 from paratrain.preflight.support import check_support, gpt_moe
 
@@ -45,7 +45,7 @@ def check_run(
     every command and the written config.toml see the size the model is built with).
     """
     check_paths(cfg)
-    plugin_of(cfg.loss)  # an unknown loss.name, in one line
+    check_known(cfg.loss)  # an unknown loss.name, in one line (a loss passed to train() is checked when built)
     resolve(cfg.model)
     dataset_builder(cfg.data)
     resolve_model_vocab(cfg.model, cfg.data)

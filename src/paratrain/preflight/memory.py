@@ -52,7 +52,9 @@ def check_memory(cfg: Config, dims: ParallelDims, *, device: torch.device) -> No
 def refusal(cfg: Config, dims: ParallelDims, *, device: torch.device) -> str | None:
     """This rank's refusal line, or None when the model fits (or cannot be counted)."""
     counted = model_bytes(cfg)
-    have = available_bytes(device)
+    # FSDP2's CPU offload keeps the weights, gradients and optimiser state in host memory: the
+    # host is what they must fit.
+    have = available_bytes(torch.device("cpu") if cfg.parallel.cpu_offload else device)
     if counted is None or have is None:
         return None
     n_params, weights, trainable = counted

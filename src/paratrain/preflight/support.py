@@ -317,7 +317,7 @@ BITWISE_REFUSALS: tuple[Refusal, ...] = (
         lambda c, d: c.comm.compression != "none",
         lambda c, d: f"comm.compression = {c.comm.compression!r}",
         "set comm.compression = 'none'",
-        "the gradients are gathered whole, in float32",
+        "the ranks' gradients are gathered exactly as computed, not compressed",
     ),
     _bitwise(
         "fp16",
