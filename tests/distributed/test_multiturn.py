@@ -125,6 +125,32 @@ def test_episodes_and_losses_are_the_same_with_accumulation_and_at_world_2(mt, o
             torch.testing.assert_close([r[key] for r in rows], [r[key] for r in rows1], rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_an_episodes_first_turn_is_the_single_turn_completion(mt, one_process):
+    """Turn 0 draws from the completion's own key: without tools the prompt renders as in
+    single-turn GRPO, so the first turn's tokens are its completion's."""
+    single = "rl.environment=''"
+    _, completions = _run(mt, "single", single, "run.steps=1")
+    _, rollouts = one_process
+    for c, r in zip(completions, [r for r in rollouts if r["step"] == 1], strict=True):
+        first = r["own"].index(0) if 0 in r["own"] else len(r["own"])
+        assert r["tokens"][:first] == c["tokens"]
+
+
+@pytest.mark.parametrize("layout", ["parallel.dp_shard=2", pytest.param("parallel.tp=2", marks=pytest.mark.slow)])
+def test_episodes_of_different_lengths_are_the_same_on_fsdp2_and_tensor_parallel(mt, layout):
+    """Ranks that agree on every turn (FSDP2's gathers, tensor parallel's reductions in the
+    forward), with episodes of 1 to 3 turns so that one rank may run out before the other."""
+    varied = "rl.environment='paratrain.testing.tool_data:varied_environment'"
+    name = layout.split(".")[1].split("=")[0]
+    rows1, rollouts1 = _run(mt, f"varied_{name}_1", varied)
+    rows2, rollouts2 = _run(mt, f"varied_{name}_2", varied, layout, "batch.micro_batch_size=2", world=2)
+    assert len({r["turns"] for r in rollouts1}) > 1
+    cut = lambda rs: [{k: v for k, v in r.items() if k != "advantage"} for r in rs]  # noqa: E731
+    assert cut(rollouts2) == cut(rollouts1)
+    for key in ("loss", "grad_norm", "reward"):
+        torch.testing.assert_close([r[key] for r in rows2], [r[key] for r in rows1], rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_the_limits_end_an_episode_truncated(mt):
     endless = "rl.environment='paratrain.testing.tool_data:endless_environment'"
     _, turns = _run(mt, "turns", endless, "rl.max_turns=2", "run.steps=1")

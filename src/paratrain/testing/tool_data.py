@@ -131,6 +131,21 @@ def endless_environment(tools):
     return EchoEnvironment(10**9)
 
 
+class VariedEnvironment(EchoEnvironment):
+    """Ends after 1 to 3 turns, as the first character of the model's first turn says: episodes of
+    different lengths, so that ranks run out of episodes at different turns."""
+
+    def step(self, messages: list[dict]) -> tuple[list[dict], bool]:
+        said = [m for m in messages if m["role"] == "assistant"]
+        self.turns = 1 + ord((said[0]["content"] or "a")[0]) % 3
+        return super().step(messages)
+
+
+def varied_environment(tools):
+    """``rl.environment`` of episodes of 1 to 3 turns."""
+    return VariedEnvironment()
+
+
 def byte_mix_episode(prompts, completions, **fields):
     """A reward in [0, 1) of every character of the episode's messages (assistant and tool), so
     the episodes of a group rarely tie."""
