@@ -49,6 +49,7 @@ def _config(mt: dict, name: str, *extra: str) -> list[str]:
         "rl.temperature=0.8",
         f"rl.environment='{ENV}'",
         "rl.max_episode_tokens=200",
+        "rl.check_logps=true",  # the trainer's log-probabilities of the scored tokens against the sampler's
         "rl.rewards=['paratrain.testing.tool_data:byte_mix_episode']",
         f"run.out_dir='{mt['root']}/{name}'",
         "batch.global_batch_size=8",
@@ -86,8 +87,10 @@ def test_the_loss_mask_is_the_models_own_tokens_of_the_conversation(mt, one_proc
 
     tok = AutoTokenizer.from_pretrained(mt["tok"])
     rows = [json.loads(line) for line in open(mt["data"])]
-    _, rollouts = one_process
+    metrics, rollouts = one_process
     assert {r["turns"] for r in rollouts} == {3}  # the scripted environment's three turns
+    # each scored position holds the sampler's log-probability of the token after it
+    assert max(m["logp_gap"] for m in metrics) < 1e-5
     for r in rollouts:
         opening = rows[r["prompt_index"]]["prompt"]
         prompt = tok.apply_chat_template(opening, add_generation_prompt=True, tokenize=True, return_dict=True)
@@ -121,7 +124,7 @@ def test_episodes_and_losses_are_the_same_with_accumulation_and_at_world_2(mt, o
     cut = lambda rs: [{k: v for k, v in r.items() if k != "advantage"} for r in rs]  # noqa: E731
     assert cut(rollouts_a) == cut(rollouts1) and cut(rollouts2) == cut(rollouts1)
     for rows in (rows_a, rows2):
-        for key in ("loss", "grad_norm", "reward", "completion_length"):
+        for key in ("loss", "grad_norm", "reward", "completion_length", "turns"):
             torch.testing.assert_close([r[key] for r in rows], [r[key] for r in rows1], rtol=1e-5, atol=1e-6, msg=key)
 
 
@@ -153,8 +156,9 @@ def test_episodes_of_different_lengths_are_the_same_on_fsdp2_and_tensor_parallel
 
 def test_the_limits_end_an_episode_truncated(mt):
     endless = "rl.environment='paratrain.testing.tool_data:endless_environment'"
-    _, turns = _run(mt, "turns", endless, "rl.max_turns=2", "run.steps=1")
+    metrics, turns = _run(mt, "turns", endless, "rl.max_turns=2", "run.steps=1")
     assert all(r["turns"] == 2 and r["truncated"] for r in turns)
+    assert (metrics[0]["turns"], metrics[0]["truncated"]) == (2.0, 1.0)  # the means logged per step
     assert all(r["messages"][-1]["role"] == "assistant" for r in turns)  # the last answer is not appended
     # A turn of 6 tokens and the echo's answer (35 tokens) leave 3 of 44 to the second turn, cut there.
     _, tokens = _run(mt, "tokens", endless, "rl.max_turns=50", "rl.max_episode_tokens=44", "run.steps=1")

@@ -73,6 +73,10 @@ class Episodes:
     """The run's environment, tools and tokenizer; :meth:`rollouts` is ``Rollouts._step_rollouts``
     for multi-turn runs."""
 
+    # logged per step beside the rewards, as means over the round's episodes: the assistant turns,
+    # and the share of episodes that a limit ended
+    metrics = ("turns", "truncated")
+
     def __init__(self, cfg: RLConfig, dataset):
         self.cfg = cfg
         self.tokenizer = getattr(dataset, "tokenizer", None)
@@ -131,7 +135,8 @@ class Episodes:
         batches = [episode_rows(episodes[a:b], advantage[a:b], weights[a:b]) for a, b in spans]
         stats = torch.tensor(
             [len(episodes), len(episodes) // g, rewards.sum().item(), std.sum().item(), float(own.sum())]
-            + [sum(c) for c in columns],
+            + [sum(c) for c in columns]
+            + [float(sum(e.turns for e in episodes)), float(sum(e.truncated for e in episodes))],
             dtype=torch.float64,
         )
         written = [

@@ -294,7 +294,8 @@ class Rollouts:
         t0 = time.perf_counter()
         per_step = self.prompts_per_step(global_batch_size)
         self.steps = []
-        stats = torch.zeros(5 + len(self.rewards.fns), dtype=torch.float64)
+        extra = self.episodes.metrics if self.episodes is not None else ()  # multi-turn: turns, truncated
+        stats = torch.zeros(5 + len(self.rewards.fns) + len(extra), dtype=torch.float64)
         gap = torch.zeros(1, dtype=torch.float64)
         written: list[list[dict]] = []
         was_training = self.model.training
@@ -326,6 +327,7 @@ class Rollouts:
             "reward_std": stats[3].item() / groups,
             "completion_length": stats[4].item() / n,
             **{f"reward_{name}": stats[5 + i].item() / n for i, name in enumerate(self.rewards.names)},
+            **{name: stats[5 + len(self.rewards.fns) + i].item() / n for i, name in enumerate(extra)},
             **({"logp_gap": gap.item()} if recompute else {}),
             "generation_s": time.perf_counter() - t0,
         }
