@@ -920,6 +920,11 @@ def validate_rl(r: RLConfig) -> None:
             f"rl.max_turns = {r.max_turns} must be >= 1, rl.max_episode_tokens = {r.max_episode_tokens} >= 0 (0: 4 x"
             f" max_new_tokens) and rl.tool_timeout_s = {r.tool_timeout_s} > 0"
         )
+    if "overlong" in r.rewards and (r.environment or r.tools):
+        raise ConfigError(
+            "rl.rewards names 'overlong', which measures one completion against rl.max_new_tokens, but an episode of"
+            " rl.environment / rl.tools holds several turns; drop it or write a reward of the episode's length"
+        )
     if not all(isinstance(t, str) and ":" in t for t in r.tools):
         raise ConfigError(f"rl.tools = {r.tools!r} must list 'package.module:function' or 'file.py:function' strings")
 

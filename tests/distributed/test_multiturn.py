@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.config import ConfigError, load_config
+from paratrain.config import ConfigError, RLConfig, load_config
 from paratrain.objectives.rl.env import ToolEnvironment, load_tools, parse_tool_calls
 from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
 from paratrain.testing.hf_models import save_tiny
 from paratrain.testing.rl_data import addition_rows
 from paratrain.testing.sft_data import write_jsonl
-from paratrain.testing.tool_data import VOCAB, add, echo, fails, save_ascii_chat_tokenizer, sleeps
+from paratrain.testing.tool_data import CHATML_TOOLS, VOCAB, add, echo, fails, save_ascii_chat_tokenizer, sleeps
 
 pytest.importorskip("transformers")
 
@@ -197,6 +197,29 @@ def test_the_tool_environment_answers_each_call_and_its_errors():
     assert env.step(turn("the answer is 7")) == ([], True)  # no call ends the episode
 
 
+def test_a_template_that_rerenders_earlier_turns_is_refused_in_one_line(tmp_path):
+    """As Qwen3's drops earlier turns' reasoning: here an earlier assistant turn renders empty."""
+    from paratrain.data.prompts import load_tokenizer
+    from paratrain.objectives.rl.episodes import Episodes
+
+    forgetful = CHATML_TOOLS.replace(
+        "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}",
+        "{% generation %}{{ (message['content'] if loop.last else '') + '<|im_end|>' }}{% endgeneration %}",
+    )
+    tok = load_tokenizer(save_ascii_chat_tokenizer(str(tmp_path / "tok"), template=forgetful))
+    dataset = type("Prompts", (), {"tokenizer": tok})()
+    episodes = Episodes(RLConfig(environment=ENV), dataset)
+    e = episodes.start({"prompt": [{"role": "user", "content": "1+2="}]})
+    with pytest.raises(ConfigError, match="renders the earlier turns differently") as err:
+        episodes._turn(e, list(b"abc"), [0.0] * 3, (tok.eos_token_id,), last=False)
+    assert "\n" not in str(err.value)
+    # the same turn under a template that keeps it: the tool's answer follows, unscored
+    episodes.tokenizer = load_tokenizer(save_ascii_chat_tokenizer(str(tmp_path / "tok2")))
+    e = episodes.start({"prompt": [{"role": "user", "content": "1+2="}]})
+    episodes._turn(e, list(b"abc"), [0.0] * 3, (tok.eos_token_id,), last=False)
+    assert sorted(e.logps) == [e.prompt_len, e.prompt_len + 1, e.prompt_len + 2] and len(e.ids) > e.prompt_len + 3
+
+
 def test_bad_multi_turn_input_is_one_line(mt):
     with pytest.raises(ConfigError, match="schema transformers cannot write") as e:
         load_tools(["paratrain.testing.tool_data:undocumented"])
@@ -205,3 +228,5 @@ def test_bad_multi_turn_input_is_one_line(mt):
         load_tools(["paratrain.no_such:fn"])
     with pytest.raises(ConfigError, match="rl.max_turns"):
         load_config(None, _config(mt, "bad", "rl.max_turns=0"))
+    with pytest.raises(ConfigError, match="'overlong'"):
+        load_config(None, _config(mt, "bad", "rl.rewards=['overlong']", "rl.overlong_buffer=2"))
