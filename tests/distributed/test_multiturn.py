@@ -17,7 +17,16 @@ from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, tra
 from paratrain.testing.hf_models import save_tiny
 from paratrain.testing.rl_data import addition_rows
 from paratrain.testing.sft_data import write_jsonl
-from paratrain.testing.tool_data import CHATML_TOOLS, VOCAB, add, echo, fails, save_ascii_chat_tokenizer, sleeps
+from paratrain.testing.tool_data import (
+    CHATML_TOOLS,
+    VOCAB,
+    add,
+    broken_environment,
+    echo,
+    fails,
+    save_ascii_chat_tokenizer,
+    sleeps,
+)
 
 pytest.importorskip("transformers")
 
@@ -218,6 +227,11 @@ def test_a_template_that_rerenders_earlier_turns_is_refused_in_one_line(tmp_path
     e = episodes.start({"prompt": [{"role": "user", "content": "1+2="}]})
     episodes._turn(e, list(b"abc"), [0.0] * 3, (tok.eos_token_id,), last=False)
     assert sorted(e.logps) == [e.prompt_len, e.prompt_len + 1, e.prompt_len + 2] and len(e.ids) > e.prompt_len + 3
+    # an environment that raises: its error and the line that raised, in one line
+    episodes.env = broken_environment(tools=[])
+    with pytest.raises(ConfigError, match=r"step raised KeyError: 'content' \(at .*tool_data.py:\d+\)") as err:
+        episodes._turn(e, list(b"d"), [0.0], (tok.eos_token_id,), last=False)
+    assert "\n" not in str(err.value)
 
 
 def test_bad_multi_turn_input_is_one_line(mt):

@@ -146,6 +146,17 @@ def varied_environment(tools):
     return VariedEnvironment()
 
 
+class BrokenEnvironment:
+    """An environment whose step raises: the run stops with its error in one line."""
+
+    def step(self, messages: list[dict]) -> tuple[list[dict], bool]:
+        return {"role": "tool"}["content"], False
+
+
+def broken_environment(tools):
+    return BrokenEnvironment()
+
+
 def byte_mix_episode(prompts, completions, **fields):
     """A reward in [0, 1) of every character of the episode's messages (assistant and tool), so
     the episodes of a group rarely tie."""

@@ -34,6 +34,7 @@ import threading
 from collections.abc import Callable
 
 from paratrain.config import ConfigError, RLConfig, resolve_callable
+from paratrain.objectives.rl.rewards import _where
 
 # Qwen2 / Qwen2.5 / Qwen3 and Hermes 2 Pro write a call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 # (their chat templates' tool-calling instructions); TRL parses the same (trl/chat_template_utils.py).
@@ -149,11 +150,42 @@ def build_environment(cfg: RLConfig, tools: list[Callable]):
     return env
 
 
+def _call(env, method: str, arg):
+    """``env.<method>(arg)``; the user's error in one line, with the ``file:line`` that raised."""
+    try:
+        return getattr(env, method)(arg)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's environment: its error, named, in one line
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(
+            f"rl.environment's {method} raised {type(e).__name__}: {first} (at {_where(e)}); fix it"
+        ) from None
+
+
+def _messages(out) -> bool:
+    return isinstance(out, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in out)
+
+
 def opening(env, row: dict) -> list[dict]:
     """The episode's opening messages: ``env.reset(row)``, else the row's prompt."""
-    reset = getattr(env, "reset", None)
-    messages = reset(row) if callable(reset) else None
+    messages = _call(env, "reset", row) if callable(getattr(env, "reset", None)) else None
     if messages is None:
         prompt = row["prompt"]
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+    if not _messages(messages) or not messages:
+        raise ConfigError(
+            "rl.environment's reset returned no list of messages; return [{'role': ..., 'content': ...}, ...] or None"
+        )
     return [dict(m) for m in messages]
+
+
+def step(env, messages: list[dict]) -> tuple[list[dict], bool]:
+    """``env.step(messages)``, checked: (observation messages, done)."""
+    out = _call(env, "step", [dict(m) for m in messages])
+    if not (isinstance(out, tuple) and len(out) == 2 and _messages(out[0])):
+        raise ConfigError(
+            "rl.environment's step returned something other than (messages, done); return a list of"
+            " {'role': ..., 'content': ...} messages and a bool"
+        )
+    return out[0], bool(out[1])

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from paratrain.config import ConfigError, RLConfig
 from paratrain.objectives.policy_gradient import Rollout, token_weights
-from paratrain.objectives.rl.env import build_environment, load_tools, opening
+from paratrain.objectives.rl.env import build_environment, load_tools, opening, step
 from paratrain.objectives.rl.rollout import advantages, completion_keys, sample
 from paratrain.randomness import key_of, site_of
 
@@ -209,7 +209,7 @@ class Episodes:
         if cut:
             e.done = e.truncated = True
             return
-        observation, done = self.env.step([dict(m) for m in e.messages])
+        observation, done = step(self.env, e.messages)
         if done:
             e.done = True
             return
