@@ -302,6 +302,23 @@ class RLConfig:
         0,
         "The 'overlong' reward's buffer L (DAPO's soft overlong punishment): 0 for a completion of at most max_new_tokens - L tokens, falling linearly to -1 at max_new_tokens; > 0 and < max_new_tokens when rl.rewards names 'overlong'.",
     )
+    environment: str = opt(
+        "",
+        "Multi-turn episodes (docs/multi-turn.md): 'package.module:factory' or 'file.py:factory' returning an environment (reset(row), step(messages) -> (observation messages, done)), called as factory(tools=[the rl.tools functions]); '' with rl.tools set: the built-in tool environment; '' without: single-turn GRPO.",
+    )
+    tools: list = opt(
+        [],
+        "Tools the model may call: 'package.module:function' or 'file.py:function', plain Python functions with type hints and a Google-style docstring (their schemas go to the chat template's tools=); tool calls are parsed from the model's turn (Qwen2/Hermes <tool_call>{...}</tool_call>).",
+    )
+    max_turns: int = opt(4, "Assistant turns per episode at most (multi-turn); the episode ends there, truncated.")
+    max_episode_tokens: int = opt(
+        0,
+        "The model's and the observations' tokens of one episode after its prompt at most (multi-turn); the episode ends there, truncated; 0 = 4 x max_new_tokens.",
+    )
+    tool_timeout_s: float = opt(
+        10.0,
+        "A tool call running longer than this answers the model with a timeout error (the tool runs in a daemon thread, left to finish on its own).",
+    )
 
 
 @dataclass
@@ -907,6 +924,18 @@ def validate_rl(r: RLConfig) -> None:
         )
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in r.stop):
         raise ConfigError(f"rl.stop = {r.stop!r} must be a list of token ids (ints >= 0)")
+    if r.max_turns < 1 or r.max_episode_tokens < 0 or not r.tool_timeout_s > 0:
+        raise ConfigError(
+            f"rl.max_turns = {r.max_turns} must be >= 1, rl.max_episode_tokens = {r.max_episode_tokens} >= 0 (0: 4 x"
+            f" max_new_tokens) and rl.tool_timeout_s = {r.tool_timeout_s} > 0"
+        )
+    if "overlong" in r.rewards and (r.environment or r.tools):
+        raise ConfigError(
+            "rl.rewards names 'overlong', which measures one completion against rl.max_new_tokens, but an episode of"
+            " rl.environment / rl.tools holds several turns; drop it or write a reward of the episode's length"
+        )
+    if not all(isinstance(t, str) and ":" in t for t in r.tools):
+        raise ConfigError(f"rl.tools = {r.tools!r} must list 'package.module:function' or 'file.py:function' strings")
 
 
 def validate_lora(lora: LoraConfig) -> None:

@@ -70,6 +70,12 @@ def _rollouts(cfg: Config, *, model, step_ctx, loader, dataset, dims, is_main: b
     """GRPO's batch source: each round's completions, generated with the training layout."""
     from paratrain.objectives.rl.rollout import Rollouts  # DTensor: not in the launcher
 
+    episodes = None
+    if cfg.rl.environment or cfg.rl.tools:
+        # multi-turn runs alone load it (it builds on rollout.py's sampler)
+        from paratrain.objectives.rl.episodes import Episodes
+
+        episodes = Episodes(cfg.rl, dataset)
     return Rollouts(
         cfg.rl,
         model=model,
@@ -86,6 +92,7 @@ def _rollouts(cfg: Config, *, model, step_ctx, loader, dataset, dims, is_main: b
         out_dir=cfg.run.out_dir,
         is_main=is_main,
         forward_of=forward_of,
+        episodes=episodes,
     )
 
 

@@ -103,6 +103,7 @@ def sample(
     agree: bool = False,
     autocast=None,
     cached: bool = False,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Completions of ``prompts`` ``(B, P)`` (row ``i``'s ids in its first ``lengths[i]``), drawn
     with row ``i``'s uniforms from ``keys[i]``: the tokens ``(B, N)`` (-1 after a completion's
@@ -114,13 +115,15 @@ def sample(
     its forward: models/hf/model.py, models/gpt/model.py): one forward of the prompts, then one
     of a single position per token, each row's new token at its own position and its prompt's
     padding masked out. Else each token reruns the whole buffer
-    ``[prompt | completion so far | padding]``."""
+    ``[prompt | completion so far | padding]``. ``live`` ``(B,)``: the rows that sample (default
+    all); a dead row's forwards run beside the others (episodes.py: a rank with no episode left
+    keeps step with ranks that agree)."""
     device = prompts.device
     rows, p = prompts.shape
     u = uniform(keys, SAMPLE_SITE, max_new_tokens).to(device)  # on the CPU: the same on any device
     tokens = torch.full((rows, max_new_tokens), -1, dtype=torch.long, device=device)
     logps = torch.zeros(rows, max_new_tokens, device=device)
-    live = torch.ones(rows, dtype=torch.bool, device=device)
+    live = torch.ones(rows, dtype=torch.bool, device=device) if live is None else live.clone()
     where = torch.arange(rows, device=device)
     stops = torch.tensor(list(stop), dtype=torch.long, device=device)
     lengths = lengths.to(device)
@@ -239,11 +242,13 @@ class Rollouts:
         out_dir: str,
         is_main: bool,
         forward_of,
+        episodes=None,
     ):
         self.cfg, self.model, self.objective, self.loader, self.dataset = cfg, model, objective, loader, dataset
         self.device, self.autocast = device, autocast  # autocast(): the step's (precision.py), or None
         self.dp, self.dp_group, self.agree, self.seed = dp, dp_group, agree, seed
         self.rewards = Rewards(cfg)
+        self.episodes = episodes  # multi-turn (rl.environment, rl.tools): episodes.py's Episodes, else None
         self.stop = tuple(cfg.stop) or ((dataset.eos_id,) if dataset.eos_id is not None else ())
         self.round_steps = cfg.steps_per_generation * cfg.epochs_per_generation
         self.forward_of = forward_of  # step.no_grad_forward bound to the model and step context
@@ -289,7 +294,8 @@ class Rollouts:
         t0 = time.perf_counter()
         per_step = self.prompts_per_step(global_batch_size)
         self.steps = []
-        stats = torch.zeros(5 + len(self.rewards.fns), dtype=torch.float64)
+        extra = self.episodes.metrics if self.episodes is not None else ()  # multi-turn: turns, truncated
+        stats = torch.zeros(5 + len(self.rewards.fns) + len(extra), dtype=torch.float64)
         gap = torch.zeros(1, dtype=torch.float64)
         written: list[list[dict]] = []
         was_training = self.model.training
@@ -321,12 +327,15 @@ class Rollouts:
             "reward_std": stats[3].item() / groups,
             "completion_length": stats[4].item() / n,
             **{f"reward_{name}": stats[5 + i].item() / n for i, name in enumerate(self.rewards.names)},
+            **{name: stats[5 + len(self.rewards.fns) + i].item() / n for i, name in enumerate(extra)},
             **({"logp_gap": gap.item()} if recompute else {}),
             "generation_s": time.perf_counter() - t0,
         }
         self._write(step, written)
 
     def _step_rollouts(self, prompt_ids, meta, prompt_keys, micro_batch_size: int):
+        if self.episodes is not None:  # multi-turn (rl.environment, rl.tools): episodes.py
+            return self.episodes.rollouts(self, meta, prompt_keys, micro_batch_size)
         g = self.cfg.group_size
         index, lengths = meta[:, 0].repeat_interleave(g), meta[:, 1].repeat_interleave(g)
         prompts = prompt_ids.repeat_interleave(g, dim=0)
