@@ -119,7 +119,7 @@ def paratrain(config: str, out: str) -> None:
     import paratrain.trainer as T
     from paratrain.config import load_config
 
-    tmp = tempfile.mkdtemp(prefix="step_profile-")
+    tmp = out + ".run"  # one folder for every rank (the run's ranks share run.out_dir: preflight/shared.py)
     sets = [f"run.steps={WAIT + ACTIVE + 2}", f"run.out_dir='{tmp}'", "run.progress=false", "metrics.plot=false"]
     cfg = load_config(config, [*sets, "run.save_model=false", "eval.interval=0"])
     names = ("count", "forward_backward", "clip_optimizer", "totals_wait", "rest_of_step", "outside_step", "total")
