@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import time
 
+from paratrain.testing.sft_data import CHATML
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 128 + len(SPECIALS)
 # ChatML as Qwen2.5 writes tools: their JSON schemas in a system turn; a tool's answer in a turn of
@@ -20,17 +22,9 @@ CHATML_TOOLS = (
     "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
     '{{ \'\\n</tools>\\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\\n\' }}'
     "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
-    "{{ raise_exception('unknown role ' + message['role']) }}"
-    "{%- endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-    "{%- else %}{{ message['content'] + '<|im_end|>' + '\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+) + CHATML.replace(
+    "['system', 'user', 'assistant']", "['system', 'user', 'assistant', 'tool']"
+)  # then sft_data's ChatML
 
 
 def _bytes_to_unicode() -> dict[int, str]:

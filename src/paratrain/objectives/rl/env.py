@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 
 from paratrain.config import ConfigError, RLConfig, resolve_callable
-from paratrain.objectives.rl.rewards import _where
+from paratrain.objectives.rl.rewards import call_users
 
 # Qwen2 / Qwen2.5 / Qwen3 and Hermes 2 Pro write a call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 # (their chat templates' tool-calling instructions); TRL parses the same (trl/chat_template_utils.py).
@@ -152,15 +152,7 @@ def build_environment(cfg: RLConfig, tools: list[Callable]):
 
 def _call(env, method: str, arg):
     """``env.<method>(arg)``; the user's error in one line, with the ``file:line`` that raised."""
-    try:
-        return getattr(env, method)(arg)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's environment: its error, named, in one line
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise ConfigError(
-            f"rl.environment's {method} raised {type(e).__name__}: {first} (at {_where(e)}); fix it"
-        ) from None
+    return call_users(f"rl.environment's {method}", getattr(env, method), arg)
 
 
 def _messages(out) -> bool:

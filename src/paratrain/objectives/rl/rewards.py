@@ -73,10 +73,22 @@ def overlong(max_new_tokens: int, buffer: int) -> Callable:
     return reward
 
 
+def call_users(what: str, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``, the user's code: an error it raises is one line naming ``what``
+    and the ``file:line`` that raised (a ConfigError of its own passes as it is)."""
+    try:
+        return fn(*args, **kwargs)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's function: its error, named, in one line
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"{what} raised {type(e).__name__}: {first} (at {_where(e)}); fix it") from None
+
+
 def _where(e: BaseException) -> str:
     """``file:line`` of the frame that raised ``e`` inside the reward function: the innermost frame
     outside Python's own library and installed packages (the user's code), else the innermost one."""
-    frames = traceback.extract_tb(e.__traceback__)[1:]  # [0] is the call in Rewards.__call__
+    frames = traceback.extract_tb(e.__traceback__)[1:]  # [0] is the call in call_users
     if not frames:
         return "?"
     library = tuple({sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} - {None})
@@ -115,15 +127,7 @@ class Rewards:
         """The weighted sum of every function's rewards, and each function's own."""
         columns = []
         for name, fn in self.fns:
-            try:
-                out = fn(prompts=prompts, completions=completions, **fields)
-            except ConfigError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the user's function: its error, named, in one line
-                first = (str(e).strip().splitlines() or [""])[0][:200]
-                raise ConfigError(
-                    f"reward function {name!r} raised {type(e).__name__}: {first} (at {_where(e)}); fix it"
-                ) from None
+            out = call_users(f"reward function {name!r}", fn, prompts=prompts, completions=completions, **fields)
             if not isinstance(out, (list, tuple)) or len(out) != len(completions):
                 got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
                 raise ConfigError(
