@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 
-from keyed_dropout import run  # the same main-job runner (this folder is the script's sys.path[0])
+from keyed_dropout import paired_runs  # the same main-job runner (this folder is the script's sys.path[0])
 
 
 def main() -> int:
@@ -28,15 +27,7 @@ def main() -> int:
     from paratrain.testing.paired import summary_line
 
     variants = {"bitwise": ["run.bitwise=true", f"run.bitwise_grain={args.grain}"], "default": []}
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.pairs):
-            order = list(variants) if i % 2 == 0 else list(reversed(variants))
-            for name in order:
-                times[name].append(run(f"{tmp}/{name}{i}", variants[name], steps=args.steps, nproc=args.nproc))
-            print(
-                f"pair {i + 1}: bitwise {times['bitwise'][-1]:.3f} s, default {times['default'][-1]:.3f} s", flush=True
-            )
+    times = paired_runs(variants, [], pairs=args.pairs, steps=args.steps, nproc=args.nproc)
     ratios = [a / b for a, b in zip(times["bitwise"], times["default"])]
     print(f"main job, world {args.nproc}, run.bitwise_grain {args.grain}, median step time per run")
     print(summary_line("bitwise / default step time", ratios))

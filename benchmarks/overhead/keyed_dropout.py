@@ -56,6 +56,19 @@ def run(out: str, overrides: list[str], *, steps: int, nproc: int) -> float:
     return statistics.median(r["step_time_s"] for r in rows[WARMUP:])
 
 
+def paired_runs(variants: dict, common: list[str], *, pairs: int, steps: int, nproc: int) -> dict:
+    """Each variant's median step time per run, the two variants alternating (the order swapped
+    every pair, so neither always inherits the other's wind-down); also bitwise_cost.py's."""
+    a, b = variants
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(pairs):
+            for name in (a, b) if i % 2 == 0 else (b, a):
+                times[name].append(run(f"{tmp}/{name}{i}", [*common, *variants[name]], steps=steps, nproc=nproc))
+            print(f"pair {i + 1}: {a} {times[a][-1]:.3f} s, {b} {times[b][-1]:.3f} s", flush=True)
+    return times
+
+
 def ops() -> None:
     import torch
     import torch.nn.functional as F
@@ -110,20 +123,7 @@ def main() -> int:
     from paratrain.testing.paired import summary_line
 
     variants = {"keyed": [], "torch": ["run.keyed_random=false", "run.layout_dependent=true"]}
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.pairs):
-            order = list(variants) if i % 2 == 0 else list(reversed(variants))
-            for name in order:
-                times[name].append(
-                    run(
-                        f"{tmp}/{name}{i}",
-                        ["model.args.dropout=0.1", *variants[name]],
-                        steps=args.steps,
-                        nproc=args.nproc,
-                    )
-                )
-            print(f"pair {i + 1}: keyed {times['keyed'][-1]:.3f} s, torch {times['torch'][-1]:.3f} s", flush=True)
+    times = paired_runs(variants, ["model.args.dropout=0.1"], pairs=args.pairs, steps=args.steps, nproc=args.nproc)
     ratios = [a / b for a, b in zip(times["keyed"], times["torch"])]
     print(f"main job, world {args.nproc}, dropout 0.1, median step time per run")
     print(summary_line("keyed / torch step time", ratios))
