@@ -66,6 +66,13 @@ def test_bitwise_equal_across_layouts(runs):
     assert runs[True]["1x4-acc4"]["accum"] == 4 and runs[True]["2x4-acc2"]["accum"] == 2
     for name in ("1x4-acc4", "2x4-acc2"):
         assert differences(runs[True][name], ref) == [], name
+    # Anchored to the default step (itself anchored to plain PyTorch, test_invariance.py): the same
+    # gradient to rounding at step 1 and the same loss after it, so a dropped grain or a wrong scale
+    # (dp / items), shared by every bitwise layout, fails here.
+    off = runs[False]["1x16"]
+    for name in ("1x16", "2x4-acc2"):
+        assert runs[True][name]["grad_norm"][0] == pytest.approx(off["grad_norm"][0], rel=1e-5), name
+        assert runs[True][name]["losses"][:2] == pytest.approx(off["losses"][:2], rel=1e-5), name
 
 
 def test_without_bitwise_the_layouts_differ(runs):
