@@ -319,6 +319,15 @@ class RLConfig:
         10.0,
         "A tool call running longer than this answers the model with a timeout error (the tool runs in a daemon thread, left to finish on its own).",
     )
+    async_steps: int = opt(
+        0,
+        "Asynchronous rounds (docs/async-rl.md): round r is sampled with the weights at the start of round max(r - async_steps, 0), fixed by the config, never by timing; with whole weights (one process, DDP) it is sampled on a copy in a background thread while earlier rounds train. 0: every round samples with the current weights.",
+    )
+    importance: Literal["none", "token_truncate", "sequence_mask"] = opt(
+        "sequence_mask",
+        "With rl.async_steps > 0, the weight of the stale sampler's completions, from rho = pi_old / pi_sampler (pi_old: the trainer's policy at the round's start): 'sequence_mask' (rho of the whole completion, 0 above importance_cap: TRL's default), 'token_truncate' (each token's rho capped at importance_cap: truncated IS, Yao et al. 2025), 'none'.",
+    )
+    importance_cap: float = opt(3.0, "The cap C of rl.importance (TRL's default 3.0); > 0.")
 
 
 @dataclass
@@ -936,6 +945,11 @@ def validate_rl(r: RLConfig) -> None:
         )
     if not all(isinstance(t, str) and ":" in t for t in r.tools):
         raise ConfigError(f"rl.tools = {r.tools!r} must list 'package.module:function' or 'file.py:function' strings")
+    if r.async_steps < 0 or not r.importance_cap > 0:
+        raise ConfigError(
+            f"rl.async_steps = {r.async_steps} must be >= 0 (0: no stale rounds) and rl.importance_cap ="
+            f" {r.importance_cap} > 0 (e.g. 3.0)"
+        )
 
 
 def validate_lora(lora: LoraConfig) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import threading
 import zlib
 from collections.abc import Iterator
 
@@ -77,14 +78,17 @@ def row_keys(seed: int, samples: list[tuple[int, int]]) -> torch.Tensor:
     return torch.tensor([key_of(seed, epoch, index) for epoch, index in samples], dtype=torch.int64)
 
 
-_GENERATORS: dict[torch.device, torch.Generator] = {}
+_GENERATORS = threading.local()
 
 
 def _generator(device: torch.device) -> torch.Generator:
-    """One generator per device, reseeded for every row (creating one costs more than seeding)."""
-    if device not in _GENERATORS:
-        _GENERATORS[device] = torch.Generator(device=device)
-    return _GENERATORS[device]
+    """One generator per device and thread, reseeded for every row (creating one costs more than
+    seeding). Per thread: GRPO's stale rounds sample in a background thread while the step draws
+    its dropout masks (objectives/rl/stale.py), and a shared one would be reseeded under them."""
+    cache = _GENERATORS.__dict__
+    if device not in cache:
+        cache[device] = torch.Generator(device=device)
+    return cache[device]
 
 
 def uniform(keys: torch.Tensor, site: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -44,7 +44,7 @@ from paratrain.objectives.base import Objective
 
 TOKEN_UNITS = ("dapo", "bnpo", "token_mean")
 MEAN_OVER_TOKENS = ("grpo", "seq_mean_token_mean")  # w = 1 / |o|
-SUMS = ("loss", "units", "tokens", "clipped", "kl")
+SUMS = ("loss", "units", "tokens", "clipped", "kl", "importance", "capped")
 
 
 @dataclass
@@ -53,13 +53,16 @@ class Rollout:
     rows' inputs (a completion token is scored at the position before it): ``tokens`` (int64, -1:
     nothing to score), the sampler's or the old policy's log-probabilities ``old``, the
     reference's ``ref`` (0 until written), the row's ``advantage`` and the token's ``weight`` in
-    its unit (float64: the generation phase's own precision, cast where the loss uses them)."""
+    its unit (float64: the generation phase's own precision, cast where the loss uses them), and
+    ``behaviour``, the sampler's log-probabilities, kept when ``old`` is overwritten by the
+    trainer's recomputation (the importance weight of stale rounds, :func:`importance_weights`)."""
 
     tokens: torch.Tensor
     old: torch.Tensor
     ref: torch.Tensor
     advantage: torch.Tensor
     weight: torch.Tensor
+    behaviour: torch.Tensor
 
     def to(self, device) -> Rollout:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
@@ -71,6 +74,30 @@ def token_weights(loss_type: str, lengths: torch.Tensor) -> torch.Tensor:
     if loss_type in MEAN_OVER_TOKENS:
         return 1.0 / lengths.clamp(min=1).double()
     return torch.ones_like(lengths, dtype=torch.float64)
+
+
+def importance_weights(
+    old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, *, mode: str, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The importance weight ``(B, T)`` of each scored token of a stale sampler's completions, and
+    where it was capped (bool ``(B, T)``), from ``rho = pi_old / pi_sampler`` (``old`` and
+    ``behaviour``: log-probabilities ``(B, T)``, ``mask``: the scored tokens; a row is one
+    completion, whole in its micro-batch). As TRL's GRPOTrainer (``vllm_importance_sampling_mode``):
+
+    - ``token_truncate``: ``min(rho_t, cap)`` per token, truncated IS (Yao et al. 2025, "Your
+      efficient RL framework secretly brings you off-policy RL training"; verl's TIS);
+    - ``sequence_mask``: the completion's ``rho = exp(sum_t (old_t - behaviour_t))`` for each of
+      its tokens, 0 where ``rho > cap`` (masked IS; TRL's default, cap 3.0);
+    - ``none``: 1."""
+    if mode == "none":
+        return torch.ones_like(old, dtype=torch.float64), torch.zeros_like(mask)
+    gap = torch.where(mask, old.double() - behaviour.double(), 0.0)
+    if mode == "token_truncate":
+        rho = gap.exp()
+        return rho.clamp(max=cap), mask & (rho > cap)
+    rho = gap.sum(-1, keepdim=True).exp().expand_as(gap)
+    capped = mask & (rho > cap)
+    return torch.where(capped, 0.0, rho), capped
 
 
 def token_logps(logits, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -102,6 +129,8 @@ class PolicyGradientLoss(Objective):
         temperature: float = 1.0,
         max_new_tokens: int = 16,
         on_policy: bool = True,
+        importance: str = "none",
+        importance_cap: float = 3.0,
     ):
         if loss_type not in RL_LOSS_TYPES:
             raise ConfigError(f"rl.loss_type = {loss_type!r} is unknown; use one of {', '.join(RL_LOSS_TYPES)}")
@@ -111,6 +140,9 @@ class PolicyGradientLoss(Objective):
         # On-policy (one optimiser step per generation, one epoch): the old policy is the one
         # differentiated, r = 1 exactly and its gradient is A grad log pi (TRL, verl do the same).
         self.on_policy = on_policy
+        # Stale rounds (rl.async_steps > 0): the surrogate of each token weighted by
+        # importance_weights, TRL's place for it (before the KL is added); "none" skips it.
+        self.importance, self.importance_cap = importance, importance_cap
         self.unit = "completion token" if loss_type in TOKEN_UNITS else "completion"
         self.counts_target_tokens = loss_type in TOKEN_UNITS
         self.scale, self._last = 1.0, None
@@ -153,6 +185,11 @@ class PolicyGradientLoss(Objective):
         advantage = target.advantage.float()
         surrogate = torch.minimum(ratio * advantage, ratio.clamp(self.low, self.high) * advantage)
         per_token = -surrogate
+        weight_is, capped_is = importance_weights(
+            target.old, target.behaviour, mask, mode=self.importance, cap=self.importance_cap
+        )
+        if self.importance != "none":  # a factor of l alone: the units (the normaliser) stay as counted
+            per_token = per_token * weight_is.float()
         kl = torch.zeros_like(logp)
         if self.beta:
             gap = target.ref.float() - logp
@@ -169,6 +206,8 @@ class PolicyGradientLoss(Objective):
                     mask.sum().double(),
                     (clipped & mask).sum().double(),
                     torch.where(mask, kl, 0.0).double().sum(),
+                    torch.where(mask, weight_is, 0.0).sum(),
+                    capped_is.sum().double(),
                 ]
             )
         return loss_sum.float() * self.scale
@@ -191,8 +230,12 @@ class PolicyGradientLoss(Objective):
             "loss": reduced[0] / max(units, 1),
             "clip_ratio": reduced[3] / tokens,
             "kl": reduced[4] / tokens,
+            "importance_weight": reduced[5] / tokens,
+            "importance_capped": reduced[6] / tokens,
         }
 
     def metrics(self, values: dict) -> dict:
         keys = ("clip_ratio", "kl") if self.beta else ("clip_ratio",)
+        if self.importance != "none":
+            keys += ("importance_weight", "importance_capped")
         return {k: values[k] for k in keys if k in values}

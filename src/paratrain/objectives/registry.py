@@ -93,6 +93,7 @@ def _rollouts(cfg: Config, *, model, step_ctx, loader, dataset, dims, is_main: b
         is_main=is_main,
         forward_of=forward_of,
         episodes=episodes,
+        steps=cfg.run.steps,  # rl.async_steps: no round is sampled past the run's end
     )
 
 
@@ -159,6 +160,10 @@ def _grpo(cfg: Config, **_) -> Objective:
         temperature=r.temperature,
         max_new_tokens=r.max_new_tokens,
         on_policy=r.steps_per_generation * r.epochs_per_generation == 1,
+        # A round's sampler is its trainer's own weights unless rounds are stale (rl.async_steps):
+        # only then do the two policies differ, and need the importance weight.
+        importance=r.importance if r.async_steps else "none",
+        importance_cap=r.importance_cap,
     )
 
 

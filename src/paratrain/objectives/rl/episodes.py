@@ -242,13 +242,14 @@ def episode_rows(
     inputs = torch.zeros(len(episodes), width, dtype=torch.long)
     target = Rollout(
         torch.full((len(episodes), width), -1, dtype=torch.long),
-        *(torch.zeros(len(episodes), width, dtype=torch.float64) for _ in range(4)),
+        *(torch.zeros(len(episodes), width, dtype=torch.float64) for _ in range(5)),
     )
     for i, e in enumerate(episodes):
         inputs[i, : len(e.ids)] = torch.tensor(e.ids)
         for p, lp in e.logps.items():
             target.tokens[i, p - 1] = e.ids[p]
             target.old[i, p - 1] = lp
+            target.behaviour[i, p - 1] = lp
             target.advantage[i, p - 1] = float(advantage[i])
             target.weight[i, p - 1] = float(weights[i])
     return inputs, target

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -50,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from paratrain.config import ConfigError, RLConfig
 from paratrain.objectives.policy_gradient import PolicyGradientLoss, Rollout, token_logps, token_weights
 from paratrain.objectives.rl.rewards import Rewards
+from paratrain.objectives.rl.stale import StaleRounds, test_delays
 from paratrain.randomness import key_of, site_of, uniform
 
 log = logging.getLogger("paratrain")
@@ -206,7 +208,7 @@ def training_rows(
     inputs = torch.zeros(rows, p + n, dtype=torch.long)
     target = Rollout(
         torch.full((rows, p + n), -1, dtype=torch.long),
-        *(torch.zeros(rows, p + n, dtype=torch.float64) for _ in range(4)),
+        *(torch.zeros(rows, p + n, dtype=torch.float64) for _ in range(5)),
     )
     for i in range(rows):
         k, c = int(lengths[i]), int((tokens[i] >= 0).sum())
@@ -214,6 +216,7 @@ def training_rows(
         inputs[i, k : k + c] = tokens[i, :c]
         target.tokens[i, k - 1 : k - 1 + c] = tokens[i, :c]
         target.old[i, k - 1 : k - 1 + c] = sampler_logps[i, :c].double()
+        target.behaviour[i, k - 1 : k - 1 + c] = sampler_logps[i, :c].double()
         target.advantage[i, k - 1 : k - 1 + c] = float(advantage[i])
         target.weight[i, k - 1 : k - 1 + c] = float(weights[i])
     return inputs, target
@@ -243,6 +246,7 @@ class Rollouts:
         is_main: bool,
         forward_of,
         episodes=None,
+        steps: int = 0,
     ):
         self.cfg, self.model, self.objective, self.loader, self.dataset = cfg, model, objective, loader, dataset
         self.device, self.autocast = device, autocast  # autocast(): the step's (precision.py), or None
@@ -256,6 +260,14 @@ class Rollouts:
         self.steps: list[tuple[list, list]] = []  # per global batch s: (micro-batches, their keys)
         self.metrics: dict = {}
         self._started = False
+        # rl.async_steps = k (stale.py): round r sampled with the weights of round r - k; a background
+        # thread samples on a copy where the weights are whole (agree: the forward holds collectives)
+        self.stale = None
+        if cfg.async_steps:
+            rounds = -(-steps // self.round_steps)
+            self.stale = StaleRounds(cfg.async_steps, live=self._sampler, overlap=not agree, rounds=rounds)
+        self._local = threading.local()  # .sampler: the snapshot the background thread samples with
+        self.delays = test_delays()
 
     def prompts_per_step(self, global_batch_size: int) -> int:
         return global_batch_size // self.cfg.group_size
@@ -271,6 +283,7 @@ class Rollouts:
         """This rank's micro-batches and their row keys for optimiser step ``step`` (0-based),
         whose prompts begin at ``consumed`` in the sampler's stream."""
         within = step % self.round_steps
+        time.sleep(self.delays.get("train", 0.0))  # test-only (stale.py)
         if within == 0:
             self.generate(step, consumed, global_batch_size, micro_batch_size)
         elif not self.steps:
@@ -292,30 +305,27 @@ class Rollouts:
 
     def generate(self, step: int, consumed: int, global_batch_size: int, micro_batch_size: int) -> None:
         t0 = time.perf_counter()
-        per_step = self.prompts_per_step(global_batch_size)
-        self.steps = []
         extra = self.episodes.metrics if self.episodes is not None else ()  # multi-turn: turns, truncated
-        stats = torch.zeros(5 + len(self.rewards.fns) + len(extra), dtype=torch.float64)
         gap = torch.zeros(1, dtype=torch.float64)
-        written: list[list[dict]] = []
-        was_training = self.model.training
-        self.model.eval()  # no dropout while sampling: the completions are the policy's own
-        try:
-            for s in range(self.cfg.steps_per_generation):
-                at = consumed + s * per_step
-                ((prompt_ids, meta),) = self.loader.batches(at, per_step, per_step // self.dp)
-                (prompt_keys,) = self.loader.keys(at, per_step, per_step // self.dp, seed=self.seed)
-                batches, keys, rows = self._step_rollouts(prompt_ids, meta, prompt_keys, micro_batch_size)
-                stats += rows["stats"]
-                written.append(rows["written"])
-                self.steps.append((batches, keys))
-        finally:
-            self.model.train(was_training)
+        if self.stale is None:
+            self.steps, stats, written = self._sample_round(consumed, global_batch_size, micro_batch_size)
+        else:  # round r + j begins j rounds of prompts later (stale.py)
+            per_round = self.prompts_per_step(global_batch_size) * self.cfg.steps_per_generation
+            job = lambda j, sampler: self._sample_round(  # noqa: E731
+                consumed + j * per_round, global_batch_size, micro_batch_size, sampler
+            )
+            self.steps, stats, written = self.stale.take(step // self.round_steps, job)
         # The trainer's recomputation, without a graph: the importance ratio's denominator when a
         # round holds several steps, and the reference's log-probabilities with beta > 0. An
         # on-policy step without a KL needs neither (its ratio is exp(logp - logp.detach())), so
         # it is skipped unless rl.check_logps asks for logp_gap, as TRL skips it (old_per_token_logps).
-        recompute = not self.objective.on_policy or self.objective.reference is not None or self.cfg.check_logps
+        # A stale round's importance weight needs it (pi_old / pi_sampler).
+        recompute = (
+            not self.objective.on_policy
+            or self.objective.reference is not None
+            or self.cfg.check_logps
+            or self.objective.importance != "none"
+        )
         for batches, keys in self.steps if recompute else ():
             gap = torch.maximum(gap, self._recompute(batches, keys))
         if self.dp_group is not None:
@@ -332,6 +342,34 @@ class Rollouts:
             "generation_s": time.perf_counter() - t0,
         }
         self._write(step, written)
+
+    def _sample_round(self, consumed: int, global_batch_size: int, micro_batch_size: int, snapshot=None):
+        """A round's completions, scored: its steps' (micro-batches, keys), the summed statistics
+        and the rows to write. ``snapshot``: the stale weights' copy to sample with (stale.py, a
+        background thread), else the live model."""
+        time.sleep(self.delays.get("generate", 0.0))  # test-only (stale.py)
+        per_step = self.prompts_per_step(global_batch_size)
+        steps = []
+        extra = self.episodes.metrics if self.episodes is not None else ()  # multi-turn: turns, truncated
+        stats = torch.zeros(5 + len(self.rewards.fns) + len(extra), dtype=torch.float64)
+        written: list[list[dict]] = []
+        holder = self.model if snapshot is None else snapshot
+        was_training = holder.training
+        holder.eval()  # no dropout while sampling: the completions are the policy's own
+        self._local.sampler = snapshot
+        try:
+            for s in range(self.cfg.steps_per_generation):
+                at = consumed + s * per_step
+                ((prompt_ids, meta),) = self.loader.batches(at, per_step, per_step // self.dp)
+                (prompt_keys,) = self.loader.keys(at, per_step, per_step // self.dp, seed=self.seed)
+                batches, keys, rows = self._step_rollouts(prompt_ids, meta, prompt_keys, micro_batch_size)
+                stats += rows["stats"]
+                written.append(rows["written"])
+                steps.append((batches, keys))
+        finally:
+            holder.train(was_training)
+            self._local.sampler = None
+        return steps, stats, written
 
     def _step_rollouts(self, prompt_ids, meta, prompt_keys, micro_batch_size: int):
         if self.episodes is not None:  # multi-turn (rl.environment, rl.tools): episodes.py
@@ -410,6 +448,9 @@ class Rollouts:
         return batches, keys_mb, {"stats": stats, "written": written}
 
     def _sampler(self) -> nn.Module:
+        snapshot = getattr(self._local, "sampler", None)  # a stale round's copy (stale.py)
+        if snapshot is not None:
+            return snapshot
         # DDP's forward may broadcast buffers (a collective) and expects a backward: its module
         # alone samples (plain data parallel holds whole weights, so no rank needs another).
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
