@@ -105,6 +105,22 @@ def test_stale_rounds_are_fixed_by_the_config_and_the_layout_not_the_timing(tmp_
     assert mine != _sample_with(str(tmp_path / "k1" / "model.safetensors"), rollouts, 3)  # the newest differ
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_stale_rounds_sampled_by_a_thread_equal_those_sampled_at_the_boundary_by_fsdp2(tmp_path):
+    """k = 2 with two steps per round and token-level truncation: one process (a background thread
+    on two snapshot copies in turn) against FSDP2 at world 2 with accumulation (each round sampled
+    at the boundary by the sharded live model): the same completions, losses and weights."""
+    extra = ("rl.async_steps=2", "rl.steps_per_generation=2", "rl.importance='token_truncate'", "run.steps=8")
+    rows, rollouts = _run(tmp_path / "w1", *extra)
+    rows2, rollouts2 = _run(tmp_path / "fsdp", *extra, "parallel.dp_shard=2", "batch.micro_batch_size=2", world=2)
+    cut = lambda rs: [{k: v for k, v in r.items() if k != "advantage"} for r in rs]  # noqa: E731
+    assert cut(rollouts2) == cut(rollouts) and len({r["step"] for r in rollouts}) == 8
+    for key in ("loss", "grad_norm", "importance_weight", "clip_ratio"):
+        assert [r[key] for r in rows2] == pytest.approx([r[key] for r in rows], rel=1e-5, abs=1e-7), key
+    assert rows[-1]["logp_gap"] > 1e-3 and rows[-1]["importance_weight"] != 1
+
+
 def test_round_r_takes_the_weights_of_round_r_minus_k_with_and_without_a_thread():
     """The schedule alone: a 'model' whose one weight is the round it was set at; each round
     records the weight it was sampled with."""

@@ -354,6 +354,8 @@ class Rollouts:
         stats = torch.zeros(5 + len(self.rewards.fns) + len(extra), dtype=torch.float64)
         written: list[list[dict]] = []
         holder = self.model if snapshot is None else snapshot
+        if snapshot is not None and self.device.type == "cuda":  # a new thread starts on device 0
+            torch.cuda.set_device(self.device)
         was_training = holder.training
         holder.eval()  # no dropout while sampling: the completions are the policy's own
         self._local.sampler = snapshot
