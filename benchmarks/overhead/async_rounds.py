@@ -1,6 +1,6 @@
 """What asynchronous GRPO rounds buy: the step time of ``rl.async_steps = 1`` against 0.
 
-    python benchmarks/overhead/async_rounds.py [--pairs 4] [--steps 20] [--nproc 1] [--config configs/grpo.toml]
+    python benchmarks/overhead/async_rounds.py [--pairs 4] [--steps 20] [--nproc 1] [--config configs/grpo.toml] [--set KEY=VALUE]
 
 The GRPO recipe (configs/grpo.toml: the built-in GPT over bytes, 64 completions a step, one
 optimiser step per round) run with ``rl.async_steps = 0`` and ``1``, alternately, the order swapped
@@ -9,7 +9,9 @@ sets it for several processes. Each run's statistic is the median step time afte
 (a step includes its wait for the round's generation, ``generation_s``); the pair's observation
 is k1 / k0, summarised as the median ratio and the 95% t-interval of the geometric mean
 (src/paratrain/testing/paired.py). Also printed: the median ``generation_s`` of each variant, the
-time the step waited for its round.
+time the step waited for its round. ``k = 1`` also recomputes the trainer's log-probabilities of
+each round (the importance weight's ``pi_old``), which an on-policy ``k = 0`` round without a KL
+skips; ``--set rl.importance='none'`` leaves the overlap alone.
 
 With k = 1 and whole weights, round r + 1 is sampled in a background thread on a copy of the
 weights while round r trains: on one process that thread can take a free core; with as many
@@ -53,6 +55,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--config", default="configs/grpo.toml")
+    ap.add_argument("--set", action="append", default=[], help="more overrides of both, e.g. rl.importance='none'")
     args = ap.parse_args()
     from paratrain.testing.paired import summary_line
 
@@ -61,11 +64,19 @@ def main() -> int:
         for i in range(args.pairs):  # alternately, the order swapped every pair
             for k in (1, 0) if i % 2 == 0 else (0, 1):
                 got[k].append(
-                    run(f"{tmp}/k{k}_{i}", args.config, [f"rl.async_steps={k}"], steps=args.steps, nproc=args.nproc)
+                    run(
+                        f"{tmp}/k{k}_{i}",
+                        args.config,
+                        [f"rl.async_steps={k}", *args.set],
+                        steps=args.steps,
+                        nproc=args.nproc,
+                    )
                 )
             print(f"pair {i + 1}: step k1 {got[1][-1][0]:.4f} s, k0 {got[0][-1][0]:.4f} s", flush=True)
     wait = {k: statistics.median(g for _, g in got[k]) for k in got}
-    print(f"{args.config}, world {args.nproc}, {args.steps} steps, median per run after {WARMUP} warm-up steps")
+    print(
+        f"{args.config} {args.set}, world {args.nproc}, {args.steps} steps, median per run after {WARMUP} warm-up steps"
+    )
     print(f"median wait for the round's generation (generation_s): k1 {wait[1]:.4f} s, k0 {wait[0]:.4f} s")
     print(summary_line("async_steps=1 / async_steps=0 step time", [a[0] / b[0] for a, b in zip(got[1], got[0])]))
     return 0

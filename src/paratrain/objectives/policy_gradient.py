@@ -185,8 +185,10 @@ class PolicyGradientLoss(Objective):
         advantage = target.advantage.float()
         surrogate = torch.minimum(ratio * advantage, ratio.clamp(self.low, self.high) * advantage)
         per_token = -surrogate
+        # pi_old on-policy is the policy differentiated here (one step per round): its own logp,
+        # no recomputation needed (rollout.py skips it, as for the ratio)
         weight_is, capped_is = importance_weights(
-            target.old, target.behaviour, mask, mode=self.importance, cap=self.importance_cap
+            old, target.behaviour, mask, mode=self.importance, cap=self.importance_cap
         )
         if self.importance != "none":  # a factor of l alone: the units (the normaliser) stay as counted
             per_token = per_token * weight_is.float()

@@ -319,13 +319,9 @@ class Rollouts:
         # round holds several steps, and the reference's log-probabilities with beta > 0. An
         # on-policy step without a KL needs neither (its ratio is exp(logp - logp.detach())), so
         # it is skipped unless rl.check_logps asks for logp_gap, as TRL skips it (old_per_token_logps).
-        # A stale round's importance weight needs it (pi_old / pi_sampler).
-        recompute = (
-            not self.objective.on_policy
-            or self.objective.reference is not None
-            or self.cfg.check_logps
-            or self.objective.importance != "none"
-        )
+        # Nor does a stale round's importance weight, pi_old / pi_sampler: on-policy, pi_old is the
+        # step's own logp (policy_gradient.py).
+        recompute = not self.objective.on_policy or self.objective.reference is not None or self.cfg.check_logps
         for batches, keys in self.steps if recompute else ():
             gap = torch.maximum(gap, self._recompute(batches, keys))
         if self.dp_group is not None:
