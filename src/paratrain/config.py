@@ -945,11 +945,12 @@ def validate_rl(r: RLConfig) -> None:
         )
     if not all(isinstance(t, str) and ":" in t for t in r.tools):
         raise ConfigError(f"rl.tools = {r.tools!r} must list 'package.module:function' or 'file.py:function' strings")
-    if r.async_steps < 0 or not r.importance_cap > 0:
+    if r.async_steps < 0:
         raise ConfigError(
-            f"rl.async_steps = {r.async_steps} must be >= 0 (0: no stale rounds) and rl.importance_cap ="
-            f" {r.importance_cap} > 0 (e.g. 3.0)"
+            f"rl.async_steps = {r.async_steps} must be >= 0 (0: every round sampled with the current weights)"
         )
+    if not r.importance_cap > 0:
+        raise ConfigError(f"rl.importance_cap = {r.importance_cap} must be > 0 (TRL's default: 3.0)")
 
 
 def validate_lora(lora: LoraConfig) -> None:

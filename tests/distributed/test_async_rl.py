@@ -212,3 +212,13 @@ def test_the_weight_multiplies_the_surrogate_and_leaves_the_normaliser(mode, on_
     assert read["importance_weight"] == pytest.approx(torch.cat(weights).mean().item(), rel=1e-6)
     if mode == "sequence_mask" and not on_policy:  # row 1: exp(2) > 3, masked
         assert read["importance_capped"] == pytest.approx(1 / 10)
+
+
+def test_bad_async_input_is_refused_in_one_line():
+    for over, expected in (
+        ("rl.async_steps=-1", "rl.async_steps = -1 must be >= 0"),
+        ("rl.importance_cap=0", "rl.importance_cap = 0.0 must be > 0"),
+        ("rl.importance='token_mask'", "rl.importance = 'token_mask' is not allowed"),
+    ):
+        with pytest.raises(ConfigError, match=expected):
+            load_config(None, ["loss.name='grpo'", over])
