@@ -283,7 +283,8 @@ class Rollouts:
         """This rank's micro-batches and their row keys for optimiser step ``step`` (0-based),
         whose prompts begin at ``consumed`` in the sampler's stream."""
         within = step % self.round_steps
-        time.sleep(self.delays.get("train", 0.0))  # test-only (stale.py)
+        if self.delays:  # test-only (stale.py)
+            time.sleep(self.delays.get("train", 0.0))
         if within == 0:
             self.generate(step, consumed, global_batch_size, micro_batch_size)
         elif not self.steps:
@@ -343,7 +344,8 @@ class Rollouts:
         """A round's completions, scored: its steps' (micro-batches, keys), the summed statistics
         and the rows to write. ``snapshot``: the stale weights' copy to sample with (stale.py, a
         background thread), else the live model."""
-        time.sleep(self.delays.get("generate", 0.0))  # test-only (stale.py)
+        if self.delays:  # test-only (stale.py)
+            time.sleep(self.delays.get("generate", 0.0))
         per_step = self.prompts_per_step(global_batch_size)
         steps = []
         extra = self.episodes.metrics if self.episodes is not None else ()  # multi-turn: turns, truncated
