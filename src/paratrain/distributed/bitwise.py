@@ -195,12 +195,11 @@ def _fsdp_unsynced(model: FSDPModule):
 def _shard_like(p: DTensor, full: torch.Tensor) -> DTensor:
     """This rank's piece of the whole gradient ``full``, laid out as the parameter ``p`` (FSDP2:
     Shard(0) over dp_shard, Replicate over dp_replicate). DTensor cuts it locally, without
-    communication (``src_data_rank=None``), with the chunks FSDP2 uses; cloned so that the
-    merged flat buffer is freed."""
-    shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-    return DTensor.from_local(
-        shard.to_local().clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
-    )
+    communication (``src_data_rank=None``), with the chunks FSDP2 uses; copied (where the shard
+    lives: CPU under parallel.cpu_offload) so that the merged flat buffer is freed."""
+    shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    shard = shard.to(device=p.device, dtype=p.dtype, copy=True)
+    return DTensor.from_local(shard, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
 
 
 def merge_ranks(grads: list[torch.Tensor], *, group: dist.ProcessGroup | None, dp: int) -> list[torch.Tensor]:
