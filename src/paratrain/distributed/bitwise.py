@@ -212,7 +212,7 @@ def merge_ranks(grads: list[torch.Tensor], *, group: dist.ProcessGroup | None, d
         parts = [torch.empty_like(flat) for _ in range(dp)]
         dist.all_gather(parts, flat, group=group)
         while len(parts) > 1:
-            parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+            parts = [parts[i].add_(parts[i + 1]) for i in range(0, len(parts), 2)]  # in place: no new buffers
         for i, piece in zip(idx, parts[0].split([grads[i].numel() for i in idx]), strict=True):
             out[i] = piece.view_as(grads[i])
     return out
