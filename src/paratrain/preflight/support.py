@@ -312,7 +312,7 @@ BITWISE_REFUSALS: tuple[Refusal, ...] = (
         lambda c, d: d.dp_shard > 1 and c.precision.dtype != "fp32",
         lambda c, d: f"parallel.dp_shard = {d.dp_shard} and precision.dtype = {c.precision.dtype!r}",
         "use precision.dtype = 'fp32' or parallel.dp_replicate (DDP)",
-        "FSDP2 casts the gathered parameters where one process runs autocast: other kernels",
+        "not checked bit for bit: FSDP2 casts the gathered parameters where one process runs autocast",
     ),
     _bitwise(
         "optimizer kernel",
