@@ -63,7 +63,7 @@ class RunConfig:
     )
     bitwise: bool = opt(
         False,
-        "Make the weights after every step the same bits on any number of processes (DDP) and any accumulation: each backward runs on run.bitwise_grain rows and the gradients are summed in one fixed binary tree over the global batch (docs/bitwise.md). Costs smaller matmuls and a gather of the gradients instead of DDP's all-reduce; refuses the layouts not built for it (docs/support.md).",
+        "Make the weights after every step the same bits on any number of processes (DDP, FSDP2, HSDP) and any accumulation: each backward runs on run.bitwise_grain rows and the gradients are summed in one fixed binary tree over the global batch (docs/bitwise.md). Costs smaller matmuls, a gather of the gradients instead of DDP's all-reduce or FSDP2's reduce-scatter, and the optimiser's for-loop; refuses the layouts not built for it (docs/support.md).",
     )
     bitwise_grain: int = opt(
         0,
@@ -369,7 +369,7 @@ class OptimConfig:
     eps: float = opt(1e-8, "AdamW epsilon.")
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = opt(
         "auto",
-        "The optimiser's kernels: 'fused' (one kernel over every tensor) or 'foreach' (batched ops), both for plain tensors only (DDP); 'for-loop' (one tensor at a time, any layout); 'auto': fused where every parameter is a plain tensor, else for-loop. foreach equals for-loop bit for bit, fused may differ in the last bit (docs/data-parallel.md).",
+        "The optimiser's kernels: 'fused' (one kernel over every tensor) or 'foreach' (batched ops), both for plain tensors only (DDP); 'for-loop' (one tensor at a time, any layout); 'auto': fused where every parameter is a plain tensor, else (and under run.bitwise) for-loop. foreach equals for-loop bit for bit, fused may differ in the last bit (docs/data-parallel.md).",
     )
     schedule: Literal["cosine", "linear", "constant"] = opt(
         "cosine", "Decay after warmup: 'cosine', 'linear' or 'constant'."

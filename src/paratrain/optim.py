@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from paratrain.config import ConfigError, OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, *, bitwise: bool = False) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     # Weight decay on matrices only: decaying norms' gains and biases hurts (GPT-2, nanoGPT).
     groups = [
@@ -29,10 +29,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     # with DTensor parameters nowhere, and its foreach ops refuse a list mixing plain tensors and
     # DTensors (TP leaves some parameters plain): 'auto' fuses plain tensors (DDP) and keeps the
     # loop for sharded ones (FSDP2, TP, ep). tests/unit/test_optim.py anchors each to torch's loop.
+    # run.bitwise (docs/bitwise.md): the loop on every layout, so that one process's plain tensors
+    # and FSDP2's shards get the same elementwise arithmetic (fused rounded 1e-9 apart in a step).
     impl = cfg.implementation
     sharded = any(isinstance(p, DTensor) for p in params)
     if impl == "auto":
-        impl = "for-loop" if sharded else "fused"
+        impl = "for-loop" if sharded or bitwise else "fused"
     elif impl in ("fused", "foreach") and sharded:
         raise ConfigError(
             f"optim.implementation = {impl!r} takes plain tensors only (DDP), and this layout shards parameters"

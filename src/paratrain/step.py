@@ -250,6 +250,7 @@ def train_step(
         # run.bitwise sums the ranks' gradients itself: 1 / units, the same scale on every layout.
         objective.start(scale=(1 if ctx.bitwise_grain else ctx.dp * ctx.cp) / units, device=ctx.device)
         objective.before_micro_batches(model, batches, forward=no_grad_forward(model, batches, ctx, keys))
+    bitwise_norm = None  # run.bitwise's norm of the whole merged gradient
     if isinstance(model, PipelineModel):  # the schedule runs forward and backward
         with (
             maybe_auto_decision(autos, decisions),
@@ -265,7 +266,7 @@ def train_step(
             )
         pp_group = model.pp_group
     elif ctx.bitwise_grain:
-        bitwise_forward_backward(model, batches, ctx, keys=keys)
+        bitwise_norm = bitwise_forward_backward(model, batches, ctx, keys=keys)
         pp_group = None
     else:
         forward_backward(
@@ -277,7 +278,7 @@ def train_step(
     # gradient all-reduce, so it hardly waits for anyone either). The stop flag is read here.
     stop = bool(stop_flag()) if stop_flag is not None else False
     pending = launch_totals(objectives, ctx=ctx, pp_group=pp_group, stop=stop)
-    grad_norm = finish_step(model, optimizer, ctx, pp_group=pp_group)
+    grad_norm = finish_step(model, optimizer, ctx, pp_group=pp_group, grad_norm=bitwise_norm)
     # The norm is read only after the reduce's read has waited for the device: on a GPU that
     # wait is the step's only one for plain-tensor models (with clipping on under FSDP, TP or
     # pipelining the clip coefficient is still read in distributed/grad_norm.py); this one copies
@@ -340,15 +341,21 @@ def forward_backward(
             after_backward(k)
 
 
-def bitwise_forward_backward(model: nn.Module, batches: list[tuple], ctx: StepContext, *, keys) -> None:
+def bitwise_forward_backward(model: nn.Module, batches: list[tuple], ctx: StepContext, *, keys) -> torch.Tensor:
     """run.bitwise (distributed/bitwise.py): the loop over grains of ``ctx.bitwise_grain`` rows
     instead of micro-batches, each grain's gradient carried into the fixed tree, whose sum over
-    every rank is left in ``p.grad`` for the clip and the optimiser step."""
+    every rank is left in ``p.grad`` (FSDP2: this rank's shard) for the clip and the optimiser
+    step. Returns the gradient norm, taken on the whole merged gradient as one process takes it."""
     grains, grain_keys = split_grains(batches, keys, ctx.bitwise_grain)
     tree = GrainTree(model)
     with tree.no_sync():
-        forward_backward(model, grains, ctx, after_backward=tree.push, keys=grain_keys)
-    tree.write_grads(group=ctx.dp_group, dp=ctx.dp)
+        # One grain per call: its own sync decision (maybe_no_sync) would re-enable FSDP2's
+        # reduce-scatter after the first grain; the tree's no_sync is the only one here.
+        for k, grain in enumerate(grains):
+            forward_backward(
+                model, [grain], ctx, after_backward=tree.push, keys=grain_keys[k : k + 1] if keys else None
+            )
+    return torch.nn.utils.get_total_norm(tree.write_grads(group=ctx.dp_group, dp=ctx.dp))
 
 
 def no_grad_forward(model: nn.Module, batches: list[tuple], ctx: StepContext, keys) -> Callable:
@@ -396,15 +403,19 @@ def add_terms(terms: list[torch.Tensor | None]) -> torch.Tensor:
     return total
 
 
-def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepContext, *, pp_group) -> torch.Tensor:
+def finish_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ctx: StepContext, *, pp_group, grad_norm=None
+) -> torch.Tensor:
     """Unscale (fp16), clip by the whole model's gradient norm, step, zero the gradients; returns
-    the norm as a 0-dim tensor (not read on the host here: the step reads it after its reduce)."""
+    the norm as a 0-dim tensor (not read on the host here: the step reads it after its reduce).
+    ``grad_norm``: the norm already taken (run.bitwise, on the whole gradient), used as is."""
     precision = ctx.amp
     reduce_expert_grads(model.parameters())  # expert parallel (a no-op without): before the norm
     precision.unscale_(optimizer)  # fp16: back to true gradients before clipping
     # The norm of the whole model's gradient on every rank, also when gradients are sharded or
     # the model is split into pipeline stages.
-    grad_norm = clip_grad_norm_(model.parameters(), ctx.grad_clip if ctx.grad_clip > 0 else math.inf, pp_group=pp_group)
+    max_norm = ctx.grad_clip if ctx.grad_clip > 0 else math.inf
+    grad_norm = clip_grad_norm_(model.parameters(), max_norm, pp_group=pp_group, total=grad_norm)
     precision.step(optimizer)  # fp16: skipped when the gradients overflowed
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
@@ -539,6 +550,8 @@ def eval_step(model: nn.Module, batches: list[tuple], ctx: StepContext) -> tuple
     """
     loss = ctx.objectives[0]
     count, batches, autos, decisions = prepare_batches(model, batches, ctx, (loss,), static=False)
+    if ctx.bitwise_grain:  # run.bitwise: the rows of each forward are the training grains, the same on every layout
+        batches, _ = split_grains(batches, None, ctx.bitwise_grain)
     loss.start(scale=1.0, device=ctx.device)
     if loss.first_pass_in_eval:
         loss.before_micro_batches(model, batches, forward=no_grad_forward(model, batches, ctx, None))

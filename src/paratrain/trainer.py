@@ -491,7 +491,7 @@ def build_model(cfg: Config, ctx: DistContext, dims, plan: BatchPlan, *, model, 
 
 def build_optimization(cfg: Config, dims, plan: BatchPlan, model: nn.Module):
     """The optimiser, the train state, the lr scaling, the adaptive batch (or None), the schedule."""
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, bitwise=cfg.run.bitwise)
     state = TrainState(global_batch_size=plan.global_batch_size)
     lr_scaling = LRScaling(cfg.optim, global_batch_size=plan.global_batch_size, log=log.info)
     adapter = build_batch_adapter(cfg.batch, lr_scaling=cfg.optim.lr_scaling, plan=plan, dp_group=dims.group("dp"))

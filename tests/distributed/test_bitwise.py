@@ -1,5 +1,6 @@
 """run.bitwise (issue 59, docs/bitwise.md): the same weights bit for bit, zero tolerance, on one
-process, with accumulation and under DDP, after AdamW steps (where rounding otherwise grows)."""
+process, with accumulation and under DDP, FSDP2 and HSDP, after AdamW steps (where rounding
+otherwise grows); the validation loss too."""
 
 from __future__ import annotations
 
@@ -24,8 +25,13 @@ TOY = [
     "optim.weight_decay=0.1",
     "optim.grad_clip=1.0",
     "optim.warmup_steps=1",
+    # Validation after steps 3 and 6 on 32 samples, at each layout's own micro-batch.
+    "eval.interval=3",
+    "eval.samples=32",
+    "data.val_factory='paratrain.testing.toy:toy_lm'",  # the training samples: what is checked is the sums
 ]
 BITWISE = ["run.bitwise=true", "run.bitwise_grain=2"]
+FSDP2 = "parallel.dp_shard=2"
 
 
 def run_layout(root, name: str, world: int, micro: int, extra=()) -> dict:
@@ -36,6 +42,7 @@ def run_layout(root, name: str, world: int, micro: int, extra=()) -> dict:
         "losses": [r["loss"] for r in rows],
         "grad_norm": [r["grad_norm"] for r in rows],
         "items": [r.get("items", r.get("tokens")) for r in rows],
+        "val_loss": [r["val_loss"] for r in rows if "val_loss" in r],
         "weights": load_file(os.path.join(out, "model.safetensors")),
         "accum": summaries[0]["batch"]["accum_steps"],
     }
@@ -43,7 +50,7 @@ def run_layout(root, name: str, world: int, micro: int, extra=()) -> dict:
 
 def differences(a: dict, b: dict) -> list[str]:
     """What is not bitwise equal between two runs (empty: all of it is)."""
-    bad = [k for k in ("losses", "grad_norm", "items") if a[k] != b[k]]
+    bad = [k for k in ("losses", "grad_norm", "items", "val_loss") if a[k] != b[k]]
     return bad + [k for k in a["weights"] if not torch.equal(a["weights"][k], b["weights"][k])]
 
 
@@ -58,19 +65,22 @@ def runs(tmp_path_factory):
             "1x4-acc4": run_layout(root, f"acc-{bitwise}", 1, 4, extra),
             "2x4-acc2": run_layout(root, f"ddp-{bitwise}", 2, 4, extra),
         }
+    # FSDP2 with the mode only (off, it differs as DDP does): the fast tier's time.
+    out[True]["fsdp2x4-acc2"] = run_layout(root, "fsdp-True", 2, 4, [*BITWISE, FSDP2])
     return out
 
 
 def test_bitwise_equal_across_layouts(runs):
     ref = runs[True]["1x16"]
     assert runs[True]["1x4-acc4"]["accum"] == 4 and runs[True]["2x4-acc2"]["accum"] == 2
-    for name in ("1x4-acc4", "2x4-acc2"):
+    assert len(ref["val_loss"]) == 2
+    for name in ("1x4-acc4", "2x4-acc2", "fsdp2x4-acc2"):
         assert differences(runs[True][name], ref) == [], name
     # Anchored to the default step (itself anchored to plain PyTorch, test_invariance.py): the same
     # gradient to rounding at step 1 and the same loss after it, so a dropped grain or a wrong scale
     # (dp / items), shared by every bitwise layout, fails here.
     off = runs[False]["1x16"]
-    for name in ("1x16", "2x4-acc2"):
+    for name in ("1x16", "2x4-acc2", "fsdp2x4-acc2"):
         assert runs[True][name]["grad_norm"][0] == pytest.approx(off["grad_norm"][0], rel=1e-5), name
         assert runs[True][name]["losses"][:2] == pytest.approx(off["losses"][:2], rel=1e-5), name
 
@@ -84,10 +94,10 @@ def test_without_bitwise_the_layouts_differ(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_bitwise_world_4_and_resume_at_world_1_with_keyed_dropout(tmp_path):
-    """World 4 (accumulation 2) and a world-2 run's step-3 checkpoint resumed at world 1 with
-    accumulation 4 give the one-process run's bits, with dropout keyed by the sample
-    (run.keyed_random, the default)."""
+def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path):
+    """DDP and FSDP2 at world 4, HSDP 2x2, and a FSDP2 world-2 run's step-3 checkpoint resumed
+    at world 1 with accumulation 4 give the one-process run's bits, with dropout keyed by the
+    sample (run.keyed_random, the default)."""
     drop = [
         *BITWISE,
         "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, dropout = 0.1}",
@@ -95,10 +105,14 @@ def test_bitwise_world_4_and_resume_at_world_1_with_keyed_dropout(tmp_path):
     ]
     ref = run_layout(tmp_path, "ref", 1, 16, drop)
     assert differences(run_layout(tmp_path, "w4", 4, 2, drop), ref) == []
-    run_layout(tmp_path, "w2", 2, 8, drop)
+    assert differences(run_layout(tmp_path, "fsdp4", 4, 4, [*drop, "parallel.dp_shard=4"]), ref) == []
+    hsdp = run_layout(tmp_path, "hsdp", 4, 2, [*drop, "parallel.dp_shard=2", "parallel.dp_replicate=2"])
+    assert differences(hsdp, ref) == []
+    run_layout(tmp_path, "w2", 2, 8, [*drop, FSDP2])
     src = tmp_path / "w2" / "checkpoints" / "step-3"
     resumed = run_layout(tmp_path, "resumed", 1, 4, [*drop, f"checkpoint.resume='{src}'"])
     assert [resumed[k] for k in ("losses", "grad_norm", "items")] == [
         ref[k][3:] for k in ("losses", "grad_norm", "items")
     ]
+    assert resumed["val_loss"] == ref["val_loss"][1:]  # after step 6
     assert [k for k in ref["weights"] if not torch.equal(resumed["weights"][k], ref["weights"][k])] == []

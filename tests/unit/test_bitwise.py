@@ -17,9 +17,11 @@ def check(*sets: str, world: int = 2):
     return check_run(load_config(None, [*BASE, *sets]), world)
 
 
-def test_accepts_ddp_and_accumulation():
+def test_accepts_ddp_fsdp_hsdp_and_accumulation():
     check("batch.micro_batch_size=2", world=2)
     check("batch.micro_batch_size=4", world=4)
+    check("batch.micro_batch_size=2", "parallel.dp_shard=2", world=2)
+    check("batch.micro_batch_size=2", "parallel.dp_shard=2", "parallel.dp_replicate=2", world=4)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +31,9 @@ def test_accepts_ddp_and_accumulation():
         (["batch.global_batch_size=12", "batch.micro_batch_size=2"], 2, r"grains per rank \(6 rows"),
         (["batch.micro_batch_size=4", "run.bitwise_grain=3"], 2, "must divide batch.micro_batch_size = 4"),
         (["batch.global_batch_size=12", "batch.micro_batch_size=2"], 3, "powers of two"),
-        (["parallel.dp_shard=2"], 2, "parallel.dp_shard = 2"),
+        (["parallel.dp_shard=2", "precision.dtype='bf16'"], 2, "parallel.dp_shard = 2 and precision.dtype = 'bf16'"),
+        (["optim.implementation='fused'"], 2, "optim.implementation = 'fused'"),
+        (["batch.micro_batch_size=4", "eval.micro_batch_size=1"], 2, "must divide eval.micro_batch_size = 1"),
         (["parallel.tp=2"], 2, "parallel.tp = 2"),
         (["batch.micro_batch_size='auto'"], 2, "micro_batch_size = 'auto'"),
         (["loss.name='info_nce'"], 2, "over the whole global batch"),

@@ -20,6 +20,14 @@ difference is rounding, which AdamW amplifies over a run. Here that order is mad
 DDP never reduces by itself in this mode (every backward runs under ``no_sync``); the result is
 written into ``p.grad`` and the step's clip and optimiser step run as usual. The objectives'
 scale is ``1 / units`` (not ``dp / units``): the ranks' gradients are summed here, not averaged.
+
+FSDP2 and HSDP (``fully_shard``) reduce-scatter each backward in the backend's order, so every
+grain's backward runs with ``set_requires_gradient_sync(False)``: autograd leaves the grain's
+whole gradient on the unsharded parameter FSDP gathered, the tree takes it from there, and after
+the merge (the same gather over the flattened dp ranks, which are the sampler's order) each rank
+keeps its own shard as the sharded DTensor ``p.grad``. The norm is taken on the whole merged
+gradient, before sharding, as one process takes it: a norm of shards reduced by DTensor adds
+the shards' squares in the collective's order.
 """
 
 from __future__ import annotations
@@ -29,19 +37,27 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.config import ConfigError
 
 
-def check_grains(*, grain: int, micro_batch_size: int, per_rank: int, dp: int) -> None:
-    """The layouts whose tree is the one tree: one line (ConfigError) for any other."""
+def check_grains(*, grain: int, micro_batch_size: int, per_rank: int, dp: int, eval_micro_batch_size: int = 0) -> None:
+    """The layouts whose tree is the one tree: one line (ConfigError) for any other.
+    ``eval_micro_batch_size``: validation's micro-batch, run in grains too (0: not checked)."""
     if grain <= 0:
         raise ConfigError("run.bitwise = true needs run.bitwise_grain, the rows of each backward: set it to an int > 0")
     if micro_batch_size % grain:
         raise ConfigError(
             f"run.bitwise_grain = {grain} must divide batch.micro_batch_size = {micro_batch_size}: set the micro-batch"
             f" to a multiple of {grain} (or a smaller grain)"
+        )
+    if eval_micro_batch_size % grain:
+        raise ConfigError(
+            f"run.bitwise_grain = {grain} must divide eval.micro_batch_size = {eval_micro_batch_size} (validation runs"
+            f" in grains too): set it to a multiple of {grain}, or 0 (the training micro-batch)"
         )
     grains = per_rank // grain
     if not _power_of_two(grains) or not _power_of_two(dp):
@@ -95,20 +111,31 @@ class GrainTree:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        fsdp = _fsdp_params(model)
+        # FSDP2: a unit left gathered by a forward without backward (the layout probe, an
+        # evaluation; the last block is never resharded after its forward) registers its unsharded
+        # parameters on the module: the tree's are the sharded ones, the optimiser's.
+        params = [fsdp[id(p)].sharded_param if id(p) in fsdp else p for p in model.parameters()]
+        self.params = [p for p in params if p.requires_grad]
+        self.fsdp = {id(fp.sharded_param): fp for fp in fsdp.values()}
         self.stack: list[tuple[int, list[torch.Tensor]]] = []
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        """DDP reduces nothing by itself: the tree is the only sum."""
-        return self.model.no_sync() if isinstance(self.model, DDP) else contextlib.nullcontext()
+        """DDP and FSDP2 reduce nothing by themselves: the tree is the only sum."""
+        if isinstance(self.model, DDP):
+            return self.model.no_sync()
+        if isinstance(self.model, FSDPModule):
+            return _fsdp_unsynced(self.model)
+        return contextlib.nullcontext()
 
     def push(self, _k: int = 0) -> None:
-        """After a grain's backward: take its gradients out of ``p.grad`` (left None, so the next
-        grain's backward starts from nothing) and carry them up the counter."""
+        """After a grain's backward: take its gradients out (left None, so the next grain's
+        backward starts from nothing) and carry them up the counter."""
         grads = []
         for p in self.params:
-            g, p.grad = p.grad, None
-            grads.append(torch.zeros_like(p) if g is None else g)  # a parameter this grain left unused
+            g = self._take(p)
+            # A parameter this grain left unused; p.shape is the whole shape (FSDP2's too).
+            grads.append(torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None else g)
         level = 0
         while self.stack and self.stack[-1][0] == level:
             _, left = self.stack.pop()
@@ -116,14 +143,63 @@ class GrainTree:
             grads, level = left, level + 1
         self.stack.append((level, grads))
 
-    def write_grads(self, *, group: dist.ProcessGroup | None, dp: int) -> None:
-        """The rank's subtree, combined with the other ranks' in the tree's order, into ``p.grad``."""
+    def _take(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The grain's whole gradient of ``p``: ``p.grad``, or under FSDP2 (no sync) the gradient
+        autograd left on the unsharded parameter (upcast to ``reduce_dtype`` when that differs)."""
+        fp = self.fsdp.get(id(p))
+        if fp is None:
+            g, p.grad = p.grad, None
+            return g
+        g, fp.unsharded_accumulated_grad = fp.unsharded_accumulated_grad, None
+        if g is None:
+            g, fp.unsharded_param.grad = fp.unsharded_param.grad, None
+        return g
+
+    def write_grads(self, *, group: dist.ProcessGroup | None, dp: int) -> list[torch.Tensor]:
+        """The rank's subtree, combined with the other ranks' in the tree's order, into ``p.grad``
+        (this rank's shard of it for a sharded parameter). Returns the whole gradients, whose norm
+        is the one of every layout."""
         assert len(self.stack) == 1, "the grains per rank are a power of two (preflight: check_grains)"
         grads = self.stack.pop()[1]
         if dp > 1:
             grads = merge_ranks(grads, group=group, dp=dp)
         for p, g in zip(self.params, grads, strict=True):
-            p.grad = g
+            p.grad = _shard_like(p, g) if isinstance(p, DTensor) else g
+        return grads
+
+
+def _fsdp_params(model: nn.Module) -> dict:
+    """``{id(parameter): FSDPParam}`` of every ``fully_shard`` unit in ``model``, by its sharded
+    and its unsharded parameter (empty without FSDP2). torch has no public getter of the unsharded
+    gradient a no-sync backward leaves; this reads FSDP2's own record of it (torch 2.13,
+    _fully_shard/_fsdp_param.py)."""
+    out = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group) is not None:
+            for fp in group.fsdp_params:
+                out[id(fp.sharded_param)] = fp
+                if hasattr(fp, "_unsharded_param"):  # made at the first all-gather
+                    out[id(fp.unsharded_param)] = fp
+    return out
+
+
+@contextlib.contextmanager
+def _fsdp_unsynced(model: FSDPModule):
+    model.set_requires_gradient_sync(False)  # no reduce-scatter (nor HSDP all-reduce) in any grain
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _shard_like(p: DTensor, full: torch.Tensor) -> DTensor:
+    """This rank's piece of the whole gradient ``full``, laid out as the parameter ``p`` (FSDP2:
+    Shard(0) over dp_shard, Replicate over dp_replicate). DTensor cuts it locally, without
+    communication (``src_data_rank=None``), with the chunks FSDP2 uses; copied (where the shard
+    lives: CPU under parallel.cpu_offload) so that the merged flat buffer is freed."""
+    shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    shard = shard.to(device=p.device, dtype=p.dtype, copy=True)
+    return DTensor.from_local(shard, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
 
 
 def merge_ranks(grads: list[torch.Tensor], *, group: dist.ProcessGroup | None, dp: int) -> list[torch.Tensor]:
@@ -136,7 +212,7 @@ def merge_ranks(grads: list[torch.Tensor], *, group: dist.ProcessGroup | None, d
         parts = [torch.empty_like(flat) for _ in range(dp)]
         dist.all_gather(parts, flat, group=group)
         while len(parts) > 1:
-            parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+            parts = [parts[i].add_(parts[i + 1]) for i in range(0, len(parts), 2)]  # in place: no new buffers
         for i, piece in zip(idx, parts[0].split([grads[i].numel() for i in idx]), strict=True):
             out[i] = piece.view_as(grads[i])
     return out

@@ -48,15 +48,22 @@ def global_grad_norm(params, *, norm_type: float = 2.0) -> torch.Tensor:
     return parts.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
-def clip_grad_norm_(params, max_norm: float, *, norm_type: float = 2.0, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(
+    params, max_norm: float, *, norm_type: float = 2.0, pp_group=None, total: torch.Tensor | None = None
+) -> torch.Tensor:
     """Clip the gradients in place to ``max_norm`` (inf: no clipping); returns the global norm as
     a 0-dim tensor, not read on the host (the step reads it after its loss reduce).
 
     ``pp_group``: the pipeline group, whose stages each hold a part of the model. Each stage's
     norm (itself whole over its FSDP/TP shards) is partial, so the p-th powers are summed over
     the pipeline ranks before clipping (max for the inf norm).
+
+    ``total``: the norm, already taken (run.bitwise takes it on the whole merged gradient, before
+    FSDP2's shards: a norm of shards adds their squares in the collective's order).
     """
     params = [p for p in params if p.grad is not None]
+    if total is not None:
+        return _clip_with(params, max_norm, total)
     if pp_group is None and not any(isinstance(p.grad, DTensor) or hasattr(p, EP_ATTR) for p in params):
         # Plain tensors: torch's own (fused, foreach) implementation, as the reference uses it.
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)  # no host sync
@@ -69,6 +76,10 @@ def clip_grad_norm_(params, max_norm: float, *, norm_type: float = 2.0, pp_group
             total = total**norm_type
             dist.all_reduce(total, group=pp_group)
             total = total ** (1.0 / norm_type)
+    return _clip_with(params, max_norm, total)
+
+
+def _clip_with(params, max_norm: float, total: torch.Tensor) -> torch.Tensor:
     if math.isinf(max_norm):  # no clipping: the coefficient would be 1 (no host read for it)
         return total
     # The same coefficient as torch.nn.utils.clip_grads_with_norm_, applied as a Python scalar so

@@ -64,13 +64,14 @@ def check_run(
     check_packing(cfg, dims)
     if dims.cp > 1:
         check_cp_rows(cfg, dims, spec or spec_of(cfg.model, model))
-    check_eval(cfg, dims, plan)
-    if cfg.run.bitwise:  # after the refusals of support.py: DDP and accumulation only
+    eval_plan = check_eval(cfg, dims, plan)
+    if cfg.run.bitwise:  # after the refusals of support.py: data parallel and accumulation only
         check_grains(
             grain=cfg.run.bitwise_grain,
             micro_batch_size=plan.micro_batch_size,
             per_rank=plan.per_rank_batch_size,
             dp=dims.dp,
+            eval_micro_batch_size=eval_plan.micro_batch_size,
         )
     check_rl(cfg, dims, plan)
     if dims.tp > 1 or dims.pp > 1:

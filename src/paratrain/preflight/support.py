@@ -304,10 +304,23 @@ def _bitwise_degree(degree: str, why: str) -> Refusal:
     )
 
 
-# run.bitwise, first slice (issue 59): one process, accumulation and DDP. Each row below is a sum
+# run.bitwise (issue 59): one process, accumulation, DDP, FSDP2 and HSDP. Each row below is a sum
 # over samples whose order the grain tree does not fix yet, or a feature not checked bit for bit.
 BITWISE_REFUSALS: tuple[Refusal, ...] = (
-    _bitwise_degree("dp_shard", "FSDP2 reduce-scatters in its own order; use parallel.dp_replicate (DDP)"),
+    _bitwise(
+        "fsdp low precision",
+        lambda c, d: d.dp_shard > 1 and c.precision.dtype != "fp32",
+        lambda c, d: f"parallel.dp_shard = {d.dp_shard} and precision.dtype = {c.precision.dtype!r}",
+        "use precision.dtype = 'fp32' or parallel.dp_replicate (DDP)",
+        "not checked bit for bit: FSDP2 casts the gathered parameters where one process runs autocast",
+    ),
+    _bitwise(
+        "optimizer kernel",
+        lambda c, d: c.optim.implementation in ("fused", "foreach"),
+        lambda c, d: f"optim.implementation = {c.optim.implementation!r}",
+        "set optim.implementation = 'auto' (the loop under run.bitwise)",
+        "FSDP2's shards take no fused kernel, and the fused one rounds otherwise than the loop",
+    ),
     _bitwise_degree("tp", "a tensor-parallel matmul sums over ranks in the collective's order"),
     _bitwise_degree("pp", "the pipeline schedule cuts the rows itself, not into grains"),
     _bitwise_degree("cp", "context-parallel attention sums over ranks in the collective's order"),
