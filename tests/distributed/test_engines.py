@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from paratrain.testing.dist_utils import (
     run_ranks,
     train_rank,
 )
+from paratrain.testing.engines import serve_fake_vllm
 from paratrain.testing.hf_models import save_tiny
 from paratrain.testing.rl_data import addition_rows
 from paratrain.testing.sft_data import VOCAB, save_chat_tokenizer, write_jsonl
@@ -127,69 +126,13 @@ def test_a_generate_engine_trains_with_its_gap_logged_and_the_same_completions_a
         assert [r[key] for r in rows2] == pytest.approx([r[key] for r in rows], rel=1e-5, abs=1e-7), key
 
 
-class FakeVLLM(BaseHTTPRequestHandler):
-    """vLLM's completions API and its weight-reload dev endpoints, answered by the built-in keyed
-    sampler on the built-in GPT (one request at a time, the request's seed as its key)."""
-
-    model = None
-    calls: list[str] = []
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-        path = self.path.split("?")[0]
-        type(self).calls.append(path)
-        out = {}
-        if path == "/collective_rpc":
-            from safetensors.torch import load_file
-
-            assert body["method"] == "reload_weights"
-            weights = load_file(os.path.join(body["kwargs"]["weights_path"], "model.safetensors"))
-            type(self).model.load_state_dict(weights)
-        elif path == "/v1/completions":
-            assert body["ignore_eos"] and body["return_tokens_as_token_ids"] and body["logprobs"] == 0
-            ids = body["prompt"]
-            tokens, logps, n = sample(
-                type(self).model,
-                torch.tensor([ids]),
-                torch.tensor([len(ids)]),
-                torch.tensor([body["seed"]]),
-                max_new_tokens=body["max_tokens"],
-                temperature=body["temperature"],
-                top_k=body["top_k"],
-                top_p=body["top_p"],
-                stop=tuple(body["stop_token_ids"]),
-                cached=True,
-            )
-            k = int(n[0])
-            out = {
-                "choices": [
-                    {
-                        "logprobs": {
-                            "tokens": [f"token_id:{t}" for t in tokens[0, :k].tolist()],
-                            "token_logprobs": logps[0, :k].tolist(),
-                        }
-                    }
-                ]
-            }
-        data = json.dumps(out).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
 def test_the_vllm_server_engine_against_a_fake_server_gives_the_builtin_run(tmp_path):
     """rl.engine = 'vllm' against a server that samples as the built-in sampler: the same
     completions token for token and the same losses as the built-in engine over two rounds, which
     holds only if the weights reach the server each round (pause, reload, reset, resume)."""
-    FakeVLLM.model, FakeVLLM.calls = _gpt(), []
-    torch.nn.init.zeros_(next(FakeVLLM.model.parameters()))  # a stale server: only the sync can fix it
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    stale = _gpt()
+    torch.nn.init.zeros_(next(stale.parameters()))  # a stale server: only the sync can fix it
+    server, fake = serve_fake_vllm(stale)
     base = [
         "model.args={n_layer = 2, n_head = 4, d_model = 32, block_size = 32}",  # GPT_ARGS on bytes
         "data.name='prompts'",
@@ -219,7 +162,7 @@ def test_the_vllm_server_engine_against_a_fake_server_gives_the_builtin_run(tmp_
     assert [r["loss"] for r in rows2] == [r["loss"] for r in rows]
     assert all(r["logp_gap"] <= 1e-6 for r in rows2)
     sync = ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
-    assert FakeVLLM.calls == 2 * (sync + ["/v1/completions"] * 8)
+    assert fake.calls == 2 * (sync + ["/v1/completions"] * 8)
 
 
 def test_a_bad_engine_is_one_line(tmp_path):

@@ -29,6 +29,7 @@ import json
 import os
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -120,9 +121,17 @@ class ServerEngine:
     (a server whose weights never change, e.g. a check of the gap at step 0)."""
 
     def __init__(
-        self, url: str = "http://127.0.0.1:8000", model: str = "", weights_dir: str = "", timeout_s: float = 600
+        self,
+        url: str = "http://127.0.0.1:8000",
+        model: str = "",
+        weights_dir: str = "",
+        timeout_s: float = 600,
+        concurrency: int = 1,
     ):
         self.url, self.model, self.weights_dir, self.timeout_s = url.rstrip("/"), model, weights_dir, timeout_s
+        # Requests in flight at once: more lets the server batch them (its throughput), and then a
+        # completion may depend on its batch through the server's kernels (vllm#27059).
+        self.concurrency = max(1, int(concurrency))
 
     def _post(self, path: str, body: dict | None = None) -> dict:
         data = json.dumps(body or {}).encode()
@@ -168,7 +177,8 @@ class ServerEngine:
         n = params.max_new_tokens
         tokens = torch.full((len(prompts), n), -1, dtype=torch.long)
         logps = torch.zeros(len(prompts), n)
-        for i, (ids, key) in enumerate(zip(prompts, keys.tolist(), strict=True)):
+
+        def request(ids: list[int], key: int) -> dict:
             body = {
                 "model": self.model,
                 "prompt": list(ids),
@@ -183,7 +193,11 @@ class ServerEngine:
                 "stop_token_ids": list(params.stop),
                 "skip_special_tokens": False,
             }
-            choice = self._post("/v1/completions", body)["choices"][0]
+            return self._post("/v1/completions", body)["choices"][0]
+
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            choices = list(pool.map(request, prompts, keys.tolist()))
+        for i, choice in enumerate(choices):
             got = [int(t.rpartition(":")[2]) for t in choice["logprobs"]["tokens"]][:n]
             tokens[i, : len(got)] = torch.tensor(got, dtype=torch.long)
             logps[i, : len(got)] = torch.tensor(choice["logprobs"]["token_logprobs"][: len(got)], dtype=torch.float32)
