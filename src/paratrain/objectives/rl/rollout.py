@@ -31,6 +31,10 @@ round first recomputes them with the training forward, micro-batch for micro-bat
 largest difference from the sampler's (``logp_gap``: float rounding with the cache); an
 on-policy step without a KL skips that, as TRL does, unless ``rl.check_logps``. Ranks whose
 forward holds collectives (FSDP2, tensor parallel) agree on when every completion has stopped.
+
+**Another engine** (``rl.engine``, objectives/rl/engine.py) may take the built-in sampler's
+place (:meth:`Rollouts.draw` is the one call); its log-probabilities go where the built-in's go
+(``training_rows``' ``old``), and the round then always recomputes the trainer's and logs the gap.
 """
 
 from __future__ import annotations
