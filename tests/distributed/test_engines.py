@@ -28,6 +28,8 @@ from paratrain.testing.engines import serve_fake_vllm
 from paratrain.testing.hf_models import save_tiny
 from paratrain.testing.rl_data import addition_rows
 from paratrain.testing.sft_data import VOCAB, save_chat_tokenizer, write_jsonl
+from tests.distributed.test_multiturn import _config as mt_config
+from tests.distributed.test_multiturn import mt  # noqa: F401 - the multi-turn fixture
 
 pytest.importorskip("transformers")
 
@@ -184,3 +186,18 @@ def test_a_bad_engine_is_one_line(tmp_path):
     assert "rl.engine = 'paratrain.no_such_engine:make': cannot import module" in line, line
     with pytest.raises(ConfigError, match=r"rl.engine = 'vlm' is unknown; use 'builtin', 'vllm' or 'package"):
         load_config(None, ["loss.name='grpo'", "rl.engine='vlm'"])  # malformed: refused with the config
+
+
+@pytest.mark.slow  # two launches: 52 s at load 9 on 2 cores
+def test_multi_turn_episodes_sample_through_an_engine_alike_at_world_2(mt):  # noqa: F811 - the fixture
+    """Every turn of an episode goes through the engine with the turn's keys: the same episodes
+    (every turn's tokens, the environment's answers) at world 1 and world 2 with accumulation,
+    where a rank whose episodes have ended does not call the engine."""
+    engine = ["rl.engine='paratrain.testing.engines:generate_engine'", f"rl.engine_args={{model = '{mt['policy']}'}}"]
+    paratrain.train(load_config(None, mt_config(mt, "engine_w1", *engine)))
+    run_ranks(train_rank, 2, mt_config(mt, "engine_w2", *engine, "batch.micro_batch_size=2"))
+    (rows, episodes), (rows2, episodes2) = (_read(os.path.join(mt["root"], n)) for n in ("engine_w1", "engine_w2"))
+    assert [e["tokens"] for e in episodes2] == [e["tokens"] for e in episodes]
+    assert [e["messages"] for e in episodes2] == [e["messages"] for e in episodes]
+    assert max(e["turns"] for e in episodes) > 1 and all("logp_gap_mean" in r for r in rows)
+    assert [r["loss"] for r in rows2] == pytest.approx([r["loss"] for r in rows], rel=1e-5, abs=1e-7)
