@@ -269,7 +269,7 @@ class RLConfig:
         "Where completions come from (docs/engines.md): 'builtin' (the trainer's model and keyed draws: exact), 'vllm' (a `vllm serve` over HTTP, rl.engine_args url, model, weights_dir), or 'package.module:factory' / 'file.py:factory' returning an engine with sample(prompts, keys, params) -> (tokens, logps) and sync(model). Another engine than the built-in always recomputes the trainer's log-probabilities and logs logp_gap and logp_gap_mean.",
     )
     engine_args: dict = opt(
-        {}, "Keyword arguments of rl.engine's factory (for 'vllm': url, model, weights_dir, timeout_s)."
+        {}, "Keyword arguments of rl.engine's factory (for 'vllm': url, model, weights_dir, timeout_s, concurrency)."
     )
     check_logps: bool = opt(
         False,
