@@ -264,6 +264,13 @@ class RLConfig:
         0,
         "Rows (completions) one sampler call generates on one rank; 0 = all of the rank's rows of an optimiser step (TRL's default). The tokens do not depend on it (keyed draws); a smaller one holds a smaller KV cache, a larger one takes fewer, wider forwards.",
     )
+    engine: str = opt(
+        "builtin",
+        "Where completions come from (docs/engines.md): 'builtin' (the trainer's model and keyed draws: exact), 'vllm' (a `vllm serve` over HTTP, rl.engine_args url, model, weights_dir), or 'package.module:factory' / 'file.py:factory' returning an engine with sample(prompts, keys, params) -> (tokens, logps) and sync(model). Another engine than the built-in always recomputes the trainer's log-probabilities and logs logp_gap and logp_gap_mean.",
+    )
+    engine_args: dict = opt(
+        {}, "Keyword arguments of rl.engine's factory (for 'vllm': url, model, weights_dir, timeout_s, concurrency)."
+    )
     check_logps: bool = opt(
         False,
         "Recompute the completions' log-probabilities after sampling even where no step needs them (on-policy, rl.beta = 0), to log logp_gap (the sampler against the trainer); off-policy steps and beta > 0 always recompute.",
@@ -325,7 +332,7 @@ class RLConfig:
     )
     importance: Literal["none", "token_truncate", "sequence_mask"] = opt(
         "sequence_mask",
-        "With rl.async_steps > 0, the weight of the stale sampler's completions, from rho = pi_old / pi_sampler (pi_old: the trainer's policy at the round's start): 'sequence_mask' (rho of the whole completion, 0 above importance_cap: TRL's default), 'token_truncate' (each token's rho capped at importance_cap: truncated IS, Yao et al. 2025), 'none'.",
+        "With rl.async_steps > 0 or another rl.engine than 'builtin', the weight of the sampler's completions, from rho = pi_old / pi_sampler (pi_old: the trainer's policy at the round's start): 'sequence_mask' (rho of the whole completion, 0 above importance_cap: TRL's default), 'token_truncate' (each token's rho capped at importance_cap: truncated IS, Yao et al. 2025), 'none'.",
     )
     importance_cap: float = opt(3.0, "The cap C of rl.importance (TRL's default 3.0); > 0.")
 
@@ -943,11 +950,21 @@ def validate_rl(r: RLConfig) -> None:
             "rl.rewards names 'overlong', which measures one completion against rl.max_new_tokens, but an episode of"
             " rl.environment / rl.tools holds several turns; drop it or write a reward of the episode's length"
         )
+    if r.engine not in ("builtin", "vllm") and ":" not in r.engine:
+        raise ConfigError(
+            f"rl.engine = {r.engine!r} is unknown; use 'builtin', 'vllm' or 'package.module:factory' (docs/engines.md)"
+        )
     if not all(isinstance(t, str) and ":" in t for t in r.tools):
         raise ConfigError(f"rl.tools = {r.tools!r} must list 'package.module:function' or 'file.py:function' strings")
     if r.async_steps < 0:
         raise ConfigError(
             f"rl.async_steps = {r.async_steps} must be >= 0 (0: every round sampled with the current weights)"
+        )
+    if r.async_steps and r.engine != "builtin":
+        raise ConfigError(
+            f"rl.async_steps = {r.async_steps} with rl.engine = {r.engine!r}: stale rounds are sampled on a copy of"
+            " the trainer's weights, which another engine does not sample with; use rl.engine = 'builtin' or"
+            " rl.async_steps = 0"
         )
     if not r.importance_cap > 0:
         raise ConfigError(f"rl.importance_cap = {r.importance_cap} must be > 0 (TRL's default: 3.0)")

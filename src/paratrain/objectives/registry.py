@@ -160,9 +160,10 @@ def _grpo(cfg: Config, **_) -> Objective:
         temperature=r.temperature,
         max_new_tokens=r.max_new_tokens,
         on_policy=r.steps_per_generation * r.epochs_per_generation == 1,
-        # A round's sampler is its trainer's own weights unless rounds are stale (rl.async_steps):
-        # only then do the two policies differ, and need the importance weight.
-        importance=r.importance if r.async_steps else "none",
+        # A round's sampler is its trainer's own weights unless rounds are stale (rl.async_steps)
+        # or another engine samples (rl.engine: other kernels, TRL's vllm_importance_sampling_
+        # correction): only then do the two policies differ, and need the importance weight.
+        importance=r.importance if r.async_steps or r.engine != "builtin" else "none",
         importance_cap=r.importance_cap,
     )
 

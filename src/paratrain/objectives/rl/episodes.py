@@ -41,7 +41,7 @@ import torch.distributed as dist
 from paratrain.config import ConfigError, RLConfig
 from paratrain.objectives.policy_gradient import Rollout, token_weights
 from paratrain.objectives.rl.env import build_environment, load_tools, opening, step
-from paratrain.objectives.rl.rollout import advantages, completion_keys, sample
+from paratrain.objectives.rl.rollout import advantages, completion_keys
 from paratrain.randomness import key_of, site_of
 
 TURN_SITE = site_of("rollout.sample.turn")
@@ -157,7 +157,7 @@ class Episodes:
         return batches, [keys[a:b] for a, b in spans], {"stats": stats, "written": written}
 
     def _generate(self, ro, episodes: list[Episode], keys: torch.Tensor) -> None:
-        cfg, device = self.cfg, ro.device
+        cfg = self.cfg
         for turn in range(cfg.max_turns):
             live = [i for i, e in enumerate(episodes) if not e.done]
             if ro.agree:  # every rank runs as many turns, hence forwards (module docstring)
@@ -168,26 +168,7 @@ class Episodes:
             elif not live:
                 return
             rows = live or [0]  # a rank with nothing left samples one dead row beside the others
-            width = max(len(episodes[i].ids) for i in rows)
-            prompts = torch.zeros(len(rows), width, dtype=torch.long)
-            for r, i in enumerate(rows):
-                prompts[r, : len(episodes[i].ids)] = torch.tensor(episodes[i].ids)
-            tokens, logps, _ = sample(
-                ro._sampler(),
-                prompts.to(device),
-                torch.tensor([len(episodes[i].ids) for i in rows]),
-                turn_keys(keys[rows], turn),
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
-                top_p=cfg.top_p,
-                stop=ro.stop,
-                agree=ro.agree,
-                autocast=ro.autocast(),
-                cached=cfg.kv_cache and hasattr(ro._sampler(), "new_cache"),
-                live=torch.tensor([bool(live)] * len(rows), device=device),
-            )
-            tokens, logps = tokens.cpu(), logps.cpu()
+            tokens, logps = ro.draw([episodes[i].ids for i in rows], turn_keys(keys[rows], turn), live=bool(live))
             for r, i in enumerate(live):
                 n = int((tokens[r] >= 0).sum())
                 self._turn(

@@ -31,6 +31,10 @@ round first recomputes them with the training forward, micro-batch for micro-bat
 largest difference from the sampler's (``logp_gap``: float rounding with the cache); an
 on-policy step without a KL skips that, as TRL does, unless ``rl.check_logps``. Ranks whose
 forward holds collectives (FSDP2, tensor parallel) agree on when every completion has stopped.
+
+**Another engine** (``rl.engine``, objectives/rl/engine.py) may take the built-in sampler's
+place (:meth:`Rollouts.draw` is the one call); its log-probabilities go where the built-in's go
+(``training_rows``' ``old``), and the round then always recomputes the trainer's and logs the gap.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.config import ConfigError, RLConfig
 from paratrain.objectives.policy_gradient import PolicyGradientLoss, Rollout, token_logps, token_weights
+from paratrain.objectives.rl.engine import SamplingParams, build_engine, checked
 from paratrain.objectives.rl.rewards import Rewards
 from paratrain.objectives.rl.stale import StaleRounds, test_delays
 from paratrain.randomness import key_of, site_of, uniform
@@ -166,6 +171,48 @@ def sample(
     return tokens, logps, (tokens >= 0).sum(-1)
 
 
+class BuiltinEngine:
+    """``rl.engine = 'builtin'``: :func:`sample` with the trainer's model as it is laid out (the
+    engine interface of objectives/rl/engine.py). ``sync`` does nothing: it samples with the
+    trainer's weights themselves, or a stale round's copy of them (``sampler()``, stale.py)."""
+
+    def __init__(self, sampler, *, device: torch.device, agree: bool, autocast, kv_cache: bool):
+        self.sampler = sampler  # () -> the module to sample with: Rollouts._sampler
+        self.device, self.agree, self.autocast, self.kv_cache = (
+            device,
+            agree,
+            autocast,
+            kv_cache,
+        )  # autocast(): the step's
+
+    def sync(self, model: nn.Module) -> None:
+        pass
+
+    def sample(self, prompts: list[list[int]], keys: torch.Tensor, params: SamplingParams, *, live: bool = True):
+        """``live = False``: the rows only keep step with ranks that still sample (episodes.py)."""
+        model = self.sampler()
+        lengths = torch.tensor([len(p) for p in prompts])
+        ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)  # right-padded with 0, as the loader's
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+        tokens, logps, _ = sample(
+            model,
+            ids.to(self.device),
+            lengths,
+            keys,
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            stop=params.stop,
+            agree=self.agree,
+            autocast=self.autocast(),
+            cached=self.kv_cache and hasattr(model, "new_cache"),
+            live=None if live else torch.zeros(len(prompts), dtype=torch.bool, device=self.device),
+        )
+        return tokens.cpu(), logps.cpu()
+
+
 def _any_live(live: torch.Tensor, agree: bool) -> bool:
     flag = live.any().to(torch.float32).reshape(1)
     if agree:
@@ -250,10 +297,21 @@ class Rollouts:
     ):
         self.cfg, self.model, self.objective, self.loader, self.dataset = cfg, model, objective, loader, dataset
         self.device, self.autocast = device, autocast  # autocast(): the step's (precision.py), or None
-        self.dp, self.dp_group, self.agree, self.seed = dp, dp_group, agree, seed
+        self.dp, self.dp_group, self.seed = dp, dp_group, seed
         self.rewards = Rewards(cfg)
         self.episodes = episodes  # multi-turn (rl.environment, rl.tools): episodes.py's Episodes, else None
         self.stop = tuple(cfg.stop) or ((dataset.eos_id,) if dataset.eos_id is not None else ())
+        self.params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, self.stop)
+        # rl.engine (objectives/rl/engine.py): the built-in keyed sampler, or an engine that samples
+        # outside the trainer's forward, whose ranks then need not agree on its forwards
+        self.builtin = cfg.engine == "builtin"
+        self.agree = agree and self.builtin
+        if self.builtin:
+            self.engine = BuiltinEngine(
+                self._sampler, device=device, agree=agree, autocast=autocast, kv_cache=cfg.kv_cache
+            )
+        else:
+            self.engine = build_engine(cfg)
         self.round_steps = cfg.steps_per_generation * cfg.epochs_per_generation
         self.forward_of = forward_of  # step.no_grad_forward bound to the model and step context
         self.path = os.path.join(out_dir, "rollouts.jsonl") if is_main else None
@@ -308,6 +366,7 @@ class Rollouts:
         t0 = time.perf_counter()
         extra = self.episodes.metrics if self.episodes is not None else ()  # multi-turn: turns, truncated
         gap = torch.zeros(1, dtype=torch.float64)
+        self.engine.sync(self.model)  # once per round, on every rank (a collective where it gathers shards)
         if self.stale is None:
             self.steps, stats, written = self._sample_round(consumed, global_batch_size, micro_batch_size)
         else:  # round r + j begins j rounds of prompts later (stale.py)
@@ -322,12 +381,22 @@ class Rollouts:
         # it is skipped unless rl.check_logps asks for logp_gap, as TRL skips it (old_per_token_logps).
         # Nor does a stale round's importance weight, pi_old / pi_sampler: on-policy, pi_old is the
         # step's own logp (policy_gradient.py).
-        recompute = not self.objective.on_policy or self.objective.reference is not None or self.cfg.check_logps
+        # Another engine than the built-in always recomputes, as TRL does with vLLM: its
+        # log-probabilities come from other kernels, and the gap is worth a column.
+        recompute = (
+            not self.objective.on_policy
+            or self.objective.reference is not None
+            or self.cfg.check_logps
+            or not self.builtin
+        )
+        gap_sum = torch.zeros(2, dtype=torch.float64)  # the gaps' sum and the tokens'
         for batches, keys in self.steps if recompute else ():
-            gap = torch.maximum(gap, self._recompute(batches, keys))
+            most, total = self._recompute(batches, keys)
+            gap, gap_sum = torch.maximum(gap, most), gap_sum + total
         if self.dp_group is not None:
             dist.all_reduce(stats, group=self.dp_group)
             dist.all_reduce(gap, op=dist.ReduceOp.MAX, group=self.dp_group)
+            dist.all_reduce(gap_sum, group=self.dp_group)
         n, groups = max(stats[0].item(), 1), max(stats[1].item(), 1)
         self.metrics = {
             "reward": stats[2].item() / n,
@@ -335,7 +404,11 @@ class Rollouts:
             "completion_length": stats[4].item() / n,
             **{f"reward_{name}": stats[5 + i].item() / n for i, name in enumerate(self.rewards.names)},
             **{name: stats[5 + len(self.rewards.fns) + i].item() / n for i, name in enumerate(extra)},
-            **({"logp_gap": gap.item()} if recompute else {}),
+            **(
+                {"logp_gap": gap.item(), "logp_gap_mean": (gap_sum[0] / gap_sum[1].clamp(min=1)).item()}
+                if recompute
+                else {}
+            ),
             "generation_s": time.perf_counter() - t0,
         }
         self._write(step, written)
@@ -378,33 +451,17 @@ class Rollouts:
         index, lengths = meta[:, 0].repeat_interleave(g), meta[:, 1].repeat_interleave(g)
         prompts = prompt_ids.repeat_interleave(g, dim=0)
         keys = completion_keys(prompt_keys, g)
-        device = self.device
         tokens, logps = [], []
+        ids = [row[: int(n)].tolist() for row, n in zip(prompts, lengths, strict=True)]
         # A generation batch is rl.generation_batch_size rows (0: all of this rank's rows of the
         # step, as TRL generates a whole batch at once: fewer, wider forwards, what a GPU wants),
         # its buffer as wide as its longest prompt plus max_new_tokens (not max_prompt_length).
         # The step then trains on the same rows cut into micro-batches, each as wide as its own.
         generation = self.cfg.generation_batch_size or len(prompts)
         for a in range(0, len(prompts), generation):
-            b = a + generation
-            width = int(lengths[a:b].max())
-            t, lp, _ = sample(
-                self._sampler(),
-                prompts[a:b, :width].to(device),
-                lengths[a:b],
-                keys[a:b],
-                max_new_tokens=self.cfg.max_new_tokens,
-                temperature=self.cfg.temperature,
-                top_k=self.cfg.top_k,
-                top_p=self.cfg.top_p,
-                stop=self.stop,
-                agree=self.agree,
-                autocast=self.autocast(),
-                cached=self.cfg.kv_cache and hasattr(self._sampler(), "new_cache"),
-            )
-            pad = self.cfg.max_new_tokens - t.shape[1]
-            tokens.append(F.pad(t.cpu(), (0, pad), value=-1))
-            logps.append(F.pad(lp.cpu(), (0, pad)))
+            t, lp = self.draw(ids[a : a + generation], keys[a : a + generation])
+            tokens.append(t)
+            logps.append(lp)
         tokens, logps = torch.cat(tokens), torch.cat(logps)
         done = (tokens >= 0).sum(-1)
         rows_ = [self.dataset.rows[int(i)] for i in index]
@@ -455,23 +512,38 @@ class Rollouts:
         # alone samples (plain data parallel holds whole weights, so no rank needs another).
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
-    def _recompute(self, batches, keys) -> torch.Tensor:
+    def draw(self, prompts: list[list[int]], keys: torch.Tensor, *, live: bool = True):
+        """The engine's completions of ``prompts`` keyed ``keys``: tokens and their log-probabilities
+        ``(B, max_new_tokens)`` on the CPU, the sampler's (behaviour policy's) that ``training_rows``
+        and ``episode_rows`` write into the Rollout. ``live = False`` (the built-in engine under
+        ranks that agree): forwards that only keep step."""
+        if self.builtin:
+            t, lp = self.engine.sample(prompts, keys, self.params, live=live)
+            pad = self.params.max_new_tokens - t.shape[1]
+            return F.pad(t, (0, pad), value=-1), F.pad(lp, (0, pad))
+        return checked(self.cfg.engine, self.engine.sample(prompts, keys, self.params), len(prompts), self.params)
+
+    def _recompute(self, batches, keys) -> tuple[torch.Tensor, torch.Tensor]:
         """The trainer's log-probabilities of the completions (no graph), written as the old
         policy's (the importance ratio's denominator, off-policy steps) and compared with the
-        sampler's; the reference's when ``rl.beta > 0``. Returns the largest gap."""
+        sampler's; the reference's when ``rl.beta > 0``. Returns the largest gap and (the gaps'
+        sum, the tokens)."""
         forward = self.forward_of(batches, keys)
         gap = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64)
         reference = self.objective.reference
         for k, (_, target) in enumerate(batches):
             tokens = target.tokens.to(self.device)
             mine = token_logps(forward(k), tokens, self.cfg.temperature).double().cpu()
             mask = target.tokens >= 0
-            gap = torch.maximum(gap, torch.where(mask, (mine - target.old).abs(), 0.0).amax().reshape(1))
+            diff = torch.where(mask, (mine - target.old).abs(), 0.0)
+            gap = torch.maximum(gap, diff.amax().reshape(1))
+            total += torch.stack([diff.sum(), mask.sum().double()])
             target.old = torch.where(mask, mine, 0.0)
             if reference is not None:
                 ref = token_logps(reference(forward, k), tokens, self.cfg.temperature).double().cpu()
                 target.ref = torch.where(mask, ref, 0.0)
-        return gap
+        return gap, total
 
     def _write(self, step: int, per_step: list[list[dict]]) -> None:
         """Every completion of the round in ``out_dir/rollouts.jsonl`` (rank 0, gathered over the
