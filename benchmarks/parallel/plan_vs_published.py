@@ -27,7 +27,9 @@ Sources (exact rows quoted in docs/plan.md, "Against published tables"):
 
 Also prices the 8B-shaped GPT of docs/plan.md's example on 64 H100s (8 nodes) at the layout
 `paratrain plan` chose there, and, with --search, runs `plan()` itself on each distinct setup
-(fake-tensor memory estimates: minutes on a CPU).
+(fake-tensor memory estimates of the 8B transformers model at sequence 8192: about two minutes
+each on this 2-core machine, and the fastest layouts do not fit, so a search takes tens of
+minutes; it was not run to the end here).
 
     PYTHONPATH=src python benchmarks/parallel/plan_vs_published.py [--search] [--json FILE]
 """
