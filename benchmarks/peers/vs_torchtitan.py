@@ -10,7 +10,7 @@ tokenised by one BPE of 2048 tokens that `paratrain prepare` trains (torchtitan 
 activation checkpointing, one thread per process. Layouts: world 1 (with and without
 accumulation), world 2 DDP and FSDP2, each with and without accumulation.
 
-torchtitan does not run on a CPU as shipped (docs/peers.md, "torchtitan"): the shim SHIM, written
+torchtitan does not run on a CPU as shipped (docs/torchtitan.md): the shim SHIM, written
 next to the runs, makes it pick the CPU and gloo, stubs its CUDA memory monitor, gives its
 attention torch's SDPA (causal over the row, as paratrain's model computes it: torchtitan's
 language models offer FlexAttention only, whose backward torch refuses on a CPU), skips a
