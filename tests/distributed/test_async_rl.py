@@ -219,6 +219,7 @@ def test_bad_async_input_is_refused_in_one_line():
         ("rl.async_steps=-1", "rl.async_steps = -1 must be >= 0"),
         ("rl.importance_cap=0", "rl.importance_cap = 0.0 must be > 0"),
         ("rl.importance='token_mask'", "rl.importance = 'token_mask' is not allowed"),
+        ("rl.async_steps=1 rl.engine='vllm'", "rl.async_steps = 1 with rl.engine = 'vllm': stale rounds"),
     ):
         with pytest.raises(ConfigError, match=expected):
-            load_config(None, ["loss.name='grpo'", over])
+            load_config(None, ["loss.name='grpo'", *over.split()])
