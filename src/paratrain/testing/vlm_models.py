@@ -1,0 +1,134 @@
+"""Tiny random vision-language models saved with their processor (no network), and images drawn
+with Pillow: the test data of docs/vision-language.md.
+
+The model is transformers' ``LlavaForConditionalGeneration`` (a CLIP vision tower, its projector,
+a Llama decoder) at 28x28 pixels with 14-pixel patches: 4 image tokens per image. Its processor
+is transformers' ``LlavaProcessor`` with the byte-level ChatML tokenizer of testing/sft_data.py
+plus the ``<image>`` token, and a ChatML template that writes ``<image>`` for an image part.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from paratrain.testing.sft_data import save_chat_tokenizer  # the byte-level ChatML tokenizer
+
+IMAGE_TOKEN = "<image>"
+# ChatML (testing/sft_data.py CHATML) whose content may also be TRL's list of parts: text as it
+# is, an image part as the image token, which the processor expands.
+VISION_CHATML = (
+    "{%- macro content(c) %}{%- if c is string %}{{ c }}{%- else %}{%- for part in c %}"
+    "{%- if part['type'] == 'image' %}{{ '<image>' }}{%- elif part['type'] == 'text' %}{{ part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{%- endmacro %}"
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{ content(message['content']) + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- else %}{{ content(message['content']) + '<|im_end|>' + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+IMAGE_SIZE, PATCH = 28, 14
+
+
+def save_tiny_llava(path: str, *, seed: int = 0, weights: bool = True) -> str:
+    """A tiny LLaVA (model and processor) in ``path``."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # no torchvision here
+
+    save_chat_tokenizer(path, template=VISION_CHATML)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    text = dict(
+        model_type="llama",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+        projection_dim=32,
+    )
+    config = LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",  # the CLS token dropped: (28 / 14)^2 = 4 image tokens
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    if weights:
+        model.save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    size = {"shortest_edge": IMAGE_SIZE}
+    images = CLIPImageProcessorPil(size=size, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=VISION_CHATML,
+    )
+    processor.save_pretrained(path)
+    return path
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
+
+
+def draw_image(path: str, colour: str, *, shape: str = "square", size: int = 40) -> str:
+    """A ``colour`` square or circle on white, saved as PNG."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), (255, 255, 255))
+    box = (size // 5, size // 5, size - size // 5, size - size // 5)
+    draw = ImageDraw.Draw(img)
+    (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLOURS[colour])
+    img.save(path)
+    return path
+
+
+def colour_rows(folder: str, n: int, *, seed: int = 0) -> list[dict]:
+    """``n`` TRL vision conversations about images drawn into ``folder/images`` (paths relative to
+    ``folder``): what colour is the shape; some rows hold two images, one holds none, so rows
+    differ in image count and length."""
+    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+    names, shapes = sorted(COLOURS), ("square", "circle")
+    rows = []
+    for i in range(n):
+        colour, shape = names[(i + seed) % len(names)], shapes[(i // len(names)) % 2]
+        rel = f"images/{i}.png"
+        draw_image(os.path.join(folder, rel), colour, shape=shape)
+        if i % 5 == 4:  # a text-only row among the image rows
+            rows.append({"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]})
+            continue
+        parts, images = [{"type": "image"}, {"type": "text", "text": f"What colour is the {shape}?"}], [rel]
+        if i % 3 == 2:  # a second image, after the question
+            other = f"images/{i}b.png"
+            draw_image(os.path.join(folder, other), names[(i + 1) % len(names)])
+            parts, images = [*parts, {"type": "image"}], [rel, other]
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": parts},
+                    {"role": "assistant", "content": [{"type": "text", "text": f"It is {colour}."}]},
+                ],
+                "images": images,
+            }
+        )
+    return rows
