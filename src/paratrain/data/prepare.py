@@ -31,6 +31,7 @@ import glob
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -79,6 +80,7 @@ TEXT_SUFFIXES = (
 SKIP_DIRS = ("__pycache__", ".git", ".hg", ".svn", "node_modules")
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>", "[SEP]")
 CHUNK_BYTES = 1 << 20
+IMAGE_SCAN_ROWS = 1024  # a chat corpus with an image row among its first rows is prepared as image-text
 SHARD_BYTES = 1 << 30  # one shard file per GiB of tokens: each stays a plain, copyable file
 
 
@@ -757,9 +759,8 @@ def prepare(
         first = first_row(files)
         fmt = "text" if first is None else detect_format(first[1], first[0])
     chat = fmt in ("chat", "prompt", "preference", "unpaired")
-    # TRL's vision conversations (data/images.py), told by the first row: the model's processor renders them.
-    first = first_row(files) if fmt == "chat" else None
-    images = first is not None and is_image_row(first[1])
+    # TRL's vision conversations (data/images.py), told by the first rows: the model's processor renders them.
+    images = fmt == "chat" and any(is_image_row(row) for _, row in itertools.islice(iter_rows(files), IMAGE_SCAN_ROWS))
     fingerprint = {
         "inputs": [os.path.abspath(p) for p in inputs],
         "tokenizer": tokenizer if tokenizer == "bytes" or tokenizer.startswith("bpe:") else os.path.abspath(tokenizer),

@@ -132,7 +132,17 @@ class HFVisionLM(HFCausalLM):
                     " prepared with another processor than this model's"
                 )
             x = x.masked_scatter(slots.unsqueeze(-1).expand_as(x), features)
-        return super().forward(x, batch.positions, embedded=True)
+        return super().forward(self._every_vision_parameter(x), batch.positions, embedded=True)
+
+    def _every_vision_parameter(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` plus 0 x one element of every trainable vision parameter: a micro-batch without
+        images (a text row) leaves the vision tower out of the graph, and CLIP's post_layernorm
+        is never used (the features are a hidden state), but DDP's reducer waits for every
+        parameter's gradient. The gradients this adds are zeros, on every layout alike (exact:
+        x + 0.0 is x), and cost one element per parameter."""
+        touched = [p.reshape(-1)[0] for m in (self.vision_tower, self.multi_modal_projector) for p in m.parameters()]
+        touched = [t for t in touched if t.requires_grad]
+        return x + 0.0 * torch.stack(touched).sum().to(x.dtype) if touched else x
 
 
 def image_text_model_from_config(config) -> nn.Module:
