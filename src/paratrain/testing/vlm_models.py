@@ -91,12 +91,14 @@ def save_tiny_llava(path: str, *, seed: int = 0, weights: bool = True) -> str:
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
 
 
-def draw_image(path: str, colour: str, *, shape: str = "square", size: int = 40) -> str:
-    """A ``colour`` square or circle on white, saved as PNG."""
+def draw_image(path: str, colour: str, *, shape: str = "square", size: int = 40, variant: int = 0) -> str:
+    """A ``colour`` square or circle on white, saved as PNG; ``variant`` moves and sizes it."""
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (size, size), (255, 255, 255))
-    box = (size // 5, size // 5, size - size // 5, size - size // 5)
+    side = size // 3 + variant % 7 * size // 21  # a third to two thirds of the image
+    x, y = variant * 5 % (size - side + 1), variant * 11 % (size - side + 1)
+    box = (x, y, x + side - 1, y + side - 1)
     draw = ImageDraw.Draw(img)
     (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLOURS[colour])
     img.save(path)
@@ -105,22 +107,22 @@ def draw_image(path: str, colour: str, *, shape: str = "square", size: int = 40)
 
 def colour_rows(folder: str, n: int, *, seed: int = 0) -> list[dict]:
     """``n`` TRL vision conversations about images drawn into ``folder/images`` (paths relative to
-    ``folder``): what colour is the shape; some rows hold two images, one holds none, so rows
-    differ in image count and length."""
+    ``folder``): what colour is the shape; every third row holds a second image, every fifth none
+    (a text row), so rows differ in image count and length."""
     os.makedirs(os.path.join(folder, "images"), exist_ok=True)
     names, shapes = sorted(COLOURS), ("square", "circle")
     rows = []
     for i in range(n):
         colour, shape = names[(i + seed) % len(names)], shapes[(i // len(names)) % 2]
-        rel = f"images/{i}.png"
-        draw_image(os.path.join(folder, rel), colour, shape=shape)
+        rel = f"images/{i}.png"  # each row its own drawing: rows differ, so they split by their hash
+        draw_image(os.path.join(folder, rel), colour, shape=shape, variant=i)
         if i % 5 == 4:  # a text-only row among the image rows
             rows.append({"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]})
             continue
         parts, images = [{"type": "image"}, {"type": "text", "text": f"What colour is the {shape}?"}], [rel]
         if i % 3 == 2:  # a second image, after the question
             other = f"images/{i}b.png"
-            draw_image(os.path.join(folder, other), names[(i + 1) % len(names)])
+            draw_image(os.path.join(folder, other), names[(i + 1) % len(names)], variant=i + 3)
             parts, images = [*parts, {"type": "image"}], [rel, other]
         rows.append(
             {
@@ -132,3 +134,19 @@ def colour_rows(folder: str, n: int, *, seed: int = 0) -> list[dict]:
             }
         )
     return rows
+
+
+def write_example(out: str, *, rows: int = 160) -> None:
+    """The committed example of docs/vision-language.md: ``out/model`` (a tiny LLaVA's config and
+    processor, no weights), ``out/rows.jsonl`` and the PNGs it names, drawn here. Regenerate with
+    ``python -m paratrain.testing.vlm_models configs/vlm``."""
+    save_tiny_llava(os.path.join(out, "model"), weights=False)
+    from paratrain.testing.sft_data import write_jsonl  # the same jsonl writer as the SFT example
+
+    write_jsonl(os.path.join(out, "rows.jsonl"), colour_rows(out, rows))
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_example(sys.argv[1])
