@@ -202,3 +202,19 @@ def test_packed_image_rows_are_refused_by_the_data(vlm):
     with pytest.raises(ConfigError, match="raise data.args.block_size to"):
         build_tokens(vlm["train"], block_size=16)
     assert np.all(np.asarray([len(build_tokens(vlm["train"], block_size=128))]) == 12)
+
+
+def test_trainable_tokens_are_the_targets_of_text_and_image_chat_corpora(vlm, tmp_path):
+    """meta.json's trainable_tokens of a text chat corpus is unchanged by the image path beside it
+    (an `else` once attached to the image branch counted every token of a text chat corpus)."""
+    from paratrain.data.tokens import build_tokens, read_meta
+    from paratrain.testing.sft_data import save_chat_tokenizer, stdlib_conversations
+
+    tok = save_chat_tokenizer(str(tmp_path / "tok"))
+    chat = write_jsonl(str(tmp_path / "chat.jsonl"), stdlib_conversations(6))
+    text = str(tmp_path / "text")
+    prepare([chat], out_dir=text, tokenizer=tok, fmt="chat", val_fraction=0, progress=False)
+    for corpus in (text, vlm["train"]):
+        ds = build_tokens(corpus, block_size=512)
+        targets = sum(int((torch.as_tensor(ds.collate([ds[i]])[1]) != -100).sum()) for i in range(len(ds)))
+        assert read_meta(corpus)["splits"]["train"]["trainable_tokens"] == targets

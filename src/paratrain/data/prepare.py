@@ -833,9 +833,9 @@ def prepare(
                 # A document's first token is never a target (nothing precedes it in its row).
                 # (an unpaired corpus marks with 1, 2 or 3: data/preference.py)
                 trainable[s] += int((result["masks"][s] > 0).sum()) - _first_token_marks(result, s)
-            if images:
-                pixel_writers[s].write(result["pixels"][s])
-                image_writers[s].write(np.asarray(result["image_counts"][s], dtype=np.uint32))
+                if images:
+                    pixel_writers[s].write(result["pixels"][s])
+                    image_writers[s].write(np.asarray(result["image_counts"][s], dtype=np.uint32))
             else:
                 trainable[s] += len(result["tokens"][s]) - len(result["lengths"][s])
         if images and result["image_shape"] is not None:
