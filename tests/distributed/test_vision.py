@@ -21,7 +21,7 @@ import paratrain
 from paratrain.config import ConfigError, load_config
 from paratrain.data.prepare import prepare
 from paratrain.launch.eval_worker import eval_checkpoint
-from paratrain.preflight.support import check_support
+from paratrain.preflight.support import check_support, refuse_image_estimate
 from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
 from paratrain.testing.sft_data import write_jsonl
 from paratrain.testing.vlm_models import colour_rows, save_tiny_llava
@@ -184,6 +184,7 @@ def test_bad_image_rows_are_one_line(vlm, tmp_path):
         (["model.lora.target_modules='all-linear'"], {}, "model.lora with an image-text model.hf"),
         (["loss.name='preference'"], {}, "loss.name other than 'cross_entropy' with an image-text model.hf"),
         (["data.args={path = 'x', packing = 'documents'}"], {}, "data.args.packing = 'documents' with an image-text"),
+        (["batch.micro_batch_size='auto'"], {}, "batch.micro_batch_size = 'auto' with an image-text model.hf"),
     ],
 )
 def test_what_this_slice_does_not_run_is_refused_in_one_line(vlm, over, dims, line):
@@ -192,6 +193,8 @@ def test_what_this_slice_does_not_run_is_refused_in_one_line(vlm, over, dims, li
     with pytest.raises(ConfigError, match=line) as e:
         check_support(cfg, SimpleNamespace(**degrees, fsdp_enabled=False))
     assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="paratrain plan does not estimate an image-text model.hf yet"):
+        refuse_image_estimate(cfg, "paratrain plan")
 
 
 def test_packed_image_rows_are_refused_by_the_data(vlm):

@@ -96,7 +96,7 @@ def draw_image(path: str, colour: str, *, shape: str = "square", size: int = 40,
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (size, size), (255, 255, 255))
-    side = size // 3 + variant % 7 * size // 21  # a third to two thirds of the image
+    side = size * 3 // 5 + variant % 7 * size // 20  # three fifths to most of the image: the colour fills its patches
     x, y = variant * 5 % (size - side + 1), variant * 11 % (size - side + 1)
     box = (x, y, x + side - 1, y + side - 1)
     draw = ImageDraw.Draw(img)
@@ -146,7 +146,41 @@ def write_example(out: str, *, rows: int = 160) -> None:
     write_jsonl(os.path.join(out, "rows.jsonl"), colour_rows(out, rows))
 
 
+def colour_accuracy(run: str, folder: str, *, val_fraction: float = 0.2) -> tuple[int, int]:
+    """(right, asked) over the validation rows with images of ``folder/rows.jsonl`` (the split
+    prepare gives them at ``val_fraction``): the exported model ``run/hf`` loaded by transformers'
+    own classes answers greedily, and a reply is right when it starts "It is COLOUR"."""
+    import json
+
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from paratrain.data.chat import row_key  # the row's text that prepare's split hashes
+    from paratrain.data.prepare import split_of  # the split prepare put the row in
+
+    processor = AutoProcessor.from_pretrained(os.path.join(run, "hf"))
+    model = AutoModelForImageTextToText.from_pretrained(os.path.join(run, "hf")).eval()
+    right = asked = 0
+    with open(os.path.join(folder, "rows.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    for row in rows:
+        if split_of(row_key(row), val_fraction) != "val" or not row.get("images"):
+            continue
+        images = [Image.open(os.path.join(folder, p)).convert("RGB") for p in row["images"]]
+        text = processor.apply_chat_template(row["messages"][:1], tokenize=False, add_generation_prompt=True)
+        enc = processor(text=[text], images=images, return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=12, do_sample=False)
+        reply = processor.tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        colour = row["messages"][1]["content"][0]["text"].split()[-1].rstrip(".")
+        right, asked = right + reply.startswith(f"It is {colour}"), asked + 1
+    return right, asked
+
+
 if __name__ == "__main__":
     import sys
 
-    write_example(sys.argv[1])
+    if sys.argv[1] == "accuracy":  # python -m paratrain.testing.vlm_models accuracy runs/vlm configs/vlm
+        right, asked = colour_accuracy(sys.argv[2], sys.argv[3])
+        print(f"val colour accuracy {right}/{asked}")
+    else:
+        write_example(sys.argv[1])

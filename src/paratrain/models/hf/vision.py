@@ -22,6 +22,7 @@ import shutil
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import CONFIG_FILE, HFCausalLM, load_hf_config
@@ -126,7 +127,8 @@ class HFVisionLM(HFCausalLM):
         slots = ids == self.vision_config.image_token_id
         if batch.pixel_values.shape[0]:
             features = self.image_features(batch.pixel_values, x.dtype)
-            if features.shape[0] != int(slots.sum()):
+            # Under FakeTensorMode (the memory estimate, plan/) the count is not data: no check.
+            if not is_fake(slots) and features.shape[0] != int(slots.sum()):
                 raise ValueError(
                     f"{int(slots.sum())} image tokens but {features.shape[0]} image features: the corpus was"
                     " prepared with another processor than this model's"
