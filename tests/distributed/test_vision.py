@@ -77,7 +77,9 @@ def reference(vlm: dict) -> tuple[float, int, float, float]:
         out = model(**enc, labels=labels)
         loss = out.loss * n
         late += float(
-            torch.nn.functional.cross_entropy(out.logits[0, :-1], labels.roll(1, dims=1)[0, 1:], reduction="sum")
+            torch.nn.functional.cross_entropy(
+                out.logits[0, :-1].detach(), labels.roll(1, dims=1)[0, 1:], reduction="sum"
+            )
         )
         losses.append(loss)
         total, count = total + float(loss.detach()), count + n
