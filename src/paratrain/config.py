@@ -139,6 +139,10 @@ class ModelConfig:
         "lm",
         "With hf: 'lm', the causal LM's output layer; 'score', a one-label score head as transformers' AutoModelForSequenceClassification (num_labels = 1) builds it, for a reward model (loss.name = 'reward'; docs/preference.md). A directory without its weights gets it initialised from run.seed.",
     )
+    vision: Literal["train", "freeze"] = opt(
+        "train",
+        "With hf holding an image-text model (LLaVA): 'train' trains its vision tower and projector with the language model, 'freeze' keeps them as loaded (docs/vision-language.md).",
+    )
     lora: LoraConfig = opt(
         LoraConfig(),
         "[model.lora]: LoRA fine-tuning with PEFT's adapters on model.hf or the built-in GPT; the base weights are frozen (docs/lora.md).",

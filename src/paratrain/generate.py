@@ -161,8 +161,14 @@ def load_hf_run(out_dir: str, cfg) -> torch.nn.Module:
 
     # Beside transformers: these modules need the optional extra too, only for model.hf runs.
     from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
+    from paratrain.models.hf.vision import is_vision_dir  # reads config.json only
     from paratrain.models.hf.weights import quiet_progress  # transformers too (the same extra)
 
+    if is_vision_dir(cfg.model.hf) or is_vision_dir(os.path.join(out_dir, "hf")):
+        raise ConfigError(
+            f"{out_dir!r} is an image-text run: generate has no --image yet (issue 57's next slice); load"
+            f" {os.path.join(out_dir, 'hf')} with transformers' AutoModelForImageTextToText and its processor"
+        )
     if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):
         with quiet_progress():
             return AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf")).eval()

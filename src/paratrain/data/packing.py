@@ -95,6 +95,8 @@ def document_block_mask(positions: torch.Tensor):
 
 def count_input_tokens(inputs) -> int | None:
     """Real (non-padding) tokens of packed inputs; None when ``inputs`` are not packed."""
+    if hasattr(inputs, "count_tokens"):  # a typed batch that knows its padding (data/images.py ImageTextBatch)
+        return inputs.count_tokens()
     _, positions = split_packed(inputs)
     return None if positions is None else int((positions >= 0).sum())
 

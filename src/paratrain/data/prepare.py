@@ -31,6 +31,7 @@ import glob
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -57,6 +58,14 @@ from paratrain.data.chat import (
     split_pair,
     split_unpaired,
 )
+from paratrain.data.images import (
+    HF_PROCESSOR_DIR,
+    encode_image_rows,
+    image_token_id,
+    init_image_worker,
+    is_image_row,
+    load_processor,
+)
 
 META = "meta.json"
 FORMAT = "paratrain-tokens/2"
@@ -71,6 +80,7 @@ TEXT_SUFFIXES = (
 SKIP_DIRS = ("__pycache__", ".git", ".hg", ".svn", "node_modules")
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>", "[SEP]")
 CHUNK_BYTES = 1 << 20
+IMAGE_SCAN_ROWS = 1024  # a chat corpus with an image row among its first rows is prepared as image-text
 SHARD_BYTES = 1 << 30  # one shard file per GiB of tokens: each stays a plain, copyable file
 
 
@@ -383,6 +393,18 @@ def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, m
     )
 
 
+def encode_images(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
+    """:func:`encode_rows` for image-text rows (data/images.py)."""
+    return encode_image_rows(
+        rows,
+        dtype=dtype,
+        max_length=max_length,
+        splits=SPLITS,
+        split_of=lambda key: split_of(key, val_fraction),
+        skip_reason=skip_reason,
+    )
+
+
 def encode_pair_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
     """:func:`encode_rows` for preference rows (data/preference.py): each row two documents,
     chosen then rejected, in the split the row hashes to."""
@@ -680,9 +702,14 @@ def _shown(value) -> str:
 
 
 def _ours(name: str) -> bool:
-    return name in (META, META + ".tmp", TOKENIZER_FILE, TOKENIZER_FILE + ".tmp", HF_TOKENIZER_DIR) or (
-        name.endswith(".bin") and name.split("-")[0] in SPLITS
-    )
+    return name in (
+        META,
+        META + ".tmp",
+        TOKENIZER_FILE,
+        TOKENIZER_FILE + ".tmp",
+        HF_TOKENIZER_DIR,
+        HF_PROCESSOR_DIR,
+    ) or (name.endswith(".bin") and name.split("-")[0] in SPLITS)
 
 
 def _total_bytes(files: list[str]) -> int:
@@ -732,6 +759,8 @@ def prepare(
         first = first_row(files)
         fmt = "text" if first is None else detect_format(first[1], first[0])
     chat = fmt in ("chat", "prompt", "preference", "unpaired")
+    # TRL's vision conversations (data/images.py), told by the first rows: the model's processor renders them.
+    images = fmt == "chat" and any(is_image_row(row) for _, row in itertools.islice(iter_rows(files), IMAGE_SCAN_ROWS))
     fingerprint = {
         "inputs": [os.path.abspath(p) for p in inputs],
         "tokenizer": tokenizer if tokenizer == "bytes" or tokenizer.startswith("bpe:") else os.path.abspath(tokenizer),
@@ -743,9 +772,22 @@ def prepare(
         # No --chat-template: the tokenizer's own ("", not the current directory abspath("") would give).
         **({"chat_template": chat_template and os.path.abspath(chat_template), "loss_on": loss_on} if chat else {}),
         "max_length": max_length,
+        **({"images": True} if images else {}),
     }
     _check_out_dir(out_dir, fingerprint)
-    if chat:
+    if images:
+        processor = load_processor(tokenizer, chat_template)
+        processor.save_pretrained(os.path.join(out_dir, HF_PROCESSOR_DIR))
+        tok = processor.tokenizer
+        tok.save_pretrained(os.path.join(out_dir, HF_TOKENIZER_DIR))
+        tok.backend_tokenizer.save(os.path.join(out_dir, TOKENIZER_FILE))
+        eos_id = tok.eos_token_id if eos is None else eos
+        spec = TokenizerSpec(
+            "huggingface", os.path.join(out_dir, TOKENIZER_FILE), -1 if eos_id is None else eos_id, len(tok)
+        )
+        chunks = _row_chunks(iter_rows(files))
+        init, init_args = init_image_worker, (os.path.join(out_dir, HF_PROCESSOR_DIR), loss_on)
+    elif chat:
         tok = load_chat_tokenizer(tokenizer, chat_template)
         tok.save_pretrained(os.path.join(out_dir, HF_TOKENIZER_DIR))  # with the template it was rendered by
         tok.backend_tokenizer.save(os.path.join(out_dir, TOKENIZER_FILE))
@@ -761,10 +803,14 @@ def prepare(
         init, init_args = _init_worker, (spec,)
     dtype = "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
     encode = {"preference": encode_pair_rows, "unpaired": encode_unpaired_rows}.get(fmt, encode_rows)
+    encode = encode_images if images else encode
     fn, args = (encode, (val_fraction, dtype, max_length)) if chat else (encode_chunk, (val_fraction, dtype))
     writers = {s: ShardWriter(out_dir, s, dtype) for s in SPLITS}
     doc_writers = {s: ShardWriter(out_dir, s, "uint32", kind="docs") for s in SPLITS}
     mask_writers = {s: ShardWriter(out_dir, s, "uint8", kind="mask") for s in SPLITS} if chat else {}
+    pixel_writers = {s: ShardWriter(out_dir, s, "float32", kind="pixels") for s in SPLITS} if images else {}
+    image_writers = {s: ShardWriter(out_dir, s, "uint32", kind="images") for s in SPLITS} if images else {}
+    image_shape = None
     docs, trainable, text_bytes = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), 0
     skipped = truncated = 0
     skipped_by_reason: dict[str, int] = {}
@@ -787,8 +833,17 @@ def prepare(
                 # A document's first token is never a target (nothing precedes it in its row).
                 # (an unpaired corpus marks with 1, 2 or 3: data/preference.py)
                 trainable[s] += int((result["masks"][s] > 0).sum()) - _first_token_marks(result, s)
+                if images:
+                    pixel_writers[s].write(result["pixels"][s])
+                    image_writers[s].write(np.asarray(result["image_counts"][s], dtype=np.uint32))
             else:
                 trainable[s] += len(result["tokens"][s]) - len(result["lengths"][s])
+        if images and result["image_shape"] is not None:
+            if image_shape not in (None, result["image_shape"]):
+                raise ConfigError(
+                    f"inputs {inputs}: images of {result['image_shape']} and {image_shape} pixel values; one size per corpus"
+                )
+            image_shape = result["image_shape"]
         skipped += result.get("skipped", 0)
         for reason, n in result.get("skipped_by_reason", {}).items():
             skipped_by_reason[reason] = skipped_by_reason.get(reason, 0) + n
@@ -812,6 +867,7 @@ def prepare(
             "files": shard_files,
             "doc_files": doc_writers[s].close(),
             "mask_files": mask_writers[s].close() if chat else None,
+            **({"pixel_files": pixel_writers[s].close(), "image_files": image_writers[s].close()} if images else {}),
         }
     meta = {
         "format": FORMAT,
@@ -835,6 +891,12 @@ def prepare(
         "text_bytes": text_bytes,
         "input_files": len(files),
         "splits": splits,
+        # the pixel values of one image (data/images.py), the image token and the processor's folder
+        **(
+            {"images": {"shape": image_shape, "token_id": image_token_id(processor), "processor": HF_PROCESSOR_DIR}}
+            if images
+            else {}
+        ),
     }
     write_json_atomic(os.path.join(out_dir, META), meta)  # last: the corpus is complete from here on
     return meta

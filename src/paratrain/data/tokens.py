@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from paratrain.config import ConfigError
+from paratrain.data.image_rows import ImageConversations
 from paratrain.data.packing import PACKINGS, PackedRows
 from paratrain.data.preference import PreferencePairs
 from paratrain.data.prepare import FORMATS_READ, META, file_sha256, write_json_atomic
@@ -69,7 +70,8 @@ def verify_corpus(path: str, meta: dict, mode: str = "once") -> None:
         raise ConfigError(f"data.args.verify = {mode!r} is unknown; use one of {list(VERIFY_MODES)}")
     stamps = {}
     for split in meta["splits"].values():
-        for entry in split["files"] + (split.get("doc_files") or []) + (split.get("mask_files") or []):
+        extra = [split.get(k) or [] for k in ("doc_files", "mask_files", "pixel_files", "image_files")]
+        for entry in split["files"] + [e for files in extra for e in files]:
             file = os.path.join(path, entry["name"])
             try:
                 st = os.stat(file)
@@ -319,7 +321,8 @@ def resolve_packing(packing: str, meta: dict) -> str:
     """data.args.packing, or its default for the corpus: documents for one with loss masks."""
     if packing and packing not in PACKINGS:
         raise ConfigError(f"data.args.packing = {packing!r} is unknown; use one of {', '.join(PACKINGS)}")
-    packing = packing or ("documents" if meta.get("loss_mask") else "stream")
+    # An image corpus has one conversation per row (data/images.py): 'padded' is its only packing.
+    packing = packing or ("padded" if meta.get("images") else "documents" if meta.get("loss_mask") else "stream")
     if meta.get("loss_mask") and packing == "stream":
         raise ConfigError(
             "data.args.packing = 'stream' would cross document boundaries of a corpus with loss masks;"
@@ -345,6 +348,8 @@ def _build_packed(
     verify_corpus(path, meta, verify)
     if meta.get("document_format") in ("preference", "unpaired"):
         return _build_pairs(path, meta, block_size=block_size, split=split, packing=packing, pad_to=pad_to)
+    if meta.get("images"):
+        return _build_images(path, meta, block_size=block_size, split=split, packing=packing)
     ds = PackedRows(Documents(path, meta, split), block_size=block_size, packing=packing)
     if len(ds) == 0:
         raise ConfigError(
@@ -393,6 +398,28 @@ def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing:
         pairs_without_target=ds.dropped,
         pad_to=ds.pad_to,
     )
+
+
+def _build_images(path: str, meta: dict, *, block_size: int, split: str, packing: str):
+    """An image-text corpus: one conversation per row, padded (data/images.py)."""
+    if packing != "padded":
+        raise ConfigError(
+            f"data.args.packing = {packing!r}: packing image-text rows is not supported yet (issue 57: their"
+            " images would need per-document image features); set data.args.packing = 'padded'"
+        )
+    entry = meta["splits"][split]
+    counts = ShardedArray(path, entry["image_files"], "uint32")
+    ds = ImageConversations(
+        Documents(path, meta, split),
+        ShardedArray(path, entry["pixel_files"], "float32"),
+        counts.read(0, len(counts)),
+        shape=meta["images"]["shape"],
+        split=split,
+        block_size=block_size,
+    )
+    if len(ds) == 0:
+        raise ConfigError(f"data.args: the {split} split of {path!r} has no conversation; prepare more rows")
+    return _describe(ds, meta, split=split, block_size=block_size, packing=packing, path=path, rows=len(ds))
 
 
 def _describe(ds, meta: dict, *, split: str, block_size: int, **fields):

@@ -252,6 +252,8 @@ def tensors(obj) -> list[torch.Tensor]:
         return [t for v in obj.values() for t in tensors(v)]
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in tensors(v)]
+    if hasattr(obj, "select_rows"):  # a typed batch (data/image_rows.py ImageTextBatch): its token ids first
+        return tensors(list(vars(obj).values()))
     return []
 
 
@@ -259,6 +261,8 @@ def rows_of(obj, a: int, b: int, n: int):
     """Rows ``a:b`` of every tensor in ``obj`` whose first dimension is the micro-batch's ``n`` rows."""
     if isinstance(obj, torch.Tensor):
         return obj[a:b] if obj.dim() > 0 and obj.shape[0] == n else obj
+    if hasattr(obj, "select_rows"):  # a typed batch whose tensors are not all by row (images)
+        return obj.select_rows(a, b)
     if isinstance(obj, dict):
         return type(obj)({k: rows_of(v, a, b, n) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from paratrain.config import Config, ConfigError
 from paratrain.distributed.layout_checks import ZERO_BUBBLE
 from paratrain.distributed.parallel_dims import ParallelDims
+from paratrain.models.hf.vision import is_vision_dir
 from paratrain.objectives.registry import BUILTIN, Plugin, builtin_of, users_plugin
 
 Check = Callable[[Config, ParallelDims], bool]
@@ -387,7 +388,101 @@ BITWISE_REFUSALS: tuple[Refusal, ...] = (
 )
 
 
+def _vision(cfg: Config) -> bool:
+    """model.hf holds an image-text model (models/hf/vision.py)."""
+    return bool(cfg.model.hf) and is_vision_dir(cfg.model.hf)
+
+
+def _vision_refusal(feature: str, when: Check, what: str, fix: str, why: str) -> Refusal:
+    """What issue 57's first slice (image-text SFT on the data-parallel layouts) does not run yet."""
+    return Refusal(
+        ("vision-language model", feature),
+        lambda c, d: _vision(c) and when(c, d),
+        lambda c, d: f"{what} with an image-text model.hf is not supported yet ({why}); {fix}",
+        f"not in the first slice of image-text training (issue 57): {why}",
+    )
+
+
+def refuse_image_estimate(cfg: Config, command: str) -> None:
+    """``paratrain plan`` / ``find-batch`` of an image-text model: one line (the memory estimate,
+    batch/measure.py, does not read ImageTextBatch rows yet)."""
+    if _vision(cfg):
+        raise ConfigError(
+            f"{command} does not estimate an image-text model.hf yet (issue 57); give batch.micro_batch_size"
+            " as a number and the layout as parallel.* keys"
+        )
+
+
+VISION_REFUSALS = (
+    *(
+        _vision_refusal(
+            degree,
+            lambda c, d, degree=degree: getattr(d, degree) > 1,
+            f"parallel.{degree} > 1",
+            f"set parallel.{degree} = 1 (dp_replicate and dp_shard run it exactly)",
+            why,
+        )
+        for degree, why in (
+            ("tp", "no tensor-parallel plan for the vision tower and projector"),
+            ("pp", "a pipeline stage would need the image features of its rows"),
+            ("cp", "the image tokens of a row cannot be split over ranks yet"),
+            ("ep", "no mixture-of-experts image-text family is wired"),
+        )
+    ),
+    _vision_refusal(
+        "lora",
+        lambda c, d: c.model.lora.enabled,
+        "model.lora",
+        "remove [model.lora] (model.vision = 'freeze' freezes the vision tower)",
+        "PEFT's adapters are not placed on the vision tower and decoder of this wrapper",
+    ),
+    _vision_refusal(
+        "packing documents",
+        lambda c, d: c.data.args.get("packing") == "documents",
+        "data.args.packing = 'documents'",
+        "set data.args.packing = 'padded' (the default for an image corpus)",
+        "packed rows would need each document's images and masks placed per document",
+    ),
+    _vision_refusal(
+        "objectives other than cross_entropy",
+        lambda c, d: c.loss.name != "cross_entropy",
+        "loss.name other than 'cross_entropy'",
+        "use loss.name = 'cross_entropy' (SFT)",
+        "DPO, GRPO, distillation and reward models on images are later slices",
+    ),
+    _vision_refusal(
+        "model.head score",
+        lambda c, d: c.model.head != "lm",
+        "model.head = 'score'",
+        "use model.head = 'lm'",
+        "no score head on an image-text model",
+    ),
+    _vision_refusal(
+        "auto micro-batch",
+        lambda c, d: c.batch.micro_batch_size == "auto",
+        "batch.micro_batch_size = 'auto'",
+        "give batch.micro_batch_size as a number",
+        "the memory estimate does not read image rows yet",
+    ),
+    _vision_refusal(
+        "compile",
+        lambda c, d: c.train.compile,
+        "train.compile",
+        "set train.compile = false",
+        "image rows are padded to each micro-batch's longest, and each width compiles again",
+    ),
+    _vision_refusal(
+        "activation_checkpointing",
+        lambda c, d: c.parallel.activation_checkpointing != "none",
+        "parallel.activation_checkpointing",
+        "set parallel.activation_checkpointing = 'none'",
+        "not yet checked against one process for the image-text wrapper",
+    ),
+)
+
+
 REFUSALS: tuple[Refusal, ...] = (
+    *VISION_REFUSALS,
     *(_over_batch_refusal(degree) for degree in ("pp", "cp", "ep")),
     Refusal(
         ("loss over the global batch", "noise_probe"),

@@ -16,6 +16,14 @@ from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
 from paratrain.models.hf.moe import active_params, check_hf_moe_combinations, expert_layers, is_moe
 from paratrain.models.hf.parallel import check_hf_layout, hf_cp_attention, hf_tp_plan
+from paratrain.models.hf.vision import (
+    HFVisionLM,
+    build_vision,
+    check_family,
+    copy_processor,
+    image_text_model_from_config,
+    is_vision_dir,
+)
 from paratrain.models.hf.weights import converted_sources, load_into, save_hf, weight_files
 from paratrain.models.lora import apply_lora
 from paratrain.models.spec import ModelSpec
@@ -65,7 +73,11 @@ def new_score_head(cfg: ModelConfig, config, model: HFCausalLM) -> dict[str, tor
 
 
 def hf_spec(cfg: ModelConfig) -> ModelSpec:
-    load_hf_config(cfg.hf, cfg.args)  # the directory, the architecture and [model.args], before any process starts
+    config = load_hf_config(
+        cfg.hf, cfg.args
+    )  # the directory, the architecture and [model.args], before any process starts
+    if is_vision_dir(cfg.hf):
+        return vision_spec(cfg, config)
     files = weight_files(cfg.hf)
     load = hf_weights_enabled(cfg, files)
 
@@ -91,6 +103,31 @@ def hf_spec(cfg: ModelConfig) -> ModelSpec:
     )
 
 
+def vision_spec(cfg: ModelConfig, config) -> ModelSpec:
+    """The spec of an image-text model (models/hf/vision.py): the decoder layers are the blocks;
+    what this slice does not run (tp, pp, cp, ep, LoRA, ...) is refused by preflight/support.py."""
+    check_family(config)
+    files = weight_files(cfg.hf)
+
+    def materialize(model: nn.Module, *, device) -> int:
+        # transformers 5 saves LLaVA under its older names (language_model.model.*): its own mapping.
+        with torch.device("meta"):
+            hf_model = image_text_model_from_config(load_hf_config(cfg.hf, cfg.args))
+        return load_into(model, files=files, device=device, converted=converted_sources(files, hf_model))
+
+    text = config.get_text_config()
+    return ModelSpec(
+        name=f"hf:{cfg.hf}",
+        build=functools.partial(build_vision, cfg),
+        blocks_attr="layers",
+        loss_parallel=False,
+        context_length=lambda args: getattr(text, "max_position_embeddings", None),
+        materialize=materialize if hf_weights_enabled(cfg, files) else None,
+        head_attr="lm_head",
+        flops_per_token=hf_flops,
+    )
+
+
 def hf_flops(model: nn.Module):
     """6 x the parameters a token goes through (a mixture of experts: its top_k experts only)."""
     n = active_params(model)
@@ -111,6 +148,19 @@ def hf_is_moe(cfg) -> bool:
 def export_hf(state_dict: dict, *, model_cfg: ModelConfig, out_dir: str) -> None:
     """Gathered weights (HFCausalLM names) of a ``model.hf`` run -> a ``from_pretrained`` directory."""
     config = load_hf_config(model_cfg.hf, model_cfg.args)
+    if is_vision_dir(model_cfg.hf):  # an image-text model (models/hf/vision.py), with its processor
+        with torch.device("meta"):
+            names = HFVisionLM(image_text_model_from_config(config))
+        save_hf(
+            state_dict,
+            config=config,
+            out_dir=out_dir,
+            source_dir=model_cfg.hf,
+            hf_name=names.hf_name,
+            from_config=image_text_model_from_config,
+        )
+        copy_processor(model_cfg.hf, out_dir)
+        return
     with torch.device("meta"):
         names = HFCausalLM(causal_lm_from_config(config, head=model_cfg.head))
     save_hf(

@@ -85,7 +85,9 @@ def read_hf_config(path: str, overrides: dict, key: str = "model.hf"):
         raise ConfigError(f"{key} = {path!r}: transformers cannot read its {CONFIG_FILE} ({first})") from None
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    # An image-text model (a vision_config) goes through models/hf/vision.py.
+    vision = getattr(config, "vision_config", None) is not None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not vision:
         raise ConfigError(
             f"{key} = {path!r}: model_type {config.model_type!r} is not a causal language model in transformers'"
             " AutoModelForCausalLM; pass a decoder LM's directory"
@@ -99,6 +101,9 @@ def read_hf_config(path: str, overrides: dict, key: str = "model.hf"):
     # its fast path); the layer reads the implementation from the config.
     config._attn_implementation = "sdpa"
     config.use_cache = False
+    if vision:  # its decoder and vision tower read their own sub-configs
+        for sub in (config.get_text_config(), config.vision_config):
+            sub._attn_implementation, sub.use_cache = "sdpa", False
     return config
 
 
@@ -258,7 +263,7 @@ class HFCausalLM(nn.Module):
         return masks
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, *, cache=None, key_mask=None
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, *, cache=None, key_mask=None, embedded=False
     ) -> torch.Tensor:
         """Token ids (B, T) -> logits; on a later pipeline stage hidden -> hidden (or -> logits).
 
@@ -268,12 +273,13 @@ class HFCausalLM(nn.Module):
 
         ``cache``: transformers' ``DynamicCache`` of the generation phase (objectives/rl/rollout.py),
         with ``x``, ``positions`` and ``key_mask`` as in the built-in GPT's (models/gpt/model.py).
+        ``embedded``: ``x`` is already the embeddings (models/hf/vision.py put the images in).
         """
         if cache is not None:
             return self._cached_forward(x, positions, cache, key_mask)
         if positions is None:
             x, positions = split_packed(x)
-        for name in self._head_names:
+        for name in [] if embedded else self._head_names:
             module = getattr(self, name)
             if module is not None:
                 x = module(x)

@@ -200,7 +200,7 @@ def load_into(model: nn.Module, *, files: dict[str, str], device: torch.device, 
             lost = [
                 n
                 for n, b in part.named_buffers()
-                if b.is_meta and adapter_base_name(hf_name(_clean(n))) not in {**files, **converted}
+                if b.is_meta and adapter_base_name(hf_name(_clean(n))) not in {**files, **converted, **built}
             ]
             if lost:
                 raise ConfigError(
@@ -281,11 +281,13 @@ def save_hf(
     hf_name,
     max_shard_size: str = "2GB",
     head: str = "lm",
+    from_config=None,
 ) -> None:
     """Write the gathered weights (wrapper names) as an HF directory that ``from_pretrained`` loads
-    (``head = 'score'``: as the one-label sequence classifier a reward model is)."""
+    (``head = 'score'``: as the one-label sequence classifier a reward model is; ``from_config``:
+    the transformers model class's builder when not a causal LM, e.g. an image-text model's)."""
     with torch.device("meta"):
-        hf = causal_lm_from_config(config, "export --hf", head=head)
+        hf = from_config(config) if from_config else causal_lm_from_config(config, "export --hf", head=head)
     renamed = {hf_name(k): v for k, v in state_dict.items()}
     # assign=True adopts our tensors in place of the meta ones: one copy of the weights in memory.
     missing, unexpected = hf.load_state_dict(renamed, strict=False, assign=True)

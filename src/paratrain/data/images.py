@@ -1,0 +1,246 @@
+"""Image-text conversations (TRL's vision format) for ``prepare --format chat`` and training.
+
+A row holds ``messages`` whose ``content`` may be a list of parts, ``{"type": "text", "text":
+...}`` or ``{"type": "image"}``, and ``images``: one entry per image part, in order, each a path
+relative to the data file (or, in parquet, ``{"bytes": ...}`` / ``{"path": ...}`` as datasets
+writes images). The model's own processor (``AutoProcessor`` of ``--tokenizer DIR``: its chat
+template, tokenizer and image processor) renders and processes it:
+
+- the conversation is rendered by the processor's chat template and its targets found as for a
+  text conversation (data/chat.py, on the unexpanded text: one image token per image);
+- the processor then expands each image token into the image's tokens and makes the pixel values;
+  our ids, each image token repeated as many times as the processor did, must equal the
+  processor's own ids (else the row is refused, one line): the expansion is the processor's;
+- image tokens are never targets (TRL's ``DataCollatorForVisionLanguageModeling`` masks them too).
+
+The processed pixel values are stored beside the token shards (``{split}-pixels-*.bin``, float32,
+and ``{split}-images-*.bin``, uint32, the image count of each document), so a resume, another world
+size or the validation set reads the same numbers without running the image processor again.
+
+Training reads them through data/image_rows.py. This module stays torch-free, as prepare is.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+
+from paratrain.config import ConfigError
+from paratrain.data.chat import encode_conversation, row_key, row_messages
+
+HF_PROCESSOR_DIR = "hf_processor"  # the model's processor, saved beside the shards
+
+
+def is_image_row(row: dict) -> bool:
+    """A row in TRL's vision format: an ``images`` field, or a message whose content is a list of parts."""
+    messages = row.get("messages", row.get("conversations"))
+    return "images" in row or (
+        isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
+    )
+
+
+def load_processor(path: str, chat_template: str = ""):
+    """The transformers processor of a model directory (chat template + tokenizer + image processor)."""
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"--tokenizer {path!r}: image rows need the model's directory with its processor (processor_config.json)"
+        )
+    try:
+        from transformers import AutoProcessor  # an optional extra: paratrain[hf]
+    except ImportError:
+        raise ConfigError("image rows need transformers, which is not installed: pip install 'paratrain[hf]'")
+    try:
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ConfigError(f"--tokenizer {path!r}: transformers cannot load its processor ({first})") from None
+    if getattr(processor, "image_processor", None) is None or getattr(processor, "image_token", None) is None:
+        raise ConfigError(
+            f"--tokenizer {path!r} has no image processor (an image-text-to-text model's processor); give the"
+            " vision-language model's directory"
+        )
+    if chat_template:
+        if not os.path.isfile(chat_template):
+            raise ConfigError(f"--chat-template {chat_template!r}: no such file; give a Jinja template file")
+        with open(chat_template) as f:
+            processor.chat_template = f.read()
+    if not processor.chat_template:
+        raise ConfigError(f"--tokenizer {path!r}: its processor has no chat_template; pass --chat-template FILE")
+    # The text path (data/chat.py) renders through the tokenizer: it takes the processor's template.
+    processor.tokenizer.chat_template = processor.chat_template
+    return processor
+
+
+def image_token_id(processor) -> int:
+    return int(processor.tokenizer.convert_tokens_to_ids(processor.image_token))
+
+
+def _data_file(where: str) -> str:
+    """The file of a row's ``where`` (prepare.iter_rows: ``path:line`` or ``path row n``)."""
+    return where.rsplit(" row ", 1)[0] if " row " in where else where.rsplit(":", 1)[0]
+
+
+def open_images(row: dict, where: str, n_parts: int) -> list:
+    """The row's images as RGB PIL images, one per image part; a missing or unreadable one is one line."""
+    from PIL import Image
+
+    entries = row.get("images") or []
+    if not isinstance(entries, list) or len(entries) != n_parts:
+        raise ConfigError(
+            f"{where}: {n_parts} image part(s) in the messages but 'images' holds"
+            f" {len(entries) if isinstance(entries, list) else repr(entries)}; give one image per {{'type': 'image'}}"
+        )
+    out = []
+    for entry in entries:
+        data = entry.get("bytes") if isinstance(entry, dict) else None
+        path = entry.get("path") if isinstance(entry, dict) else entry
+        if data is None and not isinstance(path, str):
+            raise ConfigError(f"{where}: an image must be a path or {{'bytes': ...}}, got {entry!r:.80}; fix the row")
+        if data is None:
+            path = path if os.path.isabs(path) else os.path.join(os.path.dirname(_data_file(where)), path)
+        try:
+            with Image.open(io.BytesIO(data) if data is not None else path) as img:
+                out.append(img.convert("RGB"))
+        except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
+            name = "its bytes" if data is not None else repr(path)
+            raise ConfigError(
+                f"{where}: image {name} is missing or unreadable ({type(e).__name__}); fix the path (relative to the"
+                " data file) or drop the row"
+            ) from None
+    return out
+
+
+def _image_parts(messages: list[dict]) -> int:
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+        if isinstance(p, dict) and p.get("type") == "image"
+    )
+
+
+def _check_parts(messages: list[dict], where: str) -> None:
+    for m in messages:
+        content = m.get("content")
+        parts = content if isinstance(content, list) else []
+        if not isinstance(content, (str, list)) or any(
+            not isinstance(p, dict) or p.get("type") not in ("text", "image") for p in parts
+        ):
+            raise ConfigError(
+                f"{where}: a message's content must be a string or a list of {{'type': 'text'|'image'}} parts; fix the row"
+            )
+
+
+def expand_like_processor(ids: np.ndarray, mask: np.ndarray, expanded: np.ndarray, image_id: int, where: str):
+    """Our (ids, mask) with each image token repeated as the processor expanded it: the runs of
+    image tokens in ``expanded`` (the processor's ids) split evenly over our image tokens (a fixed
+    number per image, as LLaVA's). The result must equal ``expanded``; image tokens get mask 0."""
+    ours = int((ids == image_id).sum())
+    total = int((expanded == image_id).sum())
+    repeat = np.ones(len(ids), dtype=np.int64)
+    if ours:
+        if total % ours:
+            raise ConfigError(
+                f"{where}: the processor made {total} image tokens for {ours} images, not the same number per"
+                " image; this model family is not supported yet (docs/vision-language.md)"
+            )
+        repeat[ids == image_id] = total // ours
+    out_ids, out_mask = np.repeat(ids, repeat), np.repeat(mask, repeat)
+    if not np.array_equal(out_ids, expanded):
+        raise ConfigError(
+            f"{where}: the processor's tokens differ from the chat template's rendering beyond the image tokens;"
+            " check the processor's chat template"
+        )
+    out_mask[out_ids == image_id] = 0
+    return out_ids, out_mask
+
+
+_VISION: tuple | None = None  # (processor, loss_on) of a prepare worker
+
+
+def init_image_worker(processor_dir: str, loss_on: str) -> None:
+    global _VISION
+    _VISION = (load_processor(processor_dir), loss_on)
+
+
+def encode_image_rows(
+    rows: list[tuple[str, dict]], *, dtype: str, max_length: int, splits: tuple, split_of, skip_reason
+) -> dict:
+    """prepare.encode_rows for image rows: tokens, masks, lengths per split (``split_of(row key)``
+    picks it), plus ``pixels`` (float32, flat) and ``image_counts`` (per document). A row cut by ``max_length`` inside its image tokens
+    is skipped and counted: a partial image cannot be fed to the vision tower."""
+    processor, loss_on = _VISION
+    tok, image_id = processor.tokenizer, image_token_id(processor)
+    out, masks, lengths, pixels, counts = ({s: [] for s in splits} for _ in range(5))
+    skipped = truncated = text_bytes = 0
+    reasons: dict[str, int] = {}
+    shape = None
+    for where, row in rows:
+        raw = row.get("messages", row.get("conversations"))
+        if isinstance(raw, list):
+            _check_parts([m for m in raw if isinstance(m, dict)], where)
+        messages, first = _vision_messages(row, where)
+        images = open_images(row, where, _image_parts(messages))
+        ids, mask = encode_conversation(tok, messages, first, loss_on=loss_on, where=where)
+        text = tok.apply_chat_template(messages, tokenize=False)
+        enc = processor(text=[text], images=images or None, return_tensors="np")
+        ids, mask = expand_like_processor(ids, mask, np.asarray(enc["input_ids"][0]), image_id, where)
+        pv = np.zeros((0,), np.float32) if not images else np.asarray(enc["pixel_values"], dtype=np.float32)
+        if images:
+            if shape is None:
+                shape = list(pv.shape[1:])
+            if list(pv.shape[1:]) != shape:
+                raise ConfigError(
+                    f"{where}: images of {list(pv.shape[1:])} pixel values, not {shape}; one size per corpus"
+                )
+        key = row_key(row)
+        text_bytes += len(key.encode("utf-8", errors="replace"))
+        cut = bool(max_length) and len(ids) > max_length
+        if cut:
+            truncated += 1
+            if (ids[max_length:] == image_id).any():
+                skipped += 1
+                reason = "cut by --max-length inside its image tokens"
+                reasons[reason] = reasons.get(reason, 0) + 1
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+        if not mask[1:].any():
+            skipped += 1
+            reason = skip_reason(messages, cut=cut)
+            reasons[reason] = reasons.get(reason, 0) + 1
+            continue
+        split = split_of(key)
+        out[split].append(ids.astype(dtype))
+        masks[split].append(mask)
+        lengths[split].append(len(ids))
+        pixels[split].append(pv.reshape(-1))
+        counts[split].append(len(images))
+    cat = {s: np.concatenate(v) if v else np.empty(0, dtype) for s, v in out.items()}
+    return {
+        "tokens": cat,
+        "masks": {s: np.concatenate(v) if v else np.empty(0, np.uint8) for s, v in masks.items()},
+        "lengths": lengths,
+        "pixels": {s: np.concatenate(v) if v else np.empty(0, np.float32) for s, v in pixels.items()},
+        "image_counts": counts,
+        "image_shape": shape,
+        "skipped": skipped,
+        "skipped_by_reason": reasons,
+        "truncated": truncated,
+        "text_bytes": text_bytes,
+    }
+
+
+def _vision_messages(row: dict, where: str) -> tuple[list[dict], int]:
+    """data/chat.py row_messages for content that may be a list of parts (checked by _check_parts)."""
+    messages = row.get("messages", row.get("conversations"))
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: no list field 'messages' of {{role, content}}; fix the row")
+    if all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        return row_messages(row, "chat", where)  # a text-only row of an image corpus: as the text path
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ConfigError(f"{where}: every message needs a string 'role' (got {m!r:.80}); fix the row")
+    return messages, 0

@@ -1,0 +1,176 @@
+"""transformers' image-text-to-text models through ``model.hf`` (docs/vision-language.md).
+
+``HFVisionLM`` is :class:`~paratrain.models.hf.model.HFCausalLM` over the model's language half
+(its embedding, decoder layers, norm and ``lm_head``, the same flat layout, so FSDP2 shards the
+decoder layers block by block and everything else as the root) plus the family's own vision
+tower and projector. Its forward takes an :class:`~paratrain.data.image_rows.ImageTextBatch`:
+the family's own ``get_image_features`` (vision tower, feature selection, projector) turns the
+pixel values into one feature per image token, which replace the image tokens' embeddings in
+row order (as ``LlavaModel.forward`` does with ``masked_scatter``); the decoder then runs as for
+text. ``model.vision = "freeze"`` leaves the vision tower and projector out of training.
+
+This slice runs LLaVA-style families: a fixed number of image tokens per image and 1-D
+positions. Qwen2-VL (variable patches, ``image_grid_thw``, multimodal rotary positions) is not
+in it yet: its directory is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from paratrain.config import ConfigError, ModelConfig
+from paratrain.models.hf.model import CONFIG_FILE, HFCausalLM, load_hf_config
+
+# The families whose forward this wrapper reproduces: (vision tower, projector) attribute names
+# of their inner model, and the get_image_features arguments their config holds.
+FAMILIES = {"llava": ("vision_tower", "multi_modal_projector")}
+VISION_MODES = ("train", "freeze")
+
+
+def is_vision_dir(path: str) -> bool:
+    """Does ``path`` hold an image-text model (a config.json with a ``vision_config``)? Read as
+    JSON, without transformers, so preflight's support checks cost nothing."""
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+def check_family(config, key: str = "model.hf") -> None:
+    if config.model_type not in FAMILIES:
+        raise ConfigError(
+            f"{key}: the image-text model type {config.model_type!r} is not supported yet (this version runs"
+            f" {', '.join(sorted(FAMILIES))}; Qwen2-VL's multimodal positions are issue 57's next slice)"
+        )
+
+
+class _TextView:
+    """The language half of an image-text model as HFCausalLM reads a causal LM: its text config,
+    its decoder, its output layer; module names are the whole model's (the checkpoint's)."""
+
+    score = None
+
+    def __init__(self, hf_model: nn.Module):
+        self.config, self._model = hf_model.config.get_text_config(), hf_model
+
+    def get_decoder(self) -> nn.Module:
+        return self._model.model.language_model
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self._model.get_output_embeddings()
+
+    def named_modules(self):
+        return self._model.named_modules()
+
+
+class HFVisionLM(HFCausalLM):
+    """An :class:`ImageTextBatch` -> logits (B, T, vocab) with the modules of an HF image-text model."""
+
+    def __init__(self, hf_model: nn.Module, *, key: str = "model.hf"):
+        check_family(hf_model.config, key)
+        super().__init__(_TextView(hf_model), key=key)
+        inner = hf_model.model
+        tower, projector = FAMILIES[hf_model.config.model_type]
+        self.vision_tower, self.multi_modal_projector = getattr(inner, tower), getattr(inner, projector)
+        # Not submodules: the family's own get_image_features runs the two modules above (the
+        # same objects, so FSDP2's gathered parameters are the ones it reads), and the text
+        # embedding is self's own.
+        self._family = (inner,)
+        self._embed = (inner.get_input_embeddings(),)
+        self.vision_config = hf_model.config
+        self._vision_names = {
+            attr: next(n for n, m in hf_model.named_modules() if m is getattr(self, attr))
+            for attr in ("vision_tower", "multi_modal_projector")
+        }
+        self.built_tensors = self._position_buffers()
+
+    def _position_buffers(self) -> dict[str, torch.Tensor]:
+        """The vision tower's non-persistent position-id buffers (CLIP's ``position_ids``, an
+        arange the checkpoint does not hold), by checkpoint name, made on the CPU even for a meta
+        model: the weight loader copies them in (built_tensors) instead of refusing them."""
+        out = {}
+        for prefix, module in self.vision_tower.named_modules(prefix="vision_tower"):
+            for name in module._non_persistent_buffers_set:
+                b = module._buffers.get(name)
+                if b is not None and name == "position_ids":
+                    out[self.hf_name(f"{prefix}.{name}")] = torch.arange(b.shape[-1], device="cpu").expand(b.shape)
+        return out
+
+    def hf_name(self, name: str) -> str:
+        first = name.split(".", 1)[0]
+        if first in self._vision_names:
+            return self._vision_names[first] + name[len(first) :]
+        return super().hf_name(name)
+
+    def image_features(self, pixel_values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One row per image token, the images in order: the family's own vision path."""
+        cfg = self.vision_config
+        out = self._family[0].get_image_features(
+            pixel_values=pixel_values.to(dtype),
+            vision_feature_layer=cfg.vision_feature_layer,
+            vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+            return_dict=True,
+        )
+        return torch.cat(list(out.pooler_output), dim=0).to(dtype)
+
+    def forward(self, batch) -> torch.Tensor:
+        ids = batch.input_ids
+        x = self._embed[0](ids)
+        slots = ids == self.vision_config.image_token_id
+        if batch.pixel_values.shape[0]:
+            features = self.image_features(batch.pixel_values, x.dtype)
+            # Under FakeTensorMode (the memory estimate, plan/) the count is not data: no check.
+            if not is_fake(slots) and features.shape[0] != int(slots.sum()):
+                raise ValueError(
+                    f"{int(slots.sum())} image tokens but {features.shape[0]} image features: the corpus was"
+                    " prepared with another processor than this model's"
+                )
+            x = x.masked_scatter(slots.unsqueeze(-1).expand_as(x), features)
+        return super().forward(self._every_vision_parameter(x), batch.positions, embedded=True)
+
+    def _every_vision_parameter(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` plus 0 x one element of every trainable vision parameter: a micro-batch without
+        images (a text row) leaves the vision tower out of the graph, and CLIP's post_layernorm
+        is never used (the features are a hidden state), but DDP's reducer waits for every
+        parameter's gradient. The gradients this adds are zeros, on every layout alike (exact:
+        x + 0.0 is x), and cost one element per parameter."""
+        touched = [p.reshape(-1)[0] for m in (self.vision_tower, self.multi_modal_projector) for p in m.parameters()]
+        touched = [t for t in touched if t.requires_grad]
+        return x + 0.0 * torch.stack(touched).sum().to(x.dtype) if touched else x
+
+
+def image_text_model_from_config(config) -> nn.Module:
+    from transformers import AutoModelForImageTextToText  # an optional extra: paratrain[hf]
+
+    return AutoModelForImageTextToText.from_config(config)
+
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def copy_processor(source_dir: str, out_dir: str) -> None:
+    """The processor's files beside an exported model (export --hf), so AutoProcessor loads it there."""
+    for name in PROCESSOR_FILES:
+        src = os.path.join(source_dir, name)
+        if os.path.isfile(src) and not os.path.exists(os.path.join(out_dir, name)):
+            shutil.copy(src, out_dir)
+
+
+def build_vision(cfg: ModelConfig) -> HFVisionLM:
+    """The wrapper of ``model.hf``'s image-text model; ``model.vision = 'freeze'`` freezes its
+    vision tower and projector (their parameters keep requires_grad False: no gradient, no update)."""
+    if cfg.vision not in VISION_MODES:
+        raise ConfigError(f"model.vision = {cfg.vision!r} is unknown; use one of {', '.join(VISION_MODES)}")
+    model = HFVisionLM(image_text_model_from_config(load_hf_config(cfg.hf, cfg.args)))
+    if cfg.vision == "freeze":
+        model.vision_tower.requires_grad_(False)
+        model.multi_modal_projector.requires_grad_(False)
+    return model

@@ -1,0 +1,186 @@
+"""Tiny random vision-language models saved with their processor (no network), and images drawn
+with Pillow: the test data of docs/vision-language.md.
+
+The model is transformers' ``LlavaForConditionalGeneration`` (a CLIP vision tower, its projector,
+a Llama decoder) at 28x28 pixels with 14-pixel patches: 4 image tokens per image. Its processor
+is transformers' ``LlavaProcessor`` with the byte-level ChatML tokenizer of testing/sft_data.py
+plus the ``<image>`` token, and a ChatML template that writes ``<image>`` for an image part.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from paratrain.testing.sft_data import save_chat_tokenizer  # the byte-level ChatML tokenizer
+
+IMAGE_TOKEN = "<image>"
+# ChatML (testing/sft_data.py CHATML) whose content may also be TRL's list of parts: text as it
+# is, an image part as the image token, which the processor expands.
+VISION_CHATML = (
+    "{%- macro content(c) %}{%- if c is string %}{{ c }}{%- else %}{%- for part in c %}"
+    "{%- if part['type'] == 'image' %}{{ '<image>' }}{%- elif part['type'] == 'text' %}{{ part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{%- endmacro %}"
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{ content(message['content']) + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- else %}{{ content(message['content']) + '<|im_end|>' + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+IMAGE_SIZE, PATCH = 28, 14
+
+
+def save_tiny_llava(path: str, *, seed: int = 0, weights: bool = True) -> str:
+    """A tiny LLaVA (model and processor) in ``path``."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # no torchvision here
+
+    save_chat_tokenizer(path, template=VISION_CHATML)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    text = dict(
+        model_type="llama",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+        projection_dim=32,
+    )
+    config = LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",  # the CLS token dropped: (28 / 14)^2 = 4 image tokens
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    if weights:
+        model.save_pretrained(path)
+    else:
+        config.save_pretrained(path)
+    size = {"shortest_edge": IMAGE_SIZE}
+    images = CLIPImageProcessorPil(size=size, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=VISION_CHATML,
+    )
+    processor.save_pretrained(path)
+    return path
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
+
+
+def draw_image(path: str, colour: str, *, shape: str = "square", size: int = 40, variant: int = 0) -> str:
+    """A ``colour`` square or circle on white, saved as PNG; ``variant`` moves and sizes it."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), (255, 255, 255))
+    side = size * 3 // 5 + variant % 7 * size // 20  # three fifths to most of the image: the colour fills its patches
+    x, y = variant * 5 % (size - side + 1), variant * 11 % (size - side + 1)
+    box = (x, y, x + side - 1, y + side - 1)
+    draw = ImageDraw.Draw(img)
+    (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLOURS[colour])
+    img.save(path)
+    return path
+
+
+def colour_rows(folder: str, n: int, *, seed: int = 0) -> list[dict]:
+    """``n`` TRL vision conversations about images drawn into ``folder/images`` (paths relative to
+    ``folder``): what colour is the shape; every third row holds a second image, every fifth none
+    (a text row), so rows differ in image count and length."""
+    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+    names, shapes = sorted(COLOURS), ("square", "circle")
+    rows = []
+    for i in range(n):
+        colour, shape = names[(i + seed) % len(names)], shapes[(i // len(names)) % 2]
+        rel = f"images/{i}.png"  # each row its own drawing: rows differ, so they split by their hash
+        draw_image(os.path.join(folder, rel), colour, shape=shape, variant=i)
+        if i % 5 == 4:  # a text-only row among the image rows
+            rows.append({"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]})
+            continue
+        parts, images = [{"type": "image"}, {"type": "text", "text": f"What colour is the {shape}?"}], [rel]
+        if i % 3 == 2:  # a second image, after the question
+            other = f"images/{i}b.png"
+            draw_image(os.path.join(folder, other), names[(i + 1) % len(names)], variant=i + 3)
+            parts, images = [*parts, {"type": "image"}], [rel, other]
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": parts},
+                    {"role": "assistant", "content": [{"type": "text", "text": f"It is {colour}."}]},
+                ],
+                "images": images,
+            }
+        )
+    return rows
+
+
+def write_example(out: str, *, rows: int = 160) -> None:
+    """The committed example of docs/vision-language.md: ``out/model`` (a tiny LLaVA's config and
+    processor, no weights), ``out/rows.jsonl`` and the PNGs it names, drawn here. Regenerate with
+    ``python -m paratrain.testing.vlm_models configs/vlm``."""
+    save_tiny_llava(os.path.join(out, "model"), weights=False)
+    from paratrain.testing.sft_data import write_jsonl  # the same jsonl writer as the SFT example
+
+    write_jsonl(os.path.join(out, "rows.jsonl"), colour_rows(out, rows))
+
+
+def colour_accuracy(run: str, folder: str, *, val_fraction: float = 0.2) -> tuple[int, int]:
+    """(right, asked) over the validation rows with images of ``folder/rows.jsonl`` (the split
+    prepare gives them at ``val_fraction``): the exported model ``run/hf`` loaded by transformers'
+    own classes answers greedily, and a reply is right when it starts "It is COLOUR"."""
+    import json
+
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from paratrain.data.chat import row_key  # the row's text that prepare's split hashes
+    from paratrain.data.prepare import split_of  # the split prepare put the row in
+
+    processor = AutoProcessor.from_pretrained(os.path.join(run, "hf"))
+    model = AutoModelForImageTextToText.from_pretrained(os.path.join(run, "hf")).eval()
+    right = asked = 0
+    with open(os.path.join(folder, "rows.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    for row in rows:
+        if split_of(row_key(row), val_fraction) != "val" or not row.get("images"):
+            continue
+        images = [Image.open(os.path.join(folder, p)).convert("RGB") for p in row["images"]]
+        text = processor.apply_chat_template(row["messages"][:1], tokenize=False, add_generation_prompt=True)
+        enc = processor(text=[text], images=images, return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=12, do_sample=False)
+        reply = processor.tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        colour = row["messages"][1]["content"][0]["text"].split()[-1].rstrip(".")
+        right, asked = right + reply.startswith(f"It is {colour}"), asked + 1
+    return right, asked
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1] == "accuracy":  # python -m paratrain.testing.vlm_models accuracy runs/vlm configs/vlm
+        right, asked = colour_accuracy(sys.argv[2], sys.argv[3])
+        print(f"val colour accuracy {right}/{asked}")
+    else:
+        write_example(sys.argv[1])

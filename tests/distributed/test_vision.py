@@ -1,0 +1,234 @@
+"""Image-text fine-tuning (docs/vision-language.md, issue 57's first slice): TRL's vision
+conversations prepared with the model's own processor, a tiny LLaVA trained through model.hf.
+
+The reference is code we did not write: plain transformers' ``LlavaForConditionalGeneration`` on
+**each conversation alone**, its processor's own rendering and image-token expansion, its own
+``labels=`` loss over the assistant turns (found in the processor's ids by ChatML's markers, not
+by our mask code). paratrain's validation loss, item count, step-1 loss and ``grad_norm`` must
+equal it; the data-parallel layouts must equal one process.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import paratrain
+from paratrain.config import ConfigError, load_config
+from paratrain.data.prepare import prepare
+from paratrain.launch.eval_worker import eval_checkpoint
+from paratrain.preflight.support import check_support, refuse_image_estimate
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
+from paratrain.testing.sft_data import write_jsonl
+from paratrain.testing.vlm_models import colour_rows, save_tiny_llava
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+SGD = [*plain_sgd(0.1), "run.progress=false", "metrics.plot=false", "run.save_model=false"]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """A tiny LLaVA with its processor, 12 rows (one or two images, or none) and two corpora:
+    every row in train, every row in val."""
+    root = tmp_path_factory.mktemp("vlm")
+    model = save_tiny_llava(str(root / "llava"))
+    rows = colour_rows(str(root), 12)
+    data = write_jsonl(str(root / "rows.jsonl"), rows)
+    train, val = str(root / "train"), str(root / "val")
+    prepare([data], out_dir=train, tokenizer=model, fmt="chat", val_fraction=0, progress=False)
+    prepare([data], out_dir=val, tokenizer=model, fmt="chat", val_fraction=1, progress=False)
+    return {"root": str(root), "model": model, "rows": rows, "data": data, "train": train, "val": val}
+
+
+def reference(vlm: dict) -> tuple[float, int, float, float]:
+    """(mean loss, target tokens, gradient norm) of plain transformers over each conversation alone,
+    and the mean loss of the same logits with the labels one token late (the fault the test must see)."""
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(vlm["model"])
+    model = LlavaForConditionalGeneration.from_pretrained(vlm["model"], attn_implementation="sdpa")
+    tok = processor.tokenizer
+    start = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    losses, total, count, late = [], 0.0, 0, 0.0
+    for row in vlm["rows"]:
+        images = [Image.open(os.path.join(vlm["root"], p)).convert("RGB") for p in row.get("images", [])]
+        text = processor.apply_chat_template(row["messages"], tokenize=False)
+        enc = processor(text=[text], images=images or None, return_tensors="pt")
+        ids = enc["input_ids"][0].tolist()
+        labels = [-100] * len(ids)
+        for i in range(len(ids)):  # ChatML: an assistant turn's tokens after its header, its <|im_end|> included
+            if ids[i : i + len(start)] == start:
+                j = i + len(start)
+                while j < len(ids):
+                    labels[j] = ids[j]
+                    if ids[j] == end:
+                        break
+                    j += 1
+        labels = torch.tensor([labels])
+        n = int((labels[0, 1:] != -100).sum())  # transformers shifts the labels inside
+        out = model(**enc, labels=labels)
+        loss = out.loss * n
+        late += float(
+            torch.nn.functional.cross_entropy(
+                out.logits[0, :-1].detach(), labels.roll(1, dims=1)[0, 1:], reduction="sum"
+            )
+        )
+        losses.append(loss)
+        total, count = total + float(loss.detach()), count + n
+    (torch.stack(losses).sum() / count).backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    return total / count, count, float(norm), late / count
+
+
+def config(vlm: dict, corpus: str, name: str, *extra: str) -> list[str]:
+    return [
+        f"model.hf='{vlm['model']}'",
+        "data.name='tokens'",
+        f"data.args={{path = '{corpus}', block_size = 128}}",
+        f"run.out_dir='{vlm['root']}/{name}'",
+        *SGD,
+        *extra,
+    ]
+
+
+def test_val_loss_step_and_gradient_equal_transformers_and_two_ranks_with_accumulation_equal_one(vlm):
+    """The anchor, then the layouts: one process with the whole batch in one micro-batch, and DDP
+    over 2 ranks with one row per micro-batch (6 accumulation steps): the rows' images travel
+    with them, and the loss is over the global batch's target tokens whatever the split."""
+    ref_loss, ref_items, ref_norm, late = reference(vlm)
+    result = eval_checkpoint(load_config(None, config(vlm, vlm["val"], "eval", "batch.global_batch_size=4")), "")
+    assert result["val_items"] == ref_items
+    torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
+    # Step 1 is over every conversation: its loss and the gradient of the global batch.
+    steps = ["batch.global_batch_size=12", "run.steps=2"]
+    paratrain.train(load_config(None, config(vlm, vlm["train"], "one", *steps)))
+    one = read_metrics(os.path.join(vlm["root"], "one"))
+    torch.testing.assert_close(one[0]["loss"], ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(one[0]["grad_norm"], ref_norm, rtol=1e-5, atol=0)
+    assert abs(late - ref_loss) / ref_loss > 1e-3  # the anchor can fail: labels one token late are another loss
+    ddp = ["parallel.dp_replicate=2", "batch.micro_batch_size=1"]
+    run_ranks(train_rank, 2, config(vlm, vlm["train"], "ddp", *steps, *ddp))
+    got = read_metrics(os.path.join(vlm["root"], "ddp"))
+    assert [r["accum_steps"] for r in got] == [6, 6]
+    torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in one], rtol=1e-5, atol=0)
+    torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in one], rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_fsdp2_gives_the_one_process_losses_and_a_frozen_vision_tower_stays(vlm):
+    """FSDP2 over 2 ranks (the decoder layers sharded block by block, the vision tower with the
+    root) with accumulation, against one process; model.vision = 'freeze' leaves the vision
+    tower as loaded while the decoder moves."""
+    steps = ["batch.global_batch_size=4", "run.steps=3", "batch.micro_batch_size=1"]
+    paratrain.train(load_config(None, config(vlm, vlm["train"], "one_mb1", *steps)))
+    run_ranks(train_rank, 2, config(vlm, vlm["train"], "fsdp", *steps, "parallel.dp_shard=2"))
+    a, b = (read_metrics(os.path.join(vlm["root"], n)) for n in ("one_mb1", "fsdp"))
+    torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-5, atol=0)
+    torch.testing.assert_close([r["grad_norm"] for r in b], [r["grad_norm"] for r in a], rtol=1e-4, atol=0)
+    frozen = [*steps, "model.vision='freeze'", "run.save_model=true"]
+    paratrain.train(load_config(None, config(vlm, vlm["train"], "frozen", *frozen)))
+    from safetensors.torch import load_file
+    from transformers import LlavaForConditionalGeneration
+
+    trained = load_file(os.path.join(vlm["root"], "frozen", "model.safetensors"))
+    start = LlavaForConditionalGeneration.from_pretrained(vlm["model"]).model
+    assert torch.equal(
+        trained["vision_tower.encoder.layers.0.mlp.fc1.weight"], start.vision_tower.encoder.layers[0].mlp.fc1.weight
+    )
+    assert torch.equal(trained["multi_modal_projector.linear_1.weight"], start.multi_modal_projector.linear_1.weight)
+    assert not torch.equal(trained["layers.0.mlp.up_proj.weight"], start.language_model.layers[0].mlp.up_proj.weight)
+
+
+def test_pixels_stored_beside_the_shards_and_image_tokens_never_targets(vlm):
+    from paratrain.data.tokens import build_tokens, read_meta
+
+    meta = read_meta(vlm["train"])
+    assert meta["images"]["shape"] == [3, 28, 28]
+    ds = build_tokens(vlm["train"], block_size=128)
+    batch, target = ds.collate([ds[i] for i in range(len(ds))])
+    image = meta["images"]["token_id"]
+    n_images = sum(len(r.get("images", [])) for r in vlm["rows"])
+    assert batch.pixel_values.shape[0] == n_images and int((batch.input_ids == image).sum()) == 4 * n_images
+    assert not (target == image).any()  # no image token is a target
+    half = batch.select_rows(0, 5)  # the layout probe's split keeps each row's images
+    assert half.pixel_values.shape[0] == int((half.input_ids == image).sum()) // 4
+
+
+def test_bad_image_rows_are_one_line(vlm, tmp_path):
+    row = dict(vlm["rows"][0], images=["images/nowhere.png"])
+    bad = write_jsonl(str(tmp_path / "bad.jsonl"), [vlm["rows"][4], row])  # a text row, then the bad one
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: image '.*nowhere.png' is missing or unreadable"):
+        prepare([bad], out_dir=str(tmp_path / "o1"), tokenizer=vlm["model"], fmt="chat", progress=False)
+    assert not os.path.exists(str(tmp_path / "o1" / "meta.json"))
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "junk.png").write_bytes(b"not an image")
+    junk = write_jsonl(str(tmp_path / "junk.jsonl"), [dict(vlm["rows"][0], images=["images/junk.png"])])
+    with pytest.raises(ConfigError, match=r"junk.jsonl:1: image '.*junk.png' is missing or unreadable"):
+        prepare([junk], out_dir=str(tmp_path / "o2"), tokenizer=vlm["model"], fmt="chat", progress=False)
+    two = write_jsonl(str(tmp_path / "two.jsonl"), [dict(vlm["rows"][0], images=[])])
+    with pytest.raises(ConfigError, match=r"two.jsonl:1: 1 image part\(s\) in the messages but 'images' holds 0"):
+        prepare([two], out_dir=str(tmp_path / "o3"), tokenizer=vlm["model"], fmt="chat", progress=False)
+
+
+@pytest.mark.parametrize(
+    "over, dims, line",
+    [
+        ([], dict(tp=2), "parallel.tp > 1 with an image-text model.hf is not supported yet"),
+        ([], dict(pp=2), "parallel.pp > 1 with an image-text model.hf"),
+        (["model.lora.target_modules='all-linear'"], {}, "model.lora with an image-text model.hf"),
+        (["loss.name='preference'"], {}, "loss.name other than 'cross_entropy' with an image-text model.hf"),
+        (["data.args={path = 'x', packing = 'documents'}"], {}, "data.args.packing = 'documents' with an image-text"),
+        (["batch.micro_batch_size='auto'"], {}, "batch.micro_batch_size = 'auto' with an image-text model.hf"),
+    ],
+)
+def test_what_this_slice_does_not_run_is_refused_in_one_line(vlm, over, dims, line):
+    cfg = load_config(None, [f"model.hf='{vlm['model']}'", *over])
+    degrees = dict(pp=1, tp=1, cp=1, ep=1, dp_shard=1, dp_replicate=1) | dims
+    with pytest.raises(ConfigError, match=line) as e:
+        check_support(cfg, SimpleNamespace(**degrees, fsdp_enabled=False))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="paratrain plan does not estimate an image-text model.hf yet"):
+        refuse_image_estimate(cfg, "paratrain plan")
+
+
+def test_packed_image_rows_are_refused_by_the_data(vlm):
+    from paratrain.data.tokens import build_tokens
+
+    with pytest.raises(ConfigError, match="packing image-text rows is not supported yet"):
+        build_tokens(vlm["train"], block_size=128, packing="documents")
+    with pytest.raises(ConfigError, match="raise data.args.block_size to"):
+        build_tokens(vlm["train"], block_size=16)
+    assert np.all(np.asarray([len(build_tokens(vlm["train"], block_size=128))]) == 12)
+
+
+def test_trainable_tokens_are_the_targets_of_text_and_image_chat_corpora(vlm, tmp_path):
+    """meta.json's trainable_tokens of a text chat corpus is unchanged by the image path beside it
+    (an `else` once attached to the image branch counted every token of a text chat corpus)."""
+    from paratrain.data.tokens import build_tokens, read_meta
+    from paratrain.testing.sft_data import save_chat_tokenizer, stdlib_conversations
+
+    tok = save_chat_tokenizer(str(tmp_path / "tok"))
+    chat = write_jsonl(str(tmp_path / "chat.jsonl"), stdlib_conversations(6))
+    text = str(tmp_path / "text")
+    prepare([chat], out_dir=text, tokenizer=tok, fmt="chat", val_fraction=0, progress=False)
+    for corpus in (text, vlm["train"]):
+        ds = build_tokens(corpus, block_size=512)
+        targets = sum(int((torch.as_tensor(ds.collate([ds[i]])[1]) != -100).sum()) for i in range(len(ds)))
+        assert read_meta(corpus)["splits"]["train"]["trainable_tokens"] == targets
+
+
+def test_verify_compares_a_parameter_left_at_zero_by_symmetry_as_zero():
+    """CLIP's k_proj.bias gets a zero gradient (softmax ignores a shift shared by every key): its
+    zero init moves by 1e-15 of rounding, which verify once called a 70% difference between layouts."""
+    from paratrain.verify import rel_diff
+
+    assert rel_diff(torch.full((32,), 3e-15), torch.full((32,), -2e-15)) < 1e-6
+    assert rel_diff(torch.full((4,), 1.1), torch.ones(4)) == pytest.approx(0.1)
