@@ -99,9 +99,11 @@ def test_without_bitwise_the_layouts_differ(runs):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path):
-    """DDP and FSDP2 at world 4, HSDP 2x2, and a FSDP2 world-2 run's step-3 checkpoint resumed
-    at world 1 with accumulation 4 give the one-process run's bits, with dropout keyed by the
-    sample (run.keyed_random, the default)."""
+    """DDP and FSDP2 at world 4, HSDP 2x2, and an elastic shrink and grow give the one-process
+    run's bits, with dropout keyed by the sample (run.keyed_random, the default). An elastic
+    resize restarts the workers, which resume the newest complete checkpoint at the new world
+    size (checkpoint/checkpointer.py): here a FSDP2 world-2 run's step-3 checkpoint resumed at
+    world 1 with accumulation 4, whose step-4 checkpoint is resumed at world 2 under DDP."""
     drop = [
         *BITWISE,
         "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, dropout = 0.1}",
@@ -114,12 +116,21 @@ def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path)
     assert differences(hsdp, ref) == []
     run_layout(tmp_path, "w2", 2, 8, [*drop, FSDP2])
     src = tmp_path / "w2" / "checkpoints" / "step-3"
-    resumed = run_layout(tmp_path, "resumed", 1, 4, [*drop, f"checkpoint.resume='{src}'"])
+    resumed = run_layout(
+        tmp_path, "resumed", 1, 4, [*drop, f"checkpoint.resume='{src}'", "checkpoint.interval=1", "checkpoint.keep=0"]
+    )
     assert [resumed[k] for k in ("losses", "grad_norm", "items")] == [
         ref[k][3:] for k in ("losses", "grad_norm", "items")
     ]
     assert resumed["val_loss"] == ref["val_loss"][1:]  # after step 6
     assert [k for k in ref["weights"] if not torch.equal(resumed["weights"][k], ref["weights"][k])] == []
+    src = tmp_path / "resumed" / "checkpoints" / "step-4"
+    grown = run_layout(tmp_path, "grown", 2, 4, [*drop, f"checkpoint.resume='{src}'"])
+    assert [grown[k] for k in ("losses", "grad_norm", "items")] == [
+        ref[k][4:] for k in ("losses", "grad_norm", "items")
+    ]
+    assert grown["val_loss"] == ref["val_loss"][1:]
+    assert [k for k in ref["weights"] if not torch.equal(grown["weights"][k], ref["weights"][k])] == []
 
 
 @pytest.mark.slow
