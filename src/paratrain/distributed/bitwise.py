@@ -23,11 +23,13 @@ scale is ``1 / units`` (not ``dp / units``): the ranks' gradients are summed her
 
 FSDP2 and HSDP (``fully_shard``) reduce-scatter each backward in the backend's order, so every
 grain's backward runs with ``set_requires_gradient_sync(False)``: autograd leaves the grain's
-whole gradient on the unsharded parameter FSDP gathered, the tree takes it from there, and after
-the merge (the same gather over the flattened dp ranks, which are the sampler's order) each rank
-keeps its own shard as the sharded DTensor ``p.grad``. The norm is taken on the whole merged
-gradient, before sharding, as one process takes it: a norm of shards reduced by DTensor adds
-the shards' squares in the collective's order.
+whole gradient on the unsharded parameter FSDP gathered and the tree takes it from there. FSDP2
+alone merges by ``all_to_all`` (:func:`scatter_ranks`): rank j receives chunk j of every rank's
+subtree and adds them in the same pairwise order, so it holds one gradient, not ``dp``; HSDP keeps
+the gather over the flattened dp ranks (the sampler's order), each rank keeping its own shard.
+The norm adds each row's sum of squares (:func:`row_squares`) in the parameters' row order: a
+row's sum is the same bits whole or sharded, so every layout takes the same norm (a norm of
+shards reduced by DTensor adds the shards' squares in the collective's order).
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ class GrainTree:
         on every layout (:func:`row_squares`)."""
         assert len(self.stack) == 1, "the grains per rank are a power of two (preflight: check_grains)"
         if dp > 1 and all(_fsdp_sharded(p, dp) for p in self.params) and len({p.dtype for p in self.params}) == 1:
-            # FSDP2: each rank receives its shard of every rank's subtree (module docstring).
+            # FSDP2 alone: each rank receives its shard of every rank's subtree, one gradient, not dp.
             return scatter_ranks(self.stack.pop()[1], self.params, group=group, dp=dp)
         grads = self.stack.pop()[1]
         if dp > 1:
