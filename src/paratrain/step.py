@@ -355,7 +355,7 @@ def bitwise_forward_backward(model: nn.Module, batches: list[tuple], ctx: StepCo
             forward_backward(
                 model, [grain], ctx, after_backward=tree.push, keys=grain_keys[k : k + 1] if keys else None
             )
-    return torch.nn.utils.get_total_norm(tree.write_grads(group=ctx.dp_group, dp=ctx.dp))
+    return tree.write_grads(group=ctx.dp_group, dp=ctx.dp)
 
 
 def no_grad_forward(model: nn.Module, batches: list[tuple], ctx: StepContext, keys) -> Callable:

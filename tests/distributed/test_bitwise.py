@@ -34,9 +34,8 @@ BITWISE = ["run.bitwise=true", "run.bitwise_grain=2"]
 FSDP2 = "parallel.dp_shard=2"
 
 
-def run_layout(root, name: str, world: int, micro: int, extra=()) -> dict:
-    out = str(root / name)
-    summaries = run_ranks(train_rank, world, [*TOY, f"batch.micro_batch_size={micro}", f"run.out_dir='{out}'", *extra])
+def read_run(out: str) -> dict:
+    """A finished run's logged values and its weights."""
     rows = read_metrics(out)
     return {
         "losses": [r["loss"] for r in rows],
@@ -44,8 +43,13 @@ def run_layout(root, name: str, world: int, micro: int, extra=()) -> dict:
         "items": [r.get("items", r.get("tokens")) for r in rows],
         "val_loss": [r["val_loss"] for r in rows if "val_loss" in r],
         "weights": load_file(os.path.join(out, "model.safetensors")),
-        "accum": summaries[0]["batch"]["accum_steps"],
     }
+
+
+def run_layout(root, name: str, world: int, micro: int, extra=()) -> dict:
+    out = str(root / name)
+    summaries = run_ranks(train_rank, world, [*TOY, f"batch.micro_batch_size={micro}", f"run.out_dir='{out}'", *extra])
+    return {**read_run(out), "accum": summaries[0]["batch"]["accum_steps"]}
 
 
 def differences(a: dict, b: dict) -> list[str]:
@@ -95,9 +99,11 @@ def test_without_bitwise_the_layouts_differ(runs):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path):
-    """DDP and FSDP2 at world 4, HSDP 2x2, and a FSDP2 world-2 run's step-3 checkpoint resumed
-    at world 1 with accumulation 4 give the one-process run's bits, with dropout keyed by the
-    sample (run.keyed_random, the default)."""
+    """DDP and FSDP2 at world 4, HSDP 2x2, and an elastic shrink and grow give the one-process
+    run's bits, with dropout keyed by the sample (run.keyed_random, the default). An elastic
+    resize restarts the workers, which resume the newest complete checkpoint at the new world
+    size (checkpoint/checkpointer.py): here a FSDP2 world-2 run's step-3 checkpoint resumed at
+    world 1 with accumulation 4, whose step-4 checkpoint is resumed at world 2 under DDP."""
     drop = [
         *BITWISE,
         "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, dropout = 0.1}",
@@ -110,9 +116,63 @@ def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path)
     assert differences(hsdp, ref) == []
     run_layout(tmp_path, "w2", 2, 8, [*drop, FSDP2])
     src = tmp_path / "w2" / "checkpoints" / "step-3"
-    resumed = run_layout(tmp_path, "resumed", 1, 4, [*drop, f"checkpoint.resume='{src}'"])
+    resumed = run_layout(
+        tmp_path, "resumed", 1, 4, [*drop, f"checkpoint.resume='{src}'", "checkpoint.interval=1", "checkpoint.keep=0"]
+    )
     assert [resumed[k] for k in ("losses", "grad_norm", "items")] == [
         ref[k][3:] for k in ("losses", "grad_norm", "items")
     ]
     assert resumed["val_loss"] == ref["val_loss"][1:]  # after step 6
     assert [k for k in ref["weights"] if not torch.equal(resumed["weights"][k], ref["weights"][k])] == []
+    src = tmp_path / "resumed" / "checkpoints" / "step-4"
+    grown = run_layout(tmp_path, "grown", 2, 4, [*drop, f"checkpoint.resume='{src}'"])
+    assert [grown[k] for k in ("losses", "grad_norm", "items")] == [
+        ref[k][4:] for k in ("losses", "grad_norm", "items")
+    ]
+    assert grown["val_loss"] == ref["val_loss"][1:]
+    assert [k for k in ref["weights"] if not torch.equal(grown["weights"][k], ref["weights"][k])] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bitwise_hf_llama_and_cnn_with_augmentation(tmp_path):
+    """The issue's other models: a transformers Llama (embedding, rotary, SDPA, RMSNorm backward)
+    and a small CNN (conv backward) with keyed dropout and augmentation drawn in the dataset,
+    with accumulation, DDP and FSDP2 at world 2, against one process. One launch per world size."""
+    pytest.importorskip("transformers")
+    from paratrain.testing.dist_utils import train_layouts
+    from paratrain.testing.hf_models import save_tiny
+
+    llama = [
+        *TOY,
+        *BITWISE,
+        "run.steps=4",
+        "eval.interval=2",
+        f"model.hf='{save_tiny('llama', str(tmp_path / 'llama'))}'",
+        "model.args={}",
+        "data.args={n = 64, seq_len = 16, vocab = 128}",
+    ]
+    cnn = [
+        *TOY,
+        *BITWISE,
+        "run.steps=4",
+        "eval.interval=0",
+        "model.factory='paratrain.testing.toy:small_cnn'",
+        "model.args={}",
+        "data.factory='paratrain.testing.toy:augmented'",
+        "data.args={}",
+    ]
+    models = {"llama": llama, "cnn": cnn}
+    world1, world2 = {}, {}
+    for m, sets in models.items():
+        world1[f"{m}-1x16"] = [*sets, "batch.micro_batch_size=16"]
+        world1[f"{m}-1x4"] = [*sets, "batch.micro_batch_size=4"]
+        world2[f"{m}-ddp"] = [*sets, "batch.micro_batch_size=4"]
+        world2[f"{m}-fsdp"] = [*sets, "batch.micro_batch_size=4", FSDP2]
+    run_ranks(train_layouts, 1, world1, str(tmp_path), timeout=600)
+    run_ranks(train_layouts, 2, world2, str(tmp_path), timeout=600)
+    for m in models:
+        ref = read_run(str(tmp_path / f"{m}-1x16"))
+        assert len(ref["losses"]) == 4 and len(ref["val_loss"]) == (2 if m == "llama" else 0)
+        for layout in ("1x4", "ddp", "fsdp"):
+            assert differences(read_run(str(tmp_path / f"{m}-{layout}")), ref) == [], f"{m}-{layout}"

@@ -59,3 +59,17 @@ def test_counter_is_the_pairwise_tree():
     tree.write_grads(group=None, dp=1)
     assert p.grad.item() == (grads[0] + grads[1] + (grads[2] + grads[3])).item() == 0.0
     assert ((grads[0] + grads[1]) + grads[2] + grads[3]).item() == 1.0  # the sequential order differs
+
+
+@pytest.mark.parametrize("shape", [(33, 17), (4, 3, 5, 5), (7,)])
+def test_row_squares_of_shards_are_the_whole_gradients(shape):
+    # The norm's premise (FSDP2's all_to_all merge): each row's sum of squares is the same bits in
+    # the whole gradient and in every dp's shards (torch.chunk's along dim 0, some of them empty).
+    from paratrain.distributed.bitwise import _shard_rows, row_squares
+
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 10
+    for dp in (2, 4, 8):
+        cuts = _shard_rows(shape[0], dp)
+        shards = [g[sum(cuts[:j]) : sum(cuts[: j + 1])].clone() for j in range(dp)]
+        assert [len(s) for s in torch.chunk(g, dp)] == [c for c in cuts if c]
+        assert torch.equal(torch.cat([row_squares(s) for s in shards]), row_squares(g))

@@ -23,11 +23,13 @@ scale is ``1 / units`` (not ``dp / units``): the ranks' gradients are summed her
 
 FSDP2 and HSDP (``fully_shard``) reduce-scatter each backward in the backend's order, so every
 grain's backward runs with ``set_requires_gradient_sync(False)``: autograd leaves the grain's
-whole gradient on the unsharded parameter FSDP gathered, the tree takes it from there, and after
-the merge (the same gather over the flattened dp ranks, which are the sampler's order) each rank
-keeps its own shard as the sharded DTensor ``p.grad``. The norm is taken on the whole merged
-gradient, before sharding, as one process takes it: a norm of shards reduced by DTensor adds
-the shards' squares in the collective's order.
+whole gradient on the unsharded parameter FSDP gathered and the tree takes it from there. FSDP2
+alone merges by ``all_to_all`` (:func:`scatter_ranks`): rank j receives chunk j of every rank's
+subtree and adds them in the same pairwise order, so it holds one gradient, not ``dp``; HSDP keeps
+the gather over the flattened dp ranks (the sampler's order), each rank keeping its own shard.
+The norm adds each row's sum of squares (:func:`row_squares`) in the parameters' row order: a
+row's sum is the same bits whole or sharded, so every layout takes the same norm (a norm of
+shards reduced by DTensor adds the shards' squares in the collective's order).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.config import ConfigError
@@ -155,17 +157,20 @@ class GrainTree:
             g, fp.unsharded_param.grad = fp.unsharded_param.grad, None
         return g
 
-    def write_grads(self, *, group: dist.ProcessGroup | None, dp: int) -> list[torch.Tensor]:
+    def write_grads(self, *, group: dist.ProcessGroup | None, dp: int) -> torch.Tensor:
         """The rank's subtree, combined with the other ranks' in the tree's order, into ``p.grad``
-        (this rank's shard of it for a sharded parameter). Returns the whole gradients, whose norm
-        is the one of every layout."""
+        (this rank's shard of it for a sharded parameter). Returns the gradient norm, the same bits
+        on every layout (:func:`row_squares`)."""
         assert len(self.stack) == 1, "the grains per rank are a power of two (preflight: check_grains)"
+        if dp > 1 and all(_fsdp_sharded(p, dp) for p in self.params) and len({p.dtype for p in self.params}) == 1:
+            # FSDP2 alone: each rank receives its shard of every rank's subtree, one gradient, not dp.
+            return scatter_ranks(self.stack.pop()[1], self.params, group=group, dp=dp)
         grads = self.stack.pop()[1]
         if dp > 1:
             grads = merge_ranks(grads, group=group, dp=dp)
         for p, g in zip(self.params, grads, strict=True):
             p.grad = _shard_like(p, g) if isinstance(p, DTensor) else g
-        return grads
+        return _norm([row_squares(g) for g in grads], grads[0].dtype)
 
 
 def _fsdp_params(model: nn.Module) -> dict:
@@ -216,3 +221,70 @@ def merge_ranks(grads: list[torch.Tensor], *, group: dist.ProcessGroup | None, d
         for i, piece in zip(idx, parts[0].split([grads[i].numel() for i in idx]), strict=True):
             out[i] = piece.view_as(grads[i])
     return out
+
+
+def row_squares(g: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of each row (dim 0) of a gradient, in float64. A row's sum is the same
+    bits whether its rows are the whole gradient or an FSDP2 shard of it (checked on CPU for
+    shapes 2-D and 4-D, views at odd offsets), so the norm over rows in the parameters' order is
+    the same on every layout; torch's norm of a whole tensor is not a function of its shards."""
+    n = g.shape[0] if g.dim() else 1
+    return g.reshape(n, g.numel() // n if n else 0).square().sum(1).double()
+
+
+def _norm(rows: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(rows).sum().sqrt().to(dtype)
+
+
+def _fsdp_sharded(p: torch.Tensor, dp: int) -> bool:
+    """FSDP2 alone (not HSDP): the parameter is cut along dim 0 over the dp ranks."""
+    return isinstance(p, DTensor) and p.placements == (Shard(0),) and p.device_mesh.size() == dp
+
+
+def _shard_rows(rows: int, dp: int) -> list[int]:
+    """The rows of each rank's chunk: torch.chunk's, which DTensor's Shard(0) and FSDP2 use (the
+    last ranks get none when there are fewer chunks than ranks)."""
+    size = -(-rows // dp)
+    return [max(0, min(size, rows - j * size)) for j in range(dp)]
+
+
+def scatter_ranks(
+    grads: list[torch.Tensor], params: list[DTensor], *, group: dist.ProcessGroup | None, dp: int
+) -> torch.Tensor:
+    """FSDP2's merge: rank j receives shard j of every rank's subtree (``all_to_all``, a
+    reduce-scatter's volume) and adds them pairwise in rank order, ``(p0 + p1) + (p2 + p3)``, into
+    its sharded ``p.grad``: the same bits as the gather's shard, with one gradient sent and one
+    received instead of ``dp`` gathered. The norm's row sums (:func:`row_squares`) of every shard
+    are then gathered and added in the parameters' row order: the same bits as one process's."""
+    me = dist.get_rank(group)
+    cuts = [_shard_rows(g.shape[0], dp) for g in grads]
+    inner = [g[:1].numel() for g in grads]  # elements per row
+    send = torch.cat([g[sum(c[:j]) : sum(c[: j + 1])].reshape(-1) for j in range(dp) for g, c in zip(grads, cuts)])
+    del grads  # the subtree: only the flat copy travels on
+    counts = [sum(c[j] * n for c, n in zip(cuts, inner)) for j in range(dp)]
+    recv = send.new_empty(counts[me] * dp)
+    dist.all_to_all_single(recv, send, [counts[me]] * dp, counts, group=group)
+    del send
+    parts = list(recv.split(counts[me]))
+    while len(parts) > 1:
+        parts = [parts[i].add_(parts[i + 1]) for i in range(0, len(parts), 2)]
+    mine = parts[0].clone()  # the shard alone, so the received buffer is freed
+    del recv, parts
+    rows = []
+    for p, piece in zip(params, mine.split([c[me] * n for c, n in zip(cuts, inner)]), strict=True):
+        shard = piece.view(p.to_local().shape).to(device=p.device, dtype=p.dtype)
+        p.grad = DTensor.from_local(
+            shard, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+        )
+        rows.append(row_squares(shard))
+    # Every rank's row sums, padded to one length for all_gather, then in the parameters' order.
+    width = max(sum(c[j] for c in cuts) for j in range(dp))
+    local = torch.cat(rows)
+    gathered = [local.new_empty(width) for _ in range(dp)]
+    dist.all_gather(gathered, torch.cat([local, local.new_zeros(width - local.numel())]), group=group)
+    ordered, offsets = [], [0] * dp
+    for c in cuts:
+        for j in range(dp):
+            ordered.append(gathered[j][offsets[j] : offsets[j] + c[j]])
+            offsets[j] += c[j]
+    return _norm(ordered, mine.dtype)
