@@ -130,7 +130,13 @@ def side_logps(logits, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     valid = tokens >= 0
     logits = logits.float()
     picked = logits.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    token_logp = torch.where(valid, picked - logits.logsumexp(-1), 0.0)
+    # The vocabulary-wide normaliser only where a target is: the prompts' and the padding's
+    # positions (about half a pair's row in benchmarks/peers/vs_trl_dpo.py) skip the logsumexp
+    # and its backward. Each position's value is the same bits as over the whole (B, T, V): a
+    # row's reduction over the vocabulary does not depend on the other rows (tests/unit/
+    # test_preference_logps.py). The boolean index costs a host sync on a GPU.
+    normaliser = torch.zeros_like(picked).index_put((valid,), logits[valid].logsumexp(-1))
+    token_logp = torch.where(valid, picked - normaliser, 0.0)
     sums, counts = [], []
     for s in (0, 1):
         on = valid & (side == s)
