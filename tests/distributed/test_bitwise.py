@@ -99,8 +99,8 @@ def test_without_bitwise_the_layouts_differ(runs):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path):
-    """DDP and FSDP2 at world 4, HSDP 2x2, and an elastic shrink and grow give the one-process
-    run's bits, with dropout keyed by the sample (run.keyed_random, the default). An elastic
+    """DDP and FSDP2 at world 4 and HSDP 2x2 over 50 AdamW steps, and an elastic shrink and grow,
+    give the one-process run's bits, with dropout keyed by the sample (run.keyed_random, the default). An elastic
     resize restarts the workers, which resume the newest complete checkpoint at the new world
     size (checkpoint/checkpointer.py): here a FSDP2 world-2 run's step-3 checkpoint resumed at
     world 1 with accumulation 4, whose step-4 checkpoint is resumed at world 2 under DDP."""
@@ -109,11 +109,15 @@ def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path)
         "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, dropout = 0.1}",
         "checkpoint.interval=3",
     ]
+    # The issue's 50 AdamW steps at world 4 (no checkpoints: the resume below has its own run)
+    long = [*drop, "run.steps=50", "eval.interval=25", "checkpoint.interval=0"]
+    ref50 = run_layout(tmp_path, "ref50", 1, 16, long)
+    assert len(ref50["losses"]) == 50 and len(ref50["val_loss"]) == 2
+    assert differences(run_layout(tmp_path, "w4", 4, 2, long), ref50) == []
+    assert differences(run_layout(tmp_path, "fsdp4", 4, 4, [*long, "parallel.dp_shard=4"]), ref50) == []
+    hsdp = run_layout(tmp_path, "hsdp", 4, 2, [*long, "parallel.dp_shard=2", "parallel.dp_replicate=2"])
+    assert differences(hsdp, ref50) == []
     ref = run_layout(tmp_path, "ref", 1, 16, drop)
-    assert differences(run_layout(tmp_path, "w4", 4, 2, drop), ref) == []
-    assert differences(run_layout(tmp_path, "fsdp4", 4, 4, [*drop, "parallel.dp_shard=4"]), ref) == []
-    hsdp = run_layout(tmp_path, "hsdp", 4, 2, [*drop, "parallel.dp_shard=2", "parallel.dp_replicate=2"])
-    assert differences(hsdp, ref) == []
     run_layout(tmp_path, "w2", 2, 8, [*drop, FSDP2])
     src = tmp_path / "w2" / "checkpoints" / "step-3"
     resumed = run_layout(
