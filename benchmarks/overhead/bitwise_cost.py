@@ -20,6 +20,7 @@ warm-ups, alternating; and each one's peak RSS from before the subtree's gradien
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from keyed_dropout import paired_runs  # the same main-job runner (this folder is the script's sys.path[0])
@@ -40,11 +41,19 @@ def main() -> int:
 
     variants = {"bitwise": ["run.bitwise=true", f"run.bitwise_grain={args.grain}"], "default": []}
     common = [f"parallel.dp_shard={args.dp_shard}"] if args.dp_shard > 1 else []
-    times = paired_runs(variants, common, pairs=args.pairs, steps=args.steps, nproc=args.nproc)
+    memory: dict = {}
+    times = paired_runs(variants, common, pairs=args.pairs, steps=args.steps, nproc=args.nproc, memory=memory)
     ratios = [a / b for a, b in zip(times["bitwise"], times["default"])]
     layout = f"FSDP2 dp_shard {args.dp_shard}" if args.dp_shard > 1 else "DDP"
     print(f"main job, world {args.nproc} ({layout}), run.bitwise_grain {args.grain}, median step time per run")
     print(summary_line("bitwise / default step time", ratios))
+    # Peak memory: rank 0's resident set over the run (summary.json max_memory_gib), which holds
+    # the interpreter, torch and the data besides the step's tensors: a difference, not a ratio.
+    gib = {name: statistics.median(v) for name, v in memory.items()}
+    print(
+        f"peak RSS of rank 0, median over runs: bitwise {gib['bitwise']:.3f} GiB, default {gib['default']:.3f} GiB,"
+        f" difference {(gib['bitwise'] - gib['default']) * 1024:+.0f} MiB"
+    )
     return 0
 
 

@@ -56,15 +56,21 @@ def run(out: str, overrides: list[str], *, steps: int, nproc: int) -> float:
     return statistics.median(r["step_time_s"] for r in rows[WARMUP:])
 
 
-def paired_runs(variants: dict, common: list[str], *, pairs: int, steps: int, nproc: int) -> dict:
+def paired_runs(variants: dict, common: list[str], *, pairs: int, steps: int, nproc: int, memory=None) -> dict:
     """Each variant's median step time per run, the two variants alternating (the order swapped
-    every pair, so neither always inherits the other's wind-down); also bitwise_cost.py's."""
+    every pair, so neither always inherits the other's wind-down); also bitwise_cost.py's, which
+    passes ``memory`` (a dict) to get each run's peak memory per variant (summary.json's
+    ``max_memory_gib``: rank 0's resident set on a CPU)."""
     a, b = variants
     times: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
             for name in (a, b) if i % 2 == 0 else (b, a):
-                times[name].append(run(f"{tmp}/{name}{i}", [*common, *variants[name]], steps=steps, nproc=nproc))
+                out = f"{tmp}/{name}{i}"
+                times[name].append(run(out, [*common, *variants[name]], steps=steps, nproc=nproc))
+                if memory is not None:
+                    with open(os.path.join(out, "summary.json")) as f:
+                        memory.setdefault(name, []).append(json.load(f).get("max_memory_gib", float("nan")))
             print(f"pair {i + 1}: {a} {times[a][-1]:.3f} s, {b} {times[b][-1]:.3f} s", flush=True)
     return times
 

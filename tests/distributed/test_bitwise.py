@@ -99,7 +99,7 @@ def test_without_bitwise_the_layouts_differ(runs):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path):
-    """DDP and FSDP2 at world 4 and HSDP 2x2 over 50 AdamW steps, and an elastic shrink and grow,
+    """Accumulation 8, DDP and FSDP2 at world 4 and HSDP 2x2 over 50 AdamW steps, and an elastic shrink and grow,
     give the one-process run's bits, with dropout keyed by the sample (run.keyed_random, the default). An elastic
     resize restarts the workers, which resume the newest complete checkpoint at the new world
     size (checkpoint/checkpointer.py): here a FSDP2 world-2 run's step-3 checkpoint resumed at
@@ -113,6 +113,8 @@ def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path)
     long = [*drop, "run.steps=50", "eval.interval=25", "checkpoint.interval=0"]
     ref50 = run_layout(tmp_path, "ref50", 1, 16, long)
     assert len(ref50["losses"]) == 50 and len(ref50["val_loss"]) == 2
+    acc8 = run_layout(tmp_path, "acc8", 1, 2, long)
+    assert acc8["accum"] == 8 and differences(acc8, ref50) == []
     assert differences(run_layout(tmp_path, "w4", 4, 2, long), ref50) == []
     assert differences(run_layout(tmp_path, "fsdp4", 4, 4, [*long, "parallel.dp_shard=4"]), ref50) == []
     hsdp = run_layout(tmp_path, "hsdp", 4, 2, [*long, "parallel.dp_shard=2", "parallel.dp_replicate=2"])
