@@ -17,21 +17,25 @@ clipping; TRL's clip is set to 1e9 so that it logs ``grad_norm``), lr ``--lr``, 
 TRL 1.16 parses tool calls with a response template chosen by the chat template's text; the
 recipe's template is not one it knows, so its tokenizer gets TRL's own Qwen3 template
 (``trl.chat_template_utils.qwen3_template``: the Hermes ``<tool_call>{json}</tool_call>`` that
-the recipe's model writes and paratrain parses). TRL appends each tool result as the tokens its
-template adds after a dummy tool-call turn, which for this template are paratrain's observation
-tokens too.
+the recipe's model writes and paratrain parses). TRL also refuses a template that does not render
+an assistant's ``tool_calls`` field, which the recipe's does not (its calls are in the text): the
+worker's copy of the template renders that field in the same Hermes form. TRL trains on the
+sampled tokens, never on that rendering, and appends each tool result as the tokens the template
+adds after a dummy tool-call turn, which for this template are paratrain's observation tokens.
 
 Each run is checked or void: the world (2), the micro-batches and accumulation, the episodes per
 step, and the tool calls made (paratrain's ``rollouts.jsonl``, TRL's ``_tool_call_loop`` count).
 Timing is vs_trl_grpo.py's: the median step after the warm-up (generation included), runs
 alternating, the paired ratio paratrain/TRL summarised by its median and 95% CI.
 
-The micro-batch: after the rounds, each tool runs once more at ``--micro-b`` (the same global
-batch, seed and data) and its per-step losses and ``grad_norm`` are compared with round 0's. The
-completions are compared too (each step's episodes' token ids, sorted), to tell "the completions
-changed" from "the loss's normalisation changed". The results go to ``vs_trl_multiturn.json``.
+The layouts: after the rounds, each tool runs once more at each of ``--layouts`` (default 2
+processes x micro 16 x accumulation 1, and 1 process x micro 16 x accumulation 2: the same global
+batch, seed and data), and its per-step losses and ``grad_norm`` are compared with round 0's. The
+episodes are compared too (each step's episodes' token ids, sorted), to tell "the episodes
+changed" from "the loss's normalisation changed". A run in which a tool made no tool call is
+void. The results go to ``vs_trl_multiturn.json``.
 
-    python benchmarks/peers/vs_trl_multiturn.py                  # 4 rounds of 6 steps, the split check
+    python benchmarks/peers/vs_trl_multiturn.py                  # 4 rounds of 6 steps, then the layouts
     python benchmarks/peers/vs_trl_multiturn.py --policy runs/calculator_sft/hf
     python benchmarks/peers/vs_trl_multiturn.py --quick          # 1 round of 4 steps, no JSON
 
@@ -188,7 +192,8 @@ def trl_worker(args) -> None:
             )
 
 
-def run_paratrain(paths: dict, out: str, args, micro: int, env) -> dict:
+def run_paratrain(paths: dict, out: str, args, layout: tuple[int, int], env) -> dict:
+    procs, micro = layout
     sets = [
         f"model.hf='{paths['policy']}'",
         "data.name='prompts'",
@@ -202,7 +207,7 @@ def run_paratrain(paths: dict, out: str, args, micro: int, env) -> dict:
         "rl.max_turns=2",
         f"rl.tools=['{CALC}:multiply']",
         f"rl.rewards=['{CALC}:answer_correct', '{CALC}:called_the_tool']",
-        f"parallel.dp_replicate={args.procs}",
+        f"parallel.dp_replicate={procs}",
         f"batch.global_batch_size={args.batch}",
         f"batch.micro_batch_size={micro}",
         f"run.steps={args.steps}",
@@ -220,24 +225,27 @@ def run_paratrain(paths: dict, out: str, args, micro: int, env) -> dict:
     ]
     config = os.path.join(os.path.dirname(out), "empty.toml")
     open(config, "w").close()
-    cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", str(args.procs)]
+    cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", str(procs)]
     run(cmd + [arg for item in sets for arg in ("--set", item)], env)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     with open(os.path.join(out, "rollouts.jsonl")) as f:
         episodes = [json.loads(line) for line in f]
-    accum = args.batch // (args.procs * micro)
-    want = (args.procs, args.batch, micro, accum)  # items counts model tokens under dapo
+    accum = args.batch // (procs * micro)
+    want = (procs, args.batch, micro, accum)  # items counts model tokens under dapo
     bad = [
         r for r in rows if (r["world_size"], r["global_batch_size"], r["micro_batch_size"], r["accum_steps"]) != want
     ]
     if len(rows) != args.steps or bad or len(episodes) != args.steps * args.batch:
         raise SystemExit(f"paratrain logged {len(rows)} steps, {len(episodes)} episodes, or another batch: {bad[:1]}")
     by_step = [[e for e in episodes if e["step"] == s + 1] for s in range(args.steps)]
+    calls = [sum(m["role"] == "tool" for e in step for m in e["messages"]) for step in by_step]
+    if not all(calls):
+        raise SystemExit(f"paratrain made no tool call at some step ({calls}): not a multi-turn run, void")
     return {
         "step_s": steady([r["time"] for r in rows]),
         "episodes_per_step": len(by_step[0]),
-        "tool_calls": [sum(m["role"] == "tool" for e in step for m in e["messages"]) for step in by_step],
+        "tool_calls": calls,
         "episodes": [digest([e["tokens"] for e in step]) for step in by_step],
         "loss": [r["loss"] for r in rows],
         "grad_norm": [r["grad_norm"] for r in rows],
@@ -245,18 +253,21 @@ def run_paratrain(paths: dict, out: str, args, micro: int, env) -> dict:
     }
 
 
-def run_trl(paths: dict, out: str, args, micro: int, env) -> dict:
+def run_trl(paths: dict, out: str, args, layout: tuple[int, int], env) -> dict:
+    procs, micro = layout
     os.makedirs(out, exist_ok=True)
     result = os.path.join(out, "trl.json")
     argv = [__file__, "--worker", "--policy", paths["policy"], "--prompts-file", paths["prompts"]]
     argv += ["--out", out, "--result", result, "--steps", str(args.steps), "--micro", str(micro)]
-    argv += ["--accum", str(args.batch // (args.procs * micro)), "--group", str(args.group), "--new", str(args.new)]
-    argv += ["--lr", str(args.lr), "--procs", str(args.procs)]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.procs)]
+    argv += ["--accum", str(args.batch // (procs * micro)), "--group", str(args.group), "--new", str(args.new)]
+    argv += ["--lr", str(args.lr), "--procs", str(procs)]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
     run(launch + argv, {**env, "TRL_EXPERIMENTAL_SILENCE": "1"})
     with open(result) as f:
         got = json.load(f)
-    if got["world"] != args.procs or got["episodes_per_step"] != args.batch:
+    if not all(got["tool_calls"]):
+        raise SystemExit(f"TRL made no tool call at some step ({got['tool_calls']}): not a multi-turn run, void")
+    if got["world"] != procs or got["episodes_per_step"] != args.batch:
         raise SystemExit(f"TRL ran at world {got['world']} with {got['episodes_per_step']} episodes a step: void")
     return got
 
@@ -280,7 +291,7 @@ def build(tmp: str, args, env) -> dict:
 
 
 def same(a: list, b: list) -> float:
-    """The largest relative difference of two per-step series."""
+    """The largest relative difference of two per-step series (the losses can be near 0: not for them)."""
     return max(abs(x - y) / max(abs(x), abs(y), 1e-30) for x, y in zip(a, b))
 
 
@@ -291,7 +302,11 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=2, help="processes (data-parallel ranks) of each tool")
     p.add_argument("--batch", type=int, default=32, help="global batch in episodes")
     p.add_argument("--micro", type=int, default=8, help="episodes per micro-batch per process in the rounds")
-    p.add_argument("--micro-b", type=int, default=16, help="the other micro-batch of the split check (0: none)")
+    p.add_argument(
+        "--layouts",
+        default="2x16,1x16",
+        help="the split check's other layouts, PROCSxMICRO, comma-separated ('': none)",
+    )
     p.add_argument("--group", type=int, default=8, help="episodes per prompt")
     p.add_argument("--new", type=int, default=128, help="most tokens per turn and per episode (a call is 77)")
     p.add_argument("--lr", type=float, default=0.05, help="plain SGD's learning rate")
@@ -306,9 +321,10 @@ def main() -> None:
     if args.worker:
         return trl_worker(args)
     if args.quick:
-        args.rounds, args.steps, args.micro_b = 1, WARMUP + 2, 0
-    for m in (args.micro, args.micro_b):
-        if m and (args.batch % (args.procs * m) or (args.procs * m) % args.group):
+        args.rounds, args.steps, args.layouts = 1, WARMUP + 2, ""
+    others = [tuple(int(x) for x in lay.split("x")) for lay in args.layouts.split(",") if lay]
+    for n, m in [(args.procs, args.micro), *others]:
+        if args.batch % (n * m) or (n * m) % args.group:
             raise SystemExit("--batch must be a multiple of --procs x --micro, itself a multiple of --group")
     env = peer_env(inherit_pythonpath=True, hub_kernels_off=True)
     setup = (
@@ -326,7 +342,7 @@ def main() -> None:
             res = {}
             for tool in ("paratrain", "trl") if r % 2 == 0 else ("trl", "paratrain"):
                 fn = run_paratrain if tool == "paratrain" else run_trl
-                res[tool] = fn(paths, os.path.join(tmp, f"{tool}{r}"), args, args.micro, env)
+                res[tool] = fn(paths, os.path.join(tmp, f"{tool}{r}"), args, (args.procs, args.micro), env)
             a, b = res["paratrain"], res["trl"]
             if r == 0:
                 split = {"paratrain": [a], "trl": [b]}
@@ -342,32 +358,38 @@ def main() -> None:
                 f" load {got['load'][-1]:.1f}",
                 flush=True,
             )
-        if args.micro_b:
+        for n, m in others:
             for tool, fn in (("paratrain", run_paratrain), ("trl", run_trl)):
-                split[tool].append(fn(paths, os.path.join(tmp, f"{tool}_b"), args, args.micro_b, env))
+                split[tool].append(fn(paths, os.path.join(tmp, f"{tool}_{n}x{m}"), args, (n, m), env))
     print(
         f"median step: paratrain {statistics.median(got['ours']) * 1e3:.0f} ms, TRL {statistics.median(got['theirs']) * 1e3:.0f} ms"
     )
     print(summary_line("step ratio paratrain/TRL", got["ratio"]))
     moved = {}
-    for tool, (a, b) in ((t, s) for t, s in split.items() if len(s) == 2):
-        accum = [args.batch // (args.procs * m) for m in (args.micro, args.micro_b)]
-        changed = [s + 1 for s, (x, y) in enumerate(zip(a["episodes"], b["episodes"])) if x != y]
-        moved[tool] = {
-            "loss_a": a["loss"],
-            "loss_b": b["loss"],
-            "loss_max_rel_diff": same(a["loss"], b["loss"]),
-            "grad_norm_max_rel_diff": same(a["grad_norm"], b["grad_norm"]),
-            "steps_with_other_episodes": changed,
-            "reward_a": a["reward"],
-            "reward_b": b["reward"],
+    name = "{} procs x micro {} x accum {}".format
+    for tool, (a, *rest) in split.items():
+        for (n, m), b in zip(others, rest):
+            changed = [s + 1 for s, (x, y) in enumerate(zip(a["episodes"], b["episodes"])) if x != y]
+            other = name(n, m, args.batch // (n * m))
+            moved.setdefault(tool, {})[other] = {
+                "loss": b["loss"],
+                "loss_max_abs_diff": max(abs(x - y) for x, y in zip(a["loss"], b["loss"])),
+                "grad_norm_max_rel_diff": same(a["grad_norm"], b["grad_norm"]),
+                "steps_with_other_episodes": changed,
+                "reward": b["reward"],
+            }
+            print(
+                f"{tool}, {name(args.procs, args.micro, args.batch // (args.procs * args.micro))} against {other}:"
+                f" loss differs by {moved[tool][other]['loss_max_abs_diff']:.2e} at most (absolute), grad_norm by"
+                f" {moved[tool][other]['grad_norm_max_rel_diff']:.2e} (relative); steps whose episodes differ:"
+                f" {changed or 'none'}"
+            )
+            print(f"  losses {[f'{x:.6g}' for x in a['loss']]}\n     vs {[f'{x:.6g}' for x in b['loss']]}")
+        moved.setdefault(tool, {})["rounds_layout"] = {
+            "loss": a["loss"],
+            "grad_norm": a["grad_norm"],
+            "reward": a["reward"],
         }
-        print(
-            f"{tool}: micro {args.micro} x accum {accum[0]} against micro {args.micro_b} x accum {accum[1]}:"
-            f" loss differs by {moved[tool]['loss_max_rel_diff']:.2e} at most (relative), grad_norm by"
-            f" {moved[tool]['grad_norm_max_rel_diff']:.2e}; steps whose episodes differ: {changed or 'none'}"
-        )
-        print(f"  losses {[f'{x:.6g}' for x in a['loss']]}\n     vs {[f'{x:.6g}' for x in b['loss']]}")
     if args.quick:
         return
     import torch
@@ -388,7 +410,7 @@ def main() -> None:
                 **got,
                 "ratio_geometric_mean": gmean,
                 "ratio_ci95": [lo, hi],
-                "micro_batch": moved,
+                "layouts": moved,
             },
             f,
             indent=1,
