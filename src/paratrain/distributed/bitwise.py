@@ -46,34 +46,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from paratrain.config import ConfigError
 
 
-def check_grains(*, grain: int, micro_batch_size: int, per_rank: int, dp: int, eval_micro_batch_size: int = 0) -> None:
-    """The layouts whose tree is the one tree: one line (ConfigError) for any other.
-    ``eval_micro_batch_size``: validation's micro-batch, run in grains too (0: not checked)."""
-    if grain <= 0:
-        raise ConfigError("run.bitwise = true needs run.bitwise_grain, the rows of each backward: set it to an int > 0")
-    if micro_batch_size % grain:
-        raise ConfigError(
-            f"run.bitwise_grain = {grain} must divide batch.micro_batch_size = {micro_batch_size}: set the micro-batch"
-            f" to a multiple of {grain} (or a smaller grain)"
-        )
-    if eval_micro_batch_size % grain:
-        raise ConfigError(
-            f"run.bitwise_grain = {grain} must divide eval.micro_batch_size = {eval_micro_batch_size} (validation runs"
-            f" in grains too): set it to a multiple of {grain}, or 0 (the training micro-batch)"
-        )
-    grains = per_rank // grain
-    if not _power_of_two(grains) or not _power_of_two(dp):
-        raise ConfigError(
-            f"run.bitwise sums the grains in one binary tree: the grains per rank ({per_rank} rows / run.bitwise_grain"
-            f" = {grains}) and the data-parallel ranks ({dp}) must be powers of two; change"
-            " batch.global_batch_size, run.bitwise_grain or the number of processes"
-        )
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def split_grains(batches: list[tuple], keys: list[torch.Tensor] | None, grain: int):
     """Each micro-batch ``(input, target)`` cut into grains of ``grain`` rows, in order, and
     their rows' keys (keyed dropout); ``(grain_batches, grain_keys or None)``."""

@@ -19,8 +19,13 @@ from paratrain.config import Config, ConfigError
 from paratrain.data.datasets import dataset_builder
 from paratrain.data.packing import IGNORE_INDEX
 from paratrain.data.tokens import resolve_model_vocab, resolve_packing, tokens_meta
-from paratrain.distributed.bitwise import check_grains
-from paratrain.distributed.layout_checks import check_compression, check_parallel_layout, check_pp_layout, check_untied
+from paratrain.distributed.layout_checks import (
+    check_compression,
+    check_grains,
+    check_parallel_layout,
+    check_pp_layout,
+    check_untied,
+)
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.models import build, resolve, spec_of
 from paratrain.models.hf import check_hf_moe_layout, hf_is_moe
