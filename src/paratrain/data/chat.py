@@ -73,15 +73,21 @@ def load_chat_tokenizer(path: str, chat_template: str = ""):
     if not getattr(tok, "is_fast", False):
         raise ConfigError(f"--tokenizer {path!r}: a fast tokenizer (tokenizer.json) is needed for the token offsets")
     if chat_template:
-        if not os.path.isfile(chat_template):
-            raise ConfigError(f"--chat-template {chat_template!r}: no such file; give a Jinja template file")
-        with open(chat_template) as f:
-            tok.chat_template = f.read()
+        tok.chat_template = read_chat_template(chat_template)
     if not tok.chat_template:
         raise ConfigError(
             f"--tokenizer {path!r} has no chat_template; pass --chat-template FILE (a Jinja chat template)"
         )
     return tok
+
+
+def read_chat_template(chat_template: str) -> str:
+    """The Jinja template in the file ``--chat-template`` names (the tokenizer's here, the
+    processor's in data/images.py load_processor)."""
+    if not os.path.isfile(chat_template):
+        raise ConfigError(f"--chat-template {chat_template!r}: no such file; give a Jinja template file")
+    with open(chat_template) as f:
+        return f.read()
 
 
 # tokenizer_config.json's names of transformers' generic tokenizers-library class (v5:

@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from paratrain.config import ConfigError
-from paratrain.data.chat import encode_conversation, row_key, row_messages
+from paratrain.data.chat import encode_conversation, read_chat_template, row_key, row_messages
 
 HF_PROCESSOR_DIR = "hf_processor"  # the model's processor, saved beside the shards
 
@@ -62,10 +62,7 @@ def load_processor(path: str, chat_template: str = ""):
             " vision-language model's directory"
         )
     if chat_template:
-        if not os.path.isfile(chat_template):
-            raise ConfigError(f"--chat-template {chat_template!r}: no such file; give a Jinja template file")
-        with open(chat_template) as f:
-            processor.chat_template = f.read()
+        processor.chat_template = read_chat_template(chat_template)
     if not processor.chat_template:
         raise ConfigError(f"--tokenizer {path!r}: its processor has no chat_template; pass --chat-template FILE")
     # The text path (data/chat.py) renders through the tokenizer: it takes the processor's template.

@@ -358,10 +358,6 @@ def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, m
     """Token and loss-mask arrays of one chunk of chat or prompt rows per split (data/chat.py);
     a row with no trainable token is skipped and counted, a longer one cut to ``max_length``."""
     tok, fmt, loss_on = _CHAT
-    out = {s: [] for s in SPLITS}
-    masks = {s: [] for s in SPLITS}
-    lengths = {s: [] for s in SPLITS}
-    skipped = truncated = text_bytes = 0
     conversations, bad_row = [], None
     for where, row in rows:
         try:
@@ -372,24 +368,13 @@ def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, m
     encoded = encode_conversations(tok, conversations, loss_on=loss_on)  # one tokenizer batch
     if bad_row is not None:
         raise bad_row
-    reasons: dict[str, int] = {}
-    for (where, row), (messages, _, _), (ids, mask) in zip(rows, conversations, encoded):
-        key = row_key(row)
-        text_bytes += len(key.encode("utf-8", errors="replace"))
-        cut = bool(max_length) and len(ids) > max_length
-        if cut:
-            ids, mask, truncated = ids[:max_length], mask[:max_length], truncated + 1
-        if not mask[1:].any():  # the first token is never a target: nothing precedes it
-            skipped += 1
-            reason = skip_reason(messages, cut=cut)
-            reasons[reason] = reasons.get(reason, 0) + 1
-            continue
-        split = split_of(key, val_fraction)
-        out[split].append(ids.astype(dtype))
-        masks[split].append(mask)
-        lengths[split].append(len(ids))
-    return _chunk_result(
-        out, masks, lengths, dtype, skipped=skipped, reasons=reasons, truncated=truncated, text_bytes=text_bytes
+    return _row_arrays(
+        rows,
+        [[doc] for doc in encoded],
+        val_fraction,
+        dtype,
+        max_length,
+        reason=lambda i, cut: skip_reason(conversations[i][0], cut=cut),
     )
 
 
@@ -419,25 +404,30 @@ def encode_pair_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: s
             conversations += [(prompt + chosen, len(prompt), where), (prompt + rejected, len(prompt), where)]
     encoded = iter(encode_conversations(tok, conversations, loss_on="assistant"))
     pairs = [p if p is not None else [next(encoded), next(encoded)] for p in pairs]
-    return _pair_arrays(rows, pairs, val_fraction, dtype, max_length)
+    return _row_arrays(rows, pairs, val_fraction, dtype, max_length)
 
 
-def _pair_arrays(rows: list[tuple[str, dict]], pairs: list, val_fraction: float, dtype: str, max_length: int) -> dict:
-    """The token and mask arrays of two documents per row; a row with a side left without a
-    target (an empty reply, or cut by ``max_length`` before it) is skipped and counted."""
+def _row_arrays(
+    rows: list[tuple[str, dict]], docs: list, val_fraction: float, dtype: str, max_length: int, reason=None
+) -> dict:
+    """The token and mask arrays of each row's documents (one: encode_rows, two: the preference
+    rows); a row with a document left without a target (an empty reply, or cut by ``max_length``
+    before it) is skipped and counted, under ``reason(row index, cut)`` (pairs: one reason)."""
     out = {s: [] for s in SPLITS}
     masks = {s: [] for s in SPLITS}
     lengths = {s: [] for s in SPLITS}
     skipped = truncated = text_bytes = 0
     reasons: dict[str, int] = {}
-    for (where, row), sides in zip(rows, pairs):
+    for i, ((where, row), sides) in enumerate(zip(rows, docs)):
         text_bytes += len(row_key(row).encode("utf-8", errors="replace"))
-        if max_length and any(len(ids) > max_length for ids, _ in sides):
+        cut = bool(max_length) and any(len(ids) > max_length for ids, _ in sides)
+        if cut:
             sides, truncated = [(ids[:max_length], mask[:max_length]) for ids, mask in sides], truncated + 1
+        # The first token is never a target: nothing precedes it.
         if not all(mask[1:].any() for _, mask in sides):
             skipped += 1
-            reason = "a reply without a target token (empty, or cut by --max-length)"
-            reasons[reason] = reasons.get(reason, 0) + 1
+            why = reason(i, cut) if reason else "a reply without a target token (empty, or cut by --max-length)"
+            reasons[why] = reasons.get(why, 0) + 1
             continue
         split = split_of(row_key(row), val_fraction)
         for ids, mask in sides:
@@ -472,12 +462,12 @@ def encode_unpaired_rows(rows: list[tuple[str, dict]], val_fraction: float, dtyp
     marked = []
     for (_, _, label), (real, kl) in zip(parsed, sides):
         marked.append([(real[0], real[1] * (1 if label else 2)), (kl[0], kl[1] * 3)])
-    return _pair_arrays(rows, marked, val_fraction, dtype, max_length)
+    return _row_arrays(rows, marked, val_fraction, dtype, max_length)
 
 
 def _chunk_result(out: dict, masks: dict, lengths: dict, dtype: str, **counts) -> dict:
     """One chunk's arrays per split and its counts (``skipped``, ``reasons``, ``truncated``,
-    ``text_bytes``), as ``prepare`` reads them (encode_rows, _pair_arrays)."""
+    ``text_bytes``), as ``prepare`` reads them (_row_arrays, for encode_rows and the preference rows)."""
     return {
         "tokens": {s: np.concatenate(v) if v else np.empty(0, dtype) for s, v in out.items()},
         "masks": {s: np.concatenate(v) if v else np.empty(0, np.uint8) for s, v in masks.items()},

@@ -6,15 +6,9 @@ import os
 
 import torch
 
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+# The tiny width and depth, shared with the tiny LLaVA's vision tower (testing/vlm_models.py).
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+COMMON = dict(TINY, vocab_size=128, num_key_value_heads=2, max_position_embeddings=64)
 # Qwen2.5-0.5B's shape (its config.json: 494M parameters, 136M of them the tied embedding), for
 # the GPU benchmarks, which build it with random weights (nothing is downloaded).
 QWEN2_05B = dict(

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from paratrain.testing.hf_models import COMMON, TINY  # the tiny causal LMs' shape
 from paratrain.testing.sft_data import save_chat_tokenizer  # the byte-level ChatML tokenizer
 
 IMAGE_TOKEN = "<image>"
@@ -41,26 +42,9 @@ def save_tiny_llava(path: str, *, seed: int = 0, weights: bool = True) -> str:
     save_chat_tokenizer(path, template=VISION_CHATML)
     tok = PreTrainedTokenizerFast.from_pretrained(path)
     tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    text = dict(
-        model_type="llama",
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    vision = dict(
-        model_type="clip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-        projection_dim=32,
-    )
+    # The text model is hf_models' tiny Llama with the image token added and room for the image's tokens.
+    text = dict(COMMON, model_type="llama", vocab_size=len(tok), max_position_embeddings=512)
+    vision = dict(TINY, model_type="clip_vision_model", image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
     config = LlavaConfig(
         text_config=text,
         vision_config=vision,
