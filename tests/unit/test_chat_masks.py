@@ -85,3 +85,15 @@ def test_a_batched_mask_that_disagrees_with_transformers_is_said_once(tmp_path, 
         assert [(i.tolist(), m.tolist()) for i, m in got] == [(i.tolist(), m.tolist()) for i, m in good]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "transformers' own masks" in lines[0], lines
+
+
+def test_chat_template_file_replaces_the_tokenizers_and_a_missing_one_is_one_line(tmp_path):
+    """--chat-template FILE (data/chat.py read_chat_template, also load_processor's)."""
+    from paratrain.config import ConfigError
+    from paratrain.data.chat import load_chat_tokenizer
+
+    tok_dir = save_chat_tokenizer(str(tmp_path / "tok"), template=CHATML)
+    (tmp_path / "plain.jinja").write_text(CHATML_PLAIN)
+    assert load_chat_tokenizer(tok_dir, str(tmp_path / "plain.jinja")).chat_template == CHATML_PLAIN
+    with pytest.raises(ConfigError, match="no such file; give a Jinja template file"):
+        load_chat_tokenizer(tok_dir, str(tmp_path / "missing.jinja"))
