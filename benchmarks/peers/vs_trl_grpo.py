@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 
-from paratrain.testing.paired import ratio_ci, summary_line
+from paratrain.testing.paired import summary_line
 from paratrain.testing.peers import (
     WARMUP,
     add_layout_args,
@@ -70,6 +70,7 @@ from paratrain.testing.peers import (
     trl_optim_kwargs,
     trl_run_kwargs,
     worker_layout,
+    write_trl_result,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -313,31 +314,7 @@ def main() -> None:
     print(summary_line("generation ratio paratrain/TRL", gen_ratios))
     if args.quick:
         return
-    import torch
-    import transformers
-    import trl
-
-    gmean, lo, hi = ratio_ci(got["ratio"])
-    with open(args.result_file, "w") as f:
-        json.dump(
-            {
-                "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]]),
-                "setup": setup,
-                "versions": {
-                    "torch": torch.__version__,
-                    "transformers": transformers.__version__,
-                    "trl": trl.__version__,
-                },
-                **got,
-                "medians": med,
-                "ratio_geometric_mean": gmean,
-                "ratio_ci95": [lo, hi],
-                "generation_ratios": gen_ratios,
-            },
-            f,
-            indent=1,
-        )
-    print(f"wrote {os.path.relpath(args.result_file, REPO)}")
+    write_trl_result(args.result_file, setup=setup, got=got, medians=med, generation_ratios=gen_ratios)
 
 
 if __name__ == "__main__":

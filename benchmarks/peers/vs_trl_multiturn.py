@@ -54,8 +54,8 @@ import sys
 import tempfile
 import time
 
-from paratrain.testing.paired import ratio_ci, summary_line
-from paratrain.testing.peers import WARMUP, check_trl_world, gather, peer_env, run, steady, step_timer
+from paratrain.testing.paired import summary_line
+from paratrain.testing.peers import WARMUP, check_trl_world, gather, peer_env, run, steady, step_timer, write_trl_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vs_trl_multiturn.json")
@@ -392,30 +392,7 @@ def main() -> None:
         }
     if args.quick:
         return
-    import torch
-    import transformers
-    import trl
-
-    gmean, lo, hi = ratio_ci(got["ratio"])
-    with open(args.result_file, "w") as f:
-        json.dump(
-            {
-                "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]]),
-                "setup": setup,
-                "versions": {
-                    "torch": torch.__version__,
-                    "transformers": transformers.__version__,
-                    "trl": trl.__version__,
-                },
-                **got,
-                "ratio_geometric_mean": gmean,
-                "ratio_ci95": [lo, hi],
-                "layouts": moved,
-            },
-            f,
-            indent=1,
-        )
-    print(f"wrote {os.path.relpath(args.result_file, REPO)}")
+    write_trl_result(args.result_file, setup=setup, got=got, layouts=moved)
 
 
 if __name__ == "__main__":

@@ -347,3 +347,30 @@ def write_result(result_path: str, args, paths: dict, setup: str, got: dict) -> 
     with open(result_path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {os.path.relpath(result_path, REPO)}")
+
+
+def write_trl_result(path: str, *, setup: dict, got: dict, **extra) -> None:
+    """A TRL comparison's result file: the command, setup, versions, the runs and the paired
+    ratio's geometric mean and 95% CI (benchmarks/peers/vs_trl_*.py)."""
+    import torch  # the peers' packages: imported when a result is written, not by the launcher
+    import transformers
+    import trl
+
+    gmean, lo, hi = ratio_ci(got["ratio"])
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}
+    command = " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]])
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "command": command,
+                "setup": setup,
+                "versions": versions,
+                **got,
+                **extra,
+                "ratio_geometric_mean": gmean,
+                "ratio_ci95": [lo, hi],
+            },
+            f,
+            indent=1,
+        )
+    print(f"wrote {os.path.relpath(path, REPO)}")
