@@ -265,8 +265,17 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MESSAGE",
         help="one user turn through the run's chat template; prints the reply (instead of --prompt)",
     )
+    p.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="with --chat, an image shown before the message (repeatable; an image-text run)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample at most (default %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default %(default)s)")
+    p.add_argument(
+        "--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy (default %(default)s)"
+    )
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default %(default)s)")
 
@@ -275,8 +284,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.generate import chat_turn, generate_text  # lazy: see the module docstring
 
     options = {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_k", "seed")}
+    if args.image and args.chat is None:
+        raise ConfigError("generate --image goes with --chat MESSAGE (the question about the image)")
     if args.chat is not None:
-        reply, note = chat_turn(args.out_dir, args.chat, **options)
+        reply, note = chat_turn(args.out_dir, args.chat, images=args.image, **options)
         print(reply)
         if note:  # on stderr: stdout stays the reply alone
             print(note, file=sys.stderr)

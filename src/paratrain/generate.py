@@ -10,6 +10,11 @@ A ``model.hf`` run samples with transformers' own ``generate`` and a transformer
 chat corpus's, else the model.hf directory's): full fine-tuning from ``out_dir/hf``, a LoRA run
 from its ``model.safetensors`` loaded into the transformers model with PEFT's adapters injected
 as training had them (``load_hf_run``).
+
+An image-text run (docs/vision-language.md) answers ``--chat MESSAGE --image PATH`` (repeatable):
+the user turn is the images then the text, rendered by the run's processor (its chat template,
+its image processor, the image tokens expanded) and decoded by transformers' ``generate`` of the
+family's own class (``load_vision_run``); ``--temperature 0`` decodes greedily.
 """
 
 from __future__ import annotations
@@ -94,10 +99,26 @@ def chat_reply(
 
 
 def chat_turn(
-    out_dir: str, message: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+    out_dir: str,
+    message: str,
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+    images: list[str] | None = None,
 ) -> tuple[str, str | None]:
-    """:func:`chat_reply`, and a note when the reply is empty (:func:`empty_reply_note`), else None."""
+    """:func:`chat_reply`, and a note when the reply is empty (:func:`empty_reply_note`), else None.
+    ``images``: image files shown before the message (an image-text run only)."""
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
     hf = _is_hf_run(out_dir)
+    if hf and _is_vision_run(out_dir, _run_config(out_dir)):
+        return image_chat_turn(out_dir, message, images or [], **options)
+    if images:
+        raise ConfigError(
+            f"generate --image: the run {out_dir!r} trained a text-only model; drop --image, or pass the run of an"
+            " image-text model.hf (docs/vision-language.md)"
+        )
     model, cfg = (None, _run_config(out_dir)) if hf else _load_run(out_dir)
     tok = _hf_tokenizer(out_dir, cfg, chat=True)
     ids = tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True)
@@ -141,6 +162,102 @@ def _run_config(out_dir: str):
     return load_config(path)
 
 
+def read_images(paths: list[str]) -> list:
+    """The RGB images of ``--image`` paths; a missing or unreadable one is one line naming it."""
+    from PIL import Image  # with the image extra (transformers' image processors read PIL images)
+
+    out = []
+    for path in paths:
+        try:
+            with Image.open(path) as img:
+                out.append(img.convert("RGB"))
+        except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
+            raise ConfigError(
+                f"generate --image {path}: missing or unreadable ({type(e).__name__}); pass an image file (PNG, JPEG)"
+            ) from None
+    return out
+
+
+def image_chat_turn(
+    out_dir: str, message: str, images: list[str], *, max_new_tokens: int, temperature: float, top_k: int, seed: int
+) -> tuple[str, str | None]:
+    """One reply of an image-text run to ``images`` then ``message`` (one user turn): the run's
+    processor renders it as prepare rendered the training rows (chat template, image tokens
+    expanded), transformers' ``generate`` decodes it."""
+    pictures = read_images(images)  # before the model loads: a bad path costs nothing
+    cfg = _run_config(out_dir)
+    processor = _hf_processor(out_dir, cfg)
+    content = [*({"type": "image"} for _ in pictures), {"type": "text", "text": message}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], images=pictures or None, return_tensors="pt")
+    tok = processor.tokenizer
+    ids = enc.pop("input_ids")
+    enc.pop("attention_mask", None)
+    opts = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    out = _sample_hf(load_vision_run(out_dir, cfg), tok, ids, **opts, **enc)
+    reply = out[0, ids.shape[1] :].tolist()
+    if tok.eos_token_id in reply:
+        reply = reply[: reply.index(tok.eos_token_id)]
+    text = tok.decode(reply, skip_special_tokens=True)
+    return text, empty_reply_note(text, reply, eos=tok.eos_token)
+
+
+def _is_vision_run(out_dir: str, cfg) -> bool:
+    from paratrain.models.hf.vision import is_vision_dir  # reads config.json only
+
+    return is_vision_dir(cfg.model.hf) or is_vision_dir(os.path.join(out_dir, "hf"))
+
+
+def _hf_processor(out_dir: str, cfg):
+    """The processor the run's corpus was prepared with (``hf_processor/`` beside its shards), else
+    model.hf's, else the one ``out_dir/hf`` was written with."""
+    from transformers import AutoProcessor  # an optional extra: paratrain[hf]
+
+    meta = tokens_meta(cfg.data) or {}
+    saved = (meta.get("images") or {}).get("processor")
+    paths = [os.path.join(meta["path"], saved)] if saved else []
+    for path in [*paths, cfg.model.hf, os.path.join(out_dir, "hf")]:
+        if path and os.path.isfile(os.path.join(path, "processor_config.json")):
+            return AutoProcessor.from_pretrained(path)
+    raise ConfigError(
+        f"generate: the image-text run {out_dir!r} has no processor (processor_config.json) in its corpus,"
+        f" model.hf {cfg.model.hf!r} or hf/; add the model's processor files to model.hf"
+    )
+
+
+def load_vision_run(out_dir: str, cfg) -> torch.nn.Module:
+    """The trained transformers image-text model of a run (``load_hf_run`` for its family's class):
+    full fine-tuning from ``out_dir/hf``; a LoRA run from ``model.safetensors`` into the model with
+    PEFT's adapters injected where training put them (models/hf/vision.py)."""
+    from transformers import AutoModelForImageTextToText  # an optional extra: paratrain[hf]
+
+    # Beside transformers: these modules need the optional extra too, only for model.hf runs.
+    from paratrain.models.hf.model import load_hf_config
+    from paratrain.models.hf.vision import HFVisionLM, image_text_model_from_config, lora_keep_out
+    from paratrain.models.hf.weights import quiet_progress  # transformers too (the same extra)
+
+    if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):
+        with quiet_progress():
+            return AutoModelForImageTextToText.from_pretrained(os.path.join(out_dir, "hf")).eval()
+    weights = _final_weights(out_dir)
+    hf_model = image_text_model_from_config(load_hf_config(cfg.model.hf, cfg.model.args))
+    if cfg.model.lora.enabled:
+        apply_lora(hf_model, cfg.model.lora, keep_out=lora_keep_out(cfg.model, hf_model.config))
+    HFVisionLM(hf_model).load_state_dict(load_file(weights))
+    hf_model.config.use_cache = True
+    return hf_model.eval()
+
+
+def _final_weights(out_dir: str) -> str:
+    weights = os.path.join(out_dir, "model.safetensors")
+    if not os.path.isfile(weights):
+        raise ConfigError(
+            f"'{weights}' not found; the run {out_dir!r} saved no final weights (run.save_model = false, or it"
+            " did not finish): train it to the end, or export a checkpoint with paratrain export"
+        )
+    return weights
+
+
 def _is_hf_run(out_dir: str) -> bool:
     """A model.hf run: its transformers directory (full fine-tuning) or its config says so (LoRA)."""
     if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):
@@ -161,23 +278,14 @@ def load_hf_run(out_dir: str, cfg) -> torch.nn.Module:
 
     # Beside transformers: these modules need the optional extra too, only for model.hf runs.
     from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
-    from paratrain.models.hf.vision import is_vision_dir  # reads config.json only
     from paratrain.models.hf.weights import quiet_progress  # transformers too (the same extra)
 
-    if is_vision_dir(cfg.model.hf) or is_vision_dir(os.path.join(out_dir, "hf")):
-        raise ConfigError(
-            f"{out_dir!r} is an image-text run: generate has no --image yet (issue 57's next slice); load"
-            f" {os.path.join(out_dir, 'hf')} with transformers' AutoModelForImageTextToText and its processor"
-        )
+    if _is_vision_run(out_dir, cfg):  # its family's own class, the processor's rendering
+        return load_vision_run(out_dir, cfg)
     if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):
         with quiet_progress():
             return AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf")).eval()
-    weights = os.path.join(out_dir, "model.safetensors")
-    if not os.path.isfile(weights):
-        raise ConfigError(
-            f"'{weights}' not found; the run {out_dir!r} saved no final weights (run.save_model = false, or it"
-            " did not finish): train it to the end, or export a checkpoint with paratrain export"
-        )
+    weights = _final_weights(out_dir)
     hf_model = causal_lm_from_config(load_hf_config(cfg.model.hf, cfg.model.args))
     if cfg.model.lora.enabled:
         apply_lora(hf_model, cfg.model.lora)
@@ -186,20 +294,22 @@ def load_hf_run(out_dir: str, cfg) -> torch.nn.Module:
     return hf_model.eval()
 
 
-def _sample_hf(model, tok, ids, *, max_new_tokens: int, temperature: float, top_k: int, seed: int):
+def _sample_hf(model, tok, ids, *, max_new_tokens: int, temperature: float, top_k: int, seed: int, **inputs):
+    """transformers' generate from ``ids`` (and ``inputs``: an image-text model's pixel values);
+    ``temperature`` 0: greedy."""
     torch.manual_seed(seed)
     # Token 0 is a real token in many vocabularies: pad with the tokenizer's own pad (or end) token.
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k) if temperature > 0 else dict(do_sample=False)
     with torch.no_grad():
         return model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
-            do_sample=True,
-            temperature=temperature,
-            top_k=top_k,
             eos_token_id=tok.eos_token_id,
             pad_token_id=pad,
+            **sampling,
+            **inputs,
         )
 
 

@@ -85,16 +85,18 @@ def _target_modules(targets: list | str) -> list | str:
     return r"(?:.*\.)?(?:" + "|".join(parts) + ")"
 
 
-def peft_lora_config(cfg: LoraConfig, *, exclude: tuple[str, ...] = ()):
+def peft_lora_config(cfg: LoraConfig, *, exclude: tuple[str, ...] = (), keep_out: str | None = None):
     """The ``peft.LoraConfig`` of ``[model.lora]``; ``exclude``: module names 'all-linear' leaves
-    out (the output layer of a model PEFT does not know as a transformers model)."""
+    out (the output layer of a model PEFT does not know as a transformers model); ``keep_out``: a
+    regular expression of module names that get no adapter whatever target_modules says (a frozen
+    vision tower, models/hf/vision.py lora_keep_out)."""
     peft = import_peft()
     return peft.LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=_target_modules(cfg.target_modules),
-        exclude_modules=list(exclude) if exclude and cfg.target_modules == "all-linear" else None,
+        exclude_modules=keep_out or (list(exclude) if exclude and cfg.target_modules == "all-linear" else None),
         modules_to_save=list(cfg.modules_to_save) or None,
         bias="none",
     )
@@ -109,20 +111,22 @@ def _linear_names(model: nn.Module, limit: int = 8) -> str:
     return ", ".join(names[:limit]) or "none"
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, *, exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def apply_lora(
+    model: nn.Module, cfg: LoraConfig, *, exclude: tuple[str, ...] = (), keep_out: str | None = None
+) -> dict[str, torch.Tensor]:
     """Inject PEFT's LoRA adapters into ``model`` in place and freeze everything else.
 
     Returns the adapters' initial values by parameter name when ``model`` is on the meta device
     (the caller's loader copies them in after the parallelisms), else {} (PEFT initialised them).
     """
     peft = import_peft()
-    config = peft_lora_config(cfg, exclude=exclude)
+    config = peft_lora_config(cfg, exclude=exclude, keep_out=keep_out)
     fake = any(is_fake(p) for p in model.parameters())
     try:
         with _adapters_stay_where_made() if fake else contextlib.nullcontext():
             peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:
-        if "not found in the base model" in str(e) or "No modules were targeted" in str(e):
+        if any(m in str(e) for m in ("not found in the base model", "No modules were targeted", "All modules were excluded")):
             raise ConfigError(
                 f"model.lora.target_modules = {cfg.target_modules!r} matches no layer of the model; its linear"
                 f" layers are named {_linear_names(model)}"

@@ -29,6 +29,13 @@ from paratrain.config import ConfigError, LoraConfig, ModelConfig
 from paratrain.models import build
 from paratrain.models.hf import HFCausalLM
 from paratrain.models.hf.model import causal_lm_from_config, load_hf_config
+from paratrain.models.hf.vision import (
+    HFVisionLM,
+    copy_processor,
+    image_text_model_from_config,
+    is_vision_dir,
+    lora_keep_out,
+)
 from paratrain.models.hf.weights import file_tensors, save_hf, weight_files
 from paratrain.models.lora import (
     ADAPTER,
@@ -42,13 +49,22 @@ from paratrain.models.lora import (
 PEFT_PREFIX = "base_model.model."  # a PeftModel's name for the model it wraps
 
 
+def hf_model_of(model_cfg: ModelConfig):
+    """(model.hf's transformers model on meta, paratrain name -> its name, the builder of its class):
+    an image-text model (models/hf/vision.py) or a causal LM."""
+    vision = is_vision_dir(model_cfg.hf)
+    make = image_text_model_from_config if vision else causal_lm_from_config
+    with torch.device("meta"):
+        hf_model = make(load_hf_config(model_cfg.hf, model_cfg.args))
+        names = (HFVisionLM if vision else HFCausalLM)(hf_model)
+    return hf_model, names.hf_name, make
+
+
 def _base_on_meta(model_cfg: ModelConfig):
     """(the base model PEFT wraps, on meta; paratrain name -> its name; 'all-linear' exclusions)."""
     if model_cfg.hf:
-        with torch.device("meta"):
-            hf_model = causal_lm_from_config(load_hf_config(model_cfg.hf, model_cfg.args))
-            names = HFCausalLM(hf_model)
-        return hf_model, names.hf_name, ()
+        hf_model, hf_name, _ = hf_model_of(model_cfg)
+        return hf_model, hf_name, ()
     with torch.device("meta"):
         model, spec = build(dataclasses.replace(model_cfg, lora=LoraConfig()))
     return model, (lambda n: n), (spec.head_attr,) if spec.head_attr else ()
@@ -72,7 +88,10 @@ def peft_model_of(model_cfg: ModelConfig, adapters: dict[str, torch.Tensor], *, 
             )
     with warnings.catch_warnings():  # transformers 5 deprecates a name PEFT still reads: not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        peft_model = peft.get_peft_model(base, peft_lora_config(model_cfg.lora, exclude=exclude), adapter_name=ADAPTER)
+        # An image-text model: the adapters where training put them (model.vision, models/hf/vision.py).
+        keep_out = lora_keep_out(model_cfg, base.config) if model_cfg.hf else None
+        config = peft_lora_config(model_cfg.lora, exclude=exclude, keep_out=keep_out)
+        peft_model = peft.get_peft_model(base, config, adapter_name=ADAPTER)
     sd = {PEFT_PREFIX + name_of(k): v for k, v in adapters.items()}
     expected = {n for n, p in peft_model.named_parameters() if p.requires_grad}
     if set(sd) != expected:  # the checkpoint's adapters are not this config's: say which
@@ -123,7 +142,9 @@ def export_peft(
         # What PEFT writes for a transformers causal LM, so that AutoPeftModelForCausalLM.from_pretrained(DIR)
         # finds its class and its base: the task, and the base directory as an absolute path (the config's
         # may be relative to wherever training ran).
-        config.task_type = "CAUSAL_LM"
+        # An image-text model has no PEFT task of its own: PeftModel.from_pretrained onto
+        # AutoModelForImageTextToText (docs/vision-language.md).
+        config.task_type = None if is_vision_dir(model_cfg.hf) else "CAUSAL_LM"
         config.base_model_name_or_path = base_path = peft_base_path(model_cfg, out_dir, base_weights)
     config.inference_mode = True
     config.save_pretrained(out_dir)
@@ -147,22 +168,15 @@ def peft_base_path(model_cfg: ModelConfig, out_dir: str, base_weights: dict[str,
     if base_weights is None or weight_files(hf):
         return os.path.abspath(hf)
     base_dir = os.path.join(out_dir, BASE_DIR)
-    save_hf(
-        hf_base_weights(model_cfg, base_weights),
-        config=load_hf_config(hf, model_cfg.args),
-        out_dir=base_dir,
-        source_dir=hf,
-        hf_name=lambda n: n,
-    )
+    _save_transformers(hf_base_weights(model_cfg, base_weights), model_cfg=model_cfg, out_dir=base_dir)
     return os.path.abspath(base_dir)
 
 
 def hf_base_weights(model_cfg: ModelConfig, base_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A LoRA run's frozen weights (paratrain's names, PEFT's ``base_layer`` inside) under the
     transformers model's own names."""
-    with torch.device("meta"):
-        names = HFCausalLM(causal_lm_from_config(load_hf_config(model_cfg.hf, model_cfg.args)))
-    return {names.hf_name(adapter_base_name(k)): v for k, v in base_weights.items()}
+    hf_name = hf_model_of(model_cfg)[1]
+    return {hf_name(adapter_base_name(k)): v for k, v in base_weights.items()}
 
 
 @torch.no_grad()
@@ -210,11 +224,20 @@ def _merge_and_save(adapters, hf_base: dict, *, model_cfg: ModelConfig, out_dir:
             f"PEFT did not take the adapters: missing {lost[:3]}, unexpected {result.unexpected_keys[:3]}"
         )
     merged = peft_model.merge_and_unload()
+    _save_transformers(merged.state_dict(), model_cfg=model_cfg, out_dir=out_dir)
+    return merged
+
+
+def _save_transformers(state_dict: dict, *, model_cfg: ModelConfig, out_dir: str) -> None:
+    """Weights under transformers' names as model.hf's class saves them; an image-text model with
+    its processor's files (as export --hf writes it)."""
     save_hf(
-        merged.state_dict(),
+        state_dict,
         config=load_hf_config(model_cfg.hf, model_cfg.args),
         out_dir=out_dir,
         source_dir=model_cfg.hf,
         hf_name=lambda n: n,
+        from_config=hf_model_of(model_cfg)[2] if is_vision_dir(model_cfg.hf) else None,
     )
-    return merged
+    if is_vision_dir(model_cfg.hf):
+        copy_processor(model_cfg.hf, out_dir)

@@ -430,13 +430,6 @@ VISION_REFUSALS = (
         )
     ),
     _vision_refusal(
-        "lora",
-        lambda c, d: c.model.lora.enabled,
-        "model.lora",
-        "remove [model.lora] (model.vision = 'freeze' freezes the vision tower)",
-        "PEFT's adapters are not placed on the vision tower and decoder of this wrapper",
-    ),
-    _vision_refusal(
         "packing documents",
         lambda c, d: c.data.args.get("packing") == "documents",
         "data.args.packing = 'documents'",

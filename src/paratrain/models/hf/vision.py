@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import CONFIG_FILE, HFCausalLM, load_hf_config
+from paratrain.models.lora import apply_lora
 
 # The families whose forward this wrapper reproduces: (vision tower, projector) attribute names
 # of their inner model, and the get_image_features arguments their config holds.
@@ -164,12 +165,28 @@ def copy_processor(source_dir: str, out_dir: str) -> None:
             shutil.copy(src, out_dir)
 
 
+def lora_keep_out(cfg: ModelConfig, config) -> str | None:
+    """PEFT's ``exclude_modules`` (a regular expression of module names) for LoRA on an image-text
+    model: ``model.vision = 'freeze'`` keeps adapters out of the vision tower and projector;
+    ``'train'`` lets target_modules match them as PEFT's ``get_peft_model`` does on the whole
+    model (CLIP's attention is q_proj/k_proj/v_proj too). docs/vision-language.md."""
+    if cfg.vision != "freeze":
+        return None
+    family = FAMILIES.get(config.model_type, ())
+    return r"(?:.*\.)?(?:" + "|".join(family) + r")(?:\..*)?" if family else None
+
+
 def build_vision(cfg: ModelConfig) -> HFVisionLM:
     """The wrapper of ``model.hf``'s image-text model; ``model.vision = 'freeze'`` freezes its
-    vision tower and projector (their parameters keep requires_grad False: no gradient, no update)."""
+    vision tower and projector (their parameters keep requires_grad False: no gradient, no update).
+    ``[model.lora]``: PEFT's adapters on the transformers model before the wrapper takes its
+    modules, as for a causal LM (models/hf/__init__.py build_hf)."""
     if cfg.vision not in VISION_MODES:
         raise ConfigError(f"model.vision = {cfg.vision!r} is unknown; use one of {', '.join(VISION_MODES)}")
-    model = HFVisionLM(image_text_model_from_config(load_hf_config(cfg.hf, cfg.args)))
+    hf_model = image_text_model_from_config(load_hf_config(cfg.hf, cfg.args))
+    built = apply_lora(hf_model, cfg.lora, keep_out=lora_keep_out(cfg, hf_model.config)) if cfg.lora.enabled else {}
+    model = HFVisionLM(hf_model)
+    model.built_tensors = {**model.built_tensors, **built}  # a meta model's adapters, by checkpoint name
     if cfg.vision == "freeze":
         model.vision_tower.requires_grad_(False)
         model.multi_modal_projector.requires_grad_(False)
