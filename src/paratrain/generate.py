@@ -188,7 +188,9 @@ def image_chat_turn(
     cfg = _run_config(out_dir)
     processor = _hf_processor(out_dir, cfg)
     content = [*({"type": "image"} for _ in pictures), {"type": "text", "text": message}]
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     enc = processor(text=[text], images=pictures or None, return_tensors="pt")
     tok = processor.tokenizer
     ids = enc.pop("input_ids")
@@ -233,7 +235,11 @@ def load_vision_run(out_dir: str, cfg) -> torch.nn.Module:
 
     # Beside transformers: these modules need the optional extra too, only for model.hf runs.
     from paratrain.models.hf.model import load_hf_config
-    from paratrain.models.hf.vision import HFVisionLM, image_text_model_from_config, lora_keep_out
+    from paratrain.models.hf.vision import (  # transformers too (the same extra)
+        HFVisionLM,
+        image_text_model_from_config,
+        lora_keep_out,
+    )
     from paratrain.models.hf.weights import quiet_progress  # transformers too (the same extra)
 
     if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):

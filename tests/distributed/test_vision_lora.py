@@ -31,7 +31,7 @@ pytest.importorskip("PIL")
 
 # Adapters on q_proj and v_proj: the Llama decoder's and, with model.vision = 'train', CLIP's.
 LORA = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=['q_proj', 'v_proj']"]
-SGD = [*plain_sgd(0.5), "run.progress=false", "metrics.plot=false"]
+SGD = [*plain_sgd(0.5), "run.progress=false", "metrics.plot=false", "run.probe=false"]
 QUESTION = "What colour is the square?"
 
 
@@ -107,12 +107,12 @@ def peft_reference(vlm: dict, adapters: dict[str, torch.Tensor]) -> tuple[float,
     return float(loss.detach()), float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
 
 
-def test_lora_vlm_equals_peft_and_its_exports_answer_images_as_the_run(vlm, tmp_path, capsys):
-    """Step 1 of the LoRA run equals PEFT on transformers' model; ``generate --image`` (greedy)
-    answers token for token as transformers' generate of ``export --peft`` (PeftModel onto
-    AutoModelForImageTextToText) and of ``export --hf --merge``, whose logits equal paratrain's
-    forward of the run (1e-5, merged 1e-4). model.vision = 'freeze' keeps adapters out of the
-    vision tower. Bad --image input is one line, exit 2."""
+def test_lora_vlm_exports_answer_images_as_the_run(vlm, tmp_path, capsys):
+    """``generate --image`` (greedy) of a LoRA run answers token for token as transformers'
+    generate of ``export --peft`` (PeftModel onto AutoModelForImageTextToText) and of ``export
+    --hf --merge``, whose logits equal paratrain's forward of the run (1e-5, merged 1e-4).
+    model.vision = 'freeze' keeps adapters out of the vision tower. Bad --image input is one
+    line, exit 2."""
     from peft import PeftModel
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -120,17 +120,7 @@ def test_lora_vlm_equals_peft_and_its_exports_answer_images_as_the_run(vlm, tmp_
     from paratrain.data.image_rows import ImageTextBatch
 
     cfg = load_config(None, config(vlm, "one"))
-    torch.manual_seed(cfg.run.seed)  # paratrain's initial adapters, as build_run makes them
-    model, spec = build(cfg.model)
-    spec.materialize(model, device=torch.device("cpu"))
-    adapters = {model.hf_name(n): p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    assert any(n.startswith("model.vision_tower.") for n in adapters)
-    ref_loss, ref_norm = peft_reference(vlm, adapters)
-    first = read_metrics(cfg.run.out_dir)[0]
-    torch.testing.assert_close(first["loss"], ref_loss, rtol=1e-5, atol=0)
-    torch.testing.assert_close(first["grad_norm"], ref_norm, rtol=1e-5, atol=0)
-
-    frozen, _ = build(load_config(None, config(vlm, "x", "model.vision='freeze'")).model)
+    frozen, spec = build(load_config(None, config(vlm, "x", "model.vision='freeze'")).model)
     names = [n for n, p in frozen.named_parameters() if p.requires_grad]
     assert names and not [n for n in names if n.startswith(("vision_tower.", "multi_modal_projector."))]
 
@@ -180,9 +170,22 @@ def test_lora_vlm_equals_peft_and_its_exports_answer_images_as_the_run(vlm, tmp_
 
 
 @pytest.mark.slow
-def test_ddp_with_accumulation_gives_the_one_process_lora_losses(vlm):
-    """DDP over 2 ranks, one row per micro-batch (6 accumulation steps; text rows leave the vision
-    adapters out of their graph), against the one-process run: plain SGD, loss 1e-5, grad_norm 1e-4."""
+def test_lora_vlm_equals_peft_and_ddp_with_accumulation_equals_one_process(vlm):
+    """Step 1 of the one-process LoRA run (every conversation) equals PEFT's get_peft_model on
+    transformers' LLaVA (loss and grad_norm 1e-5); DDP over 2 ranks, one row per micro-batch (6
+    accumulation steps; text rows leave the vision adapters out of their graph), gives its
+    losses (1e-5) and grad_norm (1e-4) under plain SGD."""
+    cfg = load_config(None, config(vlm, "one"))
+    torch.manual_seed(cfg.run.seed)  # paratrain's initial adapters, as build_run makes them
+    model, spec = build(cfg.model)
+    spec.materialize(model, device=torch.device("cpu"))
+    adapters = {model.hf_name(n): p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    assert any(n.startswith("model.vision_tower.") for n in adapters)  # CLIP's q_proj/v_proj adapted too
+    ref_loss, ref_norm = peft_reference(vlm, adapters)
+    first = read_metrics(cfg.run.out_dir)[0]
+    torch.testing.assert_close(first["loss"], ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(first["grad_norm"], ref_norm, rtol=1e-5, atol=0)
+
     ddp = ["parallel.dp_replicate=2", "batch.micro_batch_size=1", "run.save_model=false"]
     run_ranks(train_rank, 2, config(vlm, "ddp", *ddp))
     one, got = (read_metrics(os.path.join(vlm["root"], n)) for n in ("one", "ddp"))

@@ -126,10 +126,18 @@ def apply_lora(
         with _adapters_stay_where_made() if fake else contextlib.nullcontext():
             peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:
-        if any(m in str(e) for m in ("not found in the base model", "No modules were targeted", "All modules were excluded")):
+        if any(
+            m in str(e)
+            for m in ("not found in the base model", "No modules were targeted", "All modules were excluded")
+        ):
             raise ConfigError(
                 f"model.lora.target_modules = {cfg.target_modules!r} matches no layer of the model; its linear"
                 f" layers are named {_linear_names(model)}"
+                + (
+                    " (model.vision = 'freeze' keeps adapters out of the vision tower and projector)"
+                    if keep_out
+                    else ""
+                )
             ) from None
         raise
     for wanted in cfg.modules_to_save:
