@@ -45,7 +45,7 @@ def vlm(tmp_path_factory):
     data = write_jsonl(str(root / "rows.jsonl"), rows)
     prepare([data], out_dir=str(root / "train"), tokenizer=model, fmt="chat", val_fraction=0, progress=False)
     vlm = {"root": str(root), "model": model, "rows": rows}
-    paratrain.train(load_config(None, config(vlm, "one")))
+    paratrain.train(load_config(None, config(vlm, "one", "checkpoint.at_end=true")))
     return vlm
 
 
@@ -109,8 +109,8 @@ def peft_reference(vlm: dict, adapters: dict[str, torch.Tensor]) -> tuple[float,
 
 def test_lora_vlm_exports_answer_images_as_the_run(vlm, tmp_path, capsys):
     """``generate --image`` (greedy) of a LoRA run answers token for token as transformers'
-    generate of ``export --peft`` (PeftModel onto AutoModelForImageTextToText) and of ``export
-    --hf --merge``, whose logits equal paratrain's forward of the run (1e-5, merged 1e-4).
+    generate of ``export --peft`` of the run (PeftModel onto AutoModelForImageTextToText) and of
+    ``export --hf --merge`` of its last checkpoint, whose logits equal paratrain's forward of the run (1e-5, merged 1e-4).
     model.vision = 'freeze' keeps adapters out of the vision tower. Bad --image input is one
     line, exit 2."""
     from peft import PeftModel
@@ -130,7 +130,8 @@ def test_lora_vlm_exports_answer_images_as_the_run(vlm, tmp_path, capsys):
     assert cli_main(["generate", run, "--chat", QUESTION, "--image", image, *greedy]) == 0
     reply = capsys.readouterr().out.removesuffix("\n")
     assert cli_main(["export", run, "--peft", str(tmp_path / "peft")]) == 0
-    assert cli_main(["export", run, "--hf", str(tmp_path / "merged"), "--merge"]) == 0
+    # The checkpoint holds the adapters alone: merged into model.hf's files (LLaVA's older names).
+    assert cli_main(["export", f"{run}/checkpoints/step-2", "--hf", str(tmp_path / "merged"), "--merge"]) == 0
 
     processor = AutoProcessor.from_pretrained(str(tmp_path / "merged"))  # the processor travels with it
     content = [{"type": "image"}, {"type": "text", "text": QUESTION}]

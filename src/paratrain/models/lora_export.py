@@ -36,7 +36,7 @@ from paratrain.models.hf.vision import (
     is_vision_dir,
     lora_keep_out,
 )
-from paratrain.models.hf.weights import file_tensors, save_hf, weight_files
+from paratrain.models.hf.weights import file_tensors, quiet_progress, save_hf, weight_files
 from paratrain.models.lora import (
     ADAPTER,
     adapter_base_name,
@@ -208,7 +208,17 @@ def export_merged(
             f" (sha256 {here} here, {base.get('sha256')} in the checkpoint's manifest);"
             " restore that base or export the adapters with --peft DIR"
         )
-    return _merge_and_save(adapters, dict(file_tensors(files)), model_cfg=model_cfg, out_dir=out_dir)
+    hf_base = _renamed_by_transformers(model_cfg) if is_vision_dir(model_cfg.hf) else dict(file_tensors(files))
+    return _merge_and_save(adapters, hf_base, model_cfg=model_cfg, out_dir=out_dir)
+
+
+def _renamed_by_transformers(model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """model.hf's weights under its model's own names: an image-text checkpoint may hold older
+    names (transformers 5 saves LLaVA as ``language_model.model.*``), which its from_pretrained renames."""
+    from transformers import AutoModelForImageTextToText  # an optional extra: paratrain[hf]
+
+    with quiet_progress():
+        return AutoModelForImageTextToText.from_pretrained(model_cfg.hf).state_dict()
 
 
 def _merge_and_save(adapters, hf_base: dict, *, model_cfg: ModelConfig, out_dir: str) -> nn.Module:
