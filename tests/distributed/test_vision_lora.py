@@ -11,6 +11,7 @@ accumulation against one process (slow tier).
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,9 +19,10 @@ from safetensors.torch import load_file
 
 import paratrain
 from paratrain.cli import main as cli_main
-from paratrain.config import load_config, to_toml
+from paratrain.config import ConfigError, load_config, to_toml
 from paratrain.data.prepare import prepare
 from paratrain.models import build
+from paratrain.preflight.support import check_support
 from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
 from paratrain.testing.sft_data import write_jsonl
 from paratrain.testing.vlm_models import colour_rows, save_tiny_llava
@@ -123,6 +125,12 @@ def test_lora_vlm_exports_answer_images_as_the_run(vlm, tmp_path, capsys):
     frozen, spec = build(load_config(None, config(vlm, "x", "model.vision='freeze'")).model)
     names = [n for n, p in frozen.named_parameters() if p.requires_grad]
     assert names and not [n for n in names if n.startswith(("vision_tower.", "multi_modal_projector."))]
+    # LoRA dropout: keyed by a row's tokens, so in the decoder only (the tower's rows are images).
+    dims = SimpleNamespace(pp=1, tp=1, cp=1, ep=1, dp_shard=1, dp_replicate=1, fsdp_enabled=False)
+    check_support(load_config(None, config(vlm, "x", "model.lora.dropout=0.1", "model.vision='freeze'")), dims)
+    with pytest.raises(ConfigError, match=r"model.lora.dropout > 0 with adapters in the vision tower") as e:
+        check_support(load_config(None, config(vlm, "x", "model.lora.dropout=0.1")), dims)
+    assert "\n" not in str(e.value)
 
     run, image = cfg.run.out_dir, os.path.join(vlm["root"], "images", "0.png")
     capsys.readouterr()

@@ -430,6 +430,13 @@ VISION_REFUSALS = (
         )
     ),
     _vision_refusal(
+        "lora dropout in the vision tower",
+        lambda c, d: c.model.lora.enabled and c.model.lora.dropout > 0 and c.model.vision != "freeze",
+        "model.lora.dropout > 0 with adapters in the vision tower (model.vision = 'train')",
+        "set model.vision = 'freeze' (adapters in the decoder only) or model.lora.dropout = 0",
+        "the keyed dropout masks follow a row's tokens, and the tower's rows are images",
+    ),
+    _vision_refusal(
         "packing documents",
         lambda c, d: c.data.args.get("packing") == "documents",
         "data.args.packing = 'documents'",
