@@ -172,8 +172,8 @@ def lora_keep_out(cfg: ModelConfig, config) -> str | None:
     model (CLIP's attention is q_proj/k_proj/v_proj too). docs/vision-language.md."""
     if cfg.vision != "freeze":
         return None
-    family = FAMILIES.get(config.model_type, ())
-    return r"(?:.*\.)?(?:" + "|".join(family) + r")(?:\..*)?" if family else None
+    tower_and_projector = FAMILIES.get(config.model_type, ())[:2]
+    return r"(?:.*\.)?(?:" + "|".join(tower_and_projector) + r")(?:\..*)?" if tower_and_projector else None
 
 
 def build_vision(cfg: ModelConfig) -> HFVisionLM:
