@@ -1,5 +1,5 @@
-"""Image-text fine-tuning (docs/vision-language.md, issue 57's first slice): TRL's vision
-conversations prepared with the model's own processor, a tiny LLaVA trained through model.hf.
+"""Image-text fine-tuning (docs/vision-language.md, issue 57): TRL's vision conversations
+prepared with the model's own processor, a tiny LLaVA and a tiny Qwen2-VL trained through model.hf.
 
 The reference is code we did not write: plain transformers' ``LlavaForConditionalGeneration`` on
 **each conversation alone**, its processor's own rendering and image-token expansion, its own
@@ -24,7 +24,7 @@ from paratrain.launch.eval_worker import eval_checkpoint
 from paratrain.preflight.support import check_support, refuse_image_estimate
 from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
 from paratrain.testing.sft_data import write_jsonl
-from paratrain.testing.vlm_models import colour_rows, save_tiny_llava
+from paratrain.testing.vlm_models import colour_rows, save_tiny_llava, save_tiny_qwen2vl
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -46,14 +46,44 @@ def vlm(tmp_path_factory):
     return {"root": str(root), "model": model, "rows": rows, "data": data, "train": train, "val": val}
 
 
-def reference(vlm: dict) -> tuple[float, int, float, float]:
-    """(mean loss, target tokens, gradient norm) of plain transformers over each conversation alone,
-    and the mean loss of the same logits with the labels one token late (the fault the test must see)."""
-    from PIL import Image
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """A tiny Qwen2-VL with its processor, 12 rows whose images are 56x56 or 56x84 after its
+    resize (4 or 6 image tokens: variable patches), one corpus with every row in train and val."""
+    root = tmp_path_factory.mktemp("qwen2vl")
+    model = save_tiny_qwen2vl(str(root / "qwen"))
+    rows = colour_rows(str(root), 12, wide=True)
+    data = write_jsonl(str(root / "rows.jsonl"), rows)
+    corpus = str(root / "corpus")
+    prepare([data], out_dir=corpus, tokenizer=model, fmt="chat", val_fraction=0, progress=False)
+    prepare([data], out_dir=str(root / "val"), tokenizer=model, fmt="chat", val_fraction=1, progress=False)
+    return {"root": str(root), "model": model, "rows": rows, "train": corpus, "val": str(root / "val")}
 
-    processor = AutoProcessor.from_pretrained(vlm["model"])
-    model = LlavaForConditionalGeneration.from_pretrained(vlm["model"], attn_implementation="sdpa")
+
+def load_processor(path: str):
+    """transformers' own processor of ``path``; Qwen2-VL's without its video processor, which
+    needs torchvision (not importable here): the same class, its own __call__ and expansion."""
+    from transformers import AutoConfig, AutoProcessor, Qwen2VLProcessor
+
+    if AutoConfig.from_pretrained(path).model_type != "qwen2_vl":
+        return AutoProcessor.from_pretrained(path)
+
+    class ImagesOnly(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return ImagesOnly.from_pretrained(path)
+
+
+def reference(vlm: dict, *, mrope: bool = True) -> tuple[float, int, float, float]:
+    """(mean loss, target tokens, gradient norm) of plain transformers over each conversation alone,
+    and the mean loss of the same logits with the labels one token late (the fault the test must see).
+    ``mrope=False``: Qwen2-VL given plain 1-D positions (another fault the test must see)."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    processor = load_processor(vlm["model"])
+    model = AutoModelForImageTextToText.from_pretrained(vlm["model"], attn_implementation="sdpa")
     tok = processor.tokenizer
     start = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -74,6 +104,8 @@ def reference(vlm: dict) -> tuple[float, int, float, float]:
                     j += 1
         labels = torch.tensor([labels])
         n = int((labels[0, 1:] != -100).sum())  # transformers shifts the labels inside
+        if not mrope:
+            enc["position_ids"] = torch.arange(len(ids)).unsqueeze(0)
         out = model(**enc, labels=labels)
         loss = out.loss * n
         late += float(
@@ -232,3 +264,20 @@ def test_verify_compares_a_parameter_left_at_zero_by_symmetry_as_zero():
 
     assert rel_diff(torch.full((32,), 3e-15), torch.full((32,), -2e-15)) < 1e-6
     assert rel_diff(torch.full((4,), 1.1), torch.ones(4)) == pytest.approx(0.1)
+
+
+def test_qwen2vl_val_loss_step_and_gradient_equal_transformers(qwen):
+    """The second family against plain transformers: variable patches (each image's grid travels
+    with its row) and multimodal rotary positions (the family's own get_rope_index over the
+    micro-batch) give each conversation's own loss; 1-D positions would not (the reference
+    without M-RoPE is 0.3% off: the anchor sees a lost M-RoPE)."""
+    ref_loss, ref_items, ref_norm, _ = reference(qwen)
+    result = eval_checkpoint(load_config(None, config(qwen, qwen["val"], "eval", "batch.global_batch_size=4")), "")
+    assert result["val_items"] == ref_items
+    torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
+    paratrain.train(load_config(None, config(qwen, qwen["train"], "one", "batch.global_batch_size=12", "run.steps=1")))
+    one = read_metrics(os.path.join(qwen["root"], "one"))
+    torch.testing.assert_close(one[0]["loss"], ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(one[0]["grad_norm"], ref_norm, rtol=1e-5, atol=0)
+    flat = reference(qwen, mrope=False)[0]
+    assert abs(flat - ref_loss) / ref_loss > 1e-3  # the anchor can fail: without M-RoPE it is another loss
