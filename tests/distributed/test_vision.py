@@ -75,10 +75,10 @@ def load_processor(path: str):
     return ImagesOnly.from_pretrained(path)
 
 
-def reference(vlm: dict, *, mrope: bool = True) -> tuple[float, int, float, float]:
+def reference(vlm: dict, *, flat: bool = False) -> tuple[float, int, float, float, float]:
     """(mean loss, target tokens, gradient norm) of plain transformers over each conversation alone,
-    and the mean loss of the same logits with the labels one token late (the fault the test must see).
-    ``mrope=False``: Qwen2-VL given plain 1-D positions (another fault the test must see)."""
+    the mean loss of the same logits with the labels one token late (the fault the test must see),
+    and with ``flat`` the mean loss of Qwen2-VL given 1-D positions, no M-RoPE (another fault)."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
@@ -87,7 +87,7 @@ def reference(vlm: dict, *, mrope: bool = True) -> tuple[float, int, float, floa
     tok = processor.tokenizer
     start = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    losses, total, count, late = [], 0.0, 0, 0.0
+    losses, total, count, late, flat_total = [], 0.0, 0, 0.0, 0.0
     for row in vlm["rows"]:
         images = [Image.open(os.path.join(vlm["root"], p)).convert("RGB") for p in row.get("images", [])]
         text = processor.apply_chat_template(row["messages"], tokenize=False)
@@ -104,9 +104,10 @@ def reference(vlm: dict, *, mrope: bool = True) -> tuple[float, int, float, floa
                     j += 1
         labels = torch.tensor([labels])
         n = int((labels[0, 1:] != -100).sum())  # transformers shifts the labels inside
-        if not mrope:
-            enc["position_ids"] = torch.arange(len(ids)).unsqueeze(0)
         out = model(**enc, labels=labels)
+        if flat:
+            with torch.no_grad():
+                flat_total += float(model(**enc, labels=labels, position_ids=torch.arange(len(ids))[None]).loss) * n
         loss = out.loss * n
         late += float(
             torch.nn.functional.cross_entropy(
@@ -117,7 +118,7 @@ def reference(vlm: dict, *, mrope: bool = True) -> tuple[float, int, float, floa
         total, count = total + float(loss.detach()), count + n
     (torch.stack(losses).sum() / count).backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-    return total / count, count, float(norm), late / count
+    return total / count, count, float(norm), late / count, flat_total / count
 
 
 def config(vlm: dict, corpus: str, name: str, *extra: str) -> list[str]:
@@ -135,7 +136,7 @@ def test_val_loss_step_and_gradient_equal_transformers_and_two_ranks_with_accumu
     """The anchor, then the layouts: one process with the whole batch in one micro-batch, and DDP
     over 2 ranks with one row per micro-batch (6 accumulation steps): the rows' images travel
     with them, and the loss is over the global batch's target tokens whatever the split."""
-    ref_loss, ref_items, ref_norm, late = reference(vlm)
+    ref_loss, ref_items, ref_norm, late, _ = reference(vlm)
     result = eval_checkpoint(load_config(None, config(vlm, vlm["val"], "eval", "batch.global_batch_size=4")), "")
     assert result["val_items"] == ref_items
     torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
@@ -271,7 +272,7 @@ def test_qwen2vl_val_loss_step_and_gradient_equal_transformers(qwen):
     with its row) and multimodal rotary positions (the family's own get_rope_index over the
     micro-batch) give each conversation's own loss; 1-D positions would not (the reference
     without M-RoPE is 0.3% off: the anchor sees a lost M-RoPE)."""
-    ref_loss, ref_items, ref_norm, _ = reference(qwen)
+    ref_loss, ref_items, ref_norm, _, flat = reference(qwen, flat=True)
     result = eval_checkpoint(load_config(None, config(qwen, qwen["val"], "eval", "batch.global_batch_size=4")), "")
     assert result["val_items"] == ref_items
     torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
@@ -279,5 +280,19 @@ def test_qwen2vl_val_loss_step_and_gradient_equal_transformers(qwen):
     one = read_metrics(os.path.join(qwen["root"], "one"))
     torch.testing.assert_close(one[0]["loss"], ref_loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(one[0]["grad_norm"], ref_norm, rtol=1e-5, atol=0)
-    flat = reference(qwen, mrope=False)[0]
     assert abs(flat - ref_loss) / ref_loss > 1e-3  # the anchor can fail: without M-RoPE it is another loss
+
+
+@pytest.mark.slow
+def test_qwen2vl_ddp_with_accumulation_and_fsdp2_give_the_one_process_losses(qwen):
+    """DDP over 2 ranks with one row per micro-batch (3 accumulation steps: each micro-batch's
+    patches and grids are its own row's) and FSDP2 over 2 ranks, against one process."""
+    steps = ["batch.global_batch_size=6", "run.steps=2"]
+    paratrain.train(load_config(None, config(qwen, qwen["train"], "one_gb6", *steps)))
+    one = read_metrics(os.path.join(qwen["root"], "one_gb6"))
+    for name, layout in (("ddp", "parallel.dp_replicate=2"), ("fsdp", "parallel.dp_shard=2")):
+        run_ranks(train_rank, 2, config(qwen, qwen["train"], name, *steps, layout, "batch.micro_batch_size=1"))
+        got = read_metrics(os.path.join(qwen["root"], name))
+        assert [r["accum_steps"] for r in got] == [3, 3]
+        torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in one], rtol=1e-5, atol=0)
+        torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in one], rtol=1e-4, atol=0)
