@@ -272,6 +272,21 @@ def test_qwen2vl_val_loss_step_and_gradient_equal_transformers(qwen):
     with its row) and multimodal rotary positions (the family's own get_rope_index over the
     micro-batch) give each conversation's own loss; 1-D positions would not (the reference
     without M-RoPE is 0.3% off: the anchor sees a lost M-RoPE)."""
+    from paratrain.data.tokens import build_tokens, read_meta
+    from paratrain.models.hf.vision import check_family
+
+    ds = build_tokens(qwen["train"], block_size=128)
+    batch, _ = ds.collate([ds[i] for i in range(len(ds))])
+    pad = read_meta(qwen["train"])["images"]["token_id"]  # <|image_pad|>
+    grid, image = batch.image_grid_thw, (batch.input_ids == pad).sum(-1)
+    assert sorted({int(n) for n in grid.prod(-1)}) == [16, 24]  # 56x56 and 56x84 images: variable patches
+    assert (
+        batch.pixel_values.shape[0] == int(grid.prod(-1).sum()) and int(image.sum()) * 4 == batch.pixel_values.shape[0]
+    )
+    half = batch.select_rows(0, 5)  # the layout probe's split keeps each row's patches and grids
+    assert half.pixel_values.shape[0] == int(half.image_grid_thw.prod(-1).sum()) == 4 * int(image[:5].sum())
+    with pytest.raises(ConfigError, match="the image-text model type 'qwen2_5_vl' is not supported yet"):
+        check_family(SimpleNamespace(model_type="qwen2_5_vl"))
     ref_loss, ref_items, ref_norm, _, flat = reference(qwen, flat=True)
     result = eval_checkpoint(load_config(None, config(qwen, qwen["val"], "eval", "batch.global_batch_size=4")), "")
     assert result["val_items"] == ref_items
