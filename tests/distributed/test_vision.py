@@ -63,12 +63,16 @@ def qwen(tmp_path_factory):
 def load_processor(path: str):
     """transformers' own processor of ``path``; Qwen2-VL's without its video processor, which
     needs torchvision (not importable here): the same class, its own __call__ and expansion."""
-    from transformers import AutoConfig, AutoProcessor, Qwen2VLProcessor
+    import transformers
+    from transformers import AutoConfig, AutoProcessor
 
-    if AutoConfig.from_pretrained(path).model_type != "qwen2_vl":
+    family = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(
+        AutoConfig.from_pretrained(path).model_type
+    )
+    if family is None:
         return AutoProcessor.from_pretrained(path)
 
-    class ImagesOnly(Qwen2VLProcessor):
+    class ImagesOnly(getattr(transformers, family)):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
@@ -285,8 +289,8 @@ def test_qwen2vl_val_loss_step_and_gradient_equal_transformers(qwen):
     )
     half = batch.select_rows(0, 5)  # the layout probe's split keeps each row's patches and grids
     assert half.pixel_values.shape[0] == int(half.image_grid_thw.prod(-1).sum()) == 4 * int(image[:5].sum())
-    with pytest.raises(ConfigError, match="the image-text model type 'qwen2_5_vl' is not supported yet"):
-        check_family(SimpleNamespace(model_type="qwen2_5_vl"))
+    with pytest.raises(ConfigError, match="the image-text model type 'idefics3' is not supported yet"):
+        check_family(SimpleNamespace(model_type="idefics3"))
     ref_loss, ref_items, ref_norm, _, flat = reference(qwen, flat=True)
     result = eval_checkpoint(load_config(None, config(qwen, qwen["val"], "eval", "batch.global_batch_size=4")), "")
     assert result["val_items"] == ref_items
@@ -311,3 +315,21 @@ def test_qwen2vl_ddp_with_accumulation_and_fsdp2_give_the_one_process_losses(qwe
         assert [r["accum_steps"] for r in got] == [3, 3]
         torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in one], rtol=1e-5, atol=0)
         torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in one], rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_qwen2_5_vl_val_loss_equals_transformers(tmp_path):
+    """Qwen2.5-VL (a windowed vision tower) through the same wrapper: the validation loss of
+    plain transformers' Qwen2_5_VLForConditionalGeneration on each conversation alone."""
+    model = save_tiny_qwen2vl(str(tmp_path / "qwen25"), version="2.5")
+    rows = colour_rows(str(tmp_path), 6, wide=True)
+    data = write_jsonl(str(tmp_path / "rows.jsonl"), rows)
+    prepare([data], out_dir=str(tmp_path / "val"), tokenizer=model, fmt="chat", val_fraction=1, progress=False)
+    q25 = {"root": str(tmp_path), "model": model, "rows": rows}
+    ref_loss, ref_items, _, _, flat = reference(q25, flat=True)
+    result = eval_checkpoint(
+        load_config(None, config(q25, str(tmp_path / "val"), "eval", "batch.global_batch_size=2")), ""
+    )
+    assert result["val_items"] == ref_items
+    torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
+    assert abs(flat - ref_loss) / ref_loss > 1e-4  # without M-RoPE: another loss (8.8e-4 off)

@@ -82,14 +82,18 @@ def save_tiny_llava(path: str, *, seed: int = 0, weights: bool = True) -> str:
     return path
 
 
-def save_tiny_qwen2vl(path: str, *, seed: int = 0) -> str:
+def save_tiny_qwen2vl(path: str, *, seed: int = 0, version: str = "2") -> str:
     """A tiny Qwen2-VL (model and processor) in ``path``: hf_models' tiny decoder shape (head
     dim 8, M-RoPE sections 2+1+1 of its 4 frequencies), a 2-block vision tower, and
-    Qwen2-VL's image processor (the Pil one: no torchvision here) bounded to 56x56..56x112."""
+    Qwen2-VL's image processor (the Pil one: no torchvision here) bounded to 56x56..56x112.
+    ``version="2.5"``: Qwen2.5-VL (a windowed vision tower, its second block full attention)."""
     import json
 
-    from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    import transformers
+    from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    family = {"2": "Qwen2VL", "2.5": "Qwen2_5_VL"}[version]
 
     save_chat_tokenizer(path, template=QWEN_CHATML)
     tok = PreTrainedTokenizerFast.from_pretrained(path)
@@ -102,7 +106,10 @@ def save_tiny_qwen2vl(path: str, *, seed: int = 0) -> str:
     # loss without M-RoPE was 2.4e-7 relative from the loss with it, under any test's tolerance).
     text.update(bos_token_id=None, eos_token_id=tok.eos_token_id, initializer_range=0.2)
     vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=PATCH)
-    config = Qwen2VLConfig(
+    if version == "2.5":
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=4, patch_size=PATCH)
+        vision.update(window_size=56, fullatt_block_indexes=[1])
+    config = getattr(transformers, f"{family}Config")(
         text_config=text,
         vision_config=dict(vision, spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=ids["<|image_pad|>"],
@@ -111,14 +118,14 @@ def save_tiny_qwen2vl(path: str, *, seed: int = 0) -> str:
         vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(seed)
-    Qwen2VLForConditionalGeneration(config).save_pretrained(path)
+    getattr(transformers, f"{family}ForConditionalGeneration")(config).save_pretrained(path)
     size = {"shortest_edge": 56 * 56, "longest_edge": 56 * 112}  # pixels: 4 to 8 image tokens
     Qwen2VLImageProcessorPil(size=size, patch_size=PATCH, merge_size=2, temporal_patch_size=2).save_pretrained(path)
     # Written by hand: transformers' Qwen2VLProcessor cannot be built here (its video processor
     # needs torchvision); these files are what its save_pretrained writes, so AutoProcessor loads
     # them where torchvision is installed, and data/images.py loads them without videos here.
     with open(os.path.join(path, "processor_config.json"), "w") as f:
-        json.dump({"processor_class": "Qwen2VLProcessor"}, f)
+        json.dump({"processor_class": f"{family}Processor"}, f)
     with open(os.path.join(path, "chat_template.jinja"), "w") as f:
         f.write(QWEN_CHATML)
     return path

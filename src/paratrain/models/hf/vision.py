@@ -12,7 +12,8 @@ text. ``model.vision = "freeze"`` leaves the vision tower and projector out of t
 Families: LLaVA (a fixed number of image tokens per image, 1-D positions) and Qwen2-VL
 (variable patches: the batch's ``image_grid_thw`` says how many patch rows of ``pixel_values`` each
 image has; its vision tower holds its projector, the merger; and multimodal rotary positions,
-which the family's own ``get_rope_index`` computes from the ids and grids of the micro-batch).
+which the family's own ``get_rope_index`` computes from the ids and grids of the micro-batch);
+Qwen2.5-VL (``qwen2_5_vl``) is laid out the same.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ from paratrain.models.hf.model import CONFIG_FILE, HFCausalLM, load_hf_config
 
 # The families whose forward this wrapper reproduces: (vision tower, projector) attribute names
 # of their inner model (Qwen2-VL's projector, its merger, is inside its vision tower).
-FAMILIES = {"llava": ("vision_tower", "multi_modal_projector"), "qwen2_vl": ("visual", None)}
+FAMILIES = {
+    "llava": ("vision_tower", "multi_modal_projector"),
+    "qwen2_vl": ("visual", None),
+    "qwen2_5_vl": ("visual", None),
+}
 VISION_MODES = ("train", "freeze")
 
 
