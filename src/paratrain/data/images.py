@@ -80,15 +80,19 @@ _IMAGE_ONLY = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
 
 def _image_only(path: str):
     """The family's processor class without its video processor, for a directory whose
-    processor_config.json names one of _IMAGE_ONLY; None for any other (AutoProcessor loads it)."""
+    processor_config.json (or, in older checkpoints, preprocessor_config.json) names one of
+    _IMAGE_ONLY; None for any other (AutoProcessor loads it)."""
     import json
 
-    try:
-        with open(os.path.join(path, "processor_config.json")) as f:
-            name = json.load(f).get("processor_class")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if name not in _IMAGE_ONLY:
+    names = []
+    for file in ("processor_config.json", "preprocessor_config.json"):
+        try:
+            with open(os.path.join(path, file)) as f:
+                names.append(json.load(f).get("processor_class"))
+        except (OSError, ValueError, AttributeError):
+            pass
+    name = next((n for n in names if n in _IMAGE_ONLY), None)
+    if name is None:
         return None
     import transformers
 
