@@ -48,11 +48,12 @@ def vlm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    """A tiny Qwen2-VL with its processor, 12 rows whose images are 56x56 or 56x84 after its
-    resize (4 or 6 image tokens: variable patches), one corpus with every row in train and val."""
+    """A tiny Qwen2-VL with its processor, 8 rows (one or two images, or none) whose images are
+    56x56 or 56x84 after its resize (4 or 6 image tokens: variable patches); two corpora, every
+    row in train, every row in val."""
     root = tmp_path_factory.mktemp("qwen2vl")
     model = save_tiny_qwen2vl(str(root / "qwen"))
-    rows = colour_rows(str(root), 12, wide=True)
+    rows = colour_rows(str(root), 8, wide=True)
     data = write_jsonl(str(root / "rows.jsonl"), rows)
     corpus = str(root / "corpus")
     prepare([data], out_dir=corpus, tokenizer=model, fmt="chat", val_fraction=0, progress=False)
@@ -275,7 +276,7 @@ def test_qwen2vl_val_loss_step_and_gradient_equal_transformers(qwen):
     """The second family against plain transformers: variable patches (each image's grid travels
     with its row) and multimodal rotary positions (the family's own get_rope_index over the
     micro-batch) give each conversation's own loss; 1-D positions would not (the reference
-    without M-RoPE is 0.3% off: the anchor sees a lost M-RoPE)."""
+    without M-RoPE is 8e-4 off: the anchor sees a lost M-RoPE)."""
     from paratrain.data.tokens import build_tokens, read_meta
     from paratrain.models.hf.vision import check_family
 
@@ -287,32 +288,32 @@ def test_qwen2vl_val_loss_step_and_gradient_equal_transformers(qwen):
     assert (
         batch.pixel_values.shape[0] == int(grid.prod(-1).sum()) and int(image.sum()) * 4 == batch.pixel_values.shape[0]
     )
-    half = batch.select_rows(0, 5)  # the layout probe's split keeps each row's patches and grids
-    assert half.pixel_values.shape[0] == int(half.image_grid_thw.prod(-1).sum()) == 4 * int(image[:5].sum())
+    half = batch.select_rows(0, 3)  # the layout probe's split keeps each row's patches and grids
+    assert half.pixel_values.shape[0] == int(half.image_grid_thw.prod(-1).sum()) == 4 * int(image[:3].sum())
     with pytest.raises(ConfigError, match="the image-text model type 'idefics3' is not supported yet"):
         check_family(SimpleNamespace(model_type="idefics3"))
     ref_loss, ref_items, ref_norm, _, flat = reference(qwen, flat=True)
     result = eval_checkpoint(load_config(None, config(qwen, qwen["val"], "eval", "batch.global_batch_size=4")), "")
     assert result["val_items"] == ref_items
     torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
-    paratrain.train(load_config(None, config(qwen, qwen["train"], "one", "batch.global_batch_size=12", "run.steps=1")))
+    paratrain.train(load_config(None, config(qwen, qwen["train"], "one", "batch.global_batch_size=8", "run.steps=1")))
     one = read_metrics(os.path.join(qwen["root"], "one"))
     torch.testing.assert_close(one[0]["loss"], ref_loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(one[0]["grad_norm"], ref_norm, rtol=1e-5, atol=0)
-    assert abs(flat - ref_loss) / ref_loss > 1e-3  # the anchor can fail: without M-RoPE it is another loss
+    assert abs(flat - ref_loss) / ref_loss > 1e-4  # the anchor can fail: without M-RoPE it is another loss
 
 
 @pytest.mark.slow
 def test_qwen2vl_ddp_with_accumulation_and_fsdp2_give_the_one_process_losses(qwen):
-    """DDP over 2 ranks with one row per micro-batch (3 accumulation steps: each micro-batch's
+    """DDP over 2 ranks with one row per micro-batch (2 accumulation steps: each micro-batch's
     patches and grids are its own row's) and FSDP2 over 2 ranks, against one process."""
-    steps = ["batch.global_batch_size=6", "run.steps=2"]
-    paratrain.train(load_config(None, config(qwen, qwen["train"], "one_gb6", *steps)))
-    one = read_metrics(os.path.join(qwen["root"], "one_gb6"))
+    steps = ["batch.global_batch_size=4", "run.steps=2"]
+    paratrain.train(load_config(None, config(qwen, qwen["train"], "one_gb4", *steps)))
+    one = read_metrics(os.path.join(qwen["root"], "one_gb4"))
     for name, layout in (("ddp", "parallel.dp_replicate=2"), ("fsdp", "parallel.dp_shard=2")):
         run_ranks(train_rank, 2, config(qwen, qwen["train"], name, *steps, layout, "batch.micro_batch_size=1"))
         got = read_metrics(os.path.join(qwen["root"], name))
-        assert [r["accum_steps"] for r in got] == [3, 3]
+        assert [r["accum_steps"] for r in got] == [2, 2]
         torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in one], rtol=1e-5, atol=0)
         torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in one], rtol=1e-4, atol=0)
 
