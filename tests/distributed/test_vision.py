@@ -1,5 +1,5 @@
-"""Image-text fine-tuning (docs/vision-language.md, issue 57's first slice): TRL's vision
-conversations prepared with the model's own processor, a tiny LLaVA trained through model.hf.
+"""Image-text fine-tuning (docs/vision-language.md, issue 57): TRL's vision conversations
+prepared with the model's own processor, a tiny LLaVA and a tiny Qwen2-VL trained through model.hf.
 
 The reference is code we did not write: plain transformers' ``LlavaForConditionalGeneration`` on
 **each conversation alone**, its processor's own rendering and image-token expansion, its own
@@ -24,7 +24,7 @@ from paratrain.launch.eval_worker import eval_checkpoint
 from paratrain.preflight.support import check_support, refuse_image_estimate
 from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
 from paratrain.testing.sft_data import write_jsonl
-from paratrain.testing.vlm_models import colour_rows, save_tiny_llava
+from paratrain.testing.vlm_models import colour_rows, save_tiny_llava, save_tiny_qwen2vl
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -46,18 +46,53 @@ def vlm(tmp_path_factory):
     return {"root": str(root), "model": model, "rows": rows, "data": data, "train": train, "val": val}
 
 
-def reference(vlm: dict) -> tuple[float, int, float, float]:
-    """(mean loss, target tokens, gradient norm) of plain transformers over each conversation alone,
-    and the mean loss of the same logits with the labels one token late (the fault the test must see)."""
-    from PIL import Image
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """A tiny Qwen2-VL with its processor, 8 rows (one or two images, or none) whose images are
+    56x56 or 56x84 after its resize (4 or 6 image tokens: variable patches); two corpora, every
+    row in train, every row in val."""
+    root = tmp_path_factory.mktemp("qwen2vl")
+    model = save_tiny_qwen2vl(str(root / "qwen"))
+    rows = colour_rows(str(root), 8, wide=True)
+    data = write_jsonl(str(root / "rows.jsonl"), rows)
+    corpus = str(root / "corpus")
+    prepare([data], out_dir=corpus, tokenizer=model, fmt="chat", val_fraction=0, progress=False)
+    prepare([data], out_dir=str(root / "val"), tokenizer=model, fmt="chat", val_fraction=1, progress=False)
+    return {"root": str(root), "model": model, "rows": rows, "train": corpus, "val": str(root / "val")}
 
-    processor = AutoProcessor.from_pretrained(vlm["model"])
-    model = LlavaForConditionalGeneration.from_pretrained(vlm["model"], attn_implementation="sdpa")
+
+def load_processor(path: str):
+    """transformers' own processor of ``path``; Qwen2-VL's without its video processor, which
+    needs torchvision (not importable here): the same class, its own __call__ and expansion."""
+    import transformers
+    from transformers import AutoConfig, AutoProcessor
+
+    family = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(
+        AutoConfig.from_pretrained(path).model_type
+    )
+    if family is None:
+        return AutoProcessor.from_pretrained(path)
+
+    class ImagesOnly(getattr(transformers, family)):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return ImagesOnly.from_pretrained(path)
+
+
+def reference(vlm: dict, *, flat: bool = False) -> tuple[float, int, float, float, float]:
+    """(mean loss, target tokens, gradient norm) of plain transformers over each conversation alone,
+    the mean loss of the same logits with the labels one token late (the fault the test must see),
+    and with ``flat`` the mean loss of Qwen2-VL given 1-D positions, no M-RoPE (another fault)."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    processor = load_processor(vlm["model"])
+    model = AutoModelForImageTextToText.from_pretrained(vlm["model"], attn_implementation="sdpa")
     tok = processor.tokenizer
     start = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    losses, total, count, late = [], 0.0, 0, 0.0
+    losses, total, count, late, flat_total = [], 0.0, 0, 0.0, 0.0
     for row in vlm["rows"]:
         images = [Image.open(os.path.join(vlm["root"], p)).convert("RGB") for p in row.get("images", [])]
         text = processor.apply_chat_template(row["messages"], tokenize=False)
@@ -75,6 +110,9 @@ def reference(vlm: dict) -> tuple[float, int, float, float]:
         labels = torch.tensor([labels])
         n = int((labels[0, 1:] != -100).sum())  # transformers shifts the labels inside
         out = model(**enc, labels=labels)
+        if flat:
+            with torch.no_grad():
+                flat_total += float(model(**enc, labels=labels, position_ids=torch.arange(len(ids))[None]).loss) * n
         loss = out.loss * n
         late += float(
             torch.nn.functional.cross_entropy(
@@ -85,7 +123,7 @@ def reference(vlm: dict) -> tuple[float, int, float, float]:
         total, count = total + float(loss.detach()), count + n
     (torch.stack(losses).sum() / count).backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-    return total / count, count, float(norm), late / count
+    return total / count, count, float(norm), late / count, flat_total / count
 
 
 def config(vlm: dict, corpus: str, name: str, *extra: str) -> list[str]:
@@ -103,7 +141,7 @@ def test_val_loss_step_and_gradient_equal_transformers_and_two_ranks_with_accumu
     """The anchor, then the layouts: one process with the whole batch in one micro-batch, and DDP
     over 2 ranks with one row per micro-batch (6 accumulation steps): the rows' images travel
     with them, and the loss is over the global batch's target tokens whatever the split."""
-    ref_loss, ref_items, ref_norm, late = reference(vlm)
+    ref_loss, ref_items, ref_norm, late, _ = reference(vlm)
     result = eval_checkpoint(load_config(None, config(vlm, vlm["val"], "eval", "batch.global_batch_size=4")), "")
     assert result["val_items"] == ref_items
     torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
@@ -231,3 +269,67 @@ def test_verify_compares_a_parameter_left_at_zero_by_symmetry_as_zero():
 
     assert rel_diff(torch.full((32,), 3e-15), torch.full((32,), -2e-15)) < 1e-6
     assert rel_diff(torch.full((4,), 1.1), torch.ones(4)) == pytest.approx(0.1)
+
+
+def test_qwen2vl_val_loss_step_and_gradient_equal_transformers(qwen):
+    """The second family against plain transformers: variable patches (each image's grid travels
+    with its row) and multimodal rotary positions (the family's own get_rope_index over the
+    micro-batch) give each conversation's own loss; 1-D positions would not (the reference
+    without M-RoPE is 8e-4 off: the anchor sees a lost M-RoPE)."""
+    from paratrain.data.tokens import build_tokens, read_meta
+    from paratrain.models.hf.vision import check_family
+
+    ds = build_tokens(qwen["train"], block_size=128)
+    batch, _ = ds.collate([ds[i] for i in range(len(ds))])
+    pad = read_meta(qwen["train"])["images"]["token_id"]  # <|image_pad|>
+    grid, image = batch.image_grid_thw, (batch.input_ids == pad).sum(-1)
+    assert sorted({int(n) for n in grid.prod(-1)}) == [16, 24]  # 56x56 and 56x84 images: variable patches
+    assert (
+        batch.pixel_values.shape[0] == int(grid.prod(-1).sum()) and int(image.sum()) * 4 == batch.pixel_values.shape[0]
+    )
+    half = batch.select_rows(0, 3)  # the layout probe's split keeps each row's patches and grids
+    assert half.pixel_values.shape[0] == int(half.image_grid_thw.prod(-1).sum()) == 4 * int(image[:3].sum())
+    with pytest.raises(ConfigError, match="the image-text model type 'idefics3' is not supported yet"):
+        check_family(SimpleNamespace(model_type="idefics3"))
+    ref_loss, ref_items, ref_norm, _, flat = reference(qwen, flat=True)
+    result = eval_checkpoint(load_config(None, config(qwen, qwen["val"], "eval", "batch.global_batch_size=4")), "")
+    assert result["val_items"] == ref_items
+    torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
+    paratrain.train(load_config(None, config(qwen, qwen["train"], "one", "batch.global_batch_size=8", "run.steps=1")))
+    one = read_metrics(os.path.join(qwen["root"], "one"))
+    torch.testing.assert_close(one[0]["loss"], ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(one[0]["grad_norm"], ref_norm, rtol=1e-5, atol=0)
+    assert abs(flat - ref_loss) / ref_loss > 1e-4  # the anchor can fail: without M-RoPE it is another loss
+
+
+@pytest.mark.slow
+def test_qwen2vl_ddp_with_accumulation_and_fsdp2_give_the_one_process_losses(qwen):
+    """DDP over 2 ranks with one row per micro-batch (2 accumulation steps: each micro-batch's
+    patches and grids are its own row's) and FSDP2 over 2 ranks, against one process."""
+    steps = ["batch.global_batch_size=4", "run.steps=2"]
+    paratrain.train(load_config(None, config(qwen, qwen["train"], "one_gb4", *steps)))
+    one = read_metrics(os.path.join(qwen["root"], "one_gb4"))
+    for name, layout in (("ddp", "parallel.dp_replicate=2"), ("fsdp", "parallel.dp_shard=2")):
+        run_ranks(train_rank, 2, config(qwen, qwen["train"], name, *steps, layout, "batch.micro_batch_size=1"))
+        got = read_metrics(os.path.join(qwen["root"], name))
+        assert [r["accum_steps"] for r in got] == [2, 2]
+        torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in one], rtol=1e-5, atol=0)
+        torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in one], rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_qwen2_5_vl_val_loss_equals_transformers(tmp_path):
+    """Qwen2.5-VL (a windowed vision tower) through the same wrapper: the validation loss of
+    plain transformers' Qwen2_5_VLForConditionalGeneration on each conversation alone."""
+    model = save_tiny_qwen2vl(str(tmp_path / "qwen25"), version="2.5")
+    rows = colour_rows(str(tmp_path), 6, wide=True)
+    data = write_jsonl(str(tmp_path / "rows.jsonl"), rows)
+    prepare([data], out_dir=str(tmp_path / "val"), tokenizer=model, fmt="chat", val_fraction=1, progress=False)
+    q25 = {"root": str(tmp_path), "model": model, "rows": rows}
+    ref_loss, ref_items, _, _, flat = reference(q25, flat=True)
+    result = eval_checkpoint(
+        load_config(None, config(q25, str(tmp_path / "val"), "eval", "batch.global_batch_size=2")), ""
+    )
+    assert result["val_items"] == ref_items
+    torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
+    assert abs(flat - ref_loss) / ref_loss > 1e-4  # without M-RoPE: another loss (8.8e-4 off)

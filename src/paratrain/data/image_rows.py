@@ -20,18 +20,24 @@ from paratrain.data.packing import IGNORE_INDEX
 @dataclass
 class ImageTextBatch:
     """A micro-batch of image-text rows: token ids (B, T), position ids (B, T) (-1 on padding), and
-    the pixel values of the rows' images in order (N, C, H, W); models/hf/vision.py takes it."""
+    the pixel values of the rows' images in order (N, C, H, W); models/hf/vision.py takes it.
+    With variable patches (Qwen2-VL) ``pixel_values`` are the images' patch rows in order (sum of
+    patches, D) and ``image_grid_thw`` (N, 3) says how many rows each image has (t * h * w)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     pixel_values: torch.Tensor
     image_rows: torch.Tensor  # (N,) the row of each image
+    image_grid_thw: torch.Tensor | None = None
 
     def select_rows(self, a: int, b: int) -> ImageTextBatch:
         """Rows ``a:b`` with their images (the layout probe splits a micro-batch in two)."""
         keep = (self.image_rows >= a) & (self.image_rows < b)
+        grid, patches = self.image_grid_thw, keep
+        if grid is not None:
+            patches, grid = keep.repeat_interleave(grid.prod(-1)), grid[keep]
         return ImageTextBatch(
-            self.input_ids[a:b], self.positions[a:b], self.pixel_values[keep], self.image_rows[keep] - a
+            self.input_ids[a:b], self.positions[a:b], self.pixel_values[patches], self.image_rows[keep] - a, grid
         )
 
     def count_tokens(self) -> int:
@@ -44,13 +50,20 @@ class ImageConversations(torch.utils.data.Dataset):
 
     draws_random = False  # paratrain/randomness.py: no sample_rng around __getitem__
 
-    def __init__(self, corpus, pixels, image_counts: np.ndarray, *, shape, split: str, block_size: int):
+    def __init__(self, corpus, pixels, image_counts: np.ndarray, *, shape, split: str, block_size: int, grids=None):
         """``corpus``: data/tokens.py Documents; ``pixels``: the ShardedArray of the pixel values;
-        ``image_counts``: the images of each document; ``shape``: one image's pixel values."""
+        ``image_counts``: the images of each document; ``shape``: one image's pixel values (one
+        patch's with ``grids``, the image_grid_thw of every image in order, flat)."""
         self.corpus, self.pixels = corpus, pixels
         self.image_counts = image_counts.astype(np.int64)
         self.image_starts = np.concatenate([[0], np.cumsum(self.image_counts)[:-1]]).astype(np.int64)
         self.shape = tuple(shape or ())
+        self.grids = None if grids is None else np.asarray(grids, np.int64).reshape(-1, 3)
+        # Where each image's values start, in units of ``shape``: its first patch with grids.
+        sizes = np.ones(int(self.image_counts.sum()), np.int64)
+        if self.grids is not None:
+            sizes = self.grids.prod(-1)
+        self.unit_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.block_size = block_size
         lengths = self.corpus.doc_lengths
         if len(lengths) and int(lengths.max()) > block_size:
@@ -71,28 +84,39 @@ class ImageConversations(torch.utils.data.Dataset):
         targets[:-1] = np.where(mask[1:] > 0, ids[1:], IGNORE_INDEX)
         per = int(np.prod(self.shape)) if self.shape else 0
         start, n = int(self.image_starts[d]), int(self.image_counts[d])
-        pixels = self.pixels.read(start * per, (start + n) * per).reshape(n, *self.shape) if n else None
-        return ids, targets, pixels
+        if not n:
+            return ids, targets, None, None
+        a, b = int(self.unit_starts[start]), int(self.unit_starts[start + n])
+        pixels = self.pixels.read(a * per, b * per).reshape(b - a, *self.shape)
+        return ids, targets, pixels, None if self.grids is None else self.grids[start : start + n]
 
     def null_sample(self):
         """A row with no target and no image (a validation set's last batch is filled with these)."""
-        return np.zeros(1, np.int64), np.full(1, IGNORE_INDEX, np.int64), None
+        return np.zeros(1, np.int64), np.full(1, IGNORE_INDEX, np.int64), None, None
 
     def collate(self, samples: list) -> tuple[ImageTextBatch, torch.Tensor]:
         """Rows padded to the longest of the micro-batch; images concatenated in row order."""
-        width = max(len(ids) for ids, _, _ in samples)
+        width = max(len(ids) for ids, *_ in samples)
         ids = np.zeros((len(samples), width), np.int64)
         pos = np.full((len(samples), width), -1, np.int64)
         tgt = np.full((len(samples), width), IGNORE_INDEX, np.int64)
-        for r, (i, t, _) in enumerate(samples):
+        for r, (i, t, *_) in enumerate(samples):
             ids[r, : len(i)], tgt[r, : len(i)], pos[r, : len(i)] = i, t, np.arange(len(i))
-        images = [p for _, _, p in samples if p is not None]
+        images = [p for _, _, p, _ in samples if p is not None]
         pv = np.concatenate(images) if images else np.zeros((0, *self.shape), np.float32)
-        owner = [r for r, (_, _, p) in enumerate(samples) if p is not None for _ in range(len(p))]
+        # One entry per image: a grid row of each image with variable patches, else a pixel row.
+        per_image = [(r, g if g is not None else p) for r, (_, _, p, g) in enumerate(samples) if p is not None]
+        owner = [r for r, images_of_row in per_image for _ in range(len(images_of_row))]
+        grid = None
+        if self.grids is not None:
+            grid = torch.from_numpy(
+                np.concatenate([g for _, g in per_image]) if per_image else np.zeros((0, 3), np.int64)
+            )
         batch = ImageTextBatch(
             torch.from_numpy(ids),
             torch.from_numpy(pos),
             torch.from_numpy(np.ascontiguousarray(pv)),
             torch.tensor(owner, dtype=torch.int64),
+            grid,
         )
         return batch, torch.from_numpy(tgt)

@@ -16,6 +16,9 @@ template, tokenizer and image processor) renders and processes it:
 The processed pixel values are stored beside the token shards (``{split}-pixels-*.bin``, float32,
 and ``{split}-images-*.bin``, uint32, the image count of each document), so a resume, another world
 size or the validation set reads the same numbers without running the image processor again.
+A family with variable patches (Qwen2-VL: ``pixel_values`` are (patches, D) rows, their number set
+by each image's size) also stores each image's ``image_grid_thw`` (``{split}-grids-*.bin``, uint32,
+3 per image), from which a row's patch count and its image tokens follow.
 
 Training reads them through data/image_rows.py. This module stays torch-free, as prepare is.
 """
@@ -52,7 +55,7 @@ def load_processor(path: str, chat_template: str = ""):
     except ImportError:
         raise ConfigError("image rows need transformers, which is not installed: pip install 'paratrain[hf]'")
     try:
-        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        processor = (_image_only(path) or AutoProcessor).from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise ConfigError(f"--tokenizer {path!r}: transformers cannot load its processor ({first})") from None
@@ -68,6 +71,39 @@ def load_processor(path: str, chat_template: str = ""):
     # The text path (data/chat.py) renders through the tokenizer: it takes the processor's template.
     processor.tokenizer.chat_template = processor.chat_template
     return processor
+
+
+# transformers' Qwen2-VL processors load a video processor, which needs torchvision (whose wheels
+# here do not import against the CPU torch); paratrain reads no video, so it loads them without it.
+_IMAGE_ONLY = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+
+
+def _image_only(path: str):
+    """The family's processor class without its video processor, for a directory whose
+    processor_config.json (or, in older checkpoints, preprocessor_config.json) names one of
+    _IMAGE_ONLY; None for any other (AutoProcessor loads it)."""
+    import json
+
+    names = []
+    for file in ("processor_config.json", "preprocessor_config.json"):
+        try:
+            with open(os.path.join(path, file)) as f:
+                names.append(json.load(f).get("processor_class"))
+        except (OSError, ValueError, AttributeError):
+            pass
+    name = next((n for n in names if n in _IMAGE_ONLY), None)
+    if name is None:
+        return None
+    import transformers
+
+    family = getattr(transformers, name)
+
+    # ProcessorMixin takes its sub-processors from __init__'s signature: no video_processor. The
+    # family's name: save_pretrained (prepare's hf_processor/) writes it as the processor_class.
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        family.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(name, (family,), {"__init__": __init__})
 
 
 def image_token_id(processor) -> int:
@@ -132,13 +168,19 @@ def _check_parts(messages: list[dict], where: str) -> None:
 
 
 def expand_like_processor(ids: np.ndarray, mask: np.ndarray, expanded: np.ndarray, image_id: int, where: str):
-    """Our (ids, mask) with each image token repeated as the processor expanded it: the runs of
-    image tokens in ``expanded`` (the processor's ids) split evenly over our image tokens (a fixed
-    number per image, as LLaVA's). The result must equal ``expanded``; image tokens get mask 0."""
+    """Our (ids, mask) with each image token repeated as the processor expanded it: one run of
+    image tokens in ``expanded`` (the processor's ids) per image when the runs are apart (Qwen2-VL
+    writes vision markers around each: its images make different numbers of tokens), else the runs
+    split evenly over our image tokens (a fixed number per image, as LLaVA's, whose images may sit
+    side by side). The result must equal ``expanded``; image tokens get mask 0."""
     ours = int((ids == image_id).sum())
     total = int((expanded == image_id).sum())
     repeat = np.ones(len(ids), dtype=np.int64)
-    if ours:
+    is_image = np.concatenate([[0], (expanded == image_id).astype(np.int8), [0]])
+    starts, ends = np.flatnonzero(np.diff(is_image) == 1), np.flatnonzero(np.diff(is_image) == -1)
+    if ours and len(starts) == ours:
+        repeat[ids == image_id] = ends - starts
+    elif ours:
         if total % ours:
             raise ConfigError(
                 f"{where}: the processor made {total} image tokens for {ours} images, not the same number per"
@@ -171,7 +213,7 @@ def encode_image_rows(
     is skipped and counted: a partial image cannot be fed to the vision tower."""
     processor, loss_on = _VISION
     tok, image_id = processor.tokenizer, image_token_id(processor)
-    out, masks, lengths, pixels, counts = ({s: [] for s in splits} for _ in range(5))
+    out, masks, lengths, pixels, counts, grids = ({s: [] for s in splits} for _ in range(6))
     skipped = truncated = text_bytes = 0
     reasons: dict[str, int] = {}
     shape = None
@@ -186,6 +228,7 @@ def encode_image_rows(
         enc = processor(text=[text], images=images or None, return_tensors="np")
         ids, mask = expand_like_processor(ids, mask, np.asarray(enc["input_ids"][0]), image_id, where)
         pv = np.zeros((0,), np.float32) if not images else np.asarray(enc["pixel_values"], dtype=np.float32)
+        grid = enc.get("image_grid_thw") if images else None  # variable patches (Qwen2-VL): (images, 3)
         if images:
             if shape is None:
                 shape = list(pv.shape[1:])
@@ -215,6 +258,8 @@ def encode_image_rows(
         lengths[split].append(len(ids))
         pixels[split].append(pv.reshape(-1))
         counts[split].append(len(images))
+        if grid is not None:
+            grids[split].append(np.asarray(grid, dtype=np.uint32).reshape(-1))
     cat = {s: np.concatenate(v) if v else np.empty(0, dtype) for s, v in out.items()}
     return {
         "tokens": cat,
@@ -222,6 +267,7 @@ def encode_image_rows(
         "lengths": lengths,
         "pixels": {s: np.concatenate(v) if v else np.empty(0, np.float32) for s, v in pixels.items()},
         "image_counts": counts,
+        "grids": {s: np.concatenate(v) if v else np.empty(0, np.uint32) for s, v in grids.items()},
         "image_shape": shape,
         "skipped": skipped,
         "skipped_by_reason": reasons,

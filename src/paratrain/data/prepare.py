@@ -800,6 +800,9 @@ def prepare(
     mask_writers = {s: ShardWriter(out_dir, s, "uint8", kind="mask") for s in SPLITS} if chat else {}
     pixel_writers = {s: ShardWriter(out_dir, s, "float32", kind="pixels") for s in SPLITS} if images else {}
     image_writers = {s: ShardWriter(out_dir, s, "uint32", kind="images") for s in SPLITS} if images else {}
+    # each image's image_grid_thw where the family has variable patches (Qwen2-VL), else none
+    grid_writers = {s: ShardWriter(out_dir, s, "uint32", kind="grids") for s in SPLITS} if images else {}
+    grids = False
     image_shape = None
     docs, trainable, text_bytes = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), 0
     skipped = truncated = 0
@@ -826,6 +829,8 @@ def prepare(
                 if images:
                     pixel_writers[s].write(result["pixels"][s])
                     image_writers[s].write(np.asarray(result["image_counts"][s], dtype=np.uint32))
+                    grid_writers[s].write(result["grids"][s])
+                    grids = grids or len(result["grids"][s]) > 0
             else:
                 trainable[s] += len(result["tokens"][s]) - len(result["lengths"][s])
         if images and result["image_shape"] is not None:
@@ -858,6 +863,7 @@ def prepare(
             "doc_files": doc_writers[s].close(),
             "mask_files": mask_writers[s].close() if chat else None,
             **({"pixel_files": pixel_writers[s].close(), "image_files": image_writers[s].close()} if images else {}),
+            **({"grid_files": grid_writers[s].close()} if grids else {}),
         }
     meta = {
         "format": FORMAT,
@@ -883,7 +889,14 @@ def prepare(
         "splits": splits,
         # the pixel values of one image (data/images.py), the image token and the processor's folder
         **(
-            {"images": {"shape": image_shape, "token_id": image_token_id(processor), "processor": HF_PROCESSOR_DIR}}
+            {
+                "images": {
+                    "shape": image_shape,
+                    "token_id": image_token_id(processor),
+                    "processor": HF_PROCESSOR_DIR,
+                    **({"grids": True} if grids else {}),
+                }
+            }
             if images
             else {}
         ),

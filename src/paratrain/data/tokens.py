@@ -70,7 +70,7 @@ def verify_corpus(path: str, meta: dict, mode: str = "once") -> None:
         raise ConfigError(f"data.args.verify = {mode!r} is unknown; use one of {list(VERIFY_MODES)}")
     stamps = {}
     for split in meta["splits"].values():
-        extra = [split.get(k) or [] for k in ("doc_files", "mask_files", "pixel_files", "image_files")]
+        extra = [split.get(k) or [] for k in ("doc_files", "mask_files", "pixel_files", "image_files", "grid_files")]
         for entry in split["files"] + [e for files in extra for e in files]:
             file = os.path.join(path, entry["name"])
             try:
@@ -414,12 +414,17 @@ def _build_images(path: str, meta: dict, *, block_size: int, split: str, packing
         ShardedArray(path, entry["pixel_files"], "float32"),
         counts.read(0, len(counts)),
         shape=meta["images"]["shape"],
+        grids=_read_all(ShardedArray(path, entry["grid_files"], "uint32")) if meta["images"].get("grids") else None,
         split=split,
         block_size=block_size,
     )
     if len(ds) == 0:
         raise ConfigError(f"data.args: the {split} split of {path!r} has no conversation; prepare more rows")
     return _describe(ds, meta, split=split, block_size=block_size, packing=packing, path=path, rows=len(ds))
+
+
+def _read_all(array) -> np.ndarray:
+    return array.read(0, len(array))
 
 
 def _describe(ds, meta: dict, *, split: str, block_size: int, **fields):

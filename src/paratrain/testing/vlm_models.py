@@ -5,6 +5,11 @@ The model is transformers' ``LlavaForConditionalGeneration`` (a CLIP vision towe
 a Llama decoder) at 28x28 pixels with 14-pixel patches: 4 image tokens per image. Its processor
 is transformers' ``LlavaProcessor`` with the byte-level ChatML tokenizer of testing/sft_data.py
 plus the ``<image>`` token, and a ChatML template that writes ``<image>`` for an image part.
+
+The second family is ``Qwen2VLForConditionalGeneration`` (save_tiny_qwen2vl): 14-pixel patches
+merged 2x2, images resized by its own image processor to multiples of 28 pixels between 56x56
+and 56x112, so an image makes 4 to 8 tokens by its shape (variable patches), and multimodal
+rotary positions in its decoder.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ VISION_CHATML = (
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 IMAGE_SIZE, PATCH = 28, 14
+# Qwen2-VL's template writes an image part as its vision markers around one <|image_pad|>,
+# which its processor repeats by the image's grid.
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_CHATML = VISION_CHATML.replace("{{ '<image>' }}", "{{ '" + QWEN_IMAGE + "' }}")
 
 
 def save_tiny_llava(path: str, *, seed: int = 0, weights: bool = True) -> str:
@@ -72,14 +82,66 @@ def save_tiny_llava(path: str, *, seed: int = 0, weights: bool = True) -> str:
     return path
 
 
+def save_tiny_qwen2vl(path: str, *, seed: int = 0, version: str = "2") -> str:
+    """A tiny Qwen2-VL (model and processor) in ``path``: hf_models' tiny decoder shape (head
+    dim 8, M-RoPE sections 2+1+1 of its 4 frequencies), a 2-block vision tower, and
+    Qwen2-VL's image processor (the Pil one: no torchvision here) bounded to 56x56..56x112.
+    ``version="2.5"``: Qwen2.5-VL (a windowed vision tower, its second block full attention)."""
+    import json
+
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    family = {"2": "Qwen2VL", "2.5": "Qwen2_5_VL"}[version]
+
+    save_chat_tokenizer(path, template=QWEN_CHATML)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    tok.save_pretrained(path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_TOKENS}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    text = dict(COMMON, vocab_size=len(tok), max_position_embeddings=512, rope_parameters=rope)
+    # initializer_range 0.2, not 0.02: attention far from uniform, so positions matter (at 0.02 the
+    # loss without M-RoPE was 2.4e-7 relative from the loss with it, under any test's tolerance).
+    text.update(bos_token_id=None, eos_token_id=tok.eos_token_id, initializer_range=0.2)
+    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=PATCH)
+    if version == "2.5":
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=4, patch_size=PATCH)
+        vision.update(window_size=56, fullatt_block_indexes=[1])
+    config = getattr(transformers, f"{family}Config")(
+        text_config=text,
+        vision_config=dict(vision, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    getattr(transformers, f"{family}ForConditionalGeneration")(config).save_pretrained(path)
+    size = {"shortest_edge": 56 * 56, "longest_edge": 56 * 112}  # pixels: 4 to 8 image tokens
+    Qwen2VLImageProcessorPil(size=size, patch_size=PATCH, merge_size=2, temporal_patch_size=2).save_pretrained(path)
+    # Written by hand: transformers' Qwen2VLProcessor cannot be built here (its video processor
+    # needs torchvision); these files are what its save_pretrained writes, so AutoProcessor loads
+    # them where torchvision is installed, and data/images.py loads them without videos here.
+    with open(os.path.join(path, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": f"{family}Processor"}, f)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(QWEN_CHATML)
+    return path
+
+
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220), "yellow": (230, 210, 40)}
 
 
-def draw_image(path: str, colour: str, *, shape: str = "square", size: int = 40, variant: int = 0) -> str:
-    """A ``colour`` square or circle on white, saved as PNG; ``variant`` moves and sizes it."""
+def draw_image(
+    path: str, colour: str, *, shape: str = "square", size: int = 40, variant: int = 0, width: int = 0
+) -> str:
+    """A ``colour`` square or circle on white (``width`` x ``size`` pixels, square by default),
+    saved as PNG; ``variant`` moves and sizes it."""
     from PIL import Image, ImageDraw
 
-    img = Image.new("RGB", (size, size), (255, 255, 255))
+    img = Image.new("RGB", (width or size, size), (255, 255, 255))
     side = size * 3 // 5 + variant % 7 * size // 20  # three fifths to most of the image: the colour fills its patches
     x, y = variant * 5 % (size - side + 1), variant * 11 % (size - side + 1)
     box = (x, y, x + side - 1, y + side - 1)
@@ -89,24 +151,25 @@ def draw_image(path: str, colour: str, *, shape: str = "square", size: int = 40,
     return path
 
 
-def colour_rows(folder: str, n: int, *, seed: int = 0) -> list[dict]:
+def colour_rows(folder: str, n: int, *, seed: int = 0, wide: bool = False) -> list[dict]:
     """``n`` TRL vision conversations about images drawn into ``folder/images`` (paths relative to
     ``folder``): what colour is the shape; every third row holds a second image, every fifth none
-    (a text row), so rows differ in image count and length."""
+    (a text row), so rows differ in image count and length. ``wide``: every second row's first
+    image and every second image is twice as wide as high (Qwen2-VL makes more tokens of it)."""
     os.makedirs(os.path.join(folder, "images"), exist_ok=True)
     names, shapes = sorted(COLOURS), ("square", "circle")
     rows = []
     for i in range(n):
         colour, shape = names[(i + seed) % len(names)], shapes[(i // len(names)) % 2]
         rel = f"images/{i}.png"  # each row its own drawing: rows differ, so they split by their hash
-        draw_image(os.path.join(folder, rel), colour, shape=shape, variant=i)
+        draw_image(os.path.join(folder, rel), colour, shape=shape, variant=i, width=80 * (wide and i % 2))
         if i % 5 == 4:  # a text-only row among the image rows
             rows.append({"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]})
             continue
         parts, images = [{"type": "image"}, {"type": "text", "text": f"What colour is the {shape}?"}], [rel]
         if i % 3 == 2:  # a second image, after the question
             other = f"images/{i}b.png"
-            draw_image(os.path.join(folder, other), names[(i + 1) % len(names)], variant=i + 3)
+            draw_image(os.path.join(folder, other), names[(i + 1) % len(names)], variant=i + 3, width=80 * wide)
             parts, images = [*parts, {"type": "image"}], [rel, other]
         rows.append(
             {

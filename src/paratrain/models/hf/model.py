@@ -263,7 +263,14 @@ class HFCausalLM(nn.Module):
         return masks
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, *, cache=None, key_mask=None, embedded=False
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        cache=None,
+        key_mask=None,
+        embedded=False,
+        rope_positions=None,
     ) -> torch.Tensor:
         """Token ids (B, T) -> logits; on a later pipeline stage hidden -> hidden (or -> logits).
 
@@ -274,6 +281,8 @@ class HFCausalLM(nn.Module):
         ``cache``: transformers' ``DynamicCache`` of the generation phase (objectives/rl/rollout.py),
         with ``x``, ``positions`` and ``key_mask`` as in the built-in GPT's (models/gpt/model.py).
         ``embedded``: ``x`` is already the embeddings (models/hf/vision.py put the images in).
+        ``rope_positions``: what the rotary embedding rotates by when it is not ``positions``
+        (Qwen2-VL's multimodal positions, (3, B, T)); the masks still follow ``positions``.
         """
         if cache is not None:
             return self._cached_forward(x, positions, cache, key_mask)
@@ -291,7 +300,7 @@ class HFCausalLM(nn.Module):
         else:
             masks = self._masks(x, positions)
             position_ids = positions.clamp(min=0)
-        position_embeddings = self._rotary(x, position_ids)
+        position_embeddings = self._rotary(x, position_ids if rope_positions is None else rope_positions)
         layer_types = getattr(self.config, "layer_types", None)
         for key, layer in self.layers.items():
             kind = layer_types[int(key)] if layer_types else "full_attention"

@@ -9,9 +9,11 @@ pixel values into one feature per image token, which replace the image tokens' e
 row order (as ``LlavaModel.forward`` does with ``masked_scatter``); the decoder then runs as for
 text. ``model.vision = "freeze"`` leaves the vision tower and projector out of training.
 
-This slice runs LLaVA-style families: a fixed number of image tokens per image and 1-D
-positions. Qwen2-VL (variable patches, ``image_grid_thw``, multimodal rotary positions) is not
-in it yet: its directory is refused in one line.
+Families: LLaVA (a fixed number of image tokens per image, 1-D positions) and Qwen2-VL
+(variable patches: the batch's ``image_grid_thw`` says how many patch rows of ``pixel_values`` each
+image has; its vision tower holds its projector, the merger; and multimodal rotary positions,
+which the family's own ``get_rope_index`` computes from the ids and grids of the micro-batch);
+Qwen2.5-VL (``qwen2_5_vl``) is laid out the same.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ from paratrain.models.hf.model import CONFIG_FILE, HFCausalLM, load_hf_config
 from paratrain.models.lora import apply_lora
 
 # The families whose forward this wrapper reproduces: (vision tower, projector) attribute names
-# of their inner model, and the get_image_features arguments their config holds.
-FAMILIES = {"llava": ("vision_tower", "multi_modal_projector")}
+# of their inner model (Qwen2-VL's projector, its merger, is inside its vision tower).
+FAMILIES = {
+    "llava": ("vision_tower", "multi_modal_projector"),
+    "qwen2_vl": ("visual", None),
+    "qwen2_5_vl": ("visual", None),
+}
 VISION_MODES = ("train", "freeze")
 
 
@@ -49,7 +55,7 @@ def check_family(config, key: str = "model.hf") -> None:
     if config.model_type not in FAMILIES:
         raise ConfigError(
             f"{key}: the image-text model type {config.model_type!r} is not supported yet (this version runs"
-            f" {', '.join(sorted(FAMILIES))}; Qwen2-VL's multimodal positions are issue 57's next slice)"
+            f" {', '.join(sorted(FAMILIES))})"
         )
 
 
@@ -80,7 +86,8 @@ class HFVisionLM(HFCausalLM):
         super().__init__(_TextView(hf_model), key=key)
         inner = hf_model.model
         tower, projector = FAMILIES[hf_model.config.model_type]
-        self.vision_tower, self.multi_modal_projector = getattr(inner, tower), getattr(inner, projector)
+        self.vision_tower = getattr(inner, tower)
+        self.multi_modal_projector = getattr(inner, projector) if projector else None
         # Not submodules: the family's own get_image_features runs the two modules above (the
         # same objects, so FSDP2's gathered parameters are the ones it reads), and the text
         # embedding is self's own.
@@ -90,19 +97,24 @@ class HFVisionLM(HFCausalLM):
         self._vision_names = {
             attr: next(n for n, m in hf_model.named_modules() if m is getattr(self, attr))
             for attr in ("vision_tower", "multi_modal_projector")
+            if getattr(self, attr) is not None
         }
         self.built_tensors = self._position_buffers()
 
     def _position_buffers(self) -> dict[str, torch.Tensor]:
-        """The vision tower's non-persistent position-id buffers (CLIP's ``position_ids``, an
-        arange the checkpoint does not hold), by checkpoint name, made on the CPU even for a meta
-        model: the weight loader copies them in (built_tensors) instead of refusing them."""
+        """The vision tower's non-persistent position buffers (CLIP's ``position_ids``, an arange;
+        Qwen2-VL's rotary ``inv_freq``, made by the module from its config), which the checkpoint
+        does not hold, by checkpoint name, made on the CPU even for a meta model: the weight loader
+        copies them in (built_tensors) instead of refusing them."""
         out = {}
         for prefix, module in self.vision_tower.named_modules(prefix="vision_tower"):
             for name in module._non_persistent_buffers_set:
                 b = module._buffers.get(name)
                 if b is not None and name == "position_ids":
                     out[self.hf_name(f"{prefix}.{name}")] = torch.arange(b.shape[-1], device="cpu").expand(b.shape)
+                elif b is not None and "inv_freq" in name:
+                    with torch.device("cpu"):
+                        out[self.hf_name(f"{prefix}.{name}")] = getattr(type(module)(module.config), name)
         return out
 
     def hf_name(self, name: str) -> str:
@@ -111,23 +123,41 @@ class HFVisionLM(HFCausalLM):
             return self._vision_names[first] + name[len(first) :]
         return super().hf_name(name)
 
-    def image_features(self, pixel_values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """One row per image token, the images in order: the family's own vision path."""
+    def image_features(self, pixel_values: torch.Tensor, dtype: torch.dtype, grid=None) -> torch.Tensor:
+        """One row per image token, the images in order: the family's own vision path (with
+        variable patches, ``grid`` (images, 3) says which patch rows are whose)."""
         cfg = self.vision_config
-        out = self._family[0].get_image_features(
-            pixel_values=pixel_values.to(dtype),
-            vision_feature_layer=cfg.vision_feature_layer,
-            vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-            return_dict=True,
-        )
+        if grid is not None:
+            args = dict(image_grid_thw=grid)
+        else:
+            args = dict(
+                vision_feature_layer=cfg.vision_feature_layer,
+                vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+            )
+        out = self._family[0].get_image_features(pixel_values=pixel_values.to(dtype), return_dict=True, **args)
         return torch.cat(list(out.pooler_output), dim=0).to(dtype)
+
+    def rope_positions(self, batch) -> torch.Tensor | None:
+        """Qwen2-VL's multimodal rotary positions (3, B, T): the family's own ``get_rope_index``
+        over the micro-batch (an image's tokens take its grid's temporal, height and width indices,
+        the text after it continues from their largest; padding, outside ``attention_mask``, gets
+        0). It walks the images in row order, the order of the batch's grids. None for 1-D families."""
+        get_rope_index = getattr(self._family[0], "get_rope_index", None)
+        if get_rope_index is None:
+            return None
+        ids = batch.input_ids
+        image = (ids == self.vision_config.image_token_id).int()  # the processor's mm_token_type_ids
+        positions, _ = get_rope_index(
+            ids, mm_token_type_ids=image, image_grid_thw=batch.image_grid_thw, attention_mask=batch.positions >= 0
+        )
+        return positions
 
     def forward(self, batch) -> torch.Tensor:
         ids = batch.input_ids
         x = self._embed[0](ids)
         slots = ids == self.vision_config.image_token_id
         if batch.pixel_values.shape[0]:
-            features = self.image_features(batch.pixel_values, x.dtype)
+            features = self.image_features(batch.pixel_values, x.dtype, batch.image_grid_thw)
             # Under FakeTensorMode (the memory estimate, plan/) the count is not data: no check.
             if not is_fake(slots) and features.shape[0] != int(slots.sum()):
                 raise ValueError(
@@ -135,7 +165,8 @@ class HFVisionLM(HFCausalLM):
                     " prepared with another processor than this model's"
                 )
             x = x.masked_scatter(slots.unsqueeze(-1).expand_as(x), features)
-        return super().forward(self._every_vision_parameter(x), batch.positions, embedded=True)
+        x = self._every_vision_parameter(x)
+        return super().forward(x, batch.positions, embedded=True, rope_positions=self.rope_positions(batch))
 
     def _every_vision_parameter(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` plus 0 x one element of every trainable vision parameter: a micro-batch without
@@ -143,7 +174,8 @@ class HFVisionLM(HFCausalLM):
         is never used (the features are a hidden state), but DDP's reducer waits for every
         parameter's gradient. The gradients this adds are zeros, on every layout alike (exact:
         x + 0.0 is x), and cost one element per parameter."""
-        touched = [p.reshape(-1)[0] for m in (self.vision_tower, self.multi_modal_projector) for p in m.parameters()]
+        modules = [m for m in (self.vision_tower, self.multi_modal_projector) if m is not None]
+        touched = [p.reshape(-1)[0] for m in modules for p in m.parameters()]
         touched = [t for t in touched if t.requires_grad]
         return x + 0.0 * torch.stack(touched).sum().to(x.dtype) if touched else x
 
@@ -189,5 +221,6 @@ def build_vision(cfg: ModelConfig) -> HFVisionLM:
     model.built_tensors = {**model.built_tensors, **built}  # a meta model's adapters, by checkpoint name
     if cfg.vision == "freeze":
         model.vision_tower.requires_grad_(False)
-        model.multi_modal_projector.requires_grad_(False)
+        if model.multi_modal_projector is not None:
+            model.multi_modal_projector.requires_grad_(False)
     return model
