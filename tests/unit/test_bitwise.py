@@ -22,6 +22,9 @@ def test_accepts_ddp_fsdp_hsdp_and_accumulation():
     check("batch.micro_batch_size=4", world=4)
     check("batch.micro_batch_size=2", "parallel.dp_shard=2", world=2)
     check("batch.micro_batch_size=2", "parallel.dp_shard=2", "parallel.dp_replicate=2", world=4)
+    # objectives with their own terms per row, and the gradient cache (tests/distributed/test_bitwise.py)
+    for loss in (["loss.name='preference'"], ["loss.name='info_nce'"]):
+        check("batch.micro_batch_size=2", *loss, world=2)
 
 
 @pytest.mark.parametrize(
@@ -36,7 +39,9 @@ def test_accepts_ddp_fsdp_hsdp_and_accumulation():
         (["batch.micro_batch_size=4", "eval.micro_batch_size=1"], 2, "must divide eval.micro_batch_size = 1"),
         (["parallel.tp=2"], 2, "parallel.tp = 2"),
         (["batch.micro_batch_size='auto'"], 2, "micro_batch_size = 'auto'"),
-        (["loss.name='info_nce'"], 2, "over the whole global batch"),
+        (["loss.name='preference'", "preference.loss_type='kto'"], 2, "reference point z0 is a mean"),
+        (["loss.name='grpo'", "data.name='prompts'"], 2, "loss.name = 'grpo'"),
+        (["loss.name='preference'", "preference.precompute=true"], 2, "preference.precompute = true"),
         (["train.compile=true"], 2, "train.compile"),
     ],
 )
@@ -73,3 +78,27 @@ def test_row_squares_of_shards_are_the_whole_gradients(shape):
         shards = [g[sum(cuts[:j]) : sum(cuts[: j + 1])].clone() for j in range(dp)]
         assert [len(s) for s in torch.chunk(g, dp)] == [c for c in cuts if c]
         assert torch.equal(torch.cat([row_squares(s) for s in shards]), row_squares(g))
+
+
+@pytest.mark.parametrize(
+    "sets,match",
+    [
+        (["batch.norm_group=0"], "torch's own BatchNorm"),
+        (["batch.norm_group=4", "run.bitwise_grain=2"], "batch.norm_group = 4 does not divide run.bitwise_grain = 2"),
+    ],
+)
+def test_batch_norm_needs_whole_groups_in_a_grain(sets, match):
+    # Group BatchNorm with whole groups in each grain is accepted (tests/distributed/test_bitwise.py);
+    # torch's own BatchNorm and groups wider than the grain are refused when the model is built.
+    from paratrain.build import check_batch_math
+    from paratrain.loss import mse_loss
+    from paratrain.testing.toy import bn_cnn
+
+    model = bn_cnn()
+    cfg = load_config(None, [*BASE, "batch.micro_batch_size=4", "batch.norm_group=2"])
+    dims, _ = check_run(cfg, 2)
+    check_batch_math(cfg, dims, model, mse_loss(cfg.loss), keyed=True)  # groups of 2 in grains of 2
+    cfg = load_config(None, [*BASE, "batch.micro_batch_size=4", *sets])
+    with pytest.raises(ConfigError, match=match) as e:
+        check_batch_math(cfg, dims, model, mse_loss(cfg.loss), keyed=True)
+    assert "\n" not in str(e.value)
