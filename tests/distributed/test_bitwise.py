@@ -140,13 +140,20 @@ def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_bitwise_hf_llama_and_cnn_with_augmentation(tmp_path):
+def test_bitwise_hf_llama_cnn_dpo_and_dual_encoder(tmp_path):
     """The issue's other models: a transformers Llama (embedding, rotary, SDPA, RMSNorm backward)
     and a small CNN (conv backward) with keyed dropout and augmentation drawn in the dataset,
-    with accumulation, DDP and FSDP2 at world 2, against one process. One launch per world size."""
+    with accumulation, DDP and FSDP2 at world 2, against one process, 4 AdamW steps. And objectives
+    with their own terms and whole-batch math: DPO against a differing reference (its
+    log-probabilities computed per grain), and a dual encoder with group BatchNorm (groups of 2 in
+    grains of 4: its running statistics added in global group order), a learnable logit scale and
+    info_nce over the global batch (the gradient cache, outputs gathered in global order), with
+    validation. One launch per world size."""
     pytest.importorskip("transformers")
+    from paratrain.data.prepare import prepare
     from paratrain.testing.dist_utils import train_layouts
     from paratrain.testing.hf_models import save_tiny
+    from paratrain.testing.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
 
     llama = [
         *TOY,
@@ -167,17 +174,58 @@ def test_bitwise_hf_llama_and_cnn_with_augmentation(tmp_path):
         "data.factory='paratrain.testing.toy:augmented'",
         "data.args={}",
     ]
-    models = {"llama": llama, "cnn": cnn}
+    dual = [
+        *TOY,
+        "run.steps=4",
+        "run.bitwise=true",
+        "run.bitwise_grain=4",
+        "batch.norm_group=2",
+        "model.factory='paratrain.testing.toy:dual_encoder'",
+        "model.args={scale = true}",
+        "data.factory='paratrain.testing.toy:pairs'",
+        "data.args={}",
+        "data.val_factory='paratrain.testing.toy:pairs'",
+        "eval.samples=16",
+        "loss.name='info_nce'",
+    ]
+    tok = save_chat_tokenizer(str(tmp_path / "tok"))
+    corpus = str(tmp_path / "corpus")
+    pairs = write_jsonl(str(tmp_path / "pairs.jsonl"), preference_pairs(16))
+    prepare([pairs], out_dir=corpus, tokenizer=tok, fmt="preference", val_fraction=0, progress=False)
+    tiny = {"vocab_size": VOCAB, "max_position_embeddings": 512}
+    dpo = [
+        *[t for t in TOY if t.startswith(("optim.", "run.progress", "metrics."))],
+        "run.steps=3",
+        "batch.global_batch_size=8",
+        f"model.hf='{save_tiny('qwen2', str(tmp_path / 'policy'), **tiny, seed=0)}'",
+        "data.name='tokens'",
+        f"data.args={{path = '{corpus}', block_size = 256}}",
+        "loss.name='preference'",
+        f"preference.reference='{save_tiny('qwen2', str(tmp_path / 'ref'), **tiny, seed=1)}'",
+    ]
+    models = {"llama": llama, "cnn": cnn, "dual": dual}
     world1, world2 = {}, {}
     for m, sets in models.items():
         world1[f"{m}-1x16"] = [*sets, "batch.micro_batch_size=16"]
         world1[f"{m}-1x4"] = [*sets, "batch.micro_batch_size=4"]
         world2[f"{m}-ddp"] = [*sets, "batch.micro_batch_size=4"]
         world2[f"{m}-fsdp"] = [*sets, "batch.micro_batch_size=4", FSDP2]
+    # DPO: global batch 8 in grains of 2 ("1x16" named as the others: its one micro-batch, 8 pairs); the
+    # default step at step 1 anchors it (the same loss and gradient).
+    world1.update(
+        {"dpo-1x16": [*dpo, *BITWISE, "batch.micro_batch_size=8"], "dpo-off": [*dpo, "batch.micro_batch_size=8"]}
+    )
+    world1["dpo-1x4"] = [*dpo, *BITWISE, "batch.micro_batch_size=4"]
+    world2["dpo-ddp"] = [*dpo, *BITWISE, "batch.micro_batch_size=2"]
     run_ranks(train_layouts, 1, world1, str(tmp_path), timeout=600)
     run_ranks(train_layouts, 2, world2, str(tmp_path), timeout=600)
-    for m in models:
+    for m in (*models, "dpo"):
         ref = read_run(str(tmp_path / f"{m}-1x16"))
-        assert len(ref["losses"]) == 4 and len(ref["val_loss"]) == (2 if m == "llama" else 0)
-        for layout in ("1x4", "ddp", "fsdp"):
+        assert len(ref["losses"]) == (3 if m == "dpo" else 4)
+        assert len(ref["val_loss"]) == {"llama": 2, "dual": 2}.get(m, 0)
+        for layout in ("1x4", "ddp", "fsdp") if m != "dpo" else ("1x4", "ddp"):
             assert differences(read_run(str(tmp_path / f"{m}-{layout}")), ref) == [], f"{m}-{layout}"
+    assert "tower.1.running_mean" in read_run(str(tmp_path / "dual-1x16"))["weights"]  # BatchNorm's, compared too
+    on, off = read_run(str(tmp_path / "dpo-1x16")), read_run(str(tmp_path / "dpo-off"))
+    assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-5)
+    assert on["grad_norm"][0] == pytest.approx(off["grad_norm"][0], rel=1e-5)
