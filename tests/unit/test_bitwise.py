@@ -102,3 +102,37 @@ def test_batch_norm_needs_whole_groups_in_a_grain(sets, match):
     with pytest.raises(ConfigError, match=match) as e:
         check_batch_math(cfg, dims, model, mse_loss(cfg.loss), keyed=True)
     assert "\n" not in str(e.value)
+
+
+def _running_mean(dp: int, grains: int, grain: int, stats: torch.Tensor) -> torch.Tensor:
+    """Group BatchNorm's running mean after one step whose groups (of 1 sample, float64) have the
+    means ``stats``, over ``dp`` simulated ranks of ``grains`` grains each: every rank's
+    NormStatistics sums, added as the step's reduce, then read on rank 0."""
+    from paratrain.models.batch_norm import GroupBatchNorm, NormLayout
+    from paratrain.objectives.batch_norm import NormStatistics
+
+    ranks = []
+    for r in range(dp):
+        m = GroupBatchNorm(torch.nn.BatchNorm1d(1, dtype=torch.float64), NormLayout(1, r, dp, ordered=True))
+        objective = NormStatistics(m.layout)
+        objective.bind(torch.nn.Sequential(m))
+        objective.start(scale=1.0, device=torch.device("cpu"))
+        objective.before_micro_batches(None, [(torch.zeros(grain, 1), None)] * grains)
+        for k in range(grains):
+            at = (r * grains + k) * grain
+            m.pending.append((stats[at : at + grain, None], torch.ones(grain, 1, dtype=torch.float64), True))
+            objective.loss(None, None)
+        ranks.append((m, objective))
+    reduced = torch.stack([objective.sums() for _, objective in ranks]).sum(0).tolist()
+    ranks[0][1].read(reduced, units=len(stats))
+    return ranks[0][0].running_mean
+
+
+def test_batch_norm_running_statistics_are_added_in_global_group_order():
+    # The update's float64 terms (momentum 0.1: coefficients 0.1 x 0.9^k) add in one order on every
+    # layout: one process with one grain, with 8 grains, and 2 or 4 ranks (a rank's partial sums
+    # added in the reduce would round otherwise: the fault this catches).
+    stats = torch.randn(64, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 1e3
+    ref = _running_mean(1, 1, 64, stats)
+    for dp, grains, grain in ((1, 8, 8), (2, 4, 8), (4, 2, 8), (4, 16, 1)):
+        assert torch.equal(_running_mean(dp, grains, grain, stats), ref), (dp, grains, grain)
