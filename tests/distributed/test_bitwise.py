@@ -145,10 +145,10 @@ def test_bitwise_hf_llama_cnn_dpo_and_dual_encoder(tmp_path):
     and a small CNN (conv backward) with keyed dropout and augmentation drawn in the dataset,
     with accumulation, DDP and FSDP2 at world 2, against one process, 4 AdamW steps. And objectives
     with their own terms and whole-batch math: DPO against a differing reference (its
-    log-probabilities computed per grain), and a dual encoder with group BatchNorm (groups of 2 in
-    grains of 4: its running statistics added in global group order), a learnable logit scale and
-    info_nce over the global batch (the gradient cache, outputs gathered in global order), with
-    validation. One launch per world size."""
+    log-probabilities computed per grain), KTO (its z0 over the global batch), a dual encoder with
+    group BatchNorm (groups of 2 in grains of 4: its running statistics added in global group
+    order), a learnable logit scale and info_nce over the global batch (the gradient cache, outputs
+    gathered in global order), with validation. One launch per world size."""
     pytest.importorskip("transformers")
     from paratrain.data.prepare import prepare
     from paratrain.testing.dist_utils import train_layouts
@@ -192,6 +192,20 @@ def test_bitwise_hf_llama_cnn_dpo_and_dual_encoder(tmp_path):
     corpus = str(tmp_path / "corpus")
     pairs = write_jsonl(str(tmp_path / "pairs.jsonl"), preference_pairs(16))
     prepare([pairs], out_dir=corpus, tokenizer=tok, fmt="preference", val_fraction=0, progress=False)
+    # KTO's unpaired rows: the chosen reply of even pairs (desirable), the rejected of odd ones.
+    rows = [
+        {"prompt": r["prompt"], "completion": r["chosen" if i % 2 == 0 else "rejected"], "label": i % 2 == 0}
+        for i, r in enumerate(preference_pairs(16))
+    ]
+    unpaired = str(tmp_path / "unpaired")
+    prepare(
+        [write_jsonl(f"{unpaired}.jsonl", rows)],
+        out_dir=unpaired,
+        tokenizer=tok,
+        fmt="unpaired",
+        val_fraction=0,
+        progress=False,
+    )
     tiny = {"vocab_size": VOCAB, "max_position_embeddings": 512}
     dpo = [
         *[t for t in TOY if t.startswith(("optim.", "run.progress", "metrics."))],
@@ -217,13 +231,17 @@ def test_bitwise_hf_llama_cnn_dpo_and_dual_encoder(tmp_path):
     )
     world1["dpo-1x4"] = [*dpo, *BITWISE, "batch.micro_batch_size=4"]
     world2["dpo-ddp"] = [*dpo, *BITWISE, "batch.micro_batch_size=2"]
+    # KTO: its reference point z0 (a mean over the global batch) from the rows gathered in order.
+    kto = [*dpo, *BITWISE, "preference.loss_type='kto'", f"data.args={{path = '{unpaired}', block_size = 256}}"]
+    world1.update({"kto-1x16": [*kto, "batch.micro_batch_size=8"], "kto-1x4": [*kto, "batch.micro_batch_size=4"]})
+    world2["kto-ddp"] = [*kto, "batch.micro_batch_size=2"]
     run_ranks(train_layouts, 1, world1, str(tmp_path), timeout=600)
     run_ranks(train_layouts, 2, world2, str(tmp_path), timeout=600)
-    for m in (*models, "dpo"):
+    for m in (*models, "dpo", "kto"):
         ref = read_run(str(tmp_path / f"{m}-1x16"))
-        assert len(ref["losses"]) == (3 if m == "dpo" else 4)
+        assert len(ref["losses"]) == (4 if m in models else 3)
         assert len(ref["val_loss"]) == {"llama": 2, "dual": 2}.get(m, 0)
-        for layout in ("1x4", "ddp", "fsdp") if m != "dpo" else ("1x4", "ddp"):
+        for layout in ("1x4", "ddp", "fsdp") if m in models else ("1x4", "ddp"):
             assert differences(read_run(str(tmp_path / f"{m}-{layout}")), ref) == [], f"{m}-{layout}"
     assert "tower.1.running_mean" in read_run(str(tmp_path / "dual-1x16"))["weights"]  # BatchNorm's, compared too
     on, off = read_run(str(tmp_path / "dpo-1x16")), read_run(str(tmp_path / "dpo-off"))

@@ -358,16 +358,10 @@ BITWISE_REFUSALS: tuple[Refusal, ...] = (
         "the micro-batch must be a multiple of the grain chosen before the run",
     ),
     # Accepted (docs/bitwise.md): the preference pairs and the reward model (a pair's terms are its
-    # row's), distillation (a token's teacher logits are its row's) and a loss over the global batch
-    # (the gradient cache's gradient of each output is taken from the whole batch gathered in global
-    # order, the same tensor on every layout): each objective runs per grain, its own forwards too.
-    _bitwise(
-        "kto",
-        lambda c, d: _builtin(c) is not None and c.loss.name == "preference" and c.preference.loss_type == "kto",
-        "preference.loss_type = 'kto'",
-        "use a paired preference.loss_type",
-        "its reference point z0 is a mean over the global batch, summed over the ranks in the collective's order",
-    ),
+    # row's), KTO (its z0 summed over the global batch's rows gathered in order), distillation (a
+    # token's teacher logits are its row's) and a loss over the global batch (the gradient cache's
+    # gradient of each output is taken from the whole batch gathered in global order, the same
+    # tensor on every layout): each objective runs per grain, its own forwards too.
     _bitwise(
         "grpo",
         lambda c, d: _grpo(c),
