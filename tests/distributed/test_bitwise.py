@@ -171,15 +171,13 @@ def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_bitwise_hf_llama_cnn_dpo_and_dual_encoder(tmp_path):
+def test_bitwise_hf_llama_cnn_dpo_and_kto(tmp_path):
     """The issue's other models: a transformers Llama (embedding, rotary, SDPA, RMSNorm backward)
     and a small CNN (conv backward) with keyed dropout and augmentation drawn in the dataset,
     with accumulation, DDP and FSDP2 at world 2, against one process, 4 AdamW steps. And objectives
-    with their own terms and whole-batch math: DPO against a differing reference (its
-    log-probabilities computed per grain), KTO (its z0 over the global batch), a dual encoder with
-    group BatchNorm (groups of 2 in grains of 4: its running statistics added in global group
-    order), a learnable logit scale and info_nce over the global batch (the gradient cache, outputs
-    gathered in global order), with validation. One launch per world size."""
+    with their own terms: DPO against a differing reference (its log-probabilities computed per
+    grain) and KTO (its z0 over the global batch, from the rows gathered in order), accumulation
+    and DDP at world 2, 3 AdamW steps. One launch per world size."""
     pytest.importorskip("transformers")
     from paratrain.data.prepare import prepare
     from paratrain.testing.hf_models import save_tiny
