@@ -348,9 +348,10 @@ def forward_backward(
 
 def bitwise_forward_backward(model: nn.Module, grains: list[tuple], ctx: StepContext, *, keys) -> torch.Tensor:
     """run.bitwise (distributed/bitwise.py): the loop over grains of ``ctx.bitwise_grain`` rows
-    (``train_step`` cut the micro-batches into them) instead of micro-batches, each grain's gradient carried into the fixed tree, whose sum over
-    every rank is left in ``p.grad`` (FSDP2: this rank's shard) for the clip and the optimiser
-    step. Returns the gradient norm, taken on the whole merged gradient as one process takes it."""
+    (``train_step`` cut the micro-batches into them) instead of micro-batches, each grain's
+    gradient carried into the fixed tree, whose sum over every rank is left in ``p.grad`` (FSDP2:
+    this rank's shard) for the clip and the optimiser step. Returns the gradient norm, taken on
+    the whole merged gradient as one process takes it."""
     tree = GrainTree(model)
     with tree.no_sync():
         # One grain per call: its own sync decision (maybe_no_sync) would re-enable FSDP2's
