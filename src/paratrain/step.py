@@ -242,6 +242,11 @@ def train_step(
     """
     objectives = ctx.objectives
     count, batches, autos, decisions = prepare_batches(model, batches, ctx, objectives)
+    if ctx.bitwise_grain:
+        # run.bitwise: the objectives see the grains as the micro-batches (a reference's, a teacher's
+        # or the gradient cache's forward, BatchNorm's groups, indexed per grain as the loop's
+        # calls), the same rows and shapes on every layout.
+        batches, keys = split_grains(batches, keys, ctx.bitwise_grain)
     for objective, units in zip(objectives, count.units, strict=True):
         # DDP (and FSDP) average gradients over the dp ranks; multiplying by dp turns that mean
         # back into the sum over ranks, so the gradient is d(global sum)/d(theta) / units. dp is
@@ -341,20 +346,18 @@ def forward_backward(
             after_backward(k)
 
 
-def bitwise_forward_backward(model: nn.Module, batches: list[tuple], ctx: StepContext, *, keys) -> torch.Tensor:
+def bitwise_forward_backward(model: nn.Module, grains: list[tuple], ctx: StepContext, *, keys) -> torch.Tensor:
     """run.bitwise (distributed/bitwise.py): the loop over grains of ``ctx.bitwise_grain`` rows
-    instead of micro-batches, each grain's gradient carried into the fixed tree, whose sum over
-    every rank is left in ``p.grad`` (FSDP2: this rank's shard) for the clip and the optimiser
-    step. Returns the gradient norm, taken on the whole merged gradient as one process takes it."""
-    grains, grain_keys = split_grains(batches, keys, ctx.bitwise_grain)
+    (``train_step`` cut the micro-batches into them) instead of micro-batches, each grain's
+    gradient carried into the fixed tree, whose sum over every rank is left in ``p.grad`` (FSDP2:
+    this rank's shard) for the clip and the optimiser step. Returns the gradient norm, taken on
+    the whole merged gradient as one process takes it."""
     tree = GrainTree(model)
     with tree.no_sync():
         # One grain per call: its own sync decision (maybe_no_sync) would re-enable FSDP2's
         # reduce-scatter after the first grain; the tree's no_sync is the only one here.
         for k, grain in enumerate(grains):
-            forward_backward(
-                model, [grain], ctx, after_backward=tree.push, keys=grain_keys[k : k + 1] if keys else None
-            )
+            forward_backward(model, [grain], ctx, after_backward=tree.push, keys=keys[k : k + 1] if keys else None)
     return tree.write_grads(group=ctx.dp_group, dp=ctx.dp)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from paratrain.testing.dist_utils import read_metrics, run_ranks, train_rank
+from paratrain.testing.dist_utils import read_metrics, run_ranks, train_layouts, train_rank
 
 TOY = [
     "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
@@ -32,6 +32,21 @@ TOY = [
 ]
 BITWISE = ["run.bitwise=true", "run.bitwise_grain=2"]
 FSDP2 = "parallel.dp_shard=2"
+# A dual encoder with group BatchNorm (groups of 2: one per grain; its running statistics added in
+# global group order), a learnable logit scale (an output shared by every row) and info_nce over the
+# global batch (the gradient cache: the outputs gathered in global order), validation too.
+DUAL = [
+    *TOY,
+    *BITWISE,
+    "batch.norm_group=2",
+    "model.factory='paratrain.testing.toy:dual_encoder'",
+    "model.args={scale = true}",
+    "data.factory='paratrain.testing.toy:pairs'",
+    "data.args={}",
+    "data.val_factory='paratrain.testing.toy:pairs'",
+    "eval.samples=16",
+    "loss.name='info_nce'",
+]
 
 
 def read_run(out: str) -> dict:
@@ -46,9 +61,14 @@ def read_run(out: str) -> dict:
     }
 
 
-def run_layout(root, name: str, world: int, micro: int, extra=()) -> dict:
+def run_layout(root, name: str, world: int, micro: int, extra=(), more: dict | None = None) -> dict:
+    """``more``: other runs ``{name: overrides}`` in the same launch (one process start less each)."""
     out = str(root / name)
-    summaries = run_ranks(train_rank, world, [*TOY, f"batch.micro_batch_size={micro}", f"run.out_dir='{out}'", *extra])
+    overrides = [*TOY, f"batch.micro_batch_size={micro}", *extra]
+    if more:
+        run_ranks(train_layouts, world, {name: overrides, **more}, str(root))
+        return {**read_run(out), "accum": read_metrics(out)[0]["accum_steps"]}
+    summaries = run_ranks(train_rank, world, [*overrides, f"run.out_dir='{out}'"])
     return {**read_run(out), "accum": summaries[0]["batch"]["accum_steps"]}
 
 
@@ -68,9 +88,13 @@ def runs(tmp_path_factory):
             "1x16": run_layout(root, f"ref-{bitwise}", 1, 16, extra),
             "2x4-acc2": run_layout(root, f"ddp-{bitwise}", 2, 4, extra),
         }
-    out[True]["1x4-acc4"] = run_layout(root, "acc-True", 1, 4, BITWISE)  # off, it differs as DDP does
+    # The dual encoder's layouts ride these two launches.
+    dual = {f"dual-1x{m}": [*DUAL, f"batch.micro_batch_size={m}"] for m in (16, 4)}
+    out[True]["1x4-acc4"] = run_layout(root, "acc-True", 1, 4, BITWISE, dual)  # off, it differs as DDP does
     # FSDP2 with the mode only (off, it differs as DDP does): the fast tier's time.
-    out[True]["fsdp2x4-acc2"] = run_layout(root, "fsdp-True", 2, 4, [*BITWISE, FSDP2])
+    dual = {"dual-ddp": [*DUAL, "batch.micro_batch_size=4"], "dual-fsdp": [*DUAL, "batch.micro_batch_size=4", FSDP2]}
+    out[True]["fsdp2x4-acc2"] = run_layout(root, "fsdp-True", 2, 4, [*BITWISE, FSDP2], dual)
+    out["dual"] = {name: read_run(str(root / f"dual-{name}")) for name in ("1x16", "1x4", "ddp", "fsdp")}
     return out
 
 
@@ -87,6 +111,13 @@ def test_bitwise_equal_across_layouts(runs):
     for name in ("1x16", "2x4-acc2", "fsdp2x4-acc2"):
         assert runs[True][name]["grad_norm"][0] == pytest.approx(off["grad_norm"][0], rel=1e-5), name
         assert runs[True][name]["losses"][:2] == pytest.approx(off["losses"][:2], rel=1e-5), name
+
+
+def test_bitwise_batch_norm_and_info_nce(runs):
+    ref = runs["dual"]["1x16"]
+    assert len(ref["val_loss"]) == 2 and "tower.1.running_mean" in ref["weights"]  # BatchNorm's, compared too
+    for name in ("1x4", "ddp", "fsdp"):
+        assert differences(runs["dual"][name], ref) == [], name
 
 
 def test_without_bitwise_the_layouts_differ(runs):
@@ -140,13 +171,17 @@ def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_bitwise_hf_llama_and_cnn_with_augmentation(tmp_path):
+def test_bitwise_hf_llama_cnn_dpo_and_kto(tmp_path):
     """The issue's other models: a transformers Llama (embedding, rotary, SDPA, RMSNorm backward)
     and a small CNN (conv backward) with keyed dropout and augmentation drawn in the dataset,
-    with accumulation, DDP and FSDP2 at world 2, against one process. One launch per world size."""
+    with accumulation, DDP and FSDP2 at world 2, against one process, 4 AdamW steps. And objectives
+    with their own terms: DPO against a differing reference (its log-probabilities computed per
+    grain) and KTO (its z0 over the global batch, from the rows gathered in order), accumulation
+    and DDP at world 2, 3 AdamW steps. One launch per world size."""
     pytest.importorskip("transformers")
-    from paratrain.testing.dist_utils import train_layouts
+    from paratrain.data.prepare import prepare
     from paratrain.testing.hf_models import save_tiny
+    from paratrain.testing.sft_data import VOCAB, preference_pairs, save_chat_tokenizer, write_jsonl
 
     llama = [
         *TOY,
@@ -167,6 +202,35 @@ def test_bitwise_hf_llama_and_cnn_with_augmentation(tmp_path):
         "data.factory='paratrain.testing.toy:augmented'",
         "data.args={}",
     ]
+    tok = save_chat_tokenizer(str(tmp_path / "tok"))
+    corpus = str(tmp_path / "corpus")
+    pairs = write_jsonl(str(tmp_path / "pairs.jsonl"), preference_pairs(16))
+    prepare([pairs], out_dir=corpus, tokenizer=tok, fmt="preference", val_fraction=0, progress=False)
+    # KTO's unpaired rows: the chosen reply of even pairs (desirable), the rejected of odd ones.
+    rows = [
+        {"prompt": r["prompt"], "completion": r["chosen" if i % 2 == 0 else "rejected"], "label": i % 2 == 0}
+        for i, r in enumerate(preference_pairs(16))
+    ]
+    unpaired = str(tmp_path / "unpaired")
+    prepare(
+        [write_jsonl(f"{unpaired}.jsonl", rows)],
+        out_dir=unpaired,
+        tokenizer=tok,
+        fmt="unpaired",
+        val_fraction=0,
+        progress=False,
+    )
+    tiny = {"vocab_size": VOCAB, "max_position_embeddings": 512}
+    dpo = [
+        *[t for t in TOY if t.startswith(("optim.", "run.progress", "metrics."))],
+        "run.steps=3",
+        "batch.global_batch_size=8",
+        f"model.hf='{save_tiny('qwen2', str(tmp_path / 'policy'), **tiny, seed=0)}'",
+        "data.name='tokens'",
+        f"data.args={{path = '{corpus}', block_size = 256}}",
+        "loss.name='preference'",
+        f"preference.reference='{save_tiny('qwen2', str(tmp_path / 'ref'), **tiny, seed=1)}'",
+    ]
     models = {"llama": llama, "cnn": cnn}
     world1, world2 = {}, {}
     for m, sets in models.items():
@@ -174,10 +238,25 @@ def test_bitwise_hf_llama_and_cnn_with_augmentation(tmp_path):
         world1[f"{m}-1x4"] = [*sets, "batch.micro_batch_size=4"]
         world2[f"{m}-ddp"] = [*sets, "batch.micro_batch_size=4"]
         world2[f"{m}-fsdp"] = [*sets, "batch.micro_batch_size=4", FSDP2]
+    # DPO: global batch 8 in grains of 2 ("1x16" named as the others: its one micro-batch, 8 pairs); the
+    # default step at step 1 anchors it (the same loss and gradient).
+    world1.update(
+        {"dpo-1x16": [*dpo, *BITWISE, "batch.micro_batch_size=8"], "dpo-off": [*dpo, "batch.micro_batch_size=8"]}
+    )
+    world1["dpo-1x4"] = [*dpo, *BITWISE, "batch.micro_batch_size=4"]
+    world2["dpo-ddp"] = [*dpo, *BITWISE, "batch.micro_batch_size=2"]
+    # KTO: its reference point z0 (a mean over the global batch) from the rows gathered in order.
+    kto = [*dpo, *BITWISE, "preference.loss_type='kto'", f"data.args={{path = '{unpaired}', block_size = 256}}"]
+    world1.update({"kto-1x16": [*kto, "batch.micro_batch_size=8"], "kto-1x4": [*kto, "batch.micro_batch_size=4"]})
+    world2["kto-ddp"] = [*kto, "batch.micro_batch_size=2"]
     run_ranks(train_layouts, 1, world1, str(tmp_path), timeout=600)
     run_ranks(train_layouts, 2, world2, str(tmp_path), timeout=600)
-    for m in models:
+    for m in (*models, "dpo", "kto"):
         ref = read_run(str(tmp_path / f"{m}-1x16"))
-        assert len(ref["losses"]) == 4 and len(ref["val_loss"]) == (2 if m == "llama" else 0)
-        for layout in ("1x4", "ddp", "fsdp"):
+        assert len(ref["losses"]) == (4 if m in models else 3)
+        assert len(ref["val_loss"]) == (2 if m == "llama" else 0)
+        for layout in ("1x4", "ddp", "fsdp") if m in models else ("1x4", "ddp"):
             assert differences(read_run(str(tmp_path / f"{m}-{layout}")), ref) == [], f"{m}-{layout}"
+    on, off = read_run(str(tmp_path / "dpo-1x16")), read_run(str(tmp_path / "dpo-off"))
+    assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-5)
+    assert on["grad_norm"][0] == pytest.approx(off["grad_norm"][0], rel=1e-5)

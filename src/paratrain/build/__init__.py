@@ -174,6 +174,7 @@ def batch_norm_layout(cfg: Config, dims: ParallelDims, model: nn.Module) -> Norm
         group=norm_group(cfg.batch.norm_group, cfg.batch.global_batch_size),
         dp_rank=dims.local_rank_in("dp"),
         dp=dims.dp,
+        ordered=cfg.run.bitwise,
     )
     converted = convert_batch_norm(model, layout)
     log.info("batch norm: %d layer(s) over groups of %d samples (batch.norm_group)", len(converted), layout.group)
@@ -184,10 +185,18 @@ def check_batch_math(cfg: Config, dims: ParallelDims, model: nn.Module, loss_fn:
     """The layouts a model's BatchNorm and a loss over the whole global batch do not cover yet,
     refused in one line each (docs/batch-math.md)."""
     if cfg.run.bitwise and has_batch_norm(model):  # found on the built model, like the rows below
-        raise ConfigError(
-            "run.bitwise = true does not run a BatchNorm model yet (its statistics are sums over rows outside"
-            " the grain tree, docs/bitwise.md); set run.bitwise = false"
-        )
+        group = norm_group(cfg.batch.norm_group, cfg.batch.global_batch_size)
+        if not group:
+            raise ConfigError(
+                "run.bitwise = true does not run torch's own BatchNorm (batch.norm_group = 0: its statistics are sums"
+                " over each forward's rows, whatever the layout); set batch.norm_group to a divisor of"
+                f" run.bitwise_grain = {cfg.run.bitwise_grain} (docs/bitwise.md)"
+            )
+        if cfg.run.bitwise_grain % group:
+            raise ConfigError(
+                f"run.bitwise = true needs whole BatchNorm groups in each grain: batch.norm_group = {group} does not"
+                f" divide run.bitwise_grain = {cfg.run.bitwise_grain}; set one so (docs/bitwise.md)"
+            )
     bn = has_batch_norm(model) and cfg.batch.norm_group > 0
     if bn:  # found on the built model (a loss over the batch is refused from the config: preflight/support.py)
         for degree in ("pp", "tp", "cp", "ep"):

@@ -46,6 +46,9 @@ class NormLayout:
     group: int
     dp_rank: int = 0
     dp: int = 1
+    # run.bitwise (docs/bitwise.md): the running statistics' updates ride the step's reduce one row
+    # per group, summed in global group order after it (objectives/batch_norm.py), not per rank
+    ordered: bool = False
     _spans: dict = field(default_factory=dict)
 
     def span(self, rows: int) -> tuple[dist.ProcessGroup, bool]:

@@ -39,8 +39,11 @@ class NormStatistics(Objective):
     def __init__(self, layout):
         # layout: the converted modules' NormLayout (models/batch_norm.py, which this floor does not import)
         self.layout = layout
+        # run.bitwise: the running statistics' updates are added in one order on every layout
+        self.ordered = getattr(layout, "ordered", False)
         self.modules_: list[nn.Module] = []
         self.entries: dict[int, list] = {}
+        self.calls: dict[int, int] = {}  # each module's calls per forward, this step
 
     def bind(self, model: nn.Module) -> None:
         self.modules_ = [
@@ -90,29 +93,41 @@ class NormStatistics(Objective):
         parts = []
         for m in self.modules_:
             entries = self.entries[id(m)]
-            calls = 1 + max((e[0] for e in entries), default=-1)
+            calls = self.calls[id(m)] = 1 + max((e[0] for e in entries), default=-1)
             _, coef = ema_coefficients(m, updates=calls * self.groups)
-            mean_sum = torch.zeros(m.num_features, dtype=torch.float64, device=self.device)
+            # ordered (run.bitwise): one row per update, filled by the one rank that holds its group
+            # (the reduce adds zeros to it: exact), summed in update order in read()
+            rows = calls * self.groups if self.ordered else 1
+            mean_sum = torch.zeros(rows, m.num_features, dtype=torch.float64, device=self.device)
             var_sum = torch.zeros_like(mean_sum)
             for call, first, mean, var, counted in entries:
                 if not counted:  # a group spread over ranks: its first rank counts it
                     continue
-                weights = [coef[ordinal(call, first + j, calls=calls, groups=self.groups)] for j in range(len(mean))]
-                w = torch.tensor(weights, dtype=torch.float64, device=mean.device).unsqueeze(1)
+                at = [ordinal(call, first + j, calls=calls, groups=self.groups) for j in range(len(mean))]
+                w = torch.tensor([coef[o] for o in at], dtype=torch.float64, device=mean.device).unsqueeze(1)
+                if self.ordered:
+                    mean_sum[at] = (w * mean.double()).to(self.device)
+                    var_sum[at] = (w * var.double()).to(self.device)
+                    continue
                 mean_sum += (w * mean.double()).sum(0).to(self.device)
                 var_sum += (w * var.double()).sum(0).to(self.device)
-            parts += [mean_sum, var_sum, torch.tensor([float(calls)], dtype=torch.float64, device=self.device)]
+            parts += [
+                mean_sum.flatten(),
+                var_sum.flatten(),
+                torch.tensor([float(calls)], dtype=torch.float64, device=self.device),
+            ]
         return torch.cat(parts)
 
     def read(self, reduced: list[float], *, units: int) -> dict:
         """Apply the reduced update to every rank's running statistics, then stop recording."""
         at = 0
         for m in self.modules_:
-            c = m.num_features
-            mean_sum = torch.tensor(reduced[at : at + c], dtype=torch.float64)
-            var_sum = torch.tensor(reduced[at + c : at + 2 * c], dtype=torch.float64)
-            calls = round(reduced[at + 2 * c] / self.layout.dp)  # every rank made as many calls
-            at += 2 * c + 1
+            calls = self.calls[id(m)]
+            c = m.num_features * (calls * self.groups if self.ordered else 1)
+            # ordered: the updates' rows in update order, the same tensor on every rank and layout
+            mean_sum = torch.tensor(reduced[at : at + c], dtype=torch.float64).view(-1, m.num_features).sum(0)
+            var_sum = torch.tensor(reduced[at + c : at + 2 * c], dtype=torch.float64).view(-1, m.num_features).sum(0)
+            at += 2 * c + 1  # then the calls summed over the ranks, each rank's as many
             updates = calls * self.groups
             if updates == 0:
                 continue

@@ -87,6 +87,17 @@ def side_scores(scores, target: torch.Tensor, cp: CPGroup | None = None) -> tupl
     return (out, lengths) if cp is None else (cp.sum(out), cp.sum(lengths, grad=False))
 
 
+def ordered_sum(rows: torch.Tensor, group) -> torch.Tensor:
+    """The sum over every rank's ``rows`` (dim 0) gathered in rank order, the global batch's order
+    (data/sampler.py gives rank r its r-th contiguous slice): the same tensor, so the same bits, on
+    every layout (run.bitwise)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        parts = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, rows.contiguous(), group=group)
+        rows = torch.cat(parts)
+    return rows.sum(0)
+
+
 @dataclass(frozen=True)
 class CPGroup:
     """Context parallel (distributed/context_parallel.py): a pair's row is cut over ``size`` ranks,
@@ -164,6 +175,7 @@ class PreferenceLoss(Objective):
         weights: tuple[float, float] = (1.0, 1.0),
         dp_group=None,
         cp: CPGroup | None = None,
+        ordered: bool = False,
     ):
         if loss_type not in (*LOSS_TYPES, "bradley_terry"):  # bradley_terry: loss.name = 'reward'
             raise ConfigError(f"preference.loss_type = {loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
@@ -171,6 +183,9 @@ class PreferenceLoss(Objective):
         # KTO: the desirable and undesirable examples' weights; its KL term's sums are reduced
         # over the data-parallel ranks (dp_group) before the micro-batch loop.
         self.weights, self.dp_group, self.kl = weights, dp_group, torch.zeros(())
+        # run.bitwise (docs/bitwise.md): KTO's KL sums are taken over the global batch's rows
+        # gathered in its order, one sum the same bits on every layout, not per rank then reduced.
+        self.ordered = ordered
         # Context parallel: every cp rank of a row computes the whole pair's loss from the summed
         # sides, so each adds 1/cp of it (their gradients add up to one) and cp rank 0 alone
         # counts it in the step's sums (they are reduced over dp x cp).
@@ -283,12 +298,18 @@ class PreferenceLoss(Objective):
             self.pipeline_policy(batches, self.pipeline_target(torch.cat([t for _, t in batches])), piece)
             total += per_row.sum(0)
             dist.all_reduce(total, group=self.pp_group)
+        rows = []
         for k, (_, target) in enumerate(batches if not self.pipelined else ()):
             policy, counts = self._sides(forward(k), target.to(self.device), grad=False)
             real = counts[:, 1] > 0
             gap = torch.where(real, policy[:, 1] - self.refs[k][:, 1], 0.0).double()
+            if self.ordered:
+                rows.append(torch.stack([gap, real.double()], -1))
+                continue
             total += torch.stack([gap.sum(), real.sum().double()])
-        if self.dp_group is not None:
+        if self.ordered:
+            total = ordered_sum(torch.cat(rows), self.dp_group)
+        elif self.dp_group is not None:
             dist.all_reduce(total, group=self.dp_group)
         return (total[0] / total[1].clamp(min=1)).clamp(min=0).float()  # stays on the device: no sync
 

@@ -136,6 +136,7 @@ def _preference(cfg: Config, *, dp_group=None, cp=None, loss_type: str | None = 
         weights=(p.desirable_weight, p.undesirable_weight),
         dp_group=dp_group,
         cp=cp,
+        ordered=cfg.run.bitwise,
     )
 
 

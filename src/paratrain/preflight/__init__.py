@@ -253,7 +253,7 @@ def resolve_pad_to(cfg: Config, dims: ParallelDims) -> None:
     pad_to = cfg.data.args.get("pad_to")
     moe = hf_is_moe(cfg) if cfg.model.hf else gpt_moe(cfg)
     if pad_to is None:
-        one_shape = cfg.train.compile or dims.pp > 1
+        one_shape = cfg.train.compile or dims.pp > 1 or cfg.run.bitwise  # bitwise: a grain's shape is fixed
         cfg.data.args = {**cfg.data.args, "pad_to": 0 if one_shape or moe else math.lcm(8, parts)}
     elif not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 0:
         raise ConfigError(f"data.args.pad_to = {pad_to!r} must be an integer >= 0 (0: every row block_size wide)")

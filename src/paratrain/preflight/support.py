@@ -357,19 +357,38 @@ BITWISE_REFUSALS: tuple[Refusal, ...] = (
         "give batch.micro_batch_size as a multiple of run.bitwise_grain and keep the batch fixed",
         "the micro-batch must be a multiple of the grain chosen before the run",
     ),
+    # Accepted (docs/bitwise.md): the preference pairs and the reward model (a pair's terms are its
+    # row's), KTO (its z0 summed over the global batch's rows gathered in order), distillation (a
+    # token's teacher logits are its row's) and a loss over the global batch (the gradient cache's
+    # gradient of each output is taken from the whole batch gathered in global order, the same
+    # tensor on every layout): each objective runs per grain, its own forwards too.
     _bitwise(
-        "loss over the global batch",
-        lambda c, d: _over_batch(c),
-        lambda c, d: f"loss {c.loss.name!r} (over the whole global batch)",
-        "use a loss per item or sample",
-        "its terms are not per row, so a grain's gradient is not its rows' own",
+        "grpo",
+        lambda c, d: _grpo(c),
+        lambda c, d: f"loss.name = {c.loss.name!r}",
+        "use an objective over the data set's rows",
+        "its completions are generated and scored in batches of each rank's prompts, not checked bit for bit",
     ),
     _bitwise(
-        "an objective of its own",
-        lambda c, d: _own_objective(c),
-        lambda c, d: f"loss.name = {c.loss.name!r}",
-        "use an item loss ((sum, count) per row)",
-        "its terms (pairs, groups, a teacher) are not checked bit for bit yet",
+        "a user's objective",
+        lambda c, d: _builtin(c) is None and _own_objective(c),
+        lambda c, d: f"loss.name = {c.loss.name!r} (a plug-in with its own objective)",
+        "use a (sum, count) loss per row",
+        "its terms are its own: whether a grain's gradient is its rows' own is not known",
+    ),
+    _bitwise(
+        "reference store",
+        lambda c, d: _own_objective(c) and c.preference.precompute,
+        "preference.precompute = true",
+        "set preference.precompute = false (the reference then runs per grain)",
+        "the store computes the reference per micro-batch, not per grain",
+    ),
+    _bitwise(
+        "pad_to",
+        lambda c, d: bool(c.data.args.get("pad_to")),
+        lambda c, d: f"data.args.pad_to = {c.data.args.get('pad_to')}",
+        "set data.args.pad_to = 0 (rows of block_size, its default under run.bitwise)",
+        "a preference row's width is its micro-batch's longest pair",
     ),
     _bitwise(
         "moe",
