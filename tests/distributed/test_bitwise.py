@@ -61,15 +61,17 @@ def read_run(out: str) -> dict:
     }
 
 
-def run_layout(root, name: str, world: int, micro: int, extra=(), more: dict | None = None) -> dict:
-    """``more``: other runs ``{name: overrides}`` in the same launch (one process start less each)."""
+def run_layout(root, name: str, world: int, micro: int, extra=()) -> dict:
     out = str(root / name)
-    overrides = [*TOY, f"batch.micro_batch_size={micro}", *extra]
-    if more:
-        run_ranks(train_layouts, world, {name: overrides, **more}, str(root))
-        return {**read_run(out), "accum": read_metrics(out)[0]["accum_steps"]}
-    summaries = run_ranks(train_rank, world, [*overrides, f"run.out_dir='{out}'"])
+    summaries = run_ranks(train_rank, world, [*TOY, f"batch.micro_batch_size={micro}", *extra, f"run.out_dir='{out}'"])
     return {**read_run(out), "accum": summaries[0]["batch"]["accum_steps"]}
+
+
+def run_group(root, world: int, runs: dict[str, list[str]]) -> dict[str, dict]:
+    """Runs ``{name: overrides}`` one after another in one launch of ``world`` ranks (a process
+    start and its imports per launch, not per run: the test tiers' time)."""
+    run_ranks(train_layouts, world, runs, str(root))
+    return {n: {**read_run(str(root / n)), "accum": read_metrics(str(root / n))[0]["accum_steps"]} for n in runs}
 
 
 def differences(a: dict, b: dict) -> list[str]:
@@ -80,21 +82,23 @@ def differences(a: dict, b: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Two launches (one process, then world 2), each training its layouts one after another: the
+    fast tier's time (6 launches took 21 s, alone on 2 cores). A run carries nothing to the next
+    in its process that changes its numbers: the bitwise runs compared across the two launches show it."""
     root = tmp_path_factory.mktemp("bitwise")
-    out = {}
-    for bitwise in (True, False):
-        extra = BITWISE if bitwise else []
-        out[bitwise] = {
-            "1x16": run_layout(root, f"ref-{bitwise}", 1, 16, extra),
-            "2x4-acc2": run_layout(root, f"ddp-{bitwise}", 2, 4, extra),
-        }
-    # The dual encoder's layouts ride these two launches.
+
+    def layout(micro: int, *extra: str) -> list[str]:
+        return [*TOY, f"batch.micro_batch_size={micro}", *extra]
+
     dual = {f"dual-1x{m}": [*DUAL, f"batch.micro_batch_size={m}"] for m in (16, 4)}
-    out[True]["1x4-acc4"] = run_layout(root, "acc-True", 1, 4, BITWISE, dual)  # off, it differs as DDP does
-    # FSDP2 with the mode only (off, it differs as DDP does): the fast tier's time.
+    one = {"ref-False": layout(16), "ref-True": layout(16, *BITWISE), "acc-True": layout(4, *BITWISE), **dual}
     dual = {"dual-ddp": [*DUAL, "batch.micro_batch_size=4"], "dual-fsdp": [*DUAL, "batch.micro_batch_size=4", FSDP2]}
-    out[True]["fsdp2x4-acc2"] = run_layout(root, "fsdp-True", 2, 4, [*BITWISE, FSDP2], dual)
-    out["dual"] = {name: read_run(str(root / f"dual-{name}")) for name in ("1x16", "1x4", "ddp", "fsdp")}
+    two = {"ddp-False": layout(4), "ddp-True": layout(4, *BITWISE), "fsdp-True": layout(4, *BITWISE, FSDP2), **dual}
+    got = {**run_group(root, 1, one), **run_group(root, 2, two)}
+    # FSDP2 with the mode only (off, it differs as DDP does).
+    names = {"1x16": "ref", "2x4-acc2": "ddp", "1x4-acc4": "acc", "fsdp2x4-acc2": "fsdp"}
+    out = {mode: {k: got[f"{v}-{mode}"] for k, v in names.items() if f"{v}-{mode}" in got} for mode in (True, False)}
+    out["dual"] = {name: got[f"dual-{name}"] for name in ("1x16", "1x4", "ddp", "fsdp")}
     return out
 
 
@@ -141,14 +145,18 @@ def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path)
     ]
     # The issue's 50 AdamW steps at world 4 (no checkpoints: the resume below has its own run)
     long = [*drop, "run.steps=50", "eval.interval=25", "checkpoint.interval=0"]
-    ref50 = run_layout(tmp_path, "ref50", 1, 16, long)
+
+    def layout(micro: int, *extra: str) -> list[str]:
+        return [*TOY, f"batch.micro_batch_size={micro}", *long, *extra]
+
+    one = run_group(tmp_path, 1, {"ref50": layout(16), "acc8": layout(2)})
+    ref50 = one["ref50"]
     assert len(ref50["losses"]) == 50 and len(ref50["val_loss"]) == 2
-    acc8 = run_layout(tmp_path, "acc8", 1, 2, long)
-    assert acc8["accum"] == 8 and differences(acc8, ref50) == []
-    assert differences(run_layout(tmp_path, "w4", 4, 2, long), ref50) == []
-    assert differences(run_layout(tmp_path, "fsdp4", 4, 4, [*long, "parallel.dp_shard=4"]), ref50) == []
-    hsdp = run_layout(tmp_path, "hsdp", 4, 2, [*long, "parallel.dp_shard=2", "parallel.dp_replicate=2"])
-    assert differences(hsdp, ref50) == []
+    assert one["acc8"]["accum"] == 8 and differences(one["acc8"], ref50) == []
+    four = {"w4": layout(2), "fsdp4": layout(4, "parallel.dp_shard=4")}
+    four["hsdp"] = layout(2, "parallel.dp_shard=2", "parallel.dp_replicate=2")
+    for name, got in run_group(tmp_path, 4, four).items():
+        assert differences(got, ref50) == [], name
     ref = run_layout(tmp_path, "ref", 1, 16, drop)
     run_layout(tmp_path, "w2", 2, 8, [*drop, FSDP2])
     src = tmp_path / "w2" / "checkpoints" / "step-3"

@@ -137,23 +137,33 @@ def config(vlm: dict, corpus: str, name: str, *extra: str) -> list[str]:
     ]
 
 
-def test_val_loss_step_and_gradient_equal_transformers_and_two_ranks_with_accumulation_equal_one(vlm):
-    """The anchor, then the layouts: one process with the whole batch in one micro-batch, and DDP
-    over 2 ranks with one row per micro-batch (6 accumulation steps): the rows' images travel
-    with them, and the loss is over the global batch's target tokens whatever the split."""
+def test_val_loss_step_and_gradient_equal_transformers(vlm):
+    """The anchor: one process with the whole batch in one micro-batch; its validation loss, step-1
+    loss and gradient norm are plain transformers' (the layouts are the slow test's below)."""
     ref_loss, ref_items, ref_norm, late, _ = reference(vlm)
     result = eval_checkpoint(load_config(None, config(vlm, vlm["val"], "eval", "batch.global_batch_size=4")), "")
     assert result["val_items"] == ref_items
     torch.testing.assert_close(result["val_loss"], ref_loss, rtol=1e-5, atol=0)
     # Step 1 is over every conversation: its loss and the gradient of the global batch.
-    steps = ["batch.global_batch_size=12", "run.steps=2"]
-    paratrain.train(load_config(None, config(vlm, vlm["train"], "one", *steps)))
+    paratrain.train(load_config(None, config(vlm, vlm["train"], "one", *WHOLE_BATCH)))
     one = read_metrics(os.path.join(vlm["root"], "one"))
     torch.testing.assert_close(one[0]["loss"], ref_loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(one[0]["grad_norm"], ref_norm, rtol=1e-5, atol=0)
     assert abs(late - ref_loss) / ref_loss > 1e-3  # the anchor can fail: labels one token late are another loss
+
+
+WHOLE_BATCH = ["batch.global_batch_size=12", "run.steps=2"]
+
+
+@pytest.mark.slow  # the fast tier's budget (issue 53): the anchor above stays fast
+def test_two_ranks_with_accumulation_equal_one_process(vlm):
+    """DDP over 2 ranks with one row per micro-batch (6 accumulation steps) against one process
+    with the whole batch: the rows' images travel with them, and the loss is over the global
+    batch's target tokens whatever the split."""
+    paratrain.train(load_config(None, config(vlm, vlm["train"], "one_whole", *WHOLE_BATCH)))
+    one = read_metrics(os.path.join(vlm["root"], "one_whole"))
     ddp = ["parallel.dp_replicate=2", "batch.micro_batch_size=1"]
-    run_ranks(train_rank, 2, config(vlm, vlm["train"], "ddp", *steps, *ddp))
+    run_ranks(train_rank, 2, config(vlm, vlm["train"], "ddp", *WHOLE_BATCH, *ddp))
     got = read_metrics(os.path.join(vlm["root"], "ddp"))
     assert [r["accum_steps"] for r in got] == [6, 6]
     torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in one], rtol=1e-5, atol=0)

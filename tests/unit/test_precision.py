@@ -118,6 +118,7 @@ def test_fsdp_mixed_precision_policy():
 # ----------------------------------------------------------------------------- compile
 
 
+@pytest.mark.slow  # 30 s of inductor builds: the fast tier's budget; the slow tier compiles every layout
 def test_compile_runs_and_matches_eager(tmp_path, caplog):
     """inductor works on this CPU machine (gcc): each block is compiled, the losses are eager's.
 
