@@ -10,7 +10,7 @@
 # Every part's output goes to $OUT (or ./gpu-out) as well as the terminal.
 #   bash benchmarks/gpu/gpu_checks.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root: this script lives in benchmarks/gpu/
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu/gpu_preference_rl.sh            # on the GPU machine (needs trl, peft)
 #   bash benchmarks/gpu/gpu_preference_rl.sh --dry-run  # the same code paths on the CPU, tiny model, 1 round
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root: this script lives in benchmarks/gpu/
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
