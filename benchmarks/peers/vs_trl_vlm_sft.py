@@ -18,7 +18,8 @@ checkpointing:
   ``data.name = 'tokens'`` (block_size 128, packing ``padded``), ``parallel.dp_replicate = 2``.
 - TRL 1.16: ``SFTTrainer(model, SFTConfig(assistant_only_loss=True, ...), processing_class=
   processor)`` under ``torchrun --nproc-per-node 2`` with the conversations and their PIL images
-  in a ``datasets.Dataset``; ``DataCollatorForVisionLanguageModeling`` renders and processes each
+  in a ``datasets.Dataset`` (a text row's string content as one text part: Arrow cannot mix
+  strings and part lists in a column; the template renders both alike); ``DataCollatorForVisionLanguageModeling`` renders and processes each
   micro-batch on the fly (``processor.apply_chat_template(..., return_assistant_tokens_mask=True)``),
   ``ddp_find_unused_parameters=True`` (TRL's own default for a VLM: a text-only micro-batch leaves
   the vision tower without gradients). Its loss: the fused LM head's token losses summed over
@@ -41,6 +42,8 @@ global batch, at each micro-batch size of ``--check-micro`` (same global batch a
 accumulation changes with it); the step-1 loss and ``grad_norm`` (before clipping) of each run.
 paratrain's must not move with the micro-batch (the global-token mean); whether TRL's does is
 what is measured. Packing: TRL refuses it for vision data, so only the micro-batch is compared.
+
+Measured: docs/vision-language.md ("Against TRL") and ``vs_trl_vlm_sft.json``.
 
     python benchmarks/peers/vs_trl_vlm_sft.py --rounds 6     # paired rounds, then the loss question
     python benchmarks/peers/vs_trl_vlm_sft.py --quick        # 1 round of 4 steps and the check, no JSON
