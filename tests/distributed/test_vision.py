@@ -222,8 +222,8 @@ def test_fsdp2_gives_the_one_process_losses_and_a_frozen_vision_tower_stays(vlm)
 
 
 def test_checkpointed_decoder_gives_the_same_bits_and_tp_leaves_the_vision_tower_whole(vlm):
-    """Activation checkpointing wraps every decoder layer of the image-text wrapper and its
-    recomputation gives the same loss and gradients (the vision tower's included) bit for bit;
+    """Activation checkpointing wraps every decoder layer of the image-text wrapper, and every
+    encoder layer of its vision tower, and its recomputation gives the same loss and gradients (the vision tower's included) bit for bit;
     the tensor-parallel plan (the text config's own) splits the decoder and lm_head only, so the
     vision tower and projector stay whole on every tp rank (tp's losses: the slow test below)."""
     import copy
@@ -242,7 +242,8 @@ def test_checkpointed_decoder_gives_the_same_bits_and_tp_leaves_the_vision_tower
     for mode in ("none", "full"):  # 'selective': the slow test's tp run
         m = copy.deepcopy(model)
         apply_ac(m, mode=mode, blocks_attr=spec.blocks_attr)
-        assert all(isinstance(b, CheckpointWrapper) for b in m.layers.values()) == (mode != "none")
+        blocks = [*m.layers.values(), *m.vision_tower.encoder.layers]  # the decoder's and the vision tower's
+        assert all(isinstance(b, CheckpointWrapper) for b in blocks) == (mode != "none")
         loss = torch.nn.functional.cross_entropy(m(batch).flatten(0, 1), target.flatten(), reduction="sum")
         loss.backward()
         results.append([loss.detach(), *(p.grad for p in m.parameters())])
