@@ -22,7 +22,7 @@ from paratrain.config import ConfigError, load_config
 from paratrain.data.prepare import prepare
 from paratrain.launch.eval_worker import eval_checkpoint
 from paratrain.preflight.support import check_support, refuse_image_estimate
-from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_rank
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_layouts, train_rank
 from paratrain.testing.sft_data import write_jsonl
 from paratrain.testing.vlm_models import colour_rows, save_tiny_llava, save_tiny_qwen2vl
 
@@ -156,18 +156,44 @@ WHOLE_BATCH = ["batch.global_batch_size=12", "run.steps=2"]
 
 
 @pytest.mark.slow  # the fast tier's budget (issue 53): the anchor above stays fast
-def test_two_ranks_with_accumulation_equal_one_process(vlm):
-    """DDP over 2 ranks with one row per micro-batch (6 accumulation steps) against one process
-    with the whole batch: the rows' images travel with them, and the loss is over the global
-    batch's target tokens whatever the split."""
-    paratrain.train(load_config(None, config(vlm, vlm["train"], "one_whole", *WHOLE_BATCH)))
-    one = read_metrics(os.path.join(vlm["root"], "one_whole"))
-    ddp = ["parallel.dp_replicate=2", "batch.micro_batch_size=1"]
-    run_ranks(train_rank, 2, config(vlm, vlm["train"], "ddp", *WHOLE_BATCH, *ddp))
-    got = read_metrics(os.path.join(vlm["root"], "ddp"))
-    assert [r["accum_steps"] for r in got] == [6, 6]
-    torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in one], rtol=1e-5, atol=0)
-    torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in one], rtol=1e-4, atol=0)
+def test_two_ranks_with_accumulation_and_tensor_parallel_equal_one_process(vlm):
+    """DDP over 2 ranks with one row per micro-batch (6 accumulation steps) and activation
+    checkpointing ('full'), and tensor parallel over 2 ranks (the decoder split, the vision
+    tower and projector whole on both, 4 accumulation steps), against one process with the whole
+    batch: the rows' images travel with them, and the loss is over the global batch's target
+    tokens whatever the split. One process with 'selective' checkpointing gives the same bits."""
+    keep = [*WHOLE_BATCH, "run.save_model=true"]
+    for name, extra in (("one_whole", []), ("one_selective", ["parallel.activation_checkpointing='selective'"])):
+        paratrain.train(load_config(None, config(vlm, vlm["train"], name, *keep, *extra)))
+    one, selective = (read_metrics(os.path.join(vlm["root"], n)) for n in ("one_whole", "one_selective"))
+    assert [(r["loss"], r["grad_norm"]) for r in selective] == [(r["loss"], r["grad_norm"]) for r in one]
+    runs = {
+        "ddp_ac": [
+            "parallel.dp_replicate=2",
+            "batch.micro_batch_size=1",
+            "parallel.activation_checkpointing='full'",
+        ],
+        "tp": ["parallel.tp=2", "batch.micro_batch_size=3"],
+    }
+    root = os.path.join(vlm["root"], "world2")
+    run_ranks(train_layouts, 2, {n: config(vlm, vlm["train"], n, *keep, *o) for n, o in runs.items()}, root)
+    for name, accum in (("ddp_ac", 6), ("tp", 4)):
+        got = read_metrics(os.path.join(root, name))
+        assert [r["accum_steps"] for r in got] == [accum, accum]
+        torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in one], rtol=1e-5, atol=0)
+        torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in one], rtol=1e-4, atol=0)
+    # The tp run's vision tower and projector (rank 0's; every tp rank got the same gradient,
+    # the all-reduced one of the residual stream) moved as the one process's did.
+    from safetensors.torch import load_file
+
+    ref, tp = (
+        load_file(os.path.join(d, "model.safetensors"))
+        for d in (os.path.join(vlm["root"], "one_whole"), os.path.join(root, "tp"))
+    )
+    vision = [k for k in ref if k.startswith(("vision_tower.", "multi_modal_projector."))]
+    assert len(vision) > 10 and ref.keys() == tp.keys()
+    for k in ref:
+        torch.testing.assert_close(tp[k], ref[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.slow
@@ -193,6 +219,40 @@ def test_fsdp2_gives_the_one_process_losses_and_a_frozen_vision_tower_stays(vlm)
     )
     assert torch.equal(trained["multi_modal_projector.linear_1.weight"], start.multi_modal_projector.linear_1.weight)
     assert not torch.equal(trained["layers.0.mlp.up_proj.weight"], start.language_model.layers[0].mlp.up_proj.weight)
+
+
+def test_checkpointed_decoder_gives_the_same_bits_and_tp_leaves_the_vision_tower_whole(vlm):
+    """Activation checkpointing wraps every decoder layer of the image-text wrapper, and every
+    encoder layer of its vision tower, and its recomputation gives the same loss and gradients (the vision tower's included) bit for bit;
+    the tensor-parallel plan (the text config's own) splits the decoder and lm_head only, so the
+    vision tower and projector stay whole on every tp rank (tp's losses: the slow test below)."""
+    import copy
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from paratrain.data.tokens import build_tokens
+    from paratrain.distributed.activation_checkpoint import apply_ac
+    from paratrain.models import build
+
+    model, spec = build(load_config(None, [f"model.hf='{vlm['model']}'"]).model, meta_enabled=False)
+    ds = build_tokens(vlm["train"], block_size=128)
+    batch, target = ds.collate([ds[i] for i in range(4)])
+    assert batch.pixel_values.shape[0] > 0
+    results = []
+    for mode in ("none", "full"):  # 'selective': the slow test's tp run
+        m = copy.deepcopy(model)
+        apply_ac(m, mode=mode, blocks_attr=spec.blocks_attr)
+        blocks = [*m.layers.values(), *m.vision_tower.encoder.layers]  # the decoder's and the vision tower's
+        assert all(isinstance(b, CheckpointWrapper) for b in blocks) == (mode != "none")
+        loss = torch.nn.functional.cross_entropy(m(batch).flatten(0, 1), target.flatten(), reduction="sum")
+        loss.backward()
+        results.append([loss.detach(), *(p.grad for p in m.parameters())])
+    assert model.vision_tower.encoder.layers[0].mlp.fc1.weight.requires_grad and len(results[0]) > 40
+    for other in results[1:]:
+        assert len(other) == len(results[0]) and all(torch.equal(a, b) for a, b in zip(other, results[0]))
+    plan = spec.tp_plan(model, sequence_parallel=False, loss_parallel=False)
+    assert "layers.0.self_attn.q_proj" in plan and "lm_head" in plan
+    assert all(name.startswith(("layers.", "lm_head")) for name in plan)
 
 
 def test_pixels_stored_beside_the_shards_and_image_tokens_never_targets(vlm):
@@ -229,7 +289,7 @@ def test_bad_image_rows_are_one_line(vlm, tmp_path):
 @pytest.mark.parametrize(
     "over, dims, line",
     [
-        ([], dict(tp=2), "parallel.tp > 1 with an image-text model.hf is not supported yet"),
+        (["parallel.sequence_parallel=true"], dict(tp=2), "parallel.sequence_parallel = true with an image-text"),
         ([], dict(pp=2), "parallel.pp > 1 with an image-text model.hf"),
         (["loss.name='preference'"], {}, "loss.name other than 'cross_entropy' with an image-text model.hf"),
         (["data.args={path = 'x', packing = 'documents'}"], {}, "data.args.packing = 'documents' with an image-text"),
@@ -313,16 +373,24 @@ def test_qwen2vl_val_loss_step_and_gradient_equal_transformers(qwen):
 
 
 @pytest.mark.slow
-def test_qwen2vl_ddp_with_accumulation_and_fsdp2_give_the_one_process_losses(qwen):
+def test_qwen2vl_ddp_fsdp2_and_tensor_parallel_give_the_one_process_losses(qwen):
     """DDP over 2 ranks with one row per micro-batch (2 accumulation steps: each micro-batch's
-    patches and grids are its own row's) and FSDP2 over 2 ranks, against one process."""
-    steps = ["batch.global_batch_size=4", "run.steps=2"]
-    paratrain.train(load_config(None, config(qwen, qwen["train"], "one_gb4", *steps)))
+    patches and grids are its own row's), FSDP2 over 2 ranks, and tensor parallel over 2 ranks
+    with 'selective' activation checkpointing (the multimodal rotary positions pass through the
+    split attention as they are), against one process; one launch runs the three."""
+    steps = ["batch.global_batch_size=4", "run.steps=2", "batch.micro_batch_size=1"]
+    paratrain.train(load_config(None, config(qwen, qwen["train"], "one_gb4", *steps[:2])))
     one = read_metrics(os.path.join(qwen["root"], "one_gb4"))
-    for name, layout in (("ddp", "parallel.dp_replicate=2"), ("fsdp", "parallel.dp_shard=2")):
-        run_ranks(train_rank, 2, config(qwen, qwen["train"], name, *steps, layout, "batch.micro_batch_size=1"))
-        got = read_metrics(os.path.join(qwen["root"], name))
-        assert [r["accum_steps"] for r in got] == [2, 2]
+    runs = {
+        "ddp": ["parallel.dp_replicate=2"],
+        "fsdp": ["parallel.dp_shard=2"],
+        "tp": ["parallel.tp=2", "parallel.activation_checkpointing='selective'"],
+    }
+    root = os.path.join(qwen["root"], "world2")
+    run_ranks(train_layouts, 2, {n: config(qwen, qwen["train"], n, *steps, *o) for n, o in runs.items()}, root)
+    for name, accum in (("ddp", 2), ("fsdp", 2), ("tp", 4)):
+        got = read_metrics(os.path.join(root, name))
+        assert [r["accum_steps"] for r in got] == [accum, accum]
         torch.testing.assert_close([r["loss"] for r in got], [r["loss"] for r in one], rtol=1e-5, atol=0)
         torch.testing.assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in one], rtol=1e-4, atol=0)
 

@@ -55,7 +55,8 @@ def _selective_policy(save: set):
 
 
 def apply_ac(model: nn.Module, *, mode: str, blocks_attr: str = BLOCKS_ATTR) -> None:
-    """Wrap each block of ``model.<blocks_attr>`` in place for ``mode`` ('none', 'full', 'selective')."""
+    """Wrap each block of ``model.<blocks_attr>`` (and of the lists in ``model.extra_checkpoint_blocks``)
+    in place for ``mode`` ('none', 'full', 'selective')."""
     if mode == "none":
         return
     blocks = blocks_of(model, blocks_attr)
@@ -68,11 +69,15 @@ def apply_ac(model: nn.Module, *, mode: str, blocks_attr: str = BLOCKS_ATTR) -> 
     if mode == "selective":
         policy = _selective_policy(_save_list())
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
-    layers = getattr(model, blocks_attr)
-    for name, block in blocks:
-        # Non-reentrant checkpointing: composes with FSDP2 and DTensor, and supports kwargs.
-        # The wrapper's state-dict hooks strip its prefix, so parameter names do not change.
-        layers.register_module(
-            name,
-            checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True, **kwargs),
-        )
+    # A model's other lists of repeated layers (an image-text model's vision encoder layers,
+    # models/hf/vision.py), named in ``extra_checkpoint_blocks``, are checkpointed alike.
+    for layers in (getattr(model, blocks_attr), *getattr(model, "extra_checkpoint_blocks", ())):
+        for name, block in list(layers.named_children()):
+            # Non-reentrant checkpointing: composes with FSDP2 and DTensor, and supports kwargs.
+            # The wrapper's state-dict hooks strip its prefix, so parameter names do not change.
+            layers.register_module(
+                name,
+                checkpoint_wrapper(
+                    block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True, **kwargs
+                ),
+            )

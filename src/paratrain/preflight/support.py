@@ -442,11 +442,17 @@ VISION_REFUSALS = (
             why,
         )
         for degree, why in (
-            ("tp", "no tensor-parallel plan for the vision tower and projector"),
             ("pp", "a pipeline stage would need the image features of its rows"),
             ("cp", "the image tokens of a row cannot be split over ranks yet"),
             ("ep", "no mixture-of-experts image-text family is wired"),
         )
+    ),
+    _vision_refusal(
+        "tp sequence_parallel",
+        lambda c, d: d.tp > 1 and c.parallel.sequence_parallel,
+        "parallel.sequence_parallel = true",
+        "set parallel.sequence_parallel = false (parallel.tp itself runs exactly)",
+        "the image features are scattered into the whole sequence, and the language model's plan keeps it replicated",
     ),
     _vision_refusal(
         "lora dropout in the vision tower",
@@ -489,13 +495,6 @@ VISION_REFUSALS = (
         "train.compile",
         "set train.compile = false",
         "image rows are padded to each micro-batch's longest, and each width compiles again",
-    ),
-    _vision_refusal(
-        "activation_checkpointing",
-        lambda c, d: c.parallel.activation_checkpointing != "none",
-        "parallel.activation_checkpointing",
-        "set parallel.activation_checkpointing = 'none'",
-        "not yet checked against one process for the image-text wrapper",
     ),
 )
 

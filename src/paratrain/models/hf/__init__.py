@@ -105,7 +105,10 @@ def hf_spec(cfg: ModelConfig) -> ModelSpec:
 
 def vision_spec(cfg: ModelConfig, config) -> ModelSpec:
     """The spec of an image-text model (models/hf/vision.py): the decoder layers are the blocks;
-    what this slice does not run (tp, pp, cp, ep, LoRA, ...) is refused by preflight/support.py."""
+    tensor parallel splits the language model by its text config's own plan (hf_tp_plan: the
+    patterns start at ``layers.``/``lm_head``, so the vision tower and projector match none and
+    stay replicated on every tp rank); what this slice does not run (pp, cp, ep, ...) is refused
+    by preflight/support.py."""
     check_family(config)
     files = weight_files(cfg.hf)
 
@@ -120,6 +123,10 @@ def vision_spec(cfg: ModelConfig, config) -> ModelSpec:
         name=f"hf:{cfg.hf}",
         build=functools.partial(build_vision, cfg),
         blocks_attr="layers",
+        tp_plan=hf_tp_plan,
+        check_layout=lambda args, *, tp, sequence_parallel: check_hf_layout(
+            load_hf_config(cfg.hf, args).get_text_config(), tp=tp
+        ),
         loss_parallel=False,
         context_length=lambda args: getattr(text, "max_position_embeddings", None),
         materialize=materialize if hf_weights_enabled(cfg, files) else None,

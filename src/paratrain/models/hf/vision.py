@@ -100,6 +100,17 @@ class HFVisionLM(HFCausalLM):
             if getattr(self, attr) is not None
         }
         self.built_tensors = self._position_buffers()
+        # parallel.activation_checkpointing wraps these lists' layers too, beside the decoder's
+        # (distributed/activation_checkpoint.py): the vision tower's encoder layers, the ones
+        # transformers itself checkpoints (its GradientCheckpointingLayer), CLIP's encoder.layers
+        # and Qwen2-VL's blocks. A tuple, not submodules: the tower keeps them and their names.
+        from transformers.modeling_layers import GradientCheckpointingLayer  # paratrain[hf], as the model
+
+        self.extra_checkpoint_blocks = tuple(
+            m
+            for m in self.vision_tower.modules()
+            if isinstance(m, nn.ModuleList) and len(m) and all(isinstance(c, GradientCheckpointingLayer) for c in m)
+        )
 
     def _position_buffers(self) -> dict[str, torch.Tensor]:
         """The vision tower's non-persistent position buffers (CLIP's ``position_ids``, an arange;
