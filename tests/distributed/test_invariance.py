@@ -95,6 +95,13 @@ def test_mean_of_micro_batch_means_breaks_invariance(tmp_path):
 
 SGD = [*plain_sgd(0.3), "run.steps=4"]  # a dropped dp factor or a schedule's 1/n left on shows
 FAULT = ["model.factory='paratrain.testing.toy:gpt_scaled_grad'"]  # x2 on every rank of a multi-process job
+# The bitwise variant (run.bitwise, issue 59): the same layouts, zero tolerance. A fault of any size
+# fails it: the gradient x (1 + 2^-21), which the 1e-5 comparison cannot see.
+BITWISE = ["run.bitwise=true", "run.bitwise_grain=2"]
+NUDGED = [
+    FAULT[0],
+    "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, factor = 1.000000476837158}",
+]
 
 
 def train_many(runs: list[list[str]]) -> list[list[float]]:
@@ -144,9 +151,8 @@ def test_sgd_gradient_matches_and_a_constant_factor_is_caught(tmp_path):
     layout whose gradient is doubled (src/paratrain/testing/toy.py:gpt_scaled_grad) fails the same comparison,
     while under AdamW its losses would pass."""
     adamw = ["optim.name='adamw'", "optim.lr=3e-3"]
-    refs = sgd_runs(
-        tmp_path / "w1", 1, {"ref": ["batch.micro_batch_size=8"], "adamw": ["batch.micro_batch_size=8", *adamw]}
-    )
+    one = ["batch.micro_batch_size=8"]
+    refs = sgd_runs(tmp_path / "w1", 1, {"ref": one, "adamw": [*one, *adamw], "ref_bitwise": [*one, *BITWISE]})
     ref = refs["ref"]
     runs = sgd_runs(
         tmp_path / "w2",
@@ -155,6 +161,8 @@ def test_sgd_gradient_matches_and_a_constant_factor_is_caught(tmp_path):
             "acc2": ["batch.micro_batch_size=2"],
             "acc2_doubled": ["batch.micro_batch_size=2", *FAULT],
             "adamw_doubled": ["batch.micro_batch_size=2", *FAULT, *adamw],
+            "acc2_bitwise": ["batch.micro_batch_size=2", *BITWISE],
+            "acc2_nudged_bitwise": ["batch.micro_batch_size=2", *NUDGED, *BITWISE],
         },
     )
     assert abs(ref["losses"][-1] - ref["losses"][0]) > 1e-3  # the weights really move at this lr
@@ -167,3 +175,16 @@ def test_sgd_gradient_matches_and_a_constant_factor_is_caught(tmp_path):
     torch.testing.assert_close(
         torch.tensor(runs["adamw_doubled"]["losses"]), torch.tensor(refs["adamw"]["losses"]), rtol=1e-4, atol=0
     )
+    # The bitwise variant: DDP x accumulation gives one process's bits; the nudged gradient passes
+    # the 1e-5 comparison and fails this one.
+    assert_bitwise(runs["acc2_bitwise"], refs["ref_bitwise"])
+    assert_same_run(runs["acc2_nudged_bitwise"], refs["ref_bitwise"])
+    with pytest.raises(AssertionError, match="not bitwise"):
+        assert_bitwise(runs["acc2_nudged_bitwise"], refs["ref_bitwise"])
+
+
+def assert_bitwise(got: dict, ref: dict) -> None:
+    """Zero tolerance: the same losses, grad norms and weights, bit for bit."""
+    apart = [k for k in ("losses", "grad_norms") if got[k] != ref[k]]
+    apart += [k for k in ref["params"] if not torch.equal(got["params"][k], ref["params"][k])]
+    assert not apart, f"not bitwise equal: {apart[:5]}"
