@@ -4,6 +4,7 @@ otherwise grows); the validation loss too."""
 
 from __future__ import annotations
 
+import glob
 import os
 
 import pytest
@@ -29,6 +30,7 @@ TOY = [
     "eval.interval=3",
     "eval.samples=32",
     "data.val_factory='paratrain.testing.toy:toy_lm'",  # the training samples: what is checked is the sums
+    "checkpoint.interval=6",  # the last step's optimiser state, compared too
 ]
 BITWISE = ["run.bitwise=true", "run.bitwise_grain=2"]
 FSDP2 = "parallel.dp_shard=2"
@@ -50,14 +52,24 @@ DUAL = [
 
 
 def read_run(out: str) -> dict:
-    """A finished run's logged values and its weights."""
+    """A finished run's logged values, its weights, and the optimiser state of its last checkpoint
+    (AdamW's step, exp_avg and exp_avg_sq per parameter, whole: DCP's shards merged by torch's own
+    dcp_to_torch_save; empty without a checkpoint)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     rows = read_metrics(out)
+    optim = {}
+    steps = sorted(glob.glob(os.path.join(out, "checkpoints", "step-*")), key=lambda p: int(p.rsplit("-", 1)[1]))
+    if steps:
+        dcp_to_torch_save(steps[-1], os.path.join(out, "last.pt"))
+        optim = torch.load(os.path.join(out, "last.pt"), weights_only=False)["optim"]
     return {
         "losses": [r["loss"] for r in rows],
         "grad_norm": [r["grad_norm"] for r in rows],
         "items": [r.get("items", r.get("tokens")) for r in rows],
         "val_loss": [r["val_loss"] for r in rows if "val_loss" in r],
         "weights": load_file(os.path.join(out, "model.safetensors")),
+        "optim": optim,
     }
 
 
@@ -75,9 +87,16 @@ def run_group(root, world: int, runs: dict[str, list[str]]) -> dict[str, dict]:
 
 
 def differences(a: dict, b: dict) -> list[str]:
-    """What is not bitwise equal between two runs (empty: all of it is)."""
+    """What is not bitwise equal between two runs (empty: all of it is), the optimiser state too."""
     bad = [k for k in ("losses", "grad_norm", "items", "val_loss") if a[k] != b[k]]
-    return bad + [k for k in a["weights"] if not torch.equal(a["weights"][k], b["weights"][k])]
+    bad += [k for k in a["weights"] if not torch.equal(a["weights"][k], b["weights"][k])]
+    if a["optim"].keys() != b["optim"].keys():
+        return [*bad, "optimiser state keys"]
+    return bad + [
+        k
+        for k, v in a["optim"].items()
+        if not (torch.equal(v, b["optim"][k]) if torch.is_tensor(v) else v == b["optim"][k])
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +124,7 @@ def runs(tmp_path_factory):
 def test_bitwise_equal_across_layouts(runs):
     ref = runs[True]["1x16"]
     assert runs[True]["1x4-acc4"]["accum"] == 4 and runs[True]["2x4-acc2"]["accum"] == 2
-    assert len(ref["val_loss"]) == 2
+    assert len(ref["val_loss"]) == 2 and any(k.endswith(".exp_avg_sq") for k in ref["optim"])
     for name in ("1x4-acc4", "2x4-acc2", "fsdp2x4-acc2"):
         assert differences(runs[True][name], ref) == [], name
     # Anchored to the default step (itself anchored to plain PyTorch, test_invariance.py): the same
@@ -143,8 +162,8 @@ def test_bitwise_world_4_hsdp_and_resume_at_world_1_with_keyed_dropout(tmp_path)
         "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32, dropout = 0.1}",
         "checkpoint.interval=3",
     ]
-    # The issue's 50 AdamW steps at world 4 (no checkpoints: the resume below has its own run)
-    long = [*drop, "run.steps=50", "eval.interval=25", "checkpoint.interval=0"]
+    # The issue's 50 AdamW steps at world 4 (a checkpoint at step 50 only: its optimiser state is compared)
+    long = [*drop, "run.steps=50", "eval.interval=25", "checkpoint.interval=50"]
 
     def layout(micro: int, *extra: str) -> list[str]:
         return [*TOY, f"batch.micro_batch_size={micro}", *long, *extra]
@@ -195,6 +214,7 @@ def test_bitwise_hf_llama_cnn_dpo_and_kto(tmp_path):
         *TOY,
         *BITWISE,
         "run.steps=4",
+        "checkpoint.interval=4",
         "eval.interval=2",
         f"model.hf='{save_tiny('llama', str(tmp_path / 'llama'))}'",
         "model.args={}",
@@ -204,6 +224,7 @@ def test_bitwise_hf_llama_cnn_dpo_and_kto(tmp_path):
         *TOY,
         *BITWISE,
         "run.steps=4",
+        "checkpoint.interval=4",
         "eval.interval=0",
         "model.factory='paratrain.testing.toy:small_cnn'",
         "model.args={}",
