@@ -352,7 +352,7 @@ def main() -> None:
         type=int,
         default=0,
         metavar="STEPS",
-        help="instead: one job, a hand-written DDP step before each paratrain step, STEPS pairs",
+        help="instead: one job, a hand-written DDP step beside each paratrain step (before, then after), STEPS steps",
     )
     p.add_argument("--worker", choices=["paratrain", "baseline", "interleaved"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
