@@ -1,6 +1,7 @@
 """Keyed dropout against torch's own dropout: the main job's step time, and the ops alone.
 
     python benchmarks/overhead/keyed_dropout.py [--pairs 6] [--steps 20] [--nproc 1] [--ops-only]
+    python benchmarks/overhead/keyed_dropout.py --in-process 30
 
 End to end: configs/main.toml with ``model.args.dropout = 0.1`` (the GPT's attention dropout),
 run as paratrain trains it (keyed, the default) and with ``run.keyed_random = false`` (torch's
@@ -14,6 +15,11 @@ Ops: one attention-probabilities-sized tensor (the main job's micro-batch: 8 x 4
 256) through ``keyed_dropout`` and ``F.dropout``, and the attention with keyed dropout (the
 math path: softmax, keyed mask, times v) against ``scaled_dot_product_attention(dropout_p=0.1)``;
 median of 20 timings each, one thread.
+
+``--in-process N``: the main job's model (dropout 0.1) in one process, one micro-batch's forward
+and backward with keyed dropout and with torch's, alternating N times (the order swapped every
+pair), in CPU time of the thread (other jobs' load hardly moves it); then the share of the keyed
+forward and backward spent drawing the masks (``randomness.uniform``).
 """
 
 from __future__ import annotations
@@ -116,13 +122,76 @@ def ops() -> None:
         )
 
 
+def in_process(n: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import paratrain.randomness as R
+    from paratrain.build import draw_sites
+    from paratrain.config import load_config
+    from paratrain.models import build_model
+    from paratrain.testing.paired import summary_line
+
+    torch.set_num_threads(1)
+    cfg = load_config(os.path.join(REPO, "configs", "main.toml"), ["model.args.dropout=0.1"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model).train()
+    b, t = cfg.batch.micro_batch_size, cfg.model.args["block_size"]
+    x, y = torch.randint(0, 256, (b, t)), torch.randint(0, 256, (b, t))
+    mode = R.KeyedDraws(draw_sites(model), R.row_keys(0, [(0, i) for i in range(b)]))
+
+    def torch_dropout() -> float:
+        c = time.thread_time()
+        out = model(x)
+        F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum").backward()
+        model.zero_grad(set_to_none=True)
+        return time.thread_time() - c
+
+    def keyed() -> float:
+        with mode:
+            return torch_dropout()
+
+    for _ in range(3):  # warm-up
+        keyed(), torch_dropout()
+    times = {"keyed": [], "torch": []}
+    for i in range(n):
+        for name, fn in (("keyed", keyed), ("torch", torch_dropout))[:: 1 if i % 2 else -1]:
+            times[name].append(fn())
+    drawing, uniform = [0.0], R.uniform
+
+    def timed_uniform(*args, **kwargs):
+        c = time.thread_time()
+        try:
+            return uniform(*args, **kwargs)
+        finally:
+            drawing[0] += time.thread_time() - c
+
+    R.uniform = timed_uniform
+    try:
+        spent = sum(keyed() for _ in range(10))
+    finally:
+        R.uniform = uniform
+    k, p = statistics.median(times["keyed"]), statistics.median(times["torch"])
+    print(
+        f"one micro-batch ({b} x {t}), forward + backward, thread CPU: keyed {k * 1e3:.1f} ms, torch {p * 1e3:.1f} ms"
+    )
+    print(summary_line("keyed / torch", [a / b for a, b in zip(times["keyed"], times["torch"])]))
+    print(
+        f"drawing the keyed masks: {drawing[0] / 10 * 1e3:.1f} ms ({drawing[0] / spent:.1%} of the keyed forward + backward)"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--ops-only", action="store_true")
+    ap.add_argument("--in-process", type=int, default=0, metavar="N", help="instead: N alternated pairs in one process")
     args = ap.parse_args()
+    if args.in_process:
+        in_process(args.in_process)
+        return 0
     ops()
     if args.ops_only:
         return 0

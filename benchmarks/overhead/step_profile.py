@@ -13,8 +13,16 @@ src/paratrain/testing/baseline_ddp.py (here with phase timers), each with torch.
   the baseline's data, forward/backward, clip + optimiser step and loss reduce + read.
 
 The counts do not depend on the machine's load; the times do (state ``uptime`` beside them).
+``--ops N`` adds the op table: calls and self CPU ms per step of each loop, the N ops whose time
+differs most and every op whose count differs.
 
-    python benchmarks/overhead/step_profile.py [--config configs/main.toml] [--src /path/to/other/src]
+``--interleaved STEPS``: one job instead, paratrain's loop with a hand-written DDP step (its own
+model copy) beside each of its steps, before and after it in turn: the paired ratio of wall and
+of CPU seconds per step, and each loop's phases in main-thread CPU ms, which waits and other
+jobs' load hardly move (a figure for a shared machine, where two separate jobs' medians swing).
+
+    python benchmarks/overhead/step_profile.py [--config configs/main.toml] [--src /path/to/other/src] [--ops 25]
+    python benchmarks/overhead/step_profile.py --interleaved 60
 """
 
 from __future__ import annotations
@@ -54,9 +62,30 @@ def report(prof, phases: dict, out: str) -> None:
         "item_reads": counts.get("aten::_local_scalar_dense", 0) / ACTIVE,
         "tolist_reads": counts.get("Tensor.tolist", 0) / ACTIVE,
         "phase_ms": {k: 1e3 * statistics.median(v[2:]) for k, v in phases.items()},
+        # Per op and step: calls and self CPU ms (--ops compares the two loops op by op).
+        "ops": {e.key: [e.count / ACTIVE, e.self_cpu_time_total / 1e3 / ACTIVE] for e in prof.key_averages()},
     }
     with open(out, "w") as f:
         json.dump(row, f)
+
+
+def print_ops(base: dict, ours: dict, n: int) -> None:
+    """The ops whose self CPU time per step differs most between the loops, and every op whose
+    count differs (the counts do not depend on the load; the times do)."""
+    keys = set(base) | set(ours)
+    zero = [0.0, 0.0]
+    diff = {k: ours.get(k, zero)[1] - base.get(k, zero)[1] for k in keys}
+    shown = sorted(keys, key=lambda k: -abs(diff[k]))[:n]
+    shown += sorted(k for k in keys if k not in shown and base.get(k, zero)[0] != ours.get(k, zero)[0])
+    print(f"{'op':<48} {'calls base':>10} {'calls ours':>10} {'ms base':>8} {'ms ours':>8} {'diff':>7}")
+    for k in shown:
+        (cb, mb), (co, mo) = base.get(k, zero), ours.get(k, zero)
+        print(f"{k[:48]:<48} {cb:>10g} {co:>10g} {mb:>8.2f} {mo:>8.2f} {diff[k]:>+7.2f}")
+    total = sum(diff.values())
+    print(
+        f"self CPU ms per step: baseline {sum(v[1] for v in base.values()):.2f}, paratrain"
+        f" {sum(v[1] for v in ours.values()):.2f} ({total:+.2f})"
+    )
 
 
 def profiler():
@@ -168,6 +197,148 @@ def paratrain(config: str, out: str) -> None:
         report(prof, phases, out)
 
 
+def interleaved(config: str, out: str, steps: int) -> None:
+    """paratrain's loop as the CLI runs it, with one hand-written DDP step (its own DDP copy of the
+    model, AdamW and sampler: the loop of src/paratrain/testing/baseline_ddp.py) beside each
+    paratrain step, so that every pair of steps shares the machine's state of that moment. Per
+    step: wall, process CPU and main-thread CPU seconds of each, and the main thread's CPU
+    seconds of each one's phases (CPU time counts no waiting: the least sensitive to load)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import paratrain.step as S
+    import paratrain.trainer as T
+    from paratrain.config import load_config
+    from paratrain.data.datasets import build_dataset
+    from paratrain.models import build_model
+
+    sets = [f"run.steps={steps}", f"run.out_dir='{out}.run'", "run.progress=false", "metrics.plot=false"]
+    cfg = load_config(config, [*sets, "run.save_model=false", "eval.interval=0"])
+    base, phases, cur = {}, {}, {}
+
+    def timed(name, fn):  # the main thread's CPU seconds in fn, per step
+        def wrapper(*args, **kwargs):
+            t = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cur[name] = cur.get(name, 0.0) + time.thread_time() - t
+
+        return wrapper
+
+    S.forward_backward = timed("ours forward_backward", S.forward_backward)
+    S.finish_step = timed("ours clip_optimizer", S.finish_step)
+    S.PendingTotals.read = timed("ours totals_read", S.PendingTotals.read)
+    step, pairs = T.train_step, []
+
+    def baseline_step():
+        if not base:  # after paratrain made the process group
+            torch.manual_seed(cfg.run.seed)
+            model = DDP(build_model(cfg.model), bucket_cap_mb=cfg.comm.bucket_mb, gradient_as_bucket_view=True)
+            opt = torch.optim.AdamW(
+                model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                weight_decay=cfg.optim.weight_decay,
+            )  # fmt: skip
+            base.update(model=model, opt=opt, data=build_dataset(cfg.data), g=torch.Generator().manual_seed(0))
+        model, opt, data, g = base["model"], base["opt"], base["data"], base["g"]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        per_rank = cfg.batch.global_batch_size // world
+        mbs = cfg.batch.micro_batch_size or per_rank
+        accum = per_rank // mbs
+        idx = torch.randint(0, len(data), (cfg.batch.global_batch_size,), generator=g).tolist()
+        mine = idx[rank * per_rank : (rank + 1) * per_rank]
+        for k in range(accum):
+            xs, ys = zip(*(data[i] for i in mine[k * mbs : (k + 1) * mbs]))
+            x, y = torch.stack(xs), torch.stack(ys)
+            t = time.thread_time()
+            with model.no_sync() if k < accum - 1 else torch.enable_grad():
+                logits = model(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / accum
+                loss.backward()
+            cur["base forward_backward"] = cur.get("base forward_backward", 0.0) + time.thread_time() - t
+        t = time.thread_time()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        cur["base clip_optimizer"] = time.thread_time() - t
+        loss_val = loss.detach().clone()
+        dist.all_reduce(loss_val)
+        loss_val.item()
+
+    clocks = (time.perf_counter, time.process_time, time.thread_time)  # wall, process CPU, main thread CPU
+    last = {}
+
+    def timed_baseline():
+        t = [c() for c in clocks]
+        baseline_step()
+        return [c() - x for c, x in zip(clocks, t)]
+
+    def train_step(*args, **kwargs):
+        # The pair's order alternates (the baseline step before, then after paratrain's), so that
+        # neither always follows the other's collectives. paratrain's iteration is the time from
+        # this entry to the next one, less the baseline step run within it.
+        now = [c() for c in clocks]
+        if last:
+            ours = [n - t - b for n, t, b in zip(now, last["t"], last["base"])]
+            pairs.append([last["base"][0], last["base"][1], ours[0], ours[1]])
+            cur["base whole step (main thread)"], cur["ours whole iteration (main thread)"] = last["base"][2], ours[2]
+            for k, v in cur.items():
+                phases.setdefault(k, []).append(v)
+        cur.clear()
+        last["t"] = now
+        if len(pairs) % 2 == 0:
+            last["base"] = timed_baseline()
+            return step(*args, **kwargs)
+        result = step(*args, **kwargs)
+        last["base"] = timed_baseline()
+        return result
+
+    T.train_step = train_step
+    T.train(cfg)
+    if int(os.environ["RANK"]) == 0:
+        with open(out, "w") as f:  # pairs: [baseline wall, CPU, paratrain wall, CPU] per step
+            json.dump({"pairs": pairs, "phases": phases}, f)
+
+
+def run_interleaved(args, env) -> None:
+    from paratrain.testing.paired import summary_line
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "pairs.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+        cmd += [__file__, "--worker", "interleaved", "--out", out, "--config", args.config]
+        res = subprocess.run(
+            cmd,
+            cwd=REPO,
+            env={**env, "STEP_PAIRS": str(args.interleaved)},
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        if res.returncode:
+            sys.exit(f"interleaved run failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
+        with open(out) as f:
+            got = json.load(f)
+    pairs = got["pairs"][5:]  # warm-up left out
+    print(
+        "main thread CPU ms per step (median): "
+        + ", ".join(f"{k} {1e3 * statistics.median(v[5:]):.2f}" for k, v in sorted(got["phases"].items()))
+    )
+    for name, b_at, o_at in (("wall", 0, 2), ("CPU", 1, 3)):
+        base, ours = [p[b_at] for p in pairs], [p[o_at] for p in pairs]
+        diffs = sorted(o - b for b, o in zip(base, ours))
+        print(
+            f"{name}, {len(pairs)} interleaved step pairs: baseline {statistics.median(base) * 1e3:.2f} ms, paratrain"
+            f" {statistics.median(ours) * 1e3:.2f} ms; paratrain - baseline median"
+            f" {statistics.median(diffs) * 1e3:+.2f} ms (quartiles {diffs[len(diffs) // 4] * 1e3:+.2f},"
+            f" {diffs[3 * len(diffs) // 4] * 1e3:+.2f})"
+        )
+        print("  " + summary_line("paratrain/baseline", [o / b for b, o in zip(base, ours)]))
+    print(f"(load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/main.toml")
@@ -175,16 +346,30 @@ def main() -> None:
     p.add_argument(
         "--src", default=os.path.join(REPO, "src"), help="paratrain's src/ to profile (e.g. an older checkout)"
     )
-    p.add_argument("--worker", choices=["paratrain", "baseline"], help=argparse.SUPPRESS)
+    p.add_argument("--ops", type=int, default=0, help="also list the N ops whose self CPU ms per step differ most")
+    p.add_argument(
+        "--interleaved",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="instead: one job, a hand-written DDP step beside each paratrain step (before, then after), STEPS steps",
+    )
+    p.add_argument("--worker", choices=["paratrain", "baseline", "interleaved"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         import torch
 
         torch.set_num_threads(1)
-        (paratrain if args.worker == "paratrain" else baseline)(args.config, args.out)
+        if args.worker == "interleaved":
+            interleaved(args.config, args.out, int(os.environ["STEP_PAIRS"]))
+        else:
+            (paratrain if args.worker == "paratrain" else baseline)(args.config, args.out)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([args.src, REPO])}
+    if args.interleaved:
+        run_interleaved(args, env)
+        return
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for variant in ("baseline", "paratrain"):
@@ -203,6 +388,8 @@ def main() -> None:
             f" {row['tolist_reads']:g} tolist"
         )
         print("  median ms: " + ", ".join(f"{k} {v:.2f}" for k, v in row["phase_ms"].items()))
+    if args.ops:
+        print_ops(rows["baseline"]["ops"], rows["paratrain"]["ops"], args.ops)
     print(f"(load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f})")
 
 
