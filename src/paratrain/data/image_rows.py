@@ -15,6 +15,7 @@ import torch
 
 from paratrain.config import ConfigError
 from paratrain.data.packing import IGNORE_INDEX
+from paratrain.data.preference import PreferencePairs
 
 
 @dataclass
@@ -43,6 +44,10 @@ class ImageTextBatch:
     def count_tokens(self) -> int:
         """The real tokens (step.count_tokens: the padding does not count)."""
         return int((self.positions >= 0).sum())
+
+    def __len__(self) -> int:
+        """The rows (loss.rows: a preference batch counts a pair per row)."""
+        return self.input_ids.shape[0]
 
 
 class ImageConversations(torch.utils.data.Dataset):
@@ -120,3 +125,62 @@ class ImageConversations(torch.utils.data.Dataset):
             grid,
         )
         return batch, torch.from_numpy(tgt)
+
+
+class ImagePreferencePairs(PreferencePairs):
+    """The pairs of an image-text ``preference`` corpus (data/images.py): each pair one row
+    ``[chosen | rejected]`` as for text (data/preference.py; the positions restart at the rejected
+    side, so each side attends to itself only) whose image tokens take the pair's images twice,
+    once per side, in row order: each side is its prompt's images, prompt and reply, as the
+    processor renders it alone. The images are stored once per pair (under its chosen document).
+
+    A pair is never cut (its sides would lose image tokens): a longer one is refused. Families
+    with multimodal rotary positions (Qwen2-VL: ``grids``) are refused: the family's
+    ``get_rope_index`` would number the rejected side after the chosen one."""
+
+    def __init__(self, corpus, pixels, image_counts: np.ndarray, *, shape, block_size: int, pad_to: int, grids=None):
+        if grids is not None:
+            raise ConfigError(
+                "DPO on image-text pairs of a family with multimodal rotary positions (Qwen2-VL) is not supported"
+                " yet: its positions would run on from the chosen side into the rejected one; use a LLaVA-style model"
+            )
+        longest = int(corpus.doc_lengths.reshape(-1, 2).sum(1).max()) if len(corpus.doc_lengths) else 0
+        if isinstance(block_size, int) and longest > block_size:
+            raise ConfigError(
+                f"data.args.block_size = {block_size} is shorter than the longest image-text pair ({longest} tokens,"
+                f" both sides), which cannot be cut through its images; raise data.args.block_size to {longest}"
+            )
+        super().__init__(corpus, block_size=block_size, pad_to=pad_to)
+        self.pixels, self.shape = pixels, tuple(shape or ())
+        counts = image_counts.astype(np.int64)
+        self.image_counts, self.image_starts = counts, np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+    def __getitem__(self, i: int):
+        inputs, target = super().__getitem__(i)
+        d = 2 * int(self.pairs[int(i)])  # the chosen document holds the pair's images
+        start, n = int(self.image_starts[d]), int(self.image_counts[d])
+        per = int(np.prod(self.shape)) if self.shape else 0
+        pixels = self.pixels.read(start * per, (start + n) * per).reshape(n, *self.shape)
+        return inputs, target, pixels
+
+    def null_sample(self):
+        """A row with no pair and no image (a validation set's last batch is filled with these)."""
+        inputs, target, _ = self[0]
+        inputs, target = torch.zeros_like(inputs), torch.full_like(target, IGNORE_INDEX)
+        inputs[1] = -1  # every position padding
+        return inputs, target, np.zeros((0, *self.shape), np.float32)
+
+    def collate(self, samples: list):
+        """The text pairs' collate (data/preference.py), then an :class:`ImageTextBatch` whose
+        pixel values hold each row's images twice, the chosen side's then the rejected side's."""
+        inputs, target = super().collate([(x, t) for x, t, _ in samples])
+        twice = [(r, p) for r, (_, _, p) in enumerate(samples) for _ in range(2)]
+        pv = np.concatenate([p for _, p in twice]) if twice else np.zeros((0, *self.shape), np.float32)
+        owner = [r for r, p in twice for _ in range(len(p))]
+        batch = ImageTextBatch(
+            inputs[:, 0].contiguous(),
+            inputs[:, 1].contiguous(),
+            torch.from_numpy(np.ascontiguousarray(pv, dtype=np.float32)),
+            torch.tensor(owner, dtype=torch.int64),
+        )
+        return batch, target
