@@ -763,7 +763,9 @@ def prepare(
         fmt = "text" if first is None else detect_format(first[1], first[0])
     chat = fmt in ("chat", "prompt", "preference", "unpaired")
     # TRL's vision conversations (data/images.py), told by the first rows: the model's processor renders them.
-    images = fmt in ("chat", "preference") and any(is_image_row(row) for _, row in itertools.islice(iter_rows(files), IMAGE_SCAN_ROWS))
+    images = fmt in ("chat", "preference") and any(
+        is_image_row(row) for _, row in itertools.islice(iter_rows(files), IMAGE_SCAN_ROWS)
+    )
     fingerprint = {
         "inputs": [os.path.abspath(p) for p in inputs],
         "tokenizer": tokenizer if tokenizer == "bytes" or tokenizer.startswith("bpe:") else os.path.abspath(tokenizer),

@@ -324,7 +324,9 @@ def resolve_packing(packing: str, meta: dict) -> str:
     # An image corpus has one conversation per row (data/images.py): 'padded' is its only packing.
     # (a preference corpus packs each pair into one row, images or not: data/preference.py)
     pairs = meta.get("document_format") in ("preference", "unpaired")
-    packing = packing or ("padded" if meta.get("images") and not pairs else "documents" if meta.get("loss_mask") else "stream")
+    packing = packing or (
+        "padded" if meta.get("images") and not pairs else "documents" if meta.get("loss_mask") else "stream"
+    )
     if meta.get("loss_mask") and packing == "stream":
         raise ConfigError(
             "data.args.packing = 'stream' would cross document boundaries of a corpus with loss masks;"
