@@ -21,7 +21,8 @@ from paratrain.config import ConfigError, load_config
 from paratrain.data.prepare import prepare
 from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
 from paratrain.testing.sft_data import write_jsonl
-from paratrain.testing.vlm_models import colour_rows, save_tiny_llava
+from paratrain.testing.vlm_models import colour_rows, save_tiny_llava, save_tiny_qwen2vl
+from tests.distributed.test_vision import load_processor
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -30,12 +31,12 @@ PAIRS = 8
 SGD = [*plain_sgd(0.1), "run.progress=false", "metrics.plot=false", "run.save_model=false", "data.shuffle=false"]
 
 
-def pair_rows(folder: str, n: int) -> list[dict]:
+def pair_rows(folder: str, n: int, *, wide: bool = False) -> list[dict]:
     """TRL's vision preference rows from colour_rows' conversations: the prompt shows one or two
     images (or none: a text pair among them), ``chosen`` names the right colour, ``rejected`` a
     wrong one in more words (the sides differ in length)."""
     rows = []
-    for row in colour_rows(folder, n):
+    for row in colour_rows(folder, n, wide=wide):
         prompt, answer = row["messages"][0], row["messages"][1]["content"]
         text = answer if isinstance(answer, str) else answer[0]["text"]
         rejected = [{"type": "text", "text": "I think it is grey, or black."}]
@@ -64,7 +65,7 @@ def config(v: dict, name: str, *extra: str) -> list[str]:
     return [
         f"model.hf='{v['policy']}'",
         "data.name='tokens'",
-        f"data.args={{path = '{v['corpus']}', block_size = 160}}",
+        f"data.args={{path = '{v['corpus']}', block_size = 192}}",
         "loss.name='preference'",
         f"run.out_dir='{v['root']}/{name}'",
         f"batch.global_batch_size={PAIRS}",
@@ -96,9 +97,9 @@ def side_logp(model, processor, root: str, row: dict, reply: str) -> torch.Tenso
 
 def anchor(v: dict, *, beta: float = 0.1) -> tuple[float, float]:
     """(step-1 loss, grad_norm) of sigmoid DPO over the pairs, each side alone, the formula written out."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(v["policy"])
+    processor = load_processor(v["policy"])  # Qwen2-VL's without its video processor (no torchvision)
     policy = AutoModelForImageTextToText.from_pretrained(v["policy"], attn_implementation="sdpa")
     ref = AutoModelForImageTextToText.from_pretrained(v["ref"], attn_implementation="sdpa")
     terms = []
@@ -141,6 +142,25 @@ def test_image_dpo_ddp_with_accumulation_and_lora_equal_one_process(vdpo):
     assert off[1]["loss"] != off[0]["loss"]
     torch.testing.assert_close([r["loss"] for r in off], [r["loss"] for r in init], rtol=1e-5, atol=0)
     torch.testing.assert_close([r["grad_norm"] for r in off], [r["grad_norm"] for r in init], rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_qwen2vl_image_dpo_equals_transformers_on_each_side_alone(tmp_path):
+    """Qwen2-VL (variable patches, multimodal rotary positions; images of 4 or 6 tokens): the
+    packed pair's rejected side gets its M-RoPE shifted by a constant (get_rope_index over the whole
+    row), which its rotary attention does not see: each side still equals its rendering alone."""
+    v = {"root": str(tmp_path), "rows": pair_rows(str(tmp_path), 6, wide=True)}
+    v["policy"], v["ref"] = (save_tiny_qwen2vl(str(tmp_path / k), seed=s) for k, s in (("policy", 0), ("ref", 1)))
+    v["corpus"] = str(tmp_path / "corpus")
+    data = write_jsonl(str(tmp_path / "pairs.jsonl"), v["rows"])
+    prepare([data], out_dir=v["corpus"], tokenizer=v["policy"], fmt="preference", val_fraction=0, progress=False)
+    loss, norm = anchor(v)
+    paratrain.train(
+        load_config(None, config(v, "q", f"preference.reference='{v['ref']}'", "batch.global_batch_size=6"))
+    )
+    got = read_metrics(os.path.join(v["root"], "q"))
+    torch.testing.assert_close(got[0]["loss"], loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got[0]["grad_norm"], norm, rtol=1e-5, atol=0)
 
 
 def test_image_pairs_prepare_and_refusals_are_one_line(vdpo, tmp_path):
