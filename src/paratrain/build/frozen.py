@@ -321,7 +321,11 @@ def frozen_like_policy(cfg: Config, dims: ParallelDims, model: nn.Module, *, spe
     under plain data parallel a whole copy per rank (DDP has no gradient of it to reduce)."""
     model.requires_grad_(False)
     sharded = dims.fsdp_enabled or dims.tp > 1 or dims.pp > 1  # pp: this rank's stages of it
-    if spec.materialize is not None and not sharded:
+    # The initial copy of a policy DDP wraps was taken after its weights were read (build/__init__.py):
+    # nothing left on the meta device to read, and the weights' built tensors (a vision tower's
+    # position ids, models/hf/vision.py) were already spent on the policy.
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if spec.materialize is not None and not sharded and on_meta:
         spec.materialize(model, device=device)
     if sharded:
         # Not compiled, no loss: parallelize's defaults (compile off, no loss parallel, no head handed to a loss).

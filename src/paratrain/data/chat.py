@@ -412,8 +412,9 @@ def common_prefix(a: list, b: list) -> int:
     return n
 
 
-def split_pair(row: dict, where: str) -> tuple[object, object, object]:
-    """``(prompt, chosen, rejected)`` of a row: lists of messages, or strings."""
+def split_pair(row: dict, where: str, *, checked=None) -> tuple[object, object, object]:
+    """``(prompt, chosen, rejected)`` of a row: lists of messages, or strings. ``checked``: the
+    messages' check (data/images.py passes one that takes lists of text and image parts)."""
     if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
         raise ConfigError(
             f"{where}: a preference row needs the fields 'chosen' and 'rejected' (and 'prompt'); fix the row"
@@ -444,7 +445,8 @@ def split_pair(row: dict, where: str) -> tuple[object, object, object]:
         )
     if not chosen or not rejected:
         raise ConfigError(f"{where}: 'chosen' and 'rejected' are the same conversation; fix or drop the row")
-    return _checked(_sharegpt(prompt), where), _checked(chosen, where), _checked(rejected, where)
+    checked = checked or _checked
+    return checked(_sharegpt(prompt), where), checked(chosen, where), checked(rejected, where)
 
 
 def split_unpaired(row: dict, where: str) -> tuple[object, object, bool]:

@@ -15,6 +15,7 @@ import torch
 
 from paratrain.config import ConfigError
 from paratrain.data.packing import IGNORE_INDEX
+from paratrain.data.preference import PreferencePairs
 
 
 @dataclass
@@ -43,6 +44,10 @@ class ImageTextBatch:
     def count_tokens(self) -> int:
         """The real tokens (step.count_tokens: the padding does not count)."""
         return int((self.positions >= 0).sum())
+
+    def __len__(self) -> int:
+        """The rows (loss.rows: a preference batch counts a pair per row)."""
+        return self.input_ids.shape[0]
 
 
 class ImageConversations(torch.utils.data.Dataset):
@@ -120,3 +125,71 @@ class ImageConversations(torch.utils.data.Dataset):
             grid,
         )
         return batch, torch.from_numpy(tgt)
+
+
+class ImagePreferencePairs(PreferencePairs):
+    """The pairs of an image-text ``preference`` corpus (data/images.py): each pair one row
+    ``[chosen | rejected]`` as for text (data/preference.py; the positions restart at the rejected
+    side, so each side attends to itself only) whose image tokens take the pair's images twice,
+    once per side, in row order: each side is its prompt's images, prompt and reply, as the
+    processor renders it alone. The images are stored once per pair (under its chosen document).
+    With variable patches (Qwen2-VL) each image's grid is repeated with it. The family's
+    ``get_rope_index`` over the packed row numbers the rejected side's multimodal positions on from
+    the chosen side's: one constant offset for all its tokens, which rotary attention does not see
+    (it rotates by differences of positions), while the masks follow the 1-D positions, which restart.
+
+    A pair is never cut (its sides would lose image tokens): a longer one is refused."""
+
+    def __init__(self, corpus, pixels, image_counts: np.ndarray, *, shape, block_size: int, pad_to: int, grids=None):
+        longest = int(corpus.doc_lengths.reshape(-1, 2).sum(1).max()) if len(corpus.doc_lengths) else 0
+        if isinstance(block_size, int) and longest > block_size:
+            raise ConfigError(
+                f"data.args.block_size = {block_size} is shorter than the longest image-text pair ({longest} tokens,"
+                f" both sides), which cannot be cut through its images; raise data.args.block_size to {longest}"
+            )
+        super().__init__(corpus, block_size=block_size, pad_to=pad_to)
+        self.pixels, self.shape = pixels, tuple(shape or ())
+        counts = image_counts.astype(np.int64)
+        self.image_counts, self.image_starts = counts, np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self.grids = None if grids is None else np.asarray(grids, np.int64).reshape(-1, 3)
+        # Where each image's values start, in units of ``shape`` (ImageConversations'): patches with grids.
+        sizes = np.ones(int(counts.sum()), np.int64) if self.grids is None else self.grids.prod(-1)
+        self.unit_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    def __getitem__(self, i: int):
+        inputs, target = super().__getitem__(i)
+        d = 2 * int(self.pairs[int(i)])  # the chosen document holds the pair's images
+        start, n = int(self.image_starts[d]), int(self.image_counts[d])
+        a, b = int(self.unit_starts[start]), int(self.unit_starts[start + n])
+        per = int(np.prod(self.shape)) if self.shape else 0
+        pixels = self.pixels.read(a * per, b * per).reshape(b - a, *self.shape)
+        grid = None if self.grids is None else self.grids[start : start + n]
+        return inputs, target, (pixels, n, grid)
+
+    def null_sample(self):
+        """A row with no pair and no image (a validation set's last batch is filled with these)."""
+        inputs, target, _ = self[0]
+        inputs, target = torch.zeros_like(inputs), torch.full_like(target, IGNORE_INDEX)
+        inputs[1] = -1  # every position padding
+        empty = None if self.grids is None else np.zeros((0, 3), np.int64)
+        return inputs, target, (np.zeros((0, *self.shape), np.float32), 0, empty)
+
+    def collate(self, samples: list):
+        """The text pairs' collate (data/preference.py), then an :class:`ImageTextBatch` whose
+        pixel values (and grids) hold each row's images twice, the chosen side's then the rejected side's."""
+        inputs, target = super().collate([(x, t) for x, t, _ in samples])
+        twice = [(r, images) for r, (_, _, images) in enumerate(samples) for _ in range(2)]
+        pv = [p for _, (p, _, _) in twice]
+        pv = np.concatenate(pv) if pv else np.zeros((0, *self.shape), np.float32)
+        owner = [r for r, (_, n, _) in twice for _ in range(n)]
+        grid = None
+        if self.grids is not None:
+            grid = torch.from_numpy(np.concatenate([g for _, (_, _, g) in twice] or [np.zeros((0, 3), np.int64)]))
+        batch = ImageTextBatch(
+            inputs[:, 0].contiguous(),
+            inputs[:, 1].contiguous(),
+            torch.from_numpy(np.ascontiguousarray(pv, dtype=np.float32)),
+            torch.tensor(owner, dtype=torch.int64),
+            grid,
+        )
+        return batch, target

@@ -31,14 +31,14 @@ import os
 import numpy as np
 
 from paratrain.config import ConfigError
-from paratrain.data.chat import encode_conversation, read_chat_template, row_key, row_messages
+from paratrain.data.chat import encode_conversation, read_chat_template, row_key, row_messages, split_pair
 
 HF_PROCESSOR_DIR = "hf_processor"  # the model's processor, saved beside the shards
 
 
 def is_image_row(row: dict) -> bool:
     """A row in TRL's vision format: an ``images`` field, or a message whose content is a list of parts."""
-    messages = row.get("messages", row.get("conversations"))
+    messages = row.get("messages", row.get("conversations", row.get("prompt")))  # prompt: a preference row
     return "images" in row or (
         isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
     )
@@ -206,27 +206,39 @@ def init_image_worker(processor_dir: str, loss_on: str) -> None:
 
 
 def encode_image_rows(
-    rows: list[tuple[str, dict]], *, dtype: str, max_length: int, splits: tuple, split_of, skip_reason
+    rows: list[tuple[str, dict]],
+    *,
+    dtype: str,
+    max_length: int,
+    splits: tuple,
+    split_of,
+    skip_reason,
+    pairs: bool = False,
 ) -> dict:
     """prepare.encode_rows for image rows: tokens, masks, lengths per split (``split_of(row key)``
     picks it), plus ``pixels`` (float32, flat) and ``image_counts`` (per document). A row cut by ``max_length`` inside its image tokens
-    is skipped and counted: a partial image cannot be fed to the vision tower."""
+    is skipped and counted: a partial image cannot be fed to the vision tower.
+
+    ``pairs``: TRL's vision preference rows (``prepare --format preference``): each row two
+    documents, chosen then rejected (data/preference.py), each rendered and expanded by the
+    processor with the row's images; the images are stored once, under the chosen document
+    (its count n, the rejected one's 0), and data/image_rows.py gives both sides the same pixels."""
     processor, loss_on = _VISION
+    loss_on = "assistant" if pairs else loss_on  # a pair's targets: its reply's assistant turns (data/chat.py)
     tok, image_id = processor.tokenizer, image_token_id(processor)
     out, masks, lengths, pixels, counts, grids = ({s: [] for s in splits} for _ in range(6))
     skipped = truncated = text_bytes = 0
     reasons: dict[str, int] = {}
     shape = None
     for where, row in rows:
-        raw = row.get("messages", row.get("conversations"))
-        if isinstance(raw, list):
-            _check_parts([m for m in raw if isinstance(m, dict)], where)
-        messages, first = _vision_messages(row, where)
-        images = open_images(row, where, _image_parts(messages))
-        ids, mask = encode_conversation(tok, messages, first, loss_on=loss_on, where=where)
-        text = tok.apply_chat_template(messages, tokenize=False)
-        enc = processor(text=[text], images=images or None, return_tensors="np")
-        ids, mask = expand_like_processor(ids, mask, np.asarray(enc["input_ids"][0]), image_id, where)
+        sides, images = _pair_sides(row, where) if pairs else _conversation_side(row, where)
+        docs = []
+        for messages, first in sides:
+            ids, mask = encode_conversation(tok, messages, first, loss_on=loss_on, where=where)
+            text = tok.apply_chat_template(messages, tokenize=False)
+            enc = processor(text=[text], images=images or None, return_tensors="np")
+            docs.append(expand_like_processor(ids, mask, np.asarray(enc["input_ids"][0]), image_id, where))
+        # The sides hold the same images: their pixel values are the same numbers (the last side's).
         pv = np.zeros((0,), np.float32) if not images else np.asarray(enc["pixel_values"], dtype=np.float32)
         grid = enc.get("image_grid_thw") if images else None  # variable patches (Qwen2-VL): (images, 3)
         if images:
@@ -238,26 +250,31 @@ def encode_image_rows(
                 )
         key = row_key(row)
         text_bytes += len(key.encode("utf-8", errors="replace"))
-        cut = bool(max_length) and len(ids) > max_length
+        cut = bool(max_length) and any(len(ids) > max_length for ids, _ in docs)
         if cut:
             truncated += 1
-            if (ids[max_length:] == image_id).any():
+            if any((ids[max_length:] == image_id).any() for ids, _ in docs):
                 skipped += 1
                 reason = "cut by --max-length inside its image tokens"
                 reasons[reason] = reasons.get(reason, 0) + 1
                 continue
-            ids, mask = ids[:max_length], mask[:max_length]
-        if not mask[1:].any():
+            docs = [(ids[:max_length], mask[:max_length]) for ids, mask in docs]
+        if not all(mask[1:].any() for _, mask in docs):
             skipped += 1
-            reason = skip_reason(messages, cut=cut)
+            reason = (
+                "a reply without a target token (empty, or cut by --max-length)"
+                if pairs
+                else skip_reason(sides[0][0], cut=cut)
+            )
             reasons[reason] = reasons.get(reason, 0) + 1
             continue
         split = split_of(key)
-        out[split].append(ids.astype(dtype))
-        masks[split].append(mask)
-        lengths[split].append(len(ids))
+        for d, (ids, mask) in enumerate(docs):
+            out[split].append(ids.astype(dtype))
+            masks[split].append(mask)
+            lengths[split].append(len(ids))
+            counts[split].append(len(images) if d == 0 else 0)
         pixels[split].append(pv.reshape(-1))
-        counts[split].append(len(images))
         if grid is not None:
             grids[split].append(np.asarray(grid, dtype=np.uint32).reshape(-1))
     cat = {s: np.concatenate(v) if v else np.empty(0, dtype) for s, v in out.items()}
@@ -274,6 +291,50 @@ def encode_image_rows(
         "truncated": truncated,
         "text_bytes": text_bytes,
     }
+
+
+def _conversation_side(row: dict, where: str) -> tuple[list, list]:
+    """A chat row's one document ``[(messages, first target message)]`` and its images."""
+    raw = row.get("messages", row.get("conversations"))
+    if isinstance(raw, list):
+        _check_parts([m for m in raw if isinstance(m, dict)], where)
+    messages, first = _vision_messages(row, where)
+    return [(messages, first)], open_images(row, where, _image_parts(messages))
+
+
+def _pair_sides(row: dict, where: str) -> tuple[list, list]:
+    """A vision preference row's two documents ``[(prompt + chosen, len(prompt)), (prompt +
+    rejected, ...)]`` and its images, which the prompt shows (TRL's vision DPO rows: a
+    conversational ``prompt`` whose parts hold the images, replies as messages or strings)."""
+    prompt = row.get("prompt") if isinstance(row, dict) else None
+    if isinstance(prompt, list):  # replies given as strings answer a conversational prompt
+        row = {
+            **row,
+            **{
+                k: [{"role": "assistant", "content": row[k]}]
+                for k in ("chosen", "rejected")
+                if isinstance(row.get(k), str)
+            },
+        }
+    prompt, chosen, rejected = split_pair(row, where, checked=_parts_checked)
+    if isinstance(prompt, str):
+        raise ConfigError(
+            f"{where}: a pair of plain strings in an image-text corpus; give 'prompt' as messages whose content"
+            " lists the {'type': 'image'} parts"
+        )
+    if _image_parts(chosen) or _image_parts(rejected):
+        raise ConfigError(f"{where}: image parts in 'chosen' or 'rejected'; the images belong to the prompt")
+    sides = [(prompt + chosen, len(prompt)), (prompt + rejected, len(prompt))]
+    return sides, open_images(row, where, _image_parts(prompt))
+
+
+def _parts_checked(messages: list, where: str) -> list[dict]:
+    """data/chat.py's check of a pair's messages, with content a string or a list of parts."""
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ConfigError(f"{where}: every message needs a string 'role' (got {m!r:.80}); fix the row")
+    _check_parts(messages, where)
+    return messages
 
 
 def _vision_messages(row: dict, where: str) -> tuple[list[dict], int]:

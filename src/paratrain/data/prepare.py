@@ -390,6 +390,19 @@ def encode_images(rows: list[tuple[str, dict]], val_fraction: float, dtype: str,
     )
 
 
+def encode_image_pairs(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
+    """:func:`encode_pair_rows` for TRL's vision preference rows (data/images.py)."""
+    return encode_image_rows(
+        rows,
+        dtype=dtype,
+        max_length=max_length,
+        splits=SPLITS,
+        split_of=lambda key: split_of(key, val_fraction),
+        skip_reason=skip_reason,
+        pairs=True,
+    )
+
+
 def encode_pair_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
     """:func:`encode_rows` for preference rows (data/preference.py): each row two documents,
     chosen then rejected, in the split the row hashes to."""
@@ -750,7 +763,9 @@ def prepare(
         fmt = "text" if first is None else detect_format(first[1], first[0])
     chat = fmt in ("chat", "prompt", "preference", "unpaired")
     # TRL's vision conversations (data/images.py), told by the first rows: the model's processor renders them.
-    images = fmt == "chat" and any(is_image_row(row) for _, row in itertools.islice(iter_rows(files), IMAGE_SCAN_ROWS))
+    images = fmt in ("chat", "preference") and any(
+        is_image_row(row) for _, row in itertools.islice(iter_rows(files), IMAGE_SCAN_ROWS)
+    )
     fingerprint = {
         "inputs": [os.path.abspath(p) for p in inputs],
         "tokenizer": tokenizer if tokenizer == "bytes" or tokenizer.startswith("bpe:") else os.path.abspath(tokenizer),
@@ -793,7 +808,8 @@ def prepare(
         init, init_args = _init_worker, (spec,)
     dtype = "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
     encode = {"preference": encode_pair_rows, "unpaired": encode_unpaired_rows}.get(fmt, encode_rows)
-    encode = encode_images if images else encode
+    if images:
+        encode = encode_image_pairs if fmt == "preference" else encode_images
     fn, args = (encode, (val_fraction, dtype, max_length)) if chat else (encode_chunk, (val_fraction, dtype))
     writers = {s: ShardWriter(out_dir, s, dtype) for s in SPLITS}
     doc_writers = {s: ShardWriter(out_dir, s, "uint32", kind="docs") for s in SPLITS}

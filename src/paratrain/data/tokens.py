@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from paratrain.config import ConfigError
-from paratrain.data.image_rows import ImageConversations
+from paratrain.data.image_rows import ImageConversations, ImagePreferencePairs
 from paratrain.data.packing import PACKINGS, PackedRows
 from paratrain.data.preference import PreferencePairs
 from paratrain.data.prepare import FORMATS_READ, META, file_sha256, write_json_atomic
@@ -322,7 +322,11 @@ def resolve_packing(packing: str, meta: dict) -> str:
     if packing and packing not in PACKINGS:
         raise ConfigError(f"data.args.packing = {packing!r} is unknown; use one of {', '.join(PACKINGS)}")
     # An image corpus has one conversation per row (data/images.py): 'padded' is its only packing.
-    packing = packing or ("padded" if meta.get("images") else "documents" if meta.get("loss_mask") else "stream")
+    # (a preference corpus packs each pair into one row, images or not: data/preference.py)
+    pairs = meta.get("document_format") in ("preference", "unpaired")
+    packing = packing or (
+        "padded" if meta.get("images") and not pairs else "documents" if meta.get("loss_mask") else "stream"
+    )
     if meta.get("loss_mask") and packing == "stream":
         raise ConfigError(
             "data.args.packing = 'stream' would cross document boundaries of a corpus with loss masks;"
@@ -377,9 +381,21 @@ def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing:
             f"data.args.packing = {packing!r}: a preference corpus packs each pair into one row; drop data.args.packing"
         )
     unpaired = meta["document_format"] == "unpaired"
-    ds = PreferencePairs(
-        Documents(path, meta, split), block_size=block_size, labels=unpaired, pad_to=8 if pad_to is None else pad_to
-    )
+    pad_to = 8 if pad_to is None else pad_to
+    if meta.get("images"):  # image-text pairs (data/image_rows.py): the pair's images with its row
+        entry = meta["splits"][split]
+        counts = ShardedArray(path, entry["image_files"], "uint32")
+        ds = ImagePreferencePairs(
+            Documents(path, meta, split),
+            ShardedArray(path, entry["pixel_files"], "float32"),
+            counts.read(0, len(counts)),
+            shape=meta["images"]["shape"],
+            block_size=block_size,
+            pad_to=pad_to,
+            grids=_read_all(ShardedArray(path, entry["grid_files"], "uint32")) if meta["images"].get("grids") else None,
+        )
+    else:
+        ds = PreferencePairs(Documents(path, meta, split), block_size=block_size, labels=unpaired, pad_to=pad_to)
     if len(ds) == 0:
         raise ConfigError(
             f"data.args: the {split} split of {path!r} has no pair with a target on both sides; prepare more pairs"
