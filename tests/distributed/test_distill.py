@@ -140,6 +140,7 @@ def _pp_one(kd: dict):
     return kd["pp_one"]
 
 
+@pytest.mark.slow  # the fast tier's budget (issue 53); distillation at world 2 with accumulation stays fast
 def test_pipeline_parallel_gives_the_one_process_numbers(kd):
     """pp 2 (world 2) with accumulation 2: the divergence is the schedule's loss on the last
     stage, per pipeline piece of rows (4 pieces of one row per step), the teacher (another
