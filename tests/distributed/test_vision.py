@@ -379,6 +379,35 @@ def test_packed_image_conversations_give_the_padded_loss_and_gradient(vlm, qwen)
         build_tokens(vlm["train"], block_size=16, packing="documents")
 
 
+@pytest.mark.slow  # world 2; the fast in-process check above is one process packed against padded
+def test_packed_image_rows_under_ddp_give_the_padded_one_process_losses(vlm, qwen):
+    """The trainer with data.args.packing = 'documents', DDP over 2 ranks with one packed row per
+    micro-batch (3 accumulation steps), against one process padded, every conversation in each
+    step (LLaVA: 6 packed rows of 128 or 12 conversations; Qwen2-VL: 6 rows or 8): the loss is
+    the global batch's target-token mean however the rows are packed and split."""
+    root = os.path.join(vlm["root"], "packed")
+    runs = {}
+    for name, fixture, whole in (("llava", vlm, 12), ("qwen", qwen, 8)):
+        padded = config(fixture, fixture["train"], "unused", f"batch.global_batch_size={whole}", "run.steps=2")
+        paratrain.train(load_config(None, [*padded, f"run.out_dir='{root}/{name}_padded'"]))
+        runs[f"{name}_ddp"] = config(
+            fixture,
+            fixture["train"],
+            "unused",
+            "data.args.packing='documents'",
+            "batch.global_batch_size=6",
+            "run.steps=2",
+            "parallel.dp_replicate=2",
+            "batch.micro_batch_size=1",
+        )
+    run_ranks(train_layouts, 2, runs, root)
+    for name in ("llava", "qwen"):
+        ref, ddp = (read_metrics(os.path.join(root, f"{name}_{r}")) for r in ("padded", "ddp"))
+        assert [r["accum_steps"] for r in ddp] == [3, 3] and [r["tokens"] for r in ddp] == [r["tokens"] for r in ref]
+        torch.testing.assert_close([r["loss"] for r in ddp], [r["loss"] for r in ref], rtol=1e-5, atol=0)
+        torch.testing.assert_close([r["grad_norm"] for r in ddp], [r["grad_norm"] for r in ref], rtol=1e-4, atol=0)
+
+
 def test_trainable_tokens_are_the_targets_of_text_and_image_chat_corpora(vlm, tmp_path):
     """meta.json's trainable_tokens of a text chat corpus is unchanged by the image path beside it
     (an `else` once attached to the image branch counted every token of a text chat corpus)."""
