@@ -169,8 +169,8 @@ class ImagePreferencePairs(PreferencePairs):
     processor renders it alone. The images are stored once per pair (under its chosen document).
     With variable patches (Qwen2-VL) each image's grid is repeated with it. The family's
     ``get_rope_index`` over the packed row numbers the rejected side's multimodal positions on from
-    the chosen side's: one constant offset for all its tokens, which rotary attention does not see
-    (it rotates by differences of positions), while the masks follow the 1-D positions, which restart.
+    the chosen side's; the wrapper takes that constant off (models/hf/vision.py rope_positions), so
+    each side has its positions alone, and the masks follow the 1-D positions, which restart.
 
     A pair is never cut (its sides would lose image tokens): a longer one is refused."""
 
