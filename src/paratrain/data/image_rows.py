@@ -55,7 +55,8 @@ class ImageTextBatch:
 
 
 class ImageConversations(torch.utils.data.Dataset):
-    """The conversations of one split of an image corpus, one per sample (data/tokens.py builds it)."""
+    """The conversations of one split of an image corpus, one per sample, or packed several to a
+    sample with ``packing = "documents"`` (data/tokens.py builds it)."""
 
     draws_random = False  # paratrain/randomness.py: no sample_rng around __getitem__
 
