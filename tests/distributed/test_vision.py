@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -292,7 +291,6 @@ def test_bad_image_rows_are_one_line(vlm, tmp_path):
         (["parallel.sequence_parallel=true"], dict(tp=2), "parallel.sequence_parallel = true with an image-text"),
         ([], dict(pp=2), "parallel.pp > 1 with an image-text model.hf"),
         (["loss.name='grpo'"], {}, "loss.name other than 'cross_entropy' or 'preference' with an image-text"),
-        (["data.args={path = 'x', packing = 'documents'}"], {}, "data.args.packing = 'documents' with an image-text"),
         (["batch.micro_batch_size='auto'"], {}, "batch.micro_batch_size = 'auto' with an image-text model.hf"),
     ],
 )
@@ -306,14 +304,108 @@ def test_what_this_slice_does_not_run_is_refused_in_one_line(vlm, over, dims, li
         refuse_image_estimate(cfg, "paratrain plan")
 
 
-def test_packed_image_rows_are_refused_by_the_data(vlm):
+def packed_and_padded(corpus: str, model_dir: str) -> list[tuple]:
+    """(batch, rope positions or None, mean loss, gradient norm) of one forward and backward over
+    every conversation of ``corpus``: packed into rows of 128 ('documents'), then one per row
+    ('padded'); the model (random from the seed) built once."""
     from paratrain.data.tokens import build_tokens
+    from paratrain.models import build
 
-    with pytest.raises(ConfigError, match="packing image-text rows is not supported yet"):
-        build_tokens(vlm["train"], block_size=128, packing="documents")
+    model, _ = build(load_config(None, [f"model.hf='{model_dir}'"]).model, meta_enabled=False)
+    out = []
+    for packing in ("documents", "padded"):
+        ds = build_tokens(corpus, block_size=128, packing=packing)
+        batch, target = ds.collate([ds[i] for i in range(len(ds))])
+        model.zero_grad()
+        n = int((target != -100).sum())
+        loss = torch.nn.functional.cross_entropy(model(batch).flatten(0, 1), target.flatten(), reduction="sum") / n
+        loss.backward()
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+        out.append((batch, model.rope_positions(batch), loss.item(), norm.item()))
+    return out
+
+
+def images_by_document(batch, image: int) -> dict:
+    """Each document's token ids -> the pixel values the batch gives its image tokens: the
+    images (patch rows with grids) taken in order, each by as many image tokens as it makes."""
+    units = torch.ones(len(batch.image_rows), dtype=torch.int64)
+    if batch.image_grid_thw is not None:
+        units = batch.image_grid_thw.prod(-1)
+    slots = batch.input_ids == image
+    tokens, total = int(slots.sum()), int(units.sum())  # an image makes units x tokens / total image tokens
+    rows = torch.cat([torch.zeros(1, dtype=torch.int64), units.cumsum(0)])
+    out, taken = {}, 0
+    for r in range(len(batch)):
+        positions = batch.positions[r]
+        starts = [*torch.nonzero(positions == 0).flatten().tolist(), int((positions >= 0).sum())]
+        for a, b in zip(starts, starts[1:]):
+            n, first = int(slots[r, a:b].sum()) * total, taken
+            while n > 0:
+                n, taken = n - int(units[taken]) * tokens, taken + 1
+            out[tuple(batch.input_ids[r, a:b].tolist())] = batch.pixel_values[rows[first] : rows[taken]]
+    return out
+
+
+def test_packed_image_conversations_give_the_padded_loss_and_gradient(vlm, qwen):
+    """data.args.packing = 'documents' on an image corpus: several conversations per row, each
+    attending to itself only (positions restart), their images in row order; the mean loss over
+    the corpus and its gradient are those of one conversation per row. Qwen2-VL: each document's
+    multimodal rotary positions are exactly the ones it has alone. DDP: the slow test below."""
+    from paratrain.data.tokens import build_tokens, read_meta
+
+    for fixture in (vlm, qwen):
+        (packed, rope, loss, norm), (padded, rope_alone, ref_loss, ref_norm) = packed_and_padded(
+            fixture["train"], fixture["model"]
+        )
+        image = read_meta(fixture["train"])["images"]["token_id"]
+        document = (packed.positions == 0).cumsum(-1)  # the document of each token within its row
+        imaged = [document[r][packed.input_ids[r] == image].unique().numel() for r in range(len(packed))]
+        assert len(packed) < len(padded) and max(imaged) >= 2  # rows hold several documents with images
+        assert int((packed.positions == 0).sum()) == len(padded)
+        mine, alone = images_by_document(packed, image), images_by_document(padded, image)
+        assert mine.keys() == alone.keys() and all(torch.equal(mine[d], alone[d]) for d in alone)  # its own images
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=0)
+    # Qwen2-VL (the last): each packed document's M-RoPE positions equal its own row's when padded.
+    alone = {}
+    for r in range(len(padded)):
+        n = int((padded.positions[r] >= 0).sum())
+        alone[tuple(padded.input_ids[r, :n].tolist())] = rope_alone[:, r, :n]
+    for r in range(len(packed)):
+        starts = [*torch.nonzero(packed.positions[r] == 0).flatten().tolist(), int((packed.positions[r] >= 0).sum())]
+        for a, b in zip(starts, starts[1:]):
+            assert torch.equal(rope[:, r, a:b], alone[tuple(packed.input_ids[r, a:b].tolist())])
     with pytest.raises(ConfigError, match="raise data.args.block_size to"):
-        build_tokens(vlm["train"], block_size=16)
-    assert np.all(np.asarray([len(build_tokens(vlm["train"], block_size=128))]) == 12)
+        build_tokens(vlm["train"], block_size=16, packing="documents")
+
+
+@pytest.mark.slow  # world 2; the fast in-process check above is one process packed against padded
+def test_packed_image_rows_under_ddp_give_the_padded_one_process_losses(vlm, qwen):
+    """The trainer with data.args.packing = 'documents', DDP over 2 ranks with one packed row per
+    micro-batch (3 accumulation steps), against one process padded, every conversation in each
+    step (LLaVA: 6 packed rows of 128 or 12 conversations; Qwen2-VL: 6 rows or 8): the loss is
+    the global batch's target-token mean however the rows are packed and split."""
+    root = os.path.join(vlm["root"], "packed")
+    runs = {}
+    for name, fixture, whole in (("llava", vlm, 12), ("qwen", qwen, 8)):
+        padded = config(fixture, fixture["train"], "unused", f"batch.global_batch_size={whole}", "run.steps=2")
+        paratrain.train(load_config(None, [*padded, f"run.out_dir='{root}/{name}_padded'"]))
+        runs[f"{name}_ddp"] = config(
+            fixture,
+            fixture["train"],
+            "unused",
+            "data.args.packing='documents'",
+            "batch.global_batch_size=6",
+            "run.steps=2",
+            "parallel.dp_replicate=2",
+            "batch.micro_batch_size=1",
+        )
+    run_ranks(train_layouts, 2, runs, root)
+    for name in ("llava", "qwen"):
+        ref, ddp = (read_metrics(os.path.join(root, f"{name}_{r}")) for r in ("padded", "ddp"))
+        assert [r["accum_steps"] for r in ddp] == [3, 3] and [r["tokens"] for r in ddp] == [r["tokens"] for r in ref]
+        torch.testing.assert_close([r["loss"] for r in ddp], [r["loss"] for r in ref], rtol=1e-5, atol=0)
+        torch.testing.assert_close([r["grad_norm"] for r in ddp], [r["grad_norm"] for r in ref], rtol=1e-4, atol=0)
 
 
 def test_trainable_tokens_are_the_targets_of_text_and_image_chat_corpora(vlm, tmp_path):

@@ -1,9 +1,13 @@
 """Training on a corpus of image-text conversations (data/images.py prepares it).
 
-``data.name = "tokens"`` on such a corpus: a sample is one conversation; a micro-batch is its
-rows padded to the longest (positions -1 on the padding, as ``packing = "padded"``) with the
-images of its rows in row order: an :class:`ImageTextBatch`, which models/hf/vision.py takes.
-Packing image rows is refused for now (data/tokens.py).
+``data.name = "tokens"`` on such a corpus: with ``packing = "padded"`` (the default) a sample is
+one conversation; a micro-batch is its rows padded to the longest (positions -1 on the padding)
+with the images of its rows in row order: an :class:`ImageTextBatch`, which models/hf/vision.py
+takes. With ``packing = "documents"`` a sample is a row of ``block_size`` holding whole
+conversations best-fit (data/packing.py), their positions restarting at 0 at each one (so each
+attends to itself only, as text packing does) and their images in row order: the row's image
+tokens, in order, are its documents' images in order, which is the order the model scatters the
+image features in (models/hf/vision.py).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import numpy as np
 import torch
 
 from paratrain.config import ConfigError
-from paratrain.data.packing import IGNORE_INDEX
+from paratrain.data.packing import IGNORE_INDEX, pack_best_fit
 from paratrain.data.preference import PreferencePairs
 
 
@@ -51,14 +55,27 @@ class ImageTextBatch:
 
 
 class ImageConversations(torch.utils.data.Dataset):
-    """The conversations of one split of an image corpus, one per sample (data/tokens.py builds it)."""
+    """The conversations of one split of an image corpus, one per sample, or packed several to a
+    sample with ``packing = "documents"`` (data/tokens.py builds it)."""
 
     draws_random = False  # paratrain/randomness.py: no sample_rng around __getitem__
 
-    def __init__(self, corpus, pixels, image_counts: np.ndarray, *, shape, split: str, block_size: int, grids=None):
+    def __init__(
+        self,
+        corpus,
+        pixels,
+        image_counts: np.ndarray,
+        *,
+        shape,
+        split: str,
+        block_size: int,
+        grids=None,
+        packing: str = "padded",
+    ):
         """``corpus``: data/tokens.py Documents; ``pixels``: the ShardedArray of the pixel values;
         ``image_counts``: the images of each document; ``shape``: one image's pixel values (one
-        patch's with ``grids``, the image_grid_thw of every image in order, flat)."""
+        patch's with ``grids``, the image_grid_thw of every image in order, flat); ``packing``:
+        ``padded`` (a conversation per row) or ``documents`` (conversations packed best-fit)."""
         self.corpus, self.pixels = corpus, pixels
         self.image_counts = image_counts.astype(np.int64)
         self.image_starts = np.concatenate([[0], np.cumsum(self.image_counts)[:-1]]).astype(np.int64)
@@ -77,40 +94,58 @@ class ImageConversations(torch.utils.data.Dataset):
                 f" {split} split ({int(lengths.max())} tokens), which cannot be cut through its images; raise"
                 f" data.args.block_size to {int(lengths.max())} or prepare with --max-length"
             )
-        self.rows = np.flatnonzero(lengths >= 2)  # a one-token document has no target
+        keep = np.flatnonzero(lengths >= 2)  # a one-token document has no target
+        self.packing = packing
+        # The documents of each row: one each, or whole conversations best-fit (a function of the
+        # corpus and block_size alone, never of the layout, as for text: data/packing.py).
+        self.rows = [keep[r] for r in pack_best_fit(lengths[keep], block_size)] if packing == "documents" else keep
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int):
-        d = int(self.rows[int(i)])
+        if self.packing != "documents":
+            return self._document(int(self.rows[int(i)]))
+        docs = [self._document(int(d)) for d in self.rows[int(i)]]
+        ids, targets, pos = (np.concatenate([doc[k] for doc in docs]) for k in range(3))
+        images = [doc for doc in docs if doc[3] is not None]  # each document's images, in row order
+        if not images:
+            return ids, targets, pos, None, None
+        grids = None if self.grids is None else np.concatenate([doc[4] for doc in images])
+        return ids, targets, pos, np.concatenate([doc[3] for doc in images]), grids
+
+    def _document(self, d: int):
+        """(ids, targets, positions, pixel values or None, grids or None) of document ``d``."""
         ids, mask = self.corpus.document(d, int(self.corpus.doc_lengths[d]))
         targets = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
         targets[:-1] = np.where(mask[1:] > 0, ids[1:], IGNORE_INDEX)
         per = int(np.prod(self.shape)) if self.shape else 0
         start, n = int(self.image_starts[d]), int(self.image_counts[d])
+        positions = np.arange(len(ids), dtype=np.int64)
         if not n:
-            return ids, targets, None, None
+            return ids, targets, positions, None, None
         a, b = int(self.unit_starts[start]), int(self.unit_starts[start + n])
         pixels = self.pixels.read(a * per, b * per).reshape(b - a, *self.shape)
-        return ids, targets, pixels, None if self.grids is None else self.grids[start : start + n]
+        return ids, targets, positions, pixels, None if self.grids is None else self.grids[start : start + n]
 
     def null_sample(self):
         """A row with no target and no image (a validation set's last batch is filled with these)."""
-        return np.zeros(1, np.int64), np.full(1, IGNORE_INDEX, np.int64), None, None
+        pos = np.full(1, -1 if self.packing == "documents" else 0, np.int64)  # a packed one is all padding
+        return np.zeros(1, np.int64), np.full(1, IGNORE_INDEX, np.int64), pos, None, None
 
     def collate(self, samples: list) -> tuple[ImageTextBatch, torch.Tensor]:
-        """Rows padded to the longest of the micro-batch; images concatenated in row order."""
-        width = max(len(ids) for ids, *_ in samples)
+        """Rows padded to the longest of the micro-batch (packed rows: to block_size, as text's);
+        images concatenated in row order."""
+        width = self.block_size if self.packing == "documents" else max(len(ids) for ids, *_ in samples)
         ids = np.zeros((len(samples), width), np.int64)
         pos = np.full((len(samples), width), -1, np.int64)
         tgt = np.full((len(samples), width), IGNORE_INDEX, np.int64)
-        for r, (i, t, *_) in enumerate(samples):
-            ids[r, : len(i)], tgt[r, : len(i)], pos[r, : len(i)] = i, t, np.arange(len(i))
-        images = [p for _, _, p, _ in samples if p is not None]
+        for r, (i, t, p, *_) in enumerate(samples):
+            ids[r, : len(i)], tgt[r, : len(i)], pos[r, : len(i)] = i, t, p
+        images = [p for *_, p, _ in samples if p is not None]
         pv = np.concatenate(images) if images else np.zeros((0, *self.shape), np.float32)
         # One entry per image: a grid row of each image with variable patches, else a pixel row.
-        per_image = [(r, g if g is not None else p) for r, (_, _, p, g) in enumerate(samples) if p is not None]
+        per_image = [(r, g if g is not None else p) for r, (*_, p, g) in enumerate(samples) if p is not None]
         owner = [r for r, images_of_row in per_image for _ in range(len(images_of_row))]
         grid = None
         if self.grids is not None:
@@ -135,8 +170,8 @@ class ImagePreferencePairs(PreferencePairs):
     processor renders it alone. The images are stored once per pair (under its chosen document).
     With variable patches (Qwen2-VL) each image's grid is repeated with it. The family's
     ``get_rope_index`` over the packed row numbers the rejected side's multimodal positions on from
-    the chosen side's: one constant offset for all its tokens, which rotary attention does not see
-    (it rotates by differences of positions), while the masks follow the 1-D positions, which restart.
+    the chosen side's; the wrapper takes that constant off (models/hf/vision.py rope_positions), so
+    each side has its positions alone, and the masks follow the 1-D positions, which restart.
 
     A pair is never cut (its sides would lose image tokens): a longer one is refused."""
 

@@ -321,7 +321,8 @@ def resolve_packing(packing: str, meta: dict) -> str:
     """data.args.packing, or its default for the corpus: documents for one with loss masks."""
     if packing and packing not in PACKINGS:
         raise ConfigError(f"data.args.packing = {packing!r} is unknown; use one of {', '.join(PACKINGS)}")
-    # An image corpus has one conversation per row (data/images.py): 'padded' is its only packing.
+    # An image corpus has one conversation per row by default (padded); 'documents' packs them
+    # with their images (data/image_rows.py).
     # (a preference corpus packs each pair into one row, images or not: data/preference.py)
     pairs = meta.get("document_format") in ("preference", "unpaired")
     packing = packing or (
@@ -417,12 +418,8 @@ def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing:
 
 
 def _build_images(path: str, meta: dict, *, block_size: int, split: str, packing: str):
-    """An image-text corpus: one conversation per row, padded (data/images.py)."""
-    if packing != "padded":
-        raise ConfigError(
-            f"data.args.packing = {packing!r}: packing image-text rows is not supported yet (issue 57: their"
-            " images would need per-document image features); set data.args.packing = 'padded'"
-        )
+    """An image-text corpus: one conversation per row, padded, or conversations packed with their
+    images (data/image_rows.py)."""
     entry = meta["splits"][split]
     counts = ShardedArray(path, entry["image_files"], "uint32")
     ds = ImageConversations(
@@ -433,6 +430,7 @@ def _build_images(path: str, meta: dict, *, block_size: int, split: str, packing
         grids=_read_all(ShardedArray(path, entry["grid_files"], "uint32")) if meta["images"].get("grids") else None,
         split=split,
         block_size=block_size,
+        packing=packing,
     )
     if len(ds) == 0:
         raise ConfigError(f"data.args: the {split} split of {path!r} has no conversation; prepare more rows")

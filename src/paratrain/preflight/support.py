@@ -462,13 +462,6 @@ VISION_REFUSALS = (
         "the keyed dropout masks follow a row's tokens, and the tower's rows are images",
     ),
     _vision_refusal(
-        "packing documents",
-        lambda c, d: c.data.args.get("packing") == "documents",
-        "data.args.packing = 'documents'",
-        "set data.args.packing = 'padded' (the default for an image corpus)",
-        "packed rows would need each document's images and masks placed per document",
-    ),
-    _vision_refusal(
         "objectives other than cross_entropy and preference",
         lambda c, d: c.loss.name not in ("cross_entropy", "preference"),
         "loss.name other than 'cross_entropy' or 'preference'",

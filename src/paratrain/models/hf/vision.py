@@ -161,7 +161,15 @@ class HFVisionLM(HFCausalLM):
         positions, _ = get_rope_index(
             ids, mm_token_type_ids=image, image_grid_thw=batch.image_grid_thw, attention_mask=batch.positions >= 0
         )
-        return positions
+        # Packed documents (data/image_rows.py; a DPO pair's two sides): get_rope_index numbers a
+        # row's documents on from each other, each one's positions its own plus one constant (its
+        # text and images advance a counter that starts at 0). Less the positions of its first
+        # token (the counter's value there, on all three axes), each document has the positions
+        # it has alone, in integers, so exactly. Its image runs sit between <|vision_start|> and
+        # <|vision_end|>, so two documents' images never merge into one run of image tokens.
+        starts = torch.arange(ids.shape[1], device=ids.device) - batch.positions.clamp(min=0)
+        first = positions.gather(2, starts.expand(positions.shape[0], -1, -1))
+        return torch.where(batch.positions >= 0, positions - first, positions)
 
     def forward(self, batch) -> torch.Tensor:
         ids = batch.input_ids
