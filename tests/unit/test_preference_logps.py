@@ -36,3 +36,26 @@ def test_side_logps_bitwise_equal_to_the_whole_row_formula():
     assert torch.equal(got, want)
     assert torch.equal(grad, want_grad)
     assert counts.tolist() == [[(tokens[r][side[r] == s] >= 0).sum().item() for s in (0, 1)] for r in range(b)]
+
+
+def test_one_side_is_the_same_bits_and_gradient_as_both():
+    """KTO's loss reads side 0 only and its KL pass side 1 only (sides=): the side's sum and the
+    logits' gradient are the bits of both sides' formula with the other side's upstream 0."""
+    g = torch.Generator().manual_seed(1)
+    b, t, v = 3, 40, 259
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    side = torch.full((b, t), -1)
+    for r, (c, j) in enumerate([(15, 31), (7, 38), (20, 22)]):
+        side[r, :c], side[r, c:j] = 0, 1
+        tokens[r, j:], tokens[r, : c // 3], tokens[r, c : c + 2] = -100, -100, -100
+    target = torch.stack([tokens, side], 1)
+    logits = (3 * torch.randn(b, t, v, generator=g)).requires_grad_()
+    for s in (0, 1):
+        upstream = torch.zeros(b, 2)
+        upstream[:, s] = torch.randn(b, generator=g)
+        both, counts = side_logps(logits, target)
+        (want,) = torch.autograd.grad((both * upstream).sum(), logits)
+        one, one_counts = side_logps(logits, target, (s,))
+        (grad,) = torch.autograd.grad((one * upstream).sum(), logits)
+        assert torch.equal(one[:, s], both[:, s]) and not one[:, 1 - s].any()
+        assert torch.equal(grad, want) and torch.equal(one_counts, counts)

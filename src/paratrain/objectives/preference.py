@@ -51,6 +51,7 @@ from paratrain.config import PREFERENCE_LOSS_TYPES as LOSS_TYPES
 from paratrain.config import ConfigError
 from paratrain.loss import pair_count, rows
 from paratrain.objectives.base import Objective
+from paratrain.randomness import has_dropout
 
 MEAN_LOGPS = ("ipo", "sigmoid_norm", "simpo", "orpo")  # these compare mean token log-probabilities
 NO_REFERENCE = ("simpo", "orpo", "bradley_terry")
@@ -130,9 +131,11 @@ def row_indexed(target: torch.Tensor) -> torch.Tensor:
     return torch.cat([target, rows[:, None, None].expand(-1, 1, target.shape[-1])], 1)
 
 
-def side_logps(logits, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def side_logps(logits, target: torch.Tensor, sides: tuple[int, ...] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``(chosen, rejected)`` log-probability sums ``(B, 2)`` (float32) and their
-    target-token counts ``(B, 2)``, from the logits ``(B, T, V)`` and the pair target ``(B, 2, T)``."""
+    target-token counts ``(B, 2)``, from the logits ``(B, T, V)`` and the pair target ``(B, 2, T)``.
+    ``sides``: the sides whose sums are wanted; another's is 0, its tokens skip the logsumexp
+    (KTO's loss reads side 0 only, its KL pass side 1 only)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(logits, DTensor):  # tensor parallel without loss_parallel: replicated logits
@@ -146,12 +149,13 @@ def side_logps(logits, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     # and its backward. Each position's value is the same bits as over the whole (B, T, V): a
     # row's reduction over the vocabulary does not depend on the other rows (tests/unit/
     # test_preference_logps.py). The boolean index costs a host sync on a GPU.
-    normaliser = torch.zeros_like(picked).index_put((valid,), logits[valid].logsumexp(-1))
-    token_logp = torch.where(valid, picked - normaliser, 0.0)
+    wanted = valid if len(sides) == 2 else valid & (side == sides[0])
+    normaliser = torch.zeros_like(picked).index_put((wanted,), logits[wanted].logsumexp(-1))
+    token_logp = torch.where(wanted, picked - normaliser, 0.0)
     sums, counts = [], []
     for s in (0, 1):
         on = valid & (side == s)
-        sums.append((token_logp * on).sum(-1))
+        sums.append((token_logp * on).sum(-1) if s in sides else torch.zeros_like(token_logp[:, 0]))
         counts.append(on.sum(-1))
     return torch.stack(sums, -1), torch.stack(counts, -1).to(torch.float32)
 
@@ -277,13 +281,44 @@ class PreferenceLoss(Objective):
                 logps, counts = self._sides(self.reference(forward, k), target.to(self.device), grad=False)
                 self.refs.append(self._normalised(logps, counts))
         if self.loss_type == "kto":
-            self.kl = self._kl(batches, forward)
+            # Micro-batch 0's KL terms are read off its training forward in loss() (the same
+            # input and weights, so the same logits): one policy forward fewer per step. Not under
+            # pp or cp (their own forwards), nor with dropout (the training forward's masks, or
+            # the torch generator's stream, would differ from the KL pass's).
+            self._kl_parts = {}
+            if self.pipelined or self.cp is not None or (model.training and self._has_dropout(model)):
+                self.kl = self._kl(batches, forward)
+            else:
+                self.kl = None  # set by loss() of micro-batch 0, before its term
+                self._kl_parts = self._kl_terms(batches, forward, skip=0)
 
-    def _kl(self, batches, forward) -> torch.Tensor:
+    def _has_dropout(self, model) -> bool:
+        if getattr(self, "_dropout", (None,))[0] is not model:  # once per model: it reads every module
+            self._dropout = (model, has_dropout(model))
+        return self._dropout[1]
+
+    def _kl_terms(self, batches, forward, *, skip: int | None = None) -> dict:
+        """Each micro-batch's per-row ``(log pi - log ref of the KL side, 1 if it has one)``
+        ``(B, 2)`` float64, from the policy's forward without a graph (but micro-batch ``skip``)."""
+        return {
+            k: self._kl_rows(forward(k), target.to(self.device), k)
+            for k, (_, target) in enumerate(batches)
+            if k != skip
+        }
+
+    def _kl_rows(self, output, target: torch.Tensor, k: int) -> torch.Tensor:
+        with torch.no_grad():
+            policy, counts = self._sides(output, target, grad=False, sides=(1,))
+        real = counts[:, 1] > 0
+        gap = torch.where(real, policy[:, 1] - self.refs[k][:, 1], 0.0).double()
+        return torch.stack([gap, real.double()], -1)
+
+    def _kl(self, batches, forward, parts: dict | None = None) -> torch.Tensor:
         """KTO's reference point ``z0 = max(0, mean KL estimate)``: each example's prompt with
         another row's completion (side 1 of its row), ``log pi - log ref`` without a graph,
         averaged over the whole global batch (Ethayarajh et al. 2024). TRL averages it per
-        micro-batch (then over devices), so it changes with the micro-batch size."""
+        micro-batch (then over devices), so it changes with the micro-batch size. ``parts``: the
+        micro-batches' terms already computed (:meth:`_kl_terms`), summed in micro-batch order."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.pipelined:  # per row on the last stage, zeros elsewhere, then summed over the stages
             per_row = torch.zeros(len(self.ref_rows), 2, dtype=torch.float64, device=self.device)
@@ -299,14 +334,13 @@ class PreferenceLoss(Objective):
             total += per_row.sum(0)
             dist.all_reduce(total, group=self.pp_group)
         rows = []
-        for k, (_, target) in enumerate(batches if not self.pipelined else ()):
-            policy, counts = self._sides(forward(k), target.to(self.device), grad=False)
-            real = counts[:, 1] > 0
-            gap = torch.where(real, policy[:, 1] - self.refs[k][:, 1], 0.0).double()
+        if parts is None and not self.pipelined:
+            parts = self._kl_terms(batches, forward)
+        for k in range(len(parts or ())):
             if self.ordered:
-                rows.append(torch.stack([gap, real.double()], -1))
+                rows.append(parts[k])
                 continue
-            total += torch.stack([gap.sum(), real.sum().double()])
+            total += torch.stack([parts[k][:, 0].contiguous().sum(), parts[k][:, 1].contiguous().sum()])
         if self.ordered:
             total = ordered_sum(torch.cat(rows), self.dp_group)
         elif self.dp_group is not None:
@@ -345,12 +379,14 @@ class PreferenceLoss(Objective):
         if last and (self.cp is None or self.cp.rank == 0):
             self.totals += self.row_sums.sum(0)
 
-    def _sides(self, output, target: torch.Tensor, *, grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sides(
+        self, output, target: torch.Tensor, *, grad: bool = True, sides: tuple[int, ...] = (0, 1)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' ``(chosen, rejected)`` log-probabilities (a reward model: scores) and token
         counts, whole: summed over the context-parallel ranks that each hold part of a row."""
         if self.loss_type == "bradley_terry":
             return side_scores(output, target, self.cp)
-        logps, counts = side_logps(output, target)
+        logps, counts = side_logps(output, target, sides)
         if self.cp is None:
             return logps, counts
         return self.cp.sum(logps, grad=grad), self.cp.sum(counts, grad=False)
@@ -359,6 +395,9 @@ class PreferenceLoss(Objective):
         return logps / counts.clamp(min=1) if self.loss_type in MEAN_LOGPS else logps
 
     def loss(self, output, target) -> torch.Tensor:
+        if self.loss_type == "kto" and self.kl is None:  # micro-batch 0: the KL pass's terms from this forward
+            self._kl_parts[0] = self._kl_rows(output, target, 0)
+            self.kl, self._kl_parts = self._kl(None, None, self._kl_parts), {}
         ref = self.refs[self._k] if self.uses_reference else None
         self._k += 1
         losses, real, rewards, counted = self._pair_terms(output, target, ref)
@@ -368,7 +407,8 @@ class PreferenceLoss(Objective):
     def _pair_terms(self, output, target: torch.Tensor, ref: torch.Tensor | None):
         """The rows' losses (0 for a row without a pair), whether each holds a pair, the rewards
         ``(B, 2)`` and the fifth sum's flags, from the policy's output and the reference values."""
-        logps, counts = self._sides(output, target)
+        # KTO's loss reads the example (side 0) only; its KL side's sum is the KL pass's.
+        logps, counts = self._sides(output, target, sides=(0,) if self.loss_type == "kto" else (0, 1))
         policy = self._normalised(logps, counts)
         if ref is None:
             ref = torch.zeros_like(policy)
