@@ -234,24 +234,20 @@ def load_vision_run(out_dir: str, cfg) -> torch.nn.Module:
     from transformers import AutoModelForImageTextToText  # an optional extra: paratrain[hf]
 
     # Beside transformers: these modules need the optional extra too, only for model.hf runs.
-    from paratrain.models.hf.model import load_hf_config
     from paratrain.models.hf.vision import (  # transformers too (the same extra)
         HFVisionLM,
         image_text_model_from_config,
         lora_keep_out,
     )
-    from paratrain.models.hf.weights import quiet_progress  # transformers too (the same extra)
 
-    if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):
-        with quiet_progress():
-            return AutoModelForImageTextToText.from_pretrained(os.path.join(out_dir, "hf")).eval()
-    weights = _final_weights(out_dir)
-    hf_model = image_text_model_from_config(load_hf_config(cfg.model.hf, cfg.model.args))
-    if cfg.model.lora.enabled:
-        apply_lora(hf_model, cfg.model.lora, keep_out=lora_keep_out(cfg.model, hf_model.config))
-    HFVisionLM(hf_model).load_state_dict(load_file(weights))
-    hf_model.config.use_cache = True
-    return hf_model.eval()
+    return _load_run(
+        out_dir,
+        cfg,
+        AutoModelForImageTextToText,
+        image_text_model_from_config,
+        HFVisionLM,
+        keep_out=lambda config: lora_keep_out(cfg.model, config),
+    )
 
 
 def _final_weights(out_dir: str) -> str:
@@ -283,19 +279,28 @@ def load_hf_run(out_dir: str, cfg) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM  # an optional extra: paratrain[hf]
 
     # Beside transformers: these modules need the optional extra too, only for model.hf runs.
-    from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config, load_hf_config
-    from paratrain.models.hf.weights import quiet_progress  # transformers too (the same extra)
+    from paratrain.models.hf.model import HFCausalLM, causal_lm_from_config
 
     if _is_vision_run(out_dir, cfg):  # its family's own class, the processor's rendering
         return load_vision_run(out_dir, cfg)
+    return _load_run(out_dir, cfg, AutoModelForCausalLM, causal_lm_from_config, HFCausalLM)
+
+
+def _load_run(out_dir: str, cfg, auto_class, from_config, wrapper, keep_out=lambda config: None) -> torch.nn.Module:
+    """``out_dir/hf`` through ``auto_class``, else ``model.safetensors`` (paratrain's names, LoRA
+    adapters included) through ``wrapper`` into the model ``from_config`` builds as training did."""
+    # Beside transformers: these modules need the optional extra too, only for model.hf runs.
+    from paratrain.models.hf.model import load_hf_config
+    from paratrain.models.hf.weights import quiet_progress  # transformers too (the same extra)
+
     if os.path.isfile(os.path.join(out_dir, "hf", "config.json")):
         with quiet_progress():
-            return AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf")).eval()
+            return auto_class.from_pretrained(os.path.join(out_dir, "hf")).eval()
     weights = _final_weights(out_dir)
-    hf_model = causal_lm_from_config(load_hf_config(cfg.model.hf, cfg.model.args))
+    hf_model = from_config(load_hf_config(cfg.model.hf, cfg.model.args))
     if cfg.model.lora.enabled:
-        apply_lora(hf_model, cfg.model.lora)
-    HFCausalLM(hf_model).load_state_dict(load_file(weights))
+        apply_lora(hf_model, cfg.model.lora, keep_out=keep_out(hf_model.config))
+    wrapper(hf_model).load_state_dict(load_file(weights))
     hf_model.config.use_cache = True  # training turned the cache off; sampling wants it
     return hf_model.eval()
 

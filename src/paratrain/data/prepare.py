@@ -27,6 +27,7 @@ Format 1 corpora still load (as pretraining streams).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import glob
 import gzip
 import hashlib
@@ -378,8 +379,10 @@ def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, m
     )
 
 
-def encode_images(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
-    """:func:`encode_rows` for image-text rows (data/images.py)."""
+def encode_images(
+    rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int, *, pairs: bool = False
+) -> dict:
+    """:func:`encode_rows` for image-text rows (data/images.py); ``pairs``: TRL's vision preference rows."""
     return encode_image_rows(
         rows,
         dtype=dtype,
@@ -387,19 +390,7 @@ def encode_images(rows: list[tuple[str, dict]], val_fraction: float, dtype: str,
         splits=SPLITS,
         split_of=lambda key: split_of(key, val_fraction),
         skip_reason=skip_reason,
-    )
-
-
-def encode_image_pairs(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int) -> dict:
-    """:func:`encode_pair_rows` for TRL's vision preference rows (data/images.py)."""
-    return encode_image_rows(
-        rows,
-        dtype=dtype,
-        max_length=max_length,
-        splits=SPLITS,
-        split_of=lambda key: split_of(key, val_fraction),
-        skip_reason=skip_reason,
-        pairs=True,
+        pairs=pairs,
     )
 
 
@@ -809,7 +800,7 @@ def prepare(
     dtype = "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
     encode = {"preference": encode_pair_rows, "unpaired": encode_unpaired_rows}.get(fmt, encode_rows)
     if images:
-        encode = encode_image_pairs if fmt == "preference" else encode_images
+        encode = functools.partial(encode_images, pairs=fmt == "preference")
     fn, args = (encode, (val_fraction, dtype, max_length)) if chat else (encode_chunk, (val_fraction, dtype))
     writers = {s: ShardWriter(out_dir, s, dtype) for s in SPLITS}
     doc_writers = {s: ShardWriter(out_dir, s, "uint32", kind="docs") for s in SPLITS}

@@ -384,16 +384,8 @@ def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing:
     unpaired = meta["document_format"] == "unpaired"
     pad_to = 8 if pad_to is None else pad_to
     if meta.get("images"):  # image-text pairs (data/image_rows.py): the pair's images with its row
-        entry = meta["splits"][split]
-        counts = ShardedArray(path, entry["image_files"], "uint32")
         ds = ImagePreferencePairs(
-            Documents(path, meta, split),
-            ShardedArray(path, entry["pixel_files"], "float32"),
-            counts.read(0, len(counts)),
-            shape=meta["images"]["shape"],
-            block_size=block_size,
-            pad_to=pad_to,
-            grids=_read_all(ShardedArray(path, entry["grid_files"], "uint32")) if meta["images"].get("grids") else None,
+            Documents(path, meta, split), **_image_arrays(path, meta, split), block_size=block_size, pad_to=pad_to
         )
     else:
         ds = PreferencePairs(Documents(path, meta, split), block_size=block_size, labels=unpaired, pad_to=pad_to)
@@ -420,14 +412,9 @@ def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing:
 def _build_images(path: str, meta: dict, *, block_size: int, split: str, packing: str):
     """An image-text corpus: one conversation per row, padded, or conversations packed with their
     images (data/image_rows.py)."""
-    entry = meta["splits"][split]
-    counts = ShardedArray(path, entry["image_files"], "uint32")
     ds = ImageConversations(
         Documents(path, meta, split),
-        ShardedArray(path, entry["pixel_files"], "float32"),
-        counts.read(0, len(counts)),
-        shape=meta["images"]["shape"],
-        grids=_read_all(ShardedArray(path, entry["grid_files"], "uint32")) if meta["images"].get("grids") else None,
+        **_image_arrays(path, meta, split),
         split=split,
         block_size=block_size,
         packing=packing,
@@ -435,6 +422,21 @@ def _build_images(path: str, meta: dict, *, block_size: int, split: str, packing
     if len(ds) == 0:
         raise ConfigError(f"data.args: the {split} split of {path!r} has no conversation; prepare more rows")
     return _describe(ds, meta, split=split, block_size=block_size, packing=packing, path=path, rows=len(ds))
+
+
+def _image_arrays(path: str, meta: dict, split: str) -> dict:
+    """An image-text split's pixels, images per document, image shape and grids (Qwen2-VL's
+    image_grid_thw, else None): the arguments ImageConversations and ImagePreferencePairs share."""
+    entry = meta["splits"][split]
+    counts = ShardedArray(path, entry["image_files"], "uint32")
+    grids = _read_all(ShardedArray(path, entry["grid_files"], "uint32")) if meta["images"].get("grids") else None
+    pixels = ShardedArray(path, entry["pixel_files"], "float32")
+    return {
+        "pixels": pixels,
+        "image_counts": counts.read(0, len(counts)),
+        "shape": meta["images"]["shape"],
+        "grids": grids,
+    }
 
 
 def _read_all(array) -> np.ndarray:
