@@ -63,13 +63,19 @@ import tempfile
 from paratrain.testing.paired import summary_line
 from paratrain.testing.peers import (
     WARMUP,
+    check_paratrain_rows,
+    check_trl_gloo,
+    check_trl_steps,
     gather,
-    optim_sets,
+    launch_trl,
+    paired_rounds,
+    parse_peer_args,
     peer_env,
     run,
     script_parser,
     steady,
     step_timer,
+    train_paratrain,
     trl_optim_kwargs,
     trl_run_kwargs,
     write_trl_result,
@@ -138,23 +144,10 @@ def trl_worker(args) -> None:
     )
     trainer.micro, trainer.items = [], []
     timer.trainer = trainer
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    a = trainer.args
-    if world != PROCS or dist.get_backend() != "gloo" or a.world_size != PROCS:
-        raise SystemExit(f"TRL joined a world of {world} ({a.world_size}), not {PROCS} on gloo: void")
-    if a.per_device_train_batch_size != micro or a.gradient_accumulation_steps != accum:
-        raise SystemExit(
-            f"TRL runs micro {a.per_device_train_batch_size} x accum {a.gradient_accumulation_steps}: void"
-        )
+    world = check_trl_gloo(trainer, procs=PROCS, micro=micro, accum=accum)
     trainer.train()
-    everyone = gather(timer.steps)
+    everyone, logs = check_trl_steps(trainer, timer, steps=steps, micro=micro, accum=accum, world=world)
     items = gather(trainer.items)
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    if len(logs) != steps or any(len(s) != steps for s in everyone):
-        raise SystemExit(f"TRL ran {len(logs)} logged steps, {[len(s) for s in everyone]} per rank, not {steps}")
-    for i, per_rank in enumerate(zip(*everyone)):
-        if any(rank != [micro] * accum for rank in per_rank) or sum(map(sum, per_rank)) != micro * accum * world:
-            raise SystemExit(f"TRL step {i + 1}: micro-batches per rank {per_rank}, not {accum} x {micro}")
     if dist.get_rank() == 0:
         result = {
             "step_s": steady(timer.end) if steps > WARMUP + 1 else None,
@@ -179,28 +172,9 @@ def run_paratrain(paths: dict, corpus: str, out: str, batch: int, micro: int, st
         f"parallel.dp_replicate={PROCS}",
         f"batch.global_batch_size={batch}",
         f"batch.micro_batch_size={micro}",
-        f"run.steps={steps}",
-        "run.progress=false",
-        "run.save_model=false",
-        "metrics.plot=false",
-        *optim_sets(args.lr),
-        f"run.out_dir='{out}'",
     ]
-    config = os.path.join(os.path.dirname(out), "empty.toml")  # every key comes from --set
-    open(config, "w").close()
-    cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", str(PROCS)]
-    run(cmd + [arg for item in sets for arg in ("--set", item)], env)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    accum = batch // (PROCS * micro)
-    bad = [
-        r
-        for r in rows
-        if (r["world_size"], r["global_batch_size"], r["micro_batch_size"], r["accum_steps"])
-        != (PROCS, batch, micro, accum)
-    ]
-    if len(rows) != steps or bad:
-        raise SystemExit(f"paratrain logged {len(rows)} steps, not {steps}, or other world/batch: {bad[:1]}")
+    rows = train_paratrain(out, sets, env, procs=PROCS, steps=steps, lr=args.lr)
+    check_paratrain_rows(rows, steps=steps, procs=PROCS, batch=batch, micro=micro)
     return {
         "step_s": steady([r["time"] for r in rows]) if steps > WARMUP + 1 else None,
         "losses": [r["loss"] for r in rows],
@@ -211,15 +185,10 @@ def run_paratrain(paths: dict, corpus: str, out: str, batch: int, micro: int, st
 
 def run_trl(paths: dict, rows_file: str, out: str, batch: int, micro: int, steps: int, args, env) -> dict:
     os.makedirs(out, exist_ok=True)
-    result = os.path.join(out, "trl.json")
     accum = batch // (PROCS * micro)
-    argv = [__file__, "--worker", "--model", paths["model"], "--rows-file", rows_file, "--out", out]
-    argv += ["--result", result, "--lr", str(args.lr), "--steps", str(steps), "--micro", str(micro)]
-    argv += ["--accum", str(accum)]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(PROCS)]
-    run(launch + argv, env)
-    with open(result) as f:
-        got = json.load(f)
+    argv = ["--model", paths["model"], "--rows-file", rows_file, "--out", out]
+    argv += ["--lr", str(args.lr), "--steps", str(steps), "--micro", str(micro), "--accum", str(accum)]
+    got = launch_trl(__file__, argv, env, procs=PROCS, result=os.path.join(out, "trl.json"))
     if got["world"] != PROCS or any(n != batch for n in got["per_step"]):
         raise SystemExit(f"TRL ran at world {got['world']} with {got['per_step']} conversations per step: void")
     return got
@@ -293,13 +262,9 @@ def main() -> None:
     for hidden in ("--model", "--rows-file", "--out", "--result"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
     p.add_argument("--accum", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.worker:
-        return trl_worker(args)
-    if args.quick:
-        args.rounds, args.steps = 1, WARMUP + 2
-    if args.steps <= WARMUP + 1:
-        raise SystemExit(f"--steps must exceed {WARMUP + 1} (the first {WARMUP} are warm-up)")
+    args = parse_peer_args(p, trl_worker)
+    if args is None:  # this process was a TRL rank
+        return
     if args.batch % (PROCS * args.micro) or any(args.check_batch % (PROCS * m) for m in args.check_micro):
         raise SystemExit(f"--batch and --check-batch must be multiples of {PROCS} x each micro-batch size")
     env = peer_env(inherit_pythonpath=True)
@@ -313,17 +278,8 @@ def main() -> None:
             f" {args.micro} x accumulation {accum}; {PROCS} processes on cpu, float32"
         )
         print(setup, flush=True)
-        for r in range(args.rounds):
-            order = ("paratrain", "trl") if r % 2 == 0 else ("trl", "paratrain")
-            res = {}
-            for tool in order:
-                out = os.path.join(tmp, f"{tool}{r}")
-                if tool == "paratrain":
-                    res[tool] = run_paratrain(
-                        paths, paths["corpus_timing"], out, args.batch, args.micro, args.steps, args, env
-                    )
-                else:
-                    res[tool] = run_trl(paths, paths["timing"], out, args.batch, args.micro, args.steps, args, env)
+        timing = {"corpus": "corpus_timing", "rows": "timing"}
+        for r, res in paired_rounds(args, paths, tmp, env, run_paratrain=run_paratrain, run_trl=run_trl, **timing):
             a, b = res["paratrain"]["step_s"], res["trl"]["step_s"]
             got["ours"].append(a)
             got["theirs"].append(b)

@@ -130,6 +130,20 @@ def script_parser(doc: str) -> argparse.ArgumentParser:
     )
 
 
+def parse_peer_args(p: argparse.ArgumentParser, trl_worker):
+    """A comparison script's arguments; None after running ``trl_worker`` under ``--worker``.
+    ``--quick``: one round of ``WARMUP + 2`` steps."""
+    args = p.parse_args()
+    if args.worker:
+        trl_worker(args)
+        return None
+    if args.quick:
+        args.rounds, args.steps = 1, WARMUP + 2
+    if args.steps <= WARMUP + 1:
+        raise SystemExit(f"--steps must exceed {WARMUP + 1} (the first {WARMUP} are warm-up)")
+    return args
+
+
 def longest_pair(tok, rows: list[dict]) -> int:
     """Tokens of the longest preference pair: its prompt + chosen and prompt + rejected sides
     through ``tok``'s chat template, together."""
@@ -261,21 +275,88 @@ def pair_positions(corpus: str, block: int, micro: int, draws: int = 200) -> flo
     return sum(widths) / len(widths)
 
 
-def rounds_and_check(args, paths: dict, tmp: str, env: dict, *, run_paratrain, run_trl, correctness) -> dict:
-    """The paired rounds (paratrain and TRL alternating, the order swapped every round), their
-    summary, and the first-step loss check: what main() of this script and vs_trl_reward.py share."""
-    ratios, ours, theirs, inner, loads = [], [], [], [], []
+def train_paratrain(out: str, sets: list[str], env: dict, *, procs: int, steps: int, lr: float) -> list[dict]:
+    """``paratrain train --nproc-per-node procs`` of ``steps`` AdamW steps (``optim_sets(lr)``)
+    into ``out``, every other key from ``sets`` (an empty config beside ``out``): its metrics rows."""
+    sets = [*sets, f"run.steps={steps}", "run.progress=false", "run.save_model=false", "metrics.plot=false"]
+    sets += [*optim_sets(lr), f"run.out_dir='{out}'"]
+    config = os.path.join(os.path.dirname(out), "empty.toml")  # every key comes from --set
+    open(config, "w").close()
+    cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", str(procs)]
+    run(cmd + [arg for item in sets for arg in ("--set", item)], env)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def check_paratrain_rows(rows: list[dict], *, steps: int, procs: int, batch: int, micro: int, items: bool = False):
+    """paratrain's metrics rows must show ``steps`` steps of the asked world, global batch,
+    micro-batch and accumulation (and ``batch`` items a step where ``items``); else the run is void."""
+    want = (procs, batch, micro, batch // (procs * micro))
+    keys = ("world_size", "global_batch_size", "micro_batch_size", "accum_steps")
+    bad = [r for r in rows if tuple(r[k] for k in keys) != want or (items and r["items"] != batch)]
+    if len(rows) != steps or bad:
+        raise SystemExit(f"paratrain logged {len(rows)} steps, not {steps}, or other world/batch: {bad[:1]}")
+
+
+def launch_trl(script: str, argv: list[str], env: dict, *, procs: int, result: str) -> dict:
+    """``script --worker argv`` under torchrun on ``procs`` processes: the JSON its rank 0 wrote to ``result``."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
+    run([*launch, script, "--worker", *argv, "--result", result], env)
+    with open(result) as f:
+        return json.load(f)
+
+
+def check_trl_gloo(trainer, *, procs: int, micro: int, accum: int) -> int:
+    """In a TRL worker on CPU: TRL's world (``procs`` on gloo), micro-batch and accumulation must
+    be the ones asked for; else the run is void. The world size."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    a = trainer.args
+    if world != procs or dist.get_backend() != "gloo" or a.world_size != procs:
+        raise SystemExit(f"TRL joined a world of {world} ({a.world_size}), not {procs} on gloo: void")
+    if a.per_device_train_batch_size != micro or a.gradient_accumulation_steps != accum:
+        raise SystemExit(
+            f"TRL runs micro {a.per_device_train_batch_size} x accum {a.gradient_accumulation_steps}: void"
+        )
+    return world
+
+
+def check_trl_steps(trainer, timer, *, steps: int, micro: int, accum: int, world: int) -> tuple[list, list]:
+    """After ``trainer.train()``: every rank ran ``steps`` logged steps of ``accum`` micro-batches
+    of ``micro`` rows (``timer.steps``, counted at compute_loss); else the run is void. Every
+    rank's counts and the logged steps."""
+    everyone = gather(timer.steps)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    if len(logs) != steps or any(len(s) != steps for s in everyone):
+        raise SystemExit(f"TRL ran {len(logs)} logged steps, {[len(s) for s in everyone]} per rank, not {steps}")
+    for i, per_rank in enumerate(zip(*everyone)):
+        if any(rank != [micro] * accum for rank in per_rank) or sum(map(sum, per_rank)) != micro * accum * world:
+            raise SystemExit(f"TRL step {i + 1}: micro-batches per rank {per_rank}, not {accum} x {micro}")
+    return everyone, logs
+
+
+def paired_rounds(args, paths: dict, tmp: str, env: dict, *, run_paratrain, run_trl, corpus: str, rows: str):
+    """Each round's number and ``{tool: result}``: paratrain (on ``paths[corpus]``) and TRL (on
+    ``paths[rows]``) alternating, the order swapped every round, ``args.rounds`` rounds."""
     for r in range(args.rounds):
         order = ("paratrain", "trl") if r % 2 == 0 else ("trl", "paratrain")
         got = {}
         for tool in order:
             out = os.path.join(tmp, f"{tool}{r}")
             if tool == "paratrain":
-                corpus = paths["corpus_pairs_timing"]
-                got[tool] = run_paratrain(paths, corpus, out, args.batch, args.micro, args.steps, args, env)
+                got[tool] = run_paratrain(paths, paths[corpus], out, args.batch, args.micro, args.steps, args, env)
             else:
-                pairs = paths["pairs_timing"]
-                got[tool] = run_trl(paths, pairs, out, args.batch, args.micro, args.steps, args, env)
+                got[tool] = run_trl(paths, paths[rows], out, args.batch, args.micro, args.steps, args, env)
+        yield r, got
+
+
+def rounds_and_check(args, paths: dict, tmp: str, env: dict, *, run_paratrain, run_trl, correctness) -> dict:
+    """The paired rounds (paratrain and TRL alternating, the order swapped every round), their
+    summary, and the first-step loss check: what main() of this script and vs_trl_reward.py share."""
+    ratios, ours, theirs, inner, loads = [], [], [], [], []
+    timing = {"corpus": "corpus_pairs_timing", "rows": "pairs_timing"}
+    for r, got in paired_rounds(args, paths, tmp, env, run_paratrain=run_paratrain, run_trl=run_trl, **timing):
         a, b = got["paratrain"]["step_s"], got["trl"]["step_s"]
         ours.append(a)
         theirs.append(b)
