@@ -82,12 +82,12 @@ from paratrain.testing.paired import summary_line
 from paratrain.testing.peers import (
     BLOCK,
     WARMUP,
-    optim_sets,
     peer_env,
     run,
     script_parser,
     steady,
     step_timer,
+    train_paratrain,
     trl_optim_kwargs,
     trl_run_kwargs,
 )
@@ -213,19 +213,8 @@ def run_paratrain(paths: dict, corpus: str, out: str, batch: int, micro: int, st
         "parallel.dp_replicate=2",
         f"batch.global_batch_size={batch}",
         f"batch.micro_batch_size={micro}",
-        f"run.steps={steps}",
-        "run.progress=false",
-        "run.save_model=false",
-        "metrics.plot=false",
-        *optim_sets(args.lr),
-        f"run.out_dir='{out}'",
     ]
-    config = os.path.join(os.path.dirname(out), "empty.toml")  # every key comes from --set
-    open(config, "w").close()
-    cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", "2"]
-    run(cmd + [arg for item in sets for arg in ("--set", item)], env)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    rows = train_paratrain(out, sets, env, procs=2, steps=steps, lr=args.lr)
     bad = [r for r in rows if r["world_size"] != 2 or r["global_batch_size"] != batch]
     if len(rows) != steps or bad:
         raise SystemExit(f"paratrain logged {len(rows)} steps, not {steps}, or other world/batch: {bad[:1]}")

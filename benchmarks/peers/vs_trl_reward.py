@@ -95,7 +95,7 @@ import tempfile
 
 from paratrain.testing.peers import (
     WARMUP,
-    optim_sets,
+    check_paratrain_rows,
     pair_positions,
     peer_env,
     rounds_and_check,
@@ -103,6 +103,7 @@ from paratrain.testing.peers import (
     script_parser,
     steady,
     step_timer,
+    train_paratrain,
     trl_optim_kwargs,
     trl_run_kwargs,
     write_result,
@@ -220,28 +221,9 @@ def run_paratrain(paths: dict, corpus: str, out: str, batch: int, micro: int, st
         "parallel.dp_replicate=2",
         f"batch.global_batch_size={batch}",
         f"batch.micro_batch_size={micro}",
-        f"run.steps={steps}",
-        "run.progress=false",
-        "run.save_model=false",
-        "metrics.plot=false",
-        *optim_sets(args.lr),
-        f"run.out_dir='{out}'",
     ]
-    config = os.path.join(os.path.dirname(out), "empty.toml")  # every key comes from --set
-    open(config, "w").close()
-    cmd = [sys.executable, "-m", "paratrain", "train", config, "--nproc-per-node", "2"]
-    run(cmd + [arg for item in sets for arg in ("--set", item)], env)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    accum = batch // (2 * micro)
-    bad = [
-        r
-        for r in rows
-        if (r["world_size"], r["global_batch_size"], r["micro_batch_size"], r["accum_steps"], r["items"])
-        != (2, batch, micro, accum, batch)
-    ]
-    if len(rows) != steps or bad:
-        raise SystemExit(f"paratrain logged {len(rows)} steps, not {steps}, or other world/batch: {bad[:1]}")
+    rows = train_paratrain(out, sets, env, procs=2, steps=steps, lr=args.lr)
+    check_paratrain_rows(rows, steps=steps, procs=2, batch=batch, micro=micro, items=True)
     return {
         "step_s": steady([r["time"] for r in rows]) if steps > WARMUP + 1 else None,
         "losses": [r["loss"] for r in rows],
