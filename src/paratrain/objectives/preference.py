@@ -51,7 +51,6 @@ from paratrain.config import PREFERENCE_LOSS_TYPES as LOSS_TYPES
 from paratrain.config import ConfigError
 from paratrain.loss import pair_count, rows
 from paratrain.objectives.base import Objective
-from paratrain.randomness import has_dropout
 
 MEAN_LOGPS = ("ipo", "sigmoid_norm", "simpo", "orpo")  # these compare mean token log-probabilities
 NO_REFERENCE = ("simpo", "orpo", "bradley_terry")
@@ -294,6 +293,10 @@ class PreferenceLoss(Objective):
 
     def _has_dropout(self, model) -> bool:
         if getattr(self, "_dropout", (None,))[0] is not model:  # once per model: it reads every module
+            # Here, not at the top: randomness.py imports DTensor, and the launcher's preflight imports
+            # this module; tests/e2e/test_startup.py keeps parallelism out of the launcher.
+            from paratrain.randomness import has_dropout
+
             self._dropout = (model, has_dropout(model))
         return self._dropout[1]
 
