@@ -240,7 +240,7 @@ def load_vision_run(out_dir: str, cfg) -> torch.nn.Module:
         lora_keep_out,
     )
 
-    return _load_run(
+    return _load_hf_family_run(
         out_dir,
         cfg,
         AutoModelForImageTextToText,
@@ -283,10 +283,12 @@ def load_hf_run(out_dir: str, cfg) -> torch.nn.Module:
 
     if _is_vision_run(out_dir, cfg):  # its family's own class, the processor's rendering
         return load_vision_run(out_dir, cfg)
-    return _load_run(out_dir, cfg, AutoModelForCausalLM, causal_lm_from_config, HFCausalLM)
+    return _load_hf_family_run(out_dir, cfg, AutoModelForCausalLM, causal_lm_from_config, HFCausalLM)
 
 
-def _load_run(out_dir: str, cfg, auto_class, from_config, wrapper, keep_out=lambda config: None) -> torch.nn.Module:
+def _load_hf_family_run(
+    out_dir: str, cfg, auto_class, from_config, wrapper, keep_out=lambda config: None
+) -> torch.nn.Module:
     """``out_dir/hf`` through ``auto_class``, else ``model.safetensors`` (paratrain's names, LoRA
     adapters included) through ``wrapper`` into the model ``from_config`` builds as training did."""
     # Beside transformers: these modules need the optional extra too, only for model.hf runs.
