@@ -41,6 +41,22 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 WAIT, ACTIVE = 10, 10  # profiler: steps skipped, steps recorded (after one warm-up step)
 
 
+def timer(cur: dict, clock):
+    """``timed(name, fn)``: fn wrapped so that the ``clock`` seconds it takes add to ``cur[name]``."""
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cur[name] = cur.get(name, 0.0) + clock() - t
+
+        return wrapper
+
+    return timed
+
+
 def name_tolist() -> None:
     """Make Tensor.tolist (a host read the profiler does not name) a profiler event."""
     import torch
@@ -154,16 +170,7 @@ def paratrain(config: str, out: str) -> None:
     names = ("count", "forward_backward", "clip_optimizer", "totals_wait", "rest_of_step", "outside_step", "total")
     phases, cur = {k: [] for k in names}, {}
 
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                cur[name] = cur.get(name, 0.0) + time.perf_counter() - t
-
-        return wrapper
-
+    timed = timer(cur, time.perf_counter)
     S.count_global_items = timed("count", S.count_global_items)
     S.forward_backward = timed("forward_backward", S.forward_backward)
     S.finish_step = timed("clip_optimizer", S.finish_step)
@@ -218,16 +225,7 @@ def interleaved(config: str, out: str, steps: int) -> None:
     cfg = load_config(config, [*sets, "run.save_model=false", "eval.interval=0"])
     base, phases, cur = {}, {}, {}
 
-    def timed(name, fn):  # the main thread's CPU seconds in fn, per step
-        def wrapper(*args, **kwargs):
-            t = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                cur[name] = cur.get(name, 0.0) + time.thread_time() - t
-
-        return wrapper
-
+    timed = timer(cur, time.thread_time)  # the main thread's CPU seconds in fn, per step
     S.forward_backward = timed("ours forward_backward", S.forward_backward)
     S.finish_step = timed("ours clip_optimizer", S.finish_step)
     S.PendingTotals.read = timed("ours totals_read", S.PendingTotals.read)
