@@ -312,7 +312,7 @@ def reference_identity(cfg: Config) -> dict:
         "args": cfg.model.args,
         "seed": cfg.run.seed if kind == "initial" else None,  # a model without weights: the seed's init
         "precision": cfg.precision.dtype,
-        "keys": 3,  # the pair's own tokens and positions and the row's width (reference_store.row_keys)
+        "keys": 3,  # the pair's own tokens and positions, the row's width, its images (reference_store.row_keys)
     }
 
 

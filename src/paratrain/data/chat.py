@@ -449,9 +449,9 @@ def split_pair(row: dict, where: str, *, checked=None) -> tuple[object, object, 
     return checked(_sharegpt(prompt), where), checked(chosen, where), checked(rejected, where)
 
 
-def split_unpaired(row: dict, where: str) -> tuple[object, object, bool]:
+def split_unpaired(row: dict, where: str, *, checked=None) -> tuple[object, object, bool]:
     """``(prompt, completion, label)`` of an unpaired row (TRL's KTO format): lists of messages,
-    or strings; ``label`` true for a desirable completion."""
+    or strings; ``label`` true for a desirable completion. ``checked``: as split_pair's."""
     if not isinstance(row, dict) or not all(k in row for k in ("prompt", "completion", "label")):
         raise ConfigError(f"{where}: an unpaired row needs the fields 'prompt', 'completion' and 'label'; fix the row")
     prompt, completion, label = row["prompt"], row["completion"], row["label"]
@@ -469,7 +469,8 @@ def split_unpaired(row: dict, where: str) -> tuple[object, object, bool]:
         raise ConfigError(
             f"{where}: 'prompt' and 'completion' must be strings or non-empty lists of messages; fix the row"
         )
-    return _checked(_sharegpt(prompt), where), _checked(_sharegpt(completion), where), label
+    checked = checked or _checked
+    return checked(_sharegpt(prompt), where), checked(_sharegpt(completion), where), label
 
 
 def encode_plain(tok, prompt: str, reply: str) -> tuple[np.ndarray, np.ndarray]:

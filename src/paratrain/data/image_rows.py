@@ -173,16 +173,29 @@ class ImagePreferencePairs(PreferencePairs):
     the chosen side's; the wrapper takes that constant off (models/hf/vision.py rope_positions), so
     each side has its positions alone, and the masks follow the 1-D positions, which restart.
 
-    A pair is never cut (its sides would lose image tokens): a longer one is refused."""
+    A pair is never cut (its sides would lose image tokens): a longer one is refused. ``labels``:
+    an unpaired (KTO) corpus, each row its example and its KL row (data/preference.py), which take
+    the row's images the same way: the prompt's, once per side."""
 
-    def __init__(self, corpus, pixels, image_counts: np.ndarray, *, shape, block_size: int, pad_to: int, grids=None):
+    def __init__(
+        self,
+        corpus,
+        pixels,
+        image_counts: np.ndarray,
+        *,
+        shape,
+        block_size: int,
+        pad_to: int,
+        grids=None,
+        labels: bool = False,
+    ):
         longest = int(corpus.doc_lengths.reshape(-1, 2).sum(1).max()) if len(corpus.doc_lengths) else 0
         if isinstance(block_size, int) and longest > block_size:
             raise ConfigError(
                 f"data.args.block_size = {block_size} is shorter than the longest image-text pair ({longest} tokens,"
                 f" both sides), which cannot be cut through its images; raise data.args.block_size to {longest}"
             )
-        super().__init__(corpus, block_size=block_size, pad_to=pad_to)
+        super().__init__(corpus, block_size=block_size, pad_to=pad_to, labels=labels)
         self.pixels, self.shape = pixels, tuple(shape or ())
         counts = image_counts.astype(np.int64)
         self.image_counts, self.image_starts = counts, np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)

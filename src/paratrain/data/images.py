@@ -31,7 +31,14 @@ import os
 import numpy as np
 
 from paratrain.config import ConfigError
-from paratrain.data.chat import encode_conversation, read_chat_template, row_key, row_messages, split_pair
+from paratrain.data.chat import (
+    encode_conversation,
+    read_chat_template,
+    row_key,
+    row_messages,
+    split_pair,
+    split_unpaired,
+)
 
 HF_PROCESSOR_DIR = "hf_processor"  # the model's processor, saved beside the shards
 
@@ -214,6 +221,7 @@ def encode_image_rows(
     split_of,
     skip_reason,
     pairs: bool = False,
+    unpaired: bool = False,
 ) -> dict:
     """prepare.encode_rows for image rows: tokens, masks, lengths per split (``split_of(row key)``
     picks it), plus ``pixels`` (float32, flat) and ``image_counts`` (per document). A row cut by ``max_length`` inside its image tokens
@@ -222,22 +230,35 @@ def encode_image_rows(
     ``pairs``: TRL's vision preference rows (``prepare --format preference``): each row two
     documents, chosen then rejected (data/preference.py), each rendered and expanded by the
     processor with the row's images; the images are stored once, under the chosen document
-    (its count n, the rejected one's 0), and data/image_rows.py gives both sides the same pixels."""
+    (its count n, the rejected one's 0), and data/image_rows.py gives both sides the same pixels.
+
+    ``unpaired``: TRL's vision KTO rows (``prepare --format unpaired``) the same way, as the text
+    path writes them (prepare.encode_unpaired_rows): the prompt with its completion (mask 1
+    desirable, 2 undesirable), then the prompt with the next row's completion (mask 3: KTO's KL
+    row), both with the prompt's images, which are the row's: the KL row asks how likely another
+    row's answer is about this row's images, as TRL's KL pass does with each prompt's own pixels."""
     processor, loss_on = _VISION
+    pairs = pairs or unpaired
     loss_on = "assistant" if pairs else loss_on  # a pair's targets: its reply's assistant turns (data/chat.py)
     tok, image_id = processor.tokenizer, image_token_id(processor)
     out, masks, lengths, pixels, counts, grids = ({s: [] for s in splits} for _ in range(6))
     skipped = truncated = text_bytes = 0
     reasons: dict[str, int] = {}
     shape = None
-    for where, row in rows:
-        sides, images = _pair_sides(row, where) if pairs else _conversation_side(row, where)
+    marks = _unpaired_sides(rows) if unpaired else None  # each row's (sides, images, the sides' marks)
+    for i, (where, row) in enumerate(rows):
+        if marks is not None:
+            sides, images, mark = marks[i]
+        else:
+            sides, images = _pair_sides(row, where) if pairs else _conversation_side(row, where)
+            mark = (1,) * len(sides)
         docs = []
-        for messages, first in sides:
+        for (messages, first), m in zip(sides, mark):
             ids, mask = encode_conversation(tok, messages, first, loss_on=loss_on, where=where)
             text = tok.apply_chat_template(messages, tokenize=False)
             enc = processor(text=[text], images=images or None, return_tensors="np")
-            docs.append(expand_like_processor(ids, mask, np.asarray(enc["input_ids"][0]), image_id, where))
+            ids, mask = expand_like_processor(ids, mask, np.asarray(enc["input_ids"][0]), image_id, where)
+            docs.append((ids, mask * np.uint8(m)))
         # The sides hold the same images: their pixel values are the same numbers (the last side's).
         pv = np.zeros((0,), np.float32) if not images else np.asarray(enc["pixel_values"], dtype=np.float32)
         grid = enc.get("image_grid_thw") if images else None  # variable patches (Qwen2-VL): (images, 3)
@@ -326,6 +347,27 @@ def _pair_sides(row: dict, where: str) -> tuple[list, list]:
         raise ConfigError(f"{where}: image parts in 'chosen' or 'rejected'; the images belong to the prompt")
     sides = [(prompt + chosen, len(prompt)), (prompt + rejected, len(prompt))]
     return sides, open_images(row, where, _image_parts(prompt))
+
+
+def _unpaired_sides(rows: list[tuple[str, dict]]) -> list[tuple[list, list, tuple[int, int]]]:
+    """Each vision KTO row's two documents ``[(prompt + completion, len(prompt)), (prompt + the
+    next row's completion, ...)]`` (the chunk's last row takes its first row's, as
+    prepare.encode_unpaired_rows), its images (the prompt's) and the documents' marks."""
+    parsed = [split_unpaired(row, where, checked=_parts_checked) for where, row in rows]
+    out = []
+    for i, ((where, row), (prompt, completion, label)) in enumerate(zip(rows, parsed)):
+        if isinstance(prompt, str):
+            raise ConfigError(
+                f"{where}: an unpaired row of plain strings in an image-text corpus; give 'prompt' as messages"
+                " whose content lists the {'type': 'image'} parts"
+            )
+        if _image_parts(completion):
+            raise ConfigError(f"{where}: image parts in 'completion'; the images belong to the prompt")
+        other = parsed[(i + 1) % len(parsed)][1]
+        other = [{"role": "assistant", "content": other}] if isinstance(other, str) else other
+        sides = [(prompt + completion, len(prompt)), (prompt + other, len(prompt))]
+        out.append((sides, open_images(row, where, _image_parts(prompt)), (1 if label else 2, 3)))
+    return out
 
 
 def _parts_checked(messages: list, where: str) -> list[dict]:

@@ -385,7 +385,11 @@ def _build_pairs(path: str, meta: dict, *, block_size: int, split: str, packing:
     pad_to = 8 if pad_to is None else pad_to
     if meta.get("images"):  # image-text pairs (data/image_rows.py): the pair's images with its row
         ds = ImagePreferencePairs(
-            Documents(path, meta, split), **_image_arrays(path, meta, split), block_size=block_size, pad_to=pad_to
+            Documents(path, meta, split),
+            **_image_arrays(path, meta, split),
+            block_size=block_size,
+            pad_to=pad_to,
+            labels=unpaired,  # KTO's rows (data/images.py): the example and its KL row, the prompt's images on both
         )
     else:
         ds = PreferencePairs(Documents(path, meta, split), block_size=block_size, labels=unpaired, pad_to=pad_to)

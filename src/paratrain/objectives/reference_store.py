@@ -18,9 +18,10 @@ kernels as the per-step reference: the two are equal bit for bit (tests/distribu
 test_preference.py, zero tolerance).
 
 The store is **keyed by the row**: a hash of the pair's token ids and positions and the row's
-width, so a lookup does not depend on the rank, the accumulation or the run: a store filled by
-one run serves another of the same pairs, reference and micro-batch size (``preference.store``;
-a resume, another world size), and only the rows it lacks are computed (a run stopped while
+width (and, for an image-text pair, of its images' pixel values and grids: ``row_keys``), so a
+lookup does not depend on the rank, the accumulation or the run: a store filled by one run
+serves another of the same pairs, reference and micro-batch size (``preference.store``; a
+resume, another world size), and only the rows it lacks are computed (a run stopped while
 filling it resumes there; another micro-batch size computes its own widths). The store's
 ``identity`` (the reference model and what changes its numbers) must match, else it is refused
 in one line.
@@ -45,17 +46,37 @@ from paratrain.config import ConfigError
 log = logging.getLogger("paratrain")
 
 
-def row_keys(inputs: torch.Tensor) -> list[str]:
+def row_keys(inputs) -> list[str]:
     """Each row's key: a hash of its pair's token ids and positions (the leading columns, position
-    >= 0) and of the row's width, which the reference's rounding depends on (module docstring)."""
+    >= 0) and of the row's width, which the reference's rounding depends on (module docstring).
+
+    An image-text batch (data/image_rows.py ImageTextBatch): the row's images too, their pixel
+    values and grids. Two pairs of the same text about different images have the same tokens (an
+    image is one run of image tokens, whatever it shows), so a key of the tokens alone would give
+    the second the first one's reference (tests/distributed/test_vision_dpo.py holds such a pair)."""
+    images = [b""] * len(inputs)
+    if hasattr(inputs, "select_rows"):
+        images = [_image_bytes(inputs.select_rows(r, r + 1)) for r in range(len(inputs))]
+        inputs = torch.stack([inputs.input_ids, inputs.positions], 1)
     rows = inputs.detach().to("cpu", torch.int64)
     width = struct.pack("<q", rows.shape[-1])
     keys = []
-    for row in rows:
+    for row, image in zip(rows, images, strict=True):
         n = int((row[1] >= 0).sum())  # the pair's columns lead the row
         pair = row[:, :n].contiguous().numpy().tobytes()
-        keys.append(hashlib.blake2b(pair + width, digest_size=16).hexdigest())
+        keys.append(hashlib.blake2b(pair + width + image, digest_size=16).hexdigest())
     return keys
+
+
+def _image_bytes(row) -> bytes:
+    """One row's images as bytes: its pixel values (float32) and, with variable patches, its
+    grids, each behind its shape (so no two different sets of images give the same bytes)."""
+    out = b""
+    for t in (row.pixel_values.detach().to("cpu", torch.float32), row.image_grid_thw):
+        if t is not None:
+            t = t.detach().cpu().contiguous()
+            out += struct.pack(f"<{t.dim() + 1}q", t.dim(), *t.shape) + t.numpy().tobytes()
+    return out
 
 
 class ReferenceStore:

@@ -469,20 +469,6 @@ VISION_REFUSALS = (
         "GRPO would generate from images, distillation and reward models read no image rows yet",
     ),
     _vision_refusal(
-        "preference kto",
-        lambda c, d: c.loss.name == "preference" and c.preference.loss_type == "kto",
-        "preference.loss_type = 'kto'",
-        "use a per-pair loss_type (sigmoid, ipo, hinge, robust, sigmoid_norm, simpo, orpo)",
-        "KTO's unpaired rows with images are not prepared yet",
-    ),
-    _vision_refusal(
-        "preference precompute",
-        lambda c, d: c.loss.name == "preference" and c.preference.precompute,
-        "preference.precompute = true",
-        "set preference.precompute = false (the reference runs beside the policy each step)",
-        "the reference store keys a pair by its token ids, and an image pair's images are not in them",
-    ),
-    _vision_refusal(
         "model.head score",
         lambda c, d: c.model.head != "lm",
         "model.head = 'score'",
