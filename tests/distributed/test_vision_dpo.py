@@ -180,7 +180,7 @@ def test_image_pairs_prepare_and_refusals_are_one_line(vdpo, tmp_path):
     assert not os.path.exists(tmp_path / "bad" / "meta.json")
     dims = SimpleNamespace(pp=1, tp=1, cp=1, ep=1, dp_shard=1, dp_replicate=1, fsdp_enabled=False)
     for over, line in (
-        ("loss.name='grpo'", "loss.name other than 'cross_entropy' or 'preference' with an image-text model.hf"),
+        ("loss.name='mse'", "loss.name other than 'cross_entropy', 'preference' or 'grpo' with an image-text"),
         ("preference.loss_type='kto'", "preference.loss_type = 'kto' with an image-text model.hf"),
         ("preference.precompute=true", "preference.precompute = true with an image-text model.hf"),
     ):

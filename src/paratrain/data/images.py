@@ -348,3 +348,23 @@ def _vision_messages(row: dict, where: str) -> tuple[list[dict], int]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ConfigError(f"{where}: every message needs a string 'role' (got {m!r:.80}); fix the row")
     return messages, 0
+
+
+def prompt_images(processor, row: dict, where: str) -> tuple[list[int], tuple]:
+    """A GRPO prompt row of TRL's vision format (data/prompts.py): its ids as the processor renders
+    (the generation prompt added) and expands them, and ``(pixel values, image_grid_thw or None)``
+    of its images (float32 / int64 numpy; ``(None, None)`` for a row without one). No special
+    tokens are added, as TRL's GRPOTrainer calls the processor (``add_special_tokens=False``)."""
+    prompt = row["prompt"]
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise ConfigError(f"{where}: 'prompt' must be a string or a non-empty list of messages; fix the row")
+    _parts_checked(prompt, where)
+    images = open_images(row, where, _image_parts(prompt))
+    text = processor.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    enc = processor(text=[text], images=images or None, return_tensors="np", add_special_tokens=False)
+    if not images:
+        return [int(x) for x in enc["input_ids"][0]], (None, None)
+    grid = enc.get("image_grid_thw")
+    pixels = np.asarray(enc["pixel_values"], dtype=np.float32)
+    return [int(x) for x in enc["input_ids"][0]], (pixels, None if grid is None else np.asarray(grid, np.int64))
