@@ -178,19 +178,20 @@ def test_grpo_on_images_is_the_same_on_two_ranks_with_accumulation_and_on_qwen2v
     """DDP world 2, micro-batches of 2 and generation batches of 3 rows (a group's images split
     over two of them) give the one-process completions and numbers. Qwen2-VL (variable patches,
     multimodal rotary positions) samples with its cache, the new tokens' positions continuing from
-    the images' (``logp_gap``: a wrong continuation gave 5.3 here), as without the cache."""
+    the images' as the trainer's whole-row forward numbers them (``logp_gap``: the new tokens at
+    their text positions instead gave 5.3 here)."""
     rows, rollouts = one_process
-    rows2, rollouts2 = run(vrl, "w2", "batch.micro_batch_size=2", "rl.generation_batch_size=3", world=2)
-    assert [{k: v for k, v in r.items() if k != "advantage"} for r in rollouts2] == [
-        {k: v for k, v in r.items() if k != "advantage"} for r in rollouts
-    ]
-    assert [r["advantage"] for r in rollouts2] == pytest.approx([r["advantage"] for r in rollouts], rel=1e-12)
+    run(vrl, "w2", "batch.micro_batch_size=2", "rl.generation_batch_size=3", world=2)
+    rows2 = read_metrics(os.path.join(vrl["root"], "w2"))
+    with (
+        open(os.path.join(vrl["root"], "w1", "rollouts.jsonl"), "rb") as one,
+        open(os.path.join(vrl["root"], "w2", "rollouts.jsonl"), "rb") as two,
+    ):
+        assert two.read() == one.read()  # byte for byte: tokens, texts, rewards and advantages
     for key in ("loss", "grad_norm", "reward", "kl", "clip_ratio"):
         assert [r[key] for r in rows2] == pytest.approx([r[key] for r in rows], rel=1e-5, abs=1e-7), key
     qwen = save_tiny_qwen2vl(str(tmp_path / "qwen"))
     wide = dict(vrl, data=write_jsonl(str(tmp_path / "wide.jsonl"), prompt_rows(str(tmp_path), PROMPTS, wide=True)))
     cached, rollouts_q = run(wide, "qwen", model=qwen)
-    assert all(r["logp_gap"] <= 1e-5 for r in cached)
-    uncached, rollouts_u = run(wide, "qwen_no_cache", "rl.kv_cache=false", model=qwen)
-    assert rollouts_u == rollouts_q
-    assert [r["loss"] for r in uncached] == pytest.approx([r["loss"] for r in cached], rel=1e-6, abs=1e-9)
+    assert len({tuple(r["tokens"]) for r in rollouts_q}) > 8
+    assert all(r["logp_gap"] <= 1e-5 for r in cached)  # the trainer's forward, no cache, with the same positions

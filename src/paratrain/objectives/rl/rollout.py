@@ -240,7 +240,12 @@ def advantages(
     """Each completion's advantage ``(n,)`` from the rewards ``(n,)`` of consecutive groups: its
     reward minus its group's mean (``baseline = 'rloo'``: minus the mean of the group's other
     completions, G / (G - 1) times as much), divided by the group's standard deviation (Bessel's,
-    as TRL's ``std``) plus 1e-4 when ``scale = 'group'``; and each group's standard deviation."""
+    as TRL's ``std``) plus 1e-4 when ``scale = 'group'``; and each group's standard deviation.
+    Each group alone: torch's reductions over a (groups, G) tensor round by its number of rows (a
+    rank's share), 1e-15 apart, which rollouts.jsonl would show; one group's are the same bits."""
+    if rewards.numel() > group_size:
+        parts = [advantages(g, group_size, scale=scale, baseline=baseline) for g in rewards.view(-1, group_size)]
+        return torch.cat([a for a, _ in parts]), torch.cat([s for _, s in parts])
     grouped = rewards.double().view(-1, group_size)
     std = grouped.std(-1, keepdim=True)
     if baseline == "rloo":  # r_i - (sum - r_i) / (G - 1), written as such
