@@ -173,6 +173,39 @@ def test_a_missing_image_of_a_prompt_is_one_line_naming_the_row(vrl):
     assert "\n" not in str(e.value)
 
 
+def test_prepare_format_prompt_takes_image_prompts_as_the_chat_format_takes_the_conversation(vrl, tmp_path):
+    """TRL's vision prompt-completion rows (the images in the prompt) prepare into the token, mask
+    and pixel shards of the same conversations prepared as chat rows; a missing image is one line."""
+    from paratrain.data.prepare import prepare
+
+    chats = colour_rows(vrl["root"], PROMPTS)
+    pairs = [
+        {
+            "prompt": r["messages"][:1],
+            "completion": r["messages"][1:],
+            **({"images": r["images"]} if "images" in r else {}),
+        }
+        for r in chats
+    ]
+    files = {}
+    for fmt, rows in (("chat", chats), ("prompt", pairs)):
+        data = write_jsonl(os.path.join(vrl["root"], f"{fmt}_rows.jsonl"), rows)
+        meta = prepare(
+            [data], out_dir=str(tmp_path / fmt), tokenizer=vrl["policy"], fmt=fmt, val_fraction=0, progress=False
+        )
+        assert meta["document_format"] == fmt and meta["images"]["shape"] and meta["splits"]["train"]["documents"] == 8
+        files[fmt] = {
+            kind: [f["sha256"] for f in meta["splits"]["train"][kind]]
+            for kind in ("files", "doc_files", "mask_files", "pixel_files", "image_files")
+        }
+    assert files["prompt"] == files["chat"]
+    pairs[6] = dict(pairs[6], images=["images/nowhere.png"])
+    bad = write_jsonl(os.path.join(vrl["root"], "bad_prompt.jsonl"), pairs)
+    with pytest.raises(ConfigError, match=r"bad_prompt.jsonl:7: image '.*nowhere.png' is missing or unreadable"):
+        prepare([bad], out_dir=str(tmp_path / "bad"), tokenizer=vrl["policy"], fmt="prompt", progress=False)
+    assert not os.path.exists(tmp_path / "bad" / "meta.json")
+
+
 @pytest.mark.slow
 def test_grpo_on_images_is_the_same_on_two_ranks_with_accumulation_and_on_qwen2vl(vrl, one_process, tmp_path):
     """DDP world 2, micro-batches of 2 and generation batches of 3 rows (a group's images split

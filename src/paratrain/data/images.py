@@ -214,6 +214,7 @@ def encode_image_rows(
     split_of,
     skip_reason,
     pairs: bool = False,
+    prompts: bool = False,
 ) -> dict:
     """prepare.encode_rows for image rows: tokens, masks, lengths per split (``split_of(row key)``
     picks it), plus ``pixels`` (float32, flat) and ``image_counts`` (per document). A row cut by ``max_length`` inside its image tokens
@@ -222,16 +223,21 @@ def encode_image_rows(
     ``pairs``: TRL's vision preference rows (``prepare --format preference``): each row two
     documents, chosen then rejected (data/preference.py), each rendered and expanded by the
     processor with the row's images; the images are stored once, under the chosen document
-    (its count n, the rejected one's 0), and data/image_rows.py gives both sides the same pixels."""
+    (its count n, the rejected one's 0), and data/image_rows.py gives both sides the same pixels.
+
+    ``prompts``: TRL's prompt-completion rows (``prepare --format prompt``) whose prompt holds the
+    images: one document, prompt then completion, its targets the completion's assistant turns."""
     processor, loss_on = _VISION
-    loss_on = "assistant" if pairs else loss_on  # a pair's targets: its reply's assistant turns (data/chat.py)
+    # a pair's or a prompt row's targets: its reply's assistant turns (data/chat.py)
+    loss_on = "assistant" if pairs or prompts else loss_on
     tok, image_id = processor.tokenizer, image_token_id(processor)
     out, masks, lengths, pixels, counts, grids = ({s: [] for s in splits} for _ in range(6))
     skipped = truncated = text_bytes = 0
     reasons: dict[str, int] = {}
     shape = None
     for where, row in rows:
-        sides, images = _pair_sides(row, where) if pairs else _conversation_side(row, where)
+        side = _pair_sides if pairs else _prompt_side if prompts else _conversation_side
+        sides, images = side(row, where)
         docs = []
         for messages, first in sides:
             ids, mask = encode_conversation(tok, messages, first, loss_on=loss_on, where=where)
@@ -300,6 +306,22 @@ def _conversation_side(row: dict, where: str) -> tuple[list, list]:
         _check_parts([m for m in raw if isinstance(m, dict)], where)
     messages, first = _vision_messages(row, where)
     return [(messages, first)], open_images(row, where, _image_parts(messages))
+
+
+def _prompt_side(row: dict, where: str) -> tuple[list, list]:
+    """A vision prompt-completion row's one document ``[(prompt + completion, len(prompt))]`` and
+    its images, which the prompt shows (strings are a user's and an assistant's message)."""
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if prompt is None or completion is None:
+        raise ConfigError(f"{where}: a prompt row needs the fields 'prompt' and 'completion'; fix the row")
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    completion = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
+    if not isinstance(prompt, list) or not isinstance(completion, list) or not prompt or not completion:
+        raise ConfigError(f"{where}: 'prompt' and 'completion' must be strings or lists of messages; fix the row")
+    _parts_checked(prompt + completion, where)
+    if _image_parts(completion):
+        raise ConfigError(f"{where}: image parts in 'completion'; the images belong to the prompt")
+    return [(prompt + completion, len(prompt))], open_images(row, where, _image_parts(prompt))
 
 
 def _pair_sides(row: dict, where: str) -> tuple[list, list]:

@@ -380,9 +380,16 @@ def encode_rows(rows: list[tuple[str, dict]], val_fraction: float, dtype: str, m
 
 
 def encode_images(
-    rows: list[tuple[str, dict]], val_fraction: float, dtype: str, max_length: int, *, pairs: bool = False
+    rows: list[tuple[str, dict]],
+    val_fraction: float,
+    dtype: str,
+    max_length: int,
+    *,
+    pairs: bool = False,
+    prompts: bool = False,
 ) -> dict:
-    """:func:`encode_rows` for image-text rows (data/images.py); ``pairs``: TRL's vision preference rows."""
+    """:func:`encode_rows` for image-text rows (data/images.py); ``pairs``: TRL's vision preference
+    rows; ``prompts``: its prompt-completion rows."""
     return encode_image_rows(
         rows,
         dtype=dtype,
@@ -391,6 +398,7 @@ def encode_images(
         split_of=lambda key: split_of(key, val_fraction),
         skip_reason=skip_reason,
         pairs=pairs,
+        prompts=prompts,
     )
 
 
@@ -754,7 +762,7 @@ def prepare(
         fmt = "text" if first is None else detect_format(first[1], first[0])
     chat = fmt in ("chat", "prompt", "preference", "unpaired")
     # TRL's vision conversations (data/images.py), told by the first rows: the model's processor renders them.
-    images = fmt in ("chat", "preference") and any(
+    images = fmt in ("chat", "prompt", "preference") and any(
         is_image_row(row) for _, row in itertools.islice(iter_rows(files), IMAGE_SCAN_ROWS)
     )
     fingerprint = {
@@ -800,7 +808,7 @@ def prepare(
     dtype = "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
     encode = {"preference": encode_pair_rows, "unpaired": encode_unpaired_rows}.get(fmt, encode_rows)
     if images:
-        encode = functools.partial(encode_images, pairs=fmt == "preference")
+        encode = functools.partial(encode_images, pairs=fmt == "preference", prompts=fmt == "prompt")
     fn, args = (encode, (val_fraction, dtype, max_length)) if chat else (encode_chunk, (val_fraction, dtype))
     writers = {s: ShardWriter(out_dir, s, dtype) for s in SPLITS}
     doc_writers = {s: ShardWriter(out_dir, s, "uint32", kind="docs") for s in SPLITS}
