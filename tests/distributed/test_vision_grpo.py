@@ -173,6 +173,23 @@ def test_a_missing_image_of_a_prompt_is_one_line_naming_the_row(vrl):
     assert "\n" not in str(e.value)
 
 
+def test_what_grpo_on_images_does_not_run_is_refused_in_one_line(vrl):
+    from types import SimpleNamespace
+
+    from paratrain.preflight.support import check_support
+
+    dims = SimpleNamespace(pp=1, tp=1, cp=1, ep=1, dp_shard=1, dp_replicate=1, fsdp_enabled=False)
+    check_support(load_config(None, config(vrl, "ok")), dims)  # the built-in engine, single-turn, in step
+    for over, line in (
+        ("rl.engine='vllm'", "rl.engine other than 'builtin' with an image-text model.hf"),
+        ("rl.environment='paratrain.testing.rl_data:byte_mix'", "rl.environment or rl.tools with an image-text"),
+        ("rl.async_steps=1", "rl.async_steps > 0 with an image-text model.hf"),
+    ):
+        with pytest.raises(ConfigError, match=line) as e:
+            check_support(load_config(None, config(vrl, "refused", over)), dims)
+        assert "\n" not in str(e.value)
+
+
 def test_prepare_format_prompt_takes_image_prompts_as_the_chat_format_takes_the_conversation(vrl, tmp_path):
     """TRL's vision prompt-completion rows (the images in the prompt) prepare into the token, mask
     and pixel shards of the same conversations prepared as chat rows; a missing image is one line."""
