@@ -48,7 +48,7 @@ class PromptSet(Dataset):
         self.rows, self.ids, self.images = [], [], []
         # An image-text prompt set (told by its first rows) is read with the model's processor.
         scan = (row for _, row in itertools.islice(iter_rows(files), IMAGE_SCAN_ROWS))
-        self.processor = load_processor(tokenizer) if tokenizer and any(map(is_image_row, scan)) else None
+        self.processor = _processor(tokenizer) if tokenizer and any(map(is_image_row, scan)) else None
         self.tokenizer = (
             self.processor.tokenizer if self.processor else load_tokenizer(tokenizer) if tokenizer else None
         )
@@ -145,6 +145,14 @@ class PromptSet(Dataset):
         x = torch.zeros(self.max_prompt_length, dtype=torch.long)
         x[: len(ids)] = torch.tensor(ids, dtype=torch.long)
         return x, torch.tensor([i, len(ids)], dtype=torch.long)
+
+
+def _processor(path: str):
+    """The image-text model's processor of ``data.args.tokenizer`` (data/images.py names prepare's flag)."""
+    try:
+        return load_processor(path)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("--tokenizer ", "data.args.tokenizer = ", 1)) from None
 
 
 def load_tokenizer(path: str):
