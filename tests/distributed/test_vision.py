@@ -293,7 +293,7 @@ def test_bad_image_rows_are_one_line(vlm, tmp_path):
     [
         (["parallel.sequence_parallel=true"], dict(tp=2), "parallel.sequence_parallel = true with an image-text"),
         ([], dict(pp=2), "parallel.pp > 1 with an image-text model.hf"),
-        (["loss.name='grpo'"], {}, "loss.name other than 'cross_entropy' or 'preference' with an image-text"),
+        (["loss.name='mse'"], {}, "loss.name other than 'cross_entropy', 'preference' or 'grpo' with"),
         (["batch.micro_batch_size='auto'"], {}, "batch.micro_batch_size = 'auto' with an image-text model.hf"),
     ],
 )

@@ -278,9 +278,9 @@ def test_image_pairs_prepare_and_refusals_are_one_line(vdpo, tmp_path):
         prepare([bad], out_dir=str(tmp_path / "bad"), tokenizer=vdpo["policy"], fmt="preference", progress=False)
     assert not os.path.exists(tmp_path / "bad" / "meta.json")
     dims = SimpleNamespace(pp=1, tp=1, cp=1, ep=1, dp_shard=1, dp_replicate=1, fsdp_enabled=False)
-    line = "loss.name other than 'cross_entropy' or 'preference' with an image-text model.hf"
+    line = "loss.name other than 'cross_entropy', 'preference' or 'grpo' with an image-text model.hf"
     with pytest.raises(ConfigError, match=line) as e:
-        check_support(load_config(None, config(vdpo, "refused", "loss.name='grpo'")), dims)
+        check_support(load_config(None, config(vdpo, "refused", "loss.name='mse'")), dims)
     assert "\n" not in str(e.value)
     for over in ("preference.loss_type='kto'", "preference.precompute=true"):  # issue 57 item 4: they run
         check_support(load_config(None, config(vdpo, "runs", over)), dims)

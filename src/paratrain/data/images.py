@@ -222,6 +222,7 @@ def encode_image_rows(
     skip_reason,
     pairs: bool = False,
     unpaired: bool = False,
+    prompts: bool = False,
 ) -> dict:
     """prepare.encode_rows for image rows: tokens, masks, lengths per split (``split_of(row key)``
     picks it), plus ``pixels`` (float32, flat) and ``image_counts`` (per document). A row cut by ``max_length`` inside its image tokens
@@ -236,10 +237,14 @@ def encode_image_rows(
     path writes them (prepare.encode_unpaired_rows): the prompt with its completion (mask 1
     desirable, 2 undesirable), then the prompt with the next row's completion (mask 3: KTO's KL
     row), both with the prompt's images, which are the row's: the KL row asks how likely another
-    row's answer is about this row's images, as TRL's KL pass does with each prompt's own pixels."""
+    row's answer is about this row's images, as TRL's KL pass does with each prompt's own pixels.
+
+    ``prompts``: TRL's prompt-completion rows (``prepare --format prompt``) whose prompt holds the
+    images: one document, prompt then completion, its targets the completion's assistant turns."""
     processor, loss_on = _VISION
     pairs = pairs or unpaired
-    loss_on = "assistant" if pairs else loss_on  # a pair's targets: its reply's assistant turns (data/chat.py)
+    # a pair's or a prompt row's targets: its reply's assistant turns (data/chat.py)
+    loss_on = "assistant" if pairs or prompts else loss_on
     tok, image_id = processor.tokenizer, image_token_id(processor)
     out, masks, lengths, pixels, counts, grids = ({s: [] for s in splits} for _ in range(6))
     skipped = truncated = text_bytes = 0
@@ -250,7 +255,8 @@ def encode_image_rows(
         if marks is not None:
             sides, images, mark = marks[i]
         else:
-            sides, images = _pair_sides(row, where) if pairs else _conversation_side(row, where)
+            side = _pair_sides if pairs else _prompt_side if prompts else _conversation_side
+            sides, images = side(row, where)
             mark = (1,) * len(sides)
         docs = []
         for (messages, first), m in zip(sides, mark):
@@ -323,6 +329,22 @@ def _conversation_side(row: dict, where: str) -> tuple[list, list]:
     return [(messages, first)], open_images(row, where, _image_parts(messages))
 
 
+def _prompt_side(row: dict, where: str) -> tuple[list, list]:
+    """A vision prompt-completion row's one document ``[(prompt + completion, len(prompt))]`` and
+    its images, which the prompt shows (strings are a user's and an assistant's message)."""
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if prompt is None or completion is None:
+        raise ConfigError(f"{where}: a prompt row needs the fields 'prompt' and 'completion'; fix the row")
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    completion = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
+    if not isinstance(prompt, list) or not isinstance(completion, list) or not prompt or not completion:
+        raise ConfigError(f"{where}: 'prompt' and 'completion' must be strings or lists of messages; fix the row")
+    _parts_checked(prompt + completion, where)
+    if _image_parts(completion):
+        raise ConfigError(f"{where}: image parts in 'completion'; the images belong to the prompt")
+    return [(prompt + completion, len(prompt))], open_images(row, where, _image_parts(prompt))
+
+
 def _pair_sides(row: dict, where: str) -> tuple[list, list]:
     """A vision preference row's two documents ``[(prompt + chosen, len(prompt)), (prompt +
     rejected, ...)]`` and its images, which the prompt shows (TRL's vision DPO rows: a
@@ -390,3 +412,23 @@ def _vision_messages(row: dict, where: str) -> tuple[list[dict], int]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ConfigError(f"{where}: every message needs a string 'role' (got {m!r:.80}); fix the row")
     return messages, 0
+
+
+def prompt_images(processor, row: dict, where: str) -> tuple[list[int], tuple]:
+    """A GRPO prompt row of TRL's vision format (data/prompts.py): its ids as the processor renders
+    (the generation prompt added) and expands them, and ``(pixel values, image_grid_thw or None)``
+    of its images (float32 / int64 numpy; ``(None, None)`` for a row without one). No special
+    tokens are added, as TRL's GRPOTrainer calls the processor (``add_special_tokens=False``)."""
+    prompt = row["prompt"]
+    prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise ConfigError(f"{where}: 'prompt' must be a string or a non-empty list of messages; fix the row")
+    _parts_checked(prompt, where)
+    images = open_images(row, where, _image_parts(prompt))
+    text = processor.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    enc = processor(text=[text], images=images or None, return_tensors="np", add_special_tokens=False)
+    if not images:
+        return [int(x) for x in enc["input_ids"][0]], (None, None)
+    grid = enc.get("image_grid_thw")
+    pixels = np.asarray(enc["pixel_values"], dtype=np.float32)
+    return [int(x) for x in enc["input_ids"][0]], (pixels, None if grid is None else np.asarray(grid, np.int64))

@@ -387,9 +387,10 @@ def encode_images(
     *,
     pairs: bool = False,
     unpaired: bool = False,
+    prompts: bool = False,
 ) -> dict:
     """:func:`encode_rows` for image-text rows (data/images.py); ``pairs``: TRL's vision preference
-    rows; ``unpaired``: its vision KTO rows."""
+    rows; ``unpaired``: its vision KTO rows; ``prompts``: its prompt-completion rows."""
     return encode_image_rows(
         rows,
         dtype=dtype,
@@ -399,6 +400,7 @@ def encode_images(
         skip_reason=skip_reason,
         pairs=pairs,
         unpaired=unpaired,
+        prompts=prompts,
     )
 
 
@@ -762,7 +764,7 @@ def prepare(
         fmt = "text" if first is None else detect_format(first[1], first[0])
     chat = fmt in ("chat", "prompt", "preference", "unpaired")
     # TRL's vision conversations (data/images.py), told by the first rows: the model's processor renders them.
-    images = fmt in ("chat", "preference", "unpaired") and any(
+    images = fmt in ("chat", "prompt", "preference", "unpaired") and any(
         is_image_row(row) for _, row in itertools.islice(iter_rows(files), IMAGE_SCAN_ROWS)
     )
     fingerprint = {
@@ -808,7 +810,9 @@ def prepare(
     dtype = "uint16" if spec.vocab_size <= 1 << 16 else "uint32"
     encode = {"preference": encode_pair_rows, "unpaired": encode_unpaired_rows}.get(fmt, encode_rows)
     if images:
-        encode = functools.partial(encode_images, pairs=fmt == "preference", unpaired=fmt == "unpaired")
+        encode = functools.partial(
+            encode_images, pairs=fmt == "preference", unpaired=fmt == "unpaired", prompts=fmt == "prompt"
+        )
     fn, args = (encode, (val_fraction, dtype, max_length)) if chat else (encode_chunk, (val_fraction, dtype))
     writers = {s: ShardWriter(out_dir, s, dtype) for s in SPLITS}
     doc_writers = {s: ShardWriter(out_dir, s, "uint32", kind="docs") for s in SPLITS}

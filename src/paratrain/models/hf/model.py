@@ -206,12 +206,21 @@ class HFCausalLM(nn.Module):
 
         return DynamicCache(config=self.config)
 
-    def _cached_forward(self, x: torch.Tensor, positions: torch.Tensor, cache, key_mask: torch.Tensor):
+    def _cached_forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        key_mask: torch.Tensor,
+        embedded=False,
+        rope_positions=None,
+    ):
         """The forward of new tokens against a KV cache (the sampler's, objectives/rl/rollout.py): the
-        decoder layers as transformers' own model runs them with ``use_cache``."""
+        decoder layers as transformers' own model runs them with ``use_cache``; ``embedded`` and
+        ``rope_positions`` as in :meth:`forward` (an image-text model's prompts, models/hf/vision.py)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        for name in self._head_names:
+        for name in [] if embedded else self._head_names:
             module = getattr(self, name)
             if module is not None:
                 x = module(x)
@@ -219,7 +228,7 @@ class HFCausalLM(nn.Module):
         masks = {"full_attention": create_causal_mask(**args)}
         if "sliding_attention" in (getattr(self.config, "layer_types", None) or ()):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**args)
-        position_embeddings = self._rotary(x, positions)
+        position_embeddings = self._rotary(x, positions if rope_positions is None else rope_positions)
         layer_types = getattr(self.config, "layer_types", None)
         for key, layer in self.layers.items():
             kind = layer_types[int(key)] if layer_types else "full_attention"
@@ -285,7 +294,7 @@ class HFCausalLM(nn.Module):
         (Qwen2-VL's multimodal positions, (3, B, T)); the masks still follow ``positions``.
         """
         if cache is not None:
-            return self._cached_forward(x, positions, cache, key_mask)
+            return self._cached_forward(x, positions, cache, key_mask, embedded, rope_positions)
         if positions is None:
             x, positions = split_packed(x)
         for name in [] if embedded else self._head_names:

@@ -171,7 +171,15 @@ class HFVisionLM(HFCausalLM):
         first = positions.gather(2, starts.expand(positions.shape[0], -1, -1))
         return torch.where(batch.positions >= 0, positions - first, positions)
 
-    def forward(self, batch) -> torch.Tensor:
+    def forward(self, batch, positions=None, *, cache=None, key_mask=None) -> torch.Tensor:
+        """An :class:`ImageTextBatch` -> logits. The sampler's (objectives/rl/rollout.py) with a KV
+        ``cache``: the prompts' batch (its images' features go into the cache with the prompt),
+        then the new tokens' ids (B, 1) at ``positions``, text as in :class:`HFCausalLM`."""
+        if cache is not None and isinstance(batch, torch.Tensor):  # a new token: text after the prompt
+            rope = None
+            if getattr(cache, "rope_delta", None) is not None:  # Qwen2-VL: text continues from the images' positions
+                rope = (positions + cache.rope_delta[:, None]).expand(3, -1, -1)
+            return super().forward(batch, positions, cache=cache, key_mask=key_mask, rope_positions=rope)
         ids = batch.input_ids
         x = self._embed[0](ids)
         slots = ids == self.vision_config.image_token_id
@@ -185,7 +193,13 @@ class HFVisionLM(HFCausalLM):
                 )
             x = x.masked_scatter(slots.unsqueeze(-1).expand_as(x), features)
         x = self._every_vision_parameter(x)
-        return super().forward(x, batch.positions, embedded=True, rope_positions=self.rope_positions(batch))
+        rope = self.rope_positions(batch)
+        if cache is None:
+            return super().forward(x, batch.positions, embedded=True, rope_positions=rope)
+        if rope is not None:  # a text token at position q after the prompt rotates by q + delta (get_rope_index)
+            real = batch.positions >= 0
+            cache.rope_delta = torch.where(real, rope.amax(0), -1).amax(-1) + 1 - real.sum(-1)
+        return super().forward(x, positions, cache=cache, key_mask=key_mask, embedded=True, rope_positions=rope)
 
     def _every_vision_parameter(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` plus 0 x one element of every trainable vision parameter: a micro-batch without

@@ -111,6 +111,7 @@ def sample(
     autocast=None,
     cached: bool = False,
     live: torch.Tensor | None = None,
+    wrap=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Completions of ``prompts`` ``(B, P)`` (row ``i``'s ids in its first ``lengths[i]``), drawn
     with row ``i``'s uniforms from ``keys[i]``: the tokens ``(B, N)`` (-1 after a completion's
@@ -124,7 +125,12 @@ def sample(
     padding masked out. Else each token reruns the whole buffer
     ``[prompt | completion so far | padding]``. ``live`` ``(B,)``: the rows that sample (default
     all); a dead row's forwards run beside the others (episodes.py: a rank with no episode left
-    keeps step with ranks that agree)."""
+    keeps step with ranks that agree).
+
+    ``wrap(ids, positions)``: the rows' input as an image-text model takes it (data/prompts.py
+    ``image_batch``: the ids with each row's images; positions -1 on padding). With the cache, the
+    prompts' forward holds the images, whose features then sit in the cache as the prompt's keys
+    and values, computed once; without it, every token's forward of the whole buffer holds them."""
     device = prompts.device
     rows, p = prompts.shape
     u = uniform(keys, SAMPLE_SITE, max_new_tokens).to(device)  # on the CPU: the same on any device
@@ -144,11 +150,15 @@ def sample(
     if cached:
         cache = model.new_cache()
         mask = (torch.arange(p, device=device)[None] < lengths[:, None]).long()
-        logits = forward(prompts, torch.arange(p, device=device).expand(rows, p), cache=cache, key_mask=mask)
+        at = torch.arange(p, device=device).expand(rows, p)
+        first = prompts if wrap is None else wrap(prompts, torch.where(mask.bool(), at, -1))
+        logits = forward(first, at, cache=cache, key_mask=mask)
     else:
         buffer = torch.zeros(rows, p + max_new_tokens, dtype=torch.long, device=device)
         buffer[:, :p] = prompts
-        logits = forward(buffer)
+        at = torch.arange(p + max_new_tokens, device=device).expand(rows, -1)
+        whole = lambda: buffer if wrap is None else wrap(buffer, at)  # noqa: E731 - causal: the padding after is unseen
+        logits = forward(whole())
     logits = logits[where, lengths - 1]
     for t in range(max_new_tokens):
         logits = logits.float() / temperature
@@ -167,7 +177,7 @@ def sample(
             logits = forward(feed[:, None], (lengths + t)[:, None], cache=cache, key_mask=mask)[:, -1]
         else:
             buffer[where, lengths + t] = feed
-            logits = forward(buffer)[where, lengths + t]
+            logits = forward(whole())[where, lengths + t]
     return tokens, logps, (tokens >= 0).sum(-1)
 
 
@@ -188,8 +198,11 @@ class BuiltinEngine:
     def sync(self, model: nn.Module) -> None:
         pass
 
-    def sample(self, prompts: list[list[int]], keys: torch.Tensor, params: SamplingParams, *, live: bool = True):
-        """``live = False``: the rows only keep step with ranks that still sample (episodes.py)."""
+    def sample(
+        self, prompts: list[list[int]], keys: torch.Tensor, params: SamplingParams, *, live: bool = True, wrap=None
+    ):
+        """``live = False``: the rows only keep step with ranks that still sample (episodes.py);
+        ``wrap``: the rows' images (:func:`sample`)."""
         model = self.sampler()
         lengths = torch.tensor([len(p) for p in prompts])
         ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)  # right-padded with 0, as the loader's
@@ -209,6 +222,7 @@ class BuiltinEngine:
             autocast=self.autocast(),
             cached=self.kv_cache and hasattr(model, "new_cache"),
             live=None if live else torch.zeros(len(prompts), dtype=torch.bool, device=self.device),
+            wrap=wrap,
         )
         return tokens.cpu(), logps.cpu()
 
@@ -226,7 +240,12 @@ def advantages(
     """Each completion's advantage ``(n,)`` from the rewards ``(n,)`` of consecutive groups: its
     reward minus its group's mean (``baseline = 'rloo'``: minus the mean of the group's other
     completions, G / (G - 1) times as much), divided by the group's standard deviation (Bessel's,
-    as TRL's ``std``) plus 1e-4 when ``scale = 'group'``; and each group's standard deviation."""
+    as TRL's ``std``) plus 1e-4 when ``scale = 'group'``; and each group's standard deviation.
+    Each group alone: torch's reductions over a (groups, G) tensor round by its number of rows (a
+    rank's share), 1e-15 apart, which rollouts.jsonl would show; one group's are the same bits."""
+    if rewards.numel() > group_size:
+        parts = [advantages(g, group_size, scale=scale, baseline=baseline) for g in rewards.view(-1, group_size)]
+        return torch.cat([a for a, _ in parts]), torch.cat([s for _, s in parts])
     grouped = rewards.double().view(-1, group_size)
     std = grouped.std(-1, keepdim=True)
     if baseline == "rloo":  # r_i - (sum - r_i) / (G - 1), written as such
@@ -305,6 +324,8 @@ class Rollouts:
         # rl.engine (objectives/rl/engine.py): the built-in keyed sampler, or an engine that samples
         # outside the trainer's forward, whose ranks then need not agree on its forwards
         self.builtin = cfg.engine == "builtin"
+        # An image-text prompt set (data/prompts.py): the sampler and the training rows carry the images.
+        self.images = getattr(dataset, "processor", None) is not None
         self.agree = agree and self.builtin
         if self.builtin:
             self.engine = BuiltinEngine(
@@ -434,6 +455,7 @@ class Rollouts:
             for s in range(self.cfg.steps_per_generation):
                 at = consumed + s * per_step
                 ((prompt_ids, meta),) = self.loader.batches(at, per_step, per_step // self.dp)
+                prompt_ids = getattr(prompt_ids, "input_ids", prompt_ids)  # an image-text set's: its ids
                 (prompt_keys,) = self.loader.keys(at, per_step, per_step // self.dp, seed=self.seed)
                 batches, keys, rows = self._step_rollouts(prompt_ids, meta, prompt_keys, micro_batch_size)
                 stats += rows["stats"]
@@ -459,7 +481,7 @@ class Rollouts:
         # The step then trains on the same rows cut into micro-batches, each as wide as its own.
         generation = self.cfg.generation_batch_size or len(prompts)
         for a in range(0, len(prompts), generation):
-            t, lp = self.draw(ids[a : a + generation], keys[a : a + generation])
+            t, lp = self.draw(ids[a : a + generation], keys[a : a + generation], rows=index[a : a + generation])
             tokens.append(t)
             logps.append(lp)
         tokens, logps = torch.cat(tokens), torch.cat(logps)
@@ -485,6 +507,12 @@ class Rollouts:
             training_rows(prompts[a:b, :width], lengths[a:b], tokens[a:b], logps[a:b], advantage[a:b], weights[a:b])
             for (a, b), width in zip(spans, widths, strict=True)
         ]
+        if self.images:  # image-text rows: each completion trains with its prompt's images
+            ends = lengths + done
+            for m, ((a, b), (inputs, target)) in enumerate(zip(spans, batches, strict=True)):
+                at = torch.arange(inputs.shape[1]).expand(b - a, -1)
+                positions = torch.where(at < ends[a:b, None], at, -1)  # -1: padding (count_tokens, masks)
+                batches[m] = (self.dataset.image_batch(inputs, positions, index[a:b]), target)
         keys_mb = [keys[a:b] for a, b in spans]
         stats = torch.tensor(
             [len(tokens), len(tokens) // g, rewards.sum().item(), std.sum().item(), float(done.sum())]
@@ -512,13 +540,17 @@ class Rollouts:
         # alone samples (plain data parallel holds whole weights, so no rank needs another).
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
-    def draw(self, prompts: list[list[int]], keys: torch.Tensor, *, live: bool = True):
+    def draw(self, prompts: list[list[int]], keys: torch.Tensor, *, live: bool = True, rows=None):
         """The engine's completions of ``prompts`` keyed ``keys``: tokens and their log-probabilities
         ``(B, max_new_tokens)`` on the CPU, the sampler's (behaviour policy's) that ``training_rows``
         and ``episode_rows`` write into the Rollout. ``live = False`` (the built-in engine under
-        ranks that agree): forwards that only keep step."""
+        ranks that agree): forwards that only keep step. ``rows``: the prompt-set rows of an
+        image-text set, whose images the built-in sampler's forwards take."""
         if self.builtin:
-            t, lp = self.engine.sample(prompts, keys, self.params, live=live)
+            wrap = None
+            if self.images and rows is not None:
+                wrap = lambda ids, positions: self.dataset.image_batch(ids, positions, rows)  # noqa: E731
+            t, lp = self.engine.sample(prompts, keys, self.params, live=live, wrap=wrap)
             pad = self.params.max_new_tokens - t.shape[1]
             return F.pad(t, (0, pad), value=-1), F.pad(lp, (0, pad))
         return checked(self.cfg.engine, self.engine.sample(prompts, keys, self.params), len(prompts), self.params)
