@@ -20,7 +20,8 @@ A run's loss is a :class:`Plugin`: what the run needs to know of it besides the 
   ``priced`` (the memory estimate and the gradient-noise probe cover it; False: refused beside
   them, preflight/support.py), ``reference`` (the config key of the frozen reference it may ask
   for), ``pipeline`` (its objective declares the pipeline hooks), ``refuses`` (parallel degrees it
-  does not run with, and why: rows of the support matrix, preflight/support.py), ``source``
+  does not run with, and why: rows of the support matrix, preflight/support.py), ``images`` (it
+  trains on image-text rows; refused with an image-text model otherwise), ``source``
   (where its batches come from: by default the step loader, data/loader.py;
   GRPO's, the generation phase, objectives/rl/rollout.py). A source answers ``for_step(step,
   consumed, global_batch_size, micro_batch_size, keyed=...) -> (batches, keys)``,
@@ -121,6 +122,10 @@ class Plugin:
     # Parallel degrees it does not run with, each with the reason: merged into the support
     # matrix (preflight/support.py) and its page, docs/support.md.
     refuses: tuple[tuple[str, str], ...] = ()
+    # It trains on image-text rows (docs/vision-language.md): its objective's forwards pass a
+    # batch's pixel values to the model (ImageTextBatch). False: refused with an image-text
+    # model.hf, in the support matrix's vision rows.
+    images: bool = False
     builtin: bool = True
 
 
@@ -187,6 +192,7 @@ BUILTIN: dict[str, Plugin] = {
             ignores=True,
             loss_parallel=True,
             chunks=True,
+            images=True,
         ),
         Plugin("mse", mse_loss, static_count=lambda c: True),
         Plugin("info_nce", info_nce_loss, over_batch=True),
@@ -199,6 +205,7 @@ BUILTIN: dict[str, Plugin] = {
             priced=False,
             reference="preference.reference",
             pipeline=True,
+            images=True,  # DPO and its per-pair variants, KTO, the reference store (issue 57)
         ),
         Plugin(
             "reward",
@@ -225,6 +232,7 @@ BUILTIN: dict[str, Plugin] = {
             reference="rl.reference",
             source=_rollouts,
             refuses=tuple((degree, _GENERATES) for degree in ("pp", "cp", "ep")),
+            images=True,
         ),
     )
 }

@@ -462,11 +462,11 @@ VISION_REFUSALS = (
         "the keyed dropout masks follow a row's tokens, and the tower's rows are images",
     ),
     _vision_refusal(
-        "objectives other than cross_entropy, preference and grpo",
-        lambda c, d: c.loss.name not in ("cross_entropy", "preference", "grpo"),
+        "objectives without image rows",
+        lambda c, d: not (_builtin(c) or users_plugin(c.loss) or Plugin("")).images,
         "loss.name other than 'cross_entropy', 'preference' or 'grpo'",
-        "use loss.name = 'cross_entropy' (SFT), 'preference' (DPO on image-text pairs) or 'grpo'",
-        "distillation and reward models read no image rows yet",
+        "use one of them, or a plug-in that declares Plugin(images=True) (docs/objectives.md)",
+        "the objective's plug-in does not declare image rows (Plugin.images): distillation and reward models read none yet",
     ),
     _vision_refusal(
         "grpo engine",
