@@ -19,8 +19,11 @@ import tempfile
 import time
 
 from paratrain.config import plain_sgd
+from paratrain.data.prepare import prepare
 from paratrain.preflight.support import Feature
+from paratrain.testing.sft_data import write_jsonl
 from paratrain.testing.sweep import ROOT, Design, Layout, build_design, load_design, run_layouts, save_design
+from paratrain.testing.vlm_models import colour_rows, save_tiny_llava, save_tiny_qwen2vl
 
 DESIGN_FILE = os.path.join(ROOT, "tests", "distributed", "vision_sweep_design.json")
 # 4 rows a step (conversations, packed rows or preference pairs): 2 per rank at world 2, so that one
@@ -114,13 +117,11 @@ def configure(data: str, layout: Layout) -> list[str]:
 def pair_rows(folder: str, n: int, *, wide: bool = False) -> list[dict]:
     """TRL's vision preference rows made of colour_rows' conversations: ``chosen`` the right
     colour, ``rejected`` a wrong one in more words (sides of unequal lengths)."""
-    from paratrain.testing.vlm_models import colour_rows  # the image conversations
-
     rows = []
     for row in colour_rows(folder, n, wide=wide):
         prompt, answer = row["messages"]
-        text = isinstance(answer["content"], list)
-        rejected = [{"type": "text", "text": "I think it is grey, or black."}] if text else "Go away."
+        parts = isinstance(answer["content"], list)  # an image row (a text row answers in a string)
+        rejected = [{"type": "text", "text": "I think it is grey, or black."}] if parts else "Go away."
         pair = {"prompt": [prompt], "chosen": [answer], "rejected": [{"role": "assistant", "content": rejected}]}
         rows.append(pair | ({"images": row["images"]} if "images" in row else {}))
     return rows
@@ -129,10 +130,6 @@ def pair_rows(folder: str, n: int, *, wide: bool = False) -> list[dict]:
 def make_data(out: str) -> str:
     """``out/{llava,qwen2vl}``: the tiny model with its processor, ``sft`` (8 conversations with
     one, two or no images; Qwen2-VL's of 4 or 6 image tokens) and ``dpo`` (6 pairs)."""
-    from paratrain.data.prepare import prepare
-    from paratrain.testing.sft_data import write_jsonl  # the jsonl writer of the SFT tests
-    from paratrain.testing.vlm_models import colour_rows, save_tiny_llava, save_tiny_qwen2vl  # the models
-
     for family, save in (("llava", save_tiny_llava), ("qwen2vl", save_tiny_qwen2vl)):
         folder, wide = os.path.join(out, family), family == "qwen2vl"
         model = save(os.path.join(folder, "model"))
