@@ -21,13 +21,15 @@ import itertools
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from paratrain.config import ConfigError, load_config
-from paratrain.preflight.support import FEATURES
+from paratrain.preflight.support import FEATURES, Feature
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 GLOBAL_BATCH = 8
@@ -87,9 +89,11 @@ def make_corpus(out_dir: str) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """One level of each feature it turns on (feature -> level name)."""
+    """One level of each feature it turns on (feature -> level name). ``features``: the table its
+    levels are read from (another sweep's, e.g. testing/vision_sweep.py; not part of its identity)."""
 
     levels: tuple[tuple[str, str], ...]
+    features: Mapping[str, Feature] = field(default_factory=lambda: FEATURES, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -97,57 +101,70 @@ class Layout:
 
     @property
     def world(self) -> int:
-        on = dict(self.levels)
-        return 2 ** sum(1 for d in DEGREES if d in on)
+        """The product of the degrees its overrides set (a level may set two: HSDP's 2 x 2)."""
+        world = 1
+        for o in self.overrides():
+            if m := re.fullmatch(rf"parallel\.({'|'.join(DEGREES)})=(\d+)", o):
+                world *= int(m[2])
+        return world
 
     def overrides(self) -> list[str]:
-        return [o for f, lv in self.levels for o in FEATURES[f].levels[lv]]
+        return [o for f, lv in self.levels for o in self.features[f].levels[lv]]
 
     def reference(self) -> Layout:
         """The one-process layout that computes the same math: its model and data features only."""
-        return Layout(tuple((f, lv) for f, lv in self.levels if FEATURES[f].math))
+        return Layout(tuple((f, lv) for f, lv in self.levels if self.features[f].math), self.features)
 
     def tolerance(self) -> float:
-        return max([1e-5, *(FEATURES[f].tolerance for f, _ in self.levels)])
+        return max([1e-5, *(self.features[f].tolerance for f, _ in self.levels)])
 
     def targets(self) -> set[tuple]:
         """The pairs of its levels, and the triples of its levels of features marked ``triples``."""
-        marked = [kv for kv in self.levels if FEATURES[kv[0]].triples]
+        marked = [kv for kv in self.levels if self.features[kv[0]].triples]
         return set(itertools.combinations(self.levels, 2)) | set(itertools.combinations(marked, 3))
 
 
-def _complete(on: dict[str, str], dp: str = "dp_shard") -> Layout:
+def _complete(on: dict[str, str], dp: str = "dp_shard", features: Mapping[str, Feature] = FEATURES) -> Layout:
     """``on`` with the companions its features need; ``dp``: the data-parallel dimension that
     expert parallel and gradient compression take when the layout has none."""
     on = dict(on)
     for feature, needs in COMPANIONS.items():
         if feature in on:
             for other in needs:
-                on.setdefault(other, next(iter(FEATURES[other].levels)))
+                on.setdefault(other, next(iter(features[other].levels)))
     if {"ep", "compression"} & set(on) and not {"dp_replicate", "dp_shard"} & set(on):
         on[dp] = "2"
-    return Layout(tuple(sorted(on.items(), key=lambda kv: list(FEATURES).index(kv[0]))))
+    return Layout(tuple(sorted(on.items(), key=lambda kv: list(features).index(kv[0]))), features)
 
 
-def refusal(layout: Layout, corpus: str) -> str | None:
+# A sweep's whole config of a layout: (data folder, layout) -> --set overrides. The text sweep's is
+# its GPT and corpus with the layout's levels; another sweep's may pick its model and data by level.
+Configure = Callable[[str, Layout], list[str]]
+
+
+def text_config(corpus: str, layout: Layout) -> list[str]:
+    return [*base_overrides(corpus), *layout.overrides()]
+
+
+def refusal(layout: Layout, corpus: str, configure: Configure = text_config) -> str | None:
     """The preflight's one line for ``layout`` (None: accepted)."""
     from paratrain.preflight import check_run
 
     if layout.world > 4:
         return f"needs {layout.world} ranks (the sweep runs at most 4)"
     try:
-        check_run(load_config(None, [*base_overrides(corpus), *layout.overrides()]), layout.world)
+        check_run(load_config(None, configure(corpus, layout)), layout.world)
     except ConfigError as e:
         return str(e)
     return None
 
 
-def all_targets() -> set[tuple]:
+def all_targets(features: Mapping[str, Feature] = FEATURES) -> set[tuple]:
     """Every pair of (feature, level) values of two features, and every triple of three
     features marked ``triples``, except those that need more than 4 ranks (three degrees)."""
-    values = [(f, lv) for f in FEATURES for lv in FEATURES[f].levels]
+    values = [(f, lv) for f in features for lv in features[f].levels]
     pairs = {(a, b) for a, b in itertools.combinations(values, 2) if a[0] != b[0]}
-    marked = [v for v in values if FEATURES[v[0]].triples]
+    marked = [v for v in values if features[v[0]].triples]
     triples = {
         t
         for t in itertools.combinations(marked, 3)
@@ -160,40 +177,49 @@ def all_targets() -> set[tuple]:
 class Design:
     layouts: list[Layout] = field(default_factory=list)
     refused: dict[tuple, str] = field(default_factory=dict)  # pair or triple -> the preflight's line
+    features: Mapping[str, Feature] = field(default_factory=lambda: FEATURES)
 
 
 def held(design: Design) -> set[tuple]:
     """The targets the design's layouts hold."""
-    return set().union(*(lay.targets() for lay in design.layouts)) & all_targets()
+    return set().union(*(lay.targets() for lay in design.layouts)) & all_targets(design.features)
 
 
 def unaccounted(design: Design) -> set[tuple]:
     """Targets neither held by a layout nor refused (alone or through one of their pairs)."""
     return {
         t
-        for t in all_targets() - held(design) - set(design.refused)
+        for t in all_targets(design.features) - held(design) - set(design.refused)
         if not any(sub in design.refused for sub in itertools.combinations(t, 2))
     }
 
 
-def build_design(corpus: str, *, seed: int = 0, candidates: int = 40) -> Design:
-    """The covering design (module docstring): accepted layouts that hold every pair that can be held."""
+def build_design(
+    corpus: str,
+    *,
+    seed: int = 0,
+    candidates: int = 40,
+    table: Mapping[str, Feature] = FEATURES,
+    configure: Configure = text_config,
+) -> Design:
+    """The covering design (module docstring): accepted layouts that hold every pair that can be
+    held; ``table`` and ``configure``: another sweep's features and configs (the text sweep's by default)."""
     rng = random.Random(seed)
     cache: dict[Layout, str | None] = {}
 
     def refused(layout: Layout) -> str | None:
         if layout not in cache:
-            cache[layout] = refusal(layout, corpus)
+            cache[layout] = refusal(layout, corpus, configure)
         return cache[layout]
 
-    todo, design = all_targets(), Design()
-    features = list(FEATURES)
+    todo, design = all_targets(table), Design(features=table)
+    features = list(table)
     # A target refused alone (with its companions) is refused in every layout: shown, not run;
     # a triple is only tried once none of its pairs is refused.
     for target in sorted(todo, key=len):
         if any(sub in design.refused for sub in itertools.combinations(target, 2)) and len(target) == 3:
             continue
-        whys = [refused(_complete(dict(target), dp)) for dp in ("dp_shard", "dp_replicate")]
+        whys = [refused(_complete(dict(target), dp, table)) for dp in ("dp_shard", "dp_replicate")]
         if all(whys):
             design.refused[target] = whys[0]
     todo -= set(design.refused)
@@ -206,8 +232,8 @@ def build_design(corpus: str, *, seed: int = 0, candidates: int = 40) -> Design:
             on = dict(start)
             for f in rng.sample(features, len(features)):
                 if f not in on and rng.random() < 0.3:
-                    on[f] = rng.choice(list(FEATURES[f].levels))
-            layout = _complete(on, rng.choice(("dp_shard", "dp_replicate")))
+                    on[f] = rng.choice(list(table[f].levels))
+            layout = _complete(on, rng.choice(("dp_shard", "dp_replicate")), table)
             if layout.world > 4 or refused(layout):
                 continue
             # Targets per unit of cost: a compiled layout costs about three plain ones (inductor
@@ -217,7 +243,9 @@ def build_design(corpus: str, *, seed: int = 0, candidates: int = 40) -> Design:
                 best, gain = layout, g
         if best is None:  # every candidate refused: the first uncovered target alone is accepted
             target = min(todo)
-            best = next(lay for dp in ("dp_shard", "dp_replicate") if not refused(lay := _complete(dict(target), dp)))
+            best = next(
+                lay for dp in ("dp_shard", "dp_replicate") if not refused(lay := _complete(dict(target), dp, table))
+            )
         design.layouts.append(best)
         todo -= best.targets()
     return design
@@ -282,18 +310,28 @@ def _run_world(world: int, runs: dict[str, list[str]], root: str, timeout: float
     return out
 
 
-def run_layouts(layouts: list[Layout], corpus: str, root: str, *, timeout: float = 1800) -> dict[Layout, dict]:
+def run_layouts(
+    layouts: list[Layout],
+    corpus: str,
+    root: str,
+    *,
+    timeout: float = 1800,
+    configure: Configure = text_config,
+    global_batch: int = GLOBAL_BATCH,
+    loss_tolerance: float | None = None,
+) -> dict[Layout, dict]:
     """Each layout and its one-process reference; per layout the largest relative differences
     of loss and grad_norm from the reference, and whether they are within its tolerance (or the
     error it ended with). ``timeout``: per process group, below the calling test's own, so that a
-    hang reports the stacks of every rank instead of pytest's bare timeout."""
+    hang reports the stacks of every rank instead of pytest's bare timeout. ``configure``,
+    ``global_batch``: another sweep's configs; ``loss_tolerance``: the loss's own bound (by
+    default the layout's tolerance, as grad_norm's)."""
     references = sorted({lay.reference() for lay in layouts}, key=lambda lay: lay.name)
-    base = base_overrides(corpus)
-    one = {f"ref-{r.name}": [*base, *r.overrides(), f"batch.micro_batch_size={GLOBAL_BATCH}"] for r in references}
+    one = {f"ref-{r.name}": [*configure(corpus, r), f"batch.micro_batch_size={global_batch}"] for r in references}
     results = _run_world(1, one, root, timeout)
     by_world: dict[int, dict[str, list[str]]] = {}
     for lay in layouts:
-        by_world.setdefault(lay.world, {})[lay.name] = [*base, *lay.overrides()]
+        by_world.setdefault(lay.world, {})[lay.name] = configure(corpus, lay)
     for world, runs in sorted(by_world.items()):
         results.update(_run_world(world, runs, root, timeout))
     out = {}
@@ -304,7 +342,10 @@ def run_layouts(layouts: list[Layout], corpus: str, root: str, *, timeout: float
             continue
         d_loss = max(abs(a - b) / abs(b) for a, b in zip(got[0], ref[0]))
         d_norm = max(abs(a - b) / abs(b) for a, b in zip(got[1], ref[1]))
-        out[lay] = {"loss": d_loss, "grad_norm": d_norm, "ok": max(d_loss, d_norm) <= lay.tolerance()}
+        ok = max(d_loss, d_norm) <= lay.tolerance()
+        if loss_tolerance is not None:
+            ok = d_loss <= loss_tolerance and d_norm <= lay.tolerance()
+        out[lay] = {"loss": d_loss, "grad_norm": d_norm, "ok": ok}
     return out
 
 
@@ -359,12 +400,13 @@ def save_design(design: Design, path: str = DESIGN_FILE, *, seed: int) -> None:
         f.write("\n")
 
 
-def load_design(path: str = DESIGN_FILE) -> Design:
+def load_design(path: str = DESIGN_FILE, table: Mapping[str, Feature] = FEATURES) -> Design:
     with open(path) as f:
         data = json.load(f)
     return Design(
-        layouts=[Layout(tuple(tuple(kv) for kv in lay)) for lay in data["layouts"]],
+        layouts=[Layout(tuple(tuple(kv) for kv in lay), table) for lay in data["layouts"]],
         refused={tuple(tuple(kv) for kv in target): why for target, why in data["refused"]},
+        features=table,
     )
 
 

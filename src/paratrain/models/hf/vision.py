@@ -237,7 +237,8 @@ def lora_keep_out(cfg: ModelConfig, config) -> str | None:
     model (CLIP's attention is q_proj/k_proj/v_proj too). docs/vision-language.md."""
     if cfg.vision != "freeze":
         return None
-    tower_and_projector = FAMILIES.get(config.model_type, ())[:2]
+    # Qwen2-VL's projector (its merger) is inside its vision tower: no name of its own (None).
+    tower_and_projector = [name for name in FAMILIES.get(config.model_type, ()) if name]
     return r"(?:.*\.)?(?:" + "|".join(tower_and_projector) + r")(?:\..*)?" if tower_and_projector else None
 
 
