@@ -413,12 +413,15 @@ def finish_step(
     the norm as a 0-dim tensor (not read on the host here: the step reads it after its reduce).
     ``grad_norm``: the norm already taken (run.bitwise, on the whole gradient), used as is."""
     precision = ctx.amp
-    reduce_expert_grads(model.parameters())  # expert parallel (a no-op without): before the norm
+    # One walk of the module tree for both uses: each model.parameters() walk cost about 0.1 ms of
+    # a step's Python on the main job's GPT (docs/overhead.md, issue 58 item 4).
+    params = list(model.parameters())
+    reduce_expert_grads(params)  # expert parallel (a no-op without): before the norm
     precision.unscale_(optimizer)  # fp16: back to true gradients before clipping
     # The norm of the whole model's gradient on every rank, also when gradients are sharded or
     # the model is split into pipeline stages.
     max_norm = ctx.grad_clip if ctx.grad_clip > 0 else math.inf
-    grad_norm = clip_grad_norm_(model.parameters(), max_norm, pp_group=pp_group, total=grad_norm)
+    grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, total=grad_norm)
     precision.step(optimizer)  # fp16: skipped when the gradients overflowed
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
