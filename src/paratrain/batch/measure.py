@@ -168,7 +168,9 @@ class StepRunner:
 
     def batches(self, m: int) -> list:
         n = m * min(2, self.per_rank // m)
-        return load_batches(self.dataset, [i % len(self.dataset) for i in range(n)], m)
+        probe = getattr(self.dataset, "probe_indices", None)  # image rows: the widest, most patches
+        indices = probe(n, m) if probe is not None else [i % len(self.dataset) for i in range(n)]
+        return load_batches(self.dataset, indices, m)
 
     def build(self, fake_mode=None) -> tuple[nn.Module, torch.optim.Optimizer]:
         with torch.random.fork_rng(devices=[]):  # trials must not move the run's RNG
@@ -259,7 +261,7 @@ class StepRunner:
 
 
 try:
-    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode, is_fake, unset_fake_temporarily
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     from torch.utils._python_dispatch import TorchDispatchMode
 except ImportError:  # pragma: no cover - torch too old for the estimator
@@ -314,6 +316,9 @@ if MemTracker is not None:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._local_scalar_dense.default:
+                if not is_fake(args[0]):  # a real tensor (an image batch's grids): its value
+                    with unset_fake_temporarily():
+                        return func(*args)
                 return 1.0 if args[0].is_floating_point() else 1
             return func(*args, **(kwargs or {}))
 
@@ -343,8 +348,22 @@ def estimate_peak(runner: StepRunner, m: int) -> int:
     return (
         peak
         + runner.ddp_extra_bytes(model, m, grads_at_peak)
-        + runner.expert_parallel_bytes(m, batches[0][0].shape[-1])
+        + runner.expert_parallel_bytes(m, row_width(batches[0][0]))
+        + pixel_bytes(batches)
     )
+
+
+def pixel_bytes(batches: list) -> int:
+    """The pixel values of the step's image-text micro-batches (data/image_rows.py), on the device
+    for the whole step. The fake run never allocates its real inputs; a real step holds them, and
+    for Qwen2-VL, whose patch embedding views them, MemTracker counts them (a third of the tiny
+    model's activations at micro-batch 2)."""
+    return sum(x.pixel_values.nbytes for x, _ in batches if hasattr(x, "pixel_values"))
+
+
+def row_width(inputs) -> int:
+    """The tokens of a micro-batch's rows: a tensor's last dimension, an image-text batch's ids'."""
+    return getattr(inputs, "input_ids", inputs).shape[-1]
 
 
 def measure_peak(runner: StepRunner, m: int) -> int:
