@@ -262,7 +262,7 @@ def lora_keep_out(cfg: ModelConfig, config) -> str | None:
     model (CLIP's attention is q_proj/k_proj/v_proj too). docs/vision-language.md."""
     if cfg.vision != "freeze":
         return None
-    tower_and_projector = FAMILIES.get(config.model_type, ())[:2]
+    tower_and_projector = [m for m in FAMILIES.get(config.model_type, ())[:2] if m]  # Qwen2-VL: no projector
     return r"(?:.*\.)?(?:" + "|".join(tower_and_projector) + r")(?:\..*)?" if tower_and_projector else None
 
 
