@@ -132,7 +132,7 @@ class ImageConversations(torch.utils.data.Dataset):
         """``n`` rows for the memory estimate's micro-batches (batch/measure.py): each micro-batch
         is the longest row (its width is the micro-batch's) and ``micro_batch_size - 1`` copies of
         the row with the most image values (patches with grids; Qwen2-VL's largest grids), ties
-        to the longer: real rows, at least as wide as any micro-batch and with as many patches."""
+        to the longer: real rows, as wide as the widest micro-batch, with the most patches a row has."""
         docs = [np.atleast_1d(self.rows[i]) for i in range(len(self))]
         lengths = self.corpus.doc_lengths
         images = self.unit_starts[self.image_starts + self.image_counts] - self.unit_starts[self.image_starts]

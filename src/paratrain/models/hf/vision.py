@@ -18,7 +18,6 @@ Qwen2.5-VL (``qwen2_5_vl``) is laid out the same.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -26,8 +25,6 @@ import shutil
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import CONFIG_FILE, HFCausalLM, load_hf_config
@@ -178,11 +175,8 @@ class HFVisionLM(HFCausalLM):
         ids = batch.input_ids
         x = self._embed[0](ids)
         slots = ids == self.vision_config.image_token_id
-        with real_metadata(x, batch, whole=True):  # no weight in it: all real
-            rope = self.rope_positions(batch)
         if batch.pixel_values.shape[0]:
-            with real_metadata(x, batch):
-                features = self.image_features(batch.pixel_values, x.dtype, batch.image_grid_thw)
+            features = self.image_features(batch.pixel_values, x.dtype, batch.image_grid_thw)
             # Under FakeTensorMode (the memory estimate, plan/) the count is not data: no check.
             if not is_fake(slots) and features.shape[0] != int(slots.sum()):
                 raise ValueError(
@@ -191,6 +185,10 @@ class HFVisionLM(HFCausalLM):
                 )
             x = x.masked_scatter(slots.unsqueeze(-1).expand_as(x), features)
         x = self._every_vision_parameter(x)
+        # The memory estimate (batch/measure.py) keeps the batch real: its positions are made from
+        # the ids' and grids' values (python lists, torch.tensor), outside the fake mode. A no-op here otherwise.
+        with unset_fake_temporarily():
+            rope = self.rope_positions(batch)
         return super().forward(x, batch.positions, embedded=True, rope_positions=rope)
 
     def _every_vision_parameter(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,39 +201,6 @@ class HFVisionLM(HFCausalLM):
         touched = [p.reshape(-1)[0] for m in modules for p in m.parameters()]
         touched = [t for t in touched if t.requires_grad]
         return x + 0.0 * torch.stack(touched).sum().to(x.dtype) if touched else x
-
-
-class _RealWhereReal(TorchDispatchMode):
-    """An op none of whose tensors is fake runs on real tensors, outside the fake mode.
-
-    The memory estimate (batch/measure.py) runs the step on fake parameters, but the micro-batch's
-    ids and grids stay real CPU tensors. Qwen2-VL's vision tower and ``get_rope_index`` compute
-    shapes from their values (``repeat_interleave`` by the grids, ``.tolist()`` of patch counts,
-    boolean indexing), which fake tensors cannot answer (DynamicOutputShapeException): kept
-    real, they give the shapes the real step has; whatever touches a weight is still fake."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if not tensors or any(is_fake(t) for t in tensors):
-            return func(*args, **kwargs)
-        with unset_fake_temporarily():
-            return func(*args, **kwargs)
-
-
-def real_metadata(x: torch.Tensor, batch, *, whole: bool = False) -> contextlib.AbstractContextManager:
-    """:class:`_RealWhereReal` under the memory estimate (``x``, the embedded ids, is fake), or with
-    ``whole`` the fake mode off altogether (a computation on the batch alone), else
-    nothing: a real step runs exactly as without it. A batch already fake (an estimate on a CUDA
-    device moved it there under the fake mode) has no values left: one line for variable grids."""
-    if not is_fake(x):
-        return contextlib.nullcontext()
-    if batch.image_grid_thw is not None and is_fake(batch.image_grid_thw):
-        raise ConfigError(
-            "the memory estimate of an image-text model with variable patches (Qwen2-VL) runs on the CPU:"
-            " run find-batch on a GPU without --estimate (real trials), or plan on a machine's CPU"
-        )
-    return unset_fake_temporarily() if whole else _RealWhereReal()
 
 
 def image_text_model_from_config(config) -> nn.Module:
