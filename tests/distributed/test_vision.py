@@ -20,7 +20,7 @@ import paratrain
 from paratrain.config import ConfigError, load_config
 from paratrain.data.prepare import prepare
 from paratrain.launch.eval_worker import eval_checkpoint
-from paratrain.preflight.support import check_support, refuse_image_estimate
+from paratrain.preflight.support import check_support
 from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_layouts, train_rank
 from paratrain.testing.sft_data import write_jsonl
 from paratrain.testing.vlm_models import colour_rows, save_tiny_llava, save_tiny_qwen2vl
@@ -294,7 +294,6 @@ def test_bad_image_rows_are_one_line(vlm, tmp_path):
         (["parallel.sequence_parallel=true"], dict(tp=2), "parallel.sequence_parallel = true with an image-text"),
         ([], dict(pp=2), "parallel.pp > 1 with an image-text model.hf"),
         (["loss.name='mse'"], {}, "loss.name other than 'cross_entropy', 'preference' or 'grpo' with"),
-        (["batch.micro_batch_size='auto'"], {}, "batch.micro_batch_size = 'auto' with an image-text model.hf"),
     ],
 )
 def test_what_this_slice_does_not_run_is_refused_in_one_line(vlm, over, dims, line):
@@ -303,8 +302,6 @@ def test_what_this_slice_does_not_run_is_refused_in_one_line(vlm, over, dims, li
     with pytest.raises(ConfigError, match=line) as e:
         check_support(cfg, SimpleNamespace(**degrees, fsdp_enabled=False))
     assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="paratrain plan does not estimate an image-text model.hf yet"):
-        refuse_image_estimate(cfg, "paratrain plan")
 
 
 def packed_and_padded(corpus: str, model_dir: str) -> list[tuple]:

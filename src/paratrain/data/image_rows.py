@@ -128,6 +128,21 @@ class ImageConversations(torch.utils.data.Dataset):
         pixels = self.pixels.read(a * per, b * per).reshape(b - a, *self.shape)
         return ids, targets, positions, pixels, None if self.grids is None else self.grids[start : start + n]
 
+    def probe_indices(self, n: int, micro_batch_size: int) -> list[int]:
+        """``n`` rows for the memory estimate's micro-batches (batch/measure.py): each micro-batch
+        is the longest row (its width is the micro-batch's) and ``micro_batch_size - 1`` copies of
+        the row with the most image values (patches with grids; Qwen2-VL's largest grids), ties
+        to the longer: real rows, as wide as the widest micro-batch, with the most patches a row has."""
+        docs = [np.atleast_1d(self.rows[i]) for i in range(len(self))]
+        lengths = self.corpus.doc_lengths
+        images = self.unit_starts[self.image_starts + self.image_counts] - self.unit_starts[self.image_starts]
+        tokens = [int(lengths[d].sum()) for d in docs]
+        values = [int(images[d].sum()) for d in docs]
+        longest = max(range(len(docs)), key=lambda r: (tokens[r], values[r]))
+        heaviest = max(range(len(docs)), key=lambda r: (values[r], tokens[r]))
+        one = [longest] + [heaviest] * (micro_batch_size - 1)
+        return (one * (n // micro_batch_size + 1))[:n]
+
     def null_sample(self):
         """A row with no target and no image (a validation set's last batch is filled with these)."""
         pos = np.full(1, -1 if self.packing == "documents" else 0, np.int64)  # a packed one is all padding

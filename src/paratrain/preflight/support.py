@@ -423,12 +423,12 @@ def _vision_refusal(feature: str, when: Check, what: str, fix: str, why: str) ->
 
 
 def refuse_image_estimate(cfg: Config, command: str) -> None:
-    """``paratrain plan`` / ``find-batch`` of an image-text model: one line (the memory estimate,
-    batch/measure.py, does not read ImageTextBatch rows yet)."""
-    if _vision(cfg):
+    """``paratrain plan`` / ``find-batch`` of image-text preference pairs: one line (the estimate's
+    probe micro-batches are the widest image rows, batch/measure.py; a pair's are not chosen yet)."""
+    if _vision(cfg) and cfg.loss.name == "preference":
         raise ConfigError(
-            f"{command} does not estimate an image-text model.hf yet (issue 57); give batch.micro_batch_size"
-            " as a number and the layout as parallel.* keys"
+            f"{command} does not estimate image-text preference pairs yet (issue 57: their probe rows are not"
+            " chosen by their images); give batch.micro_batch_size as a number and the layout as parallel.* keys"
         )
 
 
@@ -495,13 +495,6 @@ VISION_REFUSALS = (
         "model.head = 'score'",
         "use model.head = 'lm'",
         "no score head on an image-text model",
-    ),
-    _vision_refusal(
-        "auto micro-batch",
-        lambda c, d: c.batch.micro_batch_size == "auto",
-        "batch.micro_batch_size = 'auto'",
-        "give batch.micro_batch_size as a number",
-        "the memory estimate does not read image rows yet",
     ),
     _vision_refusal(
         "compile",

@@ -24,7 +24,7 @@ import shutil
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from paratrain.config import ConfigError, ModelConfig
 from paratrain.models.hf.model import CONFIG_FILE, HFCausalLM, load_hf_config
@@ -193,7 +193,10 @@ class HFVisionLM(HFCausalLM):
                 )
             x = x.masked_scatter(slots.unsqueeze(-1).expand_as(x), features)
         x = self._every_vision_parameter(x)
-        rope = self.rope_positions(batch)
+        # The memory estimate (batch/measure.py) keeps the batch real: its positions are made from
+        # the ids' and grids' values (python lists, torch.tensor), outside the fake mode. A no-op here otherwise.
+        with unset_fake_temporarily():
+            rope = self.rope_positions(batch)
         if cache is None:
             return super().forward(x, batch.positions, embedded=True, rope_positions=rope)
         if rope is not None:  # a text token at position q after the prompt rotates by q + delta (get_rope_index)
