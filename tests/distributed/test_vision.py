@@ -201,14 +201,20 @@ def test_two_ranks_with_accumulation_and_tensor_parallel_equal_one_process(vlm):
 @pytest.mark.slow
 def test_fsdp2_gives_the_one_process_losses_and_a_frozen_vision_tower_stays(vlm):
     """FSDP2 over 2 ranks (the decoder layers sharded block by block, the vision tower with the
-    root) with accumulation, against one process; model.vision = 'freeze' leaves the vision
-    tower as loaded while the decoder moves."""
+    root) with accumulation, and HSDP 2x2 (issue 57 item 3: two replicas of FSDP2 over 2), against
+    one process; model.vision = 'freeze' leaves the vision tower as loaded while the decoder moves."""
     steps = ["batch.global_batch_size=4", "run.steps=3", "batch.micro_batch_size=1"]
     paratrain.train(load_config(None, config(vlm, vlm["train"], "one_mb1", *steps)))
     run_ranks(train_rank, 2, config(vlm, vlm["train"], "fsdp", *steps, "parallel.dp_shard=2"))
-    a, b = (read_metrics(os.path.join(vlm["root"], n)) for n in ("one_mb1", "fsdp"))
-    torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-5, atol=0)
-    torch.testing.assert_close([r["grad_norm"] for r in b], [r["grad_norm"] for r in a], rtol=1e-4, atol=0)
+    hsdp = ["parallel.dp_shard=2", "parallel.dp_replicate=2"]
+    run_ranks(train_rank, 4, config(vlm, vlm["train"], "hsdp", *steps, *hsdp))
+    a = read_metrics(os.path.join(vlm["root"], "one_mb1"))
+    for name in ("fsdp", "hsdp"):
+        b = read_metrics(os.path.join(vlm["root"], name))
+        torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-5, atol=0, msg=name)
+        torch.testing.assert_close(
+            [r["grad_norm"] for r in b], [r["grad_norm"] for r in a], rtol=1e-4, atol=0, msg=name
+        )
     frozen = [*steps, "model.vision='freeze'", "run.save_model=true"]
     paratrain.train(load_config(None, config(vlm, vlm["train"], "frozen", *frozen)))
     from safetensors.torch import load_file

@@ -38,6 +38,13 @@ from paratrain.preemption import EXIT_NOW, forward_to_children
 # its own workers: no shared disk, no rank 0 summary.json needed (a 0 from one node of a
 # preempted job would tell the scheduler "done").
 LAUNCHED_ENV = "PARATRAIN_LAUNCHER"
+# glibc's malloc hands a freed block of 32 MiB or more back to the kernel (its dynamic mmap
+# threshold stops there), so a CPU step's largest tensors (the logits, their gradient) fault
+# their pages back in on every step: about 5,000 minor faults and 6 ms of a main-job step on
+# this 2-core machine (docs/overhead.md, issue 58 item 4). Blocks under 256 MiB then stay in the
+# heap, and up to 512 MiB of freed heap is kept, as torch's own CPU launcher keeps freed memory
+# (torch.backends.xeon.run_cpu, with jemalloc). The workers get them unless the user set them.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
 
 
 def report_preempted(code: int) -> bool:
@@ -238,7 +245,7 @@ def prepare_node(spec: LaunchSpec) -> tuple[str, Callable[[], None]]:
     rendezvous.register()
     rendezvous.set_agent_secret(secret)
     # Workers sign their store values with the secret; paratrain never logs or prints it.
-    env = {SECRET_ENV: secret, BIND_ENV: bind}
+    env = {SECRET_ENV: secret, BIND_ENV: bind, **{k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}}
     iface = interface_of(bind)
     if iface:
         # gloo's and NCCL's bootstrap listen on the address of this interface, not the host name's.
