@@ -68,26 +68,32 @@ VISION_FEATURES: dict[str, Feature] = {
             {"documents": ("data.args.packing='documents'",)},
             math=True,
         ),
-        Feature(
-            "lora",
-            "LoRA on q_proj and v_proj (the decoder's, and LLaVA's CLIP's while the vision tower trains)",
-            lambda c, d: c.model.lora.enabled,
-            {"qv": LORA},
-            math=True,
-        ),
-        Feature(
-            "vision",
-            "the vision tower and projector frozen",
-            lambda c, d: c.model.vision == "freeze",
-            {"freeze": ("model.vision='freeze'",)},
-            math=True,
-        ),
-        Feature(
-            "objective",
-            "DPO on image-text preference pairs (the initial model, or the adapters off, as reference)",
-            lambda c, d: c.loss.name == "preference",
-            {"dpo": ("loss.name='preference'",)},
-            math=True,
+        # Model and objective options of one level each (the one-process reference has them too).
+        *(
+            Feature(name, doc, on, {level: settings}, math=True)
+            for name, doc, on, level, settings in (
+                (
+                    "lora",
+                    "LoRA on q_proj and v_proj (the decoder's, and LLaVA's CLIP's while the vision tower trains)",
+                    lambda c, d: c.model.lora.enabled,
+                    "qv",
+                    LORA,
+                ),
+                (
+                    "vision",
+                    "the vision tower and projector frozen",
+                    lambda c, d: c.model.vision == "freeze",
+                    "freeze",
+                    ("model.vision='freeze'",),
+                ),
+                (
+                    "objective",
+                    "DPO on image-text preference pairs (the initial model, or the adapters off, as reference)",
+                    lambda c, d: c.loss.name == "preference",
+                    "dpo",
+                    ("loss.name='preference'",),
+                ),
+            )
         ),
     )
 }
