@@ -425,7 +425,8 @@ def _vision_refusal(feature: str, when: Check, what: str, fix: str, why: str) ->
 def refuse_image_estimate(cfg: Config, command: str) -> None:
     """``paratrain plan`` / ``find-batch`` of image-text preference pairs: one line (the estimate's
     probe micro-batches are the widest image rows, batch/measure.py; a pair's are not chosen yet)."""
-    if _vision(cfg) and cfg.loss.name == "preference":
+    plugin = _builtin(cfg)
+    if _vision(cfg) and plugin is not None and plugin.rows == "pairs":
         raise ConfigError(
             f"{command} does not estimate image-text preference pairs yet (issue 57: their probe rows are not"
             " chosen by their images); give batch.micro_batch_size as a number and the layout as parallel.* keys"
