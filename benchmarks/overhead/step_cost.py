@@ -63,20 +63,7 @@ REGIONS = (
 )
 
 
-def timer(cur: dict, clock):
-    """``timed(name, fn)``: fn wrapped so that the ``clock`` seconds it takes add to ``cur[name]``."""
-
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            t = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                cur[name] = cur.get(name, 0.0) + clock() - t
-
-        return wrapper
-
-    return timed
+from step_profile import timer  # noqa: E402 - the one timing wrapper (this folder is on sys.path as a script's)
 
 
 def regions(raw: dict) -> dict:
