@@ -133,7 +133,7 @@ def torchrun(argv: list[str], env: dict) -> None:
 def run_paratrain(model_dir: str, out: str, args, env: dict, lora: bool = False) -> float:
     sets = [
         f"model.hf='{model_dir}'",
-        "data.factory='benchmarks.vs_accelerate:dataset'",
+        "data.factory='benchmarks.peers.vs_accelerate:dataset'",
         f"batch.global_batch_size={args.batch}",
         f"batch.micro_batch_size={args.micro}",
         "parallel.dp_replicate=2",

@@ -336,6 +336,9 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
     log.info(startup(f"process group of {ctx.world_size} ready; checking the config, reading the data"))
     dims, plan = check_run(cfg, ctx.world_size, model=model)
+    # Objects passed to train() (not the config's builders, made below) cannot reach a separate
+    # process, so only they stop 'auto' from estimating a sharded layout in one.
+    user_objects = [name for name, obj in (("model", model), ("dataset", dataset), ("loss", loss)) if obj is not None]
     if cfg.data.name == "prompts" and cfg.model.hf and "tokenizer" not in cfg.data.args:
         cfg.data.args = {**cfg.data.args, "tokenizer": cfg.model.hf}  # the model's own tokenizer
     dataset = dataset if dataset is not None else build_dataset(cfg.data)
@@ -344,7 +347,9 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     # Batch-size adjustment (batch/): 'auto' resolves before any model exists, to the same
     # micro-batch on every rank; plan_batch then keeps the global batch.
     if cfg.batch.micro_batch_size == "auto":
-        plan = resolve_auto_micro_batch(cfg, dims=dims, device=ctx.device, model=model, dataset=dataset, loss=loss_fn)
+        plan = resolve_auto_micro_batch(
+            cfg, dims=dims, device=ctx.device, model=model, dataset=dataset, loss=loss_fn, user_objects=user_objects
+        )
     model, spec, base, n_params = build_model(cfg, ctx, dims, plan, model=model, dataset=dataset)
 
     # Communication and hardware: precision, MFU, the parallelisms, gradient compression.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import weakref
@@ -255,7 +256,7 @@ def test_cli_find_batch_json_and_nothing_fits():
     # sharded layouts; its last line is the JSON answer.
     cfg = load_config(DEBUG, ["batch.global_batch_size=16", "batch.memory_gib=1.0"])
     dims, _ = check_run(cfg, 2)
-    r = _estimate_in_subprocess(cfg, dims, model=None, dataset=None, loss=None)
+    r = _estimate_in_subprocess(cfg, dims, user_objects=())
     assert r.micro_batch_size == 8 and r.peak_bytes > 0 and r.accum_steps == 1 and r.per_rank_batch_size == 8
     assert [t.micro_batch_size for t in r.trials] == [8]  # the whole per-rank batch fits at once
     bad = paratrain_cli("find-batch", DEBUG, "--memory-gib", "0.0001")
@@ -276,6 +277,12 @@ def test_auto_config_values():
     assert plan.global_batch_size == 8
     with pytest.raises(ConfigError, match="batch.micro_batch_size"):
         load_config(DEBUG, ["batch.micro_batch_size='big'"])
+    # Only objects handed to train() keep a sharded layout's estimate out of a separate process;
+    # the config's own dataset and loss, built in the job, once did too (any dp_shard > 1 failed).
+    from paratrain.batch.auto import _estimate_in_subprocess
+
+    with pytest.raises(ConfigError, match="dataset objects passed to train"):
+        _estimate_in_subprocess(cfg, check_run(cfg, 2)[0], user_objects=["dataset"])
 
 
 # ----------------------------------------------------------------------------- 'auto' keeps invariance
@@ -283,7 +290,9 @@ def test_auto_config_values():
 
 @pytest.mark.slow  # > 12 s: make test stays under 10 minutes
 def test_auto_keeps_layout_invariance(tmp_path):
-    """'auto' at world 1 and 2, with a budget that admits micro-batch 2 but not 4, equals the reference."""
+    """'auto' at world 1 and 2 (DDP, and FSDP2, estimated in a separate process), with a budget that
+    admits micro-batch 2 but not 4, equals the reference."""
+    from paratrain.batch.auto import fake_process_group, replica_dims
     from paratrain.batch.measure import StepRunner, estimate_peak
     from paratrain.config import load_config
     from paratrain.preflight import check_run
@@ -292,17 +301,21 @@ def test_auto_keeps_layout_invariance(tmp_path):
     job = [*TOY, *plain_sgd(0.3)]  # layouts compared over 6 steps: AdamW would grow their rounding past 1e-5
     cfg = load_config(None, job)
 
-    def budget(world):  # half-way between the peaks of micro-batches 2 and 4 on this layout
-        dims, _ = check_run(cfg, world)
-        runner = StepRunner(cfg, dims, device=torch.device("cpu"))
-        usable = (estimate_peak(runner, 2) + estimate_peak(runner, 4)) / 2
+    def budget(world, layout):  # half-way between the peaks of micro-batches 2 and 4 on this layout
+        dims, _ = check_run(load_config(None, [*job, *layout]), world)
+        rep = replica_dims(dims)  # FSDP2's peaks: on rank 0 of a fake group, as the estimate does
+        with fake_process_group(rep.world_size, 0) if rep.world_size > 1 else contextlib.nullcontext():
+            runner = StepRunner(cfg, dims, device=torch.device("cpu"))
+            usable = (estimate_peak(runner, 2) + estimate_peak(runner, 4)) / 2
         return [f"batch.memory_gib={usable / 0.9 / 2**30!r}"]
 
     ref = run_ranks(train_rank, 1, [*job, "batch.micro_batch_size=8", f"run.out_dir='{tmp_path / 'ref'}'"])[0]
-    for world in (1, 2):
-        out = tmp_path / f"auto{world}"
+    for world, layout in ((1, []), (2, []), (2, ["parallel.dp_shard=2"])):
+        out = tmp_path / f"auto{world}{len(layout)}"
         summaries = run_ranks(
-            train_rank, world, [*job, "batch.micro_batch_size='auto'", *budget(world), f"run.out_dir='{out}'"]
+            train_rank,
+            world,
+            [*job, *layout, "batch.micro_batch_size='auto'", *budget(world, layout), f"run.out_dir='{out}'"],
         )
         assert summaries[0]["batch"]["micro_batch_size"] == 2  # chosen identically on every rank
         assert summaries[0]["batch"]["accum_steps"] == 4 // world

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -134,7 +134,14 @@ def estimate_without_group(
 
 
 def resolve_auto_micro_batch(
-    cfg: Config, *, dims: ParallelDims, device: torch.device, model=None, dataset=None, loss=None
+    cfg: Config,
+    *,
+    dims: ParallelDims,
+    device: torch.device,
+    model=None,
+    dataset=None,
+    loss=None,
+    user_objects: Sequence[str] = (),
 ) -> BatchPlan:
     """``micro_batch_size = 'auto'`` inside a running job: the same answer on every rank.
 
@@ -161,7 +168,7 @@ def resolve_auto_micro_batch(
                     cfg, dims, device=device, local_processes=local, model=model, dataset=dataset, loss=loss
                 )
             else:
-                result = _estimate_in_subprocess(cfg, dims, model=model, dataset=dataset, loss=loss)
+                result = _estimate_in_subprocess(cfg, dims, user_objects=user_objects)
             reply = {"table": result.table(), "result": {**result.to_json(), "budget_source": result.budget_source}}
         if dist.is_initialized() and dist.get_world_size() > 1:
             reply = broadcast_json(reply, src=0)  # JSON, not a pickle (docs/security.md)
@@ -174,10 +181,12 @@ def resolve_auto_micro_batch(
     return plan_batch(global_batch_size=cfg.batch.global_batch_size, micro_batch_size=mbs, dp=dims.dp)
 
 
-def _estimate_in_subprocess(cfg: Config, dims: ParallelDims, *, model, dataset, loss) -> SearchResult:
-    if model is not None or dataset is not None or loss is not None:
+def _estimate_in_subprocess(cfg: Config, dims: ParallelDims, *, user_objects) -> SearchResult:
+    # The config rebuilds its own model, data and loss in the new process; objects handed to
+    # train() cannot follow them there.
+    if user_objects:
         raise ConfigError(
-            "batch.micro_batch_size = 'auto' with dp_shard/tp/pp > 1 and model/dataset/loss objects"
+            f"batch.micro_batch_size = 'auto' with dp_shard/tp/pp > 1 and {'/'.join(user_objects)} objects"
             " passed to train() cannot be estimated in a separate process; run `paratrain find-batch`"
             " on a config with factories and set batch.micro_batch_size to its answer"
         )
