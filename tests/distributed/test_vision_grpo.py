@@ -19,7 +19,7 @@ import torch
 
 import paratrain
 from paratrain.config import ConfigError, load_config
-from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, sgd_step, train_rank
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, sgd_step, train_layouts
 from paratrain.testing.rl_data import byte_mix
 from paratrain.testing.sft_data import write_jsonl
 from paratrain.testing.vlm_models import colour_rows, save_tiny_llava, save_tiny_qwen2vl
@@ -86,15 +86,15 @@ def config(v: dict, name: str, *extra: str, model: str = "") -> list[str]:
     ]
 
 
-def run(v: dict, name: str, *extra: str, world: int = 1, model: str = "") -> tuple[list[dict], list[dict]]:
-    over = config(v, name, *extra, model=model)
-    if world == 1:
-        paratrain.train(load_config(None, over))
-    else:
-        run_ranks(train_rank, world, over)
-    out = os.path.join(v["root"], name)
-    with open(os.path.join(out, "rollouts.jsonl")) as f:
-        return read_metrics(out), [json.loads(line) for line in f]
+def run(v: dict, name: str, *extra: str, model: str = "") -> tuple[list[dict], list[dict]]:
+    paratrain.train(load_config(None, config(v, name, *extra, model=model)))
+    return outputs(v["root"], name)
+
+
+def outputs(root: str, name: str) -> tuple[list[dict], list[dict]]:
+    """A run's metrics and its rollouts.jsonl's rows."""
+    with open(os.path.join(root, name, "rollouts.jsonl")) as f:
+        return read_metrics(os.path.join(root, name)), [json.loads(line) for line in f]
 
 
 def completion_logps(model, processor, root: str, row: dict, tokens: list[int]) -> torch.Tensor:
@@ -224,24 +224,31 @@ def test_prepare_format_prompt_takes_image_prompts_as_the_chat_format_takes_the_
 
 
 @pytest.mark.slow
-def test_grpo_on_images_is_the_same_on_two_ranks_with_accumulation_and_on_qwen2vl(vrl, one_process, tmp_path):
-    """DDP world 2, micro-batches of 2 and generation batches of 3 rows (a group's images split
-    over two of them) give the one-process completions and numbers. Qwen2-VL (variable patches,
-    multimodal rotary positions) samples with its cache, the new tokens' positions continuing from
-    the images' as the trainer's whole-row forward numbers them (``logp_gap``: the new tokens at
-    their text positions instead gave 5.3 here)."""
-    rows, rollouts = one_process
-    run(vrl, "w2", "batch.micro_batch_size=2", "rl.generation_batch_size=3", world=2)
-    rows2 = read_metrics(os.path.join(vrl["root"], "w2"))
-    with (
-        open(os.path.join(vrl["root"], "w1", "rollouts.jsonl"), "rb") as one,
-        open(os.path.join(vrl["root"], "w2", "rollouts.jsonl"), "rb") as two,
-    ):
-        assert two.read() == one.read()  # byte for byte: tokens, texts, rewards and advantages
-    for key in ("loss", "grad_norm", "reward", "kl", "clip_ratio"):
-        assert [r[key] for r in rows2] == pytest.approx([r[key] for r in rows], rel=1e-5, abs=1e-7), key
+def test_grpo_on_images_is_the_same_on_every_layout_and_on_qwen2vl(vrl, one_process, tmp_path):
+    """One launch of 2 ranks runs DDP with accumulation (micro-batches of 2, generation batches of
+    3 rows: a group's images split over two of them), FSDP2 and tensor parallel (the language model
+    split, the vision tower whole on each rank), and Qwen2-VL under DDP; each gives its one-process
+    completions byte for byte and its numbers. Qwen2-VL (variable patches, multimodal rotary
+    positions) samples with its cache, the new tokens' positions continuing from the images' as the
+    trainer's whole-row forward numbers them (``logp_gap``: the new tokens at their text positions
+    instead gave 5.3 here)."""
     qwen = save_tiny_qwen2vl(str(tmp_path / "qwen"))
     wide = dict(vrl, data=write_jsonl(str(tmp_path / "wide.jsonl"), prompt_rows(str(tmp_path), PROMPTS, wide=True)))
-    cached, rollouts_q = run(wide, "qwen", model=qwen)
+    split = ("batch.micro_batch_size=2", "rl.generation_batch_size=3")
+    layouts = {
+        "ddp": config(vrl, "ddp", *split),
+        "fsdp": config(vrl, "fsdp", *split, "parallel.dp_shard=2"),
+        "tp": config(vrl, "tp", "batch.micro_batch_size=2", "parallel.tp=2"),
+        "qwen_ddp": config(wide, "qwen_ddp", *split, model=qwen),
+    }
+    run_ranks(train_layouts, 2, layouts, vrl["root"])
+    rows_q, rollouts_q = run(wide, "qwen", model=qwen)
     assert len({tuple(r["tokens"]) for r in rollouts_q}) > 8
-    assert all(r["logp_gap"] <= 1e-5 for r in cached)  # the trainer's forward, no cache, with the same positions
+    assert all(r["logp_gap"] <= 1e-5 for r in rows_q)  # the trainer's forward, no cache, with the same positions
+    written = lambda name: open(os.path.join(vrl["root"], name, "rollouts.jsonl"), "rb").read()  # noqa: E731, SIM115
+    for name, one in (("ddp", "w1"), ("fsdp", "w1"), ("tp", "w1"), ("qwen_ddp", "qwen")):
+        assert written(name) == written(one), name  # byte for byte: tokens, texts, rewards and advantages
+        rows, rows2 = (read_metrics(os.path.join(vrl["root"], n)) for n in (one, name))
+        for key in ("loss", "grad_norm", "reward", "kl", "clip_ratio"):
+            assert [r[key] for r in rows2] == pytest.approx([r[key] for r in rows], rel=1e-5, abs=1e-7), (name, key)
+        assert all(r["logp_gap"] <= 1e-5 for r in rows2), name  # the sampler's log-probabilities are the trainer's
