@@ -98,9 +98,25 @@ def completion_logps(model, tok, prompt: list[dict], tokens: list[int]) -> torch
     return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def anchor(
-    rl: dict,
+def anchor(rl: dict, rollouts: list[dict], *, reference: str = "policy", **variant):
+    """The written-out steps on the tiny text model, its tokenizer's chat template rendering each
+    prompt; ``reference``: the fixture's model the KL is to."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(rl["tok"])
+    policy = AutoModelForCausalLM.from_pretrained(rl["policy"], attn_implementation="sdpa")
+    ref = AutoModelForCausalLM.from_pretrained(rl[reference], attn_implementation="sdpa")
+    logps = lambda model, r: completion_logps(model, tok, rl["rows"][r["prompt_index"]]["prompt"], r["tokens"])  # noqa: E731
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return written_out_steps(policy, ref, rollouts, logps, decode, **variant)
+
+
+def written_out_steps(
+    policy,
+    reference,
     rollouts: list[dict],
+    logps,
+    decode,
     *,
     loss_type: str = "grpo",
     spg: int = 2,
@@ -108,51 +124,49 @@ def anchor(
     beta: float = BETA,
     rloo: bool = False,
     overlong: int = 0,
-    reference: str = "policy",
+    group: int = G,
+    lr: float = LR,
 ):
     """(losses, grad norms) of plain SGD on paratrain's completions, everything else written out:
-    rewards from the text, advantages, ratios to the round's first policy, the k3 KL to the
-    initial model, the variant's normaliser over the step's completions."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(rl["tok"])
-    policy = AutoModelForCausalLM.from_pretrained(rl["policy"], attn_implementation="sdpa")
-    reference = AutoModelForCausalLM.from_pretrained(rl[reference], attn_implementation="sdpa")
+    rewards from the text, advantages, ratios to the round's first policy, the k3 KL to
+    ``reference``, the variant's normaliser over the step's completions. ``logps(model, rollout)``
+    scores one completion alone after its prompt (transformers); ``decode`` turns its tokens into
+    the text the rewards read. The image-text test (test_vision_grpo.py) runs it on LLaVA."""
     steps = sorted({r["step"] for r in rollouts})
     old: dict[int, torch.Tensor] = {}
     losses, norms = [], []
     for step in steps:
         rows = [(i, r) for i, r in enumerate(rollouts) if r["step"] == step]
-        prompt = lambda r: rl["rows"][r["prompt_index"]]["prompt"]  # noqa: E731
         if (step - 1) % spg == 0:  # a round's start: the old policy's log-probabilities
             with torch.no_grad():
                 for i, r in enumerate(rollouts):
                     if step <= r["step"] < step + spg:
-                        old[i] = completion_logps(policy, tok, prompt(r), r["tokens"])
-        text = [tok.decode(r["tokens"], skip_special_tokens=True) for _, r in rows]
+                        old[i] = logps(policy, r)
+        text = [decode(r["tokens"]) for _, r in rows]
         assert text == [r["text"] for _, r in rows]
         reward = byte_mix(None, [[{"role": "assistant", "content": t}] for t in text])
         if overlong:  # DAPO's eq. 13: 0 up to NEW - L tokens, then linearly down to -1 at NEW
             reward = [x + min(0.0, (NEW - overlong - len(r["tokens"])) / overlong) for x, (_, r) in zip(reward, rows)]
         assert reward == pytest.approx([r["reward"] for _, r in rows], abs=1e-12)
-        grouped = torch.tensor(reward, dtype=torch.float64).view(-1, G)
+        grouped = torch.tensor(reward, dtype=torch.float64).view(-1, group)
         if rloo:  # each completion against the mean of the other G - 1 of its group
-            base = torch.stack([torch.cat([g[:i], g[i + 1 :]]).mean() for g in grouped for i in range(G)]).view(-1, G)
+            base = torch.stack([torch.cat([g[:i], g[i + 1 :]]).mean() for g in grouped for i in range(group)])
+            base = base.view(-1, group)
         else:
             base = grouped.mean(-1, keepdim=True)
         adv = ((grouped - base) / (grouped.std(-1, keepdim=True) + 1e-4)).view(-1)
         total, tokens = 0, 0
         for (i, r), a in zip(rows, adv.float(), strict=True):
-            logp = completion_logps(policy, tok, prompt(r), r["tokens"])
+            logp = logps(policy, r)
             with torch.no_grad():
-                ref = completion_logps(reference, tok, prompt(r), r["tokens"])
+                ref = logps(reference, r)
             ratio = torch.exp(logp - old[i])
             surrogate = torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a)
             per_token = -surrogate + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
             total = total + (per_token.mean() if loss_type == "grpo" else per_token.sum())
             tokens += len(r["tokens"])
         units = {"grpo": len(rows), "seq_mean_token_sum": len(rows), "dapo": tokens, "dr_grpo": len(rows) * NEW}
-        loss, norm = sgd_step(policy, total / units[loss_type], LR)
+        loss, norm = sgd_step(policy, total / units[loss_type], lr)
         losses.append(loss)
         norms.append(norm)
     return losses, norms

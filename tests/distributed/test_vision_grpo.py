@@ -4,9 +4,10 @@ The anchor is code we did not write: plain transformers' ``LlavaForConditionalGe
 **each completion alone** after its prompt and images (its processor's own rendering and image-token
 expansion), the reward called as TRL calls it, the group advantages, the clipped surrogate and the
 k3 KL written out, under plain SGD. paratrain's steps (loss, ``grad_norm``) must equal it, the
-sampler's log-probabilities the trainer's (``logp_gap``), and DDP with accumulation must give the
-one-process completions, token for token, and numbers. The prompts differ in their images: none
-(a text prompt), one, or two.
+sampler's log-probabilities the trainer's (``logp_gap``), and DDP with accumulation, FSDP2 and
+tensor parallel must give the one-process completions, byte for byte, and numbers (Qwen2-VL's under
+DDP too). The prompts differ in their images: none (a text prompt), one, or two. The written-out
+steps are the text test's (test_grpo.py), given the image-text model's scoring.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import torch
 
 import paratrain
 from paratrain.config import ConfigError, load_config
-from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, sgd_step, train_layouts
-from paratrain.testing.rl_data import byte_mix
+from paratrain.testing.dist_utils import plain_sgd, read_metrics, run_ranks, train_layouts
 from paratrain.testing.sft_data import write_jsonl
 from paratrain.testing.vlm_models import colour_rows, save_tiny_llava, save_tiny_qwen2vl
+from tests.distributed.test_grpo import written_out_steps
+from tests.distributed.test_vision import load_processor
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -113,37 +115,17 @@ def completion_logps(model, processor, root: str, row: dict, tokens: list[int]) 
 
 def anchor(v: dict, rollouts: list[dict]) -> tuple[list[float], list[float]]:
     """(losses, grad norms) of plain SGD on paratrain's completions of a round of two steps, the
-    rest written out: rewards from the text, advantages, the ratio to the round's first policy,
-    the k3 KL to the initial model (the round's first policy too: the reference's log-probabilities
-    are the old ones), GRPO's mean over each completion's tokens and the completions."""
+    rest written out as the text test writes it (test_grpo.py's ``written_out_steps``), each
+    completion scored alone after its prompt and images by plain transformers' LLaVA; the KL is to
+    the initial model."""
     from transformers import LlavaForConditionalGeneration
-
-    from tests.distributed.test_vision import load_processor
 
     processor = load_processor(v["policy"])
     policy = LlavaForConditionalGeneration.from_pretrained(v["policy"], attn_implementation="sdpa")
+    reference = LlavaForConditionalGeneration.from_pretrained(v["policy"], attn_implementation="sdpa")
     logps = lambda model, r: completion_logps(model, processor, v["root"], v["rows"][r["prompt_index"]], r["tokens"])  # noqa: E731
-    with torch.no_grad():  # the round's first policy: the old one of both steps
-        old = [logps(policy, r) for r in rollouts]
-    losses, norms = [], []
-    for step in (1, 2):
-        rows = [(i, r) for i, r in enumerate(rollouts) if r["step"] == step]
-        text = [processor.tokenizer.decode(r["tokens"], skip_special_tokens=True) for _, r in rows]
-        assert text == [r["text"] for _, r in rows]
-        reward = byte_mix(None, [[{"role": "assistant", "content": t}] for t in text])
-        assert reward == pytest.approx([r["reward"] for _, r in rows], abs=1e-12)
-        grouped = torch.tensor(reward, dtype=torch.float64).view(-1, G)
-        adv = ((grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + 1e-4)).view(-1)
-        total = 0
-        for (i, r), a in zip(rows, adv.float(), strict=True):
-            logp, ref = logps(policy, r), old[i]
-            ratio = torch.exp(logp - old[i])
-            surrogate = torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)
-            total = total + (-surrogate + BETA * (torch.exp(ref - logp) - (ref - logp) - 1)).mean()
-        loss, norm = sgd_step(policy, total / len(rows), LR)
-        losses.append(loss)
-        norms.append(norm)
-    return losses, norms
+    decode = lambda ids: processor.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return written_out_steps(policy, reference, rollouts, logps, decode, group=G, beta=BETA, lr=LR)
 
 
 @pytest.fixture(scope="module")
