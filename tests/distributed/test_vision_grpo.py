@@ -227,9 +227,12 @@ def test_grpo_on_images_is_the_same_on_every_layout_and_on_qwen2vl(vrl, one_proc
     rows_q, rollouts_q = run(wide, "qwen", model=qwen)
     assert len({tuple(r["tokens"]) for r in rollouts_q}) > 8
     assert all(r["logp_gap"] <= 1e-5 for r in rows_q)  # the trainer's forward, no cache, with the same positions
-    written = lambda name: open(os.path.join(vrl["root"], name, "rollouts.jsonl"), "rb").read()  # noqa: E731, SIM115
-    for name, one in (("ddp", "w1"), ("fsdp", "w1"), ("tp", "w1"), ("qwen_ddp", "qwen")):
-        assert written(name) == written(one), name  # byte for byte: tokens, texts, rewards and advantages
+    for name, one in (("ddp", "w1"), ("fsdp", "w1"), ("tp", "w1"), ("qwen_ddp", "qwen")):  # w1: one_process's
+        written = []
+        for n in (one, name):
+            with open(os.path.join(vrl["root"], n, "rollouts.jsonl"), "rb") as f:
+                written.append(f.read())
+        assert written[1] == written[0], name  # byte for byte: tokens, texts, rewards and advantages
         rows, rows2 = (read_metrics(os.path.join(vrl["root"], n)) for n in (one, name))
         for key in ("loss", "grad_norm", "reward", "kl", "clip_ratio"):
             assert [r[key] for r in rows2] == pytest.approx([r[key] for r in rows], rel=1e-5, abs=1e-7), (name, key)
