@@ -654,6 +654,13 @@ def cli_find_batch(cfg: Config, *, world_size: int, local_processes: int, estima
     from paratrain.preflight import check_run  # lazy: see the module docstring
 
     dims, _ = check_run(cfg, world_size)
+    if dims.pp > 1:
+        # The estimate runs a pipeline schedule under fake process groups, whose stages cannot
+        # exchange their inputs' shapes (torch's PipeliningMetadataError); plan models a stage.
+        raise ConfigError(
+            f"paratrain find-batch cannot estimate a pipeline step yet (parallel.pp = {dims.pp}); set"
+            " parallel.pp = 1, or run `paratrain plan`, which prices the micro-batches of pipeline layouts"
+        )
     device = resolve_device(cfg.dist, 0)
     use_trial = (
         not estimate and device.type == "cuda" and cfg.batch.memory_gib <= 0 and replica_dims(dims).world_size == 1

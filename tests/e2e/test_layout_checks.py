@@ -81,3 +81,12 @@ def test_verify_refuses_an_impossible_layout_before_starting():
         " heads are split whole across the tp ranks); use a tp that divides 3 or a n_head"
         " that is a multiple of 2"
     )
+
+
+def test_find_batch_refuses_a_pipeline_layout_in_one_line(capsys):
+    """The estimate cannot run a pipeline schedule (it once ended in torch's PipeliningMetadataError
+    traceback), as `train` with micro_batch_size = 'auto' refuses it."""
+    args = ["find-batch", "configs/debug.toml", "--nproc-per-node", "2", *BASE, "--set", "parallel.pp=2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "find-batch cannot estimate a pipeline step yet" in err
