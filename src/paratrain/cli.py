@@ -627,9 +627,13 @@ def add_find_batch_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_find_batch(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    from paratrain.preflight.support import refuse_image_estimate  # lazy: torch, as the command's own imports
+    from paratrain.preflight.support import (  # lazy: torch, as the command's own imports
+        refuse_image_estimate,
+        refuse_unpriced_estimate,
+    )
 
     refuse_image_estimate(cfg, "paratrain find-batch")
+    refuse_unpriced_estimate(cfg, "paratrain find-batch")
     if args.memory_gib is not None:
         if args.memory_gib <= 0:
             raise ConfigError("--memory-gib must be > 0 (GiB per rank)")
@@ -714,9 +718,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from paratrain.plan import cli_plan  # lazy: see the module docstring
 
     cfg = load_config(args.config, args.overrides)
-    from paratrain.preflight.support import refuse_image_estimate  # lazy: torch, as the command's own imports
+    from paratrain.preflight.support import (  # lazy: torch, as the command's own imports
+        refuse_image_estimate,
+        refuse_unpriced_estimate,
+    )
 
     refuse_image_estimate(cfg, "paratrain plan")
+    refuse_unpriced_estimate(cfg, "paratrain plan")
     return cli_plan(
         cfg,
         nproc_per_node=args.nproc_per_node,

@@ -90,3 +90,14 @@ def test_find_batch_refuses_a_pipeline_layout_in_one_line(capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "find-batch cannot estimate a pipeline step yet" in err
+
+
+@pytest.mark.parametrize("command", ["find-batch", "plan"])
+@pytest.mark.parametrize("loss", ["preference", "grpo"])
+def test_estimates_refuse_the_losses_they_do_not_price_in_one_line(capsys, command, loss):
+    """As `train` with micro_batch_size = 'auto' refuses them: the estimate once ran their step
+    anyway and ended in a traceback (DynamicOutputShapeException, an AttributeError of GRPO's rows)."""
+    args = [command, "configs/debug.toml", "--nproc-per-node", "2", *BASE, "--set", f"loss.name='{loss}'"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{command} does not estimate loss.name = '{loss}' yet" in err
