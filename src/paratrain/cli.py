@@ -658,13 +658,15 @@ def cli_find_batch(cfg: Config, *, world_size: int, local_processes: int, estima
     from paratrain.preflight import check_run  # lazy: see the module docstring
 
     dims, _ = check_run(cfg, world_size)
-    if dims.pp > 1:
-        # The estimate runs a pipeline schedule under fake process groups, whose stages cannot
-        # exchange their inputs' shapes (torch's PipeliningMetadataError); plan models a stage.
-        raise ConfigError(
-            f"paratrain find-batch cannot estimate a pipeline step yet (parallel.pp = {dims.pp}); set"
-            " parallel.pp = 1, or run `paratrain plan`, which prices the micro-batches of pipeline layouts"
-        )
+    # The estimate runs one rank's step under fake process groups: a pipeline schedule's stages
+    # cannot exchange their inputs' shapes there (torch's PipeliningMetadataError), and context
+    # parallel's ring has no peers (the rows were measured whole, as at cp = 1). plan models both.
+    for degree, what in (("pp", "a pipeline"), ("cp", "a context-parallel")):
+        if getattr(dims, degree) > 1:
+            raise ConfigError(
+                f"paratrain find-batch cannot estimate {what} step yet (parallel.{degree} = {getattr(dims, degree)});"
+                f" set parallel.{degree} = 1, or run `paratrain plan`, which prices the micro-batches of such layouts"
+            )
     device = resolve_device(cfg.dist, 0)
     use_trial = (
         not estimate and device.type == "cuda" and cfg.batch.memory_gib <= 0 and replica_dims(dims).world_size == 1

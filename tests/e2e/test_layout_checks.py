@@ -83,13 +83,15 @@ def test_verify_refuses_an_impossible_layout_before_starting():
     )
 
 
-def test_find_batch_refuses_a_pipeline_layout_in_one_line(capsys):
+@pytest.mark.parametrize(("degree", "what"), [("pp", "a pipeline"), ("cp", "a context-parallel")])
+def test_find_batch_refuses_a_pipeline_or_context_parallel_layout_in_one_line(capsys, degree, what):
     """The estimate cannot run a pipeline schedule (it once ended in torch's PipeliningMetadataError
-    traceback), as `train` with micro_batch_size = 'auto' refuses it."""
-    args = ["find-batch", "configs/debug.toml", "--nproc-per-node", "2", *BASE, "--set", "parallel.pp=2"]
+    traceback) nor a context-parallel ring (it measured whole rows, as at cp = 1), as `train` with
+    micro_batch_size = 'auto' refuses both."""
+    args = ["find-batch", "configs/debug.toml", "--nproc-per-node", "2", *BASE, "--set", f"parallel.{degree}=2"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "find-batch cannot estimate a pipeline step yet" in err
+    assert err.count("\n") == 0 and f"find-batch cannot estimate {what} step yet" in err
 
 
 @pytest.mark.parametrize("command", ["find-batch", "plan"])
