@@ -276,7 +276,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy (default %(default)s)"
     )
-    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default %(default)s)")
+    p.add_argument(
+        "--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0: all (default %(default)s)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default %(default)s)")
 
 
@@ -284,6 +286,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.generate import chat_turn, generate_text  # lazy: see the module docstring
 
     options = {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_k", "seed")}
+    # Before the run is read: a negative --top-k ended in torch's "selected index k out of range"
+    # traceback, and negative tokens or temperature printed the prompt alone or decoded greedily.
+    for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 0)):
+        if value < least:
+            raise ConfigError(f"generate {flag} {value}: must be >= {least}")
+    if args.temperature < 0:
+        raise ConfigError(f"generate --temperature {args.temperature}: must be >= 0 (0: greedy)")
     if args.image and args.chat is None:
         raise ConfigError("generate --image goes with --chat MESSAGE (the question about the image)")
     if args.chat is not None:
