@@ -276,7 +276,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy (default %(default)s)"
     )
-    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens (default %(default)s)")
+    p.add_argument(
+        "--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0: all (default %(default)s)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default %(default)s)")
 
 
@@ -284,6 +286,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.generate import chat_turn, generate_text  # lazy: see the module docstring
 
     options = {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_k", "seed")}
+    # Before the run is read: a negative --top-k ended in torch's "selected index k out of range"
+    # traceback, and negative tokens or temperature printed the prompt alone or decoded greedily.
+    for flag, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 0)):
+        if value < least:
+            raise ConfigError(f"generate {flag} {value}: must be >= {least}")
+    if args.temperature < 0:
+        raise ConfigError(f"generate --temperature {args.temperature}: must be >= 0 (0: greedy)")
     if args.image and args.chat is None:
         raise ConfigError("generate --image goes with --chat MESSAGE (the question about the image)")
     if args.chat is not None:
@@ -627,9 +636,13 @@ def add_find_batch_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_find_batch(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    from paratrain.preflight.support import refuse_image_estimate  # lazy: torch, as the command's own imports
+    from paratrain.preflight.support import (  # lazy: torch, as the command's own imports
+        refuse_image_estimate,
+        refuse_unpriced_estimate,
+    )
 
     refuse_image_estimate(cfg, "paratrain find-batch")
+    refuse_unpriced_estimate(cfg, "paratrain find-batch")
     if args.memory_gib is not None:
         if args.memory_gib <= 0:
             raise ConfigError("--memory-gib must be > 0 (GiB per rank)")
@@ -654,6 +667,15 @@ def cli_find_batch(cfg: Config, *, world_size: int, local_processes: int, estima
     from paratrain.preflight import check_run  # lazy: see the module docstring
 
     dims, _ = check_run(cfg, world_size)
+    # The estimate runs one rank's step under fake process groups: a pipeline schedule's stages
+    # cannot exchange their inputs' shapes there (torch's PipeliningMetadataError), and context
+    # parallel's ring has no peers (the rows were measured whole, as at cp = 1). plan models both.
+    for degree, what in (("pp", "a pipeline"), ("cp", "a context-parallel")):
+        if getattr(dims, degree) > 1:
+            raise ConfigError(
+                f"paratrain find-batch cannot estimate {what} step yet (parallel.{degree} = {getattr(dims, degree)});"
+                f" set parallel.{degree} = 1, or run `paratrain plan`, which prices the micro-batches of such layouts"
+            )
     device = resolve_device(cfg.dist, 0)
     use_trial = (
         not estimate and device.type == "cuda" and cfg.batch.memory_gib <= 0 and replica_dims(dims).world_size == 1
@@ -707,9 +729,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from paratrain.plan import cli_plan  # lazy: see the module docstring
 
     cfg = load_config(args.config, args.overrides)
-    from paratrain.preflight.support import refuse_image_estimate  # lazy: torch, as the command's own imports
+    from paratrain.preflight.support import (  # lazy: torch, as the command's own imports
+        refuse_image_estimate,
+        refuse_unpriced_estimate,
+    )
 
     refuse_image_estimate(cfg, "paratrain plan")
+    refuse_unpriced_estimate(cfg, "paratrain plan")
     return cli_plan(
         cfg,
         nproc_per_node=args.nproc_per_node,

@@ -103,6 +103,10 @@ class StepContext:
     # run.bitwise (distributed/bitwise.py): the rows of each backward, summed in one fixed tree;
     # 0: off, the micro-batch loop with DDP's or FSDP's own reduce.
     bitwise_grain: int = 0
+    # False in the memory estimate (batch/measure.py): on fake tensors every host read is a
+    # placeholder (1), so the count must come from reads too, like the loss's own returned count
+    # that the objectives check it against; a count from the rows' shapes would never match it.
+    static_counts: bool = True
 
     @property
     def amp(self) -> Precision:
@@ -241,7 +245,7 @@ def train_step(
     keyed dropout draws when ``ctx.draw_sites`` is set.
     """
     objectives = ctx.objectives
-    count, batches, autos, decisions = prepare_batches(model, batches, ctx, objectives)
+    count, batches, autos, decisions = prepare_batches(model, batches, ctx, objectives, static=ctx.static_counts)
     if ctx.bitwise_grain:
         # run.bitwise: the objectives see the grains as the micro-batches (a reference's, a teacher's
         # or the gradient cache's forward, BatchNorm's groups, indexed per grain as the loop's

@@ -308,6 +308,21 @@ def test_find_batch_picks_among_micro_batches_that_hold_whole_groups():
         find_micro_batch(cfg, check_run(cfg, 1)[0], device=torch.device("cpu"), method="trial", measure=lambda m: 0)
 
 
+def test_the_memory_estimate_of_a_loss_over_the_global_batch():
+    """find-batch, plan and ``micro_batch_size = 'auto'`` run the step on fake tensors, where every
+    host read is a placeholder: info_nce's count from the rows' shapes (a sample per row) once met
+    the loss's own count read as 1, and every one of them stopped with "the loss returned item
+    count 1 but counting the targets gave 64" (configs/code_search.toml, any layout)."""
+    from paratrain.batch.measure import StepRunner, estimate_peak
+    from paratrain.preflight import check_run
+
+    cfg = load_config(None, [*MODELS["dual_plain"], "batch.global_batch_size=8"])
+    dims, _ = check_run(cfg, 1)
+    runner = StepRunner(cfg, dims, device=torch.device("cpu"))
+    params = sum(p.numel() * 4 for p in runner.build()[0].parameters())
+    assert estimate_peak(runner, 4) > 2 * params  # the weights and their gradients at least
+
+
 def test_code_search_example_trains_and_reports_recall(tmp_path):
     """The example's data (held-out functions disjoint from the training ones), its dual encoder,
     and the eval's recall@1 and MRR over every held-out document, checked by hand on a toy."""

@@ -206,6 +206,15 @@ def test_export_loads_into_plain_model(tmp_path, ref):
     x = torch.randint(0, 32, (3, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(plain(x), reference(x))
+    # A run.out_dir without its final weights (run.save_model = false) but with checkpoints: their
+    # newest (it once said the run "saved neither" and named checkpoint.at_end as off).
+    from paratrain.cli import main
+
+    run_dir = tmp_path / "no_final_weights"
+    shutil.copytree(out[2], run_dir, ignore=shutil.ignore_patterns("model.safetensors"))
+    assert main(["export", str(run_dir), "--to", str(tmp_path / "from_run.safetensors")]) == 0
+    from_run = load_file(str(tmp_path / "from_run.safetensors"))
+    assert from_run.keys() == exported.keys() and all(torch.equal(from_run[k], exported[k]) for k in exported)
 
 
 @pytest.mark.slow

@@ -358,6 +358,26 @@ def test_zero_bubble_with_selective_checkpointing_is_refused():
     assert zero_bubble and not any(lay.activation_checkpointing == "selective" for lay in zero_bubble)
 
 
+def test_a_model_without_blocks_is_not_offered_activation_checkpointing():
+    """Checkpointing wraps each block, which a model without a blocks list does not have (apply_ac
+    refuses it when the model is built, after the preflight): the plan of such a model (the code
+    search's dual encoder, configs/code_search.toml) once offered those layouts and stopped with
+    exit 2 at the first it estimated."""
+    over = [
+        "model.factory='paratrain.testing.toy:mlp'",
+        "model.args={}",
+        "data.factory='paratrain.testing.toy:regression'",
+        "data.args={}",
+        "loss.name='mse'",
+    ]
+    cfg = load_config(DEBUG, over)
+    layouts, refused = enumerate_layouts(cfg, world_size=2, nproc_per_node=2)
+    assert layouts and {lay.activation_checkpointing for lay in layouts} == {"none"}
+    assert any("works per block" in reason for reason in refused)
+    result = plan(cfg, world_size=2, nproc_per_node=2, profile=get_profile("cpu"), top=1, progress=False)
+    assert result.layouts
+
+
 @pytest.mark.slow  # about 20 s: six tiny trainings
 def test_gpu_check_script_runs_on_cpu():
     """benchmarks/gpu/gpu_plan.py (the GPU check, for a task lent a device) works end to end here."""

@@ -211,6 +211,19 @@ def test_padded_documents_give_the_packed_losses(sft, gpt_reference):
     torch.testing.assert_close(norms, gpt_reference[1], rtol=1e-5, atol=0)
 
 
+def test_auto_micro_batch_on_packed_rows(sft, gpt_reference):
+    """``batch.micro_batch_size = 'auto'`` runs the step on fake tensors, packed rows' document
+    positions included: it once failed on every layout (DynamicOutputShapeException from the
+    attention count's boolean indexing, `paratrain train configs/sft.toml` with 'auto')."""
+    import paratrain
+
+    name = "gpt_auto"
+    paratrain.train(paratrain.load_config(None, sft_gpt(sft, name, "batch.micro_batch_size='auto'")))
+    losses, norms = losses_and_norms(os.path.join(sft["root"], name))
+    torch.testing.assert_close(losses, gpt_reference[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(norms, gpt_reference[1], rtol=1e-5, atol=0)
+
+
 def test_two_ranks_with_accumulation_give_the_one_process_losses(sft, gpt_reference):
     from paratrain.testing.dist_utils import run_ranks, train_rank
 

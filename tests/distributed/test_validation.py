@@ -144,10 +144,23 @@ def test_paratrain_eval_at_another_world_size(tmp_path):
     res = paratrain_cli("train", str(cfg), *sets, timeout=300)
     assert res.returncode == 0, res.stderr
     final_val = json.load(open(os.path.join(out, "summary.json")))["final_val_loss"]
+    # Another run.steps than the run's, as docs/validation.md's journey evaluates a run of
+    # configs/debug.toml: no "will not continue the same trajectory" warning (eval continues none).
     res = paratrain_cli(
-        "eval", str(cfg), "--checkpoint", "latest", "--json", "--nproc-per-node", "2", *sets, timeout=300
+        "eval",
+        str(cfg),
+        "--checkpoint",
+        "latest",
+        "--json",
+        "--nproc-per-node",
+        "2",
+        *sets,
+        "--set",
+        "run.steps=5",
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr
+    assert "warning" not in res.stderr + res.stdout
     result = json.loads(res.stdout.strip().splitlines()[-1])
     assert result["step"] == 2 and result["world_size"] == 2 and result["samples"] == 32
     torch.testing.assert_close(result["val_loss"], final_val, rtol=1e-5, atol=0)

@@ -81,3 +81,25 @@ def test_verify_refuses_an_impossible_layout_before_starting():
         " heads are split whole across the tp ranks); use a tp that divides 3 or a n_head"
         " that is a multiple of 2"
     )
+
+
+@pytest.mark.parametrize(("degree", "what"), [("pp", "a pipeline"), ("cp", "a context-parallel")])
+def test_find_batch_refuses_a_pipeline_or_context_parallel_layout_in_one_line(capsys, degree, what):
+    """The estimate cannot run a pipeline schedule (it once ended in torch's PipeliningMetadataError
+    traceback) nor a context-parallel ring (it measured whole rows, as at cp = 1), as `train` with
+    micro_batch_size = 'auto' refuses both."""
+    args = ["find-batch", "configs/debug.toml", "--nproc-per-node", "2", *BASE, "--set", f"parallel.{degree}=2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"find-batch cannot estimate {what} step yet" in err
+
+
+@pytest.mark.parametrize("command", ["find-batch", "plan"])
+@pytest.mark.parametrize("loss", ["preference", "grpo"])
+def test_estimates_refuse_the_losses_they_do_not_price_in_one_line(capsys, command, loss):
+    """As `train` with micro_batch_size = 'auto' refuses them: the estimate once ran their step
+    anyway and ended in a traceback (DynamicOutputShapeException, an AttributeError of GRPO's rows)."""
+    args = [command, "configs/debug.toml", "--nproc-per-node", "2", *BASE, "--set", f"loss.name='{loss}'"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{command} does not estimate loss.name = '{loss}' yet" in err

@@ -110,6 +110,10 @@ def test_bad_file(tmp_path):
         ),
         (["train", "configs/debug.toml", "--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint"),
         (["generate", "/nonexistent"], "not found; pass the run.out_dir"),
+        # Checked before the run is read (a negative --top-k was torch's traceback).
+        (["generate", "/nonexistent", "--top-k", "-3"], "generate --top-k -3: must be >= 0"),
+        (["generate", "/nonexistent", "--max-new-tokens", "0"], "generate --max-new-tokens 0: must be >= 1"),
+        (["generate", "/nonexistent", "--temperature", "-1"], "generate --temperature -1.0: must be >= 0"),
     ],
 )
 def test_cli_bad_input_exit_2_one_line(argv, needle, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import logging
 import os
@@ -194,7 +195,7 @@ class StepRunner:
             # The step's own mixed precision: autocast changes the activations' dtype.
             precision = build_precision(self.cfg.precision, device=self.device, fsdp_enabled=self.dims.fsdp_enabled)
             with fake_mode or contextlib.nullcontext():
-                model, self.step_ctx, _ = build_parallel(
+                model, step_ctx, _ = build_parallel(
                     self.cfg,
                     self.dims,
                     model,
@@ -207,6 +208,9 @@ class StepRunner:
                     # ranks), bar a transposed copy of the input when a micro-batch holds several
                     batch_norm_groups=False,
                 )
+                # Counts read like the loss's own (step.py StepContext.static_counts): on fake
+                # tensors a count from the rows' shapes never matched (info_nce: "item count 1").
+                self.step_ctx = dataclasses.replace(step_ctx, static_counts=False)
                 optimizer = build_optimizer(model, self.cfg.optim)
         return model, optimizer
 

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import tomllib
 import warnings
 
 import torch
@@ -68,6 +69,12 @@ def read_export_source(source: str) -> tuple[dict[str, torch.Tensor], dict, str,
                 rows = [line for line in f if line.strip()]
             step = json.loads(rows[-1]).get("step", 0) if rows else 0
         return load_file(run_weights), {"step": step}, source, run_config
+    if not is_checkpoint and os.path.isfile(run_config):
+        # A run.out_dir without its final weights (run.save_model = false, or cut short) whose
+        # checkpoints are under it: their newest, as for the checkpoints folder itself.
+        root = _checkpoint_root(source, run_config)
+        if list_checkpoints(root):
+            source, is_checkpoint = root, True
     if not is_checkpoint and not re.fullmatch(r"step-\d+", os.path.basename(os.path.normpath(source))):
         # Not a step-N folder cut short (that one is named as incomplete below): a run that saved nothing.
         raise ConfigError(
@@ -77,6 +84,16 @@ def read_export_source(source: str) -> tuple[dict[str, torch.Tensor], dict, str,
         )
     weights, manifest, path = read_model_weights(source)
     return weights, manifest, path, os.path.join(path, CONFIG_FILE)
+
+
+def _checkpoint_root(out_dir: str, run_config: str) -> str:
+    """Where the run of ``run_config`` wrote its checkpoints: checkpoint.dir, else out_dir/checkpoints."""
+    try:
+        with open(run_config, "rb") as f:
+            folder = tomllib.load(f).get("checkpoint", {}).get("dir", "")
+    except (OSError, tomllib.TOMLDecodeError):
+        folder = ""
+    return folder or os.path.join(out_dir, "checkpoints")
 
 
 def export_safetensors(checkpoint: str, to: str) -> dict:

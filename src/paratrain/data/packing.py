@@ -108,8 +108,9 @@ def attention_square(inputs) -> int | None:
     _, positions = split_packed(inputs)
     if positions is None:
         return None
-    real = positions[positions >= 0]
-    return int((2 * real + 1).sum())
+    # A mask, not boolean indexing: the memory estimate runs this on fake tensors, which cannot
+    # give indexing's data-dependent shape (DynamicOutputShapeException: 'auto' on packed rows).
+    return int(((2 * positions + 1) * (positions >= 0)).sum())
 
 
 class PackedRows(torch.utils.data.Dataset):

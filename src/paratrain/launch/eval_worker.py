@@ -104,8 +104,10 @@ def resume_model(cfg: Config, checkpoint: str, *, model, dims, ctx) -> int:
         device=ctx.device,
         timeout_s=cfg.dist.timeout_s,
     )
-    # Evaluating reads a checkpoint and continues no trajectory: newer checkpoints are not at risk.
+    # Evaluating reads a checkpoint and continues no trajectory: newer checkpoints are not at risk,
+    # and a config that differs from the run's (run.steps, the data to evaluate) breaks none.
     ckpt._warn_newer = lambda path: None
+    ckpt._warn_config_changes = lambda path: None
     try:
         step = ckpt.resume(checkpoint)
     finally:

@@ -251,6 +251,13 @@ def enumerate_layouts(
     ):
         if reason is None and layout.pp > 1 and untied:
             reason = untied
+        if reason is None and layout.activation_checkpointing != "none" and model is not None and n_blocks is None:
+            # apply_ac's refusal, which the preflight cannot see (it reads the built model): the
+            # plan once offered these layouts and stopped at estimating the first of them.
+            reason = (
+                f"parallel.activation_checkpointing = '{layout.activation_checkpointing}' works per block and"
+                f" {type(model).__name__} has no blocks in a `{spec.blocks_attr}` ModuleDict/ModuleList"
+            )
         if reason is None:
             # Only the pipeline checks read activation checkpointing (zero-bubble schedules refuse
             # selective; tests/distributed/test_plan.py checks every mode for real): one verdict serves the

@@ -433,6 +433,22 @@ def refuse_image_estimate(cfg: Config, command: str) -> None:
         )
 
 
+def refuse_unpriced_estimate(cfg: Config, command: str) -> None:
+    """``paratrain plan`` / ``find-batch`` of a loss the memory estimate does not price: one line,
+    as ``batch.micro_batch_size = 'auto'`` of it is refused below (the estimate once ran their step
+    anyway and ended in a traceback: a preference pair's count on fake tensors, GRPO's rollout rows)."""
+    if _preference(cfg):
+        why = "a pair per row, a reference or a teacher"
+    elif _grpo(cfg):
+        why = "the generation of its completions"
+    else:
+        return
+    raise ConfigError(
+        f"{command} does not estimate loss.name = {cfg.loss.name!r} yet (the memory estimate does not price {why});"
+        " give batch.micro_batch_size as a number and the layout as parallel.* keys"
+    )
+
+
 VISION_REFUSALS = (
     *(
         _vision_refusal(
