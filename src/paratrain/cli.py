@@ -154,12 +154,13 @@ def _train(args: argparse.Namespace) -> int:
 
     spec = launch_spec(args)
     if args.resume is not None:  # the flag sets checkpoint.resume (a TOML string literal)
+        resume = resume_overrides(args.resume, args.overrides)  # first: a --set that disagrees is refused
         if args.resume != "latest" and not os.path.isdir(args.resume):
             raise ConfigError(
                 f"--resume {args.resume}: no such checkpoint folder; pass a step-N folder"
                 " (or omit PATH for the run's newest checkpoint)"
             )
-        args.overrides = [*args.overrides, *resume_overrides(args.resume)]
+        args.overrides = [*args.overrides, *resume]
     if args.overwrite:
         args.overrides = [*args.overrides, "run.overwrite=true"]
     cfg = load_config(args.config, args.overrides)

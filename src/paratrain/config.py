@@ -1108,9 +1108,25 @@ def add_resume_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resume_overrides(resume: str | None) -> list[str]:
-    """The ``--set`` line that ``--resume`` stands for (checkpoint.resume as a TOML string literal)."""
-    return [] if resume is None else ["checkpoint.resume=" + json.dumps(resume)]
+def resume_overrides(resume: str | None, overrides: typing.Sequence[str] = ()) -> list[str]:
+    """The ``--set`` line that ``--resume`` stands for (checkpoint.resume as a TOML string literal).
+
+    ``--resume`` beside a ``--set checkpoint.resume=...`` that names another checkpoint is refused:
+    the flag's line comes last and would win, so ``--set checkpoint.resume='/missing'`` resumed
+    the newest checkpoint without a word. Both are the command line; neither is the obvious one."""
+    if resume is None:
+        return []
+    given = [o for o in overrides if o.partition("=")[0].strip() == "checkpoint.resume"]
+    if given:
+        value = _parse_literal(given[-1].partition("=")[2].strip())
+        # One folder written twice ('runs/x/step-4/' and 'runs/x/step-4') is one checkpoint.
+        if not (isinstance(value, str) and value and os.path.normpath(value) == os.path.normpath(resume)):
+            flag = "--resume" if resume == "latest" else f"--resume {resume}"
+            raise ConfigError(
+                f"{flag} and --set checkpoint.resume={value!r} name different checkpoints; keep one of them"
+                " (--resume alone is the newest checkpoint, --resume PATH a step-N folder)"
+            )
+    return ["checkpoint.resume=" + json.dumps(resume)]
 
 
 def check_kwargs(fn: typing.Callable, args: dict, key: str, args_key: str, accepted: typing.Iterable[str] = ()) -> None:

@@ -109,6 +109,19 @@ def test_bad_file(tmp_path):
             "model.args.n_layer is set, but model.factory takes no arguments; remove [model.args] (or --set 'model.args={}')",
         ),
         (["train", "configs/debug.toml", "--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint"),
+        (  # the flag's line came last and won: the newest checkpoint was resumed without a word
+            # (an out_dir that cannot be written: without the refusal nothing starts either)
+            [
+                "train",
+                "configs/debug.toml",
+                "--resume",
+                "--set",
+                "checkpoint.resume='/missing'",
+                "--set",
+                "run.out_dir='/dev/null/x'",
+            ],
+            "--resume and --set checkpoint.resume='/missing' name different checkpoints; keep one of them",
+        ),
         (["generate", "/nonexistent"], "not found; pass the run.out_dir"),
         # Checked before the run is read (a negative --top-k was torch's traceback).
         (["generate", "/nonexistent", "--top-k", "-3"], "generate --top-k -3: must be >= 0"),

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RANK", "0") == "0" and STARTED_AT in os.environ:
         print(startup("torch and the trainer imported; joining the process group"), file=sys.stderr, flush=True)
     try:
-        cfg = load_config(args.config, [*args.overrides, *resume_overrides(args.resume)])
+        cfg = load_config(args.config, [*args.overrides, *resume_overrides(args.resume, args.overrides)])
         world = int(os.environ.get("WORLD_SIZE", "1"))
         threads = cpu_threads(cfg.dist.cpu_threads, world_size=world, bitwise=cfg.run.bitwise)
         if threads:
