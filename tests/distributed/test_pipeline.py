@@ -282,6 +282,22 @@ def test_impossible_layouts_in_process(sets, pp, micro, accum, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("sets", "pp", "n_blocks", "fix"),
+    [
+        # zbv fixes 2 stages per rank: there is no parallel.pp_virtual_stages to lower (it said so).
+        (["parallel.pp_schedule='zbv'"], 2, 2, "use parallel.pp = 1 or a schedule of one stage per rank"),
+        (["parallel.pp_schedule='gpipe'"], 4, 3, "use parallel.pp <= 3 or a model of at least 4 blocks"),
+        (["parallel.pp_schedule='interleaved1f1b'", "parallel.pp_virtual_stages=3"], 2, 4, "pp_virtual_stages <= 2"),
+    ],
+)
+def test_too_few_blocks_names_what_the_user_can_change(sets, pp, n_blocks, fix):
+    with pytest.raises(ConfigError) as e:
+        check_pp_layout(load_config(None, sets).parallel, pp=pp, micro_batch_size=8, accum_steps=1, n_blocks=n_blocks)
+    assert fix in str(e.value) and "\n" not in str(e.value)
+    assert ("pp_virtual_stages" in str(e.value)) == ("parallel.pp_virtual_stages=3" in sets), str(e.value)
+
+
 # ----------------------------------------------------------------------------- the CLI refuses
 
 

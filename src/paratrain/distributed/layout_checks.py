@@ -123,6 +123,26 @@ def pp_microbatches(cfg: ParallelConfig, *, pp: int, micro_batch_size: int, accu
 ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
 
 
+def too_few_blocks(cfg: ParallelConfig, *, pp: int, n_blocks: int) -> str:
+    """The line for more pipeline stages than blocks (every stage needs one), naming only what the
+    user can change: zbv and dualpipev fix 2 stages per rank, gpipe and 1f1b one, and an unset
+    parallel.pp_virtual_stages is the schedule's default (it said "lower parallel.pp or
+    parallel.pp_virtual_stages" to a zbv user who had set no virtual stages)."""
+    v, fixed = virtual_stages(cfg), SCHEDULES[cfg.pp_schedule][1]
+    per_rank = "the schedule's" if fixed else ("parallel.pp_virtual_stages" if cfg.pp_virtual_stages else "the default")
+    fixes = [f"parallel.pp <= {n_blocks // v}" if n_blocks // v >= 2 else "parallel.pp = 1"]
+    if fixed is None and n_blocks // pp >= 2:
+        fixes.append(f"parallel.pp_virtual_stages <= {n_blocks // pp}")
+    elif v > 1 and pp <= n_blocks:
+        fixes.append("a schedule of one stage per rank ('1f1b' or 'gpipe')")
+    fixes.append(f"a model of at least {pp * v} blocks")
+    return (
+        f"parallel.pp = {pp} x {v} stage(s) per rank ({per_rank} for pp_schedule = '{cfg.pp_schedule}')"
+        f" gives {pp * v} pipeline stages but the model has {n_blocks} blocks (every stage needs one);"
+        f" use {' or '.join(fixes)}"
+    )
+
+
 def check_pp_layout(
     cfg: ParallelConfig,
     *,
@@ -183,10 +203,7 @@ def check_pp_layout(
         )
     stages = pp * v
     if n_blocks is not None and stages > n_blocks:
-        raise ConfigError(
-            f"parallel.pp = {pp} x pp_virtual_stages = {v} gives {stages} pipeline stages but the model has"
-            f" {n_blocks} blocks; lower parallel.pp or parallel.pp_virtual_stages (every stage needs a block)"
-        )
+        raise ConfigError(too_few_blocks(cfg, pp=pp, n_blocks=n_blocks))
     m = pp_microbatches(cfg, pp=pp, micro_batch_size=micro_batch_size, accum_steps=accum_steps)
     if micro_batch_size % m:
         raise ConfigError(

@@ -63,7 +63,14 @@ from paratrain.config import ConfigError, ParallelConfig
 from paratrain.distributed.blocks import BLOCKS_ATTR
 from paratrain.distributed.expert_parallel import gather_expert_weights
 from paratrain.distributed.json_collectives import all_gather_json
-from paratrain.distributed.layout_checks import SCHEDULES, _blocks, check_untied, pp_microbatches, virtual_stages
+from paratrain.distributed.layout_checks import (
+    SCHEDULES,
+    _blocks,
+    check_untied,
+    pp_microbatches,
+    too_few_blocks,
+    virtual_stages,
+)
 from paratrain.distributed.layout_checks import ZERO_BUBBLE as ZERO_BUBBLE  # re-exported: its old home
 from paratrain.distributed.layout_checks import check_pp_layout as check_pp_layout  # re-exported: its old home
 
@@ -262,6 +269,8 @@ def apply_pp(
     v = virtual_stages(cfg)
     num_stages = pp * v
     check_untied(model, blocks_attr=blocks_attr)
+    if num_stages > len(_blocks(model, blocks_attr)):  # a model preflight could not count
+        raise ConfigError(too_few_blocks(cfg, pp=pp, n_blocks=len(_blocks(model, blocks_attr))))
     ranges = stage_ranges(model, num_stages, cfg.pp_split_points, blocks_attr=blocks_attr)
     owner = generate_stage_to_rank_mapping(pp, num_stages, style=SCHEDULES[cfg.pp_schedule][2])
     stage_ids = sorted(s for s in range(num_stages) if owner[s] == pp_rank)
