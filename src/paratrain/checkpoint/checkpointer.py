@@ -72,6 +72,12 @@ def config_changes(saved: dict, now: dict) -> list[str]:
     return sorted(changed)
 
 
+# How to fix a checkpoint that does not fit the config's model, for a run that resumes it.
+RESUME_FIX = (
+    "resume with the config that wrote it (its config.toml is in the checkpoint folder) or start a new run.out_dir"
+)
+
+
 class Checkpointer:
     """Saves and restores one rank's share of a run. Every method is called on every rank.
 
@@ -96,8 +102,10 @@ class Checkpointer:
         timeout_s: float,
         base: dict | None = None,
         overwrite: bool = False,
+        mismatch_fix: str = RESUME_FIX,
     ):
         self.cfg = cfg
+        self.mismatch_fix = mismatch_fix  # the end of the line for a checkpoint of another model
         self.out_dir, self.overwrite = out_dir, overwrite  # run.overwrite: a resume may start over
         # A LoRA run's frozen base ({"sha256", "of"}, rank 0): written into each manifest, and a
         # checkpoint of adapters trained on another base is refused on resume.
@@ -398,7 +406,8 @@ class Checkpointer:
                     for k, v in app[name].items()
                     if f"{name}.{k}" in keys or any(key.startswith(f"{name}.{k}.") for key in keys)
                 }
-        check_shapes(md, app.get("model", {}), path=path)  # one line, before DCP's "Size mismatch" on every rank
+        # One line, before DCP's "Size mismatch" on every rank.
+        check_shapes(md, app.get("model", {}), path=path, fix=self.mismatch_fix)
         own = f"rng_rank{self.rank}"
         src = own if any(k.startswith(own + ".") for k in keys) else "rng_rank0"
         if src != own:
@@ -521,8 +530,9 @@ def _template(md, prefix: str) -> dict:
     return out
 
 
-def check_shapes(md, model_sd: dict, *, path: str) -> None:
-    """Refuse a checkpoint whose model tensors differ from this model's (names and global shapes)."""
+def check_shapes(md, model_sd: dict, *, path: str, fix: str = RESUME_FIX) -> None:
+    """Refuse a checkpoint whose model tensors differ from this model's (names and global shapes);
+    ``fix`` ends the line (eval has its own: it starts no run)."""
     saved = {
         k.removeprefix("model."): list(m.size)
         for k, m in md.state_dict_metadata.items()
@@ -534,14 +544,12 @@ def check_shapes(md, model_sd: dict, *, path: str) -> None:
         shape = list(t.shape)  # a DTensor's shape is its global shape
         if name not in saved:
             raise ConfigError(
-                f"checkpoint {path} has no parameter {name} (shape {shape} in this config's model); resume with"
-                " the config that wrote it (its config.toml is in the checkpoint folder) or start a new run.out_dir"
+                f"checkpoint {path} has no parameter {name} (shape {shape} in this config's model); {fix}"
             )
         if saved[name] != shape:
             raise ConfigError(
                 f"checkpoint {path}: parameter {name} has shape {saved[name]} there but {shape} in this"
-                " config's model; resume with the config that wrote it (its config.toml is in the checkpoint"
-                " folder) or start a new run.out_dir"
+                f" config's model; {fix}"
             )
 
 

@@ -312,7 +312,7 @@ def run_here(module: str, module_args: list[str]) -> int:
     (preemption.py), and its error line is printed by the worker itself (worker.report_failure).
     The environment is restored afterwards, as launch does.
     """
-    print(startup("checks passed; training in this process"), file=sys.stderr)
+    print(startup("checks passed; running in this process"), file=sys.stderr)  # train, eval, verify alike
     saved = dict(os.environ)
     for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID", LAUNCHED_ENV):
         os.environ.pop(key, None)

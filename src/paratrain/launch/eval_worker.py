@@ -103,6 +103,11 @@ def resume_model(cfg: Config, checkpoint: str, *, model, dims, ctx) -> int:
         world_size=ctx.world_size,
         device=ctx.device,
         timeout_s=cfg.dist.timeout_s,
+        # Not "resume ... or start a new run.out_dir": eval resumes nothing and writes no run.
+        mismatch_fix=(
+            "evaluate it with the config that wrote it (its config.toml is in the checkpoint folder),"
+            " or pass --checkpoint a checkpoint of this config's model"
+        ),
     )
     # Evaluating reads a checkpoint and continues no trajectory: newer checkpoints are not at risk,
     # and a config that differs from the run's (run.steps, the data to evaluate) breaks none.
