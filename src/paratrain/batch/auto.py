@@ -108,12 +108,6 @@ def fake_process_group(world_size: int, rank: int):
         dist.destroy_process_group()
 
 
-def estimate_ranks(dims: ParallelDims) -> list[int]:
-    """Ranks whose memory can differ: one per pipeline stage (pp is the outermost mesh dim)."""
-    per_stage = dims.world_size // dims.pp
-    return [s * per_stage for s in range(dims.pp)]
-
-
 def _estimate(cfg: Config, dims: ParallelDims, **kw) -> SearchResult:
     """The fake-tensor estimate one process makes for every rank (no other rank searches: no agreement)."""
     return find_micro_batch(cfg, dims, method="estimate", agree=False, **kw)
@@ -122,15 +116,18 @@ def _estimate(cfg: Config, dims: ParallelDims, **kw) -> SearchResult:
 def estimate_without_group(
     cfg: Config, dims: ParallelDims, *, device: torch.device, local_processes: int, model=None, dataset=None, loss=None
 ) -> SearchResult:
-    """The estimate in a process without a process group: fake groups emulate the layout's ranks."""
+    """The estimate in a process without a process group: a fake group emulates one replica's ranks.
+
+    Rank 0 answers for every rank: the ranks of one replica differ in memory only by pipeline
+    stage, and pipeline layouts are refused before this (find-batch, and 'auto' in preflight:
+    the estimate cannot run a schedule under fake groups). FSDP's and TP's shards are torch.chunk
+    pieces, of which rank 0's is the largest.
+    """
     rep = replica_dims(dims)
-    objects = dict(device=device, local_processes=local_processes, model=model, dataset=dataset, loss=loss)
-    results = []
-    for rank in estimate_ranks(rep):
-        with fake_process_group(rep.world_size, rank):
-            results.append(_estimate(cfg, dims, **objects))
-    # The rank that fits least decides.
-    return min(results, key=lambda r: (r.micro_batch_size or 0, -(r.peak_bytes or 0)))
+    with fake_process_group(rep.world_size, 0):
+        return _estimate(
+            cfg, dims, device=device, local_processes=local_processes, model=model, dataset=dataset, loss=loss
+        )
 
 
 def resolve_auto_micro_batch(
