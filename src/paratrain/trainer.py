@@ -335,7 +335,7 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     """Make every object of the run from ``cfg`` (user objects replace the config's builders), resume."""
     setup_logging(rank=ctx.rank, all_ranks=cfg.run.log_all_ranks)
     log.info(startup(f"process group of {ctx.world_size} ready; checking the config, reading the data"))
-    dims, plan = check_run(cfg, ctx.world_size, model=model)
+    dims, plan = check_run(cfg, ctx.world_size, model=model, loss=loss)
     # Objects passed to train() (not the config's builders, made below) cannot reach a separate
     # process, so only they stop 'auto' from estimating a sharded layout in one.
     user_objects = [name for name, obj in (("model", model), ("dataset", dataset), ("loss", loss)) if obj is not None]

@@ -41,6 +41,34 @@ def test_train_api_with_user_objects_matches_across_world_sizes(tmp_path):
     torch.testing.assert_close(torch.tensor(two[0]), torch.tensor(one), rtol=1e-5, atol=0)
 
 
+def plugin_rank(out_dir: str, sets: list[str]) -> list[float]:
+    """A user's objective plug-in passed as an object (docs/objectives.md's example), not named by loss.name."""
+    import paratrain
+    from tests.plugins.sample_nll import plugin
+
+    toy = [
+        "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
+        "data.factory='paratrain.testing.toy:toy_lm'",
+        "data.args={n = 64, seq_len = 16, vocab = 32}",
+        "batch.global_batch_size=8",
+        "run.steps=1",
+        "run.progress=false",
+        "metrics.plot=false",
+        f"run.out_dir='{out_dir}'",
+        *plain_sgd(0.3),
+    ]
+    return paratrain.train(paratrain.load_config(None, [*toy, *sets]), loss=plugin)["losses"]
+
+
+def test_a_plugin_passed_to_train_is_refused_where_it_says_so(tmp_path):
+    """The plug-in's refused degrees hold for the object passed to train() as for loss.name: at
+    cp = 2 the sample mean over half rows trained on, its loss 6.9073 against 3.4566 at world 1."""
+    with pytest.raises(
+        AssertionError, match=r"the loss passed to train\(\) \('sample_nll'\) does not run with parallel.cp = 2"
+    ):
+        run_ranks(plugin_rank, 2, str(tmp_path), ["parallel.cp=2"], timeout=120)
+
+
 def test_slurm_env_mapping(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         # setenv first, so that monkeypatch also removes what _slurm_to_torch_env sets: a RANK

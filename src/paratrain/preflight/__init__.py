@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,19 +32,25 @@ from paratrain.models import build, resolve, spec_of
 from paratrain.models.hf import check_hf_moe_layout, hf_is_moe
 from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
-from paratrain.objectives.registry import builtin_of, check_known
+from paratrain.objectives.registry import Plugin, builtin_of, check_known, plugin_of
 from paratrain.precision import check_precision
-from paratrain.preflight.support import check_support, gpt_moe
+from paratrain.preflight.support import check_passed_loss, check_support, gpt_moe
 
 log = logging.getLogger("paratrain")
 
 
 def check_run(
-    cfg: Config, world_size: int, *, model: nn.Module | None = None, spec: ModelSpec | None = None
+    cfg: Config,
+    world_size: int,
+    *,
+    model: nn.Module | None = None,
+    spec: ModelSpec | None = None,
+    loss: Callable | Plugin | None = None,
 ) -> tuple[ParallelDims, BatchPlan]:
     """Every check that needs only the config and the world size: run before any process starts.
 
     ``model``: a model object passed to ``train`` instead of the config's builder (pipeline checks count its blocks).
+    ``loss``: a loss function or Plugin passed to ``train``; the degrees its plug-in refuses are refused.
     ``spec``: that model's spec when ``model`` only stands in for it (``paratrain plan`` passes a
     parameter-free stand-in with the real block count, not to walk an 8B model per layout).
     Fills ``model.args.vocab_size`` of the built-in GPT from a prepared corpus's meta.json (so
@@ -64,6 +71,8 @@ def check_run(
         global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp
     )
     check_feature_combinations(cfg, dims)
+    if loss is not None:  # a loss object passed to train(), which loss.name does not name
+        check_passed_loss(cfg, dims, plugin_of(cfg.loss, loss))
     if dims.cp > 1 or cfg.model.args.get("moe") is not None:  # the model's own checks of cp and ep
         check_degrees(cfg, dims, spec or spec_of(cfg.model, model))
     check_packing(cfg, dims)

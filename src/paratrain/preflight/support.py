@@ -239,17 +239,36 @@ def _plugin_refusals() -> tuple[Refusal, ...]:
     return tuple(rows)
 
 
-def _refused_line(cfg: Config, dims: ParallelDims, degree: str, why: str) -> str:
+def _refused_line(cfg: Config, dims: ParallelDims, degree: str, why: str, *, loss: str = "") -> str:
     return (
-        f"loss.name = {cfg.loss.name!r} does not run with parallel.{degree} = {getattr(dims, degree)}: {why};"
-        f" set parallel.{degree} = 1"
+        f"{loss or f'loss.name = {cfg.loss.name!r}'} does not run with parallel.{degree} = {getattr(dims, degree)}:"
+        f" {why}; set parallel.{degree} = 1"
     )
+
+
+def _refused_by(plugin: Plugin | None, dims: ParallelDims) -> tuple[str, str] | None:
+    """The first degree > 1 that ``plugin`` refuses, with its reason."""
+    return next(((k, why) for k, why in (plugin.refuses if plugin else ()) if getattr(dims, k, 1) > 1), None)
 
 
 def _user_refused(cfg: Config, dims: ParallelDims) -> tuple[str, str] | None:
     """The first degree > 1 that the user's plug-in refuses, with its reason."""
-    plugin = users_plugin(cfg.loss)
-    return next(((k, why) for k, why in (plugin.refuses if plugin else ()) if getattr(dims, k, 1) > 1), None)
+    return _refused_by(users_plugin(cfg.loss), dims)
+
+
+def check_passed_loss(cfg: Config, dims: ParallelDims, plugin: Plugin) -> None:
+    """The plug-in of a loss passed to ``train(loss=...)``: the rows above find a user's plug-in by
+    ``loss.name``, which does not name this one, so its refusals are checked here the same way
+    (``paratrain.train(cfg, loss=sample_nll_plugin)`` at parallel.cp = 2 trained on, its loss 2x
+    the reference's, where ``loss.name = 'tests.plugins.sample_nll:plugin'`` was refused)."""
+    name = f"the loss passed to train() ({plugin.name!r})"
+    if (refused := _refused_by(plugin, dims)) is not None:
+        raise ConfigError(_refused_line(cfg, dims, *refused, loss=name))
+    if dims.pp > 1 and plugin.objective is not None and not plugin.pipeline:
+        raise ConfigError(
+            f"{name}: its objective declares no pipeline hooks (Objective.pipeline_rows, objectives/base.py;"
+            " Plugin(pipeline=True)); set parallel.pp = 1 or give it them (docs/objectives.md)"
+        )
 
 
 def _objective_without_pipeline(cfg: Config) -> bool:
