@@ -117,6 +117,34 @@ class Run:
     source: BatchSource
 
 
+def _what(obj) -> str:
+    return f"the class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
+
+
+def check_train_arguments(cfg, *, model, dataset, loss) -> None:
+    """The objects passed to :func:`train`, checked before any process group exists: one line naming
+    the argument and what it takes (a class for an instance was an AttributeError deep in the
+    build, a string loss "the model fails on half of the first micro-batch")."""
+    if not isinstance(cfg, Config):
+        raise ConfigError(
+            f"paratrain.train takes a Config, not {_what(cfg)}; make one with paratrain.load_config(path, overrides)"
+        )
+    if model is not None and not isinstance(model, nn.Module):
+        raise ConfigError(f"paratrain.train(model=...) takes a torch.nn.Module instance, not {_what(model)}")
+    if dataset is not None and (
+        isinstance(dataset, type) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"))
+    ):
+        raise ConfigError(
+            f"paratrain.train(dataset=...) takes a map-style dataset (an instance with __len__ and __getitem__),"
+            f" not {_what(dataset)}"
+        )
+    if loss is not None and (isinstance(loss, type) or not (isinstance(loss, Plugin) or callable(loss))):
+        raise ConfigError(
+            "paratrain.train(loss=...) takes a function (output, target) -> (sum_of_item_losses, item_count)"
+            f" or a Plugin (docs/objectives.md), not {_what(loss)}"
+        )
+
+
 def train(
     cfg: Config, *, model: nn.Module | None = None, dataset: Dataset | None = None, loss: Callable | None = None
 ) -> dict:
@@ -126,6 +154,7 @@ def train(
     objects in Python; start the script with torchrun for several processes.
     """
     called = time.time()
+    check_train_arguments(cfg, model=model, dataset=dataset, loss=loss)
     enable_flight_recorder()  # before the process group exists: hang reports name collectives
     ctx = init_distributed(cfg.dist)
     try:  # before anything is written or resumed: one folder every node sees (preflight/shared.py)

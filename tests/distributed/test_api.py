@@ -69,6 +69,25 @@ def test_a_plugin_passed_to_train_is_refused_where_it_says_so(tmp_path):
         run_ranks(plugin_rank, 2, str(tmp_path), ["parallel.cp=2"], timeout=120)
 
 
+@pytest.mark.parametrize(
+    ("cfg", "kwargs", "needle"),
+    [
+        ("configs/debug.toml", {}, "paratrain.train takes a Config, not str"),  # was AttributeError: 'dist'
+        (None, {"model": torch.nn.Linear}, "takes a torch.nn.Module instance, not the class Linear"),
+        (None, {"dataset": len}, "train(dataset=...) takes a map-style dataset"),
+        # A string loss was "the model fails on half of the first micro-batch ...; set run.layout_dependent".
+        (None, {"loss": "mse"}, "train(loss=...) takes a function (output, target)"),
+    ],
+)
+def test_train_refuses_objects_of_the_wrong_kind_in_one_line(cfg, kwargs, needle):
+    """Checked before any process group exists: one ConfigError line, not a traceback from the build."""
+    import paratrain
+
+    with pytest.raises(ConfigError) as e:
+        paratrain.train(paratrain.load_config(None, []) if cfg is None else cfg, **kwargs)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
 def test_slurm_env_mapping(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         # setenv first, so that monkeypatch also removes what _slurm_to_torch_env sets: a RANK

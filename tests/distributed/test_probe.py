@@ -210,6 +210,19 @@ def test_probe_leaves_generators_buffers_and_modes_as_they_were(net):
     assert bn.training
 
 
+def test_a_loss_that_fails_on_the_whole_micro_batch_is_not_called_a_layout_finding():
+    """A user loss that returns a bare tensor fails on the whole micro-batch: its own line stops
+    the run, not "the model fails on half of the first micro-batch ...; set run.layout_dependent
+    = true to accept" (which would not have helped)."""
+    sse = lambda out, y: ((out - y) ** 2).sum()  # noqa: E731 - no item count: bad input
+    ctx = StepContext(
+        objectives=build_objectives(build_loss(load_config(None, []).loss, sse)), device=torch.device("cpu")
+    )
+    finding = probe_micro_batch(nn.Linear(8, 1), torch.randn(4, 8), torch.randn(4, 1), ctx=ctx)
+    assert finding.broken and "half" not in finding.line, finding.line
+    assert finding.line.endswith("a user loss must return (sum_of_item_losses, item_count); it returned Tensor")
+
+
 def test_two_ranks_stop_together_when_only_one_finds_it(tmp_path):
     """BatchNorm on rank 1 only: rank 0's own probe passes, yet both ranks stop with exit 2 and
     rank 1's line (the findings are gathered), instead of rank 0 waiting in the first step."""

@@ -77,6 +77,9 @@ class Finding:
 
     line: str | None
     seconds: float
+    # The whole micro-batch fails, not a half of it: bad input (a user loss that returns a bare
+    # tensor), which the first step would meet too; its line is not a layout's, nothing to accept.
+    broken: bool = False
 
 
 def layout_probe(run, *, run_cfg: RunConfig) -> None:
@@ -93,7 +96,9 @@ def layout_probe(run, *, run_cfg: RunConfig) -> None:
     finding = probe_micro_batch(
         run.model, inputs, target, ctx=run.step_ctx, keys=keys, dtype=run.precision.dtype, rank=run.ctx.rank
     )
-    line, seconds, finder = agree(finding, rank=run.ctx.rank, world_size=run.ctx.world_size, device=run.ctx.device)
+    line, seconds, finder, broken = agree(
+        finding, rank=run.ctx.rank, world_size=run.ctx.world_size, device=run.ctx.device
+    )
     if line is None:
         log.info(
             "layout probe: the first micro-batch's loss and output (%d rows) are the same whole and split in two (probe: %.2f s)",
@@ -101,7 +106,7 @@ def layout_probe(run, *, run_cfg: RunConfig) -> None:
             seconds,
         )
         return
-    if run_cfg.layout_dependent:
+    if run_cfg.layout_dependent and not broken:
         log.warning("%s (run.layout_dependent = true: going on; probe: %.2f s)", line, seconds)
         return
     if run.ctx.rank != finder:
@@ -110,13 +115,13 @@ def layout_probe(run, *, run_cfg: RunConfig) -> None:
         # a moment after the finder, or "worker rank 1 failed first" stood beside the finding's
         # "(rank 0)" (issue 60). A rank that the agent ends meanwhile loses nothing.
         time.sleep(FOLLOW_S)
-    raise ConfigError(f"{line}; {ACCEPT}")
+    raise ConfigError(line if broken else f"{line}; {ACCEPT}")
 
 
 def skip_reason(model: nn.Module, *, dims, micro_batch_size: int, ctx=None) -> str | None:
     """Why the probe cannot run or would say nothing at this layout (the same on every rank), or None."""
     if ctx is not None and not hasattr(ctx.objectives[0], "loss_fn"):  # objectives/preference.py, distill.py
-        return "the loss is its own objective over pairs or against a teacher, not an item loss to split"
+        return "the loss is its own objective (preference, distillation, a plug-in's), not an item loss to split"
     if ctx is not None and getattr(ctx.objectives[0].loss_fn, "over_batch", False):
         return "the loss is over the whole global batch (the gradient cache): no micro-batch has a loss of its own"
     if ctx is not None and ctx.norm_group and (micro_batch_size // 2) % ctx.norm_group:
@@ -147,17 +152,20 @@ def first_micro_batch(run, *, seed: int):
     return inputs, target, keys
 
 
-def agree(finding: Finding, *, rank: int = 0, world_size: int, device: torch.device) -> tuple[str | None, float, int]:
+def agree(
+    finding: Finding, *, rank: int = 0, world_size: int, device: torch.device
+) -> tuple[str | None, float, int, bool]:
     """Every rank's finding gathered: the lowest finding rank's line (the same on every rank), the
-    longest time and that rank (``rank`` itself when none found anything). Without it the ranks
-    that found nothing would wait in the first step's collectives for the ones that stopped."""
+    longest time, that rank (``rank`` itself when none found anything) and whether its micro-batch
+    failed whole. Without it the ranks that found nothing would wait in the first step's
+    collectives for the ones that stopped."""
     if world_size == 1 or not dist.is_initialized():
-        return finding.line, finding.seconds, rank
-    found = all_gather_json([finding.line, finding.seconds], device=device)
-    finders = [r for r, (line, _) in enumerate(found) if line is not None]
+        return finding.line, finding.seconds, rank, finding.broken
+    found = all_gather_json([finding.line, finding.seconds, finding.broken], device=device)
+    finders = [r for r, (line, _, _) in enumerate(found) if line is not None]
     if not finders:
-        return None, max(s for _, s in found), rank
-    return found[finders[0]][0], max(s for _, s in found), finders[0]
+        return None, max(s for _, s, _ in found), rank, False
+    return found[finders[0]][0], max(s for _, s, _ in found), finders[0], found[finders[0]][2]
 
 
 # --- one rank's probe, no collectives of its own ---------------------------------------------
@@ -184,7 +192,18 @@ def probe_micro_batch(
     with preserved(model), run_eagerly(model), torch.no_grad():
         model.train()
         try:
-            (whole, output), *split = (forward(model, inputs, target, ctx=ctx, keys=keys, rows=p) for p in pieces)
+            whole, output = forward(model, inputs, target, ctx=ctx, keys=keys, rows=pieces[0])
+        except Exception as e:  # noqa: BLE001 - every rank stops with it (agree), none waits in the step
+            # Not the layout's doing: its own line (a ConfigError's is the fix), without "accept it".
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            what = first if isinstance(e, ConfigError) else f"{type(e).__name__}: {first}"
+            return Finding(
+                f"the first micro-batch fails on rank {rank} before the first step: {what}",
+                time.perf_counter() - t0,
+                broken=True,
+            )
+        try:
+            split = [forward(model, inputs, target, ctx=ctx, keys=keys, rows=p) for p in pieces[1:]]
         except Exception as e:  # noqa: BLE001 - a model that fails on half the rows is a finding
             first = (str(e).strip().splitlines() or [""])[0][:200]
             return Finding(
