@@ -1,9 +1,13 @@
 """The reference store's key of an image-text row holds its images (issue 57 item 4): rows of the
-same tokens about other pixels, or the same pixels cut into other grids (Qwen2-VL), are other rows."""
+same tokens about other pixels, or the same pixels cut into other grids (Qwen2-VL), are other rows;
+a validation set's filler row is no real pair's."""
 
+import numpy as np
 import torch
 
+from paratrain.data.datasets import FilledUp
 from paratrain.data.image_rows import ImageTextBatch
+from paratrain.data.preference import IGNORE_INDEX, PreferencePairs
 from paratrain.objectives.reference_store import row_keys
 
 
@@ -19,3 +23,26 @@ def test_an_image_rows_key_holds_its_pixels_and_grids():
     assert len(set(keys[:3])) == 3 and keys[3] == keys[0]
     assert row_keys(batch.select_rows(1, 3)) == keys[1:3]  # a row's key is its own, not its neighbours'
     assert keys[0] not in row_keys(torch.stack([ids, positions], 1))  # a text row of these tokens
+
+
+class _Corpus:
+    """Two pairs of documents (ids, mask): the reply tokens are the targets."""
+
+    doc_lengths = np.array([5, 4, 6, 3])
+
+    def document(self, d: int, n: int):
+        ids = np.arange(n, dtype=np.int64) + 10 * d + 3
+        return ids, (np.arange(n) >= 2).astype(np.int64)
+
+
+def test_a_filled_up_validation_row_is_no_pairs_key():
+    """The validation set's last batch is filled up with rows of no pair (data/datasets.py FilledUp).
+    A copy of pair 0 with its targets off, as the generic filler made, had pair 0's key at the same
+    width, and the store served one of the two values for both: DPO's precomputed val_loss was
+    0.885 for 0.684 at micro-batch 2 (docs/preference.md)."""
+    pairs = PreferencePairs(_Corpus(), block_size=16)
+    filled = FilledUp(pairs, 4, IGNORE_INDEX)
+    inputs, target = pairs.collate([filled[i] for i in range(4)])
+    keys = row_keys(inputs)
+    assert len(set(keys[:2])) == 2 and keys[2] not in keys[:2] and keys[2] == keys[3]
+    assert (target[2:, 0] == IGNORE_INDEX).all()  # the filler has no target
