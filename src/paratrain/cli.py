@@ -199,8 +199,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     spec = launch_spec(args)
     cfg = load_config(args.config, args.overrides)
     check_run(cfg, spec.world_size)
-    if args.checkpoint:
-        check_eval_args(args.checkpoint)
+    check_eval_args(cfg, args.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.json")
         module_args = [args.config, "--checkpoint", args.checkpoint, "--result", result_file]

@@ -13,7 +13,15 @@ from paratrain.config import ConfigError, DataConfig, load_config
 from paratrain.data.datasets import build_dataset, build_val_dataset
 from paratrain.data.stdlib_bytes import stdlib_corpus
 from paratrain.distributed.process_group import free_port
-from paratrain.testing.dist_utils import error_lines, eval_rank, paratrain_cli, read_metrics, run_ranks, train_rank
+from paratrain.testing.dist_utils import (
+    REPO,
+    error_lines,
+    eval_rank,
+    paratrain_cli,
+    read_metrics,
+    run_ranks,
+    train_rank,
+)
 
 # A tiny GPT on a slice of the standard library; SGD without momentum or clipping, so a
 # gradient off by a constant factor would show in the weights and so in val_loss.
@@ -172,6 +180,15 @@ def test_paratrain_eval_at_another_world_size(tmp_path):
     res = paratrain_cli("eval", str(cfg), "--checkpoint", "latest", *sets, "--set", "model.args.d_model=48")
     assert res.returncode == 2 and "has shape" in res.stderr and "run.out_dir" not in res.stderr, res.stderr
     assert "evaluate it with the config that wrote it" in res.stderr and len(error_lines(res.stderr)) == 1
+
+
+def test_paratrain_eval_of_grpo_is_one_line(tmp_path):
+    """GRPO has no validation set (its data are prompts): the worker built the model and loaded the
+    checkpoint before 'data.name has no `split` argument', which named no fix."""
+    grpo = os.path.join(REPO, "configs", "grpo.toml")
+    res = paratrain_cli("eval", grpo, "--set", f"run.out_dir='{tmp_path}'", cwd=REPO)
+    assert res.returncode == 2 and "loss.name = 'grpo' has no validation loss yet" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_stdlib_val_split_is_held_out_and_train_is_unchanged():

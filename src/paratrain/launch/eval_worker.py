@@ -26,16 +26,24 @@ from paratrain.evaluate import Evaluator
 from paratrain.launch.worker import stop_with_launcher
 from paratrain.models import build
 from paratrain.models.lora import is_adapter_param
-from paratrain.objectives.registry import build_loss
+from paratrain.objectives.registry import build_loss, builtin_of
 from paratrain.observability.metrics import setup_logging
 from paratrain.precision import build_precision
 from paratrain.preflight import check_eval, check_run
 from paratrain.trainer import TrainState, val_pad_target
 
 
-def check_eval_args(checkpoint: str) -> None:
+def check_eval_args(cfg: Config, checkpoint: str) -> None:
     """Refuse what cannot be evaluated before any process starts (the checkpointer checks the rest)."""
-    if checkpoint != "latest" and not os.path.isdir(checkpoint):
+    plugin = builtin_of(cfg.loss)
+    if plugin is not None and plugin.rows == "prompts":
+        # Its data set is prompts, without a split: left to the worker, the model was built and the
+        # checkpoint loaded before "data.name has no `split` argument", which names no fix.
+        raise ConfigError(
+            f"paratrain eval: loss.name = {cfg.loss.name!r} has no validation loss yet (its rewards are logged every"
+            " step in the run's metrics.jsonl: docs/grpo.md)"
+        )
+    if checkpoint and checkpoint != "latest" and not os.path.isdir(checkpoint):
         raise ConfigError(f"--checkpoint {checkpoint}: no such checkpoint folder; pass a step-N folder or 'latest'")
 
 
