@@ -11,6 +11,7 @@ under plain SGD (loss, and ``grad_norm``: the gradient's size) must equal it, an
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -670,6 +671,13 @@ def test_a_corpus_and_a_loss_that_do_not_match_are_one_line(pref, tmp_path):
     distill = ("loss.name='distill'", f"distill.teacher='{teacher}'", "run.steps=1")
     with pytest.raises(ConfigError, match="vocabulary of 128"):
         paratrain.train(load_config(None, [*_config(pref, "bad3", *distill), other]))
+    # A frozen model's directory without weights: its own key named, not model.hf_weights (the policy's).
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(os.path.join(teacher, "config.json"), bare)
+    distill = ("loss.name='distill'", f"distill.teacher='{bare}'", "run.steps=1")
+    with pytest.raises(ConfigError, match=r"^distill.teacher = '.*' has no \*.safetensors weights"):
+        paratrain.train(load_config(None, [*_config(pref, "bad4", *distill), other]))
 
 
 def _moe_pair(pref: dict) -> tuple[str, str]:

@@ -27,6 +27,7 @@ from paratrain.distributed.parallelize import parallelize
 from paratrain.distributed.pipeline_parallel import PipelineModel, pipeline_forward_each
 from paratrain.models import build
 from paratrain.models.hf.model import check_hf_dir
+from paratrain.models.hf.weights import weight_files
 from paratrain.models.lora import adapters_disabled
 from paratrain.models.spec import ModelSpec
 from paratrain.objectives.reference_store import ReferenceStore, fill
@@ -149,6 +150,13 @@ def frozen_model(cfg: Config, path: str, key: str) -> tuple[nn.Module, ModelSpec
     """The transformers causal LM of ``path`` with its weights (no adapters), for a reference or a
     teacher: ``model.args`` override the run's own model's config.json, not another directory's."""
     check_hf_dir(path, key)
+    if not weight_files(path):
+        # Named here: the build's own line names model.hf_weights, which is the policy's key and
+        # whose 'false' would not help (a frozen model is read, never drawn from the seed).
+        raise ConfigError(
+            f"{key} = {path!r} has no *.safetensors weights, and a frozen model is read, never initialised;"
+            " pass a directory with weights (e.g. a finished run's hf/ folder or `paratrain export RUN --hf DIR`)"
+        )
     lora_off = dataclasses.replace(cfg.model.lora, target_modules=[])
     args = cfg.model.args if os.path.abspath(path) == os.path.abspath(cfg.model.hf or "") else {}
     return build(dataclasses.replace(cfg.model, hf=path, args=args, hf_weights=True, lora=lora_off, head="lm"))
