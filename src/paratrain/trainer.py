@@ -641,6 +641,24 @@ def check_pairs(cfg: Config, dataset, plugin: Plugin) -> None:
             f"loss.name = {cfg.loss.name!r} trains on pairs: point data.args.path at a corpus made by"
             " `paratrain prepare --format preference` (or 'unpaired' for KTO)"
         )
+    if not (pairs and over_pairs):
+        return
+    # KTO's unpaired rows (data/preference.py ``labels``) and the pair losses' pairs do not mix:
+    # said here, before the model is built, and in the direction that is wrong (the step's own
+    # check, objectives/preference.py, spoke of an unpaired corpus when the corpus held pairs).
+    unpaired = bool(getattr(dataset, "labels", False))
+    kto = cfg.loss.name == "preference" and cfg.preference.loss_type == "kto"
+    if unpaired and not kto:
+        raise ConfigError(
+            "data.args.path is an unpaired corpus (prepare --format unpaired: an example and its label per row),"
+            " which only loss.name = 'preference' with preference.loss_type = 'kto' trains; set it, or prepare"
+            " pairs with --format preference"
+        )
+    if kto and not unpaired:
+        raise ConfigError(
+            "preference.loss_type = 'kto' trains on unpaired examples, but data.args.path holds pairs (prepare"
+            " --format preference); prepare the data with --format unpaired, or set another preference.loss_type"
+        )
 
 
 def resumed_plan(

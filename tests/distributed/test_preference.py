@@ -678,6 +678,15 @@ def test_a_corpus_and_a_loss_that_do_not_match_are_one_line(pref, tmp_path):
     distill = ("loss.name='distill'", f"distill.teacher='{bare}'", "run.steps=1")
     with pytest.raises(ConfigError, match=r"^distill.teacher = '.*' has no \*.safetensors weights"):
         paratrain.train(load_config(None, [*_config(pref, "bad4", *distill), other]))
+    # KTO on pairs, a pair loss on unpaired rows: said before the model is built, in its direction
+    # (the step's check spoke of an unpaired corpus when the corpus held pairs).
+    with pytest.raises(ConfigError, match="'kto' trains on unpaired examples, but data.args.path holds pairs"):
+        paratrain.train(load_config(None, _config(pref, "bad5", "preference.loss_type='kto'")))
+    unpaired = str(tmp_path / "kto")
+    rows = write_jsonl(str(tmp_path / "unpaired.jsonl"), unpaired_rows(pref["rows"]))
+    prepare([rows], out_dir=unpaired, tokenizer=pref["tok"], fmt="unpaired", val_fraction=0, progress=False)
+    with pytest.raises(ConfigError, match="data.args.path is an unpaired corpus"):
+        paratrain.train(load_config(None, [*_config(pref, "bad6"), f"data.args={{path = '{unpaired}'}}"]))
 
 
 def _moe_pair(pref: dict) -> tuple[str, str]:
