@@ -1,5 +1,6 @@
-"""Checkpoint folders on one rank, no process group: what a damaged manifest is called, and what
-``checkpoint.keep`` prunes of the folders moved aside (step-N.replaced-*)."""
+"""Checkpoint folders on one rank, no process group: what a damaged manifest is called, what
+``checkpoint.keep`` prunes of the folders moved aside (step-N.replaced-*), and a resume with
+another optimiser."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 
 from paratrain.checkpoint.checkpointer import Checkpointer
 from paratrain.checkpoint.manifest import MANIFEST, find_latest
-from paratrain.checkpoint.state import DataclassState, ModelState
-from paratrain.config import CheckpointConfig
+from paratrain.checkpoint.state import DataclassState, ModelState, OptimizerState
+from paratrain.config import CheckpointConfig, ConfigError
 
 
 @dataclasses.dataclass
@@ -22,15 +23,21 @@ class _State:
     step: int = 0
 
 
-def _checkpointer(root, *, keep: int = 2) -> Checkpointer:
+def _checkpointer(root, *, keep: int = 2, optimizer=None) -> Checkpointer:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     state = _State()
+    stateful = {"model": ModelState(model), "train_state": DataclassState(state)}
+    if optimizer is not None:
+        opt = optimizer(model.parameters())
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        stateful["optim"] = OptimizerState(model, opt)
     return Checkpointer(
         CheckpointConfig(dir=str(root), keep=keep),
         out_dir=str(root),
         config_toml="",
-        stateful={"model": ModelState(model), "train_state": DataclassState(state)},
+        stateful=stateful,
         train_state=state,
         layout={},
         rank=0,
@@ -105,3 +112,14 @@ def test_a_failure_after_a_checkpoint_never_leaves_it_without_its_metrics_row(tm
     folders = os.listdir(out / "checkpoints") if (out / "checkpoints").exists() else []
     saved = [int(d.split("-")[1]) for d in folders if (out / "checkpoints" / d / MANIFEST).exists()]
     assert all(step in rows for step in saved), (saved, rows)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_resume_with_another_optimiser_is_one_line(tmp_path):
+    """AdamW's checkpoint resumed with SGD's momentum (optim.name changed): DCP stopped every rank
+    with a 'Missing key in checkpoint state_dict: optim.state...momentum_buffer' traceback."""
+    _save(_checkpointer(tmp_path, optimizer=lambda p: torch.optim.AdamW(p, lr=0.1)), 1)
+    sgd = _checkpointer(tmp_path, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    with pytest.raises(ConfigError, match="holds no optimiser state 'momentum_buffer' of weight"):
+        sgd.load(str(tmp_path / "step-1"))
+    _checkpointer(tmp_path, optimizer=lambda p: torch.optim.AdamW(p, lr=0.1)).load(str(tmp_path / "step-1"))

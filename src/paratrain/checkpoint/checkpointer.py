@@ -408,6 +408,7 @@ class Checkpointer:
                 }
         # One line, before DCP's "Size mismatch" on every rank.
         check_shapes(md, app.get("model", {}), path=path, fix=self.mismatch_fix)
+        check_optimizer_state(md, app.get("optim", {}), path=path)  # before DCP's "Missing key" traceback
         own = f"rng_rank{self.rank}"
         src = own if any(k.startswith(own + ".") for k in keys) else "rng_rank0"
         if src != own:
@@ -550,6 +551,20 @@ def check_shapes(md, model_sd: dict, *, path: str, fix: str = RESUME_FIX) -> Non
             raise ConfigError(
                 f"checkpoint {path}: parameter {name} has shape {saved[name]} there but {shape} in this"
                 f" config's model; {fix}"
+            )
+
+
+def check_optimizer_state(md, optim_sd: dict, *, path: str) -> None:
+    """Refuse a checkpoint that lacks a state this optimiser keeps (another optim.name, or momentum
+    where there was none): DCP would stop every rank with "Missing key in checkpoint state_dict"."""
+    saved = md.state_dict_metadata.keys()
+    for key in optim_sd:  # flat (checkpoint/state.py): "state.<parameter>.<state>", "param_groups...."
+        if key.startswith("state.") and f"optim.{key}" not in saved:
+            parameter, state = key[len("state.") :].rsplit(".", 1)
+            raise ConfigError(
+                f"checkpoint {path} holds no optimiser state {state!r} of {parameter}, which this config's optimiser"
+                " keeps (optim.name or optim.beta1 changed?); resume with the optimiser that wrote it (its config.toml"
+                " is in the checkpoint folder) or start a new run.out_dir"
             )
 
 
