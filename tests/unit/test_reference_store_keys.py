@@ -1,14 +1,16 @@
 """The reference store's key of an image-text row holds its images (issue 57 item 4): rows of the
 same tokens about other pixels, or the same pixels cut into other grids (Qwen2-VL), are other rows;
-a validation set's filler row is no real pair's."""
+a validation set's filler row is no real pair's; a store of another reference says what differs."""
 
 import numpy as np
+import pytest
 import torch
 
+from paratrain.config import ConfigError
 from paratrain.data.datasets import FilledUp
 from paratrain.data.image_rows import ImageTextBatch
 from paratrain.data.preference import IGNORE_INDEX, PreferencePairs
-from paratrain.objectives.reference_store import row_keys
+from paratrain.objectives.reference_store import ReferenceStore, row_keys
 
 
 def test_an_image_rows_key_holds_its_pixels_and_grids():
@@ -46,3 +48,15 @@ def test_a_filled_up_validation_row_is_no_pairs_key():
     keys = row_keys(inputs)
     assert len(set(keys[:2])) == 2 and keys[2] not in keys[:2] and keys[2] == keys[3]
     assert (target[2:, 0] == IGNORE_INDEX).all()  # the filler has no target
+
+
+def test_a_store_of_another_reference_names_what_differs_in_a_short_line(tmp_path):
+    """The reference directory's files by name: their [name, size, mtime] lists made a 700-character line."""
+    files = [["config.json", 646, 1], ["model.safetensors", 430944, 2]]
+    ReferenceStore(str(tmp_path), {"model": "/m", "files": files}).save()
+    changed = {"model": "/m", "files": [files[0], ["model.safetensors", 430944, 3], ["tokenizer.json", 9, 4]]}
+    with pytest.raises(
+        ConfigError, match=r"numbers \(files: model.safetensors changed, tokenizer.json added\); point"
+    ) as e:
+        ReferenceStore(str(tmp_path), changed)
+    assert "430944" not in str(e.value)  # no sizes or times

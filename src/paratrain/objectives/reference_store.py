@@ -121,8 +121,21 @@ class ReferenceStore:
 
 
 def _differ(a: dict, b: dict) -> str:
-    keys = sorted(k for k in {**a, **b} if a.get(k) != b.get(k))
-    return ", ".join(f"{k}: {a.get(k)!r} stored, {b.get(k)!r} now" for k in keys[:2])
+    # The model's files last, by name: their [name, size, mtime] lists made a line of 700 characters.
+    keys = sorted((k for k in {**a, **b} if a.get(k) != b.get(k)), key=lambda k: (k == "files", k))
+    return "; ".join(
+        _files_differ(a.get(k), b.get(k)) if k == "files" else f"{k}: {a.get(k)!r} stored, {b.get(k)!r} now"
+        for k in keys[:2]
+    )
+
+
+def _files_differ(stored, now) -> str:
+    """Which of the reference directory's files (``[name, size, mtime_ns]`` each) differ."""
+    old, new = ({f[0]: f for f in files or []} for files in (stored, now))
+    names = [n for n in sorted(old.keys() | new.keys()) if old.get(n) != new.get(n)]
+    return "files: " + ", ".join(
+        f"{n} {'added' if n not in old else 'gone' if n not in new else 'changed'}" for n in names
+    )
 
 
 @torch.no_grad()
