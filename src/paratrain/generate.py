@@ -276,6 +276,13 @@ def load_hf_run(out_dir: str, cfg) -> torch.nn.Module:
     CPU as training built it (PEFT's adapters injected into the transformers model) and loaded
     through the wrapper that shares its modules, so transformers' ``generate`` runs the adapters.
     """
+    if cfg.model.head == "score":
+        # Its hf/ folder is a sequence classifier: read as a causal LM it got a random LM head and
+        # sampled noise, with exit code 0.
+        raise ConfigError(
+            f"generate: the run {out_dir!r} trained a reward model (model.head = 'score'), which scores a text and"
+            " writes none; load its hf/ folder with transformers' AutoModelForSequenceClassification"
+        )
     from transformers import AutoModelForCausalLM  # an optional extra: paratrain[hf]
 
     # Beside transformers: these modules need the optional extra too, only for model.hf runs.

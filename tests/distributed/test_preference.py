@@ -491,6 +491,12 @@ def test_reward_model_equals_transformers_and_exports_a_classifier(pref):
         for row in pref["rows"][:4]:
             messages = row["prompt"] + row["chosen"]
             torch.testing.assert_close(score(exported, tok, messages), score(trained, tok, messages), rtol=0, atol=1e-5)
+    # `paratrain generate` of it: one line (it read the classifier as a causal LM, a random LM head).
+    from paratrain.config import ConfigError
+    from paratrain.generate import generate_text
+
+    with pytest.raises(ConfigError, match=r"trained a reward model \(model.head = 'score'\), which scores"):
+        generate_text(os.path.join(pref["root"], "rm1"), "def", max_new_tokens=2)
     pref["reward"] = (reward, losses, norms)
 
 
