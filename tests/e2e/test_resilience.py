@@ -401,6 +401,10 @@ def test_elastic_node_joining_grows_the_job_with_the_same_losses(tmp_path):
         (["--set", "run.out_dir='{file}'"], "run.out_dir = '{file}' is a file, not a folder"),
         (["--set", "run.out_dir='{file}/run'"], "lies under the file '{file}'"),
         (["--set", "checkpoint.dir='{file}/ckpt'"], "checkpoint.dir = '{file}/ckpt' lies under the file"),
+        (  # it stopped the precompute in a FileExistsError traceback
+            ["--set", "preference.precompute=true", "--set", "preference.store='{file}'"],
+            "preference.store = '{file}' is a file, not a folder",
+        ),
         (["--nnodes", "2", "--rdzv-endpoint", "nohost:99999"], "expected HOST:PORT with a port within 0..65535"),
         (["--nnodes", "2:1"], "--nnodes 2:1: expected N or MIN:MAX"),
         (["--nnodes", "1:2"], "--nnodes > 1 needs --rdzv-endpoint"),

@@ -131,8 +131,14 @@ def check_rl(cfg: Config, dims: ParallelDims, plan: BatchPlan) -> None:
 
 
 def check_paths(cfg: Config) -> None:
-    """run.out_dir and checkpoint.dir must be folders (or creatable): no file on their way."""
-    for key, path in (("run.out_dir", cfg.run.out_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+    """run.out_dir, checkpoint.dir and preference.store must be folders (or creatable): no file on
+    their way (a store on a file stopped the precompute in a FileExistsError traceback)."""
+    store = cfg.preference.store if cfg.preference.precompute else ""
+    for key, path in (
+        ("run.out_dir", cfg.run.out_dir),
+        ("checkpoint.dir", cfg.checkpoint.dir),
+        ("preference.store", store),
+    ):
         if not path:
             continue
         if os.path.exists(path) and not os.path.isdir(path):
