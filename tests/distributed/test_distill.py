@@ -218,3 +218,16 @@ def test_divergences_are_the_written_out_formulas():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # The same distributions: zero.
     assert divergence(s, s, kind="jsd").abs().max() < 1e-6 and math.isfinite(float(divergence(s, t, kind="jsd")[0]))
+
+
+def test_auto_micro_batch_is_refused_naming_the_teacher():
+    """The refusal of 'auto' spoke of "its pairs' rows" to a distillation run, which has none."""
+    from types import SimpleNamespace
+
+    from paratrain.config import ConfigError
+    from paratrain.preflight.support import check_support
+
+    cfg = load_config(None, ["loss.name='distill'", "distill.teacher='t'", "batch.micro_batch_size='auto'"])
+    dims = SimpleNamespace(pp=1, tp=1, cp=1, ep=1, dp_shard=1, dp_replicate=1, fsdp_enabled=False)
+    with pytest.raises(ConfigError, match=r"does not price this loss \(a pair per row, a reference or a teacher\)"):
+        check_support(cfg, dims)

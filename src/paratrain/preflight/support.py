@@ -568,7 +568,7 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda c, d: _preference(c) and c.batch.micro_batch_size == "auto",
         lambda c, d: (
             f"loss.name = {c.loss.name!r} with batch.micro_batch_size = 'auto' is not supported: the estimate"
-            " does not price this loss (its pairs' rows, a second model) yet; give batch.micro_batch_size as a number"
+            " does not price this loss (a pair per row, a reference or a teacher) yet; give batch.micro_batch_size as a number"
         ),
         "the memory estimate does not price these losses (a pair per row, a reference or a teacher) yet",
     ),
