@@ -430,7 +430,17 @@ def build_run(cfg: Config, ctx: DistContext, *, model, dataset, loss, events: Ev
     evaluator = build_evaluator(cfg, dims, plan, loss_fn.plugin)
 
     # preference.precompute: the reference's numbers of the rows the run reads (objectives/reference_store.py).
-    precompute_reference(cfg, dims, model, step_ctx, dataset=dataset, sampler=sampler, evaluator=evaluator, plan=plan)
+    precompute_reference(
+        cfg,
+        dims,
+        model,
+        step_ctx,
+        plugin=loss_fn.plugin,
+        dataset=dataset,
+        sampler=sampler,
+        evaluator=evaluator,
+        plan=plan,
+    )
 
     # Checkpoints (paratrain.checkpoint): resume before the loop, save after steps.
     ckpt = build_checkpointer(

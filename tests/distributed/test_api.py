@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 
 import pytest
 import torch
 
-from paratrain.config import ConfigError, DistConfig
+from paratrain.config import ConfigError, DistConfig, load_config
 from paratrain.distributed.process_group import _slurm_to_torch_env, resolve_backend
+from paratrain.objectives.registry import Plugin
+from paratrain.preflight import check_run
 from paratrain.testing.dist_utils import plain_sgd, run_ranks
 
 
@@ -41,23 +45,30 @@ def test_train_api_with_user_objects_matches_across_world_sizes(tmp_path):
     torch.testing.assert_close(torch.tensor(two[0]), torch.tensor(one), rtol=1e-5, atol=0)
 
 
-def plugin_rank(out_dir: str, sets: list[str]) -> list[float]:
-    """A user's objective plug-in passed as an object (docs/objectives.md's example), not named by loss.name."""
-    import paratrain
-    from tests.plugins.sample_nll import plugin
+PLUGIN_TOY = [
+    "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
+    "data.factory='paratrain.testing.toy:toy_lm'",
+    "data.args={n = 64, seq_len = 16, vocab = 32}",
+    "batch.global_batch_size=8",
+    "run.steps=1",
+    "run.progress=false",
+    "metrics.plot=false",
+    *plain_sgd(0.3),
+]
 
-    toy = [
-        "model.args={n_layer = 2, n_head = 2, d_model = 32, block_size = 16, vocab_size = 32}",
-        "data.factory='paratrain.testing.toy:toy_lm'",
-        "data.args={n = 64, seq_len = 16, vocab = 32}",
-        "batch.global_batch_size=8",
-        "run.steps=1",
-        "run.progress=false",
-        "metrics.plot=false",
-        f"run.out_dir='{out_dir}'",
-        *plain_sgd(0.3),
-    ]
-    return paratrain.train(paratrain.load_config(None, [*toy, *sets]), loss=plugin)["losses"]
+
+def plugin_rank(out_dir: str, sets: list[str], name: str = "sample_nll:plugin", passed: bool = True) -> list[float]:
+    """A user's objective plug-in passed as an object (docs/objectives.md's example), not named by
+    loss.name; or (``passed=False``) the same plug-in named by loss.name."""
+    import importlib
+
+    import paratrain
+
+    module, attr = name.split(":")
+    plugin = getattr(importlib.import_module(f"tests.plugins.{module}"), attr)
+    named = [] if passed else [f"loss.name='tests.plugins.{name}'"]
+    cfg = paratrain.load_config(None, [*PLUGIN_TOY, f"run.out_dir='{out_dir}'", *sets, *named])
+    return paratrain.train(cfg, loss=plugin if passed else None)["losses"]
 
 
 def test_a_plugin_passed_to_train_is_refused_where_it_says_so(tmp_path):
@@ -67,6 +78,60 @@ def test_a_plugin_passed_to_train_is_refused_where_it_says_so(tmp_path):
         AssertionError, match=r"the loss passed to train\(\) \('sample_nll'\) does not run with parallel.cp = 2"
     ):
         run_ranks(plugin_rank, 2, str(tmp_path), ["parallel.cp=2"], timeout=120)
+
+
+def _plugin(name: str) -> Plugin:
+    module, attr = name.split(":")
+    return getattr(importlib.import_module(f"tests.plugins.{module}"), attr)
+
+
+@pytest.mark.parametrize(
+    ("name", "sets", "line"),
+    [
+        # Passed, it trained on under run.bitwise (loss.name = 'cross_entropy' has no objective of its own).
+        (
+            "sample_nll:plugin",
+            ["run.bitwise=true", "run.bitwise_grain=4", "batch.micro_batch_size=8"],
+            "run.bitwise = true does not run with {loss} (a plug-in with its own objective)",
+        ),
+        # Plugin(priced=False): named or passed, the estimate and the noise probe ran on it (the
+        # rows read a built-in's flag only).
+        ("flags:unpriced", ["batch.micro_batch_size='auto'"], "{loss} with batch.micro_batch_size = 'auto'"),
+        ("flags:unpriced", ["batch.adaptive=true"], "{loss} with batch.adaptive = true is not supported"),
+    ],
+)
+def test_a_plugin_passed_to_train_meets_the_refusals_of_its_flags_as_when_named(name, sets, line):
+    """check_run reads the run's plug-in, resolved once from loss.name or the object passed to
+    train(): the same refusal either way, each naming the loss as the user gave it."""
+    plugin = _plugin(name)
+    for loss, words, named in (
+        (None, f"loss.name = 'tests.plugins.{name}'", [f"loss.name='tests.plugins.{name}'"]),
+        (plugin, f"the loss passed to train() ({plugin.name!r})", []),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(line.format(loss=words))) as e:
+            check_run(load_config(None, [*PLUGIN_TOY, *sets, *named]), 1, loss=loss)
+        assert "\n" not in str(e.value)
+
+
+def test_a_plugin_passed_to_train_without_image_rows_is_refused_with_an_image_text_model(tmp_path):
+    """Passed, sample_nll (no Plugin(images=True)) was accepted with a tiny LLaVA (the row read
+    loss.name = 'cross_entropy''s flag) and stopped the first step in a traceback: AttributeError:
+    'ImageTextBatch' object has no attribute 'shape'."""
+    from paratrain.testing.vlm_models import save_tiny_llava
+
+    cfg = [f"model.hf='{save_tiny_llava(str(tmp_path / 'llava'), weights=False)}'"]
+    for loss, named in ((None, ["loss.name='tests.plugins.sample_nll:plugin'"]), (_plugin("sample_nll:plugin"), [])):
+        with pytest.raises(ConfigError, match="does not declare image rows"):
+            check_run(load_config(None, [*cfg, *named]), 1, loss=loss)
+
+
+def test_a_plugin_passed_to_train_asks_for_its_own_reference_key(tmp_path):
+    """Plugin(reference='rl.reference'): passed, the build read preference.reference instead and
+    stopped on it ('adapters_off' without LoRA) where the same plug-in named by loss.name trained."""
+    sets = ["preference.reference='adapters_off'"]  # not this plug-in's key: never read
+    named = run_ranks(plugin_rank, 1, str(tmp_path / "named"), sets, "flags:rl_reference", False, timeout=120)
+    passed = run_ranks(plugin_rank, 1, str(tmp_path / "passed"), sets, "flags:rl_reference", timeout=120)
+    assert passed == named and len(passed[0]) == 1
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,7 @@ def build_parallel(
     norm = batch_norm_layout(cfg, dims, model) if batch_norm_groups else None
     spec.hand_head_to(model, loss_fn, loss_parallel=loss_parallel)  # loss.chunk_size
     own = own_objective(cfg, loss_fn, dp_group=dims.group("dp"), cp=cp_group(dims))
-    initial = copy.deepcopy(model) if needs_initial(cfg, own) else None
+    initial = copy.deepcopy(model) if needs_initial(cfg, own, loss_fn.plugin) else None
     vocab = getattr(getattr(model, spec.head_attr or "", None), "out_features", None)  # the output layer's, whole
     objectives = build_objectives(
         loss_fn,
@@ -125,7 +125,7 @@ def build_parallel(
     compression = apply_grad_compression(model, cfg=cfg.comm, seed=cfg.run.seed)
     for objective in objectives:  # a pipeline rank holds some of the model's modules
         objective.bind(model)
-    world = Frozen(cfg, dims, model, initial, spec, device, precision, vocab)
+    world = Frozen(cfg, dims, model, initial, spec, device, precision, vocab, loss_fn.plugin)
     for objective in objectives:  # the frozen models and the pipeline each asked for (build/frozen.py)
         objective.attach(world)
     step_ctx = StepContext(

@@ -31,7 +31,7 @@ from paratrain.models.hf.weights import weight_files
 from paratrain.models.lora import adapters_disabled
 from paratrain.models.spec import ModelSpec
 from paratrain.objectives.reference_store import ReferenceStore, fill
-from paratrain.objectives.registry import plugin_of
+from paratrain.objectives.registry import Plugin
 from paratrain.precision import Precision
 from paratrain.step import StepContext, cp_local_batch, no_grad_forward, stage_inputs
 
@@ -43,7 +43,8 @@ class Frozen:
     """The ``world`` an objective's ``attach`` reads (objectives/base.py): the laid-out policy and
     the frozen models it may ask for, each built when asked. ``initial``: the policy as built,
     copied before the parallelisms (only when a reference was asked for, see
-    :func:`needs_initial`); ``vocab``: the policy's output size, which a teacher's must equal."""
+    :func:`needs_initial`); ``vocab``: the policy's output size, which a teacher's must equal;
+    ``plugin``: the run's loss (named or passed to train()), whose ``reference`` key is read."""
 
     cfg: Config
     dims: ParallelDims
@@ -53,6 +54,7 @@ class Frozen:
     device: torch.device
     precision: Precision
     vocab: int | None
+    plugin: Plugin
 
     @property
     def pipeline(self) -> PipelineModel | None:
@@ -64,6 +66,7 @@ class Frozen:
             self.dims,
             self.model,
             self.initial,
+            plugin=self.plugin,
             spec=self.spec,
             device=self.device,
             precision=self.precision,
@@ -78,11 +81,11 @@ class Frozen:
         return forward_through(self.model, device=self.device, precision=self.precision)
 
 
-def needs_initial(cfg: Config, objective) -> bool:
+def needs_initial(cfg: Config, objective, plugin: Plugin) -> bool:
     """Whether ``objective`` asks for a reference that is the initial policy: the model as built
     is then copied before any parallelism (on the meta device when its weights arrive later:
     they are read for it too)."""
-    return objective is not None and "reference" in objective.frozen and reference_kind(cfg) == "initial"
+    return objective is not None and "reference" in objective.frozen and reference_kind(cfg, plugin) == "initial"
 
 
 def distill_teacher(
@@ -162,16 +165,17 @@ def frozen_model(cfg: Config, path: str, key: str) -> tuple[nn.Module, ModelSpec
     return build(dataclasses.replace(cfg.model, hf=path, args=args, hf_weights=True, lora=lora_off, head="lm"))
 
 
-def reference_key(cfg: Config) -> str:
+def reference_key(plugin: Plugin) -> str:
     """The config key of the loss's reference (its plug-in's ``reference``: ``preference.reference``,
-    ``rl.reference`` for GRPO)."""
-    return plugin_of(cfg.loss).reference or "preference.reference"
+    ``rl.reference`` for GRPO). ``plugin``: the run's, named by loss.name or passed to train()
+    (loss.name then does not name it: a passed plug-in's rl.reference was read from preference.reference)."""
+    return plugin.reference or "preference.reference"
 
 
-def reference_kind(cfg: Config) -> str:
+def reference_kind(cfg: Config, plugin: Plugin) -> str:
     """The loss's reference (:func:`reference_key`), its default resolved: the adapters off with
     LoRA, else the initial model."""
-    section, key = reference_key(cfg).split(".")
+    section, key = reference_key(plugin).split(".")
     chosen = getattr(getattr(cfg, section), key)
     return chosen or ("adapters_off" if cfg.model.lora.enabled else "initial")
 
@@ -182,6 +186,7 @@ def preference_reference(
     model: nn.Module,
     initial: nn.Module | None,
     *,
+    plugin: Plugin,
     spec: ModelSpec,
     device,
     precision: Precision | None = None,
@@ -195,8 +200,8 @@ def preference_reference(
     the rank's rows forward through the reference's own pipeline (its stages split like the
     policy's), or through the policy's with its adapters off, ``fn`` on each piece's output on
     the last stage (pipeline_parallel.pipeline_forward_each), where the pair loss runs."""
-    kind = reference_kind(cfg)
-    key = reference_key(cfg)
+    kind = reference_kind(cfg, plugin)
+    key = reference_key(plugin)
     pipelined = isinstance(model, PipelineModel)
     if kind == "adapters_off":
         if not cfg.model.lora.enabled:
@@ -245,7 +250,16 @@ def forward_through(pipeline: PipelineModel, *, device, precision: Precision, ar
 
 
 def precompute_reference(
-    cfg: Config, dims: ParallelDims, model: nn.Module, step_ctx: StepContext, *, dataset, sampler, evaluator, plan
+    cfg: Config,
+    dims: ParallelDims,
+    model: nn.Module,
+    step_ctx: StepContext,
+    *,
+    plugin: Plugin,
+    dataset,
+    sampler,
+    evaluator,
+    plan,
 ):
     """``preference.precompute``: the reference's numbers of every row the run will read into the
     store (objectives/reference_store.py): the micro-batches of its ``run.steps`` global batches
@@ -255,10 +269,12 @@ def precompute_reference(
     rows up."""
     own = step_ctx.objectives[0]
     # The preference losses' reference only (GRPO's changes with the rollouts: rl.reference).
-    if not (cfg.preference.precompute and "reference" in own.frozen and reference_key(cfg) == "preference.reference"):
+    if not (
+        cfg.preference.precompute and "reference" in own.frozen and reference_key(plugin) == "preference.reference"
+    ):
         return
     path = cfg.preference.store or os.path.join(cfg.run.out_dir, "reference_store")
-    store = ReferenceStore(path, reference_identity(cfg))
+    store = ReferenceStore(path, reference_identity(cfg, plugin))
     micro = plan.micro_batch_size
     samples = cfg.run.steps * plan.global_batch_size  # batch.adaptive is refused with a preference loss
     if cfg.run.max_samples > 0:
@@ -303,9 +319,9 @@ def load_rows(dataset, indices: list[int]):
     return collate_of(dataset)([dataset[i] for i in indices])
 
 
-def reference_identity(cfg: Config) -> dict:
+def reference_identity(cfg: Config, plugin: Plugin) -> dict:
     """What the reference's numbers depend on besides the pair: its model and how it runs."""
-    kind = reference_kind(cfg)
+    kind = reference_kind(cfg, plugin)
     path = cfg.model.hf if kind in ("initial", "adapters_off") else kind
     weights = []
     if path and os.path.isdir(path):

@@ -34,7 +34,7 @@ from paratrain.models.lora import import_peft
 from paratrain.models.spec import ModelSpec
 from paratrain.objectives.registry import Plugin, builtin_of, check_known, plugin_of
 from paratrain.precision import check_precision
-from paratrain.preflight.support import check_passed_loss, check_support, gpt_moe
+from paratrain.preflight.support import check_support, gpt_moe
 
 log = logging.getLogger("paratrain")
 
@@ -50,7 +50,8 @@ def check_run(
     """Every check that needs only the config and the world size: run before any process starts.
 
     ``model``: a model object passed to ``train`` instead of the config's builder (pipeline checks count its blocks).
-    ``loss``: a loss function or Plugin passed to ``train``; the degrees its plug-in refuses are refused.
+    ``loss``: a loss function or Plugin passed to ``train``: the run's plug-in in loss.name's place,
+    checked as the one loss.name names would be (its refused degrees, its flags in support.py's rows).
     ``spec``: that model's spec when ``model`` only stands in for it (``paratrain plan`` passes a
     parameter-free stand-in with the real block count, not to walk an 8B model per layout).
     Fills ``model.args.vocab_size`` of the built-in GPT from a prepared corpus's meta.json (so
@@ -70,9 +71,7 @@ def check_run(
     plan = plan_batch(
         global_batch_size=cfg.batch.global_batch_size, micro_batch_size=0 if mbs == "auto" else mbs, dp=dims.dp
     )
-    check_feature_combinations(cfg, dims)
-    if loss is not None:  # a loss object passed to train(), which loss.name does not name
-        check_passed_loss(cfg, dims, plugin_of(cfg.loss, loss))
+    check_feature_combinations(cfg, dims, plugin_of(cfg.loss, loss))
     if dims.cp > 1 or cfg.model.args.get("moe") is not None:  # the model's own checks of cp and ep
         check_degrees(cfg, dims, spec or spec_of(cfg.model, model))
     check_packing(cfg, dims)
@@ -216,10 +215,10 @@ def check_pp_layout_of(
     )
 
 
-def check_feature_combinations(cfg: Config, dims: ParallelDims) -> None:
+def check_feature_combinations(cfg: Config, dims: ParallelDims, plugin: Plugin | None = None) -> None:
     """Combinations of features this version cannot run exactly: refused, never run wrongly
-    (the table of support.py), then the checks of one component's own values."""
-    check_support(cfg, dims)
+    (the table of support.py, for the run's ``plugin``), then the checks of one component's own values."""
+    check_support(cfg, dims, plugin)
     if cfg.model.lora.enabled:
         import_peft()
     if cfg.model.hf:  # a transformers mixture of experts (models/hf/moe.py); nothing for a dense one

@@ -20,9 +20,12 @@ from paratrain.config import Config, ConfigError
 from paratrain.distributed.layout_checks import ZERO_BUBBLE
 from paratrain.distributed.parallel_dims import ParallelDims
 from paratrain.models.hf.vision import is_vision_dir
-from paratrain.objectives.registry import BUILTIN, Plugin, builtin_of, users_plugin
+from paratrain.objectives.registry import BUILTIN, Plugin, plugin_of
 
 Check = Callable[[Config, ParallelDims], bool]
+# A refused combination's test and line also read the run's plug-in: the one loss.name names or
+# the one passed to train(loss=...), resolved once (check_support), so both are seen alike.
+RunCheck = Callable[[Config, ParallelDims, Plugin], bool]
 
 
 @dataclass(frozen=True)
@@ -168,8 +171,8 @@ class Refusal:
     it, ``message`` the one line that names it and the fix, ``doc`` the reason for the docs."""
 
     features: tuple[str, ...]
-    when: Check
-    message: Callable[[Config, ParallelDims], str]
+    when: RunCheck
+    message: Callable[[Config, ParallelDims, Plugin], str]
     doc: str
 
 
@@ -180,57 +183,65 @@ def _probe_name(cfg: Config) -> str:
 def _cp_refusal(name: str, what: str, when: Callable[[Config], bool]) -> Refusal:
     return Refusal(
         ("cp", name),
-        lambda c, d: d.cp > 1 and when(c),
-        lambda c, d: f"parallel.cp with {what} is not supported yet; set parallel.cp = 1 or drop {what}",
+        lambda c, d, p: d.cp > 1 and when(c),
+        lambda c, d, p: f"parallel.cp with {what} is not supported yet; set parallel.cp = 1 or drop {what}",
         "not built into the context-parallel attention yet (docs/context-parallel.md)",
     )
 
 
-def _builtin(cfg: Config) -> Plugin | None:
-    """The built-in objective of ``loss.name`` (objectives/registry.py); None for a user's loss."""
-    return builtin_of(cfg.loss)
+def _user(plugin: Plugin) -> bool:
+    """A plug-in that is not one of ours: a user's, named by loss.name or passed to train()."""
+    return plugin is not BUILTIN.get(plugin.name)
 
 
-def _preference(cfg: Config) -> bool:
+def _named(cfg: Config, plugin: Plugin) -> str:
+    """How a line names the run's loss: by ``loss.name``, or as the object passed to train()
+    (which then takes loss.name's place: a built-in name that is not this plug-in)."""
+    if plugin is BUILTIN.get(cfg.loss.name) or ":" in cfg.loss.name:
+        return f"loss.name = {cfg.loss.name!r}"
+    return f"the loss passed to train() ({plugin.name!r})"
+
+
+def _preference(plugin: Plugin) -> bool:
     """A loss the memory estimate and the noise probe do not price (its plug-in's ``priced``: a
     pair per row and a reference, a teacher: objectives/preference.py, distill.py)."""
-    plugin = _builtin(cfg)
-    return plugin is not None and not plugin.priced
+    return not plugin.priced
 
 
-def _grpo(cfg: Config) -> bool:
-    """A loss that generates its rows from prompts (its plug-in's ``rows``: GRPO)."""
-    plugin = _builtin(cfg)
-    return plugin is not None and plugin.rows == "prompts"
+def _grpo(plugin: Plugin) -> bool:
+    """A loss that generates its rows from prompts (its plug-in's ``rows``: GRPO; a user's never
+    does, objectives/registry.py)."""
+    return not _user(plugin) and plugin.rows == "prompts"
 
 
 def _plugin_refusals() -> tuple[Refusal, ...]:
     """The refusals the plug-ins declare (objectives/registry.py ``Plugin.refuses``, ``pipeline``):
-    a row per built-in's refused degree, and one for a user's objective without pipeline hooks."""
+    a row per built-in's refused degree, one for a user's refused degrees, and one for an
+    objective without pipeline hooks."""
     rows = [
         Refusal(
-            (p.name, degree),
-            lambda c, d, p=p, degree=degree: _builtin(c) is p and getattr(d, degree) > 1,
-            lambda c, d, degree=degree, why=why: _refused_line(c, d, degree, why),
+            (ours.name, degree),
+            lambda c, d, p, ours=ours, degree=degree: p is ours and getattr(d, degree) > 1,
+            lambda c, d, p, degree=degree, why=why: _refused_line(c, d, p, degree, why),
             why,
         )
-        for p in BUILTIN.values()
-        for degree, why in p.refuses
+        for ours in BUILTIN.values()
+        for degree, why in ours.refuses
     ]
     rows.append(
         Refusal(
             ("a user's objective", "the degrees it refuses"),
-            lambda c, d: _user_refused(c, d) is not None,
-            lambda c, d: _refused_line(c, d, *_user_refused(c, d)),
+            lambda c, d, p: _user(p) and _refused_by(p, d) is not None,
+            lambda c, d, p: _refused_line(c, d, p, *_refused_by(p, d)),
             "its plug-in declares them (Plugin.refuses, docs/objectives.md)",
         )
     )
     rows.append(
         Refusal(
             ("an objective without pipeline hooks", "pp"),
-            lambda c, d: d.pp > 1 and _objective_without_pipeline(c),
-            lambda c, d: (
-                f"loss.name = {c.loss.name!r}: its objective declares no pipeline hooks (Objective.pipeline_rows,"
+            lambda c, d, p: d.pp > 1 and p.objective is not None and not p.pipeline,
+            lambda c, d, p: (
+                f"{_named(c, p)}: its objective declares no pipeline hooks (Objective.pipeline_rows,"
                 " objectives/base.py; Plugin(pipeline=True)); set parallel.pp = 1 or give it them (docs/objectives.md)"
             ),
             "the schedule runs the loss per piece of rows on the last stage: an objective declares how (docs/objectives.md)",
@@ -239,48 +250,21 @@ def _plugin_refusals() -> tuple[Refusal, ...]:
     return tuple(rows)
 
 
-def _refused_line(cfg: Config, dims: ParallelDims, degree: str, why: str, *, loss: str = "") -> str:
+def _refused_line(cfg: Config, dims: ParallelDims, plugin: Plugin, degree: str, why: str) -> str:
     return (
-        f"{loss or f'loss.name = {cfg.loss.name!r}'} does not run with parallel.{degree} = {getattr(dims, degree)}:"
+        f"{_named(cfg, plugin)} does not run with parallel.{degree} = {getattr(dims, degree)}:"
         f" {why}; set parallel.{degree} = 1"
     )
 
 
-def _refused_by(plugin: Plugin | None, dims: ParallelDims) -> tuple[str, str] | None:
+def _refused_by(plugin: Plugin, dims: ParallelDims) -> tuple[str, str] | None:
     """The first degree > 1 that ``plugin`` refuses, with its reason."""
-    return next(((k, why) for k, why in (plugin.refuses if plugin else ()) if getattr(dims, k, 1) > 1), None)
+    return next(((k, why) for k, why in plugin.refuses if getattr(dims, k, 1) > 1), None)
 
 
-def _user_refused(cfg: Config, dims: ParallelDims) -> tuple[str, str] | None:
-    """The first degree > 1 that the user's plug-in refuses, with its reason."""
-    return _refused_by(users_plugin(cfg.loss), dims)
-
-
-def check_passed_loss(cfg: Config, dims: ParallelDims, plugin: Plugin) -> None:
-    """The plug-in of a loss passed to ``train(loss=...)``: the rows above find a user's plug-in by
-    ``loss.name``, which does not name this one, so its refusals are checked here the same way
-    (``paratrain.train(cfg, loss=sample_nll_plugin)`` at parallel.cp = 2 trained on, its loss 2x
-    the reference's, where ``loss.name = 'tests.plugins.sample_nll:plugin'`` was refused)."""
-    name = f"the loss passed to train() ({plugin.name!r})"
-    if (refused := _refused_by(plugin, dims)) is not None:
-        raise ConfigError(_refused_line(cfg, dims, *refused, loss=name))
-    if dims.pp > 1 and plugin.objective is not None and not plugin.pipeline:
-        raise ConfigError(
-            f"{name}: its objective declares no pipeline hooks (Objective.pipeline_rows, objectives/base.py;"
-            " Plugin(pipeline=True)); set parallel.pp = 1 or give it them (docs/objectives.md)"
-        )
-
-
-def _objective_without_pipeline(cfg: Config) -> bool:
-    """A built-in's or a user's plug-in with an objective and no ``pipeline=True``."""
-    plugin = _builtin(cfg) or users_plugin(cfg.loss)
-    return plugin is not None and plugin.objective is not None and not plugin.pipeline
-
-
-def _over_batch(cfg: Config) -> bool:
+def _over_batch(cfg: Config, plugin: Plugin) -> bool:
     """A loss over the whole global batch (objectives/batch_loss.py, the gradient cache)."""
-    plugin = _builtin(cfg)
-    return (plugin is not None and plugin.over_batch) or cfg.loss.over == "global_batch"
+    return plugin.over_batch or cfg.loss.over == "global_batch"
 
 
 def _over_batch_refusal(degree: str) -> Refusal:
@@ -288,9 +272,9 @@ def _over_batch_refusal(degree: str) -> Refusal:
     # rows and backpropagates the same cached gradient of them.
     return Refusal(
         ("loss over the global batch", degree),
-        lambda c, d: _over_batch(c) and getattr(d, degree) > 1,
-        lambda c, d: (
-            f"loss {c.loss.name!r} (over the whole global batch) runs on data parallel (DDP, FSDP2), tensor parallel"
+        lambda c, d, p: _over_batch(c, p) and getattr(d, degree) > 1,
+        lambda c, d, p: (
+            f"{_named(c, p)} (over the whole global batch) runs on data parallel (DDP, FSDP2), tensor parallel"
             f" and accumulation only, not with parallel.{degree} = {getattr(d, degree)}; set parallel.{degree} = 1"
             " (docs/batch-math.md)"
         ),
@@ -298,18 +282,14 @@ def _over_batch_refusal(degree: str) -> Refusal:
     )
 
 
-def _own_objective(cfg: Config) -> bool:
-    """A plug-in whose objective computes its own terms (preference, distillation, GRPO, a user's)."""
-    plugin = _builtin(cfg) or users_plugin(cfg.loss)
-    return plugin is not None and plugin.objective is not None
-
-
-def _bitwise(name: str, when: Check, what: str, fix: str, why: str) -> Refusal:
+def _bitwise(name: str, when: RunCheck, what: str, fix: str, why: str) -> Refusal:
     """A feature run.bitwise (distributed/bitwise.py, docs/bitwise.md) is not built for yet."""
     return Refusal(
         ("bitwise", name),
-        lambda c, d: c.run.bitwise and when(c, d),
-        lambda c, d: f"run.bitwise = true does not run with {what(c, d) if callable(what) else what} ({why}); {fix}",
+        lambda c, d, p: c.run.bitwise and when(c, d, p),
+        lambda c, d, p: (
+            f"run.bitwise = true does not run with {what(c, d, p) if callable(what) else what} ({why}); {fix}"
+        ),
         why,
     )
 
@@ -317,8 +297,8 @@ def _bitwise(name: str, when: Check, what: str, fix: str, why: str) -> Refusal:
 def _bitwise_degree(degree: str, why: str) -> Refusal:
     return _bitwise(
         degree,
-        lambda c, d: getattr(d, degree) > 1,
-        lambda c, d: f"parallel.{degree} = {getattr(d, degree)}",
+        lambda c, d, p: getattr(d, degree) > 1,
+        lambda c, d, p: f"parallel.{degree} = {getattr(d, degree)}",
         f"set parallel.{degree} = 1 or run.bitwise = false",
         why,
     )
@@ -329,15 +309,15 @@ def _bitwise_degree(degree: str, why: str) -> Refusal:
 BITWISE_REFUSALS: tuple[Refusal, ...] = (
     _bitwise(
         "fsdp low precision",
-        lambda c, d: d.dp_shard > 1 and c.precision.dtype != "fp32",
-        lambda c, d: f"parallel.dp_shard = {d.dp_shard} and precision.dtype = {c.precision.dtype!r}",
+        lambda c, d, p: d.dp_shard > 1 and c.precision.dtype != "fp32",
+        lambda c, d, p: f"parallel.dp_shard = {d.dp_shard} and precision.dtype = {c.precision.dtype!r}",
         "use precision.dtype = 'fp32' or parallel.dp_replicate (DDP)",
         "not checked bit for bit: FSDP2 casts the gathered parameters where one process runs autocast",
     ),
     _bitwise(
         "optimizer kernel",
-        lambda c, d: c.optim.implementation in ("fused", "foreach"),
-        lambda c, d: f"optim.implementation = {c.optim.implementation!r}",
+        lambda c, d, p: c.optim.implementation in ("fused", "foreach"),
+        lambda c, d, p: f"optim.implementation = {c.optim.implementation!r}",
         "set optim.implementation = 'auto' (the loop under run.bitwise)",
         "FSDP2's shards take no fused kernel, and the fused one rounds otherwise than the loop",
     ),
@@ -347,21 +327,21 @@ BITWISE_REFUSALS: tuple[Refusal, ...] = (
     _bitwise_degree("ep", "the experts' gradients are reduced outside the grain tree"),
     _bitwise(
         "compression",
-        lambda c, d: c.comm.compression != "none",
-        lambda c, d: f"comm.compression = {c.comm.compression!r}",
+        lambda c, d, p: c.comm.compression != "none",
+        lambda c, d, p: f"comm.compression = {c.comm.compression!r}",
         "set comm.compression = 'none'",
         "the ranks' gradients are gathered exactly as computed, not compressed",
     ),
     _bitwise(
         "fp16",
-        lambda c, d: c.precision.dtype == "fp16",
+        lambda c, d, p: c.precision.dtype == "fp16",
         "precision.dtype = 'fp16'",
         "use precision.dtype = 'bf16' or 'fp32'",
         "its loss scale is not checked bit for bit yet",
     ),
     _bitwise(
         "compile",
-        lambda c, d: c.train.compile,
+        lambda c, d, p: c.train.compile,
         "train.compile = true",
         "set train.compile = false",
         # Checked: compiled runs agree bit for bit across layouts (1 process x16, x4 accumulation 4,
@@ -371,8 +351,8 @@ BITWISE_REFUSALS: tuple[Refusal, ...] = (
     ),
     _bitwise(
         "batch size adjustment",
-        lambda c, d: _noise_probe(c) or c.batch.micro_batch_size == "auto",
-        lambda c, d: _probe_name(c) if _noise_probe(c) else "batch.micro_batch_size = 'auto'",
+        lambda c, d, p: _noise_probe(c) or c.batch.micro_batch_size == "auto",
+        lambda c, d, p: _probe_name(c) if _noise_probe(c) else "batch.micro_batch_size = 'auto'",
         "give batch.micro_batch_size as a multiple of run.bitwise_grain and keep the batch fixed",
         "the micro-batch must be a multiple of the grain chosen before the run",
     ),
@@ -383,42 +363,42 @@ BITWISE_REFUSALS: tuple[Refusal, ...] = (
     # tensor on every layout): each objective runs per grain, its own forwards too.
     _bitwise(
         "grpo",
-        lambda c, d: _grpo(c),
-        lambda c, d: f"loss.name = {c.loss.name!r}",
+        lambda c, d, p: _grpo(p),
+        lambda c, d, p: _named(c, p),
         "use an objective over the data set's rows",
         "its completions are generated and scored in batches of each rank's prompts, not checked bit for bit",
     ),
     _bitwise(
         "a user's objective",
-        lambda c, d: _builtin(c) is None and _own_objective(c),
-        lambda c, d: f"loss.name = {c.loss.name!r} (a plug-in with its own objective)",
+        lambda c, d, p: _user(p) and p.objective is not None,
+        lambda c, d, p: f"{_named(c, p)} (a plug-in with its own objective)",
         "use a (sum, count) loss per row",
         "its terms are its own: whether a grain's gradient is its rows' own is not known",
     ),
     _bitwise(
         "reference store",
-        lambda c, d: _own_objective(c) and c.preference.precompute,
+        lambda c, d, p: p.objective is not None and c.preference.precompute,
         "preference.precompute = true",
         "set preference.precompute = false (the reference then runs per grain)",
         "the store computes the reference per micro-batch, not per grain",
     ),
     _bitwise(
         "pad_to",
-        lambda c, d: bool(c.data.args.get("pad_to")),
-        lambda c, d: f"data.args.pad_to = {c.data.args.get('pad_to')}",
+        lambda c, d, p: bool(c.data.args.get("pad_to")),
+        lambda c, d, p: f"data.args.pad_to = {c.data.args.get('pad_to')}",
         "set data.args.pad_to = 0 (rows of block_size, its default under run.bitwise)",
         "a preference row's width is its micro-batch's longest pair",
     ),
     _bitwise(
         "moe",
-        lambda c, d: gpt_moe(c),
+        lambda c, d, p: gpt_moe(c),
         "model.args.moe",
         "use a dense model",
         "the balance loss's statistics are a sum over the micro-batch's tokens",
     ),
     _bitwise(
         "packing padded",
-        lambda c, d: c.data.args.get("packing") == "padded",
+        lambda c, d, p: c.data.args.get("packing") == "padded",
         "data.args.packing = 'padded'",
         "use data.args.packing = 'documents' (the same losses)",
         "a padded row's width depends on its micro-batch",
@@ -431,12 +411,12 @@ def _vision(cfg: Config) -> bool:
     return bool(cfg.model.hf) and is_vision_dir(cfg.model.hf)
 
 
-def _vision_refusal(feature: str, when: Check, what: str, fix: str, why: str) -> Refusal:
+def _vision_refusal(feature: str, when: RunCheck, what: str, fix: str, why: str) -> Refusal:
     """What issue 57's first slice (image-text SFT on the data-parallel layouts) does not run yet."""
     return Refusal(
         ("vision-language model", feature),
-        lambda c, d: _vision(c) and when(c, d),
-        lambda c, d: f"{what} with an image-text model.hf is not supported yet ({why}); {fix}",
+        lambda c, d, p: _vision(c) and when(c, d, p),
+        lambda c, d, p: f"{what} with an image-text model.hf is not supported yet ({why}); {fix}",
         f"not in the first slice of image-text training (issue 57): {why}",
     )
 
@@ -444,8 +424,7 @@ def _vision_refusal(feature: str, when: Check, what: str, fix: str, why: str) ->
 def refuse_image_estimate(cfg: Config, command: str) -> None:
     """``paratrain plan`` / ``find-batch`` of image-text preference pairs: one line (the estimate's
     probe micro-batches are the widest image rows, batch/measure.py; a pair's are not chosen yet)."""
-    plugin = _builtin(cfg)
-    if _vision(cfg) and plugin is not None and plugin.rows == "pairs":
+    if _vision(cfg) and plugin_of(cfg.loss).rows == "pairs":
         raise ConfigError(
             f"{command} does not estimate image-text preference pairs yet (issue 57: their probe rows are not"
             " chosen by their images); give batch.micro_batch_size as a number and the layout as parallel.* keys"
@@ -456,9 +435,10 @@ def refuse_unpriced_estimate(cfg: Config, command: str) -> None:
     """``paratrain plan`` / ``find-batch`` of a loss the memory estimate does not price: one line,
     as ``batch.micro_batch_size = 'auto'`` of it is refused below (the estimate once ran their step
     anyway and ended in a traceback: a preference pair's count on fake tensors, GRPO's rollout rows)."""
-    if _preference(cfg):
+    plugin = plugin_of(cfg.loss)
+    if _preference(plugin):
         why = "a pair per row, a reference or a teacher"
-    elif _grpo(cfg):
+    elif _grpo(plugin):
         why = "the generation of its completions"
     else:
         return
@@ -472,7 +452,7 @@ VISION_REFUSALS = (
     *(
         _vision_refusal(
             degree,
-            lambda c, d, degree=degree: getattr(d, degree) > 1,
+            lambda c, d, p, degree=degree: getattr(d, degree) > 1,
             f"parallel.{degree} > 1",
             f"set parallel.{degree} = 1 (dp_replicate and dp_shard run it exactly)",
             why,
@@ -485,56 +465,56 @@ VISION_REFUSALS = (
     ),
     _vision_refusal(
         "tp sequence_parallel",
-        lambda c, d: d.tp > 1 and c.parallel.sequence_parallel,
+        lambda c, d, p: d.tp > 1 and c.parallel.sequence_parallel,
         "parallel.sequence_parallel = true",
         "set parallel.sequence_parallel = false (parallel.tp itself runs exactly)",
         "the image features are scattered into the whole sequence, and the language model's plan keeps it replicated",
     ),
     _vision_refusal(
         "lora dropout in the vision tower",
-        lambda c, d: c.model.lora.enabled and c.model.lora.dropout > 0 and c.model.vision != "freeze",
+        lambda c, d, p: c.model.lora.enabled and c.model.lora.dropout > 0 and c.model.vision != "freeze",
         "model.lora.dropout > 0 with adapters in the vision tower (model.vision = 'train')",
         "set model.vision = 'freeze' (adapters in the decoder only) or model.lora.dropout = 0",
         "the keyed dropout masks follow a row's tokens, and the tower's rows are images",
     ),
     _vision_refusal(
         "objectives without image rows",
-        lambda c, d: not (_builtin(c) or users_plugin(c.loss) or Plugin("")).images,
+        lambda c, d, p: not p.images,
         "loss.name other than 'cross_entropy', 'preference' or 'grpo'",
         "use one of them, or a plug-in that declares Plugin(images=True) (docs/objectives.md)",
         "the objective's plug-in does not declare image rows (Plugin.images): distillation and reward models read none yet",
     ),
     _vision_refusal(
         "grpo engine",
-        lambda c, d: _grpo(c) and c.rl.engine != "builtin",
+        lambda c, d, p: _grpo(p) and c.rl.engine != "builtin",
         "rl.engine other than 'builtin'",
         "set rl.engine = 'builtin' (the keyed sampler generates from the images)",
         "the engine interface hands an engine token ids only, not a prompt's images",
     ),
     _vision_refusal(
         "grpo multi-turn",
-        lambda c, d: _grpo(c) and bool(c.rl.environment or c.rl.tools),
+        lambda c, d, p: _grpo(p) and bool(c.rl.environment or c.rl.tools),
         "rl.environment or rl.tools",
         "set rl.environment = '' and rl.tools = [] (single-turn GRPO on images runs)",
         "an episode's later turns are rebuilt from token ids, which do not carry the prompt's images",
     ),
     _vision_refusal(
         "grpo async",
-        lambda c, d: _grpo(c) and c.rl.async_steps > 0,
+        lambda c, d, p: _grpo(p) and c.rl.async_steps > 0,
         "rl.async_steps > 0",
         "set rl.async_steps = 0",
         "the stale rounds' weight copy of an image-text model is not checked yet",
     ),
     _vision_refusal(
         "model.head score",
-        lambda c, d: c.model.head != "lm",
+        lambda c, d, p: c.model.head != "lm",
         "model.head = 'score'",
         "use model.head = 'lm'",
         "no score head on an image-text model",
     ),
     _vision_refusal(
         "compile",
-        lambda c, d: c.train.compile,
+        lambda c, d, p: c.train.compile,
         "train.compile",
         "set train.compile = false",
         "image rows are padded to each micro-batch's longest, and each width compiles again",
@@ -547,27 +527,27 @@ REFUSALS: tuple[Refusal, ...] = (
     *(_over_batch_refusal(degree) for degree in ("pp", "cp", "ep")),
     Refusal(
         ("loss over the global batch", "noise_probe"),
-        lambda c, d: _over_batch(c) and _noise_probe(c),
-        lambda c, d: (
-            f"loss {c.loss.name!r} is over the whole global batch, which {_probe_name(c)}'s per-micro-batch"
+        lambda c, d, p: _over_batch(c, p) and _noise_probe(c),
+        lambda c, d, p: (
+            f"{_named(c, p)} is over the whole global batch, which {_probe_name(c)}'s per-micro-batch"
             " gradient-noise probe does not see; turn it off"
         ),
         "the gradient-noise probe reads a micro-batch's own gradient, which a loss over the whole batch does not have",
     ),
     Refusal(
         ("preference", "noise_probe"),
-        lambda c, d: _preference(c) and _noise_probe(c),
-        lambda c, d: (
-            f"loss.name = {c.loss.name!r} with {_probe_name(c)} is not supported: the gradient-noise probe"
+        lambda c, d, p: _preference(p) and _noise_probe(c),
+        lambda c, d, p: (
+            f"{_named(c, p)} with {_probe_name(c)} is not supported: the gradient-noise probe"
             " runs an item loss; turn it off"
         ),
         "the gradient-noise probe splits a micro-batch's item loss; these losses run a second model",
     ),
     Refusal(
         ("preference", "auto micro-batch"),
-        lambda c, d: _preference(c) and c.batch.micro_batch_size == "auto",
-        lambda c, d: (
-            f"loss.name = {c.loss.name!r} with batch.micro_batch_size = 'auto' is not supported: the estimate"
+        lambda c, d, p: _preference(p) and c.batch.micro_batch_size == "auto",
+        lambda c, d, p: (
+            f"{_named(c, p)} with batch.micro_batch_size = 'auto' is not supported: the estimate"
             " does not price this loss (a pair per row, a reference or a teacher) yet; give batch.micro_batch_size as a number"
         ),
         "the memory estimate does not price these losses (a pair per row, a reference or a teacher) yet",
@@ -576,8 +556,8 @@ REFUSALS: tuple[Refusal, ...] = (
     # The sampler's forwards of one new token cannot be cut along the sequence over the tp ranks.
     Refusal(
         ("grpo", "tp+sp"),
-        lambda c, d: _grpo(c) and d.tp > 1 and c.parallel.sequence_parallel,
-        lambda c, d: (
+        lambda c, d, p: _grpo(p) and d.tp > 1 and c.parallel.sequence_parallel,
+        lambda c, d, p: (
             "loss.name = 'grpo' with parallel.sequence_parallel = true is not supported: the sampler's one-token"
             " forwards cannot be split along the sequence; set parallel.sequence_parallel = false"
         ),
@@ -585,8 +565,8 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("grpo", "batch size adjustment"),
-        lambda c, d: _grpo(c) and (_noise_probe(c) or c.batch.micro_batch_size == "auto"),
-        lambda c, d: (
+        lambda c, d, p: _grpo(p) and (_noise_probe(c) or c.batch.micro_batch_size == "auto"),
+        lambda c, d, p: (
             "loss.name = 'grpo' keeps batch.global_batch_size fixed (a whole number of groups per step) and does not"
             " price generation in the memory estimate; set batch.adaptive = false, optim.lr_scaling other than"
             " 'adascale' and batch.micro_batch_size to a number"
@@ -597,11 +577,11 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         ("fused_optimizer", "dp_shard", "tp", "ep"),
         # optim.py: torch 2.13 runs neither kernel on these layouts' CPU DTensors (mixed lists).
-        lambda c, d: (
+        lambda c, d, p: (
             c.optim.implementation in ("fused", "foreach")
             and (d.fsdp_enabled or d.tp > 1 or (bool(c.model.hf) and d.ep > 1))
         ),
-        lambda c, d: (
+        lambda c, d, p: (
             f"optim.implementation = {c.optim.implementation!r} takes plain tensors only (DDP), and this"
             " layout shards parameters (FSDP2, tp, cp or ep); set optim.implementation = 'auto' or 'for-loop'"
         ),
@@ -610,8 +590,8 @@ REFUSALS: tuple[Refusal, ...] = (
     # The gradient-noise probe reads each rank's gradient after its first micro-batch.
     Refusal(
         ("noise_probe", "pp"),
-        lambda c, d: _noise_probe(c) and d.pp > 1,
-        lambda c, d: (
+        lambda c, d, p: _noise_probe(c) and d.pp > 1,
+        lambda c, d, p: (
             f"{_probe_name(c)} cannot measure the gradient noise across pipeline stages;"
             " set parallel.pp = 1 or turn it off"
         ),
@@ -619,8 +599,8 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("noise_probe", "dp_shard"),
-        lambda c, d: _noise_probe(c) and d.dp_shard > 1,
-        lambda c, d: (
+        lambda c, d, p: _noise_probe(c) and d.dp_shard > 1,
+        lambda c, d, p: (
             f"{_probe_name(c)} needs each rank's own gradient, which FSDP2 (parallel.dp_shard ="
             f" {d.dp_shard}) reduce-scatters or keeps unsharded; use parallel.dp_replicate"
         ),
@@ -628,8 +608,8 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("noise_probe", "fp16"),
-        lambda c, d: _noise_probe(c) and c.precision.dtype == "fp16",
-        lambda c, d: (
+        lambda c, d, p: _noise_probe(c) and c.precision.dtype == "fp16",
+        lambda c, d, p: (
             f"{_probe_name(c)} with precision.dtype = 'fp16' would read loss-scaled gradients;"
             " use precision.dtype = 'bf16'"
         ),
@@ -639,8 +619,8 @@ REFUSALS: tuple[Refusal, ...] = (
     # half of an adapter (a plain module) cannot take (docs/lora.md).
     Refusal(
         ("lora", "tp+sp"),
-        lambda c, d: c.model.lora.enabled and d.tp > 1 and c.parallel.sequence_parallel,
-        lambda c, d: (
+        lambda c, d, p: c.model.lora.enabled and d.tp > 1 and c.parallel.sequence_parallel,
+        lambda c, d, p: (
             "model.lora with parallel.sequence_parallel = true is not supported yet; set"
             " parallel.sequence_parallel = false (tensor parallel itself is supported)"
         ),
@@ -648,16 +628,16 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("ep", "no moe"),
-        lambda c, d: d.ep > 1 and not c.model.hf and not gpt_moe(c),
-        lambda c, d: (
+        lambda c, d, p: d.ep > 1 and not c.model.hf and not gpt_moe(c),
+        lambda c, d, p: (
             "parallel.ep > 1 needs the built-in GPT with a mixture of experts (model.args.moe); set parallel.ep = 1"
         ),
         "expert parallel shards experts; a dense model has none (model.hf checks its own, models/hf/moe.py)",
     ),
     Refusal(
         ("pp", "auto micro-batch"),
-        lambda c, d: d.pp > 1 and c.batch.micro_batch_size == "auto",
-        lambda c, d: (
+        lambda c, d, p: d.pp > 1 and c.batch.micro_batch_size == "auto",
+        lambda c, d, p: (
             "batch.micro_batch_size = 'auto' cannot estimate a pipeline step yet;"
             " set batch.micro_batch_size to a number with parallel.pp > 1"
         ),
@@ -667,8 +647,8 @@ REFUSALS: tuple[Refusal, ...] = (
     # loss's path too.
     Refusal(
         ("moe", "pp zero-bubble"),
-        lambda c, d: gpt_moe(c) and d.pp > 1 and c.parallel.pp_schedule in ZERO_BUBBLE,
-        lambda c, d: (
+        lambda c, d, p: gpt_moe(c) and d.pp > 1 and c.parallel.pp_schedule in ZERO_BUBBLE,
+        lambda c, d, p: (
             f"model.args.moe with parallel.pp_schedule = '{c.parallel.pp_schedule}' is not supported"
             " yet; use 'gpipe', '1f1b', 'interleaved1f1b' or 'looped_bfs'"
         ),
@@ -676,16 +656,16 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ("moe", "noise_probe"),
-        lambda c, d: gpt_moe(c) and _noise_probe(c),
-        lambda c, d: f"model.args.moe with {_probe_name(c)} is not supported yet; turn it off (see docs/moe.md)",
+        lambda c, d, p: gpt_moe(c) and _noise_probe(c),
+        lambda c, d, p: f"model.args.moe with {_probe_name(c)} is not supported yet; turn it off (see docs/moe.md)",
         "not tested together (docs/moe.md)",
     ),
     # A pipeline stage is built for the shapes of the first step's inputs (torch.distributed.
     # pipelining infers them once); padded rows take the width of each batch's longest document.
     Refusal(
         ("pp", "packing padded"),
-        lambda c, d: d.pp > 1 and c.data.args.get("packing") == "padded",
-        lambda c, d: (
+        lambda c, d, p: d.pp > 1 and c.data.args.get("packing") == "padded",
+        lambda c, d, p: (
             "parallel.pp with data.args.packing = 'padded' is not supported: padded rows change"
             " width every batch, a pipeline stage runs one shape; use data.args.packing = 'documents'"
             " (the same losses)"
@@ -697,8 +677,8 @@ REFUSALS: tuple[Refusal, ...] = (
     # weight passes, and the sweep found the gradients wrong (pp zbv x cp ring: 2% at step 1).
     Refusal(
         ("cp", "pp zero-bubble"),
-        lambda c, d: d.cp > 1 and d.pp > 1 and c.parallel.pp_schedule in ZERO_BUBBLE,
-        lambda c, d: (
+        lambda c, d, p: d.cp > 1 and d.pp > 1 and c.parallel.pp_schedule in ZERO_BUBBLE,
+        lambda c, d, p: (
             f"parallel.cp with parallel.pp_schedule = '{c.parallel.pp_schedule}' is not supported yet"
             " (the context-parallel attention's backward is not split into input and weight passes);"
             " use 'gpipe', '1f1b', 'interleaved1f1b' or 'looped_bfs'"
@@ -710,8 +690,8 @@ REFUSALS: tuple[Refusal, ...] = (
     # values hold the DeviceMesh), in a pipeline stage (gpipe, zbv) and without one (world 2, tp 2).
     Refusal(
         ("compile", "tp", "activation_checkpointing full"),
-        lambda c, d: c.train.compile and d.tp > 1 and c.parallel.activation_checkpointing == "full",
-        lambda c, d: (
+        lambda c, d, p: c.train.compile and d.tp > 1 and c.parallel.activation_checkpointing == "full",
+        lambda c, d, p: (
             "train.compile with parallel.tp > 1 and parallel.activation_checkpointing = 'full' is not supported"
             " (torch 2.13 cannot run the compiled blocks' backward there); drop one of them, e.g."
             " parallel.activation_checkpointing = 'selective'"
@@ -722,8 +702,8 @@ REFUSALS: tuple[Refusal, ...] = (
     # width is another compile, and past dynamo's recompile limit the sweep saw a RecursionError.
     Refusal(
         ("compile", "packing padded"),
-        lambda c, d: c.train.compile and c.data.args.get("packing") == "padded",
-        lambda c, d: (
+        lambda c, d, p: c.train.compile and c.data.args.get("packing") == "padded",
+        lambda c, d, p: (
             "train.compile with data.args.packing = 'padded' is not supported: padded rows change width"
             " every micro-batch and each width compiles again; use data.args.packing = 'documents' (the same losses)"
         ),
@@ -733,8 +713,8 @@ REFUSALS: tuple[Refusal, ...] = (
     # long as its batch's longest document, often not a multiple of tp.
     Refusal(
         ("tp+sp", "packing padded"),
-        lambda c, d: d.tp > 1 and c.parallel.sequence_parallel and c.data.args.get("packing") == "padded",
-        lambda c, d: (
+        lambda c, d, p: d.tp > 1 and c.parallel.sequence_parallel and c.data.args.get("packing") == "padded",
+        lambda c, d, p: (
             "parallel.sequence_parallel = true with data.args.packing = 'padded' is not supported:"
             " padded rows take the width of each batch's longest document, which sequence parallel cannot"
             " split evenly; use data.args.packing = 'documents' (the same losses)"
@@ -745,8 +725,8 @@ REFUSALS: tuple[Refusal, ...] = (
     # finds a different sequence of ops when it replays the block and stops the backward.
     Refusal(
         ("ep", "activation_checkpointing selective"),
-        lambda c, d: d.ep > 1 and c.parallel.activation_checkpointing == "selective",
-        lambda c, d: (
+        lambda c, d, p: d.ep > 1 and c.parallel.activation_checkpointing == "selective",
+        lambda c, d, p: (
             "parallel.activation_checkpointing = 'selective' with parallel.ep > 1 is not supported yet;"
             " use parallel.activation_checkpointing = 'full' (or 'none')"
         ),
@@ -765,11 +745,14 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-def check_support(cfg: Config, dims: ParallelDims) -> None:
-    """Raise the first refused combination ``cfg`` meets (ConfigError, one line with the fix)."""
+def check_support(cfg: Config, dims: ParallelDims, plugin: Plugin | None = None) -> None:
+    """Raise the first refused combination ``cfg`` meets (ConfigError, one line with the fix).
+    ``plugin``: the run's plug-in (preflight.check_run resolves it once, from loss.name or the
+    loss passed to train()); by default the one loss.name names."""
+    plugin = plugin or plugin_of(cfg.loss)
     for refusal in REFUSALS:
-        if refusal.when(cfg, dims):
-            raise ConfigError(refusal.message(cfg, dims))
+        if refusal.when(cfg, dims, plugin):
+            raise ConfigError(refusal.message(cfg, dims, plugin))
 
 
 def render_support() -> str:
