@@ -98,6 +98,12 @@ def _plugin(name: str) -> Plugin:
         # rows read a built-in's flag only).
         ("flags:unpriced", ["batch.micro_batch_size='auto'"], "{loss} with batch.micro_batch_size = 'auto'"),
         ("flags:unpriced", ["batch.adaptive=true"], "{loss} with batch.adaptive = true is not supported"),
+        # Any objective of its own, named or passed: the probe stopped in AttributeError ... 'loss_fn'.
+        (
+            "sample_nll:plugin",
+            ["batch.adaptive=true"],
+            "{loss} (a plug-in with its own objective) with batch.adaptive = true is not supported",
+        ),
     ],
 )
 def test_a_plugin_passed_to_train_meets_the_refusals_of_its_flags_as_when_named(name, sets, line):

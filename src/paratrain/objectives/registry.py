@@ -287,12 +287,6 @@ def builtin_of(cfg: LossConfig) -> Plugin | None:
     return BUILTIN.get(cfg.name)
 
 
-def users_plugin(cfg: LossConfig) -> Plugin | None:
-    """The user's plug-in or function ``loss.name = 'package.module:name'`` names (imported as the
-    run would), or None for a built-in."""
-    return None if cfg.name in BUILTIN or ":" not in cfg.name else plugin_of(cfg)
-
-
 def build_loss(cfg: LossConfig, fn: Callable | None = None) -> Loss:
     """The run's :class:`~paratrain.loss.Loss` (its count, and its function for a ``(sum, count)``
     loss); ``fn``: a loss function passed to ``train()``, which then takes ``loss.name``'s place."""
@@ -322,4 +316,4 @@ def own_objective(cfg: Config, loss_fn: Loss, *, dp_group=None, cp=None) -> Obje
     return plugin.objective(cfg, dp_group=dp_group, cp=cp)
 
 
-__all__ = ["BUILTIN", "Plugin", "build_loss", "builtin_of", "check_known", "own_objective", "plugin_of", "users_plugin"]
+__all__ = ["BUILTIN", "Plugin", "build_loss", "builtin_of", "check_known", "own_objective", "plugin_of"]

@@ -543,6 +543,17 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         "the gradient-noise probe splits a micro-batch's item loss; these losses run a second model",
     ),
+    # Its objective computes its own terms: no item loss for the probe to split (it stopped in
+    # AttributeError: 'SampleNLL' object has no attribute 'loss_fn', named or passed alike).
+    Refusal(
+        ("a user's objective", "noise_probe"),
+        lambda c, d, p: _user(p) and p.objective is not None and _noise_probe(c),
+        lambda c, d, p: (
+            f"{_named(c, p)} (a plug-in with its own objective) with {_probe_name(c)} is not supported: the"
+            " gradient-noise probe runs an item loss; turn it off"
+        ),
+        "the gradient-noise probe splits a micro-batch's item loss; an objective computes its own terms",
+    ),
     Refusal(
         ("preference", "auto micro-batch"),
         lambda c, d, p: _preference(p) and c.batch.micro_batch_size == "auto",
