@@ -657,7 +657,7 @@ def check_pairs(cfg: Config, dataset, plugin: Plugin) -> None:
     # said here, before the model is built, and in the direction that is wrong (the step's own
     # check, objectives/preference.py, spoke of an unpaired corpus when the corpus held pairs).
     unpaired = bool(getattr(dataset, "labels", False))
-    kto = cfg.loss.name == "preference" and cfg.preference.loss_type == "kto"
+    kto = plugin.unpaired(cfg)
     if unpaired and not kto:
         raise ConfigError(
             "data.args.path is an unpaired corpus (prepare --format unpaired: an example and its label per row),"

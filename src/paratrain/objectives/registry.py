@@ -58,7 +58,7 @@ from paratrain.objectives.base import Objective
 # (tests/e2e/test_startup.py).
 
 
-def _never(cfg: LossConfig) -> bool:
+def _never(cfg) -> bool:
     return False
 
 
@@ -126,6 +126,9 @@ class Plugin:
     # batch's pixel values to the model (ImageTextBatch). False: refused with an image-text
     # model.hf, in the support matrix's vision rows.
     images: bool = False
+    # unpaired(cfg): the run trains on KTO's unpaired rows (an example and its label per row,
+    # data/preference.py ``labels``) rather than pairs; read where the corpus is checked.
+    unpaired: Callable[[Config], bool] = field(default=_never)
     builtin: bool = True
 
 
@@ -206,6 +209,7 @@ BUILTIN: dict[str, Plugin] = {
             reference="preference.reference",
             pipeline=True,
             images=True,  # DPO and its per-pair variants, KTO, the reference store (issue 57)
+            unpaired=lambda cfg: cfg.preference.loss_type == "kto",
         ),
         Plugin(
             "reward",
